@@ -1,0 +1,43 @@
+# Two commands do all the set-up on a fresh Debian 12 machine (as root):
+#   make demo   - virtual environment, hpcdist, then the smoke job on the local site
+#   make test   - the above plus Debian packages and the local Slurm cluster, then the suite
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.hpcdist-installed
+PYTEST ?= -q
+
+.PHONY: demo test install system-deps cluster-up cluster-down lint clean
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# torch is pinned here (the CPU wheel on disk); the package itself asks for a range.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[mpi,dev]'
+	touch $@
+
+system-deps:
+	bash cluster/install-deps.sh
+
+install: system-deps $(STAMP)
+
+demo: install
+	$(VENV)/bin/hpcdist submit jobs/smoke.yaml --site local --wait
+
+cluster-up: system-deps
+	bash cluster/up.sh
+
+cluster-down:
+	bash cluster/down.sh
+
+test: install cluster-up
+	$(PY) -m pytest $(PYTEST) tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check hpcdist tests
+	$(VENV)/bin/mypy hpcdist
+
+clean:
+	rm -rf hpcdist-out

@@ -1,0 +1,167 @@
+"""The ``hpcdist`` command: render, submit, status, env, sites.
+
+The only module that imports both sides of the flow. Every ``HpcdistError`` is printed as one
+line and the exit code is non-zero; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hpcdist import __version__
+from hpcdist.errors import HpcdistError
+
+Command = Callable[[argparse.Namespace], int]
+_COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str) -> Callable[[Command], Command]:
+    def deco(fn: Command) -> Command:
+        if name in _COMMANDS:
+            raise ValueError(f"command {name!r} registered twice")
+        _COMMANDS[name] = fn
+        return fn
+
+    return deco
+
+
+def _split_sets(sets: Sequence[str]) -> tuple[list[str], list[str]]:
+    """`--set site.KEY=V` goes to the site config, any other `--set KEY=V` to the job spec."""
+    site = [s.removeprefix("site.") for s in sets if s.startswith("site.")]
+    job = [s for s in sets if not s.startswith("site.")]
+    return site, job
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    from hpcdist.config import load_site, load_spec
+    from hpcdist.render import Origin
+
+    site_sets, job_sets = _split_sets(args.sets)
+    site = load_site(args.site, site_sets)
+    spec = load_spec(args.job, site, job_sets)
+    origin = Origin(args.job, args.site or site.name, tuple(args.sets))
+    return spec, site, origin
+
+
+@command("render")
+def cmd_render(args: argparse.Namespace) -> int:
+    from hpcdist.render import render
+
+    spec, site, origin = _load(args)
+    sys.stdout.write(render(spec, site, origin))
+    return 0
+
+
+@command("submit")
+def cmd_submit(args: argparse.Namespace) -> int:
+    from hpcdist import submit as sub
+
+    spec, site, origin = _load(args)
+    t0 = time.perf_counter()
+    submission = sub.submit(spec, site, origin)
+    took = time.perf_counter() - t0
+    out, err = submission.log_paths
+    print(f"submitted job {submission.job_id} ({spec.name}, kind {spec.kind}) to site {site.name} in {took:.2f} s")
+    print(f"  logs:   {out}")
+    print(f"          {err}")
+    print(f"  result: {submission.result_path}")
+    if not args.wait:
+        return 0
+    outcomes = sub.wait(submission, timeout_s=args.wait_timeout)
+    state = submission.job.state
+    failed = [o for o in outcomes if not o.ok]
+    print(f"job {submission.job_id} finished: {state}; {len(outcomes) - len(failed)}/{len(outcomes)} ranks succeeded")
+    for o in outcomes:
+        if o.ok:
+            shown = {k: v for k, v in o.summary.items() if k not in ("rank", "timings")}
+            print(f"  rank {o.rank}: ok {json.dumps(shown, default=str)}")
+        else:
+            print(f"  rank {o.rank}: FAILED {o.error}")
+    return 1 if failed else 0
+
+
+@command("status")
+def cmd_status(args: argparse.Namespace) -> int:
+    from hpcdist.submit import status
+
+    for row in status(args.job_id):
+        print(f"{row.job_id}\t{row.name}\t{row.state}\texit {row.exit_code}\telapsed {row.elapsed}\tnodes {row.nodes}")
+    return 0
+
+
+@command("env")
+def cmd_env(args: argparse.Namespace) -> int:
+    from hpcdist.runtime.doctor import describe
+
+    print(describe(dict(os.environ)))
+    return 0
+
+
+@command("sites")
+def cmd_sites(args: argparse.Namespace) -> int:
+    from hpcdist.config import find_site, load_site, site_names
+
+    for name in site_names():
+        site = load_site(name)
+        parts = ", ".join(
+            f"{p}: {v.nodes}x{v.gpus_per_node} GPU" if v.gpus_per_node else f"{p}: {v.nodes} nodes"
+            for p, v in site.partitions.items()
+        )
+        print(f"{name:<16} {site.scheduler:<6} {parts}   ({find_site(name)})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hpcdist", description="Distributed PyTorch jobs on Slurm clusters.")
+    parser.add_argument("--version", action="version", version=f"hpcdist {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    subs = parser.add_subparsers(dest="command", required=True)
+
+    def job_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("job", help="job spec YAML, e.g. jobs/smoke.yaml")
+        p.add_argument("--site", default=None, help="site name or YAML (default: $HPCDIST_SITE or local)")
+        p.add_argument(
+            "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+            help="override a job key (resources.nodes=2) or a site key (site.launcher.kind=mpirun)",
+        )
+
+    job_args(subs.add_parser("render", help="print the job script that submit would submit"))
+    p = subs.add_parser("submit", help="submit a job through submitit")
+    job_args(p)
+    p.add_argument("--wait", action="store_true", help="wait for the job and print its summary")
+    p.add_argument("--wait-timeout", type=float, default=None, help="give up waiting after this many seconds")
+    p = subs.add_parser("status", help="a job's state from Slurm")
+    p.add_argument("job_id")
+    subs.add_parser("env", help="what the bootstrap sees on this node")
+    subs.add_parser("sites", help="list known site configs")
+    for extra in _EXTRA_PARSERS:
+        extra(subs)
+    return parser
+
+
+# Later stages (report, data) add their subcommands here.
+_EXTRA_PARSERS: list[Callable[[Any], None]] = []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except HpcdistError as exc:
+        if args.debug:
+            raise
+        print(f"hpcdist: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""Loading site configs and job specs: YAML (safe_load only), overrides, and clear errors.
+
+Every problem becomes one ``ConfigError`` naming the file, the key path, the value seen, and
+what is allowed, so a user fixes the file without reading a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from hpcdist._paths import data_dir
+from hpcdist.config.site import Site
+from hpcdist.config.spec import JobSpec, fit_to_site
+from hpcdist.errors import ConfigError
+
+__all__ = ["Site", "JobSpec", "load_site", "load_spec", "find_site", "apply_overrides", "site_names"]
+
+DEFAULT_SITE = "local"
+
+
+def site_search_path() -> list[Path]:
+    """Where `--site NAME` looks: $HPCDIST_SITE_PATH, ./site_configs, then the shipped sites."""
+    dirs = [Path(p) for p in os.environ.get("HPCDIST_SITE_PATH", "").split(os.pathsep) if p]
+    return [*dirs, Path.cwd() / "site_configs", data_dir("site_configs")]
+
+
+def site_names() -> list[str]:
+    names = {p.stem for d in site_search_path() if d.is_dir() for p in d.glob("*.yaml")}
+    return sorted(names)
+
+
+def find_site(name_or_path: str | None) -> Path:
+    """The file for a site name (`local-slurm`) or path (`my/site.yaml`)."""
+    name = name_or_path or os.environ.get("HPCDIST_SITE") or DEFAULT_SITE
+    if name.endswith((".yaml", ".yml")) or os.sep in name:
+        path = Path(name)
+        if not path.is_file():
+            raise ConfigError(f"site config {name!r} does not exist; pass a site name or a YAML file")
+        return path
+    for d in site_search_path():
+        candidate = d / f"{name}.yaml"
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(
+        f"unknown site {name!r}; known sites: {', '.join(site_names())} "
+        f"(or pass a path to a site YAML, or add a directory to HPCDIST_SITE_PATH)"
+    )
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """A YAML mapping from `path`, read with safe_load: tags such as !!python/object are refused."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(
+            f"{path}:{where}: not valid YAML ({problem}); only plain YAML is accepted "
+            f"(no !!python tags)"
+        ) from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys at the top, got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str], origin: str) -> dict[str, Any]:
+    """`key.path=value` strings applied to a nested mapping; values are parsed as YAML scalars."""
+    out = _deepcopy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected KEY.PATH=VALUE, e.g. resources.nodes=2")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {item!r}: value is not valid YAML") from exc
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {item!r}: {origin} key {part!r} is not a mapping")
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def load_site(name_or_path: str | None = None, overrides: list[str] | None = None) -> Site:
+    path = find_site(name_or_path)
+    data = apply_overrides(read_yaml(path), overrides or [], "site")
+    return validate(Site, data, path)
+
+
+def load_spec(
+    path: str | Path, site: Site, overrides: list[str] | None = None
+) -> JobSpec:
+    """A job spec validated on its own, then its params by the job kind, then against `site`."""
+    from hpcdist.jobs.registry import get_kind, kind_names
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"job spec {str(path)!r} does not exist")
+    data = apply_overrides(read_yaml(path), overrides or [], "job")
+    spec = validate(JobSpec, data, path)
+    try:
+        kind = get_kind(spec.kind)
+    except KeyError:
+        raise ConfigError(
+            f"{path}: kind: unknown job kind {spec.kind!r}; known kinds: {', '.join(kind_names())}"
+        ) from None
+    validate(kind.params, spec.params, path, prefix=("params",))
+    problems = fit_to_site(spec, site)
+    for key, value, allowed in problems:
+        raise ConfigError(f"{path}: {key}: {value!r} is not possible on site {site.name!r}; allowed: {allowed}")
+    if kind.check is not None:
+        for key, value, allowed in kind.check(spec, site):
+            raise ConfigError(f"{path}: {key}: {value!r} cannot run on site {site.name!r}; {allowed}")
+    return spec
+
+
+M = typing.TypeVar("M", bound=BaseModel)
+
+
+def validate(model: type[M], data: object, path: Path | str, prefix: tuple[str, ...] = ()) -> M:
+    """`data` as a `model`, or one ConfigError naming the file and each bad key path."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        lines = [_describe(model, err, prefix) for err in exc.errors()]
+        raise ConfigError(f"{path}: " + "; ".join(lines)) from None
+
+
+def _describe(model: type[BaseModel], err: Any, prefix: tuple[str, ...]) -> str:
+    loc = tuple(str(p) for p in err["loc"])
+    key = ".".join(prefix + loc) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        allowed = _fields_at(model, loc[:-1])
+        hint = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
+        return f"{key}: unknown key{hint}"
+    if err["type"] == "missing":
+        return f"{key}: required key is missing"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{key}: {msg} (got {err.get('input')!r})"
+
+
+def _fields_at(model: type[BaseModel], loc: tuple[str, ...]) -> list[str]:
+    """Field names of the model reached by walking `loc` from `model` (dict keys are names)."""
+    current: Any = model
+    for part in loc:
+        if typing.get_origin(current) is dict:
+            current = typing.get_args(current)[1]
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return []
+        field = current.model_fields.get(part)
+        if field is None:
+            return []
+        current = field.annotation
+        if typing.get_origin(current) is not dict:
+            models = [a for a in typing.get_args(current) if isinstance(a, type) and issubclass(a, BaseModel)]
+            current = models[0] if models else current
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return sorted(current.model_fields)
+    return []
+
+
+def _deepcopy(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deepcopy(v) if isinstance(v, dict) else v for k, v in data.items()}

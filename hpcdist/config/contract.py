@@ -1,0 +1,4 @@
+"""Names shared by the job script (render side) and the ranks (runtime side)."""
+
+LAUNCH_TIME_VAR = "HPCDIST_LAUNCH_TIME"  # epoch seconds, exported just before the launcher runs
+FAULT_EXIT_VAR = "HPCDIST_FAULT_EXIT_RANK"  # for fault tests: this rank exits before joining

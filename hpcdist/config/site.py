@@ -1,0 +1,156 @@
+"""The site config: one YAML file per cluster, validated into frozen models, one per section.
+
+A site is described once by whoever knows the cluster (partitions, launcher, network, storage,
+baselines) and then used by every job. Unknown keys are errors, so a typo never silently falls
+back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Environment variable names a site may export; anything else is almost certainly a typo.
+_ENV_NAME_CHARS = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
+
+
+class Frozen(BaseModel):
+    """Base of every config model: immutable, and unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Partition(Frozen):
+    """One Slurm partition (or the single 'partition' of the local site)."""
+
+    nodes: int = Field(ge=1, description="nodes in the partition")
+    cpus_per_node: int = Field(ge=1)
+    mem_gb: float | None = Field(default=None, gt=0)
+    gpus_per_node: int = Field(default=0, ge=0)
+    gpu_type: str | None = None
+    max_time_min: int = Field(default=60, ge=1)
+
+
+class Launcher(Frozen):
+    """How the job script starts one process per rank."""
+
+    kind: Literal["srun", "mpirun", "torchrun", "local"] = "srun"
+    args: tuple[str, ...] = ()
+
+
+class Baselines(Frozen):
+    """Figures this site is expected to reach; benchmarks compare against them."""
+
+    min_busbw_gbps: dict[str, float] = Field(
+        default_factory=dict, description="minimum bus bandwidth per collective (GB/s)"
+    )
+    min_p2p_gbps: float | None = Field(default=None, ge=0)
+    expected_busbw_gbps: dict[str, float] = Field(default_factory=dict)
+    expected_p2p_gbps: float | None = Field(default=None, ge=0)
+
+
+class Network(Frozen):
+    """The interconnect as the site's users know it."""
+
+    ib_hcas: tuple[str, ...] = ()
+    link_rate_gbps: float | None = Field(default=None, gt=0, description="per-port link rate, Gb/s")
+    socket_ifname: str | None = None
+
+
+class Storage(Frozen):
+    """Roots on shared storage, visible from the login node and every compute node."""
+
+    results: Path
+    checkpoints: Path
+    scratch: Path
+    logs: Path
+
+    @field_validator("results", "checkpoints", "scratch", "logs", mode="before")
+    @classmethod
+    def _expand(cls, value: object) -> object:
+        """`~` and `$VARS` are expanded and relative paths made absolute at load time."""
+        if isinstance(value, str):
+            return Path(os.path.expandvars(os.path.expanduser(value))).absolute()
+        return value
+
+
+class Preemption(Frozen):
+    """How the scheduler warns a job before killing it, and how often it may come back."""
+
+    signal: Literal["USR1", "USR2", "TERM", "INT", "HUP"] = "USR2"
+    seconds_before_end: int = Field(default=120, ge=0)
+    max_requeues: int = Field(default=3, ge=0)
+
+
+class Defaults(Frozen):
+    """Per-job defaults a job spec may override."""
+
+    time_min: int = Field(default=30, ge=1)
+    timeout_s: float = Field(default=300.0, gt=0, description="process-group and rendezvous timeout")
+    partition: str | None = None
+
+
+class Site(Frozen):
+    """A whole cluster: where jobs run and how they are started."""
+
+    name: str = Field(min_length=1)
+    scheduler: Literal["slurm", "local"]
+    partitions: dict[str, Partition]
+    account: str | None = None
+    qos: str | None = None
+    modules: tuple[str, ...] = ()
+    setup: tuple[str, ...] = Field(default=(), description="shell lines run before the launch")
+    env: dict[str, str] = Field(default_factory=dict)
+    sbatch: dict[str, str] = Field(default_factory=dict, description="extra #SBATCH flags")
+    launcher: Launcher = Launcher()
+    network: Network = Network()
+    storage: Storage
+    preemption: Preemption = Preemption()
+    defaults: Defaults = Defaults()
+    baselines: Baselines = Baselines()
+    python: str | None = Field(default=None, description="interpreter on the nodes")
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_as_strings(cls, value: object) -> object:
+        """YAML turns `OMP_NUM_THREADS: 1` into an int; the environment only holds strings."""
+        if isinstance(value, dict):
+            return {k: v if isinstance(v, str) else _yaml_scalar(v) for k, v in value.items()}
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if not key or not set(key) <= _ENV_NAME_CHARS or key[0].isdigit():
+                raise ValueError(f"{key!r} is not a valid environment variable name")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Site:
+        if not self.partitions:
+            raise ValueError("a site needs at least one partition")
+        if self.defaults.partition is not None and self.defaults.partition not in self.partitions:
+            raise ValueError(
+                f"defaults.partition {self.defaults.partition!r} is not one of the partitions "
+                f"{sorted(self.partitions)}"
+            )
+        if self.scheduler == "local" and self.launcher.kind != "local":
+            raise ValueError(f"a local site uses launcher.kind 'local', not {self.launcher.kind!r}")
+        if self.scheduler == "slurm" and self.launcher.kind == "local":
+            raise ValueError("a slurm site needs launcher.kind srun, mpirun or torchrun")
+        return self
+
+    def partition(self, name: str | None) -> tuple[str, Partition]:
+        """The named partition, or the site's default (first listed if none is set)."""
+        chosen = name or self.defaults.partition or next(iter(self.partitions))
+        return chosen, self.partitions[chosen]
+
+
+def _yaml_scalar(value: object) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)

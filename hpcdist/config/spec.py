@@ -1,0 +1,114 @@
+"""The job spec: what to run (a registered job kind and its parameters) and on how much.
+
+A spec is checked twice at load time: on its own (types, ranges, unknown keys) and against the
+site it will run on (partition exists, enough nodes and GPUs, one rank per GPU).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from hpcdist.config.site import Frozen, Site, _yaml_scalar
+
+
+class Resources(Frozen):
+    """What the job asks the scheduler for."""
+
+    partition: str | None = None
+    nodes: int = Field(default=1, ge=1)
+    tasks_per_node: int = Field(default=1, ge=1)
+    gpus_per_node: int = Field(default=0, ge=0)
+    cpus_per_task: int = Field(default=1, ge=1)
+    mem_gb: float | None = Field(default=None, gt=0)
+    time_min: int | None = Field(default=None, ge=1)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+class JobSpec(Frozen):
+    """One job: a kind from the registry, its parameters, and its resources."""
+
+    name: str = Field(min_length=1, max_length=128)
+    kind: str
+    resources: Resources = Resources()
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    timeout_s: float | None = Field(default=None, gt=0)
+    env: dict[str, str] = Field(default_factory=dict)
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_as_strings(cls, value: object) -> object:
+        if isinstance(value, dict):
+            return {k: v if isinstance(v, str) else _yaml_scalar(v) for k, v in value.items()}
+        return value
+
+    def timeout(self, site: Site) -> float:
+        """Seconds any rendezvous or collective may wait before it fails."""
+        return self.timeout_s if self.timeout_s is not None else site.defaults.timeout_s
+
+    def time_limit_min(self, site: Site) -> int:
+        return self.resources.time_min or site.defaults.time_min
+
+    def result_path(self, site: Site, job_id: str, suffix: str = "") -> Path:
+        """``<results root>/<job name>/<job id><suffix>.h5``: where the job's result lands."""
+        return site.storage.results / self.name / f"{job_id}{suffix}.h5"
+
+    def typed_params(self) -> BaseModel:
+        """The params validated by the job kind's own model."""
+        from hpcdist.jobs.registry import get_kind
+
+        return get_kind(self.kind).params.model_validate(self.params)
+
+
+def fit_to_site(spec: JobSpec, site: Site) -> list[tuple[str, object, str]]:
+    """Problems that make `spec` impossible on `site`, as (key path, value, what is allowed)."""
+    problems: list[tuple[str, object, str]] = []
+    res = spec.resources
+    if res.partition is not None and res.partition not in site.partitions:
+        problems.append(
+            ("resources.partition", res.partition, f"one of {sorted(site.partitions)} on site {site.name!r}")
+        )
+        return problems
+    pname, part = site.partition(res.partition)
+    if res.nodes > part.nodes:
+        problems.append(("resources.nodes", res.nodes, f"at most {part.nodes} on partition {pname!r}"))
+    if res.gpus_per_node > part.gpus_per_node:
+        problems.append(
+            (
+                "resources.gpus_per_node",
+                res.gpus_per_node,
+                f"at most {part.gpus_per_node} on partition {pname!r}",
+            )
+        )
+    elif res.gpus_per_node and res.tasks_per_node != res.gpus_per_node:
+        problems.append(
+            (
+                "resources.tasks_per_node",
+                res.tasks_per_node,
+                f"{res.gpus_per_node} (one rank per GPU, as gpus_per_node={res.gpus_per_node})",
+            )
+        )
+    if res.tasks_per_node * res.cpus_per_task > part.cpus_per_node and site.scheduler == "slurm":
+        problems.append(
+            (
+                "resources.tasks_per_node",
+                res.tasks_per_node,
+                f"tasks_per_node x cpus_per_task <= {part.cpus_per_node} CPUs on partition {pname!r}",
+            )
+        )
+    if part.mem_gb is not None and res.mem_gb is not None and res.mem_gb > part.mem_gb:
+        problems.append(("resources.mem_gb", res.mem_gb, f"at most {part.mem_gb} on partition {pname!r}"))
+    limit = spec.time_limit_min(site)
+    if limit > part.max_time_min:
+        problems.append(
+            ("resources.time_min", limit, f"at most {part.max_time_min} min on partition {pname!r}")
+        )
+    if spec.backend == "nccl" and res.gpus_per_node == 0:
+        problems.append(("backend", "nccl", "gloo or auto when the job asks for no GPUs"))
+    return problems

@@ -1,0 +1,37 @@
+"""One error base for hpcdist and one subclass per stage of a job's flow.
+
+The CLI prints any ``HpcdistError`` as one line (no traceback unless ``--debug``) and exits
+non-zero, so every message says what was wrong, the value seen, and what to do.
+"""
+
+
+class HpcdistError(Exception):
+    """Base of every error hpcdist raises on purpose."""
+
+
+class ConfigError(HpcdistError):
+    """A site config or job spec is malformed, unknown or impossible."""
+
+
+class RenderError(HpcdistError):
+    """A job script cannot be rendered safely (e.g. a control character in a value)."""
+
+
+class SubmitError(HpcdistError):
+    """The scheduler refused the job, or its lifecycle could not be followed."""
+
+
+class BootstrapError(HpcdistError):
+    """Ranks could not be formed into a process group (missing rank, bad launch)."""
+
+
+class JobError(HpcdistError):
+    """A workload failed for a reason it can name (bad data, bad parameter at run time)."""
+
+
+class CheckpointError(HpcdistError):
+    """A checkpoint could not be written, found, or verified."""
+
+
+class BenchmarkError(HpcdistError):
+    """A benchmark cannot run as asked, or its result is below the site's minimum."""

@@ -1,0 +1,70 @@
+"""The smoke job: every rank joins, all-reduces its rank, checks the sum; rank 0 writes a result.
+
+It is the first job a new user runs and the one the tests launch through every launcher, so it
+also records the bootstrap timings and, when asked, checks MPI through mpi4py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hpcdist.errors import JobError
+from hpcdist.jobs.registry import JobKind, register
+
+if TYPE_CHECKING:
+    from hpcdist.runtime.context import JobContext
+
+
+class SmokeParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mpi: bool = Field(default=False, description="also all-reduce through mpi4py")
+
+
+def run(ctx: JobContext, params: SmokeParams) -> dict[str, Any]:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from hpcdist.results import result_file, write_table
+
+    value = torch.tensor([float(ctx.rank)], device=ctx.device)
+    dist.all_reduce(value)
+    expected = ctx.world_size * (ctx.world_size - 1) / 2
+    if value.item() != expected:
+        raise JobError(f"all_reduce of ranks gave {value.item()}, expected {expected}")
+    mpi_sum = None
+    if params.mpi:
+        from mpi4py import MPI
+
+        mpi_sum = ctx.mpi_comm.allreduce(ctx.rank, op=MPI.SUM)
+        if mpi_sum != expected:
+            raise JobError(f"MPI allreduce of ranks gave {mpi_sum}, expected {expected}")
+    timings: list[dict[str, float]] = [{}] * ctx.world_size
+    dist.all_gather_object(timings, ctx.timings)
+    out: dict[str, Any] = {"sum": value.item(), "mpi_sum": mpi_sum}
+    if ctx.is_main:
+        path = ctx.result_path()
+        with result_file(path, ctx.run_attrs()) as f:
+            f.attrs["sum"] = value.item()
+            f.attrs["expected_sum"] = expected
+            f.attrs["mpi_sum"] = -1 if mpi_sum is None else mpi_sum
+            names = sorted({k for t in timings for k in t})
+            cols: dict[str, Any] = {"rank": np.arange(ctx.world_size), "host": list(ctx.hosts)}
+            cols.update({f"{n}_s": np.array([t.get(n, np.nan) for t in timings]) for n in names})
+            write_table(f, "bootstrap", cols)
+        out["result"] = str(path)
+    return out
+
+
+register(
+    JobKind(
+        name="smoke",
+        params=SmokeParams,
+        runner="hpcdist.jobs.smoke:run",
+        summary="all-reduce of the ranks, checked; writes bootstrap timings",
+        uses_mpi=lambda params: bool(params.mpi),
+    )
+)

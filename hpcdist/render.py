@@ -1,0 +1,234 @@
+"""Rendering: (job spec, site) -> the exact sbatch script ``submit`` hands to submitit.
+
+A pure function: no I/O but reading the template, no subprocess. Every value reaching the
+shell goes through one choke point, the Jinja2 ``finalize`` hook, which shell-quotes it;
+pieces that are shell by design (site setup lines, the launch line built here from quoted
+parts) are marked ``Shell``. Any value with a control character is refused first, with its key
+path: ``shlex.quote`` cannot make a newline safe inside a ``#SBATCH`` comment line.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from hpcdist import __version__
+from hpcdist._paths import data_dir
+from hpcdist.config.contract import LAUNCH_TIME_VAR
+from hpcdist.config.site import Site
+from hpcdist.config.spec import JobSpec
+from hpcdist.errors import RenderError
+
+TEMPLATE = "sbatch.sh.j2"
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_FLAG = re.compile(r"^[a-z][a-z0-9-]*$")
+
+
+class Shell(str):
+    """Text that is shell on purpose and must not be quoted (it is still checked)."""
+
+
+@dataclass(frozen=True)
+class Origin:
+    """How the user asked for this script, for the header's reproduce line."""
+
+    job_path: str
+    site_ref: str
+    overrides: tuple[str, ...] = ()
+
+    def command(self, verb: str = "submit") -> str:
+        parts = ["hpcdist", verb, self.job_path, "--site", self.site_ref]
+        for item in self.overrides:
+            parts += ["--set", item]
+        return shlex.join(parts)
+
+
+def check_controls(value: Any, where: str) -> None:
+    """Refuse control characters anywhere in a (nested) value, naming the key path."""
+    if isinstance(value, str):
+        match = _CONTROL.search(value)
+        if match:
+            raise RenderError(
+                f"{where}: {value!r} contains the control character {match.group()!r}; "
+                f"newlines and control characters cannot be put in a job script safely, remove it"
+            )
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_controls(str(k), f"{where}.{k} (key)")
+            check_controls(v, f"{where}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_controls(v, f"{where}[{i}]")
+
+
+def _finalize(value: Any) -> str:
+    """The quoting choke point: every `{{ }}` in the template passes here."""
+    text = "" if value is None else str(value)
+    check_controls(text, "template value")
+    if isinstance(value, Shell):
+        return text
+    return shlex.quote(text)
+
+
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(data_dir("templates"))),
+        undefined=jinja2.StrictUndefined,
+        finalize=_finalize,
+        autoescape=False,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+
+
+def submitit_folder(spec: JobSpec, site: Site) -> Path:
+    """Where submitit keeps this job's pickles and logs (``%j`` is the job id)."""
+    return site.storage.logs / spec.name / "%j"
+
+
+def log_paths(folder: Path) -> tuple[str, str]:
+    """submitit's per-task stdout/stderr patterns (``%j`` job id, ``%t`` task)."""
+    return str(folder / "%j_%t_log.out"), str(folder / "%j_%t_log.err")
+
+
+def python_for(site: Site) -> str:
+    return site.python or sys.executable
+
+
+def directives(spec: JobSpec, site: Site, folder: Path) -> list[tuple[str, Any]]:
+    """The #SBATCH flags, in a fixed order; site extras last."""
+    res = spec.resources
+    partition, _ = site.partition(res.partition)
+    out_pattern, err_pattern = log_paths(folder)
+    flags: list[tuple[str, Any]] = [
+        ("job-name", spec.name),
+        ("partition", partition),
+        ("nodes", res.nodes),
+        ("ntasks-per-node", res.tasks_per_node),
+        ("cpus-per-task", res.cpus_per_task),
+    ]
+    if res.gpus_per_node:
+        flags.append(("gpus-per-node", res.gpus_per_node))
+    if res.mem_gb is not None:
+        flags.append(("mem", f"{int(res.mem_gb * 1024)}M"))
+    flags.append(("time", spec.time_limit_min(site)))
+    if site.account:
+        flags.append(("account", site.account))
+    if site.qos:
+        flags.append(("qos", site.qos))
+    flags += [
+        ("output", out_pattern.replace("%t", "0")),
+        ("error", err_pattern.replace("%t", "0")),
+        ("open-mode", "append"),
+        ("signal", f"{site.preemption.signal}@{site.preemption.seconds_before_end}"),
+        ("requeue", True),
+    ]
+    flags += sorted(site.sbatch.items())
+    for flag, _ in flags:
+        if not _FLAG.match(flag):
+            raise RenderError(f"sbatch flag {flag!r} is not a valid option name (lowercase letters, digits, '-')")
+    return flags
+
+
+def launch_line(spec: JobSpec, site: Site, folder: Path) -> str:
+    """The command that starts one process per rank, each running submitit's task runner."""
+    python = shlex.quote(python_for(site))
+    args = " ".join(shlex.quote(a) for a in site.launcher.args)
+    q_folder = shlex.quote(str(folder))
+    out_pattern, err_pattern = log_paths(folder)
+    srun_io = f"--unbuffered --output {shlex.quote(out_pattern)} --error {shlex.quote(err_pattern)}"
+    kind = site.launcher.kind
+    if kind == "srun":
+        return f"srun {srun_io} {args} {python} -u -m submitit.core._submit {q_folder}"
+    if kind == "mpirun":
+        tpn = spec.resources.tasks_per_node
+        return (
+            f'mpirun -np "$SLURM_NTASKS" --map-by ppr:{tpn}:node {args} '
+            f"{python} -u -m hpcdist.runtime.shim {q_folder}"
+        )
+    if kind == "torchrun":
+        tpn = spec.resources.tasks_per_node
+        return (
+            f"srun {srun_io} --ntasks-per-node=1 {python} -m torch.distributed.run "
+            f'--nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={tpn} --rdzv-backend=c10d '
+            f'--rdzv-endpoint="$HPCDIST_HEAD_NODE:29400" --rdzv-id="$SLURM_JOB_ID" {args} '
+            f"-m hpcdist.runtime.shim {q_folder}"
+        )
+    raise RenderError(f"launcher.kind {kind!r} has no job script; use srun, mpirun or torchrun")
+
+
+def render_script(spec: JobSpec, site: Site, origin: Origin) -> str:
+    """The sbatch script text for `spec` on a Slurm `site`."""
+    if site.scheduler != "slurm":
+        raise RenderError(f"site {site.name!r} is not a Slurm site; it runs jobs without a script")
+    check_controls(spec.model_dump(mode="json"), "job")
+    check_controls(site.model_dump(mode="json"), "site")
+    check_controls(list(origin.overrides), "--set")
+    folder = submitit_folder(spec, site)
+    env = {**site.env, **spec.env, "SUBMITIT_PREEMPTION_SIGNAL": site.preemption.signal}
+    context = {
+        "version": __version__,
+        "site_name": site.name,
+        "job_name": spec.name,
+        "job_kind": spec.kind,
+        "reproduce": Shell(origin.command()),
+        "directives": [(Shell(f), v if v is not True else True) for f, v in directives(spec, site, folder)],
+        "modules": list(site.modules),
+        "setup": [Shell(line) for line in site.setup],
+        "env": sorted(env.items()),
+        "head_node": site.launcher.kind == "torchrun",
+        "launch_time_var": Shell(LAUNCH_TIME_VAR),
+        "launch": Shell(launch_line(spec, site, folder)),
+    }
+    try:
+        return _environment().get_template(TEMPLATE).render(**context)
+    except jinja2.TemplateError as exc:
+        raise RenderError(f"template {TEMPLATE}: {exc}") from exc
+
+
+def render_local_plan(spec: JobSpec, site: Site, origin: Origin) -> str:
+    """What a local-site submission will do (there is no script to show)."""
+    check_controls(spec.model_dump(mode="json"), "job")
+    res = spec.resources
+    folder = submitit_folder(spec, site)
+    env = {**site.env, **spec.env}
+    lines = [
+        f"# hpcdist {__version__}: site {site.name!r} runs jobs on this machine, without a scheduler",
+        f"# Reproduce with: {origin.command()}",
+        f"# submitit's LocalExecutor starts {res.tasks_per_node} process(es), one per rank:",
+        f"#   {shlex.quote(python_for(site))} -u -m submitit.core._submit {shlex.quote(str(folder))}",
+        f"# environment: {' '.join(f'{k}={shlex.quote(v)}' for k, v in sorted(env.items())) or '(none added)'}",
+        f"# time limit: {spec.time_limit_min(site)} min; collective timeout: {spec.timeout(site):g} s",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render(spec: JobSpec, site: Site, origin: Origin) -> str:
+    """What `hpcdist render` prints and `hpcdist submit` submits."""
+    if site.scheduler == "slurm":
+        return render_script(spec, site, origin)
+    return render_local_plan(spec, site, origin)
+
+
+def flags_of(script: str) -> list[str]:
+    """The #SBATCH lines of a script, for checks: they must precede the first command."""
+    return [line for line in script.splitlines() if line.startswith("#SBATCH")]
+
+
+def first_command_line(script: str) -> int:
+    for i, line in enumerate(script.splitlines()):
+        if line.strip() and not line.lstrip().startswith("#"):
+            return i
+    return -1
+
+
+__all__: Sequence[str] = ("Origin", "render", "render_script", "submitit_folder", "check_controls")

@@ -1,0 +1,187 @@
+"""Result files: versioned HDF5 with the run's facts as attributes, committed atomically.
+
+Layout (format ``hpcdist.result`` version 1), readable by ``h5dump`` as well as by hpcdist:
+
+- root attributes: ``format``, ``format_version``, ``kind``, ``job_name``, ``job_id``, ``site``,
+  ``world_size``, ``num_nodes``, ``hosts`` (one per rank), ``created`` (UTC ISO 8601),
+  ``complete`` (False while a run that died left partial rows), ``spec_json``, ``site_json``,
+  ``version_*`` (hpcdist, python, torch, numpy, h5py, mpi, nccl);
+- ``/env``: attributes holding the NCCL_*, UCX_*, OMP_*, GLOO_* and SLURM_JOB_* variables;
+- one group per table (``/bootstrap``, ``/bench/all_reduce/torch``...): one 1-D dataset per
+  column, and a ``columns`` attribute giving their order.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpcdist import __version__
+from hpcdist.storage import atomic_path
+
+if TYPE_CHECKING:
+    import h5py
+    import numpy as np
+
+FORMAT = "hpcdist.result"
+FORMAT_VERSION = 1
+ENV_PREFIXES = ("NCCL_", "UCX_", "OMP_", "GLOO_", "SLURM_JOB_", "CUDA_VISIBLE_DEVICES", "TORCH_")
+
+
+def versions() -> dict[str, str]:
+    """Versions of what the numbers depend on; missing pieces are recorded as 'none'."""
+    out = {"hpcdist": __version__, "python": platform.python_version()}
+    for name in ("torch", "numpy", "h5py"):
+        try:
+            out[name] = str(__import__(name).__version__)
+        except ImportError:
+            out[name] = "none"
+    out["nccl"] = "none"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            out["nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
+    except Exception:  # noqa: BLE001 - any failure means no usable NCCL
+        pass
+    out["mpi"] = "none"
+    try:
+        import mpi4py
+
+        out["mpi4py"] = mpi4py.__version__
+        from mpi4py import MPI
+
+        if MPI.Is_initialized():
+            out["mpi"] = MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip()
+    except ImportError:
+        pass
+    return out
+
+
+def run_attrs(
+    *,
+    kind: str,
+    job_name: str,
+    job_id: str | None,
+    site: str,
+    hosts: Sequence[str],
+    num_nodes: int,
+    spec_json: str,
+    site_json: str,
+) -> dict[str, Any]:
+    """The root attributes every result file carries."""
+    attrs: dict[str, Any] = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "kind": kind,
+        "job_name": job_name,
+        "job_id": job_id or "",
+        "site": site,
+        "world_size": len(hosts),
+        "num_nodes": num_nodes,
+        "hosts": list(hosts),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "complete": True,
+        "spec_json": spec_json,
+        "site_json": site_json,
+    }
+    attrs.update({f"version_{k}": v for k, v in versions().items()})
+    return attrs
+
+
+def captured_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = os.environ if env is None else env
+    return {k: v for k, v in sorted(env.items()) if k.startswith(ENV_PREFIXES)}
+
+
+@contextmanager
+def result_file(path: Path, attrs: Mapping[str, Any]) -> Iterator[h5py.File]:
+    """An HDF5 file open for writing that appears at `path` only once it is complete."""
+    import h5py
+
+    with atomic_path(path) as tmp:
+        with h5py.File(tmp, "w") as f:
+            for key, value in attrs.items():
+                f.attrs[key] = _attr(value)
+            env = f.create_group("env")
+            for key, value in captured_env().items():
+                env.attrs[key] = value
+            yield f
+            f.flush()
+
+
+def _attr(value: Any) -> Any:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return str(value)  # plain str: subclasses such as torch's TorchVersion do not convert
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        import h5py
+        import numpy as np
+
+        return np.array(value, dtype=h5py.string_dtype())
+    return value
+
+
+def write_table(
+    parent: h5py.Group, name: str, columns: Mapping[str, Sequence[Any] | np.ndarray], **attrs: Any
+) -> h5py.Group:
+    """A table as a group of equal-length 1-D column datasets (h5dump shows each as an array)."""
+    import h5py
+    import numpy as np
+
+    lengths = {len(v) for v in columns.values()}
+    if len(lengths) > 1:
+        raise ValueError(f"table {name!r}: columns of different lengths {sorted(lengths)}")
+    group = parent.require_group(name)
+    for col, values in columns.items():
+        arr = np.asarray(values)
+        if arr.dtype.kind in "OU":
+            arr = np.asarray([str(v) for v in values], dtype=h5py.string_dtype())
+        group.create_dataset(col, data=arr)
+    group.attrs["columns"] = np.array(list(columns), dtype=h5py.string_dtype())
+    for key, value in attrs.items():
+        group.attrs[key] = _attr(value)
+    return group
+
+
+def read_table(group: h5py.Group) -> dict[str, np.ndarray]:
+    """A table written by `write_table`, columns in their written order."""
+    names = [c.decode() if isinstance(c, bytes) else str(c) for c in group.attrs["columns"]]
+    out = {}
+    for name in names:
+        data = group[name][()]
+        if data.dtype.kind == "O":
+            data = data.astype(str)
+        out[name] = data
+    return out
+
+
+def read_attrs(path: Path) -> dict[str, Any]:
+    """Root attributes of a result file, with JSON fields decoded; checks the format."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        attrs = {k: _plain(v) for k, v in f.attrs.items()}
+    if attrs.get("format") != FORMAT:
+        raise ValueError(f"{path} is not an hpcdist result file (format {attrs.get('format')!r})")
+    for key in ("spec_json", "site_json"):
+        if key in attrs:
+            attrs[key[:-5]] = json.loads(attrs.pop(key))
+    return attrs
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode()
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+        if isinstance(value, list):
+            return [v.decode() if isinstance(v, bytes) else v for v in value]
+    return value

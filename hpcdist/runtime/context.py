@@ -1,0 +1,113 @@
+"""What a job kind gets on every rank: its rank, the process group, the site, and helpers.
+
+Job kinds receive a ``JobContext`` and their validated params; they never read the launcher's
+environment themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpcdist.config.site import Site
+from hpcdist.config.spec import JobSpec
+from hpcdist.runtime.rankinfo import RankInfo
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class Preemption:
+    """Set by the site's preemption signal; ranks agree on it at a step boundary.
+
+    The handler only sets a flag: writing a checkpoint from a signal handler is unsafe, and
+    ranks must stop at the same step.
+    """
+
+    signum: int | None = None
+    received: bool = False
+
+    def install(self, signal_name: str) -> None:
+        self.signum = int(getattr(signal, f"SIG{signal_name}"))
+        signal.signal(self.signum, self._handler)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.received = True
+
+
+@dataclass
+class JobContext:
+    """One rank's view of the running job."""
+
+    spec: JobSpec
+    site: Site
+    info: RankInfo
+    backend: str
+    device: torch.device
+    timeout_s: float
+    hosts: tuple[str, ...]
+    log: logging.Logger
+    timings: dict[str, float] = field(default_factory=dict)
+    mpi_comm: Any = None
+    preemption: Preemption = field(default_factory=Preemption)
+    requeue: Callable[[], None] | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.info.is_main
+
+    @property
+    def job_id(self) -> str:
+        return self.info.job_id or "local"
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)
+
+    def result_path(self, suffix: str = "") -> Path:
+        """``<results root>/<job name>/<job id><suffix>.h5`` on shared storage."""
+        return self.spec.result_path(self.site, self.job_id, suffix)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Stable across requeues and resubmissions of the same job name."""
+        return self.site.storage.checkpoints / self.spec.name
+
+    def run_attrs(self) -> dict[str, Any]:
+        """Root attributes for this run's result file."""
+        from hpcdist.results import run_attrs
+
+        return run_attrs(
+            kind=self.spec.kind,
+            job_name=self.spec.name,
+            job_id=self.job_id,
+            site=self.site.name,
+            hosts=self.hosts,
+            num_nodes=self.info.num_nodes,
+            spec_json=self.spec.model_dump_json(),
+            site_json=self.site.model_dump_json(),
+        )
+
+    def preempted(self) -> bool:
+        """True on every rank if any rank received the preemption signal (a collective)."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if self.preemption.received else 0.0], device=self.device)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)

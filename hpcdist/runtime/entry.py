@@ -1,0 +1,199 @@
+"""The function every rank runs: environment -> rank facts -> process group -> job kind.
+
+``run_rank`` is what submitit pickles and calls on each task. ``main`` is the same thing for a
+direct launch (``srun python -m hpcdist.runtime.entry JOB.yaml --site SITE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from hpcdist.config.contract import FAULT_EXIT_VAR, LAUNCH_TIME_VAR
+from hpcdist.config.site import Site
+from hpcdist.config.spec import JobSpec
+from hpcdist.errors import BootstrapError, HpcdistError
+from hpcdist.jobs.registry import get_kind
+from hpcdist.runtime import group
+from hpcdist.runtime.context import JobContext
+from hpcdist.runtime.rankinfo import RankInfo
+
+log = logging.getLogger("hpcdist")
+
+
+def _setup_logging(info: RankInfo) -> None:
+    fmt = f"%(asctime)s [rank {info.rank}/{info.world_size} {info.hostname}] %(levelname)s %(message)s"
+    root = logging.getLogger("hpcdist")
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(fmt))
+    root.addHandler(handler)
+    root.setLevel(os.environ.get("HPCDIST_LOG_LEVEL", "INFO"))
+    root.propagate = False
+
+
+def choose_backend(spec: JobSpec, info: RankInfo) -> tuple[str, Any]:
+    """NCCL when this rank has a GPU of its own, gloo otherwise; launch mistakes are errors."""
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    wants_gpu = spec.backend == "nccl" or spec.resources.gpus_per_node > 0
+    if wants_gpu and gpus == 0:
+        hint = f"CUDA_VISIBLE_DEVICES={visible!r} is set but torch sees no usable GPU" if visible else "no GPU is visible"
+        raise BootstrapError(
+            f"job asks for GPUs (gpus_per_node={spec.resources.gpus_per_node}, backend={spec.backend}) "
+            f"but on {info.hostname} {hint}; check the CUDA build of torch and the GPU request"
+        )
+    if spec.backend == "gloo" or (spec.backend == "auto" and not (wants_gpu and gpus)):
+        return "gloo", torch.device("cpu")
+    if gpus == 1:
+        return "nccl", torch.device("cuda", 0)  # the scheduler bound one GPU to this task
+    if info.local_rank >= gpus or info.local_world_size > gpus:
+        raise BootstrapError(
+            f"{info.local_world_size} ranks on {info.hostname} but only {gpus} GPUs visible: "
+            f"two ranks would share a GPU; set tasks_per_node to the GPUs per node"
+        )
+    return "nccl", torch.device("cuda", info.local_rank)
+
+
+def _check_gpu_sharing(ctx: JobContext) -> None:
+    import torch
+    import torch.distributed as dist
+
+    uuid = str(torch.cuda.get_device_properties(ctx.device).uuid)
+    seen: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(seen, (ctx.info.hostname, uuid))
+    owners: dict[tuple[str, str], list[int]] = {}
+    for r, key in enumerate(seen):
+        owners.setdefault(key, []).append(r)
+    shared = [ranks for ranks in owners.values() if len(ranks) > 1]
+    if shared:
+        raise BootstrapError(f"ranks {shared[0]} share one GPU on {seen[shared[0][0]][0]}; bind one GPU per rank")
+
+
+def bootstrap(spec: JobSpec, site: Site, env: dict[str, str] | None = None) -> tuple[JobContext, Any]:
+    """Form the process group for this rank; returns the context and the store to close with."""
+    env = dict(os.environ if env is None else env)
+    t_entry = time.time()
+    info = RankInfo.from_env(env)
+    _setup_logging(info)
+    if env.get(FAULT_EXIT_VAR, "") == str(info.rank):
+        log.error("fault injection: rank %d exits before joining", info.rank)
+        logging.shutdown()
+        os._exit(3)
+    kind = get_kind(spec.kind)
+    params = kind.params.model_validate(spec.params)
+    timeout = spec.timeout(site)
+    timings: dict[str, float] = {}
+    launch = float(env.get(LAUNCH_TIME_VAR, "nan"))
+    timings["launch_to_entry"] = t_entry - launch
+
+    t = time.perf_counter()
+    import torch  # noqa: F401 - timed on purpose: it dominates start-up
+
+    timings["import_torch"] = time.perf_counter() - t
+    mpi_comm = None
+    if kind.uses_mpi(params):
+        t = time.perf_counter()
+        mpi_comm = _init_mpi(info)
+        timings["mpi_init"] = time.perf_counter() - t
+    backend, device = choose_backend(spec, info)
+
+    t = time.perf_counter()
+    key = group.rendezvous_key(env, info)
+    store, endpoint = group.open_store(
+        info,
+        timeout,
+        rendezvous_dir=site.storage.scratch / "rendezvous",
+        key=key,
+        mpi_comm=mpi_comm,
+        ifname=site.network.socket_ifname,
+    )
+    hosts_by_rank = group.check_in(store, info, timeout)
+    timings["rendezvous"] = time.perf_counter() - t
+    t = time.perf_counter()
+    group.init_process_group(store, info, backend, timeout)
+    timings["init_process_group"] = time.perf_counter() - t
+    timings["launch_to_ready"] = time.time() - launch
+    ctx = JobContext(
+        spec=spec,
+        site=site,
+        info=info,
+        backend=backend,
+        device=device,
+        timeout_s=timeout,
+        hosts=tuple(hosts_by_rank[r] for r in range(info.world_size)),
+        log=log,
+        timings=timings,
+        mpi_comm=mpi_comm,
+    )
+    if backend == "nccl":
+        _check_gpu_sharing(ctx)
+    log.info(
+        "group ready: %s, backend %s, endpoint %s:%d via %s, %.2f s after entry",
+        info.describe(), backend, endpoint.addr, endpoint.port, endpoint.via, time.time() - t_entry,
+    )
+    return ctx, store
+
+
+def _init_mpi(info: RankInfo) -> Any:
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise BootstrapError(f"this job uses MPI but mpi4py cannot be imported: {exc}") from exc
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != info.world_size:
+        raise BootstrapError(
+            f"MPI sees {comm.Get_size()} rank(s) but the launcher ({info.launcher}) started "
+            f"{info.world_size}: MPI was not started by the launcher; with srun add --mpi=pmix "
+            f"to launcher.args"
+        )
+    return comm
+
+
+def run_rank(spec: JobSpec, site: Site) -> dict[str, Any]:
+    """Run `spec` on this rank; returns this rank's summary (rank 0's names the result file)."""
+    import torch.distributed as dist
+
+    os.environ.update({**site.env, **spec.env})
+    ctx, store = bootstrap(spec, site)
+    kind = get_kind(spec.kind)
+    params = kind.params.model_validate(spec.params)
+    try:
+        out = kind.load_runner()(ctx, params) or {}
+        group.finish(store, ctx.info, ctx.timeout_s)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return {"rank": ctx.rank, "host": ctx.info.hostname, "timings": ctx.timings, **out}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Direct launch: every rank loads the spec and site itself."""
+    from hpcdist.config import load_site, load_spec
+
+    parser = argparse.ArgumentParser(prog="python -m hpcdist.runtime.entry")
+    parser.add_argument("job")
+    parser.add_argument("--site", default=None)
+    parser.add_argument("--set", dest="sets", action="append", default=[])
+    args = parser.parse_args(argv)
+    try:
+        site = load_site(args.site, [s[5:] for s in args.sets if s.startswith("site.")])
+        spec = load_spec(args.job, site, [s for s in args.sets if not s.startswith("site.")])
+        out = run_rank(spec, site)
+    except HpcdistError as exc:
+        print(f"hpcdist: error: {exc}", file=sys.stderr)
+        return 1
+    if out.get("rank") == 0:
+        print({k: v for k, v in out.items() if k != "timings"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""Rank facts from a launcher's environment: one table per launcher, read by one function.
+
+Launcher detection is data, not code (as submitit's ``SlurmJobEnvironment._env``): each table
+maps a field to the variables that may carry it, first present wins. ``RankInfo.from_env`` takes
+the environment as an argument so tests pass a dict.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from hpcdist.errors import BootstrapError
+from hpcdist.runtime.hostlist import expand_hostlist, expand_tasks_per_node
+
+# Fields: rank, world_size, local_rank, local_world_size, node_rank, num_nodes, nodelist,
+# tasks_per_node, job_id, master_addr, master_port. Each table also names the variable whose
+# presence detects the launcher. Slurm variables are fallbacks for MPI launched by srun.
+_SLURM_FALLBACK: dict[str, tuple[str, ...]] = {
+    "node_rank": ("SLURM_NODEID",),
+    "num_nodes": ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES"),
+    "nodelist": ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"),
+    "tasks_per_node": ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"),
+    "job_id": ("SLURM_JOB_ID", "SLURM_JOBID"),
+}
+
+LAUNCHERS: dict[str, dict[str, tuple[str, ...]]] = {
+    "torchrun": {
+        "detect": ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"),
+        "rank": ("RANK",),
+        "world_size": ("WORLD_SIZE",),
+        "local_rank": ("LOCAL_RANK",),
+        "local_world_size": ("LOCAL_WORLD_SIZE",),
+        "node_rank": ("GROUP_RANK",),
+        "master_addr": ("MASTER_ADDR",),
+        "master_port": ("MASTER_PORT",),
+        **{k: v for k, v in _SLURM_FALLBACK.items() if k != "node_rank"},
+    },
+    "env": {  # torch's env:// convention set by hand or by another tool
+        "detect": ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
+        "rank": ("RANK",),
+        "world_size": ("WORLD_SIZE",),
+        "local_rank": ("LOCAL_RANK",),
+        "local_world_size": ("LOCAL_WORLD_SIZE",),
+        "master_addr": ("MASTER_ADDR",),
+        "master_port": ("MASTER_PORT",),
+        **_SLURM_FALLBACK,
+    },
+    "openmpi": {
+        "detect": ("OMPI_COMM_WORLD_RANK",),
+        "rank": ("OMPI_COMM_WORLD_RANK",),
+        "world_size": ("OMPI_COMM_WORLD_SIZE",),
+        "local_rank": ("OMPI_COMM_WORLD_LOCAL_RANK",),
+        "local_world_size": ("OMPI_COMM_WORLD_LOCAL_SIZE",),
+        "node_rank": ("OMPI_COMM_WORLD_NODE_RANK",),
+        **{k: v for k, v in _SLURM_FALLBACK.items() if k != "node_rank"},
+    },
+    "mpich": {  # MPICH's Hydra and Intel MPI
+        "detect": ("PMI_RANK",),
+        "rank": ("PMI_RANK",),
+        "world_size": ("PMI_SIZE",),
+        "local_rank": ("MPI_LOCALRANKID",),
+        "local_world_size": ("MPI_LOCALNRANKS",),
+        **_SLURM_FALLBACK,
+    },
+    "pmix": {  # srun --mpi=pmix: PMIx gives the rank, Slurm the rest
+        "detect": ("PMIX_RANK",),
+        "rank": ("PMIX_RANK",),
+        "world_size": ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
+        "local_rank": ("SLURM_LOCALID",),
+        **_SLURM_FALLBACK,
+    },
+    "slurm": {
+        "detect": ("SLURM_PROCID",),
+        "rank": ("SLURM_PROCID",),
+        "world_size": ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
+        "local_rank": ("SLURM_LOCALID",),
+        **_SLURM_FALLBACK,
+    },
+    "submitit-local": {
+        "detect": ("SUBMITIT_LOCAL_JOB_ID",),
+        "rank": ("SUBMITIT_LOCAL_GLOBALID",),
+        "world_size": ("SUBMITIT_LOCAL_NTASKS",),
+        "local_rank": ("SUBMITIT_LOCAL_LOCALID",),
+        "node_rank": ("SUBMITIT_LOCAL_NODEID",),
+        "num_nodes": ("SUBMITIT_LOCAL_JOB_NUM_NODES",),
+        "job_id": ("SUBMITIT_LOCAL_JOB_ID",),
+    },
+    "single": {"detect": ()},
+}
+
+# Order matters: an MPI launched by srun also carries SLURM_PROCID, torchrun under srun too.
+DETECTION_ORDER = ("torchrun", "env", "openmpi", "mpich", "pmix", "slurm", "submitit-local", "single")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process stands in the job."""
+
+    launcher: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    hosts: tuple[str, ...] = ()
+    hostname: str = field(default_factory=socket.gethostname)
+    job_id: str | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def detect_launcher(cls, env: Mapping[str, str]) -> str:
+        for name in DETECTION_ORDER:
+            detect = LAUNCHERS[name]["detect"]
+            if all(v in env for v in detect):
+                return name
+        return "single"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], hostname: str | None = None) -> RankInfo:
+        """Rank facts for the launcher detected in `env`; inconsistencies are BootstrapErrors."""
+        launcher = cls.detect_launcher(env)
+        table = LAUNCHERS[launcher]
+
+        def raw(name: str) -> str | None:
+            for var in table.get(name, ()):
+                if env.get(var, "") != "":
+                    return env[var]
+            return None
+
+        def number(name: str, default: int | None) -> int | None:
+            value = raw(name)
+            if value is None:
+                return default
+            try:
+                return int(value)
+            except ValueError:
+                var = next(v for v in table[name] if env.get(v, "") != "")
+                raise BootstrapError(
+                    f"{launcher} launch: {var}={value!r} is not an integer; "
+                    f"check the launcher's environment"
+                ) from None
+
+        rank = number("rank", 0)
+        world = number("world_size", 1)
+        assert rank is not None and world is not None
+        if world < 1 or not 0 <= rank < world:
+            raise BootstrapError(
+                f"{launcher} launch: rank {rank} is outside world size {world}; "
+                f"the launcher's environment is inconsistent"
+            )
+        hosts = tuple(expand_hostlist(raw("nodelist") or ""))
+        per_node = _tasks_per_node(raw("tasks_per_node"), launcher)
+        node_rank = number("node_rank", None)
+        if node_rank is None:
+            node_rank = _node_of(rank, per_node) if per_node else 0
+        num_nodes = number("num_nodes", None) or (len(hosts) or len(per_node) or 1)
+        local_world = number("local_world_size", None)
+        if local_world is None:
+            local_world = per_node[node_rank] if node_rank < len(per_node) else world // num_nodes
+        local_rank = number("local_rank", None)
+        if local_rank is None:
+            local_rank = rank - sum(per_node[:node_rank]) if per_node else rank % max(local_world, 1)
+        if not 0 <= local_rank < max(local_world, 1):
+            raise BootstrapError(
+                f"{launcher} launch: local rank {local_rank} is outside the {local_world} ranks "
+                f"on this node"
+            )
+        port = number("master_port", None)
+        return cls(
+            launcher=launcher,
+            rank=rank,
+            world_size=world,
+            local_rank=local_rank,
+            local_world_size=max(local_world, 1),
+            node_rank=node_rank,
+            num_nodes=num_nodes,
+            hosts=hosts,
+            hostname=hostname or socket.gethostname(),
+            job_id=raw("job_id"),
+            master_addr=raw("master_addr"),
+            master_port=port,
+        )
+
+    def describe(self) -> str:
+        return (
+            f"rank {self.rank}/{self.world_size} (local {self.local_rank}/{self.local_world_size}, "
+            f"node {self.node_rank}/{self.num_nodes}) on {self.hostname} via {self.launcher}"
+        )
+
+
+def _tasks_per_node(text: str | None, launcher: str) -> list[int]:
+    if not text:
+        return []
+    try:
+        return expand_tasks_per_node(text)
+    except ValueError as exc:
+        raise BootstrapError(f"{launcher} launch: {exc}") from None
+
+
+def _node_of(rank: int, per_node: list[int]) -> int:
+    """The node holding `rank` under Slurm's default block distribution."""
+    total = 0
+    for node, count in enumerate(per_node):
+        total += count
+        if rank < total:
+            return node
+    return len(per_node) - 1

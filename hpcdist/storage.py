@@ -1,0 +1,50 @@
+"""Files on shared storage that are never half-written where a reader could find them.
+
+Write under a temporary name in the same directory, flush and fsync, ``os.replace`` onto the
+final name, then fsync the directory so the rename itself survives a crash (as Orbax and
+torch.distributed.checkpoint do). On any failure the temporary file is removed and the old
+file, if any, is untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+TMP_MARK = ".tmp-"
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temporary_name(final: Path) -> Path:
+    """A hidden sibling of `final`, unique to this process; readers skip names with TMP_MARK."""
+    return final.with_name(f".{final.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+@contextmanager
+def atomic_path(final: Path) -> Iterator[Path]:
+    """Yield a temporary path to write; on success it becomes `final` atomically and durably."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_name(final)
+    try:
+        yield tmp
+        fsync_path(tmp)
+        os.replace(tmp, final)
+        fsync_path(final.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def is_temporary(path: Path) -> bool:
+    return TMP_MARK in path.name and path.name.startswith(".")
