@@ -171,9 +171,9 @@ def read_attrs(path: Path) -> dict[str, Any]:
         attrs = {k: _plain(v) for k, v in f.attrs.items()}
     if attrs.get("format") != FORMAT:
         raise ValueError(f"{path} is not an hpcdist result file (format {attrs.get('format')!r})")
-    for key in ("spec_json", "site_json"):
+    for key, decoded in (("spec_json", "spec"), ("site_json", "site_config")):
         if key in attrs:
-            attrs[key[:-5]] = json.loads(attrs.pop(key))
+            attrs[decoded] = json.loads(attrs.pop(key))
     return attrs
 
 
