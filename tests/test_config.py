@@ -42,7 +42,8 @@ def test_unknown_site_lists_known_ones() -> None:
 
 
 def test_unknown_key_names_path_and_allowed_keys(tmp_path: Path) -> None:
-    text = (REPO / "site_configs" / "local-slurm.yaml").read_text().replace("    gpus_per_node: 4", "    gpus_per_nod: 4")
+    text = (REPO / "site_configs" / "local-slurm.yaml").read_text()
+    text = text.replace("    gpus_per_node: 4", "    gpus_per_nod: 4")
     path = write(tmp_path, "s.yaml", text)
     with pytest.raises(ConfigError) as err:
         load_site(str(path))
@@ -52,7 +53,8 @@ def test_unknown_key_names_path_and_allowed_keys(tmp_path: Path) -> None:
 
 
 def test_wrong_type_names_value(tmp_path: Path) -> None:
-    text = (REPO / "site_configs" / "local-slurm.yaml").read_text().replace("cpus_per_node: 8", "cpus_per_node: eight", 1)
+    text = (REPO / "site_configs" / "local-slurm.yaml").read_text()
+    text = text.replace("cpus_per_node: 8", "cpus_per_node: eight", 1)
     with pytest.raises(ConfigError, match=r"partitions\.cpu\.cpus_per_node: .*integer.*\(got 'eight'\)"):
         load_site(str(write(tmp_path, "s.yaml", text)))
 

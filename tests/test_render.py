@@ -15,7 +15,7 @@ import pytest
 
 from hpcdist.config import load_site, load_spec
 from hpcdist.errors import RenderError
-from hpcdist.render import Origin, first_command_line, flags_of, render
+from hpcdist.render import Origin, first_command_line, render
 from tests.conftest import REPO, run_cli, storage_sets
 
 GOLDEN = Path(__file__).parent / "golden"

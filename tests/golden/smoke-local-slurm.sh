@@ -16,6 +16,7 @@
 # ---- modules and site setup
 
 # ---- environment
+export OMPI_MCA_btl=self,tcp
 export OMP_NUM_THREADS=1
 export SUBMITIT_PREEMPTION_SIGNAL=USR2
 export SUBMITIT_EXECUTOR=slurm
