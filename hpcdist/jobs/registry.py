@@ -36,7 +36,8 @@ class JobKind:
 
     def load_runner(self) -> Callable[..., dict[str, Any] | None]:
         module, _, func = self.runner.partition(":")
-        return getattr(importlib.import_module(module), func)  # type: ignore[no-any-return]
+        runner: Callable[..., dict[str, Any] | None] = getattr(importlib.import_module(module), func)
+        return runner
 
 
 _KINDS: dict[str, JobKind] = {}

@@ -110,15 +110,16 @@ def open_store(
         store = _store(info.master_addr, info.master_port, info, timeout, is_master)
         return _prefixed(store, key), Endpoint(info.master_addr, info.master_port, "env")
     if mpi_comm is not None:
-        store = endpoint = None
+        server = None
+        published: Endpoint | None = None
         if info.is_main:
             addr = own_address(ifname, single_node)
-            store = _store(addr, 0, info, timeout, True)
-            endpoint = Endpoint(addr, store.port, "mpi")
-        endpoint = mpi_comm.bcast(endpoint, root=0)
-        if store is None:
-            store = _store(endpoint.addr, endpoint.port, info, timeout, False)
-        return _prefixed(store, key), endpoint
+            server = _store(addr, 0, info, timeout, True)
+            published = Endpoint(addr, server.port, "mpi")
+        published = mpi_comm.bcast(published, root=0)
+        assert published is not None
+        client = server or _store(published.addr, published.port, info, timeout, False)
+        return _prefixed(client, key), published
     if rendezvous_dir is not None:
         path = rendezvous_dir / f"{key}.json"
         if info.is_main:
@@ -128,8 +129,8 @@ def open_store(
             with atomic_path(path) as tmp:
                 tmp.write_text(json.dumps({"addr": addr, "port": store.port, "host": info.hostname}))
             return _prefixed(store, key), Endpoint(addr, store.port, "file")
-        published = _wait_for_file(path, timeout, info)
-        endpoint = Endpoint(published["addr"], int(published["port"]), "file")
+        found = _wait_for_file(path, timeout, info)
+        endpoint = Endpoint(found["addr"], int(found["port"]), "file")
         return _prefixed(_store(endpoint.addr, endpoint.port, info, timeout, False), key), endpoint
     if not info.hosts and not single_node:
         raise BootstrapError(
