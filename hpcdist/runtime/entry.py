@@ -96,6 +96,8 @@ def bootstrap(spec: JobSpec, site: Site, env: dict[str, str] | None = None) -> t
     launch = float(env.get(LAUNCH_TIME_VAR, "nan"))
     timings["launch_to_entry"] = t_entry - launch
 
+    if "torch" in sys.modules:
+        log.warning("torch was imported before the bootstrap: import_torch below is not its cost")
     t = time.perf_counter()
     import torch  # noqa: F401 - timed on purpose: it dominates start-up
 
