@@ -80,7 +80,7 @@ def generate(
     """Continue every prompt of the batch; see the module docstring for padding and stopping."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    device = model.transformer["wte"].weight.device
+    device = model.device
     b = len(prompts)
     lens = torch.tensor([len(p) for p in prompts], device=device)
     t_max = int(lens.max())

@@ -16,7 +16,7 @@ and the model is the plain GPT with a KV cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -159,6 +159,14 @@ class TPGPT(nn.Module):
         self.requires_grad_(False)
         self.eval()
 
+    @property
+    def wte(self) -> nn.Embedding:
+        return cast(nn.Embedding, self.transformer["wte"])
+
+    @property
+    def device(self) -> torch.device:
+        return self.wte.weight.device
+
     @torch.no_grad()
     def load_shard(self, state: dict[str, Any]) -> None:
         """Copy this rank's tensors (names as in ``GPT.state_dict()``, shapes of this shard) in."""
@@ -172,12 +180,13 @@ class TPGPT(nn.Module):
                 raise ValueError(f"{key}: shard has shape {tuple(value.shape)}, this rank expects {tuple(param.shape)}")
             param.copy_(value)
         v0 = self.tp.rank * self.vocab_local
-        rows = self.transformer["wte"].weight[v0 : v0 + self.vocab_local]
-        self.head.zero_()
-        self.head[: rows.shape[0]] = rows
+        rows = self.wte.weight[v0 : v0 + self.vocab_local]
+        head = cast(torch.Tensor, self.head)
+        head.zero_()
+        head[: rows.shape[0]] = rows
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        p = self.transformer["wte"].weight
+        p = self.wte.weight
         return KVCache(self.cfg.n_layer, batch, self.cfg.n_head // self.tp.size, max_len, self.cfg.d_head,
                        p.device, p.dtype)
 
@@ -204,11 +213,11 @@ class TPGPT(nn.Module):
         if mask is None and past and t > 1:
             causal = torch.ones(t, past + t, dtype=torch.bool, device=idx.device).tril(past)
             mask = causal.expand(b, 1, t, past + t)
-        x = self.transformer["wte"](idx) + self.transformer["wpe"](positions)
-        for i, block in enumerate(self.transformer["h"]):
+        x = self.wte(idx) + self.transformer["wpe"](positions)
+        for i, block in enumerate(cast(nn.ModuleList, self.transformer["h"])):
             x = block(x, mask, cache, i)
         if cache is not None:
             cache.length = past + t
         x = self.transformer["ln_f"](x)
-        logits = self.tp.all_gather_last(F.linear(x, self.head))
+        logits = self.tp.all_gather_last(F.linear(x, cast(torch.Tensor, self.head)))
         return logits[..., : self.cfg.vocab_size]
