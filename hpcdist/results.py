@@ -52,12 +52,15 @@ def versions() -> dict[str, str]:
         pass
     out["mpi"] = "none"
     try:
+        import sys
+
         import mpi4py
 
         out["mpi4py"] = mpi4py.__version__
-        from mpi4py import MPI
-
-        if MPI.Is_initialized():
+        # Only look at MPI if the job already imported it: importing mpi4py.MPI calls MPI_Init,
+        # which under srun --mpi=pmix waits for every rank of the step (a hang on rank 0 alone).
+        MPI = sys.modules.get("mpi4py.MPI")
+        if MPI is not None and MPI.Is_initialized():
             out["mpi"] = MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip()
     except ImportError:
         pass
