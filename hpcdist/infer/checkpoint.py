@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,7 +229,3 @@ def write_checkpoint(
     with atomic_path(directory / POINTER) as tmp:
         tmp.write_text(final.name + "\n")
     return final
-
-
-def config_json(cfg: GPTConfig) -> str:
-    return json.dumps(json.loads(cfg.model_dump_json()), sort_keys=True)
