@@ -151,12 +151,14 @@ def write_table(
 
 def read_table(group: h5py.Group) -> dict[str, np.ndarray]:
     """A table written by `write_table`, columns in their written order."""
+    import numpy as np
+
     names = [c.decode() if isinstance(c, bytes) else str(c) for c in group.attrs["columns"]]
     out = {}
     for name in names:
         data = group[name][()]
-        if data.dtype.kind == "O":
-            data = data.astype(str)
+        if data.dtype.kind == "O":  # h5py gives UTF-8 bytes; astype(str) would decode as ASCII
+            data = np.array([v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in data], dtype=str)
         out[name] = data
     return out
 

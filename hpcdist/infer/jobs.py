@@ -1,0 +1,167 @@
+"""The inference job kinds: ``infer_gpt`` (load a checkpoint, generate, measure) and ``broadcast``
+(how fast a model of a given size reaches every rank).
+
+Light on purpose (pydantic, h5py only when checking): the login node validates a spec, and
+reads the checkpoint's header and the prompt file, before anything launches. The runners live
+in ``hpcdist.infer.run``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from hpcdist.errors import HpcdistError
+from hpcdist.infer.tokens import END_TOKEN
+from hpcdist.jobs.registry import JobKind, Problem, register
+from hpcdist.model.config import GPTConfig
+
+if TYPE_CHECKING:
+    from hpcdist.config.site import Site
+    from hpcdist.config.spec import JobSpec
+    from hpcdist.infer.checkpoint import CheckpointHeader
+
+
+class InferParams(BaseModel):
+    """``infer_gpt``: which checkpoint, which prompts, how it is split and how tokens are chosen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    checkpoint: str = Field(
+        description="a step_*.h5 file or a checkpoint directory (its 'latest' is followed); a relative "
+        "path is looked up under the site's storage.checkpoints first, then the working directory"
+    )
+    prompts: str = Field(description="prompt file: one prompt per line, or .jsonl")
+    model: GPTConfig | None = Field(default=None, description="if given, the checkpoint must hold this model")
+    tp: int = Field(default=1, ge=1, description="tensor-parallel degree; the world size must be a multiple")
+    load: Literal["broadcast", "shard"] = Field(
+        default="broadcast", description="rank 0 reads and broadcasts, or each rank reads its own shard"
+    )
+    bucket_mb: float = Field(default=64.0, gt=0, description="broadcast bucket size")
+    verify_received: bool = Field(default=True, description="every rank checks broadcast weights' sha256")
+    batch_size: int = Field(default=8, ge=1)
+    max_new_tokens: int = Field(default=32, ge=1)
+    temperature: float = Field(default=0.0, ge=0, description="0 is greedy")
+    top_k: int | None = Field(default=None, ge=1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int = 0
+    end_token: int | None = Field(default=END_TOKEN, ge=0, description="stop a row at this token; null: never")
+
+
+class BroadcastParams(BaseModel):
+    """``broadcast``: a model-sized set of tensors from rank 0 to all, timed and checked."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: GPTConfig | None = Field(default=None, description="size the tensors as this model's")
+    size_mb: float | None = Field(default=None, gt=0, description="or this many MB in tensors of tensor_mb")
+    tensor_mb: float = Field(default=4.0, gt=0)
+    bucket_mb: float = Field(default=64.0, ge=0, description="0: one broadcast per tensor")
+    iters: int = Field(default=5, ge=1)
+    warmup: int = Field(default=1, ge=0)
+    min_busbw_gbps: float | None = Field(default=None, ge=0, description="fail when the median is below")
+
+    @model_validator(mode="after")
+    def _one_size(self) -> BroadcastParams:
+        if (self.model is None) == (self.size_mb is None):
+            raise ValueError("give exactly one of model (a GPT config) or size_mb")
+        return self
+
+
+def locate_checkpoint(value: str, site: Site) -> Path:
+    """A relative checkpoint path names a directory under the site's checkpoint storage if one
+    exists there (``checkpoint: train_gpt`` is that job's checkpoints), else under the cwd."""
+    path = Path(value)
+    if not path.is_absolute():
+        under = site.storage.checkpoints / path
+        if under.exists():
+            return under
+    return path
+
+
+def inspect(
+    params: InferParams, site: Site, world_size: int
+) -> tuple[CheckpointHeader | None, list[list[int]] | None, list[Problem]]:
+    """Read the checkpoint header and the prompts and list what stops the job, before any weight moves."""
+    from hpcdist.infer.checkpoint import read_header
+    from hpcdist.infer.prompts import load_prompts
+    from hpcdist.infer.shard_load import check_tp
+    from hpcdist.infer.tokens import encode
+
+    problems: list[Problem] = []
+    header = None
+    try:
+        header = read_header(locate_checkpoint(params.checkpoint, site), expect=params.model)
+    except HpcdistError as exc:
+        problems.append(("params.checkpoint", params.checkpoint, str(exc)))
+    cfg = header.config if header is not None else params.model
+    if cfg is not None:
+        for what, value, todo in check_tp(cfg, params.tp):
+            problems.append((f"params.{what}", value, todo))
+        if params.end_token is not None and params.end_token >= cfg.vocab_size:
+            problems.append(("params.end_token", params.end_token, f"must be below the vocab size {cfg.vocab_size}"))
+    if world_size % params.tp:
+        problems.append(
+            ("params.tp", params.tp, f"must divide the world size {world_size} (nodes x tasks_per_node); "
+             f"the ranks beyond tensor parallelism serve prompts data-parallel")
+        )
+    encoded = None
+    try:
+        encoded = [encode(p) for p in load_prompts(params.prompts)]
+    except HpcdistError as exc:
+        problems.append(("params.prompts", params.prompts, str(exc)))
+    if encoded is not None and cfg is not None:
+        for i, ids in enumerate(encoded):
+            if len(ids) > cfg.context:
+                problems.append(
+                    ("params.prompts", f"{params.prompts} prompt {i + 1}",
+                     f"is {len(ids)} tokens, longer than the model's context of {cfg.context}; shorten it")
+                )
+                break
+            if len(ids) + params.max_new_tokens - 1 > cfg.context:
+                problems.append(
+                    ("params.max_new_tokens", params.max_new_tokens,
+                     f"prompt {i + 1} ({len(ids)} tokens) plus {params.max_new_tokens} new tokens exceeds the "
+                     f"context of {cfg.context}; use at most {cfg.context - len(ids) + 1} or shorten the prompt")
+                )
+                break
+    return header, encoded, problems
+
+
+def check_infer(spec: JobSpec, site: Site) -> list[Problem]:
+    params = InferParams.model_validate(spec.params)
+    return inspect(params, site, spec.resources.world_size)[2]
+
+
+def check_broadcast(spec: JobSpec, site: Site) -> list[Problem]:
+    if spec.resources.world_size < 2:
+        return [("resources", spec.resources.world_size, "a broadcast needs at least 2 ranks")]
+    return []
+
+
+register(
+    JobKind(
+        name="infer_gpt",
+        params=InferParams,
+        runner="hpcdist.infer.run:run_infer",
+        summary="load a GPT checkpoint (broadcast or TP shards), generate for a prompt file, time it",
+        check=check_infer,
+    )
+)
+register(
+    JobKind(
+        name="broadcast",
+        params=BroadcastParams,
+        runner="hpcdist.infer.run:run_broadcast",
+        summary="flat-bucket broadcast of a model-sized state from rank 0, timed and checked",
+        check=check_broadcast,
+    )
+)
+
+
+def problems_text(problems: list[Problem]) -> str:
+    return "; ".join(f"{key}: {value!r} {todo}" for key, value, todo in problems)
+
+

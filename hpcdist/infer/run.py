@@ -1,0 +1,305 @@
+"""The runners of ``infer_gpt`` and ``broadcast``, called on every rank with a JobContext.
+
+``infer_gpt``: every rank checks the spec against the checkpoint header and prompts (same
+answer everywhere, so a bad input fails all ranks at once, before any weight moves); ranks
+form tensor-parallel groups of ``tp`` consecutive ranks (data-parallel across groups); weights
+arrive by broadcast from rank 0 or by per-rank shard reads; each group generates for its share
+of the prompts; rank 0 gathers everything and writes the result file.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hpcdist.errors import BenchmarkError, CheckpointError, JobError
+from hpcdist.infer import metrics
+from hpcdist.infer.broadcast import broadcast_state, describe
+from hpcdist.infer.checkpoint import CheckpointHeader, expected_shapes, read_full, sha256_of
+from hpcdist.infer.generate import Sampling, generate
+from hpcdist.infer.jobs import BroadcastParams, InferParams, inspect, problems_text
+from hpcdist.infer.shard_load import read_shard, shard_state
+from hpcdist.infer.tokens import decode
+from hpcdist.infer.tp import TPGPT, TPGroup
+
+if TYPE_CHECKING:
+    from hpcdist.runtime.context import JobContext
+
+
+def tp_groups(ctx: JobContext, tp: int) -> TPGroup:
+    """This rank's tensor-parallel group: ranks [g*tp, (g+1)*tp). Every rank creates every group."""
+    tp_rank, mine = ctx.rank % tp, ctx.rank // tp
+    if tp == 1:
+        return TPGroup(0, 1, None)
+    if tp == ctx.world_size:
+        return TPGroup(tp_rank, tp, None)  # the default group
+    group = None
+    for g in range(ctx.world_size // tp):
+        pg = dist.new_group(list(range(g * tp, (g + 1) * tp)), timeout=ctx.timeout)
+        if g == mine:
+            group = pg
+    return TPGroup(tp_rank, tp, group)
+
+
+def _agree(ctx: JobContext, local: Any) -> list[Any]:
+    box: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(box, local)
+    return box
+
+
+def load_broadcast(
+    ctx: JobContext, header: CheckpointHeader, params: InferParams
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Rank 0 reads (verifying sha256) and broadcasts in buckets; returns the full state and figures."""
+    t0 = time.perf_counter()
+    state = None
+    error = None
+    if ctx.is_main:
+        try:
+            state = {k: torch.from_numpy(v) for k, v in read_full(header, verify=True).items()}
+        except CheckpointError as exc:
+            error = str(exc)
+    read_s = time.perf_counter() - t0
+    box: list[Any] = [error]
+    dist.broadcast_object_list(box, src=0, device=ctx.device if ctx.device.type == "cuda" else None)
+    if box[0]:
+        raise CheckpointError(f"rank 0 could not read the checkpoint: {box[0]}")
+    full, stats = broadcast_state(state, ctx.device, bucket_bytes=int(params.bucket_mb * (1 << 20)))
+    wrong = 0
+    if params.verify_received:
+        wrong = sum(sha256_of(full[k].cpu().numpy()) != header.sha256[k] for k in header.shapes)
+        flag = torch.tensor([float(wrong)], device=ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            raise JobError(f"broadcast weights differ from the checkpoint on some rank ({int(flag.item())} tensors)")
+    figures = {"method": "broadcast", "read_s": read_s, "wrong": wrong, **stats.as_dict()}
+    return full, figures
+
+
+def load_shards(
+    ctx: JobContext, header: CheckpointHeader, tp: TPGroup
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Each rank reads its own shard; checksums verified as `read_shard` explains; ranks agree."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    read = read_shard(header, tp.rank, tp.size, ctx.rank, ctx.world_size)
+    seconds = time.perf_counter() - t0
+    everyone = _agree(ctx, (read.bad, read.bytes_read, seconds, len(read.verified)))
+    bad = sorted({k for b, _, _, _ in everyone for k in b})
+    if bad:
+        raise CheckpointError(
+            f"checkpoint {header.path}: tensors {bad[:3]} do not match their sha256; the file is corrupt"
+        )
+    total = sum(e[1] for e in everyone)
+    slowest = max(e[2] for e in everyone)
+    figures = {
+        "method": "shard",
+        "bytes": total,
+        "rank_bytes": read.bytes_read,
+        "seconds": slowest,
+        "algbw_gbps": total / 1e9 / slowest if slowest > 0 else float("nan"),
+        "verified_here": len(read.verified),
+        "wrong": 0,
+    }
+    return read.state, figures
+
+
+def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
+    header, prompts, problems = inspect(params, ctx.site, ctx.world_size)
+    if problems or header is None or prompts is None:
+        raise JobError(f"infer_gpt cannot start: {problems_text(problems)}")
+    cfg = header.config
+    tp = tp_groups(ctx, params.tp)
+    dp, dp_rank = ctx.world_size // params.tp, ctx.rank // params.tp
+
+    t_load = time.perf_counter()
+    if params.load == "broadcast":
+        full, load = load_broadcast(ctx, header, params)
+        shard: dict[str, Any] = shard_state(full, cfg, tp.rank, tp.size)
+    else:
+        shard, load = load_shards(ctx, header, tp)
+    model = TPGPT(cfg, tp, device=ctx.device)
+    model.load_shard(shard)
+    del shard
+    load_s = time.perf_counter() - t_load
+    ctx.log.info("weights loaded by %s in %.3f s (%s bytes)", load["method"], load_s, load["bytes"])
+
+    sampling = Sampling(
+        max_new_tokens=params.max_new_tokens,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        seed=params.seed,
+        end_token=params.end_token,
+    )
+    mine = [i for i in range(len(prompts)) if i % dp == dp_rank]
+    requests: list[dict[str, Any]] = []
+    batches: list[dict[str, Any]] = []
+    steps: list[float] = []
+    dist.barrier()
+    t_gen = time.perf_counter()
+    for start in range(0, len(mine), params.batch_size):
+        ids = mine[start : start + params.batch_size]
+        gen = torch.Generator(device=ctx.device).manual_seed(params.seed * 1_000_003 + ids[0])
+        out = generate(model, [prompts[i] for i in ids], sampling, gen)
+        new = sum(len(t) for t in out.tokens)
+        batches.append(
+            {
+                "batch": ids[0] // params.batch_size if dp == 1 else len(batches),
+                "dp_group": dp_rank,
+                "size": len(ids),
+                "first_request": ids[0],
+                "padded_prompt_tokens": max(len(prompts[i]) for i in ids),
+                "new_tokens": new,
+                "prefill_s": out.prefill_s,
+                "step_p50_s": metrics.percentile(out.step_s, 50),
+                "step_p99_s": metrics.percentile(out.step_s, 99),
+                "total_s": out.elapsed_s,
+                "tokens_per_s": new / out.elapsed_s if out.elapsed_s > 0 else float("nan"),
+            }
+        )
+        steps.extend(out.step_s)
+        for j, i in enumerate(ids):
+            n = len(out.tokens[j])
+            requests.append(
+                {
+                    "request": i,
+                    "dp_group": dp_rank,
+                    "prompt_tokens": len(prompts[i]),
+                    "new_tokens": n,
+                    "finish": out.finish[j],
+                    "ttft_s": out.ttft_s[j],
+                    "total_s": out.total_s[j],
+                    "per_token_s": metrics.per_token_s(out.ttft_s[j], out.total_s[j], n),
+                    "tokens_per_s": n / out.total_s[j] if out.total_s[j] > 0 else float("nan"),
+                    "output_ids": out.tokens[j],
+                }
+            )
+    gen_s = time.perf_counter() - t_gen
+    my_tokens = sum(r["new_tokens"] for r in requests)
+    rank_row = {
+        "rank": ctx.rank,
+        "host": ctx.info.hostname,
+        "tp_rank": tp.rank,
+        "dp_group": dp_rank,
+        "requests": len(requests),
+        "new_tokens": my_tokens,
+        "load_s": load_s,
+        "generate_s": gen_s,
+        "tokens_per_s": my_tokens / gen_s if gen_s > 0 else float("nan"),
+    }
+    lead = tp.rank == 0  # one rank per group reports its requests (its peers hold the same)
+    everyone = _agree(ctx, (rank_row, requests if lead else [], batches if lead else [], steps if lead else []))
+    summary = {"rank": ctx.rank, "new_tokens": my_tokens, "tokens_per_s": rank_row["tokens_per_s"]}
+    if not ctx.is_main:
+        return summary
+    all_requests = sorted((r for e in everyone for r in e[1]), key=lambda r: r["request"])
+    all_batches = [b for e in everyone for b in e[2]]
+    all_steps = [s for e in everyone for s in e[3]]
+    ranks = [e[0] for e in everyone]
+    wall = max(r["generate_s"] for r in ranks)
+    total_new = sum(r["new_tokens"] for r in all_requests)
+    figures = metrics.summarize(
+        [r["ttft_s"] for r in all_requests],
+        [r["total_s"] for r in all_requests],
+        [r["per_token_s"] for r in all_requests],
+        all_steps,
+        total_new,
+        wall,
+    )
+    from hpcdist.infer.results import write_infer_result
+
+    path = write_infer_result(
+        ctx.result_path(),
+        ctx.run_attrs(),
+        header=header,
+        params=params,
+        tp=params.tp,
+        dp=dp,
+        prompts=prompts,
+        requests=all_requests,
+        batches=all_batches,
+        ranks=ranks,
+        load=load,
+        summary=figures,
+    )
+    first = decode(all_requests[0]["output_ids"])
+    summary.update(
+        {
+            "result": str(path),
+            "checkpoint": str(header.path),
+            "tp": params.tp,
+            "dp": dp,
+            "load": {k: load[k] for k in ("method", "bytes", "seconds", "algbw_gbps")},
+            "requests": len(all_requests),
+            "tokens_per_s_overall": round(figures["tokens_per_s"], 2),
+            "ttft_p50_ms": round(1e3 * figures["ttft_p50_s"], 3),
+            "per_token_p50_ms": round(1e3 * figures["per_token_p50_s"], 3),
+            "total_p50_ms": round(1e3 * figures["total_p50_s"], 3),
+            "total_p99_ms": round(1e3 * figures["total_p99_s"], 3),
+            "sample": (decode(prompts[0]) + first)[:120],
+        }
+    )
+    return summary
+
+
+def broadcast_source(params: BroadcastParams, device: torch.device) -> dict[str, torch.Tensor]:
+    """The tensors `params` describes, filled with seeded random values (rank 0 only)."""
+    gen = torch.Generator().manual_seed(0)
+    if params.model is not None:
+        shapes = expected_shapes(params.model)
+    else:
+        assert params.size_mb is not None
+        total = int(params.size_mb * (1 << 20)) // 4
+        per = max(1, int(params.tensor_mb * (1 << 20)) // 4)
+        shapes = {f"t{i}": (min(per, total - i * per),) for i in range(-(-total // per))}
+    return {k: torch.randn(s, generator=gen).to(device) for k, s in shapes.items()}
+
+
+def run_broadcast(ctx: JobContext, params: BroadcastParams) -> dict[str, Any]:
+    """Broadcast the same state `warmup + iters` times; every rank checks what it received."""
+    bucket = int(params.bucket_mb * (1 << 20))
+    src_state = broadcast_source(params, ctx.device) if ctx.is_main else None
+    box: list[Any] = [
+        (describe(src_state), [sha256_of(v.cpu().numpy()) for v in src_state.values()]) if src_state else None
+    ]
+    dist.broadcast_object_list(box, src=0, device=ctx.device if ctx.device.type == "cuda" else None)
+    meta, digests = box[0]
+    rows = []
+    for it in range(params.warmup + params.iters):
+        dist.barrier()
+        got, stats = broadcast_state(src_state, ctx.device, bucket_bytes=bucket, meta=meta)
+        wrong = sum(sha256_of(got[name].cpu().numpy()) != d for (name, _, _), d in zip(meta, digests, strict=True))
+        if it >= params.warmup:
+            rows.append((stats, wrong))
+        del got
+    everyone = _agree(ctx, [(s.seconds, w) for s, w in rows])
+    summary: dict[str, Any] = {"rank": ctx.rank, "wrong": sum(w for _, w in rows)}
+    nbytes, buckets = rows[0][0].bytes, rows[0][0].buckets
+    # nccl-tests: time averaged across ranks for each iteration, then bandwidth per iteration
+    times = [float(np.mean([everyone[r][i][0] for r in range(ctx.world_size)])) for i in range(params.iters)]
+    wrongs = [sum(everyone[r][i][1] for r in range(ctx.world_size)) for i in range(params.iters)]
+    algbw = [nbytes / 1e9 / t for t in times]
+    median = float(np.median(algbw))
+    if ctx.is_main:
+        from hpcdist.infer.results import write_broadcast_result
+
+        path = write_broadcast_result(
+            ctx.result_path(), ctx.run_attrs(), params=params, nbytes=nbytes, buckets=buckets,
+            tensors=len(meta), times=times, wrongs=wrongs,
+        )
+        summary.update({"result": str(path), "bytes": nbytes, "buckets": buckets, "tensors": len(meta),
+                        "time_mean_s": float(np.mean(times)), "busbw_median_gbps": round(median, 4),
+                        "wrong_total": sum(wrongs)})
+    if sum(wrongs):
+        raise JobError(f"broadcast delivered wrong data: {sum(wrongs)} tensor copies differ from rank 0's")
+    if params.min_busbw_gbps is not None and median < params.min_busbw_gbps:
+        raise BenchmarkError(
+            f"broadcast busbw median {median:.3f} GB/s is below params.min_busbw_gbps={params.min_busbw_gbps}"
+        )
+    return summary
+

@@ -1,0 +1,127 @@
+"""What each tensor-parallel rank holds of each checkpoint tensor, and reading just that from the file.
+
+Megatron-style split of a GPT-2 block across ``tp`` ranks:
+
+- ``attn.c_attn`` (column-parallel): rank r keeps the rows of its heads in each of q, k and v;
+- ``attn.c_proj`` (row-parallel): rank r keeps the input columns of its heads; the bias stays
+  whole (added once, after the all-reduce);
+- ``mlp.c_fc`` (column-parallel): rank r keeps its slice of the hidden units (for SwiGLU, the
+  same slice of the gate and of the up projection);
+- ``mlp.c_proj`` (row-parallel): the matching input columns; bias whole;
+- embeddings and layer norms are replicated (the vocab-parallel head slices ``wte`` in memory).
+
+The same plan slices an in-memory state (after a broadcast) and an HDF5 dataset (shard reads),
+so both paths give the same tensors on each rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hpcdist.infer.checkpoint import CheckpointHeader, sha256_of, verify_streaming
+from hpcdist.model.config import GPTConfig
+
+Ranges = list[tuple[int, int]]
+
+
+def check_tp(cfg: GPTConfig, tp: int) -> list[tuple[str, int, str]]:
+    """Why `cfg` cannot be split over `tp` ranks, as (what, value, what to do); empty when it can."""
+    problems = []
+    if tp < 1:
+        problems.append(("tp", tp, "must be at least 1"))
+    elif cfg.n_head % tp:
+        problems.append(("tp", tp, f"must divide the model's n_head={cfg.n_head} (attention is split by heads)"))
+    elif cfg.d_hidden % tp:
+        problems.append(("tp", tp, f"must divide the MLP hidden size {cfg.d_hidden} (d_model x mlp_ratio)"))
+    return problems
+
+
+def shard_plan(key: str, cfg: GPTConfig, tp_rank: int, tp: int) -> tuple[int, Ranges] | None:
+    """(dimension, index ranges to concatenate) of `key` held by `tp_rank`; None when replicated."""
+    if tp == 1:
+        return None
+    d, h = cfg.d_model, cfg.d_hidden
+    dl, hl = d // tp, h // tp
+    r = tp_rank
+    if key.endswith("attn.c_attn.weight") or key.endswith("attn.c_attn.bias"):
+        return 0, [(j * d + r * dl, j * d + (r + 1) * dl) for j in range(3)]
+    if key.endswith("attn.c_proj.weight"):
+        return 1, [(r * dl, (r + 1) * dl)]
+    if key.endswith("mlp.c_fc.weight") or key.endswith("mlp.c_fc.bias"):
+        parts = 2 if cfg.mlp == "swiglu" else 1
+        return 0, [(j * h + r * hl, j * h + (r + 1) * hl) for j in range(parts)]
+    if key.endswith("mlp.c_proj.weight"):
+        return 1, [(r * hl, (r + 1) * hl)]
+    return None
+
+
+def take(source: Any, plan: tuple[int, Ranges] | None) -> np.ndarray:
+    """The part of `source` (a numpy array or an h5py dataset) that `plan` names, as a new array."""
+    if plan is None:
+        return np.ascontiguousarray(source[()] if not isinstance(source, np.ndarray) else source)
+    dim, ranges = plan
+    parts = [source[a:b] if dim == 0 else source[:, a:b] for a, b in ranges]
+    return np.ascontiguousarray(np.concatenate(parts, axis=dim) if len(parts) > 1 else parts[0])
+
+
+def shard_state(full: dict[str, Any], cfg: GPTConfig, tp_rank: int, tp: int) -> dict[str, Any]:
+    """`tp_rank`'s part of a full in-memory state (numpy arrays or torch tensors)."""
+    out: dict[str, Any] = {}
+    for key, value in full.items():
+        plan = shard_plan(key, cfg, tp_rank, tp)
+        if plan is None:
+            out[key] = value
+        elif isinstance(value, np.ndarray):
+            out[key] = take(value, plan)
+        else:  # a torch tensor: slice without leaving torch
+            import torch
+
+            dim, ranges = plan
+            out[key] = torch.cat([value.narrow(dim, a, b - a) for a, b in ranges], dim=dim).contiguous()
+    return out
+
+
+@dataclass
+class ShardRead:
+    """One rank's shard read: its tensors, the checkpoint tensors it verified, and what failed."""
+
+    state: dict[str, np.ndarray]
+    bytes_read: int
+    verified: list[str]
+    bad: list[str]
+
+
+def read_shard(header: CheckpointHeader, tp_rank: int, tp: int, rank: int, world_size: int) -> ShardRead:
+    """Read `tp_rank`'s shard of every tensor, and verify checksums without reading the file `world_size` times.
+
+    A replicated tensor is read whole, so its sha256 is checked right away. A sharded tensor's
+    sha256 covers the whole tensor, which this rank does not read; instead tensor number i is
+    checked by rank ``i % world_size``, streaming it in chunks, so across the ranks every sharded
+    tensor is verified once and no rank holds more than its shard plus one chunk. The caller
+    agrees on the outcome across ranks (any bad tensor fails every rank).
+    """
+    import h5py
+
+    state: dict[str, np.ndarray] = {}
+    verified: list[str] = []
+    bad: list[str] = []
+    nbytes = 0
+    with h5py.File(header.path, "r") as f:
+        group = f["model"]
+        for i, key in enumerate(header.shapes):
+            plan = shard_plan(key, header.config, tp_rank, tp)
+            arr = take(group[key], plan)
+            nbytes += arr.nbytes
+            state[key] = arr
+            if plan is None:
+                verified.append(key)
+                if sha256_of(arr) != header.sha256[key]:
+                    bad.append(key)
+            elif i % world_size == rank:
+                verified.append(key)
+                if not verify_streaming(header, key):
+                    bad.append(key)
+    return ShardRead(state=state, bytes_read=nbytes, verified=verified, bad=bad)

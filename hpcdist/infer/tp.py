@@ -1,0 +1,223 @@
+"""A tensor-parallel GPT for inference, built from ``hpcdist.model.gpt.GPT``'s weights.
+
+Megatron-style placement (Shoeybi et al. 2019, section 3): in each block the attention's
+``c_attn`` is column-parallel (each rank computes its own heads, no communication), ``c_proj`` is
+row-parallel (each rank multiplies its heads' slice and an all-reduce sums the partial
+outputs, then the bias is added once); the MLP's ``c_fc`` is column-parallel (GELU or SwiGLU
+applied locally to its hidden slice) and its ``c_proj`` row-parallel with one all-reduce. So a
+block costs two all-reduces of (batch, time, d_model). The head is vocab-parallel: rank r
+multiplies by its rows of the tied ``wte`` and an all-gather assembles the logits, so every
+rank of a group holds identical logits (and samples the same token from the same seed).
+
+Parameter names equal ``GPT``'s, holding each rank's shard; with ``tp == 1`` no collective runs
+and the model is the plain GPT with a KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hpcdist.infer.shard_load import check_tp
+from hpcdist.model.config import GPTConfig
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This rank's place in its tensor-parallel group; `group` is None when tp == 1."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's `x` along the last dimension, in rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+class ColumnParallelLinear(nn.Linear):
+    """y = x A_r^T + b_r: this rank's output slice; the input is the full (replicated) x."""
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_r x_r A_r^T + b: this rank's input slice, partial products summed by all-reduce."""
+
+    def __init__(self, in_local: int, out_features: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_local))
+        self.bias = nn.Parameter(torch.empty(out_features))
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y + self.bias
+
+
+class KVCache:
+    """Preallocated keys and values per layer: (batch, local heads, max_len, d_head)."""
+
+    def __init__(self, n_layer: int, batch: int, n_head: int, max_len: int, d_head: int, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> None:
+        shape = (batch, n_head, max_len, d_head)
+        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.length = 0
+        self.max_len = max_len
+
+
+class TPAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.n_local, self.d_head = cfg.n_head // tp.size, cfg.d_head
+        self.d_local = self.n_local * self.d_head
+        self.c_attn = ColumnParallelLinear(cfg.d_model, 3 * self.d_local)
+        self.c_proj = RowParallelLinear(self.d_local, cfg.d_model, tp)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None, layer: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.c_attn(x).split(self.d_local, dim=2)
+        q, k, v = (z.view(b, t, self.n_local, self.d_head).transpose(1, 2) for z in (q, k, v))
+        if cache is not None:
+            start = cache.length
+            cache.k[layer][:, :, start : start + t] = k
+            cache.v[layer][:, :, start : start + t] = v
+            k, v = cache.k[layer][:, :, : start + t], cache.v[layer][:, :, : start + t]
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, self.d_local))
+
+
+class TPMLP(nn.Module):
+    def __init__(self, cfg: GPTConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.kind = cfg.mlp
+        h_local = cfg.d_hidden // tp.size
+        self.c_fc = ColumnParallelLinear(cfg.d_model, h_local * (2 if cfg.mlp == "swiglu" else 1))
+        self.c_proj = RowParallelLinear(h_local, cfg.d_model, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c_fc(x)
+        if self.kind == "swiglu":
+            gate, up = h.chunk(2, dim=-1)  # this rank's gate slice, then the same slice of up
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.c_proj(h)
+
+
+class TPBlock(nn.Module):
+    def __init__(self, cfg: GPTConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
+        self.attn = TPAttention(cfg, tp)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
+        self.mlp = TPMLP(cfg, tp)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None, layer: int) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask, cache, layer)
+        return x + self.mlp(self.ln_2(x))
+
+
+class TPGPT(nn.Module):
+    """One rank's shard of a GPT; call `load_shard` with that rank's tensors before use."""
+
+    def __init__(self, cfg: GPTConfig, tp: TPGroup | None = None, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        tp = tp or TPGroup()
+        problems = check_tp(cfg, tp.size)
+        if problems:
+            what, value, todo = problems[0]
+            raise ValueError(f"{what}={value} {todo}")
+        self.cfg, self.tp = cfg, tp
+        self.vocab_local = -(-cfg.vocab_size // tp.size)  # padded so every rank gathers equal slices
+        with torch.device(device):
+            self.transformer = nn.ModuleDict(
+                {
+                    "wte": nn.Embedding(cfg.vocab_size, cfg.d_model),
+                    "wpe": nn.Embedding(cfg.context, cfg.d_model),
+                    "h": nn.ModuleList(TPBlock(cfg, tp) for _ in range(cfg.n_layer)),
+                    "ln_f": nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps),
+                }
+            )
+            self.register_buffer("head", torch.zeros(self.vocab_local, cfg.d_model), persistent=False)
+        self.requires_grad_(False)
+        self.eval()
+
+    @property
+    def wte(self) -> nn.Embedding:
+        return cast(nn.Embedding, self.transformer["wte"])
+
+    @property
+    def device(self) -> torch.device:
+        return self.wte.weight.device
+
+    @torch.no_grad()
+    def load_shard(self, state: dict[str, Any]) -> None:
+        """Copy this rank's tensors (names as in ``GPT.state_dict()``, shapes of this shard) in."""
+        own = self.state_dict()
+        missing = sorted(set(own) - set(state))
+        if missing:
+            raise KeyError(f"shard lacks {missing[:3]}")
+        for key, param in own.items():
+            value = torch.as_tensor(state[key])
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(f"{key}: shard has shape {tuple(value.shape)}, this rank expects {tuple(param.shape)}")
+            param.copy_(value)
+        v0 = self.tp.rank * self.vocab_local
+        rows = self.wte.weight[v0 : v0 + self.vocab_local]
+        head = cast(torch.Tensor, self.head)
+        head.zero_()
+        head[: rows.shape[0]] = rows
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        p = self.wte.weight
+        return KVCache(self.cfg.n_layer, batch, self.cfg.n_head // self.tp.size, max_len, self.cfg.d_head,
+                       p.device, p.dtype)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        idx: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Logits (batch, time, vocab) for `idx` (batch, time).
+
+        `positions` (batch, time) default to 0..t-1 after the cached tokens; `mask` (batch, 1,
+        time, cached + time) is a boolean attention mask (True = attend), default causal; with
+        `cache`, keys and values are appended to it and its length advanced.
+        """
+        b, t = idx.shape
+        past = cache.length if cache is not None else 0
+        if positions is None:
+            if past + t > self.cfg.context:
+                raise ValueError(f"sequence of {past + t} tokens is longer than the context {self.cfg.context}")
+            positions = torch.arange(past, past + t, device=idx.device).expand(b, t)
+        if mask is None and past and t > 1:
+            causal = torch.ones(t, past + t, dtype=torch.bool, device=idx.device).tril(past)
+            mask = causal.expand(b, 1, t, past + t)
+        x = self.wte(idx) + self.transformer["wpe"](positions)
+        for i, block in enumerate(cast(nn.ModuleList, self.transformer["h"])):
+            x = block(x, mask, cache, i)
+        if cache is not None:
+            cache.length = past + t
+        x = self.transformer["ln_f"](x)
+        logits = self.tp.all_gather_last(F.linear(x, cast(torch.Tensor, self.head)))
+        return logits[..., : self.cfg.vocab_size]
