@@ -83,3 +83,13 @@ def test_rank_that_exits_early_is_named(slurm_storage: Path) -> None:
 def test_status_of_unknown_job() -> None:
     result = run_cli("status", "abc")
     assert result.code == 2 and "is not a Slurm job id" in result.err
+
+
+def test_gpu_request_on_a_node_without_usable_gpu(slurm_storage: Path) -> None:
+    """The emulated GPUs are GRES only: Slurm sets CUDA_VISIBLE_DEVICES, torch sees no GPU."""
+    sets = ["resources.partition=gpu", "resources.gpus_per_node=4", "resources.tasks_per_node=4", "timeout_s=10"]
+    result = run_cli("submit", "jobs/smoke.yaml", "--site", "local-slurm", "--wait",
+                     *[a for s in sets for a in ("--set", s)], *storage_sets(slurm_storage))
+    assert result.code == 1
+    assert "rank 0: FAILED BootstrapError: job asks for GPUs (gpus_per_node=4, backend=auto) but on n1 " \
+           "CUDA_VISIBLE_DEVICES='0,1,2,3' is set but torch sees no usable GPU" in result.out

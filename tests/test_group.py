@@ -1,0 +1,78 @@
+"""Rendezvous in one process (threads stand in for ranks): endpoints, check-in, missing ranks."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from hpcdist.errors import BootstrapError
+from hpcdist.runtime import group
+from hpcdist.runtime.rankinfo import RankInfo
+
+
+def info(rank: int, world: int, **kw: object) -> RankInfo:
+    base = dict(launcher="slurm", rank=rank, world_size=world, local_rank=rank, local_world_size=world,
+                node_rank=0, num_nodes=1, hostname=f"h{rank}", job_id="77")
+    base.update(kw)
+    return RankInfo(**base)  # type: ignore[arg-type]
+
+
+def run_ranks(world: int, fn) -> list[object]:  # type: ignore[no-untyped-def]
+    out: list[object] = [None] * world
+
+    def target(r: int) -> None:
+        try:
+            out[r] = fn(r)
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion
+            out[r] = exc
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+@pytest.mark.parametrize("via", ["file", "hostlist"])
+def test_ranks_meet_and_learn_hosts(tmp_path: Path, via: str) -> None:
+    rdir = tmp_path if via == "file" else None
+
+    def rank(r: int) -> dict[int, str]:
+        me = info(r, 3)
+        store, endpoint = group.open_store(me, 10, rendezvous_dir=rdir, key="77.0.0.0")
+        assert endpoint.via == via and endpoint.addr == "127.0.0.1"
+        hosts = group.check_in(store, me, 10)
+        group.finish(store, me, 10)
+        return hosts
+
+    results = run_ranks(3, rank)
+    assert results == [{0: "h0", 1: "h1", 2: "h2"}] * 3
+    if via == "file":  # the published endpoint is a complete file, no temporary left
+        assert [p.name for p in tmp_path.iterdir()] == ["77.0.0.0.json"]
+
+
+def test_missing_rank_is_named_within_timeout(tmp_path: Path) -> None:
+    def rank(r: int) -> object:  # ranks 0 and 1 come, rank 2 never does
+        me = info(r, 3)
+        store, _ = group.open_store(me, 5, rendezvous_dir=tmp_path, key="k")
+        return group.check_in(store, me, 1.0)
+
+    results = run_ranks(2, rank)
+    for r, result in enumerate(results):
+        assert isinstance(result, BootstrapError), result
+        assert f"rank(s) 2 of 3 did not join within 1 s (this is rank {r} on h{r})" in str(result)
+
+
+def test_rank0_that_never_publishes_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(BootstrapError, match=r"rank 0 did not publish its address in .* within 0.5 s"):
+        group.open_store(info(1, 2), 0.5, rendezvous_dir=tmp_path, key="nobody")
+
+
+def test_restart_gets_a_fresh_key() -> None:
+    me = info(0, 2)
+    first = group.rendezvous_key({"SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "0"}, me)
+    again = group.rendezvous_key({"SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "1"}, me)
+    assert first != again and first.startswith("77.")
