@@ -65,12 +65,14 @@ def main() -> None:
         sbatch_s.append(dt)
         wait_done(ids[-1:] + [re.search(r"job (\d+)", out).group(1)])  # type: ignore[union-attr]
     results = sorted((root / "results" / "smoke").glob("*.h5"))
-    ready, rendezvous = [], []
+    ready, rendezvous, entry, torch_s = [], [], [], []
     for path in results:
         with h5py.File(path) as f:
             boot = read_table(f["bootstrap"])
         ready.append(float(boot["launch_to_ready_s"].max()))
         rendezvous.append(float((boot["rendezvous_s"] + boot["init_process_group_s"]).max()))
+        entry.append(float(boot["launch_to_entry_s"].max()))
+        torch_s.append(float(boot["import_torch_s"].max()))
     imports = []
     for _ in range(args.trials):  # import torch alone, in 4 fresh processes on the 2 nodes
         out = subprocess.run(
@@ -85,6 +87,8 @@ def main() -> None:
     print(f"plain sbatch of the same script: {med(sbatch_s):6.3f} s")
     print(f"ratio submit / sbatch          : {med(submit_s) / med(sbatch_s):6.2f}x")
     print(f"bootstrap, launch -> group ready (slowest of 4 ranks): {med(ready):6.3f} s over {len(ready)} jobs")
+    print(f"  launch -> hpcdist entry (python, submitit, unpickle): {med(entry):6.3f} s")
+    print(f"  import torch inside the bootstrap (slowest rank)   : {med(torch_s):6.3f} s")
     print(f"  import torch alone under srun (slowest of 4)       : {med(imports):6.3f} s")
     print(f"  of which rendezvous + init_process_group           : {med(rendezvous):6.3f} s")
 

@@ -163,10 +163,9 @@ def _init_mpi(info: RankInfo) -> Any:
 
 def run_rank(spec: JobSpec, site: Site) -> dict[str, Any]:
     """Run `spec` on this rank; returns this rank's summary (rank 0's names the result file)."""
-    import torch.distributed as dist
-
     os.environ.update({**site.env, **spec.env})
     ctx, store = bootstrap(spec, site)
+    import torch.distributed as dist  # already imported by the bootstrap, which times it
     kind = get_kind(spec.kind)
     params = kind.params.model_validate(spec.params)
     try:
