@@ -4,7 +4,7 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hpcdist-installed
-PYTEST ?= -q
+PYTEST ?= -q --durations=15
 
 .PHONY: demo test install system-deps cluster-up cluster-down lint clean
 
