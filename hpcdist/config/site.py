@@ -9,12 +9,30 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 # Environment variable names a site may export; anything else is almost certainly a typo.
 _ENV_NAME_CHARS = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
+
+
+def _env_as_strings(value: object) -> object:
+    """YAML turns `OMP_NUM_THREADS: 1` into an int; the environment only holds strings."""
+    if isinstance(value, dict):
+        return {k: v if isinstance(v, str) else _yaml_scalar(v) for k, v in value.items()}
+    return value
+
+
+def _env_names(value: dict[str, str]) -> dict[str, str]:
+    for key in value:
+        if not key or not set(key) <= _ENV_NAME_CHARS or key[0].isdigit():
+            raise ValueError(f"{key!r} is not a valid environment variable name")
+    return value
+
+
+# Variables to export: names checked, values as strings (shared by sites and job specs).
+EnvMap = Annotated[dict[str, str], BeforeValidator(_env_as_strings), AfterValidator(_env_names)]
 
 
 class Frozen(BaseModel):
@@ -103,7 +121,7 @@ class Site(Frozen):
     qos: str | None = None
     modules: tuple[str, ...] = ()
     setup: tuple[str, ...] = Field(default=(), description="shell lines run before the launch")
-    env: dict[str, str] = Field(default_factory=dict)
+    env: EnvMap = Field(default_factory=dict)
     sbatch: dict[str, str] = Field(default_factory=dict, description="extra #SBATCH flags")
     launcher: Launcher = Launcher()
     network: Network = Network()
@@ -112,22 +130,6 @@ class Site(Frozen):
     defaults: Defaults = Defaults()
     baselines: Baselines = Baselines()
     python: str | None = Field(default=None, description="interpreter on the nodes")
-
-    @field_validator("env", mode="before")
-    @classmethod
-    def _env_as_strings(cls, value: object) -> object:
-        """YAML turns `OMP_NUM_THREADS: 1` into an int; the environment only holds strings."""
-        if isinstance(value, dict):
-            return {k: v if isinstance(v, str) else _yaml_scalar(v) for k, v in value.items()}
-        return value
-
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
-        for key in value:
-            if not key or not set(key) <= _ENV_NAME_CHARS or key[0].isdigit():
-                raise ValueError(f"{key!r} is not a valid environment variable name")
-        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> Site:

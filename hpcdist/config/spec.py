@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field
 
-from hpcdist.config.site import Frozen, Site, _yaml_scalar
+from hpcdist.config.site import EnvMap, Frozen, Site
 
 
 class Resources(Frozen):
@@ -38,15 +38,8 @@ class JobSpec(Frozen):
     resources: Resources = Resources()
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     timeout_s: float | None = Field(default=None, gt=0)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: EnvMap = Field(default_factory=dict)
     params: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("env", mode="before")
-    @classmethod
-    def _env_as_strings(cls, value: object) -> object:
-        if isinstance(value, dict):
-            return {k: v if isinstance(v, str) else _yaml_scalar(v) for k, v in value.items()}
-        return value
 
     def timeout(self, site: Site) -> float:
         """Seconds any rendezvous or collective may wait before it fails."""
