@@ -117,6 +117,28 @@ def cmd_sites(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("report")
+def cmd_report(args: argparse.Namespace) -> int:
+    from hpcdist.bench import report
+
+    result = report.load(args.result)
+    other = report.load(args.compare) if args.compare else None
+    sys.stdout.write(report.format_report(result))
+    if other is not None:
+        sys.stdout.write("\n" + report.format_comparison(result, other))
+    if args.plot:
+        for path in report.plot(result, args.plot, other):
+            print(f"wrote {path}")
+    return 0
+
+
+def _report_parser(subs: Any) -> None:
+    p = subs.add_parser("report", help="print a benchmark result as a table; plot it; compare two")
+    p.add_argument("result", help="a result file written by a bench_* job")
+    p.add_argument("--plot", metavar="DIR", default=None, help="also write PNG plots into DIR")
+    p.add_argument("--compare", metavar="OTHER.h5", default=None, help="a second result to compare side by side")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpcdist", description="Distributed PyTorch jobs on Slurm clusters.")
     parser.add_argument("--version", action="version", version=f"hpcdist {__version__}")
@@ -146,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Later stages (report, data) add their subcommands here.
-_EXTRA_PARSERS: list[Callable[[Any], None]] = []
+_EXTRA_PARSERS: list[Callable[[Any], None]] = [_report_parser]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

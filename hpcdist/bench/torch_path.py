@@ -18,6 +18,10 @@ from hpcdist.bench import pattern
 from hpcdist.bench.base import IN_PLACE, NO_BUFFER, Prepared, host_timed
 from hpcdist.bench.factors import Counts
 
+# torch 2.13 renamed the tensor forms of all_gather and reduce_scatter; older releases have the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -71,11 +75,11 @@ class TorchPath:
                 out.zero_()
                 put(src)
 
-            return Prepared(lambda: dist.all_gather_into_tensor(out, src), fill_gather, lambda: out)
+            return Prepared(lambda: _all_gather(out, src), fill_gather, lambda: out)
         if op == "reduce_scatter":
             src = self._empty(c.send, dtype)
             out = src[rank * m : (rank + 1) * m] if inplace else self._empty(m, dtype)
-            return Prepared(lambda: dist.reduce_scatter_tensor(out, src), lambda: put(src), lambda: out)
+            return Prepared(lambda: _reduce_scatter(out, src), lambda: put(src), lambda: out)
         if op == "all_to_all":
             src = self._empty(c.send, dtype)
             out = self._empty(c.recv, dtype)
