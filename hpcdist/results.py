@@ -17,6 +17,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,12 +56,13 @@ def versions() -> dict[str, str]:
         import mpi4py
 
         out["mpi4py"] = mpi4py.__version__
-        from mpi4py import MPI
-
-        if MPI.Is_initialized():
-            out["mpi"] = MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip()
     except ImportError:
         pass
+    # Only where the job already uses MPI: importing mpi4py.MPI initialises MPI, which under
+    # srun --mpi=pmix waits for every rank, so one rank doing it alone hangs.
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized():
+        out["mpi"] = mpi.Get_library_version().replace("\x00", "").splitlines()[0].strip()
     return out
 
 
