@@ -143,6 +143,7 @@ class Watchdog:
         self.limit = timeout_s * 1.25 + 5.0
         self.log = log
         self.rank = rank
+        self.note = ""  # appended to the error, e.g. where the rows so far are
         self._what: str | None = None
         self._deadline = 0.0
         self._lock = threading.Lock()
@@ -165,11 +166,13 @@ class Watchdog:
             with self._lock:
                 what, late = self._what, self._what is not None and time.monotonic() > self._deadline
             if late:
-                self.log.error(
-                    "benchmark: %s did not finish within %.0f s on rank %d; a peer rank died or hangs; "
-                    "the rows measured so far are in the result file, marked incomplete",
-                    what, self.limit, self.rank,
+                message = (
+                    f"{what} did not finish within {self.limit:.0f} s on rank {self.rank}; a peer rank died or "
+                    f"hangs{self.note}"
                 )
+                self.log.error("benchmark: %s", message)
                 logging.shutdown()
+                # the line submitit's error summary picks up (`hpcdist submit --wait` shows it)
+                sys.stderr.write(f"hpcdist.errors.BenchmarkError: {message}\n")
                 sys.stderr.flush()
                 os._exit(124)

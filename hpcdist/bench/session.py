@@ -86,6 +86,7 @@ class Session:
             network = {k: (json.dumps(v) if isinstance(v, (list, tuple)) else v) for k, v in network.items()}
             self.record = BenchRecord(ctx.result_path(), attrs, self.interconnect, network)
             self.record.flush(complete=False)
+            self.watchdog.note = f"; the rows measured before it are in {self.record.path} (complete=False)"
 
     # ---- figures each row is compared with
     def link_rate(self) -> tuple[float | None, str]:
