@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcdist.bench.factors import human_bytes
+from hpcdist.bench.factors import COLLECTIVES, P2P_TESTS, human_bytes
 from hpcdist.errors import BenchmarkError
 
 
@@ -61,7 +61,8 @@ def load(file: str | Path) -> Result:
                 f"kind {attrs.get('kind')!r}); pass a file written by a bench_* job"
             )
         out = Result(file, attrs)
-        for op in sorted(f.get("bench", {})):
+        order = {op: i for i, op in enumerate([*COLLECTIVES, *(f"p2p_{t}" for t in P2P_TESTS)])}
+        for op in sorted(f.get("bench", {}), key=lambda o: (order.get(o, len(order)), o)):
             for path in sorted(f["bench"][op]):
                 g = f["bench"][op][path]
                 out.tables.append(Table(op, path, {k: _plain(v) for k, v in g.attrs.items()}, read_table(g)))
