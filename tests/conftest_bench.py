@@ -46,9 +46,10 @@ def submit(job: str, site: str, root: Path, sets: list[str], env_extra: dict[str
 def slurm_ready() -> bool:
     if shutil.which("sinfo") is None:
         return False
-    proc = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, check=False)
-    states = proc.stdout.split()
-    return proc.returncode == 0 and sum(s.rstrip("*") in ("idle", "mixed", "allocated") for s in states) >= 2
+    proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, check=False)
+    usable = {line.split()[0] for line in proc.stdout.splitlines()
+              if len(line.split()) == 2 and line.split()[1].rstrip("*") in ("idle", "mixed", "allocated")}
+    return proc.returncode == 0 and len(usable) >= 2
 
 
 @pytest.fixture
