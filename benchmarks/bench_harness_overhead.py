@@ -87,78 +87,69 @@ def main() -> int:
     tp, mp = TorchPath(ctx.device, ctx.backend), MPIPath(comm)
     p2p_sizes = [parse_size(s) for s in args.p2p_sizes.split(",")]
     ar_sizes = [parse_size(s) for s in args.allreduce_sizes.split(",")]
-    W, I = args.warmup, args.iters
+    W, ITERS = args.warmup, args.iters
 
     def mean_over_ranks(seconds: float) -> float:
         return float(comm.allreduce(seconds, op=MPI.SUM)) / n
 
-    # ---- the four pairs of measurements; each returns {size: figure}
-    def ours_p2p() -> dict[int, float]:
-        out = {}
-        for size in p2p_sizes:
-            loc = exchange(mp, "pingpong", rank, 1 - rank, rank == 0, size, W, I, 1, False)
-            out[size] = size / 1e9 / mean_over_ranks(float(loc.times.mean()))
-        return out
+    # ---- each side measures one size and returns its figure (GB/s)
+    def ours_p2p(size: int) -> float:
+        loc = exchange(mp, "pingpong", rank, 1 - rank, rank == 0, size, W, ITERS, 1, False)
+        return size / 1e9 / mean_over_ranks(float(loc.times.mean()))
 
-    def peer_p2p() -> dict[int, float]:
-        res = mpibench.pingpong(comm, [
-            "-m", str(min(p2p_sizes)), "-n", str(max(p2p_sizes)), "--skip-huge", str(W), "--loop-huge", str(I),
-        ], verbose=False)
-        return {nbytes: nbytes / 1e9 / mean_over_ranks(t) for nbytes, t, _ in res if nbytes in p2p_sizes}
+    def peer_p2p(size: int) -> float:
+        res = mpibench.pingpong(comm, ["-m", str(size), "-n", str(size), "--skip-huge", str(W),
+                                       "--loop-huge", str(ITERS)], verbose=False)
+        ((nbytes, t, _),) = res
+        return nbytes / 1e9 / mean_over_ranks(t)
 
-    def ours_allreduce(path: Any, mode: str) -> Callable[[], dict[int, float]]:
-        def run() -> dict[int, float]:
-            out = {}
-            for size in ar_sizes:
-                c = counts("all_reduce", size, n, 4)
-                loc = measure(path, "all_reduce", c, mode, "float32", W, I, False)
-                out[size] = busbw("all_reduce", c.size_bytes, mean_over_ranks(float(loc.times.mean())), n)
-            return out
+    def ours_allreduce(path: Any, mode: str) -> Callable[[int], float]:
+        def run(size: int) -> float:
+            c = counts("all_reduce", size, n, 4)
+            loc = measure(path, "all_reduce", c, mode, "float32", W, ITERS, False)
+            return busbw("all_reduce", c.size_bytes, mean_over_ranks(float(loc.times.mean())), n)
         return run
 
-    def bare_torch() -> dict[int, float]:
-        out = {}
-        for size in ar_sizes:
-            t = torch.zeros(size // 4)
-            for _ in range(W):
-                dist.all_reduce(t)
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(I):
-                dist.all_reduce(t)
-            out[size] = busbw("all_reduce", size, mean_over_ranks((time.perf_counter() - t0) / I), n)
-        return out
+    def bare_torch(size: int) -> float:
+        t = torch.zeros(size // 4)
+        for _ in range(W):
+            dist.all_reduce(t)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(ITERS):
+            dist.all_reduce(t)
+        return busbw("all_reduce", size, mean_over_ranks((time.perf_counter() - t0) / ITERS), n)
 
-    def bare_mpi() -> dict[int, float]:
-        out = {}
-        for size in ar_sizes:
-            s, r = np.zeros(size // 4, np.float32), np.zeros(size // 4, np.float32)
-            for _ in range(W):
-                comm.Allreduce(s, r, MPI.SUM)
-            comm.Barrier()
-            t0 = MPI.Wtime()
-            for _ in range(I):
-                comm.Allreduce(s, r, MPI.SUM)
-            out[size] = busbw("all_reduce", size, mean_over_ranks((MPI.Wtime() - t0) / I), n)
-        return out
+    def bare_mpi(size: int) -> float:
+        s, r = np.zeros(size // 4, np.float32), np.zeros(size // 4, np.float32)
+        for _ in range(W):
+            comm.Allreduce(s, r, MPI.SUM)
+        comm.Barrier()
+        t0 = MPI.Wtime()
+        for _ in range(ITERS):
+            comm.Allreduce(s, r, MPI.SUM)
+        return busbw("all_reduce", size, mean_over_ranks((MPI.Wtime() - t0) / ITERS), n)
 
     pairs = {
-        "mpi p2p pingpong GB/s (hpcdist vs mpi4py.bench pingpong)": (ours_p2p, peer_p2p),
-        "gloo all_reduce busbw GB/s (hpcdist vs bare torch.distributed loop)": (ours_allreduce(tp, IN_PLACE), bare_torch),
-        "mpi all_reduce busbw GB/s (hpcdist vs bare mpi4py Allreduce loop)": (ours_allreduce(mp, OUT_OF_PLACE), bare_mpi),
+        "mpi p2p pingpong GB/s (hpcdist vs mpi4py.bench pingpong)": (ours_p2p, peer_p2p, p2p_sizes),
+        "gloo all_reduce busbw GB/s (hpcdist vs bare torch.distributed loop)":
+            (ours_allreduce(tp, IN_PLACE), bare_torch, ar_sizes),
+        "mpi all_reduce busbw GB/s (hpcdist vs bare mpi4py Allreduce loop)":
+            (ours_allreduce(mp, OUT_OF_PLACE), bare_mpi, ar_sizes),
     }
+    # Both sides of a comparison run back to back at each size, in alternating order, so they
+    # see the same machine (other work on a shared node moves both, not one).
     figures: dict[str, dict[int, tuple[list[float], list[float]]]] = {k: {} for k in pairs}
     for trial in range(args.trials):
-        for name, (ours, peer) in pairs.items():
-            order = (ours, peer) if trial % 2 == 0 else (peer, ours)
-            got = {}
-            for fn in order:
-                comm.Barrier()
-                got[fn] = fn()
-            for size, value in got[ours].items():
-                figures[name].setdefault(size, ([], []))[0].append(value)
-            for size, value in got[peer].items():
-                figures[name].setdefault(size, ([], []))[1].append(value)
+        for name, (ours, peer, sizes) in pairs.items():
+            for k, size in enumerate(sizes):
+                got = {}
+                for fn in ((ours, peer) if (trial + k) % 2 == 0 else (peer, ours)):
+                    comm.Barrier()
+                    got[fn] = fn(size)
+                mine, theirs = figures[name].setdefault(size, ([], []))
+                mine.append(got[ours])
+                theirs.append(got[peer])
 
     # ---- per-iteration timing overhead: the timed loop around a call that does nothing
     def noop() -> None:
@@ -175,9 +166,9 @@ def main() -> int:
 
     if rank == 0:
         report: dict[str, Any] = {"command": " ".join(sys.argv), "ranks": n, "trials": args.trials,
-                                  "warmup": W, "iters": I, "launcher": ctx.info.launcher, "results": {}}
+                                  "warmup": W, "iters": ITERS, "launcher": ctx.info.launcher, "results": {}}
         print(f"# hpcdist harness overhead: {n} ranks via {ctx.info.launcher}, {args.trials} trials, "
-              f"{W} warm-up + {I} timed iterations per size; medians over trials; ratio = hpcdist / peer")
+              f"{W} warm-up + {ITERS} timed iterations per size; medians over trials; ratio = hpcdist / peer")
         for name, per_size in figures.items():
             print(f"\n# {name}")
             print(f"# {'size':>6} {'hpcdist':>10} {'peer':>10} {'ratio':>7}")

@@ -11,9 +11,8 @@ import shutil
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = ROOT / "jobs"
@@ -24,7 +23,9 @@ def storage_sets(root: Path) -> list[str]:
     return [f"site.storage.{k}={root / k}" for k in ("results", "checkpoints", "scratch", "logs")]
 
 
-def run_cli(args: list[str], env_extra: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    args: list[str], env_extra: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
     return subprocess.run(
         [sys.executable, "-m", "hpcdist.cli", *args], capture_output=True, text=True, env=env, cwd=ROOT,
@@ -52,10 +53,9 @@ def slurm_ready() -> bool:
     return proc.returncode == 0 and len(usable) >= 2
 
 
-@pytest.fixture
-def shared_dir() -> Path:
-    """A per-test directory on the cluster's shared storage."""
+def make_shared_dir() -> Iterator[Path]:
+    """A per-test directory on the cluster's shared storage, removed afterwards (for a fixture)."""
     path = SHARED / f"t-bench-{uuid.uuid4().hex[:8]}"
     path.mkdir(parents=True)
-    yield path  # type: ignore[misc]
+    yield path
     shutil.rmtree(path, ignore_errors=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import h5py
@@ -16,7 +17,7 @@ import pytest
 from hpcdist.bench.measure import FAULT_VAR
 from hpcdist.results import read_table
 
-from .conftest_bench import JOBS, ROOT, shared_dir, slurm_ready, storage_sets, submit  # noqa: F401
+from .conftest_bench import JOBS, ROOT, make_shared_dir, slurm_ready, storage_sets, submit
 
 pytestmark = [
     pytest.mark.slurm,
@@ -24,6 +25,12 @@ pytestmark = [
 ]
 
 SITE = "local-slurm"
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    yield from make_shared_dir()
+
 SMALL = ["params.min_bytes=8", "params.max_bytes=64K", "params.factor=8", "params.warmup=1", "params.iters=4"]
 
 

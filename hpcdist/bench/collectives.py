@@ -48,7 +48,9 @@ def sweep_collectives(s: Session, ops: tuple[str, ...], sizes: list[int], params
             what = f"{op} at size {size} B ({human_bytes(size)}) on path {path.label} ({mode})"
             got = s.run_one(
                 path, what, op, size,
-                lambda: measure(path, op, c, mode, params.dtype, params.warmup, params.iters, params.check),
+                lambda path=path, op=op, c=c, mode=mode: measure(  # type: ignore[misc]
+                    path, op, c, mode, params.dtype, params.warmup, params.iters, params.check
+                ),
             )
             if s.record is not None and got is not None:
                 row = summarize(op, c, mode == IN_PLACE, got, list(range(n)), s.node_of_rank, n, exp)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from hpcdist.bench.base import MODES, NO_BUFFER, OUT_OF_PLACE, IN_PLACE
+from hpcdist.bench.base import MODES, NO_BUFFER
 from hpcdist.bench.factors import COLLECTIVES, P2P_TESTS, parse_size, sweep
 from hpcdist.jobs.registry import JobKind, Problem, register
 
@@ -77,13 +77,13 @@ class _Sweep(_Params):
 
 
 class CollectivesParams(_Sweep):
-    ops: tuple[Op, ...] = Field(default=COLLECTIVES, min_length=1)  # type: ignore[assignment]
-    modes: tuple[Mode, ...] = Field(default=(OUT_OF_PLACE, IN_PLACE), min_length=1)
+    ops: tuple[Op, ...] = Field(default=COLLECTIVES, min_length=1)  # type: ignore[arg-type]
+    modes: tuple[Mode, ...] = Field(default=("out_of_place", "in_place"), min_length=1)
     dtype: DType = "float32"
 
 
 class P2PParams(_Sweep):
-    tests: tuple[Test, ...] = Field(default=P2P_TESTS, min_length=1)  # type: ignore[assignment]
+    tests: tuple[Test, ...] = Field(default=P2P_TESTS, min_length=1)  # type: ignore[arg-type]
     window: int = Field(default=16, ge=1, le=256, description="messages in flight per iteration (unidir, bidir)")
     ranks: tuple[int, int] | None = Field(default=None, description="the two ranks; default first and last")
 
@@ -129,7 +129,9 @@ def _paths_problems(spec: JobSpec, site: Site, p: Any) -> list[Problem]:
     gpus = spec.resources.gpus_per_node
     if "mpi" in p.paths:
         if importlib.util.find_spec("mpi4py") is None:
-            out.append(("params.paths", "mpi", "mpi4py is not installed: pip install 'hpcdist[mpi]', or use path torch"))
+            out.append(
+                ("params.paths", "mpi", "mpi4py is not installed: pip install 'hpcdist[mpi]', or use path torch")
+            )
         under_mpi = any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
         if site.scheduler == "local" and spec.resources.world_size > 1 and not under_mpi:
             out.append((

@@ -120,7 +120,8 @@ class MPIPath:
         self.comm.Barrier()
 
     def gather(self, obj: Any) -> list[Any] | None:
-        return self.comm.gather(obj, root=0)  # type: ignore[no-any-return]
+        gathered: list[Any] | None = self.comm.gather(obj, root=0)
+        return gathered
 
     def bcast(self, obj: Any) -> Any:
         return self.comm.bcast(obj, root=0)

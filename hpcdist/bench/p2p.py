@@ -119,25 +119,7 @@ def run(ctx: JobContext, params: P2PParams) -> dict[str, Any]:
                 s.record.add_row(name, row)
                 s.record.flush(complete=False)
             advance(f"{test} {human_bytes(size)} {path.label}")
-    found: list[str] = []
-    base = ctx.site.baselines
-    if s.record is not None:
-        for path in s.paths:
-            for test, rows in ((t, s.record.tables.get(table_name(t, path.name))) for t in params.tests):
-                if rows is None or not rows.rows:
-                    continue
-                top = max(rows.rows, key=lambda r: r["size"])
-                if test in ("unidir", "pingpong") and base.min_p2p_gbps is not None and not top["algbw_gbps"] >= base.min_p2p_gbps:
-                    found.append(
-                        f"p2p {test} {s.node_of_rank[a]}->{s.node_of_rank[b]} on {path.label}: "
-                        f"{top['algbw_gbps']:.2f} GB/s at {human_bytes(top['size'])} < minimum {base.min_p2p_gbps:g} GB/s"
-                    )
-                small = min(rows.rows, key=lambda r: r["size"])
-                if test == "pingpong" and base.max_latency_us is not None and not small["time_us"] <= base.max_latency_us:
-                    found.append(
-                        f"p2p latency {s.node_of_rank[a]}<->{s.node_of_rank[b]} on {path.label}: "
-                        f"{small['time_us']:.1f} us at {human_bytes(small['size'])} > maximum {base.max_latency_us:g} us"
-                    )
+    found = p2p_shortfalls(s, params.tests, a, b) if s.record is not None else []
     out = s.finish(found, params.enforce_minimums)
     if s.record is not None:
         out["peak_gbps"] = {
@@ -145,3 +127,31 @@ def run(ctx: JobContext, params: P2PParams) -> dict[str, Any]:
             for n, t in s.record.tables.items()
         }
     return out
+
+
+def p2p_shortfalls(s: Session, tests: tuple[str, ...], a: int, b: int) -> list[str]:
+    """Bandwidth at the largest size below ``min_p2p_gbps``, latency at the smallest above ``max_latency_us``."""
+    assert s.record is not None
+    base = s.ctx.site.baselines
+    link = f"{s.node_of_rank[a]}->{s.node_of_rank[b]}"
+    found: list[str] = []
+    for path in s.paths:
+        for test in tests:
+            table = s.record.tables.get(table_name(test, path.name))
+            if table is None or not table.rows:
+                continue
+            top = max(table.rows, key=lambda r: r["size"])
+            floor = base.min_p2p_gbps
+            if test in ("unidir", "pingpong") and floor is not None and not top["algbw_gbps"] >= floor:
+                found.append(
+                    f"p2p {test} {link} on {path.label}: {top['algbw_gbps']:.2f} GB/s at "
+                    f"{human_bytes(top['size'])} < minimum {floor:g} GB/s"
+                )
+            small = min(table.rows, key=lambda r: r["size"])
+            ceiling = base.max_latency_us
+            if test == "pingpong" and ceiling is not None and not small["time_us"] <= ceiling:
+                found.append(
+                    f"p2p latency {link} on {path.label}: {small['time_us']:.1f} us at "
+                    f"{human_bytes(small['size'])} > maximum {ceiling:g} us"
+                )
+    return found

@@ -78,7 +78,7 @@ class BenchRecord:
             self.attrs["verdict"] = attrs["verdict"] = verdict
         with result_file(self.path, attrs) as f:
             cols = ("host", "device", "port", "state", "link_layer", "rate", "rate_gbps")
-            ib = {c: [p[c] for p in self.interconnect] for c in cols}
+            ib: dict[str, Any] = {c: [p[c] for p in self.interconnect] for c in cols}
             ib["port"] = np.asarray(ib["port"], dtype=np.int32)
             ib["rate_gbps"] = np.asarray(ib["rate_gbps"], dtype=np.float64)
             for c in ("host", "device", "state", "link_layer", "rate"):
@@ -90,7 +90,10 @@ class BenchRecord:
                 columns: dict[str, Any] = {}
                 for col in ROW_COLUMNS:
                     values = [r[col] for r in table.rows]
-                    columns[col] = [str(v) for v in values] if col == "slowest_host" else np.asarray(values, dtype=_dtype(col))
+                    if col == "slowest_host":
+                        columns[col] = [str(v) for v in values]
+                    else:
+                        columns[col] = np.asarray(values, dtype=_dtype(col))
                 write_table(f, name, columns, complete=complete, **table.attrs)
             for name, m in self.matrices.items():
                 g = f.require_group(name)

@@ -91,14 +91,15 @@ def header(r: Result) -> list[str]:
     nodes = a.get("nodes") or []
     lines = [
         f"# {a.get('kind')} {a.get('job_name')} job {a.get('job_id')} on site {a.get('site')}, {a.get('created')}",
-        f"# {a.get('world_size')} ranks on {len(nodes)} node(s): {', '.join(nodes)}; paths {', '.join(a.get('paths') or [])}",
+        f"# {a.get('world_size')} ranks on {len(nodes)} node(s): {', '.join(nodes)}; "
+        f"paths {', '.join(a.get('paths') or [])}",
         f"# hpcdist {a.get('version_hpcdist')}, torch {a.get('version_torch')}, NCCL {a.get('version_nccl')}, "
         f"MPI {a.get('version_mpi')}",
     ]
     ib = r.interconnect
     if ib and len(ib.get("host", [])):
         ports = {f"{h}:{d}/{p} {s} {ll} {rate}" for h, d, p, s, ll, rate in zip(
-            ib["host"], ib["device"], ib["port"], ib["state"], ib["link_layer"], ib["rate"])}
+            ib["host"], ib["device"], ib["port"], ib["state"], ib["link_layer"], ib["rate"], strict=True)}
         lines.append(f"# InfiniBand: {'; '.join(sorted(ports))}")
     else:
         lines.append("# InfiniBand: none found on the nodes")
@@ -125,7 +126,7 @@ def collective_lines(t: Table) -> list[str]:
     sizes = sorted(set(c["size"].tolist()))
     busbws = []
     for size in sizes:
-        rows = {int(ip): i for i, (s, ip) in enumerate(zip(c["size"], c["in_place"])) if s == size}
+        rows = {int(ip): i for i, (s, ip) in enumerate(zip(c["size"], c["in_place"], strict=True)) if s == size}
         parts = []
         for mode in (0, 1):
             i = rows.get(mode)
@@ -199,7 +200,7 @@ def _peak(t: Table) -> dict[int, float]:
     """Best busbw (algbw for p2p) per size over the modes."""
     col = "algbw_gbps" if t.op.startswith("p2p_") else "busbw_gbps"
     out: dict[int, float] = {}
-    for s, v in zip(t.cols["size"].tolist(), t.cols[col].tolist()):
+    for s, v in zip(t.cols["size"].tolist(), t.cols[col].tolist(), strict=True):
         if not math.isnan(v):
             out[s] = max(out.get(s, -1.0), v)
     return out
@@ -240,7 +241,8 @@ def format_comparison(a: Result, b: Result) -> str:
                     continue
                 va = ma["bandwidth_gbps"][i, j]
                 vb = mb["bandwidth_gbps"][mb["nodes"].index(ni), mb["nodes"].index(nj)]
-                lines.append(f"  {ni}->{nj}: {va:.3f} -> {vb:.3f} ({_f(vb / va if va else float('nan'), 0, 3).strip()})")
+                change = _f(vb / va if va else float("nan"), 0, 3).strip()
+                lines.append(f"  {ni}->{nj}: {va:.3f} -> {vb:.3f} ({change})")
     if not shared:
         lines.append("# the two files have no operation, path and size in common")
     return "\n".join(lines) + "\n"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from hpcdist.bench.base import CommPath
-from hpcdist.bench.measure import Local, Watchdog, maybe_fault
+from hpcdist.bench.measure import Watchdog, maybe_fault
 from hpcdist.bench.record import BenchRecord, rank_layout
 from hpcdist.errors import BenchmarkError, HpcdistError
 
@@ -112,7 +112,7 @@ class Session:
         return self.link_rate()
 
     # ---- running measurements
-    def run_one(self, path: CommPath, what: str, op: str, size: int, fn: Callable[[], Local | None]) -> list[Any] | None:
+    def run_one(self, path: CommPath, what: str, op: str, size: int, fn: Callable[[], Any]) -> list[Any] | None:
         """Run one measurement under the watchdog and gather its figures to rank 0.
 
         Any failure becomes a BenchmarkError naming the operation, size and path; rank 0 first
