@@ -73,6 +73,7 @@ def exchange(
         ax = path.arrays()
         if first:
             buf[:] = pattern.values(ax, me, 0, nbytes)
+            path.sync()  # a GPU buffer is written on a stream; MPI must not read it before
             path.send(buf, peer)
         else:
             path.recv(buf, peer)
