@@ -2,10 +2,12 @@
 
 Layout (inside the ``hpcdist.result`` format, see ``hpcdist.results``; ``bench_layout`` 1):
 
-- root attributes, besides the run's: ``complete`` (False until the sweep ends: a run that died
-  leaves the rows measured so far), ``bench_layout``, ``nodes`` (one per node), ``rank_layout``
-  (JSON: rank, host, local rank, node rank), ``params_json``, ``baselines_json``, ``verdict``
-  ("ok", "below minimum: ..." or "failed: ...");
+- root attributes, besides the run's (``hosts`` is each rank's hostname): ``complete`` (False
+  until the sweep ends: a run that died leaves the rows measured so far), ``bench_layout``,
+  ``nodes`` (the scheduler's node names, in rank order), ``rank_nodes`` (node of each rank),
+  ``rank_layout`` (JSON: rank, node, hostname, local_rank, node_index), ``paths`` (labels such
+  as ``torch/gloo``, ``mpi/numpy``), ``params_json``, ``baselines_json``, ``verdict`` ("ok",
+  "below minimum: ..." or "failed at ...");
 - ``/interconnect``: a table of InfiniBand ports per node (host, device, port, state,
   link_layer, rate, rate_gbps), empty where a node has none, with the site's ``network``
   figures as attributes;
@@ -120,15 +122,19 @@ def _str_dtype() -> Any:
     return h5py.string_dtype()
 
 
-def rank_layout(hosts: tuple[str, ...]) -> tuple[list[str], str]:
-    """The distinct nodes in rank order, and a JSON list of (rank, host, local rank, node index)."""
+def rank_layout(node_of_rank: tuple[str, ...], hostnames: tuple[str, ...] = ()) -> tuple[list[str], str]:
+    """The distinct nodes in rank order, and a JSON list of
+    ``{rank, node (scheduler's name), hostname, local_rank, node_index}``."""
     nodes: list[str] = []
     layout = []
     seen: dict[str, int] = {}
-    for rank, host in enumerate(hosts):
-        if host not in seen:
-            seen[host] = 0
-            nodes.append(host)
-        layout.append({"rank": rank, "host": host, "local_rank": seen[host], "node": nodes.index(host)})
-        seen[host] += 1
+    for rank, node in enumerate(node_of_rank):
+        if node not in seen:
+            seen[node] = 0
+            nodes.append(node)
+        layout.append({
+            "rank": rank, "node": node, "hostname": hostnames[rank] if rank < len(hostnames) else node,
+            "local_rank": seen[node], "node_index": nodes.index(node),
+        })
+        seen[node] += 1
     return nodes, json.dumps(layout)

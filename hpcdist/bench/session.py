@@ -62,7 +62,7 @@ class Session:
         facts: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(facts, mine)
         self.node_of_rank = [f[1] for f in facts]
-        self.nodes, layout = rank_layout(tuple(self.node_of_rank))
+        self.nodes, layout = rank_layout(tuple(self.node_of_rank), ctx.hosts)
         self.watchdog = Watchdog(ctx.timeout_s, ctx.log, ctx.rank)
         self.record: BenchRecord | None = None
         self.interconnect: list[dict[str, Any]] = []
@@ -75,7 +75,7 @@ class Session:
             attrs = ctx.run_attrs()
             attrs.update(
                 nodes=self.nodes,
-                hosts=list(self.node_of_rank),
+                rank_nodes=list(self.node_of_rank),
                 num_nodes=len(self.nodes),
                 rank_layout=layout,
                 params_json=params.model_dump_json(),
