@@ -61,9 +61,11 @@ def bootstrap() -> Any:
     return ctx, store
 
 
-def median_ratio(ours: list[float], peer: list[float]) -> tuple[float, float, float]:
-    a, b = statistics.median(ours), statistics.median(peer)
-    return a, b, a / b
+def medians(ours: list[float], peer: list[float]) -> tuple[float, float, float]:
+    """Median of each side, and the median of the per-trial ratios (both sides of a trial ran
+    back to back, so a pair shares the machine's load; the paired ratio cancels slow drifts)."""
+    ratios = [a / b for a, b in zip(ours, peer, strict=True) if b > 0]
+    return statistics.median(ours), statistics.median(peer), statistics.median(ratios)
 
 
 def main() -> int:
@@ -168,15 +170,19 @@ def main() -> int:
         report: dict[str, Any] = {"command": " ".join(sys.argv), "ranks": n, "trials": args.trials,
                                   "warmup": W, "iters": ITERS, "launcher": ctx.info.launcher, "results": {}}
         print(f"# hpcdist harness overhead: {n} ranks via {ctx.info.launcher}, {args.trials} trials, "
-              f"{W} warm-up + {ITERS} timed iterations per size; medians over trials; ratio = hpcdist / peer")
+              f"{W} warm-up + {ITERS} timed iterations per size; medians over trials; "
+              f"ratio = median over trials of hpcdist / peer (min and max of those ratios after it)")
         for name, per_size in figures.items():
             print(f"\n# {name}")
-            print(f"# {'size':>6} {'hpcdist':>10} {'peer':>10} {'ratio':>7}")
+            print(f"# {'size':>6} {'hpcdist':>10} {'peer':>10} {'ratio':>7} {'min':>7} {'max':>7}")
             rows = {}
             for size in sorted(per_size):
-                a, b, ratio = median_ratio(*per_size[size])
-                rows[human_bytes(size)] = {"hpcdist": a, "peer": b, "ratio": ratio}
-                print(f"  {human_bytes(size):>6} {a:>10.3f} {b:>10.3f} {ratio:>7.3f}")
+                ours_s, peer_s = per_size[size]
+                a, b, ratio = medians(ours_s, peer_s)
+                each = [x / y for x, y in zip(ours_s, peer_s, strict=True)]
+                rows[human_bytes(size)] = {"hpcdist": a, "peer": b, "ratio": ratio, "trial_ratios": each}
+                print(f"  {human_bytes(size):>6} {a:>10.3f} {b:>10.3f} {ratio:>7.3f} "
+                      f"{min(each):>7.3f} {max(each):>7.3f}")
             report["results"][name] = rows
         ov, bl = statistics.median(overheads), statistics.median(bare)
         print(f"\n# per-iteration timing: {ov:.3f} us per iteration of hpcdist's timed loop around a no-op call, "
