@@ -17,7 +17,7 @@ import pytest
 from hpcdist.bench.measure import FAULT_VAR
 from hpcdist.results import read_table
 
-from .conftest_bench import JOBS, ROOT, make_shared_dir, slurm_ready, storage_sets, submit
+from .conftest_bench import JOBS, ROOT, make_shared_dir, run_cli, slurm_ready, storage_sets, submit
 
 pytestmark = [
     pytest.mark.slurm,
@@ -130,3 +130,5 @@ def test_a_rank_that_dies_mid_sweep_fails_the_job_and_keeps_the_rows(shared_dir:
         assert bool(f.attrs["complete"]) is False
         assert f.attrs["verdict"].startswith("failed at all_reduce at size 4096")
         assert read_table(f["bench/all_reduce/torch"])["size"].tolist() == [8, 64, 512]
+    shown = run_cli(["report", str(path)])
+    assert shown.returncode == 0 and "INCOMPLETE" in shown.stdout and "failed at all_reduce" in shown.stdout
