@@ -41,6 +41,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20, help="timed iterations per size (both sides)")
     p.add_argument("--p2p-sizes", default="4M,8M,16M,32M,64M")
     p.add_argument("--allreduce-sizes", default="1M,4M,16M,64M")
+    p.add_argument("--only", default="p2p,gloo,mpi", help="comparisons to run: p2p, gloo, mpi (comma list)")
     p.add_argument("--json", default=None, help="also write the figures to this file (rank 0)")
     return p.parse_args()
 
@@ -139,6 +140,8 @@ def main() -> int:
         "mpi all_reduce busbw GB/s (hpcdist vs bare mpi4py Allreduce loop)":
             (ours_allreduce(mp, OUT_OF_PLACE), bare_mpi, ar_sizes),
     }
+    keys = dict(zip(("p2p", "gloo", "mpi"), list(pairs), strict=True))
+    pairs = {keys[k]: pairs[keys[k]] for k in args.only.split(",")}
     # Both sides of a comparison run back to back at each size, in alternating order, so they
     # see the same machine (other work on a shared node moves both, not one).
     figures: dict[str, dict[int, tuple[list[float], list[float]]]] = {k: {} for k in pairs}

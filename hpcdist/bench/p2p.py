@@ -34,16 +34,17 @@ def exchange(
 ) -> Local:
     """Run `test` between this rank and `peer`; `first` is the side that starts (sends)."""
     buf = path.bytes_buffer(nbytes)
-    rbuf = path.bytes_buffer(nbytes) if test == "bidir" else buf
+    # separate send and receive buffers, as osu_latency/osu_bibw and mpi4py.bench do
+    rbuf = path.bytes_buffer(nbytes) if test in ("bidir", "pingpong") else buf
     ack = path.bytes_buffer(1)
     if test == "pingpong":
         if first:
             def step() -> None:
                 path.send(buf, peer)
-                path.recv(buf, peer)
+                path.recv(rbuf, peer)
         else:
             def step() -> None:
-                path.recv(buf, peer)
+                path.recv(rbuf, peer)
                 path.send(buf, peer)
         per = 2.0  # two one-way trips per iteration
     elif test == "unidir":
