@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -117,6 +118,53 @@ def cmd_sites(args: argparse.Namespace) -> int:
     return 0
 
 
+def _result_kind(path: str) -> str:
+    """The job kind recorded in a result file, or one clear error for anything else."""
+    from hpcdist.errors import JobError
+    from hpcdist.results import read_attrs
+
+    if not os.path.isfile(path):
+        raise JobError(f"result file {path!r} does not exist; `hpcdist submit` prints where a result lands")
+    try:
+        return str(read_attrs(Path(path)).get("kind", ""))
+    except (OSError, ValueError) as exc:
+        raise JobError(f"{path} is not an hpcdist result file ({exc})") from None
+
+
+@command("report")
+def cmd_report(args: argparse.Namespace) -> int:
+    from hpcdist.errors import JobError
+
+    kind = _result_kind(args.result)
+    if not kind.startswith("bench_"):
+        if args.plot or args.compare:
+            raise JobError(f"--plot and --compare are for benchmark results; {args.result} is a {kind} result")
+        if kind in ("infer_gpt", "broadcast"):
+            from hpcdist.infer.report import render_infer_report
+
+            sys.stdout.write(render_infer_report(args.result) + "\n")
+            return 0
+        raise JobError(f"{args.result} holds a {kind!r} result, which has no report; read it with h5py or h5dump")
+    from hpcdist.bench import report
+
+    result = report.load(args.result)
+    other = report.load(args.compare) if args.compare else None
+    sys.stdout.write(report.format_report(result))
+    if other is not None:
+        sys.stdout.write("\n" + report.format_comparison(result, other))
+    if args.plot:
+        for path in report.plot(result, args.plot, other):
+            print(f"wrote {path}")
+    return 0
+
+
+def _report_parser(subs: Any) -> None:
+    p = subs.add_parser("report", help="print a result (benchmark, inference); plot or compare benchmarks")
+    p.add_argument("result", help="a result file written by a bench_*, infer_gpt or broadcast job")
+    p.add_argument("--plot", metavar="DIR", default=None, help="also write PNG plots into DIR")
+    p.add_argument("--compare", metavar="OTHER.h5", default=None, help="a second result to compare side by side")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpcdist", description="Distributed PyTorch jobs on Slurm clusters.")
     parser.add_argument("--version", action="version", version=f"hpcdist {__version__}")
@@ -146,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Later stages (report, data) add their subcommands here.
-_EXTRA_PARSERS: list[Callable[[Any], None]] = []
+_EXTRA_PARSERS: list[Callable[[Any], None]] = [_report_parser]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

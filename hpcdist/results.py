@@ -8,7 +8,9 @@ Layout (format ``hpcdist.result`` version 1), readable by ``h5dump`` as well as 
   ``version_*`` (hpcdist, python, torch, numpy, h5py, mpi, nccl);
 - ``/env``: attributes holding the NCCL_*, UCX_*, OMP_*, GLOO_* and SLURM_JOB_* variables;
 - one group per table (``/bootstrap``, ``/bench/all_reduce/torch``...): one 1-D dataset per
-  column, and a ``columns`` attribute giving their order.
+  column, and a ``columns`` attribute giving their order;
+- benchmark results (``bench_layout`` attribute, version 1) add ``/interconnect``,
+  ``/bench/<op>/<path>`` tables and ``/pairs/<path>`` matrices: see ``hpcdist.bench.record``.
 """
 
 from __future__ import annotations

@@ -68,6 +68,9 @@ class Baselines(Frozen):
     min_p2p_gbps: float | None = Field(default=None, ge=0)
     expected_busbw_gbps: dict[str, float] = Field(default_factory=dict)
     expected_p2p_gbps: float | None = Field(default=None, ge=0)
+    max_latency_us: float | None = Field(
+        default=None, gt=0, description="largest acceptable point-to-point (ping-pong) latency, microseconds"
+    )
 
 
 class Network(Frozen):

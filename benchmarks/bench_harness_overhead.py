@@ -1,0 +1,207 @@
+"""Is hpcdist's benchmark harness what it measures? Side by side, in one run, on the same ranks:
+
+1. MPI point-to-point bandwidth, 4 MiB to 64 MiB: hpcdist's ping-pong (``p2p.exchange``, as the
+   ``bench_p2p`` job runs it) against ``mpi4py.bench pingpong`` (shipped with mpi4py), called in
+   the same processes with the same warm-up and iteration counts;
+2. all_reduce busbw on the gloo path: hpcdist's ``measure`` (as ``bench_collectives`` runs it)
+   against a bare ``torch.distributed.all_reduce`` loop of the same sizes and iterations;
+3. all_reduce busbw on the MPI path: ``measure`` against a bare ``comm.Allreduce`` loop;
+4. the per-iteration timing overhead of hpcdist's timed loop, in microseconds.
+
+Each comparison is repeated ``--trials`` times, alternating which side goes first; the medians
+and their ratios (hpcdist / peer) are printed by rank 0. Run with two ranks:
+
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \\
+      mpirun -n 2 python benchmarks/bench_harness_overhead.py
+    # or inside a Slurm allocation: srun -N 2 --ntasks-per-node=1 --mpi=pmix python benchmarks/...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trials", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per size (both sides)")
+    p.add_argument("--p2p-sizes", default="4M,8M,16M,32M,64M")
+    p.add_argument("--allreduce-sizes", default="1M,4M,16M,64M")
+    p.add_argument("--only", default="p2p,gloo,mpi", help="comparisons to run: p2p, gloo, mpi (comma list)")
+    p.add_argument("--json", default=None, help="also write the figures to this file (rank 0)")
+    return p.parse_args()
+
+
+def bootstrap() -> Any:
+    """A JobContext through hpcdist's own bootstrap (MPI rendezvous, gloo process group)."""
+    from hpcdist.config import load_site
+    from hpcdist.config.spec import JobSpec
+    from hpcdist.runtime.entry import bootstrap as boot
+
+    site = load_site("local", ["storage.scratch=/tmp/hpcdist-bench-scratch"])
+    spec = JobSpec.model_validate({
+        "name": "bench-harness", "kind": "bench_collectives", "backend": "gloo", "timeout_s": 300,
+        "resources": {"nodes": 1, "tasks_per_node": 2},
+        "params": {"paths": ["torch", "mpi"], "ops": ["all_reduce"]},
+    })
+    ctx, store = boot(spec, site)
+    return ctx, store
+
+
+def medians(ours: list[float], peer: list[float]) -> tuple[float, float, float]:
+    """Median of each side, and the median of the per-trial ratios (both sides of a trial ran
+    back to back, so a pair shares the machine's load; the paired ratio cancels slow drifts)."""
+    ratios = [a / b for a, b in zip(ours, peer, strict=True) if b > 0]
+    return statistics.median(ours), statistics.median(peer), statistics.median(ratios)
+
+
+def main() -> int:
+    args = parse()
+    from hpcdist.bench.factors import busbw, counts, human_bytes, parse_size
+
+    ctx, store = bootstrap()
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+    from mpi4py import bench as mpibench
+
+    from hpcdist.bench.base import IN_PLACE, OUT_OF_PLACE, host_timed
+    from hpcdist.bench.measure import measure
+    from hpcdist.bench.mpi_path import MPIPath
+    from hpcdist.bench.p2p import exchange
+    from hpcdist.bench.torch_path import TorchPath
+
+    comm = ctx.mpi_comm
+    rank, n = comm.Get_rank(), comm.Get_size()
+    tp, mp = TorchPath(ctx.device, ctx.backend), MPIPath(comm)
+    p2p_sizes = [parse_size(s) for s in args.p2p_sizes.split(",")]
+    ar_sizes = [parse_size(s) for s in args.allreduce_sizes.split(",")]
+    W, ITERS = args.warmup, args.iters
+
+    def mean_over_ranks(seconds: float) -> float:
+        return float(comm.allreduce(seconds, op=MPI.SUM)) / n
+
+    # ---- each side measures one size and returns its figure (GB/s)
+    def ours_p2p(size: int) -> float:
+        loc = exchange(mp, "pingpong", rank, 1 - rank, rank == 0, size, W, ITERS, 1, False)
+        return size / 1e9 / mean_over_ranks(float(loc.times.mean()))
+
+    def peer_p2p(size: int) -> float:
+        res = mpibench.pingpong(comm, ["-m", str(size), "-n", str(size), "--skip-huge", str(W),
+                                       "--loop-huge", str(ITERS)], verbose=False)
+        ((nbytes, t, _),) = res
+        return nbytes / 1e9 / mean_over_ranks(t)
+
+    def ours_allreduce(path: Any, mode: str) -> Callable[[int], float]:
+        def run(size: int) -> float:
+            c = counts("all_reduce", size, n, 4)
+            loc = measure(path, "all_reduce", c, mode, "float32", W, ITERS, False)
+            return busbw("all_reduce", c.size_bytes, mean_over_ranks(float(loc.times.mean())), n)
+        return run
+
+    def bare_torch(size: int) -> float:
+        t = torch.zeros(size // 4)
+        for _ in range(W):
+            dist.all_reduce(t)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(ITERS):
+            dist.all_reduce(t)
+        return busbw("all_reduce", size, mean_over_ranks((time.perf_counter() - t0) / ITERS), n)
+
+    def bare_mpi(size: int) -> float:
+        s, r = np.zeros(size // 4, np.float32), np.zeros(size // 4, np.float32)
+        for _ in range(W):
+            comm.Allreduce(s, r, MPI.SUM)
+        comm.Barrier()
+        t0 = MPI.Wtime()
+        for _ in range(ITERS):
+            comm.Allreduce(s, r, MPI.SUM)
+        return busbw("all_reduce", size, mean_over_ranks((MPI.Wtime() - t0) / ITERS), n)
+
+    pairs = {
+        "mpi p2p pingpong GB/s (hpcdist vs mpi4py.bench pingpong)": (ours_p2p, peer_p2p, p2p_sizes),
+        "gloo all_reduce busbw GB/s (hpcdist vs bare torch.distributed loop)":
+            (ours_allreduce(tp, IN_PLACE), bare_torch, ar_sizes),
+        "mpi all_reduce busbw GB/s (hpcdist vs bare mpi4py Allreduce loop)":
+            (ours_allreduce(mp, OUT_OF_PLACE), bare_mpi, ar_sizes),
+    }
+    keys = dict(zip(("p2p", "gloo", "mpi"), list(pairs), strict=True))
+    pairs = {keys[k]: pairs[keys[k]] for k in args.only.split(",")}
+    # Both sides of a comparison run back to back at each size, in alternating order, so they
+    # see the same machine (other work on a shared node moves both, not one).
+    figures: dict[str, dict[int, tuple[list[float], list[float]]]] = {k: {} for k in pairs}
+    for trial in range(args.trials):
+        for name, (ours, peer, sizes) in pairs.items():
+            for k, size in enumerate(sizes):
+                got = {}
+                for fn in ((ours, peer) if (trial + k) % 2 == 0 else (peer, ours)):
+                    comm.Barrier()
+                    got[fn] = fn(size)
+                mine, theirs = figures[name].setdefault(size, ([], []))
+                mine.append(got[ours])
+                theirs.append(got[peer])
+
+    # ---- per-iteration timing overhead: the timed loop around a call that does nothing
+    def noop() -> None:
+        return None
+
+    reps = 200_000
+    overheads, bare = [], []
+    for _ in range(args.trials):
+        overheads.append(float(host_timed(noop, reps).mean()) * 1e6)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            noop()
+        bare.append((time.perf_counter() - t0) / reps * 1e6)
+
+    if rank == 0:
+        report: dict[str, Any] = {"command": " ".join(sys.argv), "ranks": n, "trials": args.trials,
+                                  "warmup": W, "iters": ITERS, "launcher": ctx.info.launcher, "results": {}}
+        print(f"# hpcdist harness overhead: {n} ranks via {ctx.info.launcher}, {args.trials} trials, "
+              f"{W} warm-up + {ITERS} timed iterations per size; hpcdist and peer: medians over trials; "
+              f"ratio: of those medians; paired: median over trials of each trial's hpcdist / peer; "
+              f"min, max: of the per-trial ratios")
+        for name, per_size in figures.items():
+            print(f"\n# {name}")
+            print(f"# {'size':>6} {'hpcdist':>10} {'peer':>10} {'ratio':>7} {'paired':>7} {'min':>7} {'max':>7}")
+            rows = {}
+            for size in sorted(per_size):
+                ours_s, peer_s = per_size[size]
+                a, b, ratio = medians(ours_s, peer_s)
+                each = [x / y for x, y in zip(ours_s, peer_s, strict=True)]
+                rows[human_bytes(size)] = {"hpcdist": a, "peer": b, "ratio": a / b, "paired_ratio": ratio,
+                                           "trial_ratios": each}
+                print(f"  {human_bytes(size):>6} {a:>10.3f} {b:>10.3f} {a / b:>7.3f} {ratio:>7.3f} "
+                      f"{min(each):>7.3f} {max(each):>7.3f}")
+            report["results"][name] = rows
+        ov, bl = statistics.median(overheads), statistics.median(bare)
+        print(f"\n# per-iteration timing: {ov:.3f} us per iteration of hpcdist's timed loop around a no-op call, "
+              f"{bl:.3f} us for a bare Python loop of the same call: overhead {ov - bl:.3f} us per iteration")
+        report["timing_overhead_us"] = {"timed_loop": ov, "bare_loop": bl, "overhead": ov - bl}
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+    from hpcdist.runtime import group
+
+    group.finish(store, ctx.info, ctx.timeout_s)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The benchmark job kinds and their parameters: ``bench_collectives``, ``bench_p2p``,
+``bench_pairs`` and ``bench_preflight``.
+
+Light on purpose (pydantic and the factor table only): the login node validates a spec with
+this module, and every problem a site can know of (an MPI path without mpi4py or without an MPI
+launcher, GPU buffers without GPUs, a mode no path can run) is reported before anything
+launches.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from hpcdist.bench.base import MODES, NO_BUFFER
+from hpcdist.bench.factors import COLLECTIVES, P2P_TESTS, parse_size, sweep
+from hpcdist.jobs.registry import JobKind, Problem, register
+
+if TYPE_CHECKING:
+    from hpcdist.config.site import Site
+    from hpcdist.config.spec import JobSpec
+
+Size = Annotated[int, BeforeValidator(parse_size)]
+Op = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "barrier"]
+PathName = Literal["torch", "mpi"]
+Mode = Literal["out_of_place", "in_place"]
+Test = Literal["pingpong", "unidir", "bidir"]
+DType = Literal["float32", "float64", "int32", "float16", "bfloat16"]
+assert set(Op.__args__) == set(COLLECTIVES) and set(Test.__args__) == set(P2P_TESTS)  # type: ignore[attr-defined]
+
+
+class _Params(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    paths: tuple[PathName, ...] = Field(default=("torch",), min_length=1,
+                                        description="torch (NCCL on GPUs, gloo on CPUs) and/or mpi (mpi4py)")
+    mpi_buffers: Literal["numpy", "cuda"] = Field(default="numpy", description="where the MPI path's buffers live")
+    warmup: int = Field(default=5, ge=0)
+    iters: int = Field(default=20, ge=1)
+    enforce_minimums: bool = Field(default=True, description="fail the job below the site's baselines minimums")
+
+    @model_validator(mode="after")
+    def _unique_paths(self) -> Any:
+        if len(set(self.paths)) != len(self.paths):
+            raise ValueError(f"paths: {list(self.paths)} names a path twice")
+        return self
+
+
+class _Sweep(_Params):
+    min_bytes: Size = Field(default=8, description="first size of the sweep (nccl-tests -b)")
+    max_bytes: Size = Field(default=64 << 20, description="last size (nccl-tests -e)")
+    factor: int | None = Field(default=2, description="multiply by this between sizes (nccl-tests -f)")
+    step_bytes: Size | None = Field(default=None, description="or add this between sizes (nccl-tests -i)")
+    check: bool = Field(default=True, description="check the data of every size and count wrong elements")
+
+    @model_validator(mode="after")
+    def _sizes(self) -> Any:
+        if self.min_bytes <= 0:
+            raise ValueError(f"min_bytes must be a positive size, got {self.min_bytes}")
+        if self.max_bytes <= 0:
+            raise ValueError(f"max_bytes must be a positive size, got {self.max_bytes}")
+        if self.max_bytes < self.min_bytes:
+            raise ValueError(f"max_bytes {self.max_bytes} is below min_bytes {self.min_bytes}; swap them")
+        if self.step_bytes is not None and self.step_bytes <= 0:
+            raise ValueError(f"step_bytes must be a positive size, got {self.step_bytes}")
+        if self.step_bytes is None and (self.factor is None or self.factor < 2):
+            raise ValueError(f"factor must be an integer >= 2 (or set step_bytes), got {self.factor}")
+        if len(self.sizes()) > 200:
+            raise ValueError(f"the sweep has {len(self.sizes())} sizes; use a larger factor or step (at most 200)")
+        return self
+
+    def sizes(self) -> list[int]:
+        return sweep(self.min_bytes, self.max_bytes, self.factor, self.step_bytes)
+
+
+class CollectivesParams(_Sweep):
+    ops: tuple[Op, ...] = Field(default=COLLECTIVES, min_length=1)  # type: ignore[arg-type]
+    modes: tuple[Mode, ...] = Field(default=("out_of_place", "in_place"), min_length=1)
+    dtype: DType = "float32"
+
+
+class P2PParams(_Sweep):
+    tests: tuple[Test, ...] = Field(default=P2P_TESTS, min_length=1)  # type: ignore[arg-type]
+    window: int = Field(default=16, ge=1, le=256, description="messages in flight per iteration (unidir, bidir)")
+    ranks: tuple[int, int] | None = Field(default=None, description="the two ranks; default first and last")
+
+    @model_validator(mode="after")
+    def _two_ranks(self) -> Any:
+        if self.ranks is not None and (self.ranks[0] == self.ranks[1] or min(self.ranks) < 0):
+            raise ValueError(f"ranks must be two different ranks >= 0, got {list(self.ranks)}")
+        return self
+
+
+class PairsParams(_Params):
+    size: Size = Field(default=4 << 20, gt=0, description="message size of the bandwidth cells")
+    latency_size: Size = Field(default=8, gt=0, description="message size of the latency cells")
+    window: int = Field(default=16, ge=1, le=256)
+    iters: int = Field(default=10, ge=1)
+    warmup: int = Field(default=2, ge=0)
+
+
+class PreflightParams(_Params):
+    """A check that takes seconds: all_reduce at a few sizes, then the node pairs."""
+
+    sizes_bytes: tuple[Size, ...] = Field(default=(1 << 20, 16 << 20), min_length=1)
+    pair_size: Size = Field(default=4 << 20, gt=0)
+    latency_size: Size = Field(default=8, gt=0)
+    window: int = Field(default=8, ge=1, le=256)
+    iters: int = Field(default=10, ge=1)
+    warmup: int = Field(default=2, ge=0)
+    dtype: DType = "float32"
+    check: bool = True
+
+    @model_validator(mode="after")
+    def _positive(self) -> Any:
+        bad = [s for s in self.sizes_bytes if s <= 0]
+        if bad:
+            raise ValueError(f"sizes_bytes must be positive sizes, got {bad[0]}")
+        return self
+
+
+# ---- checks against the site, before anything launches
+
+def _paths_problems(spec: JobSpec, site: Site, p: Any) -> list[Problem]:
+    out: list[Problem] = []
+    gpus = spec.resources.gpus_per_node
+    if "mpi" in p.paths:
+        if importlib.util.find_spec("mpi4py") is None:
+            out.append(
+                ("params.paths", "mpi", "mpi4py is not installed: pip install 'hpcdist[mpi]', or use path torch")
+            )
+        under_mpi = any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+        if site.scheduler == "local" and spec.resources.world_size > 1 and not under_mpi:
+            out.append((
+                "params.paths", "mpi",
+                "this site starts ranks without an MPI launcher; use a Slurm site (srun --mpi=pmix) or path torch",
+            ))
+        if p.mpi_buffers == "cuda" and gpus == 0:
+            out.append(("params.mpi_buffers", "cuda", "GPU buffers need resources.gpus_per_node > 0; use numpy"))
+        dtype = getattr(p, "dtype", "float32")
+        if dtype in ("float16", "bfloat16"):
+            out.append(("params.dtype", dtype, "MPI has no half-precision type; use float32, float64 or int32"))
+    elif p.mpi_buffers == "cuda":
+        out.append(("params.mpi_buffers", "cuda", "only the mpi path uses it; add mpi to params.paths"))
+    if "torch" in p.paths and spec.backend == "nccl" and gpus == 0:
+        out.append(("backend", "nccl", "NCCL needs GPUs: set resources.gpus_per_node, or use backend gloo"))
+    return out
+
+
+def _baseline_problems(site: Site) -> list[Problem]:
+    out: list[Problem] = []
+    for key in ("min_busbw_gbps", "expected_busbw_gbps"):
+        for op in getattr(site.baselines, key):
+            if op not in COLLECTIVES:
+                out.append((f"site baselines.{key}.{op}", op, f"name one of {', '.join(COLLECTIVES)}"))
+    return out
+
+
+def check_collectives(spec: JobSpec, site: Site) -> list[Problem]:
+    p = CollectivesParams.model_validate(spec.params)
+    out = _paths_problems(spec, site, p) + _baseline_problems(site)
+    for path in p.paths:
+        for op in p.ops:
+            have = MODES[path][op]
+            if have != (NO_BUFFER,) and not set(have) & set(p.modes):
+                out.append((
+                    "params.modes", list(p.modes),
+                    f"{op} on path {path} runs only {', '.join(have)}; add it to params.modes or drop {op}",
+                ))
+    return out
+
+
+def check_p2p(spec: JobSpec, site: Site) -> list[Problem]:
+    p = P2PParams.model_validate(spec.params)
+    out = _paths_problems(spec, site, p) + _baseline_problems(site)
+    world = spec.resources.world_size
+    if world < 2:
+        out.append(("resources", world, "point to point needs at least 2 ranks (nodes x tasks_per_node)"))
+    if p.ranks is not None and max(p.ranks) >= world:
+        out.append(("params.ranks", list(p.ranks), f"ranks below the world size {world}"))
+    return out
+
+
+def check_pairs(spec: JobSpec, site: Site) -> list[Problem]:
+    p = PairsParams.model_validate(spec.params)
+    out = _paths_problems(spec, site, p) + _baseline_problems(site)
+    if spec.resources.nodes < 2:
+        out.append(("resources.nodes", spec.resources.nodes, "a node-pair matrix needs at least 2 nodes"))
+    return out
+
+
+def check_preflight(spec: JobSpec, site: Site) -> list[Problem]:
+    p = PreflightParams.model_validate(spec.params)
+    out = _paths_problems(spec, site, p) + _baseline_problems(site)
+    if spec.resources.world_size < 2:
+        out.append(("resources", spec.resources.world_size, "a preflight needs at least 2 ranks"))
+    return out
+
+
+def _uses_mpi(params: Any) -> bool:
+    return "mpi" in params.paths
+
+
+register(JobKind(
+    name="bench_collectives", params=CollectivesParams, runner="hpcdist.bench.collectives:run",
+    summary="collectives over a sweep of sizes (nccl-tests figures), HDF5 result",
+    check=check_collectives, uses_mpi=_uses_mpi,
+))
+register(JobKind(
+    name="bench_p2p", params=P2PParams, runner="hpcdist.bench.p2p:run",
+    summary="ping-pong latency, uni- and bidirectional bandwidth between two ranks",
+    check=check_p2p, uses_mpi=_uses_mpi,
+))
+register(JobKind(
+    name="bench_pairs", params=PairsParams, runner="hpcdist.bench.pairs:run",
+    summary="bandwidth and latency of every node pair, as a matrix",
+    check=check_pairs, uses_mpi=_uses_mpi,
+))
+register(JobKind(
+    name="bench_preflight", params=PreflightParams, runner="hpcdist.bench.preflight:run",
+    summary="seconds-long check against the site's minimums; fails naming the short nodes",
+    check=check_preflight, uses_mpi=_uses_mpi,
+))

@@ -1,0 +1,174 @@
+"""What every benchmark kind shares on the ranks: its paths, node names, the result record,
+the interconnect facts, the figures each row is a fraction of, progress, and the verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from hpcdist.bench.base import CommPath
+from hpcdist.bench.measure import Watchdog, maybe_fault
+from hpcdist.bench.record import BenchRecord, rank_layout
+from hpcdist.errors import BenchmarkError, HpcdistError
+
+if TYPE_CHECKING:
+    from hpcdist.runtime.context import JobContext
+
+
+def node_name(ctx: JobContext, env: dict[str, str] | None = None) -> str:
+    """This rank's node as the scheduler names it (hostnames can repeat on emulated clusters)."""
+    env = dict(os.environ) if env is None else env
+    if env.get("SLURMD_NODENAME"):
+        return env["SLURMD_NODENAME"]
+    hosts = ctx.info.hosts
+    if hosts and 0 <= ctx.info.node_rank < len(hosts):
+        return hosts[ctx.info.node_rank]
+    return ctx.info.hostname
+
+
+def make_paths(ctx: JobContext, names: Sequence[str], mpi_buffers: str) -> list[CommPath]:
+    """The communication paths the job asked for, in its order."""
+    out: list[CommPath] = []
+    for name in names:
+        if name == "torch":
+            from hpcdist.bench.torch_path import TorchPath
+
+            out.append(TorchPath(ctx.device, ctx.backend))
+        else:
+            from hpcdist.bench.mpi_path import MPIPath
+
+            out.append(MPIPath(ctx.mpi_comm, mpi_buffers, ctx.device))
+    return out
+
+
+class Session:
+    """One benchmark run on this rank; rank 0 also owns the result record."""
+
+    def __init__(self, ctx: JobContext, params: Any) -> None:
+        from hpcdist.runtime.doctor import ib_ports
+
+        self.ctx = ctx
+        self.params = params
+        self.rank = ctx.rank
+        self.paths = make_paths(ctx, params.paths, getattr(params, "mpi_buffers", "numpy"))
+        mine = (ctx.info.node_rank, node_name(ctx), [vars(p) | {"rate_gbps": p.rate_gbps} for p in ib_ports()])
+        facts: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(facts, mine)
+        self.node_of_rank = [f[1] for f in facts]
+        self.nodes, layout = rank_layout(tuple(self.node_of_rank), ctx.hosts)
+        self.watchdog = Watchdog(ctx.timeout_s, ctx.log, ctx.rank)
+        self.record: BenchRecord | None = None
+        self.interconnect: list[dict[str, Any]] = []
+        seen: set[str] = set()
+        for _, host, ports in facts:
+            if host not in seen:
+                seen.add(host)
+                self.interconnect += [{"host": host, **p} for p in ports]
+        if ctx.is_main:
+            attrs = ctx.run_attrs()
+            attrs.update(
+                nodes=self.nodes,
+                rank_nodes=list(self.node_of_rank),
+                num_nodes=len(self.nodes),
+                rank_layout=layout,
+                params_json=params.model_dump_json(),
+                baselines_json=ctx.site.baselines.model_dump_json(),
+                paths=[p.label for p in self.paths],
+            )
+            network = ctx.site.network.model_dump(mode="json")
+            network = {k: (json.dumps(v) if isinstance(v, (list, tuple)) else v) for k, v in network.items()}
+            self.record = BenchRecord(ctx.result_path(), attrs, self.interconnect, network)
+            self.record.flush(complete=False)
+            self.watchdog.note = f"; the rows measured before it are in {self.record.path} (complete=False)"
+
+    # ---- figures each row is compared with
+    def link_rate(self) -> tuple[float | None, str]:
+        """The per-port link rate in GB/s: the site's figure, else the slowest active IB port seen."""
+        net = self.ctx.site.network
+        if net.link_rate_gbps:
+            return net.link_rate_gbps / 8.0, f"link rate {net.link_rate_gbps:g} Gb/s (site network)"
+        active = [p for p in self.interconnect if p["state"] == "ACTIVE" and p["rate_gbps"]]
+        if active:
+            slow = min(active, key=lambda p: p["rate_gbps"])
+            return slow["rate_gbps"] / 8.0, f"link rate {slow['rate_gbps']:g} Gb/s ({slow['device']} on {slow['host']})"
+        return None, "nothing: set baselines.expected_* or network.link_rate_gbps in the site config"
+
+    def expected(self, op: str) -> tuple[float | None, str]:
+        """The figure a row of `op` states its fraction of (GB/s), and what it is."""
+        base = self.ctx.site.baselines
+        if op.startswith("p2p") or op == "pairs":
+            if base.expected_p2p_gbps:
+                return base.expected_p2p_gbps, f"expected p2p {base.expected_p2p_gbps:g} GB/s (site baselines)"
+        elif op in base.expected_busbw_gbps:
+            v = base.expected_busbw_gbps[op]
+            return v, f"expected {op} busbw {v:g} GB/s (site baselines)"
+        return self.link_rate()
+
+    # ---- running measurements
+    def run_one(self, path: CommPath, what: str, op: str, size: int, fn: Callable[[], Any]) -> list[Any] | None:
+        """Run one measurement under the watchdog and gather its figures to rank 0.
+
+        Any failure becomes a BenchmarkError naming the operation, size and path; rank 0 first
+        writes what was measured so far, marked incomplete.
+        """
+        try:
+            with self.watchdog.guard(what):
+                maybe_fault(self.rank, op, size, self.ctx.log)
+                local = fn()
+                return path.gather(local)
+        except HpcdistError:
+            raise
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            where = ""
+            if self.record is not None:
+                self.record.flush(complete=False, verdict=f"failed at {what}: {first}")
+                where = f"; the rows measured before it are in {self.record.path} (complete=False)"
+            raise BenchmarkError(
+                f"{what} failed on rank {self.rank} ({self.node_of_rank[self.rank]}): "
+                f"{type(exc).__name__}: {first}{where}"
+            ) from exc
+
+    @contextmanager
+    def progress(self, total: int, title: str) -> Iterator[Callable[[str], None]]:
+        """A progress bar on rank 0's terminal; nothing in batch logs (stderr is not a TTY)."""
+        if not (self.ctx.is_main and sys.stderr.isatty()):
+            yield lambda desc: None
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            transient=True,
+        ) as bar:
+            task = bar.add_task(title, total=total)
+
+            def advance(desc: str) -> None:
+                bar.update(task, advance=1, description=f"{title}: {desc}")
+
+            yield advance
+
+    def finish(self, shortfalls: list[str], enforce: bool) -> dict[str, Any]:
+        """Mark the file complete with its verdict; every rank fails if a minimum was missed."""
+        verdict = "ok" if not shortfalls else "below minimum: " + "; ".join(shortfalls)
+        out: dict[str, Any] = {}
+        if self.record is not None:
+            self.record.flush(complete=True, verdict=verdict)
+            out["result"] = str(self.record.path)
+            out["verdict"] = verdict
+        box = [shortfalls]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] and enforce:
+            where = f" (result: {self.record.path})" if self.record is not None else ""
+            raise BenchmarkError(
+                "below the site's minimum: " + "; ".join(box[0]) + where
+                + "; check those nodes or links, or lower the site's baselines if the hardware changed"
+            )
+        return out

@@ -1,0 +1,61 @@
+"""Helpers for the benchmark tests: submit a bench job through the CLI and find its result file.
+
+Imported by the tests/test_bench_*.py files (the shared tests/conftest.py is the lead's).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+JOBS = ROOT / "jobs"
+SHARED = Path("/var/tmp/hpcdist-shared")
+
+
+def storage_sets(root: Path) -> list[str]:
+    return [f"site.storage.{k}={root / k}" for k in ("results", "checkpoints", "scratch", "logs")]
+
+
+def run_cli(
+    args: list[str], env_extra: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "hpcdist.cli", *args], capture_output=True, text=True, env=env, cwd=ROOT,
+        timeout=timeout,
+    )
+
+
+def submit(job: str, site: str, root: Path, sets: list[str], env_extra: dict[str, str] | None = None,
+           timeout: float = 120) -> tuple[subprocess.CompletedProcess[str], Path | None]:
+    """`hpcdist submit JOB --site SITE --wait` with storage under `root`; returns the process and result path."""
+    args = ["submit", str(JOBS / f"{job}.yaml"), "--site", site, "--wait", "--wait-timeout", str(timeout)]
+    for s in [*sets, *storage_sets(root)]:
+        args += ["--set", s]
+    proc = run_cli(args, env_extra, timeout=timeout + 30)
+    match = re.search(r"result: (\S+\.h5)", proc.stdout)
+    return proc, Path(match.group(1)) if match else None
+
+
+def slurm_ready() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, check=False)
+    usable = {line.split()[0] for line in proc.stdout.splitlines()
+              if len(line.split()) == 2 and line.split()[1].rstrip("*") in ("idle", "mixed", "allocated")}
+    return proc.returncode == 0 and len(usable) >= 2
+
+
+def make_shared_dir() -> Iterator[Path]:
+    """A per-test directory on the cluster's shared storage, removed afterwards (for a fixture)."""
+    path = SHARED / f"t-bench-{uuid.uuid4().hex[:8]}"
+    path.mkdir(parents=True)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
