@@ -11,8 +11,8 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from hpcdist import __version__
