@@ -127,8 +127,10 @@ def _result_kind(path: str) -> str:
         raise JobError(f"result file {path!r} does not exist; `hpcdist submit` prints where a result lands")
     try:
         return str(read_attrs(Path(path)).get("kind", ""))
-    except (OSError, ValueError) as exc:
-        raise JobError(f"{path} is not an hpcdist result file ({exc})") from None
+    except OSError as exc:
+        raise JobError(f"{path} is not an HDF5 file ({exc})") from None
+    except ValueError as exc:  # read_attrs names the file and the format it found
+        raise JobError(str(exc)) from None
 
 
 @command("report")

@@ -117,4 +117,4 @@ def test_report_refuses_a_file_that_is_not_a_benchmark(tmp_path: Path) -> None:
     with h5py.File(tmp_path / "x.h5", "w") as f:
         f.attrs["format"] = "something"
     foreign = run_cli(["report", str(tmp_path / "x.h5")])
-    assert foreign.returncode == 2 and "not an hpcdist benchmark result" in foreign.stderr
+    assert foreign.returncode == 2 and "is not an hpcdist result file (format 'something')" in foreign.stderr
