@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from hpcdist.config.spec import JobSpec
 
 # Modules that register the built-in kinds when imported.
-BUILTIN_MODULES: tuple[str, ...] = ("hpcdist.jobs.smoke",)
+BUILTIN_MODULES: tuple[str, ...] = ("hpcdist.jobs.smoke", "hpcdist.train.params")
 
 Problem = tuple[str, object, str]
 
