@@ -52,16 +52,9 @@ def versions() -> dict[str, str]:
         pass
     out["mpi"] = "none"
     try:
-        import sys
-
         import mpi4py
 
         out["mpi4py"] = mpi4py.__version__
-        if "mpi4py.MPI" not in sys.modules:
-            # Importing mpi4py.MPI would call MPI_Init: under srun --mpi=pmix that is a collective
-            # fence, and rank 0 alone writing a result would wait in it for every other rank.
-            mpi4py.rc.initialize = False
-            mpi4py.rc.finalize = False
         from mpi4py import MPI
 
         if MPI.Is_initialized():
