@@ -33,7 +33,7 @@ cluster-down:
 	bash cluster/down.sh
 
 test: install cluster-up
-	$(PY) -m pytest $(PYTEST) tests
+	HPCDIST_REQUIRE_SLURM=1 $(PY) -m pytest $(PYTEST) tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hpcdist tests

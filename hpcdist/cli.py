@@ -74,7 +74,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if not args.wait:
         return 0
     outcomes = sub.wait(submission, timeout_s=args.wait_timeout)
-    state = submission.job.state
+    state = sub.final_state(submission)
     failed = [o for o in outcomes if not o.ok]
     print(f"job {submission.job_id} finished: {state}; {len(outcomes) - len(failed)}/{len(outcomes)} ranks succeeded")
     for o in outcomes:

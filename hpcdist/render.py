@@ -141,29 +141,26 @@ def directives(spec: JobSpec, site: Site, folder: Path) -> list[tuple[str, Any]]
 
 def launch_line(spec: JobSpec, site: Site, folder: Path) -> str:
     """The command that starts one process per rank, each running submitit's task runner."""
-    python = shlex.quote(python_for(site))
-    args = " ".join(shlex.quote(a) for a in site.launcher.args)
-    q_folder = shlex.quote(str(folder))
+    q = shlex.quote
+    python = q(python_for(site))
+    args = [q(a) for a in site.launcher.args]
     out_pattern, err_pattern = log_paths(folder)
-    srun_io = f"--unbuffered --output {shlex.quote(out_pattern)} --error {shlex.quote(err_pattern)}"
+    srun_io = ["--unbuffered", "--output", q(out_pattern), "--error", q(err_pattern)]
+    tpn = spec.resources.tasks_per_node
     kind = site.launcher.kind
     if kind == "srun":
-        return f"srun {srun_io} {args} {python} -u -m submitit.core._submit {q_folder}"
-    if kind == "mpirun":
-        tpn = spec.resources.tasks_per_node
-        return (
-            f'mpirun -np "$SLURM_NTASKS" --map-by ppr:{tpn}:node {args} '
-            f"{python} -u -m hpcdist.runtime.shim {q_folder}"
-        )
-    if kind == "torchrun":
-        tpn = spec.resources.tasks_per_node
-        return (
-            f"srun {srun_io} --ntasks-per-node=1 {python} -m torch.distributed.run "
-            f'--nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={tpn} --rdzv-backend=c10d '
-            f'--rdzv-endpoint="$HPCDIST_HEAD_NODE:29400" --rdzv-id="$SLURM_JOB_ID" {args} '
-            f"-m hpcdist.runtime.shim {q_folder}"
-        )
-    raise RenderError(f"launcher.kind {kind!r} has no job script; use srun, mpirun or torchrun")
+        parts = ["srun", *srun_io, *args, python, "-u -m submitit.core._submit", q(str(folder))]
+    elif kind == "mpirun":
+        parts = ['mpirun -np "$SLURM_NTASKS"', f"--map-by ppr:{tpn}:node", *args,
+                 python, "-u -m hpcdist.runtime.shim", q(str(folder))]
+    elif kind == "torchrun":
+        parts = ["srun", *srun_io, "--ntasks-per-node=1", python, "-m torch.distributed.run",
+                 '--nnodes="$SLURM_JOB_NUM_NODES"', f"--nproc-per-node={tpn}", "--rdzv-backend=c10d",
+                 '--rdzv-endpoint="$HPCDIST_HEAD_NODE:29400"', '--rdzv-id="$SLURM_JOB_ID"', *args,
+                 "-m hpcdist.runtime.shim", q(str(folder))]
+    else:
+        raise RenderError(f"launcher.kind {kind!r} has no job script; use srun, mpirun or torchrun")
+    return " ".join(parts)
 
 
 def render_script(spec: JobSpec, site: Site, origin: Origin) -> str:
@@ -172,7 +169,7 @@ def render_script(spec: JobSpec, site: Site, origin: Origin) -> str:
         raise RenderError(f"site {site.name!r} is not a Slurm site; it runs jobs without a script")
     check_controls(spec.model_dump(mode="json"), "job")
     check_controls(site.model_dump(mode="json"), "site")
-    check_controls(list(origin.overrides), "--set")
+    check_controls(list(origin.overrides), "--set")  # only reached by a value no key holds
     folder = submitit_folder(spec, site)
     env = {**site.env, **spec.env, "SUBMITIT_PREEMPTION_SIGNAL": site.preemption.signal}
     context = {

@@ -17,6 +17,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,16 +52,13 @@ def versions() -> dict[str, str]:
     except Exception:  # noqa: BLE001 - any failure means no usable NCCL
         pass
     out["mpi"] = "none"
-    try:
-        import mpi4py
-
-        out["mpi4py"] = mpi4py.__version__
-        from mpi4py import MPI
-
-        if MPI.Is_initialized():
-            out["mpi"] = MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip()
-    except ImportError:
-        pass
+    # Never import mpi4py.MPI here: the import initialises MPI, which under srun --mpi=pmix
+    # blocks until every rank does the same.
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized():
+        out["mpi"] = mpi.Get_library_version().replace("\x00", "").splitlines()[0].strip()
+    mpi4py = sys.modules.get("mpi4py")
+    out["mpi4py"] = str(getattr(mpi4py, "__version__", "none"))
     return out
 
 
@@ -171,9 +169,9 @@ def read_attrs(path: Path) -> dict[str, Any]:
         attrs = {k: _plain(v) for k, v in f.attrs.items()}
     if attrs.get("format") != FORMAT:
         raise ValueError(f"{path} is not an hpcdist result file (format {attrs.get('format')!r})")
-    for key in ("spec_json", "site_json"):
+    for key, decoded in (("spec_json", "spec"), ("site_json", "site_config")):
         if key in attrs:
-            attrs[key[:-5]] = json.loads(attrs.pop(key))
+            attrs[decoded] = json.loads(attrs.pop(key))
     return attrs
 
 

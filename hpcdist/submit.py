@@ -135,6 +135,23 @@ def _first_error_line(text: str) -> str:
     return lines[-1].strip() if lines else "(no output)"
 
 
+_FINAL = ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
+          "DEADLINE", "FINISHED", "INTERRUPTED")
+
+
+def final_state(sub: Submission, settle_s: float = 30.0) -> str:
+    """The scheduler's final word on the job: the result files can land before sacct says so."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        if sub.site.scheduler == "slurm":
+            state = status(sub.job_id)[0].state
+        else:
+            state = str(sub.job.state)
+        if state.startswith(_FINAL) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.5)
+
+
 @dataclass(frozen=True)
 class JobStatus:
     job_id: str

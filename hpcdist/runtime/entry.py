@@ -46,7 +46,9 @@ def choose_backend(spec: JobSpec, info: RankInfo) -> tuple[str, Any]:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     wants_gpu = spec.backend == "nccl" or spec.resources.gpus_per_node > 0
     if wants_gpu and gpus == 0:
-        hint = f"CUDA_VISIBLE_DEVICES={visible!r} is set but torch sees no usable GPU" if visible else "no GPU is visible"
+        hint = "no GPU is visible"
+        if visible:
+            hint = f"CUDA_VISIBLE_DEVICES={visible!r} is set but torch sees no usable GPU"
         raise BootstrapError(
             f"job asks for GPUs (gpus_per_node={spec.resources.gpus_per_node}, backend={spec.backend}) "
             f"but on {info.hostname} {hint}; check the CUDA build of torch and the GPU request"

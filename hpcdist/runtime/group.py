@@ -180,8 +180,16 @@ def check_in(store: dist.Store, info: RankInfo, timeout: float) -> dict[int, str
     store.set(f"hpcdist/join/{info.rank}", info.hostname)
     keys = [f"hpcdist/join/{r}" for r in range(info.world_size)]
     deadline = time.monotonic() + timeout
+    missing = list(range(info.world_size))
     while True:
-        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        try:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        except Exception as exc:  # rank 0 (the store's server) gave up or died
+            raise BootstrapError(
+                f"rendezvous: rank(s) {_ranks(missing)} of {info.world_size} had not joined when rank 0's "
+                f"store closed (this is rank {info.rank} on {info.hostname}; {type(exc).__name__}); "
+                f"see the missing rank's log"
+            ) from None
         if not missing:
             break
         if time.monotonic() >= deadline:

@@ -106,7 +106,7 @@ class RankInfo:
     node_rank: int
     num_nodes: int
     hosts: tuple[str, ...] = ()
-    hostname: str = field(default_factory=socket.gethostname)
+    hostname: str = field(default_factory=socket.gethostname)  # Slurm's node name when there is one
     job_id: str | None = None
     master_addr: str | None = None
     master_port: int | None = None
@@ -183,7 +183,7 @@ class RankInfo:
             node_rank=node_rank,
             num_nodes=num_nodes,
             hosts=hosts,
-            hostname=hostname or socket.gethostname(),
+            hostname=hostname or env.get("SLURMD_NODENAME") or socket.gethostname(),
             job_id=raw("job_id"),
             master_addr=raw("master_addr"),
             master_port=port,

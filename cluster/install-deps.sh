@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Install the Debian packages the local Slurm cluster needs. Idempotent: returns at once
+# when everything is already installed, and runs `apt-get update` only when something is not.
+set -euo pipefail
+
+PACKAGES=(slurm-wlm slurmdbd munge mariadb-server openmpi-bin libopenmpi-dev hdf5-tools)
+
+missing=()
+for pkg in "${PACKAGES[@]}"; do
+  status=$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null || true)
+  [[ $status == "install ok installed" ]] || missing+=("$pkg")
+done
+
+if ((${#missing[@]} == 0)); then
+  echo "[cluster] packages already installed: ${PACKAGES[*]}"
+  exit 0
+fi
+
+if ((EUID != 0)); then
+  echo "[cluster] need root to install: ${missing[*]}" >&2
+  exit 1
+fi
+
+echo "[cluster] installing: ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -q
+apt-get install -y -q "${missing[@]}"

@@ -1,0 +1,69 @@
+# Shared settings and helpers for the local Slurm cluster scripts. Sourced, never run.
+# shellcheck shell=bash
+
+# Everything the cluster writes (state, logs, spool, pid files, fake GPU devices) lives here.
+STATE=${HPCDIST_SLURM_STATE:-/var/tmp/hpcdist-slurm}
+CLUSTER_NAME=hpcdist
+NODES=(n1 n2)
+SLURM_ETC=/etc/slurm
+
+# Accounting database (local socket only; the password never leaves this machine).
+DB_NAME=slurm_acct_db
+DB_USER=slurm
+DB_PASS=hpcdist-slurm
+
+MUNGE_PIDFILE=/run/munge/munged.pid
+
+log() { echo "[cluster] $*" >&2; }
+
+# proc_is PID COMM: true when PID is a live process whose command name is COMM. Zombies do
+# not count: a daemon that failed after forking can linger as one until PID 1 reaps it.
+proc_is() {
+  local stat
+  [[ $1 =~ ^[0-9]+$ ]] || return 1
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  [[ $stat == "$1 ($2) "[!Z]* ]] # "PID (COMM) STATE ..."
+}
+proc_gone() { ! proc_is "$@"; }
+
+# pid_alive PIDFILE COMM: true when PIDFILE names a live process whose command name is COMM.
+pid_alive() {
+  local pid
+  pid=$(cat "$1" 2>/dev/null) || return 1 # the daemon may remove it as it exits
+  proc_is "$pid" "$2"
+}
+pid_gone() { ! pid_alive "$@"; }
+
+# wait_for SECONDS CMD...: rerun CMD every half second until it succeeds or SECONDS pass.
+wait_for() {
+  local deadline=$((SECONDS + $1))
+  shift
+  until "$@"; do
+    ((SECONDS < deadline)) || return 1
+    sleep 0.5
+  done
+}
+
+# stop_pidfile PIDFILE COMM: SIGTERM the daemon named by PIDFILE and wait until the process
+# is gone (daemons drop their pid file before they exit); SIGKILL it after 15 s.
+stop_pidfile() {
+  local pidfile=$1 comm=$2 pid
+  pid=$(cat "$pidfile" 2>/dev/null) || return 0
+  if proc_is "$pid" "$comm"; then
+    log "stopping $comm (pid $pid)"
+    kill -TERM "$pid" 2>/dev/null || true
+    if ! wait_for 15 proc_gone "$pid" "$comm"; then
+      log "$comm (pid $pid) ignored SIGTERM; sending SIGKILL"
+      kill -KILL "$pid" 2>/dev/null || true
+      wait_for 5 proc_gone "$pid" "$comm" || true
+    fi
+  fi
+  rm -f "$pidfile"
+}
+
+# Liveness probes that ask the daemon itself, not just its pid file.
+munge_ok() { munge -n 2>/dev/null | unmunge >/dev/null 2>&1; }
+mariadb_ok() { mysqladmin --protocol=socket ping >/dev/null 2>&1; }
+slurmdbd_ok() { pid_alive "$STATE/run/slurmdbd.pid" slurmdbd && sacctmgr -n show cluster >/dev/null 2>&1; }
+slurmctld_ok() { pid_alive "$STATE/run/slurmctld.pid" slurmctld && scontrol ping 2>/dev/null | grep -q 'is UP'; }
+slurmd_ok() { pid_alive "$STATE/run/slurmd-$1.pid" slurmd; }

@@ -1,0 +1,76 @@
+"""Shared fixtures: the CLI as a user runs it, per-test storage, and the local Slurm cluster."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path("/var/tmp/hpcdist-shared")
+
+
+@dataclass
+class Run:
+    code: int
+    out: str
+    err: str
+
+    @property
+    def text(self) -> str:
+        return self.out + self.err
+
+
+def run_cli(*args: str, cwd: Path = REPO, timeout: float = 240, env: dict[str, str] | None = None) -> Run:
+    """`hpcdist ARGS...` in a subprocess, as a user would type it."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpcdist.cli", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return Run(proc.returncode, proc.stdout, proc.stderr)
+
+
+def storage_sets(root: Path) -> list[str]:
+    """`--set` arguments that move every storage root of a site under `root`."""
+    out = []
+    for key in ("results", "checkpoints", "scratch", "logs"):
+        out += ["--set", f"site.storage.{key}={root / key}"]
+    return out
+
+
+@pytest.fixture
+def local_storage(tmp_path: Path) -> list[str]:
+    return storage_sets(tmp_path / "out")
+
+
+def slurm_up() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    proc = subprocess.run(["sinfo", "-h", "-o", "%T", "-p", "cpu"], capture_output=True, text=True, check=False)
+    states = proc.stdout.split()
+    return proc.returncode == 0 and bool(states) and all(s.startswith(("idle", "mix", "alloc")) for s in states)
+
+
+@pytest.fixture
+def slurm_storage() -> Iterator[Path]:
+    """A fresh directory on the cluster's shared storage, removed after the test."""
+    if not slurm_up():
+        if os.environ.get("HPCDIST_REQUIRE_SLURM") == "1":
+            pytest.fail("the local Slurm cluster is not up (make cluster-up)")
+        pytest.skip("the local Slurm cluster is not up (make cluster-up)")
+    root = SHARED / f"t-{uuid.uuid4().hex[:10]}"
+    root.mkdir(parents=True)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)

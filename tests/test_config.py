@@ -1,0 +1,106 @@
+"""Site configs and job specs: the shipped ones load, and each bad input is one clear error."""
+
+from pathlib import Path
+
+import pytest
+
+from hpcdist.config import load_site, load_spec, site_names
+from hpcdist.errors import ConfigError
+from tests.conftest import REPO, run_cli
+
+SMOKE = REPO / "jobs" / "smoke.yaml"
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_shipped_sites_load() -> None:
+    assert {"local", "local-slurm", "hdr-a100", "ndr-h100"} <= set(site_names())
+    for name in ("hdr-a100", "ndr-h100"):
+        site = load_site(name)
+        gpu_parts = [p for p in site.partitions.values() if p.gpus_per_node == 4]
+        assert gpu_parts and site.network.ib_hcas and site.network.link_rate_gbps in (200, 400)
+        assert any(k.startswith("NCCL_") for k in site.env)
+
+
+def test_local_is_the_default_site(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HPCDIST_SITE", raising=False)
+    site = load_site(None)
+    assert site.name == "local" and site.scheduler == "local"
+
+
+def test_env_values_become_strings() -> None:
+    assert load_site("local").env["OMP_NUM_THREADS"] == "1"
+
+
+def test_unknown_site_lists_known_ones() -> None:
+    with pytest.raises(ConfigError, match=r"unknown site 'nope'; known sites: .*local-slurm"):
+        load_site("nope")
+
+
+def test_unknown_key_names_path_and_allowed_keys(tmp_path: Path) -> None:
+    text = (REPO / "site_configs" / "local-slurm.yaml").read_text()
+    text = text.replace("    gpus_per_node: 4", "    gpus_per_nod: 4")
+    path = write(tmp_path, "s.yaml", text)
+    with pytest.raises(ConfigError) as err:
+        load_site(str(path))
+    msg = str(err.value)
+    assert str(path) in msg and "partitions.gpu.gpus_per_nod: unknown key" in msg
+    assert "allowed keys: cpus_per_node, gpu_type, gpus_per_node" in msg
+
+
+def test_wrong_type_names_value(tmp_path: Path) -> None:
+    text = (REPO / "site_configs" / "local-slurm.yaml").read_text()
+    text = text.replace("cpus_per_node: 8", "cpus_per_node: eight", 1)
+    with pytest.raises(ConfigError, match=r"partitions\.cpu\.cpus_per_node: .*integer.*\(got 'eight'\)"):
+        load_site(str(write(tmp_path, "s.yaml", text)))
+
+
+def test_malicious_yaml_is_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    path = write(tmp_path, "evil.yaml", f"name: !!python/object/apply:os.system ['touch {marker}']\n")
+    with pytest.raises(ConfigError, match="not valid YAML.*no !!python tags"):
+        load_site(str(path))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["resources.partition=bigmem"], r"resources\.partition: 'bigmem' is not possible.*one of \['cpu', 'gpu'\]"),
+        (["resources.partition=gpu", "resources.gpus_per_node=8", "resources.tasks_per_node=8"],
+         r"resources\.gpus_per_node: 8 is not possible.*at most 4 on partition 'gpu'"),
+        (["resources.partition=gpu", "resources.gpus_per_node=4", "resources.tasks_per_node=2"],
+         r"resources\.tasks_per_node: 2 is not possible.*4 \(one rank per GPU"),
+        (["resources.nodes=3"], r"resources\.nodes: 3 is not possible.*at most 2"),
+        (["resources.time_min=999"], r"resources\.time_min: 999 .*at most 60 min"),
+        (["kind=smok"], r"kind: unknown job kind 'smok'; known kinds: .*smoke"),
+        (["params.mpii=true"], r"params\.mpii: unknown key; allowed keys: mpi"),
+        (["resources.nodes=0"], r"resources\.nodes: .*greater than or equal to 1 \(got 0\)"),
+        (["backend=nccl"], r"backend: 'nccl' is not possible.*gloo or auto"),
+    ],
+)
+def test_spec_against_site(sets: list[str], message: str) -> None:
+    site = load_site("local-slurm")
+    with pytest.raises(ConfigError, match=message):
+        load_spec(SMOKE, site, sets)
+
+
+def test_overrides_apply_to_spec_and_site() -> None:
+    site = load_site("local-slurm", ["launcher.args=[--mpi=none]", "defaults.timeout_s=5"])
+    spec = load_spec(SMOKE, site, ["resources.nodes=2", "params.mpi=true"])
+    assert site.launcher.args == ("--mpi=none",) and spec.timeout(site) == 60
+    assert spec.resources.nodes == 2 and spec.params == {"mpi": True}
+
+
+def test_cli_error_is_one_line_without_traceback(tmp_path: Path) -> None:
+    result = run_cli("render", str(SMOKE), "--site", "local-slurm", "--set", "resources.nodes=3")
+    assert result.code == 2
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hpcdist: error: ") and "resources.nodes: 3" in lines[0]
+    assert "Traceback" not in result.text
+    debug = run_cli("--debug", "render", str(SMOKE), "--site", "local-slurm", "--set", "resources.nodes=3")
+    assert "Traceback" in debug.err and debug.code != 0

@@ -1,0 +1,44 @@
+"""The `local` site: no Slurm, ranks as processes through submitit's LocalExecutor."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import h5py
+
+from hpcdist.results import read_attrs, read_table
+from tests.conftest import run_cli
+
+
+def result_path(out: str) -> Path:
+    match = re.search(r"result: (\S+)", out)
+    assert match, out
+    return Path(match.group(1))
+
+
+def test_smoke_on_local_site(local_storage: list[str]) -> None:
+    result = run_cli("submit", "jobs/smoke.yaml", "--site", "local", "--wait", *local_storage)
+    assert result.code == 0, result.text
+    assert "2/2 ranks succeeded" in result.out
+    path = result_path(result.out)
+    attrs = read_attrs(path)
+    assert attrs["kind"] == "smoke" and attrs["world_size"] == 2 and attrs["complete"]
+    assert attrs["site"] == "local" and attrs["spec"]["name"] == "smoke"
+    assert attrs["version_torch"].startswith("2.")
+    with h5py.File(path) as f:
+        assert f.attrs["sum"] == 1.0
+        table = read_table(f["bootstrap"])
+    assert list(table["rank"]) == [0, 1]
+    assert (table["init_process_group_s"] >= 0).all() and (table["import_torch_s"] > 0).all()
+    # nothing half-written is left beside the result
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+def test_local_rank_that_never_joins_is_named(local_storage: list[str]) -> None:
+    result = run_cli(
+        "submit", "jobs/smoke.yaml", "--site", "local", "--wait", *local_storage,
+        "--set", "timeout_s=5", "--set", "env.HPCDIST_FAULT_EXIT_RANK=1",
+    )
+    assert result.code == 1
+    assert re.search(r"rank 0: FAILED BootstrapError: rendezvous: rank\(s\) 1 of 2 did not join within 5 s", result.out)

@@ -1,0 +1,121 @@
+"""Rendered job scripts: pinned by golden files, shell-safe, and accepted by the real sbatch.
+
+Regenerate the golden files after an intended change with:
+    UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_render.py
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpcdist.config import load_site, load_spec
+from hpcdist.errors import RenderError
+from hpcdist.render import Origin, first_command_line, render
+from tests.conftest import REPO, run_cli, storage_sets
+
+GOLDEN = Path(__file__).parent / "golden"
+PYTHON = "/opt/hpcdist/bin/python"  # pinned so golden files do not depend on the venv's path
+CASES = {
+    "smoke-local-slurm": ("jobs/smoke.yaml", "local-slurm", []),
+    "smoke-hdr-a100": ("jobs/smoke.yaml", "hdr-a100", ["resources.nodes=2", "resources.gpus_per_node=4",
+                                                       "resources.tasks_per_node=4"]),
+    "smoke-ndr-h100-mpirun": ("jobs/smoke.yaml", "ndr-h100", ["site.launcher.kind=mpirun", "site.launcher.args=[]"]),
+    "smoke-ndr-h100-torchrun": ("jobs/smoke.yaml", "ndr-h100", ["site.launcher.kind=torchrun",
+                                                                "site.launcher.args=[]", "resources.nodes=2"]),
+}
+
+
+def rendered(job: str, site_name: str, sets: list[str]) -> str:
+    site_sets = [s.removeprefix("site.") for s in sets if s.startswith("site.")] + [f"python={PYTHON}"]
+    site = load_site(site_name, site_sets)
+    spec = load_spec(REPO / job, site, [s for s in sets if not s.startswith("site.")])
+    return render(spec, site, Origin(job, site_name, tuple(sets)))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_golden(case: str) -> None:
+    text = rendered(*CASES[case])
+    path = GOLDEN / f"{case}.sh"
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        path.write_text(text)
+    assert text == path.read_text(), f"{case} changed; if intended, regenerate (see module docstring)"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sbatch_lines_come_first_and_parse(case: str) -> None:
+    text = rendered(*CASES[case])
+    lines = text.splitlines()
+    first = first_command_line(text)
+    assert first > 0
+    assert all(not ln.startswith("#SBATCH") for ln in lines[first:])
+    assert lines[0] == "#!/bin/bash"
+    assert "# Reproduce with: hpcdist submit jobs/smoke.yaml --site" in text
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)  # valid shell
+
+
+def test_render_prints_what_submit_submits_header() -> None:
+    result = run_cli("render", "jobs/smoke.yaml", "--site", "local-slurm")
+    assert result.code == 0
+    assert "#SBATCH --nodes=1" in result.out and "#SBATCH --signal=USR2@60" in result.out
+    assert "srun --unbuffered" in result.out and "--mpi=pmix" in result.out
+
+
+@pytest.mark.parametrize(
+    ("sets", "key"),
+    [
+        # YAML's double-quoted escapes, as a user could write them in a file
+        (['name="evil\\nhostname"'], "job.name"),
+        (['env.FOO="a\\rb"'], "job.env.FOO"),
+        (['site.modules=["gcc\\0"]'], "site.modules[0]"),
+        (['site.setup=["echo hi\\e[31m"]'], "site.setup[0]"),
+    ],
+)
+def test_control_characters_are_refused_with_key(sets: list[str], key: str) -> None:
+    with pytest.raises(RenderError) as err:
+        rendered("jobs/smoke.yaml", "local-slurm", sets)
+    assert str(err.value).startswith(f"{key}: ") and "control character" in str(err.value)
+
+
+def test_cli_refuses_newline_in_job_name() -> None:
+    result = run_cli("render", "jobs/smoke.yaml", "--site", "local-slurm", "--set", 'name="x\\ntouch /tmp/pwned"')
+    assert result.code == 2 and "job.name" in result.err and "control character" in result.err
+    assert result.out == ""
+
+
+def test_values_are_quoted() -> None:
+    text = rendered("jobs/smoke.yaml", "local-slurm", ["name=my job $(reboot)", "env.GREETING=it's; rm -rf /"])
+    assert "#SBATCH --job-name='my job $(reboot)'" in text
+    assert "export GREETING='it'\"'\"'s; rm -rf /'" in text
+    # the quoted value reads back as the original through the shell
+    line = next(ln for ln in text.splitlines() if ln.startswith("export GREETING="))
+    assert shlex.split(line.removeprefix("export GREETING="))[0] == "it's; rm -rf /"
+
+
+def test_local_site_renders_a_plan() -> None:
+    result = run_cli("render", "jobs/smoke.yaml", "--site", "local")
+    assert result.code == 0 and "LocalExecutor starts 2 process(es)" in result.out
+    assert "#SBATCH" not in result.out
+
+
+def test_sbatch_test_only_accepts_every_shipped_spec(slurm_storage: Path) -> None:
+    specs = sorted((REPO / "jobs").glob("*.yaml"))
+    assert specs
+    for spec in specs:
+        result = run_cli("render", str(spec.relative_to(REPO)), "--site", "local-slurm", *storage_sets(slurm_storage))
+        assert result.code == 0, result.err
+        proc = subprocess.run(["sbatch", "--test-only"], input=result.out, text=True, capture_output=True)
+        assert proc.returncode == 0 and "to start at" in proc.stderr, f"{spec.name}: {proc.stderr}"
+
+
+def test_sbatch_test_only_accepts_gpu_request(slurm_storage: Path) -> None:
+    sets = ["resources.partition=gpu", "resources.nodes=2", "resources.gpus_per_node=4", "resources.tasks_per_node=4"]
+    args = [a for s in sets for a in ("--set", s)]
+    result = run_cli("render", "jobs/smoke.yaml", "--site", "local-slurm", *args, *storage_sets(slurm_storage))
+    assert result.code == 0 and "#SBATCH --gpus-per-node=4" in result.out
+    proc = subprocess.run(["sbatch", "--test-only"], input=result.out, text=True, capture_output=True)
+    assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,85 @@
+"""The spine on the real local Slurm cluster: sbatch + srun across two nodes, PMIx + mpi4py,
+`hpcdist status`, and a rank that never joins."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import h5py
+
+from hpcdist.results import read_attrs, read_table
+from tests.conftest import run_cli, storage_sets
+from tests.test_local_site import result_path
+
+
+def job_id(out: str) -> str:
+    match = re.search(r"submitted job (\d+)", out)
+    assert match, out
+    return match.group(1)
+
+
+def sacct_state(jid: str) -> str:
+    proc = subprocess.run(["sacct", "-j", jid, "-X", "-n", "-P", "-o", "State"], capture_output=True, text=True)
+    return proc.stdout.strip()
+
+
+def test_smoke_two_nodes_two_tasks(slurm_storage: Path) -> None:
+    result = run_cli(
+        "submit", "jobs/smoke.yaml", "--site", "local-slurm", "--wait",
+        "--set", "resources.nodes=2", *storage_sets(slurm_storage),
+    )
+    assert result.code == 0, result.text
+    jid = job_id(result.out)
+    assert f"job {jid} finished: COMPLETED; 4/4 ranks succeeded" in result.out
+    assert sacct_state(jid) == "COMPLETED"
+    attrs = read_attrs(result_path(result.out))
+    assert attrs["world_size"] == 4 and attrs["num_nodes"] == 2 and attrs["job_id"] == jid
+    assert attrs["hosts"] == ["n1", "n1", "n2", "n2"]
+    with h5py.File(result_path(result.out)) as f:
+        assert f.attrs["sum"] == 6.0
+        assert "SLURM_JOB_ID" in f["env"].attrs
+        boot = read_table(f["bootstrap"])
+    assert (boot["launch_to_ready_s"] > 0).all()
+    # the submitted script is the rendered one
+    rendered = run_cli("render", "jobs/smoke.yaml", "--site", "local-slurm", "--set", "resources.nodes=2",
+                       *storage_sets(slurm_storage))
+    submitted = (slurm_storage / "logs" / "smoke" / jid / f"{jid}_submission.sh").read_text()
+    assert submitted == rendered.out
+    status = run_cli("status", jid)
+    assert status.code == 0 and "COMPLETED" in status.out and "n[1-2]" in status.out
+
+
+def test_smoke_under_srun_pmix_with_mpi4py(slurm_storage: Path) -> None:
+    result = run_cli(
+        "submit", "jobs/smoke.yaml", "--site", "local-slurm", "--wait",
+        "--set", "resources.nodes=2", "--set", "params.mpi=true", *storage_sets(slurm_storage),
+    )
+    assert result.code == 0, result.text
+    assert result.out.count('"mpi_sum": 6') == 4
+    attrs = read_attrs(result_path(result.out))
+    assert attrs["version_mpi"].startswith("Open MPI")
+    log = next((slurm_storage / "logs" / "smoke").glob("*/*_0_log.err")).read_text()
+    assert "via pmix" in log and "via mpi" in log  # PMIx launch, endpoint published over MPI
+
+
+def test_rank_that_exits_early_is_named(slurm_storage: Path) -> None:
+    result = run_cli(
+        "submit", "jobs/smoke.yaml", "--site", "local-slurm", "--wait",
+        "--set", "resources.nodes=2", "--set", "timeout_s=10", "--set", "env.HPCDIST_FAULT_EXIT_RANK=3",
+        *storage_sets(slurm_storage),
+    )
+    assert result.code == 1
+    jid = job_id(result.out)
+    for rank in (0, 1, 2):  # every waiting rank names rank 3
+        assert re.search(rf"rank {rank}: FAILED BootstrapError: rendezvous: rank\(s\) 3 of 4 (did not join within 10 s|"
+                         rf"had not joined when rank 0's store closed)", result.out), result.out
+    assert "did not join within 10 s" in result.out
+    # failed by hpcdist's own timeout, long before Slurm's 5-minute limit
+    assert sacct_state(jid) == "FAILED"
+
+
+def test_status_of_unknown_job() -> None:
+    result = run_cli("status", "abc")
+    assert result.code == 2 and "is not a Slurm job id" in result.err
