@@ -456,7 +456,7 @@ def check_shapes(path: Path, expected: Mapping[str, tuple[int, ...]], found: Map
         elif tuple(expected[key]) != tuple(found[key]):
             problems.append(f"{key}: checkpoint {list(found[key])} vs model {list(expected[key])}")
     if problems:
-        shown = "; ".join(problems[:12]) + (f"; and {len(problems) - 12} more" if len(problems) > 12 else "")
+        shown = "; ".join(problems)
         raise CheckpointError(
             f"{path} was written for a different model shape ({len(problems)} tensor(s) differ): {shown}; "
             f"use the same params.model as the run that wrote it, or a fresh checkpoint directory"

@@ -108,7 +108,8 @@ def check(spec: JobSpec, site: Site) -> list[Problem]:
     except ValidationError as exc:
         for err in exc.errors():
             key = "params.model." + ".".join(str(p) for p in err["loc"]) if err["loc"] else "params.model"
-            problems.append((key, err.get("input"), err["msg"].removeprefix("Value error, ")))
+            value = err.get("input") if err["loc"] else dict(params.model)
+            problems.append((key, value, err["msg"].removeprefix("Value error, ")))
         return problems
     if cfg.vocab_size < info.vocab_size:
         problems.append(
