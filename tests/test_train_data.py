@@ -81,7 +81,8 @@ def test_a_step_reads_the_same_samples_however_the_batch_is_split() -> None:
     for position in (0, 16, 48):
         sets = []
         for world, micro, accum in layouts:
-            got = [s for r in range(world) for mb in order(world, r, micro, accum).step_samples(2, position) for s in mb]
+            parts = [order(world, r, micro, accum).step_samples(2, position) for r in range(world)]
+            got = [s for rank_part in parts for mb in rank_part for s in mb]
             assert len(got) == len(set(got)) == 16  # ranks never overlap
             sets.append(sorted(got))
         assert all(s == sets[0] for s in sets)

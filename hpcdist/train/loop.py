@@ -296,7 +296,9 @@ def evaluate(run: Run) -> float:
     run.model.eval()
     device = run.ctx.device
     acc = torch.zeros(2, device=device, dtype=torch.float64)
-    for idx in eval_samples(len(run.val), run.ctx.world_size, run.ctx.rank, run.params.batch.micro, run.params.eval.batches):
+    ctx, p = run.ctx, run.params
+    batches = eval_samples(len(run.val), ctx.world_size, ctx.rank, p.batch.micro, p.eval.batches)
+    for idx in batches:
         if len(idx) == 0:
             continue
         x, y = (t.to(device) for t in run.val.batch(idx))
@@ -318,8 +320,12 @@ def run(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
     handler = add_rank_log_file(log_file)
     ctx.preemption.install(ctx.site.preemption.signal)
     try:
+        t0 = time.perf_counter()
         r = build(ctx, params)
+        ctx.timings["train_build"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         resume(r)
+        ctx.timings["train_resume"] = time.perf_counter() - t0
         return loop(r)
     finally:
         import logging

@@ -66,14 +66,15 @@ class Metrics:
             if not group:
                 continue
             arrays = [np.asarray(group[c]) for c in cols]
-            for values in zip(*arrays):
+            for values in zip(*arrays, strict=True):
                 m.rows[table].append(tuple(_plain(v) for v in values))
         return m
 
     def epochs(self) -> dict[str, np.ndarray]:
         """Per-epoch summary of the step rows."""
         steps = self.columns("steps")
-        out: dict[str, list[float]] = {k: [] for k in ("epoch", "steps", "mean_loss", "ppl", "tokens", "seconds", "tokens_per_s")}
+        names = ("epoch", "steps", "mean_loss", "ppl", "tokens", "seconds", "tokens_per_s")
+        out: dict[str, list[float]] = {k: [] for k in names}
         if not self.rows["steps"]:
             return {k: np.zeros(0) for k in out}
         tokens_per_step = np.diff(np.concatenate([[0], steps["tokens_seen"]]))
@@ -116,7 +117,8 @@ class Progress:
         self.log, self.every, self.total = log, every, total
         self._bar: Any = None
         if sys.stderr.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import Progress as RichProgress
 
             self._bar = RichProgress(
                 TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),

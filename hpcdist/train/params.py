@@ -130,7 +130,11 @@ def check(spec: JobSpec, site: Site) -> list[Problem]:
         )
     if params.eval.every and (info.lengths["val"] - 1) // cfg.context < spec.resources.world_size:
         problems.append(
-            ("params.eval.every", params.eval.every, f"{params.data} has too little validation text; set 0 or prepare more")
+            (
+                "params.eval.every",
+                params.eval.every,
+                f"{params.data} has too little validation text; set 0 or prepare more",
+            )
         )
     return problems
 

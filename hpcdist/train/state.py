@@ -63,7 +63,7 @@ def load_json_state(obj: Any, tree: Tree) -> None:
 
 def rng_tree(device: torch.device) -> Tree:
     """Every generator this rank may draw from."""
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     py_version, py_internal, py_gauss = random.getstate()
     out: Tree = {
         "torch_cpu": torch.get_rng_state(),
