@@ -38,9 +38,11 @@ import errno
 import hashlib
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
 FORMAT = "hpcdist.checkpoint"
 FORMAT_VERSION = 1
 POINTER = "latest"
+HASH_THREADS = 8
 _NAME = re.compile(r"^step_(\d{8})\.h5$")
 _ROOT_ATTRS = ("format", "format_version", "step", "epoch", "model_config_json", "created")
 
@@ -78,7 +81,21 @@ def step_of(path: Path) -> int | None:
 
 
 def sha256_of(arr: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
+    """Hex SHA-256 of the array's C-order bytes (hashed in place: no copy for contiguous arrays)."""
+    data = np.ascontiguousarray(arr)
+    return hashlib.sha256(data.reshape(-1).view(np.uint8).data if data.size else b"").hexdigest()
+
+
+def _hash_all(arrays: list[np.ndarray]) -> list[str]:
+    """Hashes of many arrays, in threads: hashlib releases the GIL, so big checkpoints hash on all cores."""
+    if sum(a.nbytes for a in arrays) <= 8 << 20:
+        return [sha256_of(a) for a in arrays]
+    with ThreadPoolExecutor(max_workers=_hash_threads()) as pool:
+        return list(pool.map(sha256_of, arrays))
+
+
+def _hash_threads() -> int:
+    return max(1, min(HASH_THREADS, os.cpu_count() or 1))
 
 
 def _as_array(value: Any) -> np.ndarray | None:
@@ -127,21 +144,53 @@ def model_tree(state_dict: Mapping[str, Any]) -> Tree:
     return out
 
 
-def _write_tree(group: h5py.Group, tree: Mapping[str, Any]) -> int:
-    """Datasets and attributes of `tree` under `group`; returns the array bytes written."""
-    written = 0
+def _flatten(
+    tree: Mapping[str, Any], prefix: str = ""
+) -> tuple[list[tuple[str, np.ndarray]], list[tuple[str, str, Any]]]:
+    """(dataset path, array) and (group path, attribute name, value) for a nested tree."""
+    arrays: list[tuple[str, np.ndarray]] = []
+    attrs: list[tuple[str, str, Any]] = []
     for key, value in tree.items():
         if isinstance(value, Mapping):
-            written += _write_tree(group.create_group(key), value)
+            sub_arrays, sub_attrs = _flatten(value, f"{prefix}{key}/")
+            arrays += sub_arrays
+            attrs += sub_attrs
+            attrs.append((f"{prefix}{key}", "", None))  # the group exists even when empty
             continue
         arr = _as_array(value)
         if arr is None:
-            group.attrs[key] = value if not isinstance(value, str) else str(value)
-            continue
-        dset = group.create_dataset(key, data=arr)
-        dset.attrs["sha256"] = sha256_of(arr)
-        written += arr.nbytes
-    return written
+            attrs.append((prefix.rstrip("/") or "/", key, str(value) if isinstance(value, str) else value))
+        else:
+            arrays.append((f"{prefix}{key}", arr))
+    return arrays, attrs
+
+
+def _write_tree(f: h5py.File, tree: Mapping[str, Any]) -> int:
+    """Datasets (each with its sha256) and attributes of `tree` in `f`; returns the array bytes.
+
+    Arrays are hashed in background threads while the main thread writes them.
+    """
+    arrays, attrs = _flatten(tree)
+    groups: dict[str, Any] = {"/": f}
+
+    def group(name: str) -> Any:
+        if name not in groups:
+            groups[name] = f.require_group(name)
+        return groups[name]
+
+    for name, key, value in attrs:
+        g = group(name)
+        if key:
+            g.attrs[key] = value
+    with ThreadPoolExecutor(max_workers=_hash_threads()) as pool:
+        digests = [pool.submit(sha256_of, arr) for _, arr in arrays]
+        dsets = []
+        for name, arr in arrays:
+            parent, _, leaf = name.rpartition("/")
+            dsets.append(group(parent or "/").create_dataset(leaf, data=arr))
+        for dset, digest in zip(dsets, digests, strict=True):
+            dset.attrs["sha256"] = digest.result()
+    return sum(a.nbytes for _, a in arrays)
 
 
 def save(
@@ -295,27 +344,34 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _read_tree(group: h5py.Group, path: Path, verify: bool) -> tuple[Tree, int]:
+Check = tuple[str, "Future[str] | None", str]  # dataset name, its hash being computed, the recorded hash
+
+
+def _read_tree(group: h5py.Group, pool: ThreadPoolExecutor | None, checks: list[Check]) -> tuple[Tree, int]:
+    """The group as a tree; each dataset is hashed in `pool` (when verifying) while the rest is read."""
     import h5py
 
     out: Tree = {k: _plain(v) for k, v in group.attrs.items()}
     nbytes = 0
     for key, item in group.items():
         if isinstance(item, h5py.Group):
-            out[key], n = _read_tree(item, path, verify)
+            out[key], n = _read_tree(item, pool, checks)
             nbytes += n
             continue
-        arr = item[()]
-        arr = np.asarray(arr)
+        arr = np.asarray(item[()])
         nbytes += arr.nbytes
-        if verify:
-            expected = _plain(item.attrs.get("sha256", ""))
-            if not expected:
-                raise CheckpointError(f"{path}: dataset {item.name} has no sha256 attribute")
-            if sha256_of(arr) != expected:
-                raise CheckpointError(f"{path}: dataset {item.name} fails its sha256 check (data corrupted)")
+        digest = pool.submit(sha256_of, arr) if pool is not None else None
+        checks.append((item.name, digest, str(_plain(item.attrs.get("sha256", "")))))
         out[key] = arr
     return out, nbytes
+
+
+def _verify(path: Path, checks: list[Check]) -> None:
+    for name, digest, expected in checks:
+        if not expected:
+            raise CheckpointError(f"{path}: dataset {name} has no sha256 attribute")
+        if digest is not None and digest.result() != expected:
+            raise CheckpointError(f"{path}: dataset {name} fails its sha256 check (data corrupted)")
 
 
 def read(path: Path, *, groups: tuple[str, ...] | None = None, verify: bool = True) -> Checkpoint:
@@ -331,9 +387,13 @@ def read(path: Path, *, groups: tuple[str, ...] | None = None, verify: bool = Tr
             names = list(f.keys()) if groups is None else [g for g in groups if g in f]
             tree: Tree = {}
             nbytes = 0
-            for name in names:
-                tree[name], n = _read_tree(f[name], path, verify)
-                nbytes += n
+            checks: list[Check] = []
+            with ThreadPoolExecutor(max_workers=_hash_threads()) as pool:
+                for name in names:
+                    tree[name], n = _read_tree(f[name], pool if verify else None, checks)
+                    nbytes += n
+                if verify:
+                    _verify(path, checks)
     except CheckpointError:
         raise
     except (OSError, KeyError, ValueError, RuntimeError) as exc:
