@@ -23,8 +23,9 @@ Format ``hpcdist.checkpoint`` version 1 (readable by ``h5dump`` and by plain ``h
   ``/sampler`` (attributes ``seed``, ``epoch``, ``position`` = samples of the epoch already
   consumed, ``world_size``), ``/rng/rank_<r>`` (``torch_cpu``, ``torch_cuda`` when used,
   ``numpy_keys`` + attributes, ``python_state`` + attributes: every rank's generators),
-  ``/train`` (attributes ``tokens_seen``, ``requeues``, ``timeouts``, ``world_size``, ``job_id``)
-  and ``/metrics/<table>`` (the run's metric tables so far, ``hpcdist.results`` table layout).
+  ``/train`` (attributes ``tokens_seen``, ``requeues``, ``timeouts``, ``world_size``, ``job_id``,
+  ``params_json``) and ``/metrics/<table>`` (``steps``, ``val``, ``checkpoints``: the run's
+  metrics so far, one dataset per column, column order in the attribute ``columns_json``).
 
 Scalars and strings in the tree handed to ``save`` become attributes of their group; arrays and
 tensors become datasets. ``find_latest`` returns the newest committed checkpoint that verifies,

@@ -326,7 +326,11 @@ def run(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
         t0 = time.perf_counter()
         resume(r)
         ctx.timings["train_resume"] = time.perf_counter() - t0
-        return loop(r)
+        try:
+            return loop(r)
+        finally:
+            r.train.close()
+            r.val.close()
     finally:
         import logging
 
@@ -377,7 +381,7 @@ def loop(r: Run) -> dict[str, Any]:
                 r.metrics.add("val", step=r.step, loss=val, ppl=perplexity(val))
                 if ctx.is_main:
                     ctx.log.info("step %d: validation loss %.4f (ppl %.2f)", r.step, val, perplexity(val))
-            if ctx.preempted():
+            if ctx.preempted() and r.step < params.steps:  # at the last step: just finish
                 stop = "preempted"
             elif params.run_steps and r.step - start_step >= params.run_steps and r.step < params.steps:
                 stop = "run_steps"
