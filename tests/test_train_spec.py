@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from hpcdist.config import load_site, load_spec
+from hpcdist.errors import ConfigError
 from hpcdist.train.schedule import lr_factor, scaled_lr
-from tests.conftest import run_cli, storage_sets
+from tests.conftest import REPO, run_cli, storage_sets
 from tests.conftest_train import write_corpus
 
 
@@ -36,18 +38,17 @@ def small_tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ],
 )
 def test_bad_params_are_named(small_tokens: Path, tmp_path: Path, sets: list[str], expected: str) -> None:
-    args = ["render", "jobs/train_gpt.yaml", *storage_sets(tmp_path), "--set", f"params.data={small_tokens}"]
-    for item in sets:
-        args += ["--set", item]
-    result = run_cli(*args)
-    assert result.code == 2, result.text
-    assert expected in result.err, result.err
+    """In-process load_spec: the text `hpcdist submit`/`render` print (see the test below for the CLI)."""
+    site = load_site("local", [s.removeprefix("site.") for s in storage_sets(tmp_path)[1::2]])
+    with pytest.raises(ConfigError) as err:
+        load_spec(REPO / "jobs" / "train_gpt.yaml", site, [f"params.data={small_tokens}", *sets])
+    assert expected in str(err.value)
 
 
 def test_missing_token_file_says_how_to_make_it(tmp_path: Path) -> None:
     result = run_cli("render", "jobs/train_gpt.yaml", "--set", f"params.data={tmp_path / 'none.h5'}")
-    assert result.code == 2
-    assert "params.data" in result.err and "hpcdist data prepare" in result.err
+    assert result.code == 2 and result.err.count("\n") == 1  # one line, no traceback
+    assert "jobs/train_gpt.yaml: params.data:" in result.err and "hpcdist data prepare" in result.err
 
 
 def test_schedule_warms_up_then_decays_to_the_floor() -> None:
