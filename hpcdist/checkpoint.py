@@ -28,8 +28,13 @@ Format ``hpcdist.checkpoint`` version 1 (readable by ``h5dump`` and by plain ``h
   metrics so far, one dataset per column, column order in the attribute ``columns_json``).
 
 Scalars and strings in the tree handed to ``save`` become attributes of their group; arrays and
-tensors become datasets. ``find_latest`` returns the newest committed checkpoint that verifies,
-reporting each one it skips (truncated, flipped byte, dangling or empty pointer) and why.
+tensors become datasets.
+
+API: ``save`` (write, fsync, rename, commit, then prune to ``keep_last``), ``read`` (verified),
+``load_model_state(path, verify=True) -> (GPTConfig, state dict)`` for ``GPT.load_state_dict``,
+``find_latest(dir) -> Path | None`` (the newest committed checkpoint that verifies, reporting each
+one it skips - truncated, flipped byte, dangling or empty pointer - and why), ``scan`` (the same,
+with the reasons as data), and ``check_shapes`` (one error listing every mismatched tensor).
 """
 
 from __future__ import annotations

@@ -128,6 +128,11 @@ def choose_checkpoint(run: Run) -> dict[str, Any]:
     ctx, cp = run.ctx, run.params.checkpoint
     directory = ctx.checkpoint_dir
     if not cp.resume:
+        if ckpt.checkpoints_in(directory):
+            ctx.log.warning(
+                "params.checkpoint.resume is false: starting fresh; the checkpoints already in %s stop being "
+                "trusted once this run commits its first one", directory,
+            )
         return {"path": None}
     found = ckpt.scan(directory)
     for line in found.report():
