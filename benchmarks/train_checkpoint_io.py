@@ -68,7 +68,8 @@ def main() -> int:
         tree = {"model": ckpt.model_tree(model.state_dict()), "optimizer": st.optimizer_tree(model, opt)}
         torch_state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
         cfg_json = model.cfg.model_dump_json()
-        rows: dict[str, list[float]] = {k: [] for k in ("hdf5_write", "dd_write", "torch_write", "hdf5_read", "torch_read")}
+        names = ("hdf5_write", "dd_write", "torch_write", "hdf5_read", "torch_read")
+        rows: dict[str, list[float]] = {k: [] for k in names}
         size = 0
         for i in range(args.repeat):
             stats = ckpt.save(base / "h5", step=i, epoch=0, model_config_json=cfg_json, tree=tree, keep_last=1)
@@ -93,7 +94,8 @@ def main() -> int:
             tpath.unlink()
         med = {k: statistics.median(v) for k, v in rows.items()}
         print(f"# checkpoint of GPT d_model={args.d_model} n_layer={args.n_layer} with AdamW state: "
-              f"{size / 1e6:.1f} MB, {args.repeat} repeats, disk of {base}")
+              f"{size / 1e6:.1f} MB, {args.repeat} repeats, disk of {base}, "
+              f"load average {os.getloadavg()[0]:.1f}")
         print(f"{'writer':<28}{'median MB/s':>12}{'vs dd':>10}")
         for key, label in (("dd_write", "dd conv=fsync"), ("hdf5_write", "hpcdist HDF5 (sha256+fsync)"),
                            ("torch_write", "torch.save + fsync")):

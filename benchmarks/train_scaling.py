@@ -74,6 +74,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="scaling-", dir=args.dir))
     try:
         tokens = prepare_tokens(work)
+        load_before = os.getloadavg()[0]
         tps: dict[int, list[float]] = {1: [], 2: []}
         for i in range(args.repeat):
             for ranks in (1, 2):
@@ -82,7 +83,9 @@ def main() -> int:
         one, two = statistics.median(tps[1]), statistics.median(tps[2])
         print(f"# train_gpt weak scaling on site {args.site}: GPT {args.n_layer}x{args.d_model}, context "
               f"{args.context}, micro-batch {args.micro} per rank, {args.precision}, {args.steps} steps, "
-              f"{args.repeat} repeats, 1 thread per rank")
+              f"{args.repeat} repeats, 1 thread per rank; {os.cpu_count()} CPUs, load average "
+              f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after "
+              f"(other work on the machine skews the 2-rank figure)")
         print(f"{'ranks':>5}{'median tokens/s':>18}{'speed-up':>10}{'efficiency':>12}")
         print(f"{1:>5}{one:>18,.0f}{1.0:>10.2f}{1.0:>12.2f}")
         print(f"{2:>5}{two:>18,.0f}{two / one:>10.2f}{two / (2 * one):>12.2f}")
