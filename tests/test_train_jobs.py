@@ -20,13 +20,11 @@ import h5py
 import numpy as np
 import pytest
 
-pytest.register_assert_rewrite("tests.conftest_train")
-
-from hpcdist import checkpoint as ckpt  # noqa: E402
-from hpcdist.results import read_attrs, read_table  # noqa: E402
-from tests import conftest_train as fx  # noqa: E402
-from tests.conftest import slurm_up  # noqa: E402
-from tests.conftest_train import (  # noqa: E402
+from hpcdist import checkpoint as ckpt
+from hpcdist.results import read_attrs, read_table
+from tests import conftest_train as fx
+from tests.conftest import slurm_up
+from tests.conftest_train import (
     STEPS,
     Background,
     ckpt_dir,
@@ -38,7 +36,7 @@ from tests.conftest_train import (  # noqa: E402
     train_args,
     wait_for,
 )
-from tests.test_local_site import result_path  # noqa: E402
+from tests.test_local_site import result_path
 
 # The session fixtures: the token file and the uninterrupted reference run, made once.
 train_root, tokens, reference = fx.train_root, fx.tokens, fx.reference
