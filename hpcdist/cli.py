@@ -199,6 +199,22 @@ def build_parser() -> argparse.ArgumentParser:
 _EXTRA_PARSERS: list[Callable[[Any], None]] = [_report_parser]
 
 
+@command("data")
+def cmd_data(args: argparse.Namespace) -> int:
+    from hpcdist.data.cli import cmd_data as run
+
+    return run(args)
+
+
+def _data_parser(subs: Any) -> None:
+    from hpcdist.data.cli import add_parser
+
+    add_parser(subs)
+
+
+_EXTRA_PARSERS.append(_data_parser)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -18,7 +18,12 @@ if TYPE_CHECKING:
     from hpcdist.config.spec import JobSpec
 
 # Modules that register the built-in kinds when imported.
-BUILTIN_MODULES: tuple[str, ...] = ("hpcdist.jobs.smoke", "hpcdist.bench.jobs", "hpcdist.infer.jobs")
+BUILTIN_MODULES: tuple[str, ...] = (
+    "hpcdist.jobs.smoke",
+    "hpcdist.bench.jobs",
+    "hpcdist.train.params",
+    "hpcdist.infer.jobs",
+)
 
 Problem = tuple[str, object, str]
 

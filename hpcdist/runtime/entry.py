@@ -21,6 +21,7 @@ from hpcdist.jobs.registry import get_kind
 from hpcdist.runtime import group
 from hpcdist.runtime.context import JobContext
 from hpcdist.runtime.rankinfo import RankInfo
+from hpcdist.runtime.requeue import submitit_requeue
 
 log = logging.getLogger("hpcdist")
 
@@ -136,6 +137,9 @@ def bootstrap(spec: JobSpec, site: Site, env: dict[str, str] | None = None) -> t
         log=log,
         timings=timings,
         mpi_comm=mpi_comm,
+    )
+    ctx.requeue = submitit_requeue(
+        site.storage.scratch / "rendezvous" / f"{key}.json" if info.is_main else None
     )
     if backend == "nccl":
         _check_gpu_sharing(ctx)

@@ -1,0 +1,113 @@
+"""Checkpoint write and read throughput: hpcdist's HDF5 checkpoint against `dd ... conv=fsync` of
+the same size on the same disk, and against `torch.save` of the same state, in one run.
+
+Every writer ends durable: hpcdist fsyncs the file and the directory and commits the pointer
+(and hashes every array), dd uses conv=fsync, torch.save is followed by an fsync. Reads are
+hpcdist's verified read (sha256 of every array) and torch.load. Medians of --repeat runs.
+
+    PYTHONPATH=. python benchmarks/train_checkpoint_io.py --dir /var/tmp/hpcdist-bench --d-model 384
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hpcdist import checkpoint as ckpt
+from hpcdist.model.gpt import GPT, GPTConfig
+from hpcdist.train import state as st
+
+
+def training_state(d_model: int, n_layer: int) -> tuple[GPT, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=257, context=256, n_layer=n_layer, n_head=max(1, d_model // 64), d_model=d_model))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, 257, (2, 16))).float().mean().backward()
+    opt.step()  # creates exp_avg / exp_avg_sq: the optimizer state is twice the model
+    return model, opt
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def time_dd(path: Path, mib: int) -> float:
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mib}", "conv=fsync"],
+        capture_output=True, text=True, check=True,
+    )
+    elapsed = time.perf_counter() - t0
+    match = re.search(r"copied, ([\d.]+) s", proc.stderr)
+    return float(match.group(1)) if match else elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=None, help="a directory on the disk to measure")
+    parser.add_argument("--d-model", type=int, default=384)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
+    try:
+        model, opt = training_state(args.d_model, args.n_layer)
+        tree = {"model": ckpt.model_tree(model.state_dict()), "optimizer": st.optimizer_tree(model, opt)}
+        torch_state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        cfg_json = model.cfg.model_dump_json()
+        names = ("hdf5_write", "dd_write", "torch_write", "hdf5_read", "torch_read")
+        rows: dict[str, list[float]] = {k: [] for k in names}
+        size = 0
+        for i in range(args.repeat):
+            stats = ckpt.save(base / "h5", step=i, epoch=0, model_config_json=cfg_json, tree=tree, keep_last=1)
+            size = stats.bytes
+            rows["hdf5_write"].append(stats.bytes / 1e6 / stats.seconds)
+            loaded = ckpt.read(stats.path, verify=True)
+            rows["hdf5_read"].append(loaded.mb_per_s)
+
+            mib = max(1, round(size / 2**20))
+            rows["dd_write"].append(mib * 2**20 / 1e6 / time_dd(base / "dd.bin", mib))
+            (base / "dd.bin").unlink()
+
+            tpath = base / f"torch-{i}.pt"
+            t0 = time.perf_counter()
+            torch.save(torch_state, tpath)
+            fsync_file(tpath)
+            tsize = tpath.stat().st_size
+            rows["torch_write"].append(tsize / 1e6 / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            torch.load(tpath, weights_only=True)
+            rows["torch_read"].append(tsize / 1e6 / (time.perf_counter() - t0))
+            tpath.unlink()
+        med = {k: statistics.median(v) for k, v in rows.items()}
+        print(f"# checkpoint of GPT d_model={args.d_model} n_layer={args.n_layer} with AdamW state: "
+              f"{size / 1e6:.1f} MB, {args.repeat} repeats, disk of {base}, "
+              f"load average {os.getloadavg()[0]:.1f}")
+        print(f"{'writer':<28}{'median MB/s':>12}{'vs dd':>10}")
+        for key, label in (("dd_write", "dd conv=fsync"), ("hdf5_write", "hpcdist HDF5 (sha256+fsync)"),
+                           ("torch_write", "torch.save + fsync")):
+            print(f"{label:<28}{med[key]:>12.0f}{med[key] / med['dd_write']:>10.2f}")
+        print(f"{'reader':<28}{'median MB/s':>12}{'vs torch':>10}")
+        for key, label in (("torch_read", "torch.load"), ("hdf5_read", "hpcdist HDF5 (verified)")):
+            print(f"{label:<28}{med[key]:>12.0f}{med[key] / med['torch_read']:>10.2f}")
+        print(f"hdf5 write / torch.save = {med['hdf5_write'] / med['torch_write']:.2f}")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,525 @@
+"""The ``train_gpt`` runner: data-parallel training that resumes bit for bit after preemption.
+
+Every rank builds the same model from the seed, rank 0 picks the checkpoint to resume from
+(the newest committed one that verifies) and tells the others, then all ranks train under DDP.
+At each step boundary the ranks agree on the preemption flag; when it is set they write a
+checkpoint and the job is requeued through submitit, up to ``preemption.max_requeues`` times
+for time-outs. Rank 0 writes the metrics to the HDF5 result when the run ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hpcdist import checkpoint as ckpt
+from hpcdist.config.contract import LAUNCH_TIME_VAR
+from hpcdist.data.dataset import DistributedOrder, TokenWindows, eval_samples
+from hpcdist.data.tokens import describe
+from hpcdist.errors import CheckpointError, JobError
+from hpcdist.model.gpt import GPT, GPTConfig
+from hpcdist.runtime.requeue import Requeued, classify
+from hpcdist.train import state as st
+from hpcdist.train.metrics import PEAK_BF16_TFLOPS, Metrics, Progress, add_rank_log_file, perplexity
+from hpcdist.train.params import TrainParams, model_config
+from hpcdist.train.schedule import lr_factor, scaled_lr
+
+if TYPE_CHECKING:
+    from hpcdist.runtime.context import JobContext
+
+
+@dataclass
+class Run:
+    """Everything one rank trains with; step/epoch/position say where the data order stands."""
+
+    ctx: JobContext
+    params: TrainParams
+    cfg: GPTConfig
+    model: GPT
+    ddp: DDP
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler
+    order: DistributedOrder
+    train: TokenWindows
+    val: TokenWindows
+    peak_lr: float
+    metrics: Metrics = field(default_factory=Metrics)
+    step: int = 0
+    epoch: int = 0
+    position: int = 0
+    tokens_seen: int = 0
+    requeues: int = 0
+    timeouts: int = 0
+    last_checkpoint: Path | None = None
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.order.global_batch * self.cfg.context
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        precision = self.params.precision
+        if precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        return torch.autocast(device_type=self.ctx.device.type, dtype=dtype)
+
+
+def build(ctx: JobContext, params: TrainParams) -> Run:
+    info = describe(params.data)
+    cfg: GPTConfig = model_config(params, info.vocab_size)
+    torch.manual_seed(params.seed)  # the same initial weights on every rank
+    model = GPT(cfg).to(ctx.device)
+    decay = [p for _, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for _, p in model.named_parameters() if p.dim() < 2]
+    o = params.optim
+    b = params.batch
+    train = TokenWindows(params.data, "train", cfg.context)
+    val = TokenWindows(params.data, "val", cfg.context)
+    order = DistributedOrder(len(train), ctx.world_size, ctx.rank, b.micro, b.accum, params.seed)
+    peak = scaled_lr(o.lr, o.lr_scaling, order.global_batch, o.reference_batch or b.micro * b.accum)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=peak, betas=o.betas, eps=o.eps,
+    )
+    factor = partial(lr_factor, warmup=o.warmup_steps, total=params.steps, min_ratio=o.min_lr_ratio)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=params.precision == "fp16")
+    # Each rank's own generators (dropout): seeded per rank, saved and restored per rank.
+    torch.manual_seed(params.seed + 1 + ctx.rank)
+    np.random.seed(params.seed + 1 + ctx.rank)
+    random.seed(params.seed + 1 + ctx.rank)
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    ddp = DDP(model, device_ids=device_ids)
+    return Run(ctx, params, cfg, model, ddp, opt, sched, scaler, order, train, val, peak)
+
+
+# ---------------------------------------------------------------- resume
+
+
+def _model_shapes(model: GPT) -> dict[str, tuple[int, ...]]:
+    tree = ckpt.model_tree(model.state_dict())
+    return {k: tuple(v.shape) for k, v in tree.items() if isinstance(v, np.ndarray)}
+
+
+def _file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        return {k: tuple(d.shape) for k, d in f["model"].items()}
+
+
+def choose_checkpoint(run: Run) -> dict[str, Any]:
+    """Rank 0's decision: the checkpoint to resume from, or an error every rank raises."""
+    ctx, cp = run.ctx, run.params.checkpoint
+    directory = ctx.checkpoint_dir
+    if not cp.resume:
+        if ckpt.checkpoints_in(directory):
+            ctx.log.warning(
+                "params.checkpoint.resume is false: starting fresh; the checkpoints already in %s stop being "
+                "trusted once this run commits its first one", directory,
+            )
+        return {"path": None}
+    found = ckpt.scan(directory)
+    for line in found.report():
+        ctx.log.warning(line)
+    removed = ckpt.remove_temporaries(directory)
+    if removed:
+        ctx.log.warning("removed %d temporary file(s) left by killed writers in %s", len(removed), directory)
+    if found.latest is None:
+        unusable = bool(found.skipped) or (directory / ckpt.POINTER).exists()
+        if unusable and cp.if_unusable == "error":
+            reasons = "; ".join(found.report())
+            return {
+                "error": f"no usable checkpoint in {directory} ({reasons}); fix or remove them, or set "
+                f"params.checkpoint.if_unusable=start_fresh to start over"
+            }
+        if unusable:
+            ctx.log.warning("no usable checkpoint in %s: starting fresh (params.checkpoint.if_unusable)", directory)
+        return {"path": None}
+    try:
+        ckpt.check_shapes(found.latest, _model_shapes(run.model), _file_shapes(found.latest))
+    except CheckpointError as exc:
+        return {"error": str(exc)}
+    return {"path": str(found.latest)}
+
+
+def resume(run: Run) -> None:
+    ctx = run.ctx
+    decision: list[Any] = [choose_checkpoint(run) if ctx.is_main else None]
+    dist.broadcast_object_list(decision, src=0)
+    choice = decision[0]
+    if "error" in choice:
+        raise CheckpointError(choice["error"])
+    if choice["path"] is None:
+        ctx.log.info("starting fresh: no checkpoint to resume from in %s", ctx.checkpoint_dir)
+        return
+    path = Path(choice["path"])
+    loaded = ckpt.read(path, verify=True)
+    tree = loaded.tree
+    model_group = dict(tree["model"])
+    tied = json.loads(model_group.pop("tied_json", "{}") or "{}")
+    sd = {k: torch.from_numpy(np.array(v)) for k, v in model_group.items() if isinstance(v, np.ndarray)}
+    for key, source in tied.items():
+        sd[key] = sd[source]
+    run.model.load_state_dict(sd)
+    st.load_optimizer(run.model, run.opt, tree["optimizer"])
+    st.load_json_state(run.sched, tree["scheduler"])
+    scaler_state = json.loads(tree["scaler"]["state_json"])
+    if scaler_state and run.scaler.is_enabled():
+        run.scaler.load_state_dict(scaler_state)
+    sampler = tree["sampler"]
+    run.step, run.epoch = loaded.step, loaded.epoch
+    run.position = int(sampler["position"])
+    train = tree["train"]
+    run.tokens_seen = int(train["tokens_seen"])
+    run.requeues, run.timeouts = int(train["requeues"]), int(train["timeouts"])
+    same_world = int(sampler["world_size"]) == ctx.world_size
+    rng = tree.get("rng", {}).get(f"rank_{ctx.rank}")
+    if rng is not None and same_world:
+        st.load_rng(rng, ctx.device)
+    else:
+        ctx.log.warning(
+            "checkpoint %s was written by %s ranks, this run has %d: per-rank random state is reseeded, "
+            "so the continuation is not bit-identical", path, sampler["world_size"], ctx.world_size,
+        )
+    run.metrics = ckpt_metrics(tree)
+    run.metrics.add(
+        "checkpoints", step=run.step, op="read", bytes=loaded.bytes, seconds=loaded.seconds,
+        mb_per_s=loaded.mb_per_s, job_id=ctx.job_id,
+    )
+    run.last_checkpoint = path
+    ctx.log.info(
+        "resumed from %s: step %d, epoch %d, read %.1f MB at %.0f MB/s (checksums verified)",
+        path, run.step, run.epoch, loaded.bytes / 1e6, loaded.mb_per_s,
+    )
+
+
+def ckpt_metrics(tree: dict[str, Any]) -> Metrics:
+    return Metrics.from_tree(tree.get("metrics", {}))
+
+
+# ---------------------------------------------------------------- checkpoint
+
+
+def save(run: Run) -> Path:
+    """Every rank's RNG to rank 0, which writes and commits; all ranks learn the outcome."""
+    ctx = run.ctx
+    rngs: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(st.rng_tree(ctx.device), rngs, dst=0)
+    outcome: list[Any] = [None]
+    if ctx.is_main:
+        assert rngs is not None
+        tree = {
+            "model": ckpt.model_tree(run.model.state_dict()),
+            "optimizer": st.optimizer_tree(run.model, run.opt),
+            "scheduler": st.json_state(run.sched),
+            "scaler": {"state_json": json.dumps(run.scaler.state_dict() if run.scaler.is_enabled() else {})},
+            "sampler": {
+                "seed": run.params.seed, "epoch": run.epoch, "position": run.position,
+                "world_size": ctx.world_size, "global_batch": run.order.global_batch,
+            },
+            "rng": {f"rank_{r}": rng for r, rng in enumerate(rngs)},
+            "train": {
+                "tokens_seen": run.tokens_seen, "requeues": run.requeues, "timeouts": run.timeouts,
+                "world_size": ctx.world_size, "job_id": ctx.job_id, "params_json": run.params.model_dump_json(),
+            },
+            "metrics": run.metrics.to_tree(),
+        }
+        try:
+            stats = ckpt.save(
+                ctx.checkpoint_dir, step=run.step, epoch=run.epoch, model_config_json=run.cfg.model_dump_json(),
+                tree=tree, keep_last=run.params.checkpoint.keep_last,
+            )
+            run.metrics.add(
+                "checkpoints", step=run.step, op="write", bytes=stats.bytes, seconds=stats.seconds,
+                mb_per_s=stats.mb_per_s, job_id=ctx.job_id,
+            )
+            ctx.log.info(
+                "checkpoint %s committed: %.1f MB in %.2f s (%.0f MB/s)%s", stats.path, stats.bytes / 1e6,
+                stats.seconds, stats.mb_per_s, f"; removed {len(stats.removed)} older" if stats.removed else "",
+            )
+            outcome[0] = ("ok", str(stats.path))
+        except CheckpointError as exc:
+            outcome[0] = ("error", str(exc))
+    dist.broadcast_object_list(outcome, src=0)
+    status, detail = outcome[0]
+    if status != "ok":
+        raise CheckpointError(detail)
+    run.last_checkpoint = Path(detail)
+    return run.last_checkpoint
+
+
+# ---------------------------------------------------------------- steps
+
+
+def train_step(run: Run) -> tuple[float, float]:
+    """One optimizer step over `accum` micro-batches; returns the mean loss over ranks and grad norm."""
+    run.ddp.train()
+    micro = run.order.step_samples(run.epoch, run.position)
+    device = run.ctx.device
+    total = torch.zeros((), device=device)
+    last = len(micro) - 1
+    for m, idx in enumerate(micro):
+        x, y = (t.to(device, non_blocking=True) for t in run.train.batch(idx))
+        # All-reduce only on the last micro-batch: the others accumulate locally.
+        sync = contextlib.nullcontext() if m == last else run.ddp.no_sync()
+        with sync:
+            with run.autocast():
+                logits = run.ddp(x)
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+            run.scaler.scale(loss / len(micro)).backward()
+        total += loss.detach()
+    run.scaler.unscale_(run.opt)
+    clip = run.params.optim.grad_clip
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip if clip is not None else float("inf"))
+    run.scaler.step(run.opt)
+    run.scaler.update()
+    run.opt.zero_grad(set_to_none=True)
+    run.sched.step()
+    mean = total / len(micro)
+    dist.all_reduce(mean)
+    return float(mean.item()) / run.ctx.world_size, float(grad_norm.item())
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> float:
+    run.model.eval()
+    device = run.ctx.device
+    acc = torch.zeros(2, device=device, dtype=torch.float64)
+    ctx, p = run.ctx, run.params
+    batches = eval_samples(len(run.val), ctx.world_size, ctx.rank, p.batch.micro, p.eval.batches)
+    for idx in batches:
+        if len(idx) == 0:
+            continue
+        x, y = (t.to(device) for t in run.val.batch(idx))
+        with run.autocast():
+            logits = run.model(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1), reduction="sum")
+        acc += torch.stack([loss.double(), torch.tensor(float(y.numel()), device=device, dtype=torch.float64)])
+    dist.all_reduce(acc)
+    run.model.train()
+    return float(acc[0] / acc[1]) if acc[1] > 0 else float("nan")
+
+
+# ---------------------------------------------------------------- the run
+
+
+def run(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    log_file = ctx.site.storage.logs / ctx.spec.name / ctx.job_id / f"train_rank{ctx.rank}.log"
+    handler = add_rank_log_file(log_file)
+    ctx.preemption.install(ctx.site.preemption.signal)
+    try:
+        t0 = time.perf_counter()
+        r = build(ctx, params)
+        ctx.timings["train_build"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        resume(r)
+        ctx.timings["train_resume"] = time.perf_counter() - t0
+        try:
+            return loop(r)
+        finally:
+            r.train.close()
+            r.val.close()
+    finally:
+        import logging
+
+        logging.getLogger("hpcdist").removeHandler(handler)
+        handler.close()
+
+
+def loop(r: Run) -> dict[str, Any]:
+    ctx, params = r.ctx, r.params
+    start_step = r.step
+    progress = Progress(params.steps, r.step, ctx.log, params.log_every) if ctx.is_main else None
+    if ctx.is_main:
+        ctx.log.info(
+            "training %s: %.2fM parameters, %d steps from step %d, global batch %d x %d tokens, peak lr %.3g, %s",
+            ctx.spec.name, r.cfg.num_params() / 1e6, params.steps, r.step, r.order.global_batch,
+            r.cfg.context, r.peak_lr, params.precision,
+        )
+    stop = ""
+    try:
+        while r.step < params.steps:
+            t0 = time.perf_counter()
+            loss, grad_norm = train_step(r)
+            if r.ctx.device.type == "cuda":
+                torch.cuda.synchronize(r.ctx.device)
+            seconds = time.perf_counter() - t0
+            r.step += 1
+            r.position += r.order.global_batch
+            r.tokens_seen += r.tokens_per_step
+            r.metrics.add(
+                "steps", step=r.step, epoch=r.epoch, loss=loss, ppl=perplexity(loss), grad_norm=grad_norm,
+                lr=_lr_of_step(r), tokens_per_s=r.tokens_per_step / seconds, step_time_s=seconds,
+                tokens_seen=r.tokens_seen,
+            )
+            if r.position + r.order.global_batch > r.order.steps_per_epoch * r.order.global_batch:
+                if ctx.is_main:
+                    ep = r.metrics.epochs()
+                    i = int(np.flatnonzero(ep["epoch"] == r.epoch)[-1]) if len(ep["epoch"]) else 0
+                    ctx.log.info(
+                        "epoch %d done: mean loss %.4f (ppl %.2f), %.0f tok/s",
+                        r.epoch, ep["mean_loss"][i], ep["ppl"][i], ep["tokens_per_s"][i],
+                    )
+                r.epoch, r.position = r.epoch + 1, 0
+            if progress is not None:
+                progress.update(r.step, loss, _lr_of_step(r), r.tokens_per_step / seconds, grad_norm)
+            every = params.eval.every
+            if (every and r.step % every == 0) or r.step == params.steps:
+                val = evaluate(r)
+                r.metrics.add("val", step=r.step, loss=val, ppl=perplexity(val))
+                if ctx.is_main:
+                    ctx.log.info("step %d: validation loss %.4f (ppl %.2f)", r.step, val, perplexity(val))
+            if ctx.preempted() and r.step < params.steps:  # at the last step: just finish
+                stop = "preempted"
+            elif params.run_steps and r.step - start_step >= params.run_steps and r.step < params.steps:
+                stop = "run_steps"
+            if stop == "preempted":
+                _count_preemption(r)
+            if stop or r.step % params.checkpoint.every == 0 or r.step == params.steps:
+                save(r)
+            if stop:
+                break
+    finally:
+        if progress is not None:
+            progress.close()
+    if stop == "preempted":
+        _requeue(r)
+    complete = r.step >= params.steps
+    result = write_result(r, complete) if ctx.is_main else None
+    return _summary(r, complete, result, stop)
+
+
+def _lr_of_step(r: Run) -> float:
+    """The lr the step just taken used."""
+    return r.peak_lr * lr_factor(
+        r.step - 1, warmup=r.params.optim.warmup_steps, total=r.params.steps, min_ratio=r.params.optim.min_lr_ratio
+    )
+
+
+def _count_preemption(r: Run) -> None:
+    """Rank 0 tells a time-out from a preemption; every rank counts it the same way."""
+    kind: list[Any] = [None]
+    if r.ctx.is_main:
+        launch = float(os.environ.get(LAUNCH_TIME_VAR, "nan"))
+        if launch != launch:  # not set: count from now, i.e. never a time-out
+            launch = time.time()
+        limit = r.ctx.spec.time_limit_min(r.ctx.site) * 60.0
+        kind[0] = classify(time.time(), launch, limit, r.ctx.site.preemption.seconds_before_end)
+    dist.broadcast_object_list(kind, src=0)
+    r.requeues += 1
+    if kind[0] == "timeout":
+        r.timeouts += 1
+    r.ctx.log.warning(
+        "%s signal received: checkpointing at step %d (%s; %d time-out(s), %d requeue(s) so far)",
+        r.ctx.site.preemption.signal, r.step, kind[0], r.timeouts, r.requeues,
+    )
+
+
+def _requeue(r: Run) -> None:
+    ctx = r.ctx
+    limit = ctx.site.preemption.max_requeues
+    if r.timeouts > limit:
+        if ctx.is_main:
+            write_result(r, complete=False)
+        raise JobError(
+            f"job timed out {r.timeouts} time(s), more than preemption.max_requeues={limit}: not requeued; "
+            f"step {r.step} of {r.params.steps} is committed in {r.last_checkpoint}: resubmit the same spec "
+            f"to continue, or raise resources.time_min"
+        )
+    if ctx.requeue is None:
+        raise JobError(
+            f"preempted at step {r.step}; checkpoint {r.last_checkpoint} is committed but this launch was not "
+            f"started by submitit and cannot requeue itself: resubmit the same spec to resume"
+        )
+    dist.barrier()  # the checkpoint is committed and every rank knows it before the job goes away
+    if ctx.is_main:
+        ctx.requeue()
+    ctx.log.warning("rank %d leaves for the requeue at step %d", ctx.rank, r.step)
+    raise Requeued(1)
+
+
+def write_result(r: Run, complete: bool) -> Path:
+    from hpcdist.results import result_file, write_table
+
+    ctx = r.ctx
+    path = ctx.result_path()
+    attrs = ctx.run_attrs()
+    steps = r.metrics.columns("steps")
+    val = r.metrics.columns("val")
+    tok_s = [float(v) for v in steps["tokens_per_s"][1:]] or [float(v) for v in steps["tokens_per_s"]]
+    median_tok_s = statistics.median(tok_s) if tok_s else float("nan")
+    attrs.update(
+        complete=complete,
+        final_step=r.step,
+        steps=r.params.steps,
+        final_loss=float(steps["loss"][-1]) if len(steps["loss"]) else float("nan"),
+        final_val_loss=float(val["loss"][-1]) if len(val["loss"]) else float("nan"),
+        tokens_per_s_median=median_tok_s,
+        num_params=r.cfg.num_params(),
+        flops_per_token=r.cfg.flops_per_token(),
+        model_config_json=r.cfg.model_dump_json(),
+        params_json=r.params.model_dump_json(),
+        precision=r.params.precision,
+        requeues=r.requeues,
+        timeouts=r.timeouts,
+        checkpoint=str(r.last_checkpoint or ""),
+    )
+    mfu = _mfu(r, median_tok_s)
+    if mfu is not None:
+        attrs["mfu"] = mfu
+    with result_file(path, attrs) as f:
+        group = f.require_group("train")
+        write_table(group, "steps", steps)
+        write_table(group, "val", val)
+        write_table(group, "epochs", r.metrics.epochs())
+        write_table(group, "checkpoints", r.metrics.columns("checkpoints"))
+    ctx.log.info("result written to %s", path)
+    return path
+
+
+def _mfu(r: Run, tokens_per_s: float) -> float | None:
+    """Model FLOPs utilisation on GPUs: achieved training FLOP/s over the ranks' bf16 peak."""
+    if r.ctx.device.type != "cuda":
+        return None
+    peak = r.params.peak_tflops
+    if peak is None:
+        name = torch.cuda.get_device_name(r.ctx.device)
+        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    if peak is None:
+        return None
+    return r.cfg.flops_per_token() * tokens_per_s / (peak * 1e12 * r.ctx.world_size)
+
+
+def _summary(r: Run, complete: bool, result: Path | None, stop: str) -> dict[str, Any]:
+    steps = r.metrics.columns("steps")
+    val = r.metrics.columns("val")
+    out: dict[str, Any] = {
+        "step": r.step,
+        "complete": complete,
+        "loss": round(float(steps["loss"][-1]), 5) if len(steps["loss"]) else None,
+        "val_loss": round(float(val["loss"][-1]), 5) if len(val["loss"]) else None,
+        "checkpoint": str(r.last_checkpoint) if r.last_checkpoint else None,
+        "requeues": r.requeues,
+    }
+    if stop == "run_steps":
+        out["stopped"] = f"run_steps={r.params.run_steps} reached; resubmit to continue"
+    if result is not None:
+        out["result"] = str(result)
+    return out

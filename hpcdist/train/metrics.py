@@ -1,0 +1,139 @@
+"""Training metrics: rows per step, validation and checkpoint I/O; per-rank log files; progress.
+
+The tables travel inside every checkpoint (``/metrics``) so a run that was preempted and
+requeued still ends with one result file covering all its steps. Rank 0 writes them to the
+HDF5 result under ``/train`` in the ``hpcdist.results`` table layout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+STEP_COLUMNS = ("step", "epoch", "loss", "ppl", "grad_norm", "lr", "tokens_per_s", "step_time_s", "tokens_seen")
+VAL_COLUMNS = ("step", "loss", "ppl")
+CKPT_COLUMNS = ("step", "op", "bytes", "seconds", "mb_per_s", "job_id")
+TABLES = {"steps": STEP_COLUMNS, "val": VAL_COLUMNS, "checkpoints": CKPT_COLUMNS}
+
+# Dense bf16 peak per GPU (vendor data sheets), for model FLOPs utilisation when not given.
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))
+
+
+@dataclass
+class Metrics:
+    rows: dict[str, list[tuple[Any, ...]]] = field(default_factory=lambda: {t: [] for t in TABLES})
+
+    def add(self, table: str, **values: Any) -> None:
+        self.rows[table].append(tuple(values[c] for c in TABLES[table]))
+
+    def columns(self, table: str) -> dict[str, np.ndarray]:
+        rows = self.rows[table]
+        out = {}
+        for i, col in enumerate(TABLES[table]):
+            values = [r[i] for r in rows]
+            out[col] = np.asarray(values, dtype=object if values and isinstance(values[0], str) else None)
+            if out[col].dtype == object:
+                out[col] = out[col].astype(str)
+        return out
+
+    def to_tree(self) -> dict[str, Any]:
+        """The `/metrics` group of a checkpoint."""
+        tree: dict[str, Any] = {}
+        for table, cols in TABLES.items():
+            data = self.columns(table)
+            group: dict[str, Any] = {"columns_json": json.dumps(list(cols))}
+            for col, arr in data.items():
+                group[col] = arr.astype("S") if arr.dtype.kind == "U" else (arr if arr.size else np.zeros(0))
+            tree[table] = group
+        return tree
+
+    @classmethod
+    def from_tree(cls, tree: dict[str, Any]) -> Metrics:
+        m = cls()
+        for table, cols in TABLES.items():
+            group = tree.get(table, {})
+            if not group:
+                continue
+            arrays = [np.asarray(group[c]) for c in cols]
+            for values in zip(*arrays, strict=True):
+                m.rows[table].append(tuple(_plain(v) for v in values))
+        return m
+
+    def epochs(self) -> dict[str, np.ndarray]:
+        """Per-epoch summary of the step rows."""
+        steps = self.columns("steps")
+        names = ("epoch", "steps", "mean_loss", "ppl", "tokens", "seconds", "tokens_per_s")
+        out: dict[str, list[float]] = {k: [] for k in names}
+        if not self.rows["steps"]:
+            return {k: np.zeros(0) for k in out}
+        tokens_per_step = np.diff(np.concatenate([[0], steps["tokens_seen"]]))
+        for epoch in np.unique(steps["epoch"]):
+            sel = steps["epoch"] == epoch
+            seconds = float(steps["step_time_s"][sel].sum())
+            tokens = float(tokens_per_step[sel].sum())
+            mean = float(steps["loss"][sel].mean())
+            for key, value in (
+                ("epoch", int(epoch)), ("steps", int(sel.sum())), ("mean_loss", mean), ("ppl", perplexity(mean)),
+                ("tokens", tokens), ("seconds", seconds), ("tokens_per_s", tokens / seconds if seconds else math.nan),
+            ):
+                out[key].append(value)
+        return {k: np.asarray(v) for k, v in out.items()}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def add_rank_log_file(path: Path) -> logging.Handler:
+    """Also log this rank's `hpcdist` records to `path`, in the same rank-tagged format."""
+    logger = logging.getLogger("hpcdist")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, mode="a")
+    fmt = logger.handlers[0].formatter if logger.handlers else logging.Formatter("%(asctime)s %(message)s")
+    handler.setFormatter(fmt)
+    logger.addHandler(handler)
+    return handler
+
+
+class Progress:
+    """Rank 0's view on a terminal: a rich progress bar on a TTY, log lines otherwise."""
+
+    def __init__(self, total: int, start: int, log: logging.Logger, every: int) -> None:
+        self.log, self.every, self.total = log, every, total
+        self._bar: Any = None
+        if sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import Progress as RichProgress
+
+            self._bar = RichProgress(
+                TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(), transient=False,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("train", total=total, completed=start, info="")
+
+    def update(self, step: int, loss: float, lr: float, tok_s: float, grad_norm: float) -> None:
+        info = f"loss {loss:.4f}  lr {lr:.2e}  {tok_s:,.0f} tok/s"
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, info=info)
+        elif step % self.every == 0 or step == self.total:
+            self.log.info("step %d/%d  %s  grad_norm %.3f", step, self.total, info, grad_norm)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()

@@ -1,0 +1,157 @@
+"""The ``train_gpt`` job kind: its parameters, checked on the login node before anything launches.
+
+This module stays light (pydantic only at import) because the login node validates specs with
+it; the model shape is checked against ``GPTConfig`` and the token file's vocabulary in
+``check``, which imports them only when a spec is loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from hpcdist.jobs.registry import JobKind, Problem, register
+
+if TYPE_CHECKING:
+    from hpcdist.config.site import Site
+    from hpcdist.config.spec import JobSpec
+
+
+class _Params(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BatchParams(_Params):
+    micro: int = Field(default=8, ge=1, description="sequences per rank per micro-batch")
+    accum: int = Field(default=1, ge=1, description="micro-batches per optimizer step")
+
+
+class OptimParams(_Params):
+    lr: float = Field(default=6e-4, gt=0, description="peak learning rate at the reference batch")
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="final lr as a fraction of the peak")
+    warmup_steps: int = Field(default=10, ge=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(default=1e-8, gt=0)
+    grad_clip: float | None = Field(default=1.0, gt=0, description="max global gradient norm; null: no clipping")
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field(
+        default="none", description="scale lr with global batch / reference_batch"
+    )
+    reference_batch: int | None = Field(
+        default=None, ge=1, description="sequences per step the lr was tuned for (default: one rank's batch)"
+    )
+
+
+class EvalParams(_Params):
+    every: int = Field(default=50, ge=0, description="validate every N steps (0: only at the end)")
+    batches: int = Field(default=4, ge=1, description="micro-batches per rank per validation")
+
+
+class CheckpointParams(_Params):
+    every: int = Field(default=50, ge=1, description="write a checkpoint every N steps")
+    keep_last: int = Field(default=2, ge=1, description="committed checkpoints kept")
+    resume: bool = Field(default=True, description="resume from the newest good checkpoint")
+    if_unusable: Literal["error", "start_fresh"] = Field(
+        default="error", description="when checkpoints exist but none verifies"
+    )
+
+
+class TrainParams(_Params):
+    data: Path = Field(description="token file from `hpcdist data prepare`")
+    model: dict[str, Any] = Field(default_factory=dict, description="GPTConfig fields")
+    steps: int = Field(default=100, ge=1, description="optimizer steps of the whole run")
+    batch: BatchParams = BatchParams()
+    optim: OptimParams = OptimParams()
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    seed: int = Field(default=1234, ge=0)
+    eval: EvalParams = EvalParams()
+    checkpoint: CheckpointParams = CheckpointParams()
+    log_every: int = Field(default=10, ge=1)
+    run_steps: int | None = Field(
+        default=None, ge=1, description="stop after this many steps in this run (checkpointed); resume later"
+    )
+    peak_tflops: float | None = Field(default=None, gt=0, description="per-GPU peak, for model FLOPs utilisation")
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _expand(cls, value: object) -> object:
+        import os
+
+        if isinstance(value, str):
+            return Path(os.path.expandvars(os.path.expanduser(value))).absolute()
+        return value
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> TrainParams:
+        if self.optim.warmup_steps > self.steps:
+            raise ValueError(f"optim.warmup_steps {self.optim.warmup_steps} is more than steps {self.steps}")
+        return self
+
+
+def check(spec: JobSpec, site: Site) -> list[Problem]:
+    """Model shape, token file and precision against the site; each problem names its key."""
+    from pydantic import ValidationError
+
+    from hpcdist.data.tokens import describe
+    from hpcdist.errors import JobError
+
+    params = TrainParams.model_validate(spec.params)
+    problems: list[Problem] = []
+    try:
+        info = describe(params.data)
+    except JobError as exc:
+        return [("params.data", str(params.data), str(exc))]
+    try:
+        cfg = model_config(params, info.vocab_size)
+    except ValidationError as exc:
+        for err in exc.errors():
+            key = "params.model." + ".".join(str(p) for p in err["loc"]) if err["loc"] else "params.model"
+            value = err.get("input") if err["loc"] else dict(params.model)
+            problems.append((key, value, err["msg"].removeprefix("Value error, ")))
+        return problems
+    if cfg.vocab_size < info.vocab_size:
+        problems.append(
+            ("params.model.vocab_size", cfg.vocab_size, f"at least {info.vocab_size}, the vocabulary of {params.data}")
+        )
+    if params.precision == "fp16" and spec.resources.gpus_per_node == 0:
+        problems.append(("params.precision", "fp16", "fp16 with a loss scaler needs GPUs; use bf16 or fp32 on CPUs"))
+    samples = (info.lengths["train"] - 1) // cfg.context
+    global_batch = spec.resources.world_size * params.batch.micro * params.batch.accum
+    if samples < global_batch:
+        problems.append(
+            (
+                "params.batch.micro",
+                params.batch.micro,
+                f"the training split of {params.data} has {samples} samples of {cfg.context} tokens, fewer "
+                f"than one global batch ({global_batch}); use more text, a smaller context or batch",
+            )
+        )
+    if params.eval.every and (info.lengths["val"] - 1) // cfg.context < spec.resources.world_size:
+        problems.append(
+            (
+                "params.eval.every",
+                params.eval.every,
+                f"{params.data} has too little validation text; set 0 or prepare more",
+            )
+        )
+    return problems
+
+
+def model_config(params: TrainParams, vocab_size: int) -> Any:
+    """The GPTConfig for `params`, taking the vocabulary from the token file unless given."""
+    from hpcdist.model.gpt import GPTConfig
+
+    return GPTConfig.model_validate({"vocab_size": vocab_size, **params.model})
+
+
+register(
+    JobKind(
+        name="train_gpt",
+        params=TrainParams,
+        runner="hpcdist.train.loop:run",
+        summary="data-parallel GPT training with HDF5 checkpoints that survive preemption",
+        check=check,
+    )
+)

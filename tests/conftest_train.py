@@ -1,0 +1,136 @@
+"""Fixtures for the training tests: a small corpus and token file made here, the training job
+as a user submits it (tiny model, one thread per rank), and checkpoint comparisons."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from tests.conftest import REPO, SHARED, Run, run_cli, storage_sets
+
+STEPS = 400
+# A 1-layer GPT of ~25k parameters: 400 steps take a few seconds on one core per rank.
+TINY = [
+    "--set", "params.model={n_layer: 1, n_head: 2, d_model: 32, context: 32}",
+    "--set", "params.batch.micro=4", "--set", "params.batch.accum=1",
+    "--set", f"params.steps={STEPS}", "--set", "params.checkpoint.every=50",
+    "--set", "params.checkpoint.keep_last=2", "--set", "params.eval.every=100",
+    "--set", "params.log_every=10", "--set", "timeout_s=60",
+]
+
+
+def write_corpus(path: Path, words: int = 12000, seed: int = 0) -> Path:
+    """Sentences of made-up words from a fixed vocabulary: ~70 KB, the same every time."""
+    rng = np.random.default_rng(seed)
+    vocab = ["".join(rng.choice(list("etaoinshrdlucmfw"), size=rng.integers(2, 8))) for _ in range(300)]
+    picks = rng.zipf(1.3, size=words) % len(vocab)
+    text = []
+    for i, w in enumerate(picks):
+        text.append(vocab[w] + (".\n" if i % 11 == 10 else " "))
+    path.write_text("".join(text))
+    return path
+
+
+@pytest.fixture(scope="session")
+def train_root() -> Iterator[Path]:
+    """A directory on the cluster's shared storage (so Slurm jobs see it), removed at the end."""
+    base = SHARED if SHARED.is_dir() and os.access(SHARED, os.W_OK) else Path("/tmp")
+    root = base / f"t-train-{uuid.uuid4().hex[:8]}"
+    root.mkdir(parents=True)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tokens(train_root: Path) -> Path:
+    corpus = write_corpus(train_root / "corpus.txt")
+    out = train_root / "tokens.h5"
+    result = run_cli("data", "prepare", str(corpus), "-o", str(out))
+    assert result.code == 0, result.text
+    return out
+
+
+def train_args(root: Path, tokens: Path, *extra: str, site: str = "local") -> list[str]:
+    return [
+        "submit", "jobs/train_gpt.yaml", "--site", site, "--wait",
+        *storage_sets(root), "--set", f"params.data={tokens}", *TINY, *extra,
+    ]
+
+
+def train(root: Path, tokens: Path, *extra: str, site: str = "local", timeout: float = 240) -> Run:
+    return run_cli(*train_args(root, tokens, *extra, site=site), timeout=timeout)
+
+
+def ckpt_dir(root: Path) -> Path:
+    return root / "checkpoints" / "train_gpt"
+
+
+def final_checkpoint(root: Path, step: int = STEPS) -> Path:
+    return ckpt_dir(root) / f"step_{step:08d}.h5"
+
+
+def rank_log(root: Path, rank: int = 0) -> str:
+    return "".join(p.read_text() for p in sorted((root / "logs" / "train_gpt").glob(f"*/train_rank{rank}.log")))
+
+
+def model_arrays(path: Path) -> dict[str, np.ndarray]:
+    with h5py.File(path, "r") as f:
+        return {k: d[()] for k, d in f["model"].items()}
+
+
+def differing(a: Path, b: Path) -> list[str]:
+    """Names of /model datasets that are not bit-identical between two checkpoints."""
+    x, y = model_arrays(a), model_arrays(b)
+    assert sorted(x) == sorted(y)
+    return [k for k in x if not np.array_equal(x[k], y[k])]
+
+
+@pytest.fixture(scope="session")
+def reference(train_root: Path, tokens: Path) -> Path:
+    """The uninterrupted run every resumed run must equal: its final checkpoint."""
+    root = train_root / "reference"
+    result = train(root, tokens)
+    assert result.code == 0, result.text
+    assert "2/2 ranks succeeded" in result.out
+    return final_checkpoint(root)
+
+
+class Background:
+    """`hpcdist submit ... --wait` running in the background while a test interferes."""
+
+    def __init__(self, args: list[str]) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hpcdist.cli", *args], cwd=REPO, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+
+    def finish(self, timeout: float) -> Run:
+        out, err = self.proc.communicate(timeout=timeout)
+        return Run(self.proc.returncode, out, err)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            self.proc.wait(timeout=10)
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")

@@ -1,0 +1,65 @@
+"""The train_gpt spec is checked before anything launches: each bad value is named by its key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpcdist.config import load_site, load_spec
+from hpcdist.errors import ConfigError
+from hpcdist.train.schedule import lr_factor, scaled_lr
+from tests.conftest import REPO, run_cli, storage_sets
+from tests.conftest_train import write_corpus
+
+
+@pytest.fixture(scope="module")
+def small_tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("spec")
+    out = d / "tokens.h5"
+    assert run_cli("data", "prepare", str(write_corpus(d / "c.txt", words=3000)), "-o", str(out)).code == 0
+    return out
+
+
+@pytest.mark.parametrize(
+    ("sets", "expected"),
+    [
+        (["params.precision=fp16"],
+         "params.precision: 'fp16' cannot run on site 'local'; fp16 with a loss scaler needs GPUs"),
+        (["params.model={d_model: 30, n_head: 4}"],
+         "params.model: {'d_model': 30, 'n_head': 4} cannot run on site 'local'; "
+         "d_model 30 is not a multiple of n_head 4"),
+        (["params.model={n_layers: 2}"], "params.model.n_layers"),
+        (["params.model={vocab_size: 100}"], "params.model.vocab_size: 100 cannot run on site 'local'; at least 257"),
+        (["params.batch.micro=5000"], "params.batch.micro: 5000 cannot run on site 'local'; the training split"),
+        (["params.optim.lr_scaling=cube"], "params.optim.lr_scaling: Input should be 'none', 'linear' or 'sqrt'"),
+        (["params.checkpoint.if_unusable=maybe"], "params.checkpoint.if_unusable"),
+        (["params.optim.warmup_steps=500"], "warmup_steps 500 is more than steps 60"),
+    ],
+)
+def test_bad_params_are_named(small_tokens: Path, tmp_path: Path, sets: list[str], expected: str) -> None:
+    """In-process load_spec: the text `hpcdist submit`/`render` print (see the test below for the CLI)."""
+    site = load_site("local", [s.removeprefix("site.") for s in storage_sets(tmp_path)[1::2]])
+    with pytest.raises(ConfigError) as err:
+        load_spec(REPO / "jobs" / "train_gpt.yaml", site, [f"params.data={small_tokens}", *sets])
+    assert expected in str(err.value)
+
+
+def test_missing_token_file_says_how_to_make_it(tmp_path: Path) -> None:
+    result = run_cli("render", "jobs/train_gpt.yaml", "--set", f"params.data={tmp_path / 'none.h5'}")
+    assert result.code == 2 and result.err.count("\n") == 1  # one line, no traceback
+    assert "jobs/train_gpt.yaml: params.data:" in result.err and "hpcdist data prepare" in result.err
+
+
+def test_schedule_warms_up_then_decays_to_the_floor() -> None:
+    f = [lr_factor(s, warmup=10, total=110, min_ratio=0.1) for s in range(110)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert f[10] == pytest.approx(1.0) and f[60] == pytest.approx(0.55)
+    assert all(a >= b for a, b in zip(f[10:], f[11:], strict=False))
+    assert lr_factor(110, warmup=10, total=110, min_ratio=0.1) == pytest.approx(0.1)
+
+
+def test_lr_scaling_rules() -> None:
+    assert scaled_lr(1e-3, "none", 64, 16) == 1e-3
+    assert scaled_lr(1e-3, "linear", 64, 16) == pytest.approx(4e-3)
+    assert scaled_lr(1e-3, "sqrt", 64, 16) == pytest.approx(2e-3)
