@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh Debian 12 machine (as root):
-#   make demo   - virtual environment, hpcdist, then the smoke job on the local site
+#   make demo   - virtual environment, hpcdist, then smoke, train and generate on the local site
 #   make test   - the above plus Debian packages and the local Slurm cluster, then the suite
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -23,8 +23,14 @@ system-deps:
 
 install: system-deps $(STAMP)
 
+# The demo: smoke job, a token file from this repo's own text, a short training, then
+# generation from the checkpoint that training wrote (all on the local site, 2 ranks).
 demo: install
 	$(VENV)/bin/hpcdist submit jobs/smoke.yaml --site local --wait
+	$(VENV)/bin/hpcdist data prepare README.md $(wildcard hpcdist/*.py hpcdist/*/*.py) -o hpcdist-out/data/tokens.h5
+	$(VENV)/bin/hpcdist submit jobs/train_gpt.yaml --site local --wait
+	$(VENV)/bin/hpcdist submit jobs/infer_gpt.yaml --site local --wait
+	$(VENV)/bin/hpcdist report $$(ls -t hpcdist-out/results/infer_gpt/*.h5 | head -n 1)
 
 cluster-up: system-deps
 	bash cluster/up.sh

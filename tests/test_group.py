@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
@@ -39,10 +40,11 @@ def run_ranks(world: int, fn) -> list[object]:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("via", ["file", "hostlist"])
 def test_ranks_meet_and_learn_hosts(tmp_path: Path, via: str) -> None:
     rdir = tmp_path if via == "file" else None
+    key = f"77.0.{uuid.uuid4().hex[:8]}"  # the host-list path derives its port from the key
 
     def rank(r: int) -> dict[int, str]:
         me = info(r, 3)
-        store, endpoint = group.open_store(me, 10, rendezvous_dir=rdir, key="77.0.0.0")
+        store, endpoint = group.open_store(me, 10, rendezvous_dir=rdir, key=key)
         assert endpoint.via == via and endpoint.addr == "127.0.0.1"
         hosts = group.check_in(store, me, 10)
         group.finish(store, me, 10)
@@ -51,7 +53,7 @@ def test_ranks_meet_and_learn_hosts(tmp_path: Path, via: str) -> None:
     results = run_ranks(3, rank)
     assert results == [{0: "h0", 1: "h1", 2: "h2"}] * 3
     if via == "file":  # the published endpoint is a complete file, no temporary left
-        assert [p.name for p in tmp_path.iterdir()] == ["77.0.0.0.json"]
+        assert [p.name for p in tmp_path.iterdir()] == [f"{key}.json"]
 
 
 def test_missing_rank_is_named_within_timeout(tmp_path: Path) -> None:

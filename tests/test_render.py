@@ -109,10 +109,17 @@ def test_sbatch_test_only_accepts_every_shipped_spec(slurm_storage: Path) -> Non
     # infer_gpt checks its checkpoint before rendering: give it a small one where it looks
     cfg = GPTConfig(context=128, n_layer=1, n_head=4, d_model=32)
     write_checkpoint(slurm_storage / "checkpoints" / "train_gpt", 1, GPT(cfg).state_dict(), cfg)
+    # train_gpt checks its token file: make a small one
+    text = slurm_storage / "corpus.txt"
+    text.write_text("hpcdist renders, submits and runs distributed jobs.\n" * 200)
+    tokens = slurm_storage / "tokens.h5"
+    assert run_cli("data", "prepare", str(text), "-o", str(tokens)).code == 0
+    extra = {"train_gpt.yaml": ["--set", f"params.data={tokens}"]}
     specs = sorted((REPO / "jobs").glob("*.yaml"))
-    assert len(specs) >= 3
+    assert len(specs) >= 8
     for spec in specs:
-        result = run_cli("render", str(spec.relative_to(REPO)), "--site", "local-slurm", *storage_sets(slurm_storage))
+        result = run_cli("render", str(spec.relative_to(REPO)), "--site", "local-slurm", *storage_sets(slurm_storage),
+                         *extra.get(spec.name, []))
         assert result.code == 0, result.err
         proc = subprocess.run(["sbatch", "--test-only"], input=result.out, text=True, capture_output=True)
         assert proc.returncode == 0 and "to start at" in proc.stderr, f"{spec.name}: {proc.stderr}"
