@@ -1,4 +1,4 @@
-"""Reading (and, for tests and demos, writing) the training job's HDF5 checkpoints.
+"""Reading the training job's HDF5 checkpoints for inference (format: ``hpcdist.checkpoint``).
 
 The format (``hpcdist.checkpoint`` version 1), shared with the training job:
 
@@ -15,7 +15,6 @@ Only h5py and numpy are imported here, so the login node checks a checkpoint aga
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,13 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from hpcdist.checkpoint import FORMAT, FORMAT_VERSION, POINTER, sha256_of
 from hpcdist.errors import CheckpointError
 from hpcdist.model.config import GPTConfig
-from hpcdist.storage import atomic_path
 
-FORMAT = "hpcdist.checkpoint"
-FORMAT_VERSION = 1
-POINTER = "latest"
 TIED = ("lm_head.weight",)
 
 
@@ -60,10 +56,6 @@ def expected_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
     out["transformer.ln_f.weight"] = (d,)
     out["transformer.ln_f.bias"] = (d,)
     return out
-
-
-def sha256_of(arr: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
 
 
 def resolve(path: str | Path) -> Path:
@@ -205,27 +197,9 @@ def verify_streaming(header: CheckpointHeader, key: str, chunk_bytes: int = 16 <
 def write_checkpoint(
     directory: str | Path, step: int, state: Mapping[str, Any], cfg: GPTConfig, epoch: int = 0
 ) -> Path:
-    """Write `state` (a GPT ``state_dict()``, tensors or arrays) in the shared format and commit it."""
-    import h5py
+    """Write `state` (a GPT ``state_dict()``) as a model-only checkpoint and commit it (tests, demos)."""
+    from hpcdist.checkpoint import model_tree, save
 
-    directory = Path(directory)
-    final = directory / f"step_{step:08d}.h5"
-    with atomic_path(final) as tmp:
-        with h5py.File(tmp, "w") as f:
-            f.attrs["format"] = FORMAT
-            f.attrs["format_version"] = FORMAT_VERSION
-            f.attrs["step"] = step
-            f.attrs["epoch"] = epoch
-            f.attrs["model_config_json"] = cfg.model_dump_json()
-            f.attrs["created"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-            group = f.create_group("model")
-            for key, value in state.items():
-                if key in TIED:
-                    continue
-                arr = value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
-                arr = np.ascontiguousarray(arr, dtype=np.float32)
-                ds = group.create_dataset(key, data=arr)
-                ds.attrs["sha256"] = sha256_of(arr)
-    with atomic_path(directory / POINTER) as tmp:
-        tmp.write_text(final.name + "\n")
-    return final
+    stats = save(Path(directory), step=step, epoch=epoch, model_config_json=cfg.model_dump_json(),
+                 tree={"model": model_tree(state)})
+    return stats.path
