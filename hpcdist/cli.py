@@ -146,7 +146,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
             sys.stdout.write(render_infer_report(args.result) + "\n")
             return 0
-        raise JobError(f"{args.result} holds a {kind!r} result, which has no report; read it with h5py or h5dump")
+        from hpcdist.results import summarize
+
+        sys.stdout.write(summarize(Path(args.result)))
+        return 0
     from hpcdist.bench import report
 
     result = report.load(args.result)

@@ -187,3 +187,34 @@ def _plain(value: Any) -> Any:
         if isinstance(value, list):
             return [v.decode() if isinstance(v, bytes) else v for v in value]
     return value
+
+
+def summarize(path: Path, rows: int = 8) -> str:
+    """A plain-text view of any result file: the run's facts, then every table (evenly sampled rows)."""
+    import h5py
+
+    attrs = read_attrs(path)
+    lines = [
+        f"{path}",
+        f"  job {attrs.get('job_name')} ({attrs.get('kind')}), id {attrs.get('job_id')}, site {attrs.get('site')}, "
+        f"{attrs.get('world_size')} ranks on {attrs.get('num_nodes')} node(s), created {attrs.get('created')}"
+        + ("" if attrs.get("complete", True) else "  INCOMPLETE"),
+    ]
+    tables: list[tuple[str, h5py.Group]] = []
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: tables.append((name, obj)) if "columns" in obj.attrs else None)
+        for name, group in tables:
+            table = read_table(group)
+            n = len(next(iter(table.values()))) if table else 0
+            picks = list(range(n)) if n <= rows else sorted({round(i * (n - 1) / (rows - 1)) for i in range(rows)})
+            lines.append(f"\n  /{name}: {n} row(s)")
+            lines.append("  " + "  ".join(f"{c:>12}" for c in table))
+            for i in picks:
+                lines.append("  " + "  ".join(f"{_cell(v[i]):>12}" for v in table.values()))
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float) or getattr(value, "dtype", None) is not None and value.dtype.kind == "f":
+        return f"{float(value):.4g}"
+    return str(value)

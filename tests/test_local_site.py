@@ -42,3 +42,14 @@ def test_local_rank_that_never_joins_is_named(local_storage: list[str]) -> None:
     )
     assert result.code == 1
     assert re.search(r"rank 0: FAILED BootstrapError: rendezvous: rank\(s\) 1 of 2 did not join within 5 s", result.out)
+
+
+def test_report_shows_every_table_of_a_result(local_storage: list[str]) -> None:
+    result = run_cli("submit", "jobs/smoke.yaml", "--site", "local", "--wait", *local_storage)
+    path = result_path(result.out)
+    report = run_cli("report", str(path))
+    assert report.code == 0, report.err
+    assert "job smoke (smoke)" in report.out and "2 ranks on 1 node(s)" in report.out
+    assert "/bootstrap: 2 row(s)" in report.out and "launch_to_ready_s" in report.out
+    rows = [ln.split() for ln in report.out.splitlines() if ln.strip().startswith(("0 ", "1 "))]
+    assert [r[0] for r in rows] == ["0", "1"] and all(len(r) == 7 for r in rows)
