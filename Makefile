@@ -38,7 +38,7 @@ cluster-up: system-deps
 cluster-down:
 	bash cluster/down.sh
 
-test: install cluster-up
+test: install cluster-up lint
 	HPCDIST_REQUIRE_SLURM=1 $(PY) -m pytest $(PYTEST) tests
 
 lint: $(STAMP)

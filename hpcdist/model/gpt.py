@@ -81,7 +81,9 @@ class GPT(nn.Module):
             }
         )
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer["wte"].weight  # tied
+        wte = self.transformer["wte"]
+        assert isinstance(wte, nn.Embedding)
+        self.lm_head.weight = wte.weight  # tied
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
@@ -103,6 +105,8 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {t} tokens is longer than the context {self.cfg.context}")
         pos = torch.arange(t, device=idx.device)
         x = self.transformer["drop"](self.transformer["wte"](idx) + self.transformer["wpe"](pos))
-        for block in self.transformer["h"]:
+        blocks = self.transformer["h"]
+        assert isinstance(blocks, nn.ModuleList)
+        for block in blocks:
             x = block(x)
         return self.lm_head(self.transformer["ln_f"](x))
