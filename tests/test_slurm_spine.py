@@ -93,3 +93,20 @@ def test_gpu_request_on_a_node_without_usable_gpu(slurm_storage: Path) -> None:
     assert result.code == 1
     assert "rank 0: FAILED BootstrapError: job asks for GPUs (gpus_per_node=4, backend=auto) but on n1 " \
            "CUDA_VISIBLE_DEVICES='0,1,2,3' is set but torch sees no usable GPU" in result.out
+
+
+def test_env_shows_what_the_bootstrap_sees_on_a_node(slurm_storage: Path) -> None:
+    import os
+    import sys
+
+    from tests.conftest import REPO
+
+    proc = subprocess.run(
+        ["srun", "-N2", "--ntasks-per-node=1", sys.executable, "-m", "hpcdist.cli", "env"],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("launcher: slurm") == 2
+    assert "rank 0/2 (local 0/1, node 0/2) on n1 via slurm" in proc.stdout
+    assert "rank 1/2 (local 0/1, node 1/2) on n2 via slurm" in proc.stdout
+    assert "hosts: n1, n2" in proc.stdout and "torch: 2." in proc.stdout
