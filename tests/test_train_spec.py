@@ -34,7 +34,7 @@ def small_tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["params.batch.micro=5000"], "params.batch.micro: 5000 cannot run on site 'local'; the training split"),
         (["params.optim.lr_scaling=cube"], "params.optim.lr_scaling: Input should be 'none', 'linear' or 'sqrt'"),
         (["params.checkpoint.if_unusable=maybe"], "params.checkpoint.if_unusable"),
-        (["params.optim.warmup_steps=500"], "warmup_steps 500 is more than steps 60"),
+        (["params.steps=60", "params.optim.warmup_steps=500"], "warmup_steps 500 is more than steps 60"),
     ],
 )
 def test_bad_params_are_named(small_tokens: Path, tmp_path: Path, sets: list[str], expected: str) -> None:
