@@ -342,7 +342,8 @@ class Checkpoint:
         return self.bytes / 1e6 / self.seconds if self.seconds > 0 else float("nan")
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
+    """An HDF5 attribute as a plain Python value (bytes decoded, NumPy scalars unwrapped)."""
     if isinstance(value, bytes):
         return value.decode()
     if isinstance(value, np.generic):
@@ -357,7 +358,7 @@ def _read_tree(group: h5py.Group, pool: ThreadPoolExecutor | None, checks: list[
     """The group as a tree; each dataset is hashed in `pool` (when verifying) while the rest is read."""
     import h5py
 
-    out: Tree = {k: _plain(v) for k, v in group.attrs.items()}
+    out: Tree = {k: plain(v) for k, v in group.attrs.items()}
     nbytes = 0
     for key, item in group.items():
         if isinstance(item, h5py.Group):
@@ -367,7 +368,7 @@ def _read_tree(group: h5py.Group, pool: ThreadPoolExecutor | None, checks: list[
         arr = np.asarray(item[()])
         nbytes += arr.nbytes
         digest = pool.submit(sha256_of, arr) if pool is not None else None
-        checks.append((item.name, digest, str(_plain(item.attrs.get("sha256", "")))))
+        checks.append((item.name, digest, str(plain(item.attrs.get("sha256", "")))))
         out[key] = arr
     return out, nbytes
 
@@ -388,7 +389,7 @@ def read(path: Path, *, groups: tuple[str, ...] | None = None, verify: bool = Tr
     t0 = time.perf_counter()
     try:
         with h5py.File(path, "r") as f:
-            attrs = {k: _plain(v) for k, v in f.attrs.items()}
+            attrs = {k: plain(v) for k, v in f.attrs.items()}
             _check_root(path, attrs)
             names = list(f.keys()) if groups is None else [g for g in groups if g in f]
             tree: Tree = {}

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from hpcdist.checkpoint import plain
+
 STEP_COLUMNS = ("step", "epoch", "loss", "ppl", "grad_norm", "lr", "tokens_per_s", "step_time_s", "tokens_seen")
 VAL_COLUMNS = ("step", "loss", "ppl")
 CKPT_COLUMNS = ("step", "op", "bytes", "seconds", "mb_per_s", "job_id")
@@ -67,7 +69,7 @@ class Metrics:
                 continue
             arrays = [np.asarray(group[c]) for c in cols]
             for values in zip(*arrays, strict=True):
-                m.rows[table].append(tuple(_plain(v) for v in values))
+                m.rows[table].append(tuple(plain(v) for v in values))
         return m
 
     def epochs(self) -> dict[str, np.ndarray]:
@@ -89,14 +91,6 @@ class Metrics:
             ):
                 out[key].append(value)
         return {k: np.asarray(v) for k, v in out.items()}
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return value.decode()
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
 
 
 def add_rank_log_file(path: Path) -> logging.Handler:
