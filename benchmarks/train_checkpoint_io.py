@@ -24,6 +24,7 @@ import torch
 
 from hpcdist import checkpoint as ckpt
 from hpcdist.model.gpt import GPT, GPTConfig
+from hpcdist.storage import fsync_path
 from hpcdist.train import state as st
 
 
@@ -34,14 +35,6 @@ def training_state(d_model: int, n_layer: int) -> tuple[GPT, torch.optim.Optimiz
     model(torch.randint(0, 257, (2, 16))).float().mean().backward()
     opt.step()  # creates exp_avg / exp_avg_sq: the optimizer state is twice the model
     return model, opt
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def time_dd(path: Path, mib: int) -> float:
@@ -85,7 +78,7 @@ def main() -> int:
             tpath = base / f"torch-{i}.pt"
             t0 = time.perf_counter()
             torch.save(torch_state, tpath)
-            fsync_file(tpath)
+            fsync_path(tpath)
             tsize = tpath.stat().st_size
             rows["torch_write"].append(tsize / 1e6 / (time.perf_counter() - t0))
             t0 = time.perf_counter()
