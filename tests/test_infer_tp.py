@@ -111,3 +111,36 @@ def test_tp1_model_is_the_plain_gpt() -> None:
     tp.load_shard({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"})
     idx = torch.randint(0, 257, (3, 9))
     assert torch.equal(tp(idx), model(idx))
+
+
+def test_broadcast_job_figures_follow_the_factor_table_at_4_ranks() -> None:
+    from hpcdist.bench.factors import bus_factor
+    from hpcdist.infer.broadcast import iteration_figures
+
+    nbytes = 3_000_000_000
+    # rank_times[rank][iteration]: iteration 0 averages 1.5 s over the 4 ranks, iteration 1 2.0 s
+    rank_times = [[1.0, 2.0], [1.0, 2.0], [3.0, 2.0], [1.0, 2.0]]
+    fig = iteration_figures(nbytes, rank_times)
+    assert fig.times == [1.5, 2.0]
+    assert fig.algbw_gbps == pytest.approx([2.0, 1.5])  # 3e9 B / 1e9 / s
+    assert bus_factor("broadcast", 4) == 1.0
+    assert fig.busbw_gbps == pytest.approx([2.0, 1.5])
+    assert fig.busbw_median_gbps == pytest.approx(1.75)
+
+
+def _stats(rank: int, world: int) -> Any:
+    from hpcdist.infer.broadcast import broadcast_state
+
+    src = {"a": torch.ones(1000), "b": torch.ones(24, 10, dtype=torch.float64)} if rank == 0 else None
+    _, stats = broadcast_state(src, torch.device("cpu"), bucket_bytes=1 << 20)
+    return stats
+
+
+def test_broadcast_stats_at_4_ranks_use_the_factor_table() -> None:
+    from hpcdist.bench.factors import busbw
+
+    for stats in run_ranks(4, _stats):
+        assert stats.bytes == 1000 * 4 + 240 * 8 and stats.ranks == 4 and stats.seconds > 0
+        assert stats.busbw_gbps == busbw("broadcast", stats.bytes, stats.seconds, 4)
+        assert stats.busbw_gbps == pytest.approx(stats.bytes / 1e9 / stats.seconds)
+        assert stats.as_dict()["algbw_gbps"] == stats.algbw_gbps

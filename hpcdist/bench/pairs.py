@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hpcdist.bench.base import CommPath
-from hpcdist.bench.factors import human_bytes
+from hpcdist.bench.factors import algbw, human_bytes
 from hpcdist.bench.p2p import exchange
 from hpcdist.bench.record import Matrix
 from hpcdist.bench.session import Session
@@ -69,10 +69,10 @@ def measure_pairs(s: Session, path: CommPath, params: Any) -> Matrix:
                                     params.iters, 1, False)
                     if first:  # each direction is reported by its sender
                         return [
-                            ("bw", i, j, params.size / 1e9 / float(go.times.mean())),
+                            ("bw", i, j, algbw(params.size, float(go.times.mean()))),
                             ("lat", i, j, float(ping.times.mean()) * 1e6),
                         ]
-                    return [("bw", j, i, params.size / 1e9 / float(back.times.mean()))]
+                    return [("bw", j, i, algbw(params.size, float(back.times.mean())))]
                 return None
 
             got = s.run_one(path, what, "pairs", params.size, one)

@@ -5,8 +5,8 @@ into contiguous buckets of ``bucket_bytes`` (the idea of DDP's gradient buckets)
 transfer bandwidth-bound. The other ranks learn the names, shapes and dtypes from a small
 object broadcast first, so they need no checkpoint and no model config to receive.
 
-Bandwidth follows nccl-tests: algbw = bytes / 1e9 / seconds; busbw = algbw for a broadcast
-(factor 1).
+Bandwidth is nccl-tests' arithmetic from the one factor table, ``hpcdist.bench.factors``
+(importing it loads nothing of the benchmark package but that module: no torch, no MPI).
 """
 
 from __future__ import annotations
@@ -14,26 +14,32 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
+
+from hpcdist.bench.factors import algbw, busbw
 
 Meta = list[tuple[str, tuple[int, ...], str]]  # name, shape, dtype
 
 
 @dataclass(frozen=True)
 class BroadcastStats:
+    """One transfer of a state from one rank to `ranks` ranks."""
+
     bytes: int
     seconds: float
     buckets: int
     tensors: int
+    ranks: int
 
     @property
     def algbw_gbps(self) -> float:
-        return self.bytes / 1e9 / self.seconds if self.seconds > 0 else float("nan")
+        return algbw(self.bytes, self.seconds)
 
     @property
     def busbw_gbps(self) -> float:
-        return self.algbw_gbps  # broadcast's bus factor is 1 (nccl-tests PERFORMANCE.md)
+        return busbw("broadcast", self.bytes, self.seconds, self.ranks)
 
     def as_dict(self) -> dict[str, float | int]:
         return {
@@ -120,7 +126,33 @@ def broadcast_state(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
-    return out, BroadcastStats(bytes=total, seconds=seconds, buckets=len(buckets), tensors=len(meta))
+    stats = BroadcastStats(total, seconds, len(buckets), len(meta), dist.get_world_size(group))
+    return out, stats
+
+
+@dataclass(frozen=True)
+class IterationFigures:
+    """A repeated broadcast's figures per timed iteration, as nccl-tests computes them: each
+    iteration's time averaged across ranks, then algbw and busbw of that mean time."""
+
+    times: list[float]
+    algbw_gbps: list[float]
+    busbw_gbps: list[float]
+
+    @property
+    def busbw_median_gbps(self) -> float:
+        return float(np.median(self.busbw_gbps))
+
+
+def iteration_figures(nbytes: int, rank_times: list[list[float]]) -> IterationFigures:
+    """Figures of `nbytes` broadcast in iterations timed on every rank (`rank_times[rank][iteration]`)."""
+    nranks = len(rank_times)
+    times = [float(np.mean(per_rank)) for per_rank in zip(*rank_times, strict=True)]
+    return IterationFigures(
+        times,
+        [algbw(nbytes, t) for t in times],
+        [busbw("broadcast", nbytes, t, nranks) for t in times],
+    )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

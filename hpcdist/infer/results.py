@@ -34,6 +34,7 @@ from hpcdist.infer.tokens import END_TOKEN, decode
 from hpcdist.results import result_file, write_table
 
 if TYPE_CHECKING:
+    from hpcdist.infer.broadcast import IterationFigures
     from hpcdist.infer.checkpoint import CheckpointHeader
     from hpcdist.infer.jobs import BroadcastParams, InferParams
 
@@ -115,27 +116,26 @@ def write_broadcast_result(
     nbytes: int,
     buckets: int,
     tensors: int,
-    times: list[float],
+    figures: IterationFigures,
     wrongs: list[int],
 ) -> Path:
-    algbw = [nbytes / 1e9 / t for t in times]
     extra = {
         "bytes": nbytes,
         "buckets": buckets,
         "tensors": tensors,
         "bucket_mb": params.bucket_mb,
-        "busbw_median_gbps": float(np.median(algbw)),
+        "busbw_median_gbps": figures.busbw_median_gbps,
     }
     with result_file(path, {**attrs, **extra}) as f:
         write_table(
             f,
             "broadcast",
             {
-                "iter": list(range(len(times))),
-                "bytes": [nbytes] * len(times),
-                "time_s": times,
-                "algbw_gbps": algbw,
-                "busbw_gbps": algbw,  # broadcast: bus factor 1
+                "iter": list(range(len(figures.times))),
+                "bytes": [nbytes] * len(figures.times),
+                "time_s": figures.times,
+                "algbw_gbps": figures.algbw_gbps,
+                "busbw_gbps": figures.busbw_gbps,
                 "wrong": wrongs,
             },
         )

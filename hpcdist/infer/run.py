@@ -16,9 +16,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hpcdist.bench.factors import algbw
 from hpcdist.errors import BenchmarkError, CheckpointError, JobError
 from hpcdist.infer import metrics
-from hpcdist.infer.broadcast import broadcast_state, describe
+from hpcdist.infer.broadcast import broadcast_state, describe, iteration_figures
 from hpcdist.infer.checkpoint import CheckpointHeader, expected_shapes, read_full, sha256_of
 from hpcdist.infer.generate import Sampling, generate
 from hpcdist.infer.jobs import BroadcastParams, InferParams, inspect, problems_text
@@ -101,7 +102,7 @@ def load_shards(
         "bytes": total,
         "rank_bytes": read.bytes_read,
         "seconds": slowest,
-        "algbw_gbps": total / 1e9 / slowest if slowest > 0 else float("nan"),
+        "algbw_gbps": algbw(total, slowest),
         "verified_here": len(read.verified),
         "wrong": 0,
     }
@@ -280,20 +281,18 @@ def run_broadcast(ctx: JobContext, params: BroadcastParams) -> dict[str, Any]:
     everyone = _agree(ctx, [(s.seconds, w) for s, w in rows])
     summary: dict[str, Any] = {"rank": ctx.rank, "wrong": sum(w for _, w in rows)}
     nbytes, buckets = rows[0][0].bytes, rows[0][0].buckets
-    # nccl-tests: time averaged across ranks for each iteration, then bandwidth per iteration
-    times = [float(np.mean([everyone[r][i][0] for r in range(ctx.world_size)])) for i in range(params.iters)]
+    figures = iteration_figures(nbytes, [[s for s, _ in mine] for mine in everyone])
     wrongs = [sum(everyone[r][i][1] for r in range(ctx.world_size)) for i in range(params.iters)]
-    algbw = [nbytes / 1e9 / t for t in times]
-    median = float(np.median(algbw))
+    median = figures.busbw_median_gbps
     if ctx.is_main:
         from hpcdist.infer.results import write_broadcast_result
 
         path = write_broadcast_result(
             ctx.result_path(), ctx.run_attrs(), params=params, nbytes=nbytes, buckets=buckets,
-            tensors=len(meta), times=times, wrongs=wrongs,
+            tensors=len(meta), figures=figures, wrongs=wrongs,
         )
         summary.update({"result": str(path), "bytes": nbytes, "buckets": buckets, "tensors": len(meta),
-                        "time_mean_s": float(np.mean(times)), "busbw_median_gbps": round(median, 4),
+                        "time_mean_s": float(np.mean(figures.times)), "busbw_median_gbps": round(median, 4),
                         "wrong_total": sum(wrongs)})
     if sum(wrongs):
         raise JobError(f"broadcast delivered wrong data: {sum(wrongs)} tensor copies differ from rank 0's")
