@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hpcdist.data.tokenizer import BYTES
 from hpcdist.infer.generate import Sampling, generate, sample
-from hpcdist.infer.tokens import decode, encode
 from hpcdist.infer.tp import TPGPT
 from hpcdist.model.gpt import GPT, GPTConfig
 from tests.conftest_infer import TINY, make_model
 
-PROMPTS = [encode("hello world"), encode("hi"), encode("the quick brown fox jumps"), encode("a")]
+PROMPTS = [BYTES.encode_text(t) for t in ("hello world", "hi", "the quick brown fox jumps", "a")]
 
 
 def _tp1(model: GPT) -> TPGPT:
@@ -95,5 +95,5 @@ def test_prompt_plus_new_tokens_beyond_the_context_is_refused() -> None:
 
 def test_byte_tokens_round_trip() -> None:
     text = "héllo, wörld ✓"
-    assert decode(encode(text)) == text
-    assert decode(encode("ab") + [256]) == "ab"
+    assert BYTES.decode(BYTES.encode_text(text)) == text
+    assert BYTES.decode(BYTES.encode_text("ab") + [256]) == "ab"

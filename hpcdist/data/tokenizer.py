@@ -2,16 +2,25 @@
 
 The byte-level tokenizer maps each UTF-8 byte to its value and uses 256 as the end-of-text
 token that separates documents, so its vocabulary is 257 and every text round-trips exactly.
+It is the one byte tokenizer: ``data prepare`` writes token files with it and inference
+encodes prompts and decodes outputs with it (``encode_text``/``decode``).
+
+NumPy is imported only by the array methods, so the login node validates an inference spec
+(which encodes its prompts) without it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Protocol
-
-import numpy as np
+from typing import TYPE_CHECKING, Protocol
 
 from hpcdist.errors import JobError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+END_OF_TEXT = 256  # the byte tokenizer's end-of-text id
 
 
 class Tokenizer(Protocol):
@@ -28,15 +37,26 @@ class ByteTokenizer:
     """Bytes as tokens, 256 as end-of-text."""
 
     name = "bytes"
-    vocab_size = 257
-    eot_id = 256
+    vocab_size = END_OF_TEXT + 1
+    eot_id = END_OF_TEXT
 
     def encode(self, text: bytes) -> np.ndarray:
+        """A document's token ids as an array (``data prepare``)."""
+        import numpy as np
+
         return np.frombuffer(text, dtype=np.uint8).astype(np.uint16)
 
-    def decode(self, ids: np.ndarray) -> str:
-        data = bytes(int(i) for i in np.asarray(ids) if int(i) < 256)
+    def encode_text(self, text: str) -> list[int]:
+        """A prompt's token ids: its UTF-8 bytes."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        """Text for token ids; ids outside the byte range (the end token) are dropped, bad UTF-8 replaced."""
+        data = bytes(i for i in map(int, ids) if 0 <= i < END_OF_TEXT)
         return data.decode("utf-8", errors="replace")
+
+
+BYTES = ByteTokenizer()
 
 
 class FileTokenizer:
@@ -60,6 +80,8 @@ class FileTokenizer:
         self.vocab_size = base + (1 if eot is None else 0)
 
     def encode(self, text: bytes) -> np.ndarray:
+        import numpy as np
+
         ids = self._tok.encode(text.decode("utf-8", errors="replace")).ids
         return np.asarray(ids, dtype=np.uint32)
 
@@ -68,4 +90,4 @@ class FileTokenizer:
 
 
 def load_tokenizer(path: Path | None) -> ByteTokenizer | FileTokenizer:
-    return ByteTokenizer() if path is None else FileTokenizer(path)
+    return BYTES if path is None else FileTokenizer(path)

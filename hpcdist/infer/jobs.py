@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from hpcdist.data.tokenizer import END_OF_TEXT
 from hpcdist.errors import HpcdistError
-from hpcdist.infer.tokens import END_TOKEN
 from hpcdist.jobs.registry import JobKind, Problem, register
 from hpcdist.model.config import GPTConfig
 
@@ -47,7 +47,7 @@ class InferParams(BaseModel):
     top_k: int | None = Field(default=None, ge=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int = 0
-    end_token: int | None = Field(default=END_TOKEN, ge=0, description="stop a row at this token; null: never")
+    end_token: int | None = Field(default=END_OF_TEXT, ge=0, description="stop a row at this token; null: never")
 
 
 class BroadcastParams(BaseModel):
@@ -85,10 +85,10 @@ def inspect(
     params: InferParams, site: Site, world_size: int
 ) -> tuple[CheckpointHeader | None, list[list[int]] | None, list[Problem]]:
     """Read the checkpoint header and the prompts and list what stops the job, before any weight moves."""
+    from hpcdist.data.tokenizer import BYTES
     from hpcdist.infer.checkpoint import read_header
     from hpcdist.infer.prompts import load_prompts
     from hpcdist.infer.shard_load import check_tp
-    from hpcdist.infer.tokens import encode
 
     problems: list[Problem] = []
     header = None
@@ -109,7 +109,7 @@ def inspect(
         )
     encoded = None
     try:
-        encoded = [encode(p) for p in load_prompts(params.prompts)]
+        encoded = [BYTES.encode_text(p) for p in load_prompts(params.prompts)]
     except HpcdistError as exc:
         problems.append(("params.prompts", params.prompts, str(exc)))
     if encoded is not None and cfg is not None:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hpcdist.infer.tokens import END_TOKEN, decode
+from hpcdist.data.tokenizer import BYTES, END_OF_TEXT
 from hpcdist.results import result_file, write_table
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 def _text(ids: list[int]) -> str:
     """Decoded text for the table; NUL (which HDF5 strings cannot hold) is written as the escape \\x00.
     The exact ids are in /tokens."""
-    return decode(ids).replace("\x00", "\\x00")
+    return BYTES.decode(ids).replace("\x00", "\\x00")
 
 
 def _columns(rows: Sequence[Mapping[str, Any]], skip: tuple[str, ...] = ()) -> dict[str, list[Any]]:
@@ -84,7 +84,7 @@ def write_infer_result(
             "request": [r["request"] for r in requests],
             "dp_group": [r["dp_group"] for r in requests],
             "prompt": [_text(prompts[r["request"]]) for r in requests],
-            "output": [_text([t for t in r["output_ids"] if t != END_TOKEN]) for r in requests],
+            "output": [_text([t for t in r["output_ids"] if t != END_OF_TEXT]) for r in requests],
         }
         cols.update(_columns(requests, skip=("request", "dp_group", "output_ids")))
         write_table(f, "requests", cols)

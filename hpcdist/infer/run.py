@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hpcdist.bench.factors import algbw
+from hpcdist.data.tokenizer import BYTES
 from hpcdist.errors import BenchmarkError, CheckpointError, JobError
 from hpcdist.infer import metrics
 from hpcdist.infer.broadcast import broadcast_state, describe, iteration_figures
@@ -24,7 +25,6 @@ from hpcdist.infer.checkpoint import CheckpointHeader, expected_shapes, read_ful
 from hpcdist.infer.generate import Sampling, generate
 from hpcdist.infer.jobs import BroadcastParams, InferParams, inspect, problems_text
 from hpcdist.infer.shard_load import read_shard, shard_state
-from hpcdist.infer.tokens import decode
 from hpcdist.infer.tp import TPGPT, TPGroup
 
 if TYPE_CHECKING:
@@ -228,7 +228,7 @@ def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
         load=load,
         summary=figures,
     )
-    first = decode(all_requests[0]["output_ids"])
+    first = BYTES.decode(all_requests[0]["output_ids"])
     summary.update(
         {
             "result": str(path),
@@ -242,7 +242,7 @@ def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
             "per_token_p50_ms": round(1e3 * figures["per_token_p50_s"], 3),
             "total_p50_ms": round(1e3 * figures["total_p50_s"], 3),
             "total_p99_ms": round(1e3 * figures["total_p99_s"], 3),
-            "sample": (decode(prompts[0]) + first)[:120],
+            "sample": (BYTES.decode(prompts[0]) + first)[:120],
         }
     )
     return summary
