@@ -13,6 +13,7 @@ from hpcdist.bench.base import IN_PLACE, modes_for
 from hpcdist.bench.factors import DTYPE_BYTES, bus_factor, counts, human_bytes
 from hpcdist.bench.measure import measure, summarize
 from hpcdist.bench.session import Session
+from hpcdist.console import Progress
 
 if TYPE_CHECKING:
     from hpcdist.bench.jobs import CollectivesParams
@@ -36,7 +37,7 @@ def sweep_collectives(s: Session, ops: tuple[str, ...], sizes: list[int], params
                     if op != "barrier" and c.count == 0:
                         continue  # smaller than one element per rank
                     plan.append((path, op, mode, size, c))
-    with s.progress(len(plan), "collectives") as advance:
+    with Progress("collectives", len(plan), show=s.ctx.is_main, transient=True) as bar:
         for path, op, mode, size, c in plan:
             name = table_name(op, path.name)
             exp, exp_label = s.expected(op)
@@ -58,7 +59,7 @@ def sweep_collectives(s: Session, ops: tuple[str, ...], sizes: list[int], params
                 s.record.flush(complete=False)
                 if row["wrong"]:
                     ctx.log.warning("%s: %d wrong elements", what, row["wrong"])
-            advance(f"{op} {human_bytes(size)} {path.label}")
+            bar.advance(f"{op} {human_bytes(size)} {path.label}")
     return shortfalls(s, ops) if s.record is not None else []
 
 

@@ -19,6 +19,7 @@ from hpcdist.bench.base import CommPath
 from hpcdist.bench.factors import Counts, human_bytes
 from hpcdist.bench.measure import Local, summarize
 from hpcdist.bench.session import Session
+from hpcdist.console import Progress
 
 if TYPE_CHECKING:
     from hpcdist.bench.jobs import P2PParams
@@ -93,7 +94,8 @@ def run(ctx: JobContext, params: P2PParams) -> dict[str, Any]:
     a, b = params.ranks if params.ranks is not None else (0, ctx.world_size - 1)
     me = ctx.rank
     plan = [(path, test, size) for path in s.paths for test in params.tests for size in params.sizes()]
-    with s.progress(len(plan), f"p2p {s.node_of_rank[a]} <-> {s.node_of_rank[b]}") as advance:
+    title = f"p2p {s.node_of_rank[a]} <-> {s.node_of_rank[b]}"
+    with Progress(title, len(plan), show=s.ctx.is_main, transient=True) as bar:
         for path, test, size in plan:
             name = table_name(test, path.name)
             exp, exp_label = s.expected("p2p")
@@ -120,7 +122,7 @@ def run(ctx: JobContext, params: P2PParams) -> dict[str, Any]:
                 row = summarize(test, c, False, locs, [a, b], s.node_of_rank, 2, exp, DIRECTIONS[test] * size)
                 s.record.add_row(name, row)
                 s.record.flush(complete=False)
-            advance(f"{test} {human_bytes(size)} {path.label}")
+            bar.advance(f"{test} {human_bytes(size)} {path.label}")
     found = p2p_shortfalls(s, params.tests, a, b) if s.record is not None else []
     out = s.finish(found, params.enforce_minimums)
     if s.record is not None:

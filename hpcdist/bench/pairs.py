@@ -17,6 +17,7 @@ from hpcdist.bench.factors import algbw, human_bytes
 from hpcdist.bench.p2p import exchange
 from hpcdist.bench.record import Matrix
 from hpcdist.bench.session import Session
+from hpcdist.console import Progress
 
 if TYPE_CHECKING:
     from hpcdist.bench.jobs import PairsParams
@@ -48,7 +49,7 @@ def measure_pairs(s: Session, path: CommPath, params: Any) -> Matrix:
     bw = np.full((n, n), np.nan)
     lat = np.full((n, n), np.nan)
     schedule = rounds(n)
-    with s.progress(len(schedule), f"pairs {path.label}") as advance:
+    with Progress(f"pairs {path.label}", len(schedule), show=s.ctx.is_main, transient=True) as bar:
         for k, pairs in enumerate(schedule):
             what = (
                 f"pairs round {k + 1}/{len(schedule)} ({', '.join(f'{nodes[i]}<->{nodes[j]}' for i, j in pairs)}) "
@@ -82,7 +83,7 @@ def measure_pairs(s: Session, path: CommPath, params: Any) -> Matrix:
                         bw[i, j] = value
                     else:
                         lat[i, j] = lat[j, i] = value
-            advance(f"round {k + 1}")
+            bar.advance(f"round {k + 1}")
     exp, label = s.expected("pairs")
     frac = bw / exp if exp else np.full((n, n), np.nan)
     attrs = {

@@ -1,14 +1,12 @@
 """What every benchmark kind shares on the ranks: its paths, node names, the result record,
-the interconnect facts, the figures each row is a fraction of, progress, and the verdict.
+the interconnect facts, the figures each row is a fraction of, and the verdict.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -135,25 +133,6 @@ class Session:
                 f"{what} failed on rank {self.rank} ({self.node_of_rank[self.rank]}): "
                 f"{type(exc).__name__}: {first}{where}"
             ) from exc
-
-    @contextmanager
-    def progress(self, total: int, title: str) -> Iterator[Callable[[str], None]]:
-        """A progress bar on rank 0's terminal; nothing in batch logs (stderr is not a TTY)."""
-        if not (self.ctx.is_main and sys.stderr.isatty()):
-            yield lambda desc: None
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        with Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            transient=True,
-        ) as bar:
-            task = bar.add_task(title, total=total)
-
-            def advance(desc: str) -> None:
-                bar.update(task, advance=1, description=f"{title}: {desc}")
-
-            yield advance
 
     def finish(self, shortfalls: list[str], enforce: bool) -> dict[str, Any]:
         """Mark the file complete with its verdict; every rank fails if a minimum was missed."""

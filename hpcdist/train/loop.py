@@ -28,13 +28,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpcdist import checkpoint as ckpt
 from hpcdist.config.contract import LAUNCH_TIME_VAR
+from hpcdist.console import Progress
 from hpcdist.data.dataset import DistributedOrder, TokenWindows, eval_samples
 from hpcdist.data.tokens import describe
 from hpcdist.errors import CheckpointError, JobError
 from hpcdist.model.gpt import GPT, GPTConfig
 from hpcdist.runtime.requeue import Requeued, classify
 from hpcdist.train import state as st
-from hpcdist.train.metrics import PEAK_BF16_TFLOPS, Metrics, Progress, add_rank_log_file, perplexity
+from hpcdist.train.metrics import PEAK_BF16_TFLOPS, Metrics, add_rank_log_file, perplexity
 from hpcdist.train.params import TrainParams, model_config
 from hpcdist.train.schedule import lr_factor, scaled_lr
 
@@ -346,7 +347,9 @@ def run(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
 def loop(r: Run) -> dict[str, Any]:
     ctx, params = r.ctx, r.params
     start_step = r.step
-    progress = Progress(params.steps, r.step, ctx.log, params.log_every) if ctx.is_main else None
+    progress = (
+        Progress("train", params.steps, start=r.step, log=ctx.log, every=params.log_every) if ctx.is_main else None
+    )
     if ctx.is_main:
         ctx.log.info(
             "training %s: %.2fM parameters, %d steps from step %d, global batch %d x %d tokens, peak lr %.3g, %s",
@@ -379,7 +382,8 @@ def loop(r: Run) -> dict[str, Any]:
                     )
                 r.epoch, r.position = r.epoch + 1, 0
             if progress is not None:
-                progress.update(r.step, loss, _lr_of_step(r), r.tokens_per_step / seconds, grad_norm)
+                progress.update(r.step, f"loss {loss:.4f}  lr {_lr_of_step(r):.2e}  "
+                                f"{r.tokens_per_step / seconds:,.0f} tok/s  grad_norm {grad_norm:.3f}")
             every = params.eval.every
             if (every and r.step % every == 0) or r.step == params.steps:
                 val = evaluate(r)

@@ -1,4 +1,4 @@
-"""Training metrics: rows per step, validation and checkpoint I/O; per-rank log files; progress.
+"""Training metrics: rows per step, validation and checkpoint I/O; per-rank log files.
 
 The tables travel inside every checkpoint (``/metrics``) so a run that was preempted and
 requeued still ends with one result file covering all its steps. Rank 0 writes them to the
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,32 +101,3 @@ def add_rank_log_file(path: Path) -> logging.Handler:
     handler.setFormatter(fmt)
     logger.addHandler(handler)
     return handler
-
-
-class Progress:
-    """Rank 0's view on a terminal: a rich progress bar on a TTY, log lines otherwise."""
-
-    def __init__(self, total: int, start: int, log: logging.Logger, every: int) -> None:
-        self.log, self.every, self.total = log, every, total
-        self._bar: Any = None
-        if sys.stderr.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
-            from rich.progress import Progress as RichProgress
-
-            self._bar = RichProgress(
-                TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                TimeRemainingColumn(), transient=False,
-            )
-            self._bar.start()
-            self._task = self._bar.add_task("train", total=total, completed=start, info="")
-
-    def update(self, step: int, loss: float, lr: float, tok_s: float, grad_norm: float) -> None:
-        info = f"loss {loss:.4f}  lr {lr:.2e}  {tok_s:,.0f} tok/s"
-        if self._bar is not None:
-            self._bar.update(self._task, completed=step, info=info)
-        elif step % self.every == 0 or step == self.total:
-            self.log.info("step %d/%d  %s  grad_norm %.3f", step, self.total, info, grad_norm)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()

@@ -1,0 +1,113 @@
+"""What a person reads: tables and progress through rich, plain text where there is no terminal.
+
+Reports build a borderless rich ``Table`` with ``table()`` and turn it into text with ``text()``;
+when stdout is not a terminal (a pipe, a log, a test) that text has no colour codes and no
+trailing blanks, so it reads, greps and splits as plain columns. ``Progress`` draws a bar when
+stderr is a terminal, and otherwise writes a log line every few steps, or nothing.
+
+rich is imported only when a table is rendered or a bar drawn.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import sys
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+# Wide enough that rich never wraps or shortens a cell: a table keeps its natural width.
+_WIDTH = 10_000
+
+
+def table(*columns: str, left: int = 1) -> Table:
+    """A table in the nccl-tests look (no borders: a header line, then a line a row); the first
+    `left` columns are left-aligned, the rest (figures) right-aligned. A header may span two
+    lines (``"out-of-place\\ntime(us)"``)."""
+    from rich.table import Table
+
+    t = Table(box=None, header_style="bold", show_edge=False)
+    for i, name in enumerate(columns):
+        t.add_column(name, justify="left" if i < left else "right", no_wrap=True)
+    return t
+
+
+def text(*renderables: Any) -> str:
+    """What `renderables` print, as a string; colour only when stdout is a terminal.
+
+    Cells are literal text (no rich markup), so a node list like ``n[1-2]`` prints as it is.
+    """
+    from rich.console import Console
+
+    tty = sys.stdout.isatty()
+    buf = io.StringIO()
+    console = Console(
+        file=buf, width=_WIDTH, force_terminal=tty, color_system="standard" if tty else None,
+        markup=False, highlight=False, emoji=False,
+    )
+    console.print(*renderables)
+    return "".join(line.rstrip() + "\n" for line in buf.getvalue().splitlines())
+
+
+class Progress:
+    """Progress through `total` steps, for one rank (`show=False` on the others).
+
+    On a terminal (stderr): a rich bar with the latest `info`, elapsed and remaining time. Elsewhere,
+    as in a batch job's log: ``"{unit} N/total  info"`` through `log` every `every` steps and at
+    the last, or nothing when `every` is 0. Use it as a context manager or call `close()`.
+    """
+
+    def __init__(
+        self,
+        title: str,
+        total: int,
+        *,
+        start: int = 0,
+        show: bool = True,
+        log: logging.Logger | None = None,
+        every: int = 0,
+        unit: str = "step",
+        transient: bool = False,
+    ) -> None:
+        self.total, self.done = total, start
+        self.log, self.every, self.unit = (log, every, unit) if show else (None, 0, unit)
+        self._bar: Any = None
+        if show and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import Progress as Bar
+
+            self._bar = Bar(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=transient,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task(title, total=total, completed=start, info="")
+
+    def update(self, done: int, info: str = "") -> None:
+        """`done` of the total steps are done; `info` is the latest figures, in a few words."""
+        self.done = done
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, info=info)
+        elif self.log is not None and self.every and (done % self.every == 0 or done == self.total):
+            self.log.info("%s %d/%d  %s", self.unit, done, self.total, info)
+
+    def advance(self, info: str = "") -> None:
+        """One more step done."""
+        self.update(self.done + 1, info)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
