@@ -6,7 +6,6 @@ Only h5py, NumPy and (for plots) matplotlib: a report runs on a laptop without t
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from hpcdist.bench.factors import COLLECTIVES, P2P_TESTS, human_bytes
+from hpcdist.console import table, text
 from hpcdist.errors import BenchmarkError
 
 
@@ -80,10 +80,10 @@ def load(file: str | Path) -> Result:
     return out
 
 
-def _f(x: float, width: int, digits: int = 2) -> str:
+def _f(x: float | None, digits: int = 2) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "n/a".rjust(width)
-    return f"{x:{width}.{digits}f}"
+        return "n/a"
+    return f"{x:.{digits}f}"
 
 
 def header(r: Result) -> list[str]:
@@ -118,32 +118,29 @@ def collective_lines(t: Table) -> list[str]:
         f"# {t.op} on {a.get('label', t.path)}, {a.get('nranks')} ranks, {a.get('dtype')}, "
         f"{a.get('warmup')} warm-up + {a.get('iters')} timed iterations; busbw factor {a.get('bus_factor', 1):.3f}",
         f"# fraction of: {a.get('fraction_of')}",
-        "#" + " " * 25 + "out-of-place".center(36) + " " + "in-place".center(36),
-        f"# {'size':>10} {'count':>11}  {'time(us)':>9} {'algbw':>8} {'busbw':>8} {'#wrong':>7}  "
-        f"{'time(us)':>9} {'algbw':>8} {'busbw':>8} {'#wrong':>7}  {'p50(us)':>9} {'p99(us)':>9} "
-        f"{'slowest':>12} {'frac':>6}",
     ]
-    sizes = sorted(set(c["size"].tolist()))
+    grid = table(
+        "size", "count", "out-of-place\ntime(us)", "algbw", "busbw", "#wrong",
+        "in-place\ntime(us)", "algbw", "busbw", "#wrong", "p50(us)", "p99(us)", "slowest", "frac", left=0,
+    )
     busbws = []
-    for size in sizes:
+    for size in sorted(set(c["size"].tolist())):
         rows = {int(ip): i for i, (s, ip) in enumerate(zip(c["size"], c["in_place"], strict=True)) if s == size}
-        parts = []
+        cells: list[str] = []
         for mode in (0, 1):
             i = rows.get(mode)
             if i is None:
-                parts.append(f"{'':>9} {'':>8} {'':>8} {'':>7}")
+                cells += [""] * 4
                 continue
             busbws.append(c["busbw_gbps"][i])
-            parts.append(
-                f"{_f(c['time_us'][i], 9)} {_f(c['algbw_gbps'][i], 8)} {_f(c['busbw_gbps'][i], 8)} {c['wrong'][i]:>7d}"
-            )
+            cells += [_f(c["time_us"][i]), _f(c["algbw_gbps"][i]), _f(c["busbw_gbps"][i]), str(c["wrong"][i])]
         i = rows.get(0, rows.get(1))
         assert i is not None
-        slowest = f"{c['slowest_rank'][i]}@{c['slowest_host'][i]}"
-        lines.append(
-            f"  {size:>10d} {c['count'][i]:>11d}  {parts[0]}  {parts[1]}  {_f(c['p50_us'][i], 9)} "
-            f"{_f(c['p99_us'][i], 9)} {slowest:>12} {_f(c['fraction'][i], 6, 3)}"
+        grid.add_row(
+            str(size), str(c["count"][i]), *cells, _f(c["p50_us"][i]), _f(c["p99_us"][i]),
+            f"{c['slowest_rank'][i]}@{c['slowest_host'][i]}", _f(c["fraction"][i], 3),
         )
+    lines += text(grid).splitlines()
     finite = [b for b in busbws if not math.isnan(b)]
     if finite:
         lines.append(f"# Avg bus bandwidth    : {sum(finite) / len(finite):.4f} GB/s; peak {max(finite):.4f} GB/s")
@@ -158,33 +155,34 @@ def p2p_lines(t: Table) -> list[str]:
         f"# {t.op} on {a.get('label', t.path)} between ranks {list(ranks)}, window {a.get('window')}, "
         f"{a.get('warmup')} warm-up + {a.get('iters')} timed iterations",
         f"# fraction of: {a.get('fraction_of')}",
-        f"# {'size':>10}  {'time(us)':>9} {'GB/s':>8} {'p50(us)':>9} {'p99(us)':>9} {'#wrong':>7} {'frac':>6}",
     ]
+    grid = table("size", "time(us)", "GB/s", "p50(us)", "p99(us)", "#wrong", "frac", left=0)
     for i in range(len(c["size"])):
-        lines.append(
-            f"  {c['size'][i]:>10d}  {_f(c['time_us'][i], 9)} {_f(c['algbw_gbps'][i], 8)} {_f(c['p50_us'][i], 9)} "
-            f"{_f(c['p99_us'][i], 9)} {c['wrong'][i]:>7d} {_f(c['fraction'][i], 6, 3)}"
+        grid.add_row(
+            str(c["size"][i]), _f(c["time_us"][i]), _f(c["algbw_gbps"][i]), _f(c["p50_us"][i]),
+            _f(c["p99_us"][i]), str(c["wrong"][i]), _f(c["fraction"][i], 3),
         )
-    return lines
+    return lines + text(grid).splitlines()
+
+
+def _matrix(nodes: list[str], values: np.ndarray, digits: int) -> list[str]:
+    """A node-by-node matrix, row sends to column; the diagonal is '-'."""
+    grid = table("from \\ to", *nodes)
+    for i, n in enumerate(nodes):
+        grid.add_row(n, *("-" if i == j else _f(values[i, j], digits) for j in range(len(nodes))))
+    return text(grid).splitlines()
 
 
 def matrix_lines(path: str, m: dict[str, Any]) -> list[str]:
     nodes = m["nodes"]
-    w = max(8, *(len(n) for n in nodes)) + 1
-    lines = [
+    return [
         "",
         f"# node pairs on {m.get('label', path)}: bandwidth (GB/s) of {human_bytes(int(m['size']))} messages, "
         f"row sends to column; {m.get('rounds')} round(s); fraction of: {m.get('fraction_of')}",
-        "# " + "from \\ to".ljust(w) + "".join(n.rjust(w) for n in nodes),
+        *_matrix(nodes, m["bandwidth_gbps"], 2),
+        f"# latency (us) of {int(m['latency_size'])}-byte ping-pong:",
+        *_matrix(nodes, m["latency_us"], 1),
     ]
-    for i, n in enumerate(nodes):
-        lines.append("  " + n.ljust(w) + "".join(
-            ("-".rjust(w) if i == j else _f(m["bandwidth_gbps"][i, j], w)) for j in range(len(nodes))))
-    lines.append(f"# latency (us) of {int(m['latency_size'])}-byte ping-pong:")
-    for i, n in enumerate(nodes):
-        lines.append("  " + n.ljust(w) + "".join(
-            ("-".rjust(w) if i == j else _f(m["latency_us"][i, j], w, 1)) for j in range(len(nodes))))
-    return lines
 
 
 def format_report(r: Result) -> str:
@@ -225,24 +223,24 @@ def format_comparison(a: Result, b: Result) -> str:
             continue
         shared += 1
         what = "GB/s" if ta.op.startswith("p2p_") else "busbw GB/s"
-        lines += ["", f"# {ta.op} on {ta.path}: best {what} per size", f"# {'size':>10} {'A':>10} {'B':>10} {'B/A':>7}"]
+        grid = table("size", "A", "B", "B/A", left=0)
         for s in sizes:
-            ratio = pb[s] / pa[s] if pa[s] > 0 else float("nan")
-            lines.append(f"  {s:>10d} {pa[s]:>10.3f} {pb[s]:>10.3f} {_f(ratio, 7, 3)}")
+            grid.add_row(str(s), f"{pa[s]:.3f}", f"{pb[s]:.3f}", _f(pb[s] / pa[s] if pa[s] > 0 else None, 3))
+        lines += ["", f"# {ta.op} on {ta.path}: best {what} per size", *text(grid).splitlines()]
     for path, ma in a.matrices.items():
         mb = b.matrices.get(path)
         if mb is None:
             continue
         shared += 1
-        lines += ["", f"# node pairs on {path}: bandwidth GB/s A -> B (B/A)"]
+        grid = table("from", "to", "A", "B", "B/A", left=2)
         for i, ni in enumerate(ma["nodes"]):
             for j, nj in enumerate(ma["nodes"]):
                 if i == j or ni not in mb["nodes"] or nj not in mb["nodes"]:
                     continue
                 va = ma["bandwidth_gbps"][i, j]
                 vb = mb["bandwidth_gbps"][mb["nodes"].index(ni), mb["nodes"].index(nj)]
-                change = _f(vb / va if va else float("nan"), 0, 3).strip()
-                lines.append(f"  {ni}->{nj}: {va:.3f} -> {vb:.3f} ({change})")
+                grid.add_row(ni, nj, f"{va:.3f}", f"{vb:.3f}", _f(vb / va if va else None, 3))
+        lines += ["", f"# node pairs on {path}: bandwidth GB/s", *text(grid).splitlines()]
     if not shared:
         lines.append("# the two files have no operation, path and size in common")
     return "\n".join(lines) + "\n"
@@ -280,11 +278,7 @@ def plot(r: Result, out_dir: str | Path, other: Result | None = None) -> list[Pa
         ax.set_title(f"{t.op} on {t.attrs.get('label', t.path)} ({t.attrs.get('nranks')} ranks, {r.attrs.get('site')})")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / f"busbw_{t.op}_{t.path}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, out_dir / f"busbw_{t.op}_{t.path}.png"))
     for name, m in r.matrices.items():
         nodes = m["nodes"]
         fig, ax = plt.subplots(figsize=(1.2 * len(nodes) + 3, 1.0 * len(nodes) + 2.5))
@@ -300,14 +294,14 @@ def plot(r: Result, out_dir: str | Path, other: Result | None = None) -> list[Pa
                     ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="white", fontsize=8)
         fig.colorbar(im, ax=ax, label="GB/s")
         ax.set_title(f"node pairs, {human_bytes(int(m['size']))} messages ({m.get('label', name)})")
-        fig.tight_layout()
-        path = out_dir / f"pairs_{name}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, out_dir / f"pairs_{name}.png"))
     return written
 
 
-def summary_json(r: Result) -> str:
-    """Peak figures per table, for scripts (``hpcdist report FILE --json``)."""
-    return json.dumps({f"{t.op}/{t.path}": max(_peak(t).values(), default=None) for t in r.tables}, indent=1)
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
