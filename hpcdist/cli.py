@@ -89,10 +89,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 @command("status")
 def cmd_status(args: argparse.Namespace) -> int:
+    from hpcdist.console import table, text
     from hpcdist.submit import status
 
+    grid = table("job", "name", "state", "exit", "elapsed", "nodes", left=("job", "name", "state", "nodes"))
     for row in status(args.job_id):
-        print(f"{row.job_id}\t{row.name}\t{row.state}\texit {row.exit_code}\telapsed {row.elapsed}\tnodes {row.nodes}")
+        grid.add_row(row.job_id, row.name, row.state, row.exit_code, row.elapsed, row.nodes)
+    sys.stdout.write(text(grid))
     return 0
 
 
@@ -107,14 +110,17 @@ def cmd_env(args: argparse.Namespace) -> int:
 @command("sites")
 def cmd_sites(args: argparse.Namespace) -> int:
     from hpcdist.config import find_site, load_site, site_names
+    from hpcdist.console import table, text
 
+    grid = table("site", "scheduler", "partitions", "file", left=4)
     for name in site_names():
         site = load_site(name)
         parts = ", ".join(
             f"{p}: {v.nodes}x{v.gpus_per_node} GPU" if v.gpus_per_node else f"{p}: {v.nodes} nodes"
             for p, v in site.partitions.items()
         )
-        print(f"{name:<16} {site.scheduler:<6} {parts}   ({find_site(name)})")
+        grid.add_row(name, site.scheduler, parts, str(find_site(name)))
+    sys.stdout.write(text(grid))
     return 0
 
 

@@ -23,20 +23,24 @@ if TYPE_CHECKING:
 _WIDTH = 10_000
 
 
-def table(*columns: str, left: int = 1) -> Table:
-    """A table in the nccl-tests look (no borders: a header line, then a line a row); the first
-    `left` columns are left-aligned, the rest (figures) right-aligned. A header may span two
-    lines (``"out-of-place\\ntime(us)"``)."""
+def table(*columns: str, left: int | tuple[str, ...] = 1) -> Table:
+    """A table in the nccl-tests look (no borders: a header line, then a line a row).
+
+    Text columns are left-aligned (the first `left` columns, or those named in `left`), figures
+    right-aligned. A header may span two lines (``"out-of-place\\ntime(us)"``).
+    """
     from rich.table import Table
 
-    t = Table(box=None, header_style="bold", show_edge=False)
+    t = Table(box=None, header_style="bold", show_edge=False, pad_edge=False)
     for i, name in enumerate(columns):
-        t.add_column(name, justify="left" if i < left else "right", no_wrap=True)
+        text_column = name in left if isinstance(left, tuple) else i < left
+        t.add_column(name, justify="left" if text_column else "right", no_wrap=True)
     return t
 
 
-def text(*renderables: Any) -> str:
-    """What `renderables` print, as a string; colour only when stdout is a terminal.
+def text(*renderables: Any, indent: int = 0) -> str:
+    """What `renderables` print, as a string, each line indented by `indent` spaces; colour only
+    when stdout is a terminal.
 
     Cells are literal text (no rich markup), so a node list like ``n[1-2]`` prints as it is.
     """
@@ -49,7 +53,7 @@ def text(*renderables: Any) -> str:
         markup=False, highlight=False, emoji=False,
     )
     console.print(*renderables)
-    return "".join(line.rstrip() + "\n" for line in buf.getvalue().splitlines())
+    return "".join(" " * indent + line.rstrip() + "\n" for line in buf.getvalue().splitlines())
 
 
 class Progress:

@@ -140,7 +140,7 @@ def collective_lines(t: Table) -> list[str]:
             str(size), str(c["count"][i]), *cells, _f(c["p50_us"][i]), _f(c["p99_us"][i]),
             f"{c['slowest_rank'][i]}@{c['slowest_host'][i]}", _f(c["fraction"][i], 3),
         )
-    lines += text(grid).splitlines()
+    lines += text(grid, indent=2).splitlines()
     finite = [b for b in busbws if not math.isnan(b)]
     if finite:
         lines.append(f"# Avg bus bandwidth    : {sum(finite) / len(finite):.4f} GB/s; peak {max(finite):.4f} GB/s")
@@ -162,7 +162,7 @@ def p2p_lines(t: Table) -> list[str]:
             str(c["size"][i]), _f(c["time_us"][i]), _f(c["algbw_gbps"][i]), _f(c["p50_us"][i]),
             _f(c["p99_us"][i]), str(c["wrong"][i]), _f(c["fraction"][i], 3),
         )
-    return lines + text(grid).splitlines()
+    return lines + text(grid, indent=2).splitlines()
 
 
 def _matrix(nodes: list[str], values: np.ndarray, digits: int) -> list[str]:
@@ -170,7 +170,7 @@ def _matrix(nodes: list[str], values: np.ndarray, digits: int) -> list[str]:
     grid = table("from \\ to", *nodes)
     for i, n in enumerate(nodes):
         grid.add_row(n, *("-" if i == j else _f(values[i, j], digits) for j in range(len(nodes))))
-    return text(grid).splitlines()
+    return text(grid, indent=2).splitlines()
 
 
 def matrix_lines(path: str, m: dict[str, Any]) -> list[str]:
@@ -226,7 +226,7 @@ def format_comparison(a: Result, b: Result) -> str:
         grid = table("size", "A", "B", "B/A", left=0)
         for s in sizes:
             grid.add_row(str(s), f"{pa[s]:.3f}", f"{pb[s]:.3f}", _f(pb[s] / pa[s] if pa[s] > 0 else None, 3))
-        lines += ["", f"# {ta.op} on {ta.path}: best {what} per size", *text(grid).splitlines()]
+        lines += ["", f"# {ta.op} on {ta.path}: best {what} per size", *text(grid, indent=2).splitlines()]
     for path, ma in a.matrices.items():
         mb = b.matrices.get(path)
         if mb is None:
@@ -240,7 +240,7 @@ def format_comparison(a: Result, b: Result) -> str:
                 va = ma["bandwidth_gbps"][i, j]
                 vb = mb["bandwidth_gbps"][mb["nodes"].index(ni), mb["nodes"].index(nj)]
                 grid.add_row(ni, nj, f"{va:.3f}", f"{vb:.3f}", _f(vb / va if va else None, 3))
-        lines += ["", f"# node pairs on {path}: bandwidth GB/s", *text(grid).splitlines()]
+        lines += ["", f"# node pairs on {path}: bandwidth GB/s", *text(grid, indent=2).splitlines()]
     if not shared:
         lines.append("# the two files have no operation, path and size in common")
     return "\n".join(lines) + "\n"

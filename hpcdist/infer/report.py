@@ -1,4 +1,4 @@
-"""``hpcdist report`` for inference results: the metrics and the generated text, as plain text."""
+"""``hpcdist report`` for inference results: the metrics and the generated text, with rich tables."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+from hpcdist.console import table, text
 from hpcdist.results import read_attrs, read_table
 
 
@@ -31,12 +32,13 @@ def render_infer_report(path: str | Path, max_outputs: int = 5) -> str:
                 f"  broadcast of {int(attrs['bytes'])} bytes ({int(attrs['tensors'])} tensors in "
                 f"{int(attrs['buckets'])} buckets of <= {attrs['bucket_mb']} MB)"
             )
-            lines.append("  iter      time        algbw GB/s  busbw GB/s  #wrong")
+            grid = table("iter", "time", "algbw GB/s", "busbw GB/s", "#wrong", left=0)
             for i in range(len(t["iter"])):
-                lines.append(
-                    f"  {int(t['iter'][i]):>4}  {_ms(t['time_s'][i]):>12}  {t['algbw_gbps'][i]:>10.4f}  "
-                    f"{t['busbw_gbps'][i]:>10.4f}  {int(t['wrong'][i]):>6}"
+                grid.add_row(
+                    str(int(t["iter"][i])), _ms(t["time_s"][i]), f"{t['algbw_gbps'][i]:.4f}",
+                    f"{t['busbw_gbps'][i]:.4f}", str(int(t["wrong"][i])),
                 )
+            lines += text(grid, indent=2).splitlines()
             lines.append(f"  median busbw {attrs['busbw_median_gbps']:.4f} GB/s")
             return "\n".join(lines) + "\n"
         if kind != "infer_gpt":
@@ -63,17 +65,18 @@ def render_infer_report(path: str | Path, max_outputs: int = 5) -> str:
         f"  {len(req['request'])} requests, {int(s['new_tokens'])} new tokens in {float(s['wall_s']):.3f} s: "
         f"{float(s['tokens_per_s']):.1f} tokens/s overall"
     )
-    lines.append("  latency              p50          p99")
+    latency = table("latency", "p50", "p99")
     for name, label in (("ttft", "time to first token"), ("per_token", "per token"), ("step", "decode step"),
                         ("total", "total")):
-        lines.append(f"  {label:<20} {_ms(s[f'{name}_p50_s']):>10}  {_ms(s[f'{name}_p99_s']):>10}")
-    lines.append("  rank  host          tp  dp  requests  tokens  tokens/s")
+        latency.add_row(label, _ms(s[f"{name}_p50_s"]), _ms(s[f"{name}_p99_s"]))
+    per_rank = table("rank", "host", "tp", "dp", "requests", "tokens", "tokens/s", left=("host",))
     for i in range(len(ranks["rank"])):
-        lines.append(
-            f"  {int(ranks['rank'][i]):>4}  {str(ranks['host'][i])[:12]:<12}  {int(ranks['tp_rank'][i]):>2}  "
-            f"{int(ranks['dp_group'][i]):>2}  {int(ranks['requests'][i]):>8}  {int(ranks['new_tokens'][i]):>6}  "
-            f"{float(ranks['tokens_per_s'][i]):>8.1f}"
+        per_rank.add_row(
+            str(int(ranks["rank"][i])), str(ranks["host"][i]), str(int(ranks["tp_rank"][i])),
+            str(int(ranks["dp_group"][i])), str(int(ranks["requests"][i])), str(int(ranks["new_tokens"][i])),
+            f"{float(ranks['tokens_per_s'][i]):.1f}",
         )
+    lines += text(latency, indent=2).splitlines() + text(per_rank, indent=2).splitlines()
     for i in range(min(max_outputs, len(req["request"]))):
         lines.append(
             f"  [{int(req['request'][i])}] {str(req['prompt'][i])!r} -> {str(req['output'][i])!r} ({req['finish'][i]})"
