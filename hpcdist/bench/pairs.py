@@ -125,18 +125,24 @@ def pair_shortfalls(m: Matrix, min_gbps: float | None, max_latency_us: float | N
     ]
 
 
-def run(ctx: JobContext, params: PairsParams) -> dict[str, Any]:
-    """Job kind ``bench_pairs``."""
-    s = Session(ctx, params)
+def sweep_pairs(s: Session, params: Any) -> list[str]:
+    """The node-pair matrix on every path, each kept in the result as soon as it is measured;
+    returns what fell short of the site's baselines."""
     found: list[str] = []
+    base = s.ctx.site.baselines
     for path in s.paths:
         m = measure_pairs(s, path, params)
         if s.record is not None:
             s.record.matrices[f"pairs/{path.name}"] = m
             s.record.flush(complete=False)
-            base = ctx.site.baselines
             found += pair_shortfalls(m, base.min_p2p_gbps, base.max_latency_us)
-    out = s.finish(found, params.enforce_minimums)
+    return found
+
+
+def run(ctx: JobContext, params: PairsParams) -> dict[str, Any]:
+    """Job kind ``bench_pairs``."""
+    s = Session(ctx, params)
+    out = s.finish(sweep_pairs(s, params), params.enforce_minimums)
     if s.record is not None:
         out["pairs"] = {
             name: {f"{m.nodes[i]}->{m.nodes[j]}": round(float(m.bandwidth[i, j]), 3)

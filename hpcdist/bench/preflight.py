@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpcdist.bench.base import IN_PLACE, OUT_OF_PLACE
 from hpcdist.bench.collectives import sweep_collectives
-from hpcdist.bench.pairs import measure_pairs, pair_shortfalls
+from hpcdist.bench.pairs import sweep_pairs
 from hpcdist.bench.session import Session
 
 if TYPE_CHECKING:
@@ -34,12 +34,7 @@ def run(ctx: JobContext, params: PreflightParams) -> dict[str, Any]:
             size=params.pair_size, latency_size=params.latency_size, window=params.window,
             iters=params.iters, warmup=params.warmup,
         )
-        base = ctx.site.baselines
-        for path in s.paths:
-            m = measure_pairs(s, path, pair_params)
-            if s.record is not None:
-                s.record.matrices[f"pairs/{path.name}"] = m
-                found += pair_shortfalls(m, base.min_p2p_gbps, base.max_latency_us)
+        found += sweep_pairs(s, pair_params)
     wrong = 0
     if s.record is not None:
         wrong = sum(r["wrong"] for t in s.record.tables.values() for r in t.rows)
