@@ -34,4 +34,5 @@ def test_progress_writes_log_lines_every_n_steps_without_a_terminal(caplog: pyte
             bar.advance("x")
         with Progress("bench", 3, log=log) as bar:  # every=0: nothing in batch logs
             bar.advance("x")
-    assert [r.getMessage() for r in caplog.records] == ["step 3/7  loss 3.0", "step 6/7  loss 6.0", "step 7/7  loss 7.0"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["step 3/7  loss 3.0", "step 6/7  loss 6.0", "step 7/7  loss 7.0"]

@@ -73,10 +73,7 @@ def plan_buckets(meta: Meta, bucket_bytes: int) -> list[list[int]]:
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return _numel(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def describe(state: dict[str, torch.Tensor]) -> Meta:
@@ -147,7 +144,7 @@ class IterationFigures:
 def iteration_figures(nbytes: int, rank_times: list[list[float]]) -> IterationFigures:
     """Figures of `nbytes` broadcast in iterations timed on every rank (`rank_times[rank][iteration]`)."""
     nranks = len(rank_times)
-    times = [float(np.mean(per_rank)) for per_rank in zip(*rank_times, strict=True)]
+    times = [float(np.mean(one_iteration)) for one_iteration in zip(*rank_times, strict=True)]
     return IterationFigures(
         times,
         [algbw(nbytes, t) for t in times],
