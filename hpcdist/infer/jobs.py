@@ -21,7 +21,7 @@ from hpcdist.model.config import GPTConfig
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
     from hpcdist.config.spec import JobSpec
-    from hpcdist.infer.checkpoint import CheckpointHeader
+    from hpcdist.model.checkpoint import CheckpointHeader
 
 
 class InferParams(BaseModel):
@@ -85,10 +85,10 @@ def inspect(
     params: InferParams, site: Site, world_size: int
 ) -> tuple[CheckpointHeader | None, list[list[int]] | None, list[Problem]]:
     """Read the checkpoint header and the prompts and list what stops the job, before any weight moves."""
-    from hpcdist.infer.checkpoint import read_header
     from hpcdist.infer.prompts import load_prompts
     from hpcdist.infer.shard_load import check_tp
     from hpcdist.infer.tokens import encode
+    from hpcdist.model.checkpoint import read_header
 
     problems: list[Problem] = []
     header = None

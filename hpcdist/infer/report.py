@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from hpcdist.results import read_attrs, read_table
+from hpcdist.store.results import read_attrs, read_table
 
 
 def _ms(x: float) -> str:
