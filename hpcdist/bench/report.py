@@ -6,7 +6,6 @@ Only h5py, NumPy and (for plots) matplotlib: a report runs on a laptop without t
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -308,7 +307,3 @@ def plot(r: Result, out_dir: str | Path, other: Result | None = None) -> list[Pa
         written.append(path)
     return written
 
-
-def summary_json(r: Result) -> str:
-    """Peak figures per table, for scripts (``hpcdist report FILE --json``)."""
-    return json.dumps({f"{t.op}/{t.path}": max(_peak(t).values(), default=None) for t in r.tables}, indent=1)
