@@ -22,7 +22,7 @@ from pathlib import Path
 
 import h5py
 
-from hpcdist.results import read_table
+from hpcdist.store.results import read_table
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from _ranks import run_ranks  # noqa: E402
 
 from hpcdist.infer.broadcast import broadcast_state, describe  # noqa: E402
-from hpcdist.infer.checkpoint import expected_shapes  # noqa: E402
+from hpcdist.model.checkpoint import parameter_shapes as expected_shapes  # noqa: E402
 from hpcdist.model.config import GPTConfig  # noqa: E402
 
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from hpcdist import checkpoint as ckpt
+from hpcdist import store
+from hpcdist.model.checkpoint import model_attrs, model_tree
 from hpcdist.model.gpt import GPT, GPTConfig
-from hpcdist.storage import fsync_path
 from hpcdist.train import state as st
 
 
@@ -58,17 +58,16 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     try:
         model, opt = training_state(args.d_model, args.n_layer)
-        tree = {"model": ckpt.model_tree(model.state_dict()), "optimizer": st.optimizer_tree(model, opt)}
+        tree = {"model": model_tree(model.state_dict()), "optimizer": st.optimizer_tree(model, opt)}
         torch_state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-        cfg_json = model.cfg.model_dump_json()
         names = ("hdf5_write", "dd_write", "torch_write", "hdf5_read", "torch_read")
         rows: dict[str, list[float]] = {k: [] for k in names}
         size = 0
         for i in range(args.repeat):
-            stats = ckpt.save(base / "h5", step=i, epoch=0, model_config_json=cfg_json, tree=tree, keep_last=1)
+            stats = store.save(base / "h5", i, tree, attrs=model_attrs(model.cfg), keep_last=1)
             size = stats.bytes
             rows["hdf5_write"].append(stats.bytes / 1e6 / stats.seconds)
-            loaded = ckpt.read(stats.path, verify=True)
+            loaded = store.read(stats.path, verify=True)
             rows["hdf5_read"].append(loaded.mb_per_s)
 
             mib = max(1, round(size / 2**20))
@@ -78,7 +77,7 @@ def main() -> int:
             tpath = base / f"torch-{i}.pt"
             t0 = time.perf_counter()
             torch.save(torch_state, tpath)
-            fsync_path(tpath)
+            store.fsync_path(tpath)
             tsize = tpath.stat().st_size
             rows["torch_write"].append(tsize / 1e6 / (time.perf_counter() - t0))
             t0 = time.perf_counter()

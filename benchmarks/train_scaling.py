@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hpcdist.results import read_attrs
+from hpcdist.store.results import read_attrs
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -127,7 +127,7 @@ def cmd_sites(args: argparse.Namespace) -> int:
 def _result_kind(path: str) -> str:
     """The job kind recorded in a result file, or one clear error for anything else."""
     from hpcdist.errors import JobError
-    from hpcdist.results import read_attrs
+    from hpcdist.store.results import read_attrs
 
     if not os.path.isfile(path):
         raise JobError(f"result file {path!r} does not exist; `hpcdist submit` prints where a result lands")
@@ -152,7 +152,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
             sys.stdout.write(render_infer_report(args.result) + "\n")
             return 0
-        from hpcdist.results import summarize
+        from hpcdist.store.results import summarize
 
         sys.stdout.write(summarize(Path(args.result)))
         return 0

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from hpcdist.infer.checkpoint import write_checkpoint
+from hpcdist.model.checkpoint import write_checkpoint
 from hpcdist.model.gpt import GPT, GPTConfig
 
 TINY = GPTConfig(vocab_size=257, context=64, n_layer=2, n_head=4, d_model=32)

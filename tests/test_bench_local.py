@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from hpcdist.bench.measure import ROW_COLUMNS
-from hpcdist.results import read_table
+from hpcdist.store.results import read_table
 
 from .conftest_bench import run_cli, submit
 

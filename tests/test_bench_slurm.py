@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hpcdist.bench.measure import FAULT_VAR
-from hpcdist.results import read_table
+from hpcdist.store.results import read_table
 
 from .conftest_bench import JOBS, ROOT, make_shared_dir, run_cli, slurm_ready, storage_sets, submit
 

@@ -21,9 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-from hpcdist import checkpoint as ckpt
+from hpcdist import store
 from hpcdist.errors import CheckpointError
+from hpcdist.model import checkpoint as gpt_ckpt
 from hpcdist.model.gpt import GPT, GPTConfig
+from hpcdist.store import directory as layout
 from tests.conftest import REPO
 
 CFG = GPTConfig(vocab_size=61, context=16, n_layer=2, n_head=2, d_model=16)
@@ -35,9 +37,8 @@ def model(seed: int = 0, cfg: GPTConfig = CFG) -> GPT:
 
 
 def save_model(directory: Path, step: int, m: GPT, keep_last: int | None = None, extra: dict | None = None) -> Path:
-    tree = {"model": ckpt.model_tree(m.state_dict()), **(extra or {})}
-    return ckpt.save(directory, step=step, epoch=0, model_config_json=m.cfg.model_dump_json(),
-                     tree=tree, keep_last=keep_last).path
+    tree = {"model": gpt_ckpt.model_tree(m.state_dict()), **(extra or {})}
+    return store.save(directory, step, tree, epoch=0, attrs=gpt_ckpt.model_attrs(m.cfg), keep_last=keep_last).path
 
 
 def test_layout_follows_the_contract(tmp_path: Path) -> None:
@@ -63,7 +64,7 @@ def test_layout_follows_the_contract(tmp_path: Path) -> None:
 def test_load_model_state_gives_the_same_model(tmp_path: Path) -> None:
     m = model(1)
     path = save_model(tmp_path, 1, m)
-    cfg, state = ckpt.load_model_state(path)
+    cfg, state = gpt_ckpt.load_model_state(path)
     fresh = GPT(cfg)
     fresh.load_state_dict(state)  # strict: the tied head is restored too
     assert state["lm_head.weight"] is state["transformer.wte.weight"]
@@ -75,8 +76,8 @@ def test_retention_keeps_the_newest_and_deletes_only_after_commit(tmp_path: Path
     m = model()
     for step in (10, 20, 30, 40):
         save_model(tmp_path, step, m, keep_last=2)
-    assert [p.name for p in ckpt.checkpoints_in(tmp_path)] == ["step_00000040.h5", "step_00000030.h5"]
-    assert ckpt.find_latest(tmp_path) == tmp_path / "step_00000040.h5"
+    assert [p.name for p in store.checkpoints_in(tmp_path)] == ["step_00000040.h5", "step_00000030.h5"]
+    assert store.find_latest(tmp_path) == tmp_path / "step_00000040.h5"
 
 
 def _flip_byte_in(path: Path, dataset: str) -> None:
@@ -100,9 +101,9 @@ def test_flipped_byte_is_caught_and_the_older_one_used(tmp_path: Path, two: tupl
     old, new = two
     _flip_byte_in(new, "model/transformer.h.1.mlp.c_fc.weight")
     with pytest.raises(CheckpointError, match="transformer.h.1.mlp.c_fc.weight fails its sha256 check"):
-        ckpt.read(new)
+        store.read(new)
     lines: list[str] = []
-    assert ckpt.find_latest(tmp_path, report=lines.append) == old
+    assert store.find_latest(tmp_path, report=lines.append) == old
     assert any(str(new) in line and "sha256" in line for line in lines), lines
 
 
@@ -111,7 +112,7 @@ def test_truncated_file_is_skipped(tmp_path: Path, two: tuple[Path, Path]) -> No
     with open(new, "r+b") as fh:
         fh.truncate(new.stat().st_size // 2)
     lines: list[str] = []
-    assert ckpt.find_latest(tmp_path, report=lines.append) == old
+    assert store.find_latest(tmp_path, report=lines.append) == old
     assert any(str(new) in line and "truncated or corrupt" in line for line in lines), lines
 
 
@@ -120,16 +121,16 @@ def test_bad_pointer_falls_back_to_the_newest_good_file(tmp_path: Path, two: tup
     _, new = two
     (tmp_path / "latest").write_text(content)
     lines: list[str] = []
-    assert ckpt.find_latest(tmp_path, report=lines.append) == new
+    assert store.find_latest(tmp_path, report=lines.append) == new
     why = {"": "is empty", "step_00000099.h5\n": "which does not exist", "../../etc/passwd\n": "not a checkpoint name"}
     assert why[content] in lines[0], lines
 
 
 def test_file_newer_than_the_commit_is_not_trusted(tmp_path: Path, two: tuple[Path, Path]) -> None:
     old, new = two
-    ckpt.write_pointer(tmp_path, old.name)  # as if the writer died between rename and commit
+    layout.write_pointer(tmp_path, old.name)  # as if the writer died between rename and commit
     lines: list[str] = []
-    assert ckpt.find_latest(tmp_path, report=lines.append) == old
+    assert store.find_latest(tmp_path, report=lines.append) == old
     assert any(str(new) in line and "after the last commit" in line for line in lines)
 
 
@@ -138,28 +139,28 @@ def test_writer_killed_mid_write_leaves_the_last_commit_intact(tmp_path: Path) -
     first = save_model(tmp_path, 1, model())
     script = textwrap.dedent(f"""
         import numpy as np, time
-        from hpcdist import checkpoint as ckpt
+        from hpcdist import store
         big = {{f"w{{i}}": np.full((256, 1024), i, np.float32) for i in range(400)}}  # 400 MiB
-        ckpt.save({str(tmp_path)!r}, step=2, epoch=0, model_config_json="{{}}", tree={{"model": big}})
+        store.save({str(tmp_path)!r}, 2, {{"model": big}}, epoch=0, attrs={{"model_config_json": "{{}}"}})
     """)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-c", script], env=env)
     try:
         deadline = time.monotonic() + 60
-        while not [p for p in ckpt.temporaries_in(tmp_path) if p.stat().st_size > 1 << 20]:
+        while not [p for p in layout.temporaries_in(tmp_path) if p.stat().st_size > 1 << 20]:
             assert proc.poll() is None, "the writer finished before it could be killed"
             assert time.monotonic() < deadline
             time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait()
-    assert ckpt.temporaries_in(tmp_path), "the killed writer should have left its temporary file"
+    assert layout.temporaries_in(tmp_path), "the killed writer should have left its temporary file"
     assert not (tmp_path / "step_00000002.h5").exists()
-    found = ckpt.scan(tmp_path)
+    found = store.scan(tmp_path)
     assert found.latest == first and found.temporaries
     assert "writer was killed" in found.report()[-1]
-    ckpt.remove_temporaries(tmp_path)
-    assert not ckpt.temporaries_in(tmp_path)
+    layout.remove_temporaries(tmp_path)
+    assert not layout.temporaries_in(tmp_path)
 
 
 @pytest.fixture
@@ -180,12 +181,12 @@ def test_no_space_left_keeps_the_previous_checkpoint(tiny_disk: Path) -> None:
     first = save_model(tiny_disk, 1, model())  # ~60 KB
     big = {"model": {f"w{i}": np.ones((256, 256), np.float32) for i in range(16)}}  # 4 MiB > the disk
     with pytest.raises(CheckpointError) as err:
-        ckpt.save(tiny_disk, step=2, epoch=0, model_config_json="{}", tree=big)
+        store.save(tiny_disk, 2, big, epoch=0, attrs={"model_config_json": "{}"})
     msg = str(err.value)
     assert str(tiny_disk / "step_00000002.h5") in msg and "no space left" in msg
     assert f"{first} is intact" in msg
-    assert not ckpt.temporaries_in(tiny_disk) and not (tiny_disk / "step_00000002.h5").exists()
-    assert ckpt.find_latest(tiny_disk) == first
+    assert not layout.temporaries_in(tiny_disk) and not (tiny_disk / "step_00000002.h5").exists()
+    assert store.find_latest(tiny_disk) == first
 
 
 def test_other_model_shape_lists_the_mismatched_tensors(tmp_path: Path) -> None:
@@ -195,7 +196,7 @@ def test_other_model_shape_lists_the_mismatched_tensors(tmp_path: Path) -> None:
     with h5py.File(path) as f:
         found = {k: d.shape for k, d in f["model"].items()}
     with pytest.raises(CheckpointError) as err:
-        ckpt.check_shapes(path, expected, found)
+        gpt_ckpt.check_shapes(path, expected, found)
     msg = str(err.value)
     assert "transformer.wte.weight: checkpoint [61, 16] vs model [61, 32]" in msg
     assert "transformer.h.2.ln_1.weight: missing in checkpoint" in msg

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from hpcdist.errors import CheckpointError
-from hpcdist.infer.checkpoint import expected_shapes, read_full, read_header, resolve
 from hpcdist.infer.shard_load import read_shard
+from hpcdist.model.checkpoint import parameter_shapes as expected_shapes
+from hpcdist.model.checkpoint import read_full, read_header
 from hpcdist.model.gpt import GPT, GPTConfig
+from hpcdist.store import resolve
 from tests.conftest_infer import TINY, make_checkpoint
 
 

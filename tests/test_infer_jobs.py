@@ -16,7 +16,7 @@ import pytest
 from hpcdist.config import load_site, load_spec
 from hpcdist.errors import ConfigError
 from hpcdist.infer.report import render_infer_report
-from hpcdist.results import read_attrs, read_table
+from hpcdist.store.results import read_attrs, read_table
 from tests.conftest_infer import TINY, make_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]

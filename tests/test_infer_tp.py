@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from hpcdist.infer.checkpoint import read_full, read_header
 from hpcdist.infer.shard_load import check_tp, read_shard, shard_state
 from hpcdist.infer.tp import TPGPT, TPGroup
+from hpcdist.model.checkpoint import read_full, read_header
 from hpcdist.model.gpt import GPT
 from tests.conftest_infer import TINY, make_checkpoint, run_ranks
 

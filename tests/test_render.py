@@ -103,7 +103,7 @@ def test_local_site_renders_a_plan() -> None:
 
 
 def test_sbatch_test_only_accepts_every_shipped_spec(slurm_storage: Path) -> None:
-    from hpcdist.infer.checkpoint import write_checkpoint
+    from hpcdist.model.checkpoint import write_checkpoint
     from hpcdist.model.gpt import GPT, GPTConfig
 
     # infer_gpt checks its checkpoint before rendering: give it a small one where it looks

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import h5py
 
-from hpcdist.results import read_attrs, read_table
+from hpcdist.store.results import read_attrs, read_table
 from tests.conftest import run_cli, storage_sets
 from tests.test_local_site import result_path
 

@@ -20,8 +20,8 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcdist import checkpoint as ckpt
-from hpcdist.results import read_attrs, read_table
+from hpcdist import store
+from hpcdist.store.results import read_attrs, read_table
 from tests import conftest_train as fx
 from tests.conftest import slurm_up
 from tests.conftest_train import (
@@ -124,7 +124,7 @@ def test_time_outs_beyond_max_requeues_stop_with_a_committed_checkpoint(train_ro
         job.kill()
     assert result.code == 1, result.text
     assert "job timed out 1 time(s), more than preemption.max_requeues=0: not requeued" in result.out
-    latest = ckpt.find_latest(ckpt_dir(root))
+    latest = store.find_latest(ckpt_dir(root))
     assert latest is not None and f"committed in {latest}" in result.out
     assert rank_log(root).count("starting fresh") == 1 and "requeueing" not in rank_log(root)
     attrs = read_attrs(result_path(result.out))
@@ -147,7 +147,7 @@ def test_unusable_checkpoints_stop_the_job_unless_start_fresh(train_root: Path, 
                   "--set", "params.checkpoint.if_unusable=start_fresh")
     assert fresh.code == 0, fresh.text
     assert "starting fresh" in rank_log(root)
-    assert ckpt.find_latest(d) == d / "step_00000002.h5"
+    assert store.find_latest(d) == d / "step_00000002.h5"
 
 
 def test_checkpoint_of_another_model_shape_is_refused(train_root: Path, tokens: Path, reference: Path) -> None:

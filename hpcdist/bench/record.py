@@ -1,6 +1,6 @@
 """The benchmark's result file, rewritten atomically after each measured size.
 
-Layout (inside the ``hpcdist.result`` format, see ``hpcdist.results``; ``bench_layout`` 1):
+Layout (inside the ``hpcdist.result`` format, see ``hpcdist.store.results``; ``bench_layout`` 1):
 
 - root attributes, besides the run's (``hosts`` is each rank's hostname): ``complete`` (False
   until the sweep ends: a run that died leaves the rows measured so far), ``bench_layout``,
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from hpcdist.bench.measure import ROW_COLUMNS
-from hpcdist.results import result_file, write_table
+from hpcdist.store.results import result_file, write_table
 
 BENCH_LAYOUT = 1
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from hpcdist.errors import JobError
-from hpcdist.storage import atomic_path
+from hpcdist.store.atomic import atomic_path
 
 FORMAT = "hpcdist.tokens"
 FORMAT_VERSION = 1
@@ -47,8 +47,8 @@ def prepare(
     """Tokenise `texts` into `out`; returns what was written."""
     import h5py
 
-    from hpcdist.checkpoint import sha256_of
     from hpcdist.data.tokenizer import load_tokenizer
+    from hpcdist.store.tree import sha256_of
 
     if not texts:
         raise JobError("data prepare: give at least one text file")

@@ -21,7 +21,7 @@ from hpcdist.model.config import GPTConfig
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
     from hpcdist.config.spec import JobSpec
-    from hpcdist.infer.checkpoint import CheckpointHeader
+    from hpcdist.model.checkpoint import CheckpointHeader
 
 
 class InferParams(BaseModel):
@@ -86,9 +86,9 @@ def inspect(
 ) -> tuple[CheckpointHeader | None, list[list[int]] | None, list[Problem]]:
     """Read the checkpoint header and the prompts and list what stops the job, before any weight moves."""
     from hpcdist.data.tokenizer import BYTES
-    from hpcdist.infer.checkpoint import read_header
     from hpcdist.infer.prompts import load_prompts
     from hpcdist.infer.shard_load import check_tp
+    from hpcdist.model.checkpoint import read_header
 
     problems: list[Problem] = []
     header = None

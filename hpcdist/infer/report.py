@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from hpcdist.console import table, text
-from hpcdist.results import read_attrs, read_table
+from hpcdist.store.results import read_attrs, read_table
 
 
 def _ms(x: float) -> str:

@@ -1,4 +1,4 @@
-"""Inference result files, in the layout of ``hpcdist.results`` (format ``hpcdist.result`` v1).
+"""Inference result files, in the layout of ``hpcdist.store.results`` (format ``hpcdist.result`` v1).
 
 ``infer_gpt`` adds to the common root attributes ``checkpoint``, ``checkpoint_step``,
 ``model_config_json``, ``tp``, ``dp``, ``load_method`` and ``sampling_json``, and:
@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hpcdist.data.tokenizer import BYTES, END_OF_TEXT
-from hpcdist.results import result_file, write_table
+from hpcdist.store.results import result_file, write_table
 
 if TYPE_CHECKING:
     from hpcdist.infer.broadcast import IterationFigures
-    from hpcdist.infer.checkpoint import CheckpointHeader
     from hpcdist.infer.jobs import BroadcastParams, InferParams
+    from hpcdist.model.checkpoint import CheckpointHeader
 
 
 def _text(ids: list[int]) -> str:

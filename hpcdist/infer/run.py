@@ -21,11 +21,13 @@ from hpcdist.data.tokenizer import BYTES
 from hpcdist.errors import BenchmarkError, CheckpointError, JobError
 from hpcdist.infer import metrics
 from hpcdist.infer.broadcast import broadcast_state, describe, iteration_figures
-from hpcdist.infer.checkpoint import CheckpointHeader, expected_shapes, read_full, sha256_of
 from hpcdist.infer.generate import Sampling, generate
 from hpcdist.infer.jobs import BroadcastParams, InferParams, inspect, problems_text
 from hpcdist.infer.shard_load import read_shard, shard_state
 from hpcdist.infer.tp import TPGPT, TPGroup
+from hpcdist.model.checkpoint import CheckpointHeader, read_full
+from hpcdist.model.checkpoint import parameter_shapes as expected_shapes
+from hpcdist.store.tree import sha256_of
 
 if TYPE_CHECKING:
     from hpcdist.runtime.context import JobContext

@@ -21,8 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from hpcdist.infer.checkpoint import CheckpointHeader, sha256_of, verify_streaming
+from hpcdist.model.checkpoint import MODEL_GROUP, CheckpointHeader, verify_streaming
 from hpcdist.model.config import GPTConfig
+from hpcdist.store.tree import sha256_of
 
 Ranges = list[tuple[int, int]]
 
@@ -110,7 +111,7 @@ def read_shard(header: CheckpointHeader, tp_rank: int, tp: int, rank: int, world
     bad: list[str] = []
     nbytes = 0
     with h5py.File(header.path, "r") as f:
-        group = f["model"]
+        group = f[MODEL_GROUP]
         for i, key in enumerate(header.shapes):
             plan = shard_plan(key, header.config, tp_rank, tp)
             arr = take(group[key], plan)

@@ -28,7 +28,7 @@ def run(ctx: JobContext, params: SmokeParams) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from hpcdist.results import result_file, write_table
+    from hpcdist.store.results import result_file, write_table
 
     value = torch.tensor([float(ctx.rank)], device=ctx.device)
     dist.all_reduce(value)

@@ -89,7 +89,7 @@ class JobContext:
 
     def run_attrs(self) -> dict[str, Any]:
         """Root attributes for this run's result file."""
-        from hpcdist.results import run_attrs
+        from hpcdist.store.results import run_attrs
 
         return run_attrs(
             kind=self.spec.kind,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpcdist.errors import BootstrapError
 from hpcdist.runtime.rankinfo import RankInfo
-from hpcdist.storage import atomic_path
+from hpcdist.store.atomic import atomic_path
 
 if TYPE_CHECKING:
     import torch.distributed as dist

@@ -10,10 +10,8 @@ for time-outs. Rank 0 writes the metrics to the HDF5 result when the run ends.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
-import statistics
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -26,17 +24,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpcdist import checkpoint as ckpt
 from hpcdist.config.contract import LAUNCH_TIME_VAR
 from hpcdist.console import Progress
 from hpcdist.data.dataset import DistributedOrder, TokenWindows, eval_samples
 from hpcdist.data.tokens import describe
-from hpcdist.errors import CheckpointError, JobError
+from hpcdist.errors import JobError
 from hpcdist.model.gpt import GPT, GPTConfig
 from hpcdist.runtime.requeue import Requeued, classify
-from hpcdist.train import state as st
-from hpcdist.train.metrics import PEAK_BF16_TFLOPS, Metrics, add_rank_log_file, perplexity
+from hpcdist.train.metrics import Metrics, add_rank_log_file, perplexity
 from hpcdist.train.params import TrainParams, model_config
+from hpcdist.train.result import write_result
+from hpcdist.train.resume import resume, save
 from hpcdist.train.schedule import lr_factor, scaled_lr
 
 if TYPE_CHECKING:
@@ -107,162 +105,6 @@ def build(ctx: JobContext, params: TrainParams) -> Run:
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     ddp = DDP(model, device_ids=device_ids)
     return Run(ctx, params, cfg, model, ddp, opt, sched, scaler, order, train, val, peak)
-
-
-# ---------------------------------------------------------------- resume
-
-
-def _model_shapes(model: GPT) -> dict[str, tuple[int, ...]]:
-    tree = ckpt.model_tree(model.state_dict())
-    return {k: tuple(v.shape) for k, v in tree.items() if isinstance(v, np.ndarray)}
-
-
-def _file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    import h5py
-
-    with h5py.File(path, "r") as f:
-        return {k: tuple(d.shape) for k, d in f["model"].items()}
-
-
-def choose_checkpoint(run: Run) -> dict[str, Any]:
-    """Rank 0's decision: the checkpoint to resume from, or an error every rank raises."""
-    ctx, cp = run.ctx, run.params.checkpoint
-    directory = ctx.checkpoint_dir
-    if not cp.resume:
-        if ckpt.checkpoints_in(directory):
-            ctx.log.warning(
-                "params.checkpoint.resume is false: starting fresh; the checkpoints already in %s stop being "
-                "trusted once this run commits its first one", directory,
-            )
-        return {"path": None}
-    found = ckpt.scan(directory)
-    for line in found.report():
-        ctx.log.warning(line)
-    removed = ckpt.remove_temporaries(directory)
-    if removed:
-        ctx.log.warning("removed %d temporary file(s) left by killed writers in %s", len(removed), directory)
-    if found.latest is None:
-        unusable = bool(found.skipped) or (directory / ckpt.POINTER).exists()
-        if unusable and cp.if_unusable == "error":
-            reasons = "; ".join(found.report())
-            return {
-                "error": f"no usable checkpoint in {directory} ({reasons}); fix or remove them, or set "
-                f"params.checkpoint.if_unusable=start_fresh to start over"
-            }
-        if unusable:
-            ctx.log.warning("no usable checkpoint in %s: starting fresh (params.checkpoint.if_unusable)", directory)
-        return {"path": None}
-    try:
-        ckpt.check_shapes(found.latest, _model_shapes(run.model), _file_shapes(found.latest))
-    except CheckpointError as exc:
-        return {"error": str(exc)}
-    return {"path": str(found.latest)}
-
-
-def resume(run: Run) -> None:
-    ctx = run.ctx
-    decision: list[Any] = [choose_checkpoint(run) if ctx.is_main else None]
-    dist.broadcast_object_list(decision, src=0)
-    choice = decision[0]
-    if "error" in choice:
-        raise CheckpointError(choice["error"])
-    if choice["path"] is None:
-        ctx.log.info("starting fresh: no checkpoint to resume from in %s", ctx.checkpoint_dir)
-        return
-    path = Path(choice["path"])
-    loaded = ckpt.read(path, verify=True)
-    tree = loaded.tree
-    model_group = dict(tree["model"])
-    tied = json.loads(model_group.pop("tied_json", "{}") or "{}")
-    sd = {k: torch.from_numpy(np.array(v)) for k, v in model_group.items() if isinstance(v, np.ndarray)}
-    for key, source in tied.items():
-        sd[key] = sd[source]
-    run.model.load_state_dict(sd)
-    st.load_optimizer(run.model, run.opt, tree["optimizer"])
-    st.load_json_state(run.sched, tree["scheduler"])
-    scaler_state = json.loads(tree["scaler"]["state_json"])
-    if scaler_state and run.scaler.is_enabled():
-        run.scaler.load_state_dict(scaler_state)
-    sampler = tree["sampler"]
-    run.step, run.epoch = loaded.step, loaded.epoch
-    run.position = int(sampler["position"])
-    train = tree["train"]
-    run.tokens_seen = int(train["tokens_seen"])
-    run.requeues, run.timeouts = int(train["requeues"]), int(train["timeouts"])
-    same_world = int(sampler["world_size"]) == ctx.world_size
-    rng = tree.get("rng", {}).get(f"rank_{ctx.rank}")
-    if rng is not None and same_world:
-        st.load_rng(rng, ctx.device)
-    else:
-        ctx.log.warning(
-            "checkpoint %s was written by %s ranks, this run has %d: per-rank random state is reseeded, "
-            "so the continuation is not bit-identical", path, sampler["world_size"], ctx.world_size,
-        )
-    run.metrics = ckpt_metrics(tree)
-    run.metrics.add(
-        "checkpoints", step=run.step, op="read", bytes=loaded.bytes, seconds=loaded.seconds,
-        mb_per_s=loaded.mb_per_s, job_id=ctx.job_id,
-    )
-    run.last_checkpoint = path
-    ctx.log.info(
-        "resumed from %s: step %d, epoch %d, read %.1f MB at %.0f MB/s (checksums verified)",
-        path, run.step, run.epoch, loaded.bytes / 1e6, loaded.mb_per_s,
-    )
-
-
-def ckpt_metrics(tree: dict[str, Any]) -> Metrics:
-    return Metrics.from_tree(tree.get("metrics", {}))
-
-
-# ---------------------------------------------------------------- checkpoint
-
-
-def save(run: Run) -> Path:
-    """Every rank's RNG to rank 0, which writes and commits; all ranks learn the outcome."""
-    ctx = run.ctx
-    rngs: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
-    dist.gather_object(st.rng_tree(ctx.device), rngs, dst=0)
-    outcome: list[Any] = [None]
-    if ctx.is_main:
-        assert rngs is not None
-        tree = {
-            "model": ckpt.model_tree(run.model.state_dict()),
-            "optimizer": st.optimizer_tree(run.model, run.opt),
-            "scheduler": st.json_state(run.sched),
-            "scaler": {"state_json": json.dumps(run.scaler.state_dict() if run.scaler.is_enabled() else {})},
-            "sampler": {
-                "seed": run.params.seed, "epoch": run.epoch, "position": run.position,
-                "world_size": ctx.world_size, "global_batch": run.order.global_batch,
-            },
-            "rng": {f"rank_{r}": rng for r, rng in enumerate(rngs)},
-            "train": {
-                "tokens_seen": run.tokens_seen, "requeues": run.requeues, "timeouts": run.timeouts,
-                "world_size": ctx.world_size, "job_id": ctx.job_id, "params_json": run.params.model_dump_json(),
-            },
-            "metrics": run.metrics.to_tree(),
-        }
-        try:
-            stats = ckpt.save(
-                ctx.checkpoint_dir, step=run.step, epoch=run.epoch, model_config_json=run.cfg.model_dump_json(),
-                tree=tree, keep_last=run.params.checkpoint.keep_last,
-            )
-            run.metrics.add(
-                "checkpoints", step=run.step, op="write", bytes=stats.bytes, seconds=stats.seconds,
-                mb_per_s=stats.mb_per_s, job_id=ctx.job_id,
-            )
-            ctx.log.info(
-                "checkpoint %s committed: %.1f MB in %.2f s (%.0f MB/s)%s", stats.path, stats.bytes / 1e6,
-                stats.seconds, stats.mb_per_s, f"; removed {len(stats.removed)} older" if stats.removed else "",
-            )
-            outcome[0] = ("ok", str(stats.path))
-        except CheckpointError as exc:
-            outcome[0] = ("error", str(exc))
-    dist.broadcast_object_list(outcome, src=0)
-    status, detail = outcome[0]
-    if status != "ok":
-        raise CheckpointError(detail)
-    run.last_checkpoint = Path(detail)
-    return run.last_checkpoint
 
 
 # ---------------------------------------------------------------- steps
@@ -457,58 +299,6 @@ def _requeue(r: Run) -> None:
         ctx.requeue()
     ctx.log.warning("rank %d leaves for the requeue at step %d", ctx.rank, r.step)
     raise Requeued(1)
-
-
-def write_result(r: Run, complete: bool) -> Path:
-    from hpcdist.results import result_file, write_table
-
-    ctx = r.ctx
-    path = ctx.result_path()
-    attrs = ctx.run_attrs()
-    steps = r.metrics.columns("steps")
-    val = r.metrics.columns("val")
-    tok_s = [float(v) for v in steps["tokens_per_s"][1:]] or [float(v) for v in steps["tokens_per_s"]]
-    median_tok_s = statistics.median(tok_s) if tok_s else float("nan")
-    attrs.update(
-        complete=complete,
-        final_step=r.step,
-        steps=r.params.steps,
-        final_loss=float(steps["loss"][-1]) if len(steps["loss"]) else float("nan"),
-        final_val_loss=float(val["loss"][-1]) if len(val["loss"]) else float("nan"),
-        tokens_per_s_median=median_tok_s,
-        num_params=r.cfg.num_params(),
-        flops_per_token=r.cfg.flops_per_token(),
-        model_config_json=r.cfg.model_dump_json(),
-        params_json=r.params.model_dump_json(),
-        precision=r.params.precision,
-        requeues=r.requeues,
-        timeouts=r.timeouts,
-        checkpoint=str(r.last_checkpoint or ""),
-    )
-    mfu = _mfu(r, median_tok_s)
-    if mfu is not None:
-        attrs["mfu"] = mfu
-    with result_file(path, attrs) as f:
-        group = f.require_group("train")
-        write_table(group, "steps", steps)
-        write_table(group, "val", val)
-        write_table(group, "epochs", r.metrics.epochs())
-        write_table(group, "checkpoints", r.metrics.columns("checkpoints"))
-    ctx.log.info("result written to %s", path)
-    return path
-
-
-def _mfu(r: Run, tokens_per_s: float) -> float | None:
-    """Model FLOPs utilisation on GPUs: achieved training FLOP/s over the ranks' bf16 peak."""
-    if r.ctx.device.type != "cuda":
-        return None
-    peak = r.params.peak_tflops
-    if peak is None:
-        name = torch.cuda.get_device_name(r.ctx.device)
-        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
-    if peak is None:
-        return None
-    return r.cfg.flops_per_token() * tokens_per_s / (peak * 1e12 * r.ctx.world_size)
 
 
 def _summary(r: Run, complete: bool, result: Path | None, stop: str) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 The tables travel inside every checkpoint (``/metrics``) so a run that was preempted and
 requeued still ends with one result file covering all its steps. Rank 0 writes them to the
-HDF5 result under ``/train`` in the ``hpcdist.results`` table layout.
+HDF5 result under ``/train`` in the ``hpcdist.store.results`` table layout.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcdist.checkpoint import plain
+from hpcdist.store.tree import plain
 
 STEP_COLUMNS = ("step", "epoch", "loss", "ppl", "grad_norm", "lr", "tokens_per_s", "step_time_s", "tokens_seen")
 VAL_COLUMNS = ("step", "loss", "ppl")

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from hpcdist.checkpoint import Tree
 from hpcdist.errors import CheckpointError
+from hpcdist.store.tree import Tree
 
 
 def _names_by_index(model: nn.Module, opt: torch.optim.Optimizer) -> list[str]:

@@ -11,11 +11,14 @@ Layout (format ``hpcdist.result`` version 1), readable by ``h5dump`` as well as 
   column, and a ``columns`` attribute giving their order;
 - benchmark results (``bench_layout`` attribute, version 1) add ``/interconnect``,
   ``/bench/<op>/<path>`` tables and ``/pairs/<path>`` matrices: see ``hpcdist.bench.record``.
+
+Attributes go through ``hpcdist.store.tree.attr_value`` and come back through ``plain``.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import io
 import json
 import os
 import platform
@@ -26,11 +29,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcdist import __version__
-from hpcdist.storage import atomic_path
+from hpcdist.store.atomic import atomic_path
+from hpcdist.store.tree import attr_value, plain
 
 if TYPE_CHECKING:
     import h5py
     import numpy as np
+    from rich.table import Table
 
 FORMAT = "hpcdist.result"
 FORMAT_VERSION = 1
@@ -108,25 +113,12 @@ def result_file(path: Path, attrs: Mapping[str, Any]) -> Iterator[h5py.File]:
     with atomic_path(path) as tmp:
         with h5py.File(tmp, "w") as f:
             for key, value in attrs.items():
-                f.attrs[key] = _attr(value)
+                f.attrs[key] = attr_value(value)
             env = f.create_group("env")
             for key, value in captured_env().items():
                 env.attrs[key] = value
             yield f
             f.flush()
-
-
-def _attr(value: Any) -> Any:
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return str(value)  # plain str: subclasses such as torch's TorchVersion do not convert
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
-        import h5py
-        import numpy as np
-
-        return np.array(value, dtype=h5py.string_dtype())
-    return value
 
 
 def write_table(
@@ -147,7 +139,7 @@ def write_table(
         group.create_dataset(col, data=arr)
     group.attrs["columns"] = np.array(list(columns), dtype=h5py.string_dtype())
     for key, value in attrs.items():
-        group.attrs[key] = _attr(value)
+        group.attrs[key] = attr_value(value)
     return group
 
 
@@ -170,7 +162,7 @@ def read_attrs(path: Path) -> dict[str, Any]:
     import h5py
 
     with h5py.File(path, "r") as f:
-        attrs = {k: _plain(v) for k, v in f.attrs.items()}
+        attrs = {k: plain(v) for k, v in f.attrs.items()}
     if attrs.get("format") != FORMAT:
         raise ValueError(f"{path} is not an hpcdist result file (format {attrs.get('format')!r})")
     for key, decoded in (("spec_json", "spec"), ("site_json", "site_config")):
@@ -179,19 +171,11 @@ def read_attrs(path: Path) -> dict[str, Any]:
     return attrs
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return value.decode()
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-        if isinstance(value, list):
-            return [v.decode() if isinstance(v, bytes) else v for v in value]
-    return value
-
-
 def summarize(path: Path, rows: int = 8) -> str:
     """A plain-text view of any result file: the run's facts, then every table (evenly sampled rows)."""
     import h5py
+    from rich import box
+    from rich.table import Table
 
     attrs = read_attrs(path)
     lines = [
@@ -208,10 +192,23 @@ def summarize(path: Path, rows: int = 8) -> str:
             n = len(next(iter(table.values()))) if table else 0
             picks = list(range(n)) if n <= rows else sorted({round(i * (n - 1) / (rows - 1)) for i in range(rows)})
             lines.append(f"\n  /{name}: {n} row(s)")
-            lines.append("  " + "  ".join(f"{c:>12}" for c in table))
+            shown = Table(box=box.SIMPLE, padding=(0, 1))
+            for col in table:
+                shown.add_column(col, justify="right", no_wrap=True)
             for i in picks:
-                lines.append("  " + "  ".join(f"{_cell(v[i]):>12}" for v in table.values()))
+                shown.add_row(*(_cell(v[i]) for v in table.values()))
+            lines.append(_text(shown).rstrip("\n"))
     return "\n".join(lines) + "\n"
+
+
+def _text(table: Table) -> str:
+    """`table` as plain text, as wide as it needs (no terminal, no colour)."""
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=10_000, color_system=None, force_terminal=False)
+    console.print(table)
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    return "\n".join("  " + line.rstrip() for line in out.splitlines() if line.strip())
 
 
 def _cell(value: Any) -> str:

@@ -1,0 +1,232 @@
+"""What is GPT-specific about checkpoints, on top of the model-agnostic ``hpcdist.store``.
+
+In a ``hpcdist.checkpoint`` file the GPT adds:
+
+- the root attribute ``model_config_json`` (``GPTConfig.model_dump_json()``);
+- the group ``/model``: one float32, C-order dataset per ``GPT.state_dict()`` key, with the exact
+  key names (each with its ``sha256``, as every store dataset). The head ``lm_head.weight`` is
+  tied to ``transformer.wte.weight`` and stored once: the group attribute ``tied_json`` maps
+  each omitted key to the stored one.
+
+Here: the parameter shapes of a config (`parameter_shapes`), the `/model` tree of a state dict
+and the state dict of a `/model` tree (the one tied-weight restore), the shape check training
+runs before resuming, and the header reader inference runs on the login node. Only pydantic,
+NumPy and h5py are imported at module level, so a login node checks a checkpoint against a spec
+without torch; torch is imported where tensors are made.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hpcdist.errors import CheckpointError
+from hpcdist.model.config import GPTConfig
+from hpcdist.store import checkpoints as store
+from hpcdist.store.discovery import resolve
+from hpcdist.store.tree import ChecksumError, Tree, sha256_of_dataset
+
+if TYPE_CHECKING:
+    import torch
+
+MODEL_GROUP = "model"
+CONFIG_ATTR = "model_config_json"
+TIED_ATTR = "tied_json"
+
+
+def parameter_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """The stored tensors of a GPT of shape `cfg`, in ``state_dict()`` order (the tied head left out)."""
+    d, h, v = cfg.d_model, cfg.d_hidden, cfg.vocab_size
+    fc = h * (2 if cfg.mlp == "swiglu" else 1)
+    out: dict[str, tuple[int, ...]] = {"transformer.wte.weight": (v, d), "transformer.wpe.weight": (cfg.context, d)}
+    for i in range(cfg.n_layer):
+        p = f"transformer.h.{i}."
+        out.update(
+            {
+                p + "ln_1.weight": (d,),
+                p + "ln_1.bias": (d,),
+                p + "attn.c_attn.weight": (3 * d, d),
+                p + "attn.c_attn.bias": (3 * d,),
+                p + "attn.c_proj.weight": (d, d),
+                p + "attn.c_proj.bias": (d,),
+                p + "ln_2.weight": (d,),
+                p + "ln_2.bias": (d,),
+                p + "mlp.c_fc.weight": (fc, d),
+                p + "mlp.c_fc.bias": (fc,),
+                p + "mlp.c_proj.weight": (d, h),
+                p + "mlp.c_proj.bias": (d,),
+            }
+        )
+    out["transformer.ln_f.weight"] = (d,)
+    out["transformer.ln_f.bias"] = (d,)
+    return out
+
+
+def model_attrs(cfg: GPTConfig) -> dict[str, str]:
+    """The root attributes the GPT adds to a checkpoint."""
+    return {CONFIG_ATTR: cfg.model_dump_json()}
+
+
+def model_tree(state_dict: Mapping[str, Any]) -> Tree:
+    """`/model` for a state dict: float32 arrays, tied tensors stored once (``tied_json``)."""
+    out: Tree = {}
+    seen: dict[tuple[int, tuple[int, ...]], str] = {}
+    tied: dict[str, str] = {}
+    for key, value in state_dict.items():
+        ident = (value.data_ptr(), tuple(value.shape)) if hasattr(value, "data_ptr") else None
+        if ident is not None and ident in seen:
+            tied[key] = seen[ident]
+            continue
+        if ident is not None:
+            seen[ident] = key
+        t = value.detach().cpu().float() if hasattr(value, "detach") else value
+        arr = t.numpy() if hasattr(t, "numpy") else np.asarray(t, dtype=np.float32)
+        out[key] = np.ascontiguousarray(arr, dtype=np.float32)
+    out[TIED_ATTR] = json.dumps(tied)
+    return out
+
+
+def state_dict_of(group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """A state dict for ``GPT.load_state_dict`` (strict) from a `/model` tree as the store reads it.
+
+    Tied keys omitted in the file (``lm_head.weight``) are restored as the same tensor as the
+    key they are tied to.
+    """
+    import torch
+
+    tied = json.loads(group.get(TIED_ATTR, "{}") or "{}")
+    state = {k: torch.from_numpy(np.array(v)) for k, v in group.items() if isinstance(v, np.ndarray)}
+    for key, source in tied.items():
+        state[key] = state[source]
+    return state
+
+
+def write_checkpoint(
+    directory: str | Path, step: int, state: Mapping[str, Any], cfg: GPTConfig, epoch: int = 0
+) -> Path:
+    """Write `state` (a GPT ``state_dict()``) as a model-only checkpoint and commit it (tests, demos)."""
+    tree = {MODEL_GROUP: model_tree(state)}
+    return store.save(Path(directory), step, tree, epoch=epoch, attrs=model_attrs(cfg)).path
+
+
+def load_model_state(path: Path, verify: bool = True) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """The model config and a state dict ready for ``GPT.load_state_dict`` (strict)."""
+    ckpt = store.read(path, groups=(MODEL_GROUP,), verify=verify)
+    if MODEL_GROUP not in ckpt.tree:
+        raise CheckpointError(f"{path}: has no /{MODEL_GROUP} group")
+    return GPTConfig.model_validate_json(ckpt.attrs[CONFIG_ATTR]), state_dict_of(ckpt.tree[MODEL_GROUP])
+
+
+def stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor in the checkpoint's `/model` group, read without its data."""
+    datasets = store.read_header(path, MODEL_GROUP).datasets
+    return {k: d.shape for k, d in (datasets or {}).items()}
+
+
+def check_shapes(path: Path, expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tuple[int, ...]]) -> None:
+    """A clear error listing every tensor whose shape (or presence) differs from the model's."""
+    problems = []
+    for key in sorted(set(expected) | set(found)):
+        if key not in found:
+            problems.append(f"{key}: missing in checkpoint (model has {list(expected[key])})")
+        elif key not in expected:
+            problems.append(f"{key}: in checkpoint {list(found[key])} but not in the model")
+        elif tuple(expected[key]) != tuple(found[key]):
+            problems.append(f"{key}: checkpoint {list(found[key])} vs model {list(expected[key])}")
+    if problems:
+        shown = "; ".join(problems)
+        raise CheckpointError(
+            f"{path} was written for a different model shape ({len(problems)} tensor(s) differ): {shown}; "
+            f"use the same params.model as the run that wrote it, or a fresh checkpoint directory"
+        )
+
+
+# ---------------------------------------------------------------- inference: header, then weights
+
+
+@dataclass(frozen=True)
+class CheckpointHeader:
+    """What a checkpoint holds, read without touching the weights."""
+
+    path: Path
+    step: int
+    epoch: int
+    config: GPTConfig
+    shapes: dict[str, tuple[int, ...]]
+    sha256: dict[str, str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(s)) * 4 for s in self.shapes.values())
+
+
+def _config_differences(expect: GPTConfig, cfg: GPTConfig) -> str:
+    diff = [(k, getattr(expect, k), getattr(cfg, k)) for k in GPTConfig.model_fields]
+    return ", ".join(f"{k}: spec {a!r} vs checkpoint {b!r}" for k, a, b in diff if a != b)
+
+
+def read_header(path: str | Path, expect: GPTConfig | None = None) -> CheckpointHeader:
+    """The header of the checkpoint at `path` (a file, or a directory's committed one), checked for
+    format, version, names, shapes, dtypes, checksums present and, when given, the model `expect`."""
+    header = store.read_header(resolve(path), MODEL_GROUP)
+    file = header.path
+    try:
+        cfg = GPTConfig.model_validate_json(str(header.attrs[CONFIG_ATTR]))
+    except Exception as exc:  # noqa: BLE001 - any parse failure is a damaged header
+        raise CheckpointError(f"{file}: {CONFIG_ATTR} is missing or invalid ({exc})") from exc
+    if header.datasets is None:
+        raise CheckpointError(f"{file} has no /{MODEL_GROUP} group; the checkpoint is damaged")
+    if expect is not None and expect != cfg:
+        raise CheckpointError(
+            f"checkpoint {file} does not match the model in the spec ({_config_differences(expect, cfg)}); "
+            f"fix params.model or drop it to take the checkpoint's"
+        )
+    found = header.datasets
+    want = parameter_shapes(cfg)
+    for what, items in (
+        ("is missing tensors", [k for k in want if k not in found]),
+        ("has tensors the model does not", [k for k in found if k not in want]),
+        ("has tensors of the wrong shape",
+         [f"{k} {found[k].shape} (expected {s})" for k, s in want.items() if k in found and found[k].shape != s]),
+        ("has tensors that are not float32", [k for k, d in found.items() if d.dtype != np.float32]),
+        ("has tensors without a sha256", [k for k, d in found.items() if len(d.sha256) != 64]),
+    ):
+        if items:
+            more = f" and {len(items) - 3} more" if len(items) > 3 else ""
+            raise CheckpointError(
+                f"checkpoint {file} {what} for its {CONFIG_ATTR}: {', '.join(items[:3])}{more}; "
+                f"it was not written by this model"
+            )
+    return CheckpointHeader(
+        path=file,
+        step=int(header.attrs["step"]),
+        epoch=int(header.attrs["epoch"]),
+        config=cfg,
+        shapes={k: found[k].shape for k in want},
+        sha256={k: found[k].sha256 for k in want},
+    )
+
+
+def read_full(header: CheckpointHeader, verify: bool = True) -> dict[str, np.ndarray]:
+    """Every tensor of the checkpoint, each checked against its sha256 when `verify`."""
+    try:
+        group = store.read(header.path, groups=(MODEL_GROUP,), verify=verify).tree[MODEL_GROUP]
+    except ChecksumError as exc:
+        key = exc.dataset.removeprefix(f"/{MODEL_GROUP}/")
+        raise CheckpointError(
+            f"checkpoint {header.path}: tensor {key} does not match its sha256; the file is corrupt"
+        ) from exc
+    return {key: group[key] for key in header.shapes}
+
+
+def verify_streaming(header: CheckpointHeader, key: str) -> bool:
+    """Whether tensor `key` matches its sha256, reading it in row chunks (bounded memory)."""
+    import h5py
+
+    with h5py.File(header.path, "r") as f:
+        return sha256_of_dataset(f[MODEL_GROUP][key]) == header.sha256[key]

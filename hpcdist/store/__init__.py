@@ -1,0 +1,44 @@
+"""Files on shared storage: atomic writes, HDF5 trees with checksums, checkpoints and results.
+
+Model-agnostic: state goes in and comes out as nested dicts of tensors, NumPy arrays and plain
+values; neither torch nor any workload module is imported here (tensors are converted where
+they are met). The GPT's own checkpoint knowledge lives in ``hpcdist.model.checkpoint``.
+
+- ``atomic``: temporary name in the same directory, fsync, ``os.replace``, directory fsync;
+- ``tree``: nested dict <-> HDF5 group, sha256 of every array, the HDF5-attribute converters;
+- ``directory``: step names, the ``latest`` pointer, listing, retention, temporaries;
+- ``checkpoints``: the ``hpcdist.checkpoint`` format: save (commit), read and verify, headers;
+- ``discovery``: the newest committed checkpoint that verifies, with reasons for each one skipped;
+- ``manager``: ``CheckpointStore``, one directory as an object (the public checkpoint API);
+- ``results``: the versioned ``hpcdist.result`` files.
+"""
+
+from hpcdist.store.atomic import atomic_path, fsync_path
+from hpcdist.store.checkpoints import Checkpoint, Header, SaveStats, read, read_header, save, verify
+from hpcdist.store.directory import checkpoints_in, read_pointer, step_of
+from hpcdist.store.discovery import Scan, find_latest, resolve, scan
+from hpcdist.store.manager import CheckpointStore
+from hpcdist.store.tree import Tree, plain, sha256_of
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointStore",
+    "Header",
+    "SaveStats",
+    "Scan",
+    "Tree",
+    "atomic_path",
+    "checkpoints_in",
+    "find_latest",
+    "fsync_path",
+    "plain",
+    "read",
+    "read_header",
+    "read_pointer",
+    "resolve",
+    "save",
+    "scan",
+    "sha256_of",
+    "step_of",
+    "verify",
+]

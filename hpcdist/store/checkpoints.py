@@ -1,0 +1,208 @@
+"""Checkpoint files on shared storage: HDF5 files that are never half-written where a reader looks.
+
+Format ``hpcdist.checkpoint`` version 1 (readable by ``h5dump`` and by plain ``h5py``):
+
+- Files ``<checkpoint dir>/step_<step:08d>.h5``. Each is written under a hidden temporary name in
+  the same directory, flushed and fsynced, renamed onto its final name (``hpcdist.store.atomic``),
+  and only then *committed* by atomically rewriting the pointer file ``<dir>/latest``, whose
+  whole content is the committed file's name (``step_00000120.h5``). A reader trusts only
+  committed files: the one ``latest`` names, or older ones. Files newer than the pointer (a
+  writer killed between rename and commit) are ignored.
+- Root attributes: ``format = "hpcdist.checkpoint"``, ``format_version = 1``, ``step``,
+  ``epoch``, ``created`` (UTC ISO 8601), ``hpcdist_version``, and those the caller adds (the GPT
+  layer adds ``model_config_json``, see ``hpcdist.model.checkpoint``).
+- Below the root: the caller's tree (``hpcdist.store.tree``): groups, datasets each with a
+  ``sha256`` attribute, attributes. A read verifies every dataset it reads.
+
+Version rule (the one every reader applies, `check_root`): a file whose ``format_version`` is
+newer than this hpcdist's is refused with "upgrade hpcdist"; versions 1 up to the current one
+are read (later versions only add to the format); anything else is not a checkpoint version.
+
+The directory itself (naming, the pointer, listing, pruning, discovery) is
+``hpcdist.store.directory``; ``CheckpointStore`` (``hpcdist.store``) ties both together.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import errno
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcdist import __version__
+from hpcdist.errors import CheckpointError
+from hpcdist.store.atomic import atomic_path
+from hpcdist.store.directory import checkpoint_name, prune, read_pointer, write_pointer
+from hpcdist.store.tree import DatasetInfo, Tree, attr_value, describe_group, plain, read_tree, write_tree
+
+FORMAT = "hpcdist.checkpoint"
+FORMAT_VERSION = 1
+ROOT_ATTRS = ("format", "format_version", "step", "epoch", "created")
+
+
+# ---------------------------------------------------------------- writing
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    path: Path
+    bytes: int
+    seconds: float
+    removed: tuple[Path, ...] = ()
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / 1e6 / self.seconds if self.seconds > 0 else float("nan")
+
+
+def save(
+    directory: Path | str,
+    step: int,
+    tree: Mapping[str, Any],
+    *,
+    epoch: int = 0,
+    attrs: Mapping[str, Any] | None = None,
+    keep_last: int | None = None,
+) -> SaveStats:
+    """Write, fsync, rename and commit `step_<step>.h5`; then drop all but the newest `keep_last`.
+
+    `attrs` are extra root attributes. On any failure (no space left included) the temporary
+    file is removed, the pointer and the previous checkpoints are untouched, and a
+    CheckpointError names the path.
+    """
+    import h5py
+
+    directory = Path(directory)
+    final = directory / checkpoint_name(step)
+    t0 = time.perf_counter()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with atomic_path(final) as tmp:
+            with h5py.File(tmp, "w") as f:
+                f.attrs["format"] = FORMAT
+                f.attrs["format_version"] = FORMAT_VERSION
+                f.attrs["step"] = int(step)
+                f.attrs["epoch"] = int(epoch)
+                for key, value in (attrs or {}).items():
+                    f.attrs[key] = attr_value(value)
+                f.attrs["created"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+                f.attrs["hpcdist_version"] = __version__
+                write_tree(f, tree)
+                f.flush()
+        nbytes = final.stat().st_size
+        write_pointer(directory, final.name)
+    except OSError as exc:
+        raise CheckpointError(_write_failure(final, exc)) from exc
+    seconds = time.perf_counter() - t0
+    removed = prune(directory, keep_last) if keep_last else ()
+    return SaveStats(final, nbytes, seconds, removed)
+
+
+def _write_failure(final: Path, exc: OSError) -> str:
+    no_space = exc.errno == errno.ENOSPC or "No space left" in str(exc) or "errno = 28" in str(exc)
+    what = "no space left on the device" if no_space else f"{type(exc).__name__}: {exc}"
+    latest = read_pointer(final.parent)[0]
+    kept = f"the committed checkpoint {latest} is intact" if latest else "no earlier checkpoint was committed"
+    hint = "free space there or point storage.checkpoints elsewhere" if no_space else "check the directory"
+    return f"writing checkpoint {final} failed: {what}; the temporary file was removed and {kept}; {hint}"
+
+
+# ---------------------------------------------------------------- reading
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read back: root attributes and the tree of groups read."""
+
+    path: Path
+    attrs: dict[str, Any]
+    tree: Tree
+    bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def step(self) -> int:
+        return int(self.attrs["step"])
+
+    @property
+    def epoch(self) -> int:
+        return int(self.attrs["epoch"])
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / 1e6 / self.seconds if self.seconds > 0 else float("nan")
+
+
+def check_root(path: Path, attrs: Mapping[str, Any]) -> None:
+    """The format and version rule every reader applies to a file's root attributes."""
+    if attrs.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not an hpcdist checkpoint (format {attrs.get('format')!r})")
+    missing = [a for a in ROOT_ATTRS if a not in attrs]
+    if missing:
+        raise CheckpointError(f"{path}: root attributes missing: {', '.join(missing)}")
+    version = attrs["format_version"]
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: format_version {version} is newer than this hpcdist reads ({FORMAT_VERSION}); upgrade hpcdist"
+        )
+    if not isinstance(version, int) or version < 1:
+        raise CheckpointError(f"{path}: format_version {version!r} is not a version of {FORMAT}; the file is damaged")
+
+
+def _open_failure(path: Path, exc: BaseException) -> CheckpointError:
+    text = (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)[:200]
+    return CheckpointError(f"{path}: cannot be read as HDF5 ({text}); truncated or corrupt")
+
+
+def read(path: Path | str, *, groups: tuple[str, ...] | None = None, verify: bool = True) -> Checkpoint:
+    """Root attributes and the named groups (all when None) of a checkpoint, checksums verified."""
+    import h5py
+
+    path = Path(path)
+    t0 = time.perf_counter()
+    try:
+        with h5py.File(path, "r") as f:
+            attrs = {k: plain(v) for k, v in f.attrs.items()}
+            check_root(path, attrs)
+            names = list(f.keys()) if groups is None else [g for g in groups if g in f]
+            tree, nbytes = read_tree({name: f[name] for name in names}, verify=verify, where=path)
+    except CheckpointError:
+        raise
+    except (OSError, KeyError, ValueError, RuntimeError) as exc:
+        raise _open_failure(path, exc) from exc
+    return Checkpoint(path, attrs, tree, nbytes, time.perf_counter() - t0)
+
+
+def verify(path: Path | str) -> None:
+    """Raise a CheckpointError saying why `path` cannot be trusted; return if every checksum holds."""
+    read(path, verify=True)
+
+
+@dataclass(frozen=True)
+class Header:
+    """A checkpoint's root attributes and one group's datasets, described without reading data."""
+
+    path: Path
+    attrs: dict[str, Any]
+    datasets: dict[str, DatasetInfo] | None  # None when the file has no such group
+
+
+def read_header(path: Path | str, group: str) -> Header:
+    """Root attributes (format and version checked) and the datasets of `group`, no data read."""
+    import h5py
+
+    path = Path(path)
+    try:
+        with h5py.File(path, "r") as f:
+            attrs = {k: plain(v) for k, v in f.attrs.items()}
+            check_root(path, attrs)
+            g = f.get(group)
+            return Header(path, attrs, describe_group(g) if isinstance(g, h5py.Group) else None)
+    except CheckpointError:
+        raise
+    except (OSError, KeyError, ValueError, RuntimeError) as exc:
+        raise _open_failure(path, exc) from exc
+

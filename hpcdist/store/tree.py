@@ -1,0 +1,212 @@
+"""Nested dicts <-> HDF5 groups, every array with its sha256; the one HDF5-attribute converter.
+
+A *tree* is a nested dict: a dict becomes a group, a NumPy array or a torch tensor becomes a
+dataset carrying the attribute ``sha256`` (hex SHA-256 of its C-order bytes), anything else (a
+number, a string, a list of strings) becomes an attribute of its group. Reading gives back the
+same shape: groups as dicts, datasets as NumPy arrays, attributes as plain Python values.
+
+Hashing runs in threads (hashlib releases the GIL) while the main thread writes or reads, so a
+large tree hashes on all cores. torch is never imported here: tensors are recognised by their
+methods and converted on the way in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hpcdist.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import h5py
+
+Tree = dict[str, Any]  # nested: dict -> group, array/tensor -> dataset, scalar/str -> attribute
+HASH_THREADS = 8
+STREAM_CHUNK_BYTES = 16 << 20
+
+
+def hash_threads() -> int:
+    return max(1, min(HASH_THREADS, os.cpu_count() or 1))
+
+
+def sha256_of(arr: np.ndarray) -> str:
+    """Hex SHA-256 of the array's C-order bytes (hashed in place: no copy for contiguous arrays)."""
+    data = np.ascontiguousarray(arr)
+    return hashlib.sha256(data.reshape(-1).view(np.uint8).data if data.size else b"").hexdigest()
+
+
+def sha256_of_dataset(ds: h5py.Dataset, chunk_bytes: int = STREAM_CHUNK_BYTES) -> str:
+    """`sha256_of` a dataset read in row chunks, so memory stays bounded by `chunk_bytes`."""
+    digest = hashlib.sha256()
+    if ds.ndim == 0 or ds.shape[0] == 0:
+        digest.update(np.ascontiguousarray(ds[()]).tobytes())
+    else:
+        row_bytes = max(1, ds.size // ds.shape[0]) * ds.dtype.itemsize
+        step = max(1, chunk_bytes // row_bytes)
+        for start in range(0, ds.shape[0], step):
+            digest.update(np.ascontiguousarray(ds[start : start + step]).tobytes())
+    return digest.hexdigest()
+
+
+def plain(value: Any) -> Any:
+    """An HDF5 attribute (or array element) as a plain Python value: bytes decoded, NumPy unwrapped."""
+    if isinstance(value, bytes):
+        return value.decode()
+    if hasattr(value, "tolist"):  # NumPy scalars and arrays
+        value = value.tolist()
+        if isinstance(value, list):
+            return [v.decode() if isinstance(v, bytes) else v for v in value]
+    return value
+
+
+def attr_value(value: Any) -> Any:
+    """A Python value as h5py stores it: None as "", str subclasses as str, string lists as UTF-8."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return str(value)  # plain str: subclasses such as torch's TorchVersion do not convert
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        import h5py
+
+        return np.array(value, dtype=h5py.string_dtype())
+    return value
+
+
+def as_array(value: Any) -> np.ndarray | None:
+    """A dataset's array for a tree leaf, or None if the leaf is an attribute."""
+    if isinstance(value, np.ndarray):
+        return np.ascontiguousarray(value)
+    if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch.Tensor
+        t = value.detach().cpu()
+        if str(t.dtype) == "torch.bfloat16":  # numpy has no bfloat16
+            t = t.float()
+        return np.ascontiguousarray(t.numpy())
+    return None
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _flatten(
+    tree: Mapping[str, Any], prefix: str = ""
+) -> tuple[list[tuple[str, np.ndarray]], list[tuple[str, str, Any]]]:
+    """(dataset path, array) and (group path, attribute name, value) for a nested tree."""
+    arrays: list[tuple[str, np.ndarray]] = []
+    attrs: list[tuple[str, str, Any]] = []
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            sub_arrays, sub_attrs = _flatten(value, f"{prefix}{key}/")
+            arrays += sub_arrays
+            attrs += sub_attrs
+            attrs.append((f"{prefix}{key}", "", None))  # the group exists even when empty
+            continue
+        arr = as_array(value)
+        if arr is None:
+            attrs.append((prefix.rstrip("/") or "/", key, attr_value(value)))
+        else:
+            arrays.append((f"{prefix}{key}", arr))
+    return arrays, attrs
+
+
+def write_tree(f: h5py.Group, tree: Mapping[str, Any]) -> int:
+    """Datasets (each with its sha256) and attributes of `tree` under `f`; returns the array bytes."""
+    arrays, attrs = _flatten(tree)
+    groups: dict[str, Any] = {"/": f}
+
+    def group(name: str) -> Any:
+        if name not in groups:
+            groups[name] = f.require_group(name)
+        return groups[name]
+
+    for name, key, value in attrs:
+        g = group(name)
+        if key:
+            g.attrs[key] = value
+    with ThreadPoolExecutor(max_workers=hash_threads()) as pool:
+        digests = [pool.submit(sha256_of, arr) for _, arr in arrays]
+        dsets = []
+        for name, arr in arrays:
+            parent, _, leaf = name.rpartition("/")
+            dsets.append(group(parent or "/").create_dataset(leaf, data=arr))
+        for dset, digest in zip(dsets, digests, strict=True):
+            dset.attrs["sha256"] = digest.result()
+    return sum(a.nbytes for _, a in arrays)
+
+
+# ---------------------------------------------------------------- reading
+
+
+class ChecksumError(CheckpointError):
+    """A dataset whose bytes do not match its recorded sha256 (or that has none)."""
+
+    def __init__(self, message: str, dataset: str) -> None:
+        super().__init__(message)
+        self.dataset = dataset
+
+
+Check = tuple[str, "Future[str] | None", str]  # dataset name, its hash being computed, the recorded hash
+
+
+def _read_group(group: h5py.Group, pool: ThreadPoolExecutor | None, checks: list[Check]) -> tuple[Tree, int]:
+    import h5py
+
+    out: Tree = {k: plain(v) for k, v in group.attrs.items()}
+    nbytes = 0
+    for key, item in group.items():
+        if isinstance(item, h5py.Group):
+            out[key], n = _read_group(item, pool, checks)
+            nbytes += n
+            continue
+        arr = np.asarray(item[()])
+        nbytes += arr.nbytes
+        digest = pool.submit(sha256_of, arr) if pool is not None else None
+        checks.append((item.name, digest, str(plain(item.attrs.get("sha256", "")))))
+        out[key] = arr
+    return out, nbytes
+
+
+def read_tree(groups: Mapping[str, h5py.Group], *, verify: bool, where: object) -> tuple[Tree, int]:
+    """Each named group as a tree and the array bytes read; with `verify`, every sha256 is checked.
+
+    A mismatch raises ChecksumError naming `where` (the file) and the dataset.
+    """
+    tree: Tree = {}
+    nbytes = 0
+    checks: list[Check] = []
+    with ThreadPoolExecutor(max_workers=hash_threads()) as pool:
+        for name, group in groups.items():
+            tree[name], n = _read_group(group, pool if verify else None, checks)
+            nbytes += n
+        if verify:
+            for dataset, digest, expected in checks:
+                if not expected:
+                    raise ChecksumError(f"{where}: dataset {dataset} has no sha256 attribute", dataset)
+                if digest is not None and digest.result() != expected:
+                    raise ChecksumError(f"{where}: dataset {dataset} fails its sha256 check (data corrupted)", dataset)
+    return tree, nbytes
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """A dataset described without reading its data."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    sha256: str
+
+
+def describe_group(group: h5py.Group) -> dict[str, DatasetInfo]:
+    """Shape, dtype and recorded sha256 of each dataset directly in `group` (no data read)."""
+    import h5py
+
+    return {
+        k: DatasetInfo(tuple(int(n) for n in d.shape), d.dtype, str(plain(d.attrs.get("sha256", ""))))
+        for k, d in group.items()
+        if isinstance(d, h5py.Dataset)
+    }

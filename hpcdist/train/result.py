@@ -1,0 +1,69 @@
+"""The training run's HDF5 result: the run's figures as root attributes, the metrics as tables.
+
+Rank 0 writes it when the run ends (complete or not) in the ``hpcdist.store.results`` layout:
+``/train/steps``, ``/train/val``, ``/train/epochs`` and ``/train/checkpoints``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from hpcdist.store.results import result_file, write_table
+from hpcdist.train.metrics import PEAK_BF16_TFLOPS
+
+if TYPE_CHECKING:
+    from hpcdist.train.loop import Run
+
+
+def write_result(r: Run, complete: bool) -> Path:
+    ctx = r.ctx
+    path = ctx.result_path()
+    attrs = ctx.run_attrs()
+    steps = r.metrics.columns("steps")
+    val = r.metrics.columns("val")
+    tok_s = [float(v) for v in steps["tokens_per_s"][1:]] or [float(v) for v in steps["tokens_per_s"]]
+    median_tok_s = statistics.median(tok_s) if tok_s else float("nan")
+    attrs.update(
+        complete=complete,
+        final_step=r.step,
+        steps=r.params.steps,
+        final_loss=float(steps["loss"][-1]) if len(steps["loss"]) else float("nan"),
+        final_val_loss=float(val["loss"][-1]) if len(val["loss"]) else float("nan"),
+        tokens_per_s_median=median_tok_s,
+        num_params=r.cfg.num_params(),
+        flops_per_token=r.cfg.flops_per_token(),
+        model_config_json=r.cfg.model_dump_json(),
+        params_json=r.params.model_dump_json(),
+        precision=r.params.precision,
+        requeues=r.requeues,
+        timeouts=r.timeouts,
+        checkpoint=str(r.last_checkpoint or ""),
+    )
+    mfu = _mfu(r, median_tok_s)
+    if mfu is not None:
+        attrs["mfu"] = mfu
+    with result_file(path, attrs) as f:
+        group = f.require_group("train")
+        write_table(group, "steps", steps)
+        write_table(group, "val", val)
+        write_table(group, "epochs", r.metrics.epochs())
+        write_table(group, "checkpoints", r.metrics.columns("checkpoints"))
+    ctx.log.info("result written to %s", path)
+    return path
+
+
+def _mfu(r: Run, tokens_per_s: float) -> float | None:
+    """Model FLOPs utilisation on GPUs: achieved training FLOP/s over the ranks' bf16 peak."""
+    if r.ctx.device.type != "cuda":
+        return None
+    peak = r.params.peak_tflops
+    if peak is None:
+        name = torch.cuda.get_device_name(r.ctx.device)
+        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    if peak is None:
+        return None
+    return r.cfg.flops_per_token() * tokens_per_s / (peak * 1e12 * r.ctx.world_size)

@@ -1,0 +1,176 @@
+"""The training run's checkpoints: rank 0 picks the one to resume from, every rank restores it,
+and rank 0 writes and commits a new one with every rank's generators.
+
+The files are ``hpcdist.store`` checkpoints with the GPT's ``/model`` (``hpcdist.model.checkpoint``)
+and the trainer's groups:
+
+- ``/optimizer`` (attribute ``param_groups_json``: the optimizer's param groups with parameter
+  *names* in place of indices; ``/optimizer/state/<param name>/<key>``: AdamW's ``step``,
+  ``exp_avg``, ``exp_avg_sq``), ``/scheduler`` and ``/scaler`` (attribute ``state_json``);
+- ``/sampler`` (attributes ``seed``, ``epoch``, ``position`` = samples of the epoch already
+  consumed, ``world_size``, ``global_batch``);
+- ``/rng/rank_<r>`` (``torch_cpu``, ``torch_cuda`` when used, ``numpy_keys`` + attributes,
+  ``python_state`` + attributes: every rank's generators);
+- ``/train`` (attributes ``tokens_seen``, ``requeues``, ``timeouts``, ``world_size``, ``job_id``,
+  ``params_json``) and ``/metrics/<table>`` (``steps``, ``val``, ``checkpoints``: the run's
+  metrics so far, one dataset per column, column order in the attribute ``columns_json``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from hpcdist.errors import CheckpointError
+from hpcdist.model.checkpoint import (
+    MODEL_GROUP,
+    check_shapes,
+    model_attrs,
+    model_tree,
+    parameter_shapes,
+    state_dict_of,
+    stored_shapes,
+)
+from hpcdist.store import CheckpointStore, checkpoints_in
+from hpcdist.store import read as read_checkpoint
+from hpcdist.store.directory import POINTER
+from hpcdist.train import state as st
+from hpcdist.train.metrics import Metrics
+
+if TYPE_CHECKING:
+    from hpcdist.train.loop import Run
+
+
+def store_of(run: Run) -> CheckpointStore:
+    return CheckpointStore(run.ctx.checkpoint_dir, keep_last=run.params.checkpoint.keep_last)
+
+
+def choose_checkpoint(run: Run) -> dict[str, Any]:
+    """Rank 0's decision: the checkpoint to resume from, or an error every rank raises."""
+    ctx, cp = run.ctx, run.params.checkpoint
+    store = store_of(run)
+    directory = store.directory
+    if not cp.resume:
+        if checkpoints_in(directory):
+            ctx.log.warning(
+                "params.checkpoint.resume is false: starting fresh; the checkpoints already in %s stop being "
+                "trusted once this run commits its first one", directory,
+            )
+        return {"path": None}
+    found = store.scan()
+    for line in found.report():
+        ctx.log.warning(line)
+    removed = store.remove_temporaries()
+    if removed:
+        ctx.log.warning("removed %d temporary file(s) left by killed writers in %s", len(removed), directory)
+    if found.latest is None:
+        unusable = bool(found.skipped) or (directory / POINTER).exists()
+        if unusable and cp.if_unusable == "error":
+            reasons = "; ".join(found.report())
+            return {
+                "error": f"no usable checkpoint in {directory} ({reasons}); fix or remove them, or set "
+                f"params.checkpoint.if_unusable=start_fresh to start over"
+            }
+        if unusable:
+            ctx.log.warning("no usable checkpoint in %s: starting fresh (params.checkpoint.if_unusable)", directory)
+        return {"path": None}
+    try:
+        check_shapes(found.latest, parameter_shapes(run.cfg), stored_shapes(found.latest))
+    except CheckpointError as exc:
+        return {"error": str(exc)}
+    return {"path": str(found.latest)}
+
+
+def resume(run: Run) -> None:
+    """Every rank restores the checkpoint rank 0 chose (checksums verified), or starts fresh."""
+    ctx = run.ctx
+    decision: list[Any] = [choose_checkpoint(run) if ctx.is_main else None]
+    dist.broadcast_object_list(decision, src=0)
+    choice = decision[0]
+    if "error" in choice:
+        raise CheckpointError(choice["error"])
+    if choice["path"] is None:
+        ctx.log.info("starting fresh: no checkpoint to resume from in %s", ctx.checkpoint_dir)
+        return
+    path = Path(choice["path"])
+    loaded = read_checkpoint(path, verify=True)
+    tree = loaded.tree
+    run.model.load_state_dict(state_dict_of(tree[MODEL_GROUP]))
+    st.load_optimizer(run.model, run.opt, tree["optimizer"])
+    st.load_json_state(run.sched, tree["scheduler"])
+    scaler_state = json.loads(tree["scaler"]["state_json"])
+    if scaler_state and run.scaler.is_enabled():
+        run.scaler.load_state_dict(scaler_state)
+    sampler = tree["sampler"]
+    run.step, run.epoch = loaded.step, loaded.epoch
+    run.position = int(sampler["position"])
+    train = tree["train"]
+    run.tokens_seen = int(train["tokens_seen"])
+    run.requeues, run.timeouts = int(train["requeues"]), int(train["timeouts"])
+    same_world = int(sampler["world_size"]) == ctx.world_size
+    rng = tree.get("rng", {}).get(f"rank_{ctx.rank}")
+    if rng is not None and same_world:
+        st.load_rng(rng, ctx.device)
+    else:
+        ctx.log.warning(
+            "checkpoint %s was written by %s ranks, this run has %d: per-rank random state is reseeded, "
+            "so the continuation is not bit-identical", path, sampler["world_size"], ctx.world_size,
+        )
+    run.metrics = Metrics.from_tree(tree.get("metrics", {}))
+    run.metrics.add(
+        "checkpoints", step=run.step, op="read", bytes=loaded.bytes, seconds=loaded.seconds,
+        mb_per_s=loaded.mb_per_s, job_id=ctx.job_id,
+    )
+    run.last_checkpoint = path
+    ctx.log.info(
+        "resumed from %s: step %d, epoch %d, read %.1f MB at %.0f MB/s (checksums verified)",
+        path, run.step, run.epoch, loaded.bytes / 1e6, loaded.mb_per_s,
+    )
+
+
+def save(run: Run) -> Path:
+    """Every rank's RNG to rank 0, which writes and commits; all ranks learn the outcome."""
+    ctx = run.ctx
+    rngs: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(st.rng_tree(ctx.device), rngs, dst=0)
+    outcome: list[Any] = [None]
+    if ctx.is_main:
+        assert rngs is not None
+        tree = {
+            MODEL_GROUP: model_tree(run.model.state_dict()),
+            "optimizer": st.optimizer_tree(run.model, run.opt),
+            "scheduler": st.json_state(run.sched),
+            "scaler": {"state_json": json.dumps(run.scaler.state_dict() if run.scaler.is_enabled() else {})},
+            "sampler": {
+                "seed": run.params.seed, "epoch": run.epoch, "position": run.position,
+                "world_size": ctx.world_size, "global_batch": run.order.global_batch,
+            },
+            "rng": {f"rank_{r}": rng for r, rng in enumerate(rngs)},
+            "train": {
+                "tokens_seen": run.tokens_seen, "requeues": run.requeues, "timeouts": run.timeouts,
+                "world_size": ctx.world_size, "job_id": ctx.job_id, "params_json": run.params.model_dump_json(),
+            },
+            "metrics": run.metrics.to_tree(),
+        }
+        try:
+            stats = store_of(run).save(run.step, tree, epoch=run.epoch, attrs=model_attrs(run.cfg))
+            run.metrics.add(
+                "checkpoints", step=run.step, op="write", bytes=stats.bytes, seconds=stats.seconds,
+                mb_per_s=stats.mb_per_s, job_id=ctx.job_id,
+            )
+            ctx.log.info(
+                "checkpoint %s committed: %.1f MB in %.2f s (%.0f MB/s)%s", stats.path, stats.bytes / 1e6,
+                stats.seconds, stats.mb_per_s, f"; removed {len(stats.removed)} older" if stats.removed else "",
+            )
+            outcome[0] = ("ok", str(stats.path))
+        except CheckpointError as exc:
+            outcome[0] = ("error", str(exc))
+    dist.broadcast_object_list(outcome, src=0)
+    status, detail = outcome[0]
+    if status != "ok":
+        raise CheckpointError(detail)
+    run.last_checkpoint = Path(detail)
+    return run.last_checkpoint

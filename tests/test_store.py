@@ -1,0 +1,60 @@
+"""The model-agnostic checkpoint API (`hpcdist.store.CheckpointStore`) on real HDF5 files:
+nested state in and out, retention, discovery past a damaged file, and the one version rule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from hpcdist.errors import CheckpointError
+from hpcdist.store import CheckpointStore, read
+
+
+def state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "net": {"w": torch.randn(4, 3, generator=g), "b": torch.zeros(3, dtype=torch.bfloat16)},
+        "meta": {"lr": 0.5, "name": "run-a", "tags": ["x", "y"], "order": np.arange(5)},
+    }
+
+
+def test_nested_state_round_trips(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    s = state(0)
+    stats = store.save(3, s, epoch=1, attrs={"note": "hello"})
+    assert stats.path == tmp_path / "step_00000003.h5" and store.latest() == stats.path
+    got = store.load(3)
+    assert got.step == 3 and got.epoch == 1 and got.attrs["note"] == "hello"
+    assert np.array_equal(got.tree["net"]["w"], s["net"]["w"].numpy())
+    assert got.tree["net"]["b"].dtype == np.float32  # bfloat16 is stored as float32
+    assert got.tree["meta"]["lr"] == 0.5 and got.tree["meta"]["name"] == "run-a"
+    assert got.tree["meta"]["tags"] == ["x", "y"] and np.array_equal(got.tree["meta"]["order"], np.arange(5))
+
+
+def test_retention_and_latest_past_a_corrupt_file(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep_last=2)
+    for step in (1, 2, 3):
+        store.save(step, state(step))
+    assert store.steps() == [2, 3]
+    with h5py.File(store.path(3), "r+") as f:
+        f["net/w"][0, 0] += 1.0
+    with pytest.raises(CheckpointError, match="net/w fails its sha256 check"):
+        store.verify(3)
+    lines: list[str] = []
+    latest = store.load_latest(report=lines.append)
+    assert latest is not None and latest.step == 2
+    assert any("step_00000003.h5" in line and "sha256" in line for line in lines), lines
+    assert CheckpointStore(tmp_path / "empty").load_latest() is None
+
+
+@pytest.mark.parametrize(("version", "why"), [(2, "newer than this hpcdist reads"), (0, "is not a version")])
+def test_one_version_rule(tmp_path: Path, version: int, why: str) -> None:
+    path = CheckpointStore(tmp_path).save(1, state(0)).path
+    with h5py.File(path, "r+") as f:
+        f.attrs["format_version"] = version
+    with pytest.raises(CheckpointError, match=why):
+        read(path)
