@@ -104,9 +104,9 @@ def open_store(
     """The job's shared TCPStore, with rank 0 as the server, and how its address was learnt."""
     single_node = info.num_nodes <= 1
     if info.master_addr and info.master_port:
-        # torchrun's agent already serves a store there (every rank is a client); a hand-set
-        # env:// endpoint is served by rank 0.
-        is_master = info.is_main and info.launcher != "torchrun"
+        # A launcher's agent may already serve a store there (torchrun: every rank is a client);
+        # a hand-set env:// endpoint is served by rank 0.
+        is_master = info.is_main and not info.agent_store
         store = _store(info.master_addr, info.master_port, info, timeout, is_master)
         return _prefixed(store, key), Endpoint(info.master_addr, info.master_port, "env")
     if mpi_comm is not None:
