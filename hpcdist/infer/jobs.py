@@ -15,13 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hpcdist.errors import HpcdistError
 from hpcdist.infer.tokens import END_TOKEN
-from hpcdist.jobs.registry import JobKind, Problem, register
 from hpcdist.model.config import GPTConfig
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
-    from hpcdist.config.spec import JobSpec
     from hpcdist.infer.checkpoint import CheckpointHeader
+    from hpcdist.jobs.registry import Job, Problem
 
 
 class InferParams(BaseModel):
@@ -130,35 +129,15 @@ def inspect(
     return header, encoded, problems
 
 
-def check_infer(spec: JobSpec, site: Site) -> list[Problem]:
-    params = InferParams.model_validate(spec.params)
-    return inspect(params, site, spec.resources.world_size)[2]
+def check_infer(job: Job[InferParams], site: Site) -> list[Problem]:
+    return inspect(job.params, site, job.spec.resources.world_size)[2]
 
 
-def check_broadcast(spec: JobSpec, site: Site) -> list[Problem]:
+def check_broadcast(job: Job[BroadcastParams], site: Site) -> list[Problem]:
+    spec = job.spec
     if spec.resources.world_size < 2:
         return [("resources", spec.resources.world_size, "a broadcast needs at least 2 ranks")]
     return []
-
-
-register(
-    JobKind(
-        name="infer_gpt",
-        params=InferParams,
-        runner="hpcdist.infer.run:run_infer",
-        summary="load a GPT checkpoint (broadcast or TP shards), generate for a prompt file, time it",
-        check=check_infer,
-    )
-)
-register(
-    JobKind(
-        name="broadcast",
-        params=BroadcastParams,
-        runner="hpcdist.infer.run:run_broadcast",
-        summary="flat-bucket broadcast of a model-sized state from rank 0, timed and checked",
-        check=check_broadcast,
-    )
-)
 
 
 def problems_text(problems: list[Problem]) -> str:

@@ -12,11 +12,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from hpcdist.jobs.registry import JobKind, Problem, register
-
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
-    from hpcdist.config.spec import JobSpec
+    from hpcdist.jobs.registry import Job, Problem
 
 
 class _Params(BaseModel):
@@ -90,14 +88,14 @@ class TrainParams(_Params):
         return self
 
 
-def check(spec: JobSpec, site: Site) -> list[Problem]:
+def check(job: Job[TrainParams], site: Site) -> list[Problem]:
     """Model shape, token file and precision against the site; each problem names its key."""
     from pydantic import ValidationError
 
     from hpcdist.data.tokens import describe
     from hpcdist.errors import JobError
 
-    params = TrainParams.model_validate(spec.params)
+    spec, params = job.spec, job.params
     problems: list[Problem] = []
     try:
         info = describe(params.data)
@@ -145,13 +143,3 @@ def model_config(params: TrainParams, vocab_size: int) -> Any:
 
     return GPTConfig.model_validate({"vocab_size": vocab_size, **params.model})
 
-
-register(
-    JobKind(
-        name="train_gpt",
-        params=TrainParams,
-        runner="hpcdist.train.loop:run",
-        summary="data-parallel GPT training with HDF5 checkpoints that survive preemption",
-        check=check,
-    )
-)
