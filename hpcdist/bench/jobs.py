@@ -13,9 +13,10 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from hpcdist.bench.factors import COLLECTIVES, P2P_TESTS, parse_size, sweep
+from hpcdist.config.site import Frozen
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
@@ -30,9 +31,7 @@ DType = Literal["float32", "float64", "int32", "float16", "bfloat16"]
 assert set(Op.__args__) == set(COLLECTIVES) and set(Test.__args__) == set(P2P_TESTS)  # type: ignore[attr-defined]
 
 
-class _Params(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class _Params(Frozen):
     paths: tuple[PathName, ...] = Field(default=("torch",), min_length=1,
                                         description="torch (NCCL on GPUs, gloo on CPUs) and/or mpi (mpi4py)")
     mpi_buffers: Literal["numpy", "cuda"] = Field(default="numpy", description="where the MPI path's buffers live")

@@ -37,8 +37,19 @@ def _env_names(value: dict[str, str]) -> dict[str, str]:
 EnvMap = Annotated[dict[str, str], BeforeValidator(_env_as_strings), AfterValidator(_env_names)]
 
 
+def _expand_path(value: object) -> object:
+    """`~` and `$VARS` are expanded and relative paths made absolute at load time."""
+    if isinstance(value, str):
+        return Path(os.path.expandvars(os.path.expanduser(value))).absolute()
+    return value
+
+
+# A path written by a user in a site config or job params (shared by storage roots and job params).
+ExpandedPath = Annotated[Path, BeforeValidator(_expand_path)]
+
+
 class Frozen(BaseModel):
-    """Base of every config model: immutable, and unknown keys are errors."""
+    """Base of every config and job-params model: immutable, and unknown keys are errors."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -93,18 +104,10 @@ class Network(Frozen):
 class Storage(Frozen):
     """Roots on shared storage, visible from the login node and every compute node."""
 
-    results: Path
-    checkpoints: Path
-    scratch: Path
-    logs: Path
-
-    @field_validator("results", "checkpoints", "scratch", "logs", mode="before")
-    @classmethod
-    def _expand(cls, value: object) -> object:
-        """`~` and `$VARS` are expanded and relative paths made absolute at load time."""
-        if isinstance(value, str):
-            return Path(os.path.expandvars(os.path.expanduser(value))).absolute()
-        return value
+    results: ExpandedPath
+    checkpoints: ExpandedPath
+    scratch: ExpandedPath
+    logs: ExpandedPath
 
 
 class Preemption(Frozen):

@@ -11,8 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from hpcdist.config.site import Frozen
 from hpcdist.errors import HpcdistError
 from hpcdist.infer.tokens import END_TOKEN
 from hpcdist.model.config import GPTConfig
@@ -23,10 +24,8 @@ if TYPE_CHECKING:
     from hpcdist.jobs.registry import Job, Problem
 
 
-class InferParams(BaseModel):
+class InferParams(Frozen):
     """``infer_gpt``: which checkpoint, which prompts, how it is split and how tokens are chosen."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     checkpoint: str = Field(
         description="a step_*.h5 file or a checkpoint directory (its 'latest' is followed); a relative "
@@ -49,10 +48,8 @@ class InferParams(BaseModel):
     end_token: int | None = Field(default=END_TOKEN, ge=0, description="stop a row at this token; null: never")
 
 
-class BroadcastParams(BaseModel):
+class BroadcastParams(Frozen):
     """``broadcast``: a model-sized set of tensors from rank 0 to all, timed and checked."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: GPTConfig | None = Field(default=None, description="size the tensors as this model's")
     size_mb: float | None = Field(default=None, gt=0, description="or this many MB in tensors of tensor_mb")

@@ -8,17 +8,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from hpcdist.config.site import Frozen
 from hpcdist.errors import JobError
 
 if TYPE_CHECKING:
     from hpcdist.runtime.context import JobContext
 
 
-class SmokeParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class SmokeParams(Frozen):
     mpi: bool = Field(default=False, description="also all-reduce through mpi4py")
 
     @property
