@@ -15,9 +15,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import jinja2
+from typing import TYPE_CHECKING, Any
 
 from hpcdist import __version__
 from hpcdist._paths import data_dir
@@ -26,6 +24,9 @@ from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import RenderError
 from hpcdist.launchers import LaunchPlan, get_launcher
+
+if TYPE_CHECKING:
+    import jinja2
 
 TEMPLATE = "sbatch.sh.j2"
 
@@ -80,6 +81,8 @@ def _finalize(value: Any) -> str:
 
 
 def _environment() -> jinja2.Environment:
+    import jinja2  # only a Slurm script needs it; a local site's plan is plain text
+
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(data_dir("templates"))),
         undefined=jinja2.StrictUndefined,
@@ -177,6 +180,8 @@ def render_script(spec: JobSpec, site: Site, origin: Origin) -> str:
         "launch_time_var": Shell(LAUNCH_TIME_VAR),
         "launch": Shell(launcher.command(launch_plan(spec, site, folder))),
     }
+    import jinja2
+
     try:
         return _environment().get_template(TEMPLATE).render(**context)
     except jinja2.TemplateError as exc:
