@@ -7,7 +7,7 @@ is an error. A launcher owns everything that differs between launchers:
 - ``command(plan)``: its launch line in the job script (or, for ``local``, the command
   submitit's LocalExecutor runs per rank);
 - ``env_tables``: the variables its ranks carry, one table per flavour (``RankInfo.from_env``
-  reads them; detection is data, not code);
+  reads them; detection is data, not code; env:// and a lone process have tables of their own);
 - ``task_env(info)``: what the rank must fix before submitit's task runner starts (the shim);
   srun sets Slurm's per-task variables itself, mpirun and torchrun do not;
 - ``head_node``: whether the script exports the first node as ``HPCDIST_HEAD_NODE``.
@@ -66,6 +66,21 @@ SLURM_FALLBACK: dict[str, tuple[str, ...]] = {
 }
 _SLURM_BUT_NODE = {k: v for k, v in SLURM_FALLBACK.items() if k != "node_rank"}
 
+# Tables no site launcher owns: torch's env:// convention set by hand or by another tool, and a
+# process started on its own (rank 0 of 1).
+UNOWNED_TABLES = (
+    EnvTable("env", ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"), {
+        "rank": ("RANK",),
+        "world_size": ("WORLD_SIZE",),
+        "local_rank": ("LOCAL_RANK",),
+        "local_world_size": ("LOCAL_WORLD_SIZE",),
+        "master_addr": ("MASTER_ADDR",),
+        "master_port": ("MASTER_PORT",),
+        **SLURM_FALLBACK,
+    }, priority=20),
+    EnvTable("single", (), {}, priority=99),
+)
+
 
 @dataclass(frozen=True)
 class LaunchPlan:
@@ -108,8 +123,7 @@ def register_launcher(name: str) -> Callable[[L], L]:
             raise ValueError(
                 f"launcher {name!r} is registered twice ({type(_LAUNCHERS[name]).__name__}, {cls.__name__})"
             )
-        tables = {t.name for launcher in _LAUNCHERS.values() for t in launcher.env_tables}
-        clash = tables & {t.name for t in cls.env_tables}
+        clash = {t.name for t in env_tables()} & {t.name for t in cls.env_tables}
         if clash:
             raise ValueError(f"launcher {name!r}: environment table(s) {sorted(clash)} already belong to another")
         cls.name = name
@@ -130,8 +144,9 @@ def launcher_names(scheduler: str | None = None) -> list[str]:
 
 
 def env_tables() -> list[EnvTable]:
-    """Every launcher's tables, in detection order."""
-    return sorted((t for la in _LAUNCHERS.values() for t in la.env_tables), key=lambda t: t.priority)
+    """Every environment table, the launchers' and the unowned ones, in detection order."""
+    owned = [t for la in _LAUNCHERS.values() for t in la.env_tables]
+    return sorted([*owned, *UNOWNED_TABLES], key=lambda t: t.priority)
 
 
 def owner_of(table: str) -> Launcher | None:

@@ -7,7 +7,7 @@ import pytest
 from hpcdist import launchers
 from hpcdist.config import load_site
 from hpcdist.errors import ConfigError
-from hpcdist.runtime.rankinfo import RankInfo, tables
+from hpcdist.runtime.rankinfo import RankInfo
 
 
 @pytest.fixture
@@ -67,7 +67,7 @@ def test_launcher_must_fit_the_scheduler() -> None:
 
 
 def test_each_table_has_one_owner_and_the_shim_fixes_slurm_variables() -> None:
-    names = [t.name for t in tables()]
+    names = [t.name for t in launchers.env_tables()]
     assert names == ["torchrun", "env", "openmpi", "mpich", "pmix", "slurm", "submitit-local", "single"]
     env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
            "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_NODE_RANK": "1", "SLURM_PROCID": "0"}

@@ -1,7 +1,8 @@
 """Rank facts from a launcher's environment: one table per launcher, read by one function.
 
 Launcher detection is data, not code (as submitit's ``SlurmJobEnvironment._env``): each table
-maps a field to the variables that may carry it, first present wins. ``RankInfo.from_env`` takes
+(kept with its launcher in ``hpcdist.launchers``) maps a field to the variables that may carry
+it, first present wins. ``RankInfo.from_env`` takes
 the environment as an argument so tests pass a dict.
 """
 
@@ -12,31 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hpcdist.errors import BootstrapError
-from hpcdist.launchers import SLURM_FALLBACK, EnvTable, env_tables
+from hpcdist.launchers import EnvTable, env_tables
 from hpcdist.runtime.hostlist import expand_hostlist, expand_tasks_per_node
-
-# Tables not owned by a site launcher: torch's env:// convention set by hand or by another tool,
-# and a process started on its own. The launchers' tables live with them (hpcdist.launchers).
-ENV_TABLE = EnvTable("env", ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"), {
-    "rank": ("RANK",),
-    "world_size": ("WORLD_SIZE",),
-    "local_rank": ("LOCAL_RANK",),
-    "local_world_size": ("LOCAL_WORLD_SIZE",),
-    "master_addr": ("MASTER_ADDR",),
-    "master_port": ("MASTER_PORT",),
-    **SLURM_FALLBACK,
-}, priority=20)
-SINGLE_TABLE = EnvTable("single", (), {}, priority=99)
-
-
-def tables() -> list[EnvTable]:
-    """Every environment table, in detection order (the first whose variables are all set wins)."""
-    return sorted([*env_tables(), ENV_TABLE, SINGLE_TABLE], key=lambda t: t.priority)
 
 
 def table(name: str) -> EnvTable:
     """The environment table named `name` (KeyError if none is)."""
-    return {t.name: t for t in tables()}[name]
+    return {t.name: t for t in env_tables()}[name]
 
 
 @dataclass(frozen=True)
@@ -68,7 +51,7 @@ class RankInfo:
     @classmethod
     def detect_launcher(cls, env: Mapping[str, str]) -> str:
         """The name of the first environment table whose detecting variables are all set."""
-        return next(t.name for t in tables() if all(v in env for v in t.detect))
+        return next(t.name for t in env_tables() if all(v in env for v in t.detect))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], hostname: str | None = None) -> RankInfo:
