@@ -105,7 +105,8 @@ def resolve(spec: JobSpec, site: Site, *, origin: Path | str = "job spec", check
     if check:
         check_fits(spec, site, origin)
         kind_check = kind.load_check()
-        for key, value, allowed in kind_check(job, site) if kind_check is not None else []:
+        problems = kind_check(job, site) if kind_check is not None else []
+        for key, value, allowed in problems:
             raise ConfigError(f"{origin}: {key}: {value!r} cannot run on site {site.name!r}; {allowed}")
     return job
 
