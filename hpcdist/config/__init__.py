@@ -124,7 +124,7 @@ def check_fits(spec: JobSpec, site: Site, origin: Path | str) -> None:
 
 
 def load_spec(path: str | Path, site: Site, overrides: list[str] | None = None) -> JobSpec:
-    """A job spec read and fitted to `site`; its params are checked by ``hpcdist.jobs.load_job``."""
+    """A job spec read and fitted to `site`; its params are parsed by ``hpcdist.jobs.registry.load_job``."""
     spec = read_spec(path, overrides)
     check_fits(spec, site, Path(path))
     return spec
