@@ -50,6 +50,7 @@ def bootstrap() -> Any:
     """A JobContext through hpcdist's own bootstrap (MPI rendezvous, gloo process group)."""
     from hpcdist.config import load_site
     from hpcdist.config.spec import JobSpec
+    from hpcdist.jobs.registry import resolve
     from hpcdist.runtime.entry import bootstrap as boot
 
     site = load_site("local", ["storage.scratch=/tmp/hpcdist-bench-scratch"])
@@ -58,7 +59,7 @@ def bootstrap() -> Any:
         "resources": {"nodes": 1, "tasks_per_node": 2},
         "params": {"paths": ["torch", "mpi"], "ops": ["all_reduce"]},
     })
-    ctx, store = boot(spec, site)
+    ctx, store = boot(resolve(spec, site, check=False), site)
     return ctx, store
 
 

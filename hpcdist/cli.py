@@ -40,14 +40,16 @@ def _split_sets(sets: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    from hpcdist.config import load_site, load_spec
+    """The site, then the job spec with its params parsed and checked against the site."""
+    from hpcdist.config import load_site
+    from hpcdist.jobs.registry import load_job
     from hpcdist.render import Origin
 
     site_sets, job_sets = _split_sets(args.sets)
     site = load_site(args.site, site_sets)
-    spec = load_spec(args.job, site, job_sets)
+    job = load_job(args.job, site, job_sets)
     origin = Origin(args.job, args.site or site.name, tuple(args.sets))
-    return spec, site, origin
+    return job.spec, site, origin
 
 
 @command("render")

@@ -15,9 +15,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import jinja2
+from typing import TYPE_CHECKING, Any
 
 from hpcdist import __version__
 from hpcdist._paths import data_dir
@@ -25,6 +23,10 @@ from hpcdist.config.contract import LAUNCH_TIME_VAR
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import RenderError
+from hpcdist.launchers import LaunchPlan, get_launcher
+
+if TYPE_CHECKING:
+    import jinja2
 
 TEMPLATE = "sbatch.sh.j2"
 
@@ -79,6 +81,8 @@ def _finalize(value: Any) -> str:
 
 
 def _environment() -> jinja2.Environment:
+    import jinja2  # only a Slurm script needs it; a local site's plan is plain text
+
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(data_dir("templates"))),
         undefined=jinja2.StrictUndefined,
@@ -139,28 +143,17 @@ def directives(spec: JobSpec, site: Site, folder: Path) -> list[tuple[str, Any]]
     return flags
 
 
-def launch_line(spec: JobSpec, site: Site, folder: Path) -> str:
-    """The command that starts one process per rank, each running submitit's task runner."""
-    q = shlex.quote
-    python = q(python_for(site))
-    args = [q(a) for a in site.launcher.args]
+def launch_plan(spec: JobSpec, site: Site, folder: Path) -> LaunchPlan:
+    """What the site's launcher needs to write its launch line."""
     out_pattern, err_pattern = log_paths(folder)
-    srun_io = ["--unbuffered", "--output", q(out_pattern), "--error", q(err_pattern)]
-    tpn = spec.resources.tasks_per_node
-    kind = site.launcher.kind
-    if kind == "srun":
-        parts = ["srun", *srun_io, *args, python, "-u -m submitit.core._submit", q(str(folder))]
-    elif kind == "mpirun":
-        parts = ['mpirun -np "$SLURM_NTASKS"', f"--map-by ppr:{tpn}:node", *args,
-                 python, "-u -m hpcdist.runtime.shim", q(str(folder))]
-    elif kind == "torchrun":
-        parts = ["srun", *srun_io, "--ntasks-per-node=1", python, "-m torch.distributed.run",
-                 '--nnodes="$SLURM_JOB_NUM_NODES"', f"--nproc-per-node={tpn}", "--rdzv-backend=c10d",
-                 '--rdzv-endpoint="$HPCDIST_HEAD_NODE:29400"', '--rdzv-id="$SLURM_JOB_ID"', *args,
-                 "-m hpcdist.runtime.shim", q(str(folder))]
-    else:
-        raise RenderError(f"launcher.kind {kind!r} has no job script; use srun, mpirun or torchrun")
-    return " ".join(parts)
+    return LaunchPlan(
+        python=python_for(site),
+        folder=folder,
+        tasks_per_node=spec.resources.tasks_per_node,
+        stdout=out_pattern,
+        stderr=err_pattern,
+        args=site.launcher.args,
+    )
 
 
 def render_script(spec: JobSpec, site: Site, origin: Origin) -> str:
@@ -171,6 +164,7 @@ def render_script(spec: JobSpec, site: Site, origin: Origin) -> str:
     check_controls(site.model_dump(mode="json"), "site")
     check_controls(list(origin.overrides), "--set")  # only reached by a value no key holds
     folder = submitit_folder(spec, site)
+    launcher = get_launcher(site.launcher.kind)
     env = {**site.env, **spec.env, "SUBMITIT_PREEMPTION_SIGNAL": site.preemption.signal}
     context = {
         "version": __version__,
@@ -182,10 +176,12 @@ def render_script(spec: JobSpec, site: Site, origin: Origin) -> str:
         "modules": list(site.modules),
         "setup": [Shell(line) for line in site.setup],
         "env": sorted(env.items()),
-        "head_node": site.launcher.kind == "torchrun",
+        "head_node": launcher.head_node,
         "launch_time_var": Shell(LAUNCH_TIME_VAR),
-        "launch": Shell(launch_line(spec, site, folder)),
+        "launch": Shell(launcher.command(launch_plan(spec, site, folder))),
     }
+    import jinja2
+
     try:
         return _environment().get_template(TEMPLATE).render(**context)
     except jinja2.TemplateError as exc:
@@ -202,7 +198,7 @@ def render_local_plan(spec: JobSpec, site: Site, origin: Origin) -> str:
         f"# hpcdist {__version__}: site {site.name!r} runs jobs on this machine, without a scheduler",
         f"# Reproduce with: {origin.command()}",
         f"# submitit's LocalExecutor starts {res.tasks_per_node} process(es), one per rank:",
-        f"#   {shlex.quote(python_for(site))} -u -m submitit.core._submit {shlex.quote(str(folder))}",
+        f"#   {get_launcher(site.launcher.kind).command(launch_plan(spec, site, folder))}",
         f"# environment: {' '.join(f'{k}={shlex.quote(v)}' for k, v in sorted(env.items())) or '(none added)'}",
         f"# time limit: {spec.time_limit_min(site)} min; collective timeout: {spec.timeout(site):g} s",
     ]
@@ -214,11 +210,6 @@ def render(spec: JobSpec, site: Site, origin: Origin) -> str:
     if site.scheduler == "slurm":
         return render_script(spec, site, origin)
     return render_local_plan(spec, site, origin)
-
-
-def flags_of(script: str) -> list[str]:
-    """The #SBATCH lines of a script, for checks: they must precede the first command."""
-    return [line for line in script.splitlines() if line.startswith("#SBATCH")]
 
 
 def first_command_line(script: str) -> int:

@@ -7,38 +7,44 @@ byte what is submitted. On the local site submitit's LocalExecutor runs the rank
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import submitit
-from submitit.core import utils as submitit_utils
 
 from hpcdist.config.contract import LAUNCH_TIME_VAR
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import SubmitError
-from hpcdist.render import Origin, log_paths, render, submitit_folder
+from hpcdist.polling import poll_until
+from hpcdist.render import Origin, render, submitit_folder
 
 
-class ScriptExecutor(submitit.SlurmExecutor):
-    """submitit's Slurm executor with the submission script replaced by hpcdist's."""
+@functools.cache
+def _script_executor_class() -> Callable[[Path, str, int, int], Any]:
+    """submitit's Slurm executor with the submission script replaced by hpcdist's (made on first
+    use: submitit is imported only when something is submitted)."""
+    import submitit
 
-    def __init__(self, folder: Path, script: str, num_tasks: int, max_num_timeout: int) -> None:
-        super().__init__(folder, max_num_timeout=max_num_timeout)
-        self._script = script
-        self._tasks = num_tasks
+    class ScriptExecutor(submitit.SlurmExecutor):
+        def __init__(self, folder: Path, script: str, num_tasks: int, max_num_timeout: int) -> None:
+            super().__init__(folder, max_num_timeout=max_num_timeout)
+            self._script = script
+            self._tasks = num_tasks
 
-    def _make_submission_file_text(self, command: str, uid: str) -> str:
-        return self._script
+        def _make_submission_file_text(self, command: str, uid: str) -> str:
+            return self._script
 
-    def _num_tasks(self) -> int:
-        return self._tasks
+        def _num_tasks(self) -> int:
+            return self._tasks
+
+    return ScriptExecutor
 
 
 @dataclass
@@ -75,6 +81,9 @@ def _tasks(spec: JobSpec) -> int:
 
 def submit(spec: JobSpec, site: Site, origin: Origin) -> Submission:
     """Submit `spec` to `site`; returns as soon as the scheduler has the job."""
+    import submitit
+    from submitit.core.utils import FailedJobError
+
     from hpcdist.runtime.entry import run_rank  # the callable only; nothing runs here
 
     script = render(spec, site, origin)
@@ -82,7 +91,7 @@ def submit(spec: JobSpec, site: Site, origin: Origin) -> Submission:
     if site.scheduler == "slurm":
         if shutil.which("sbatch") is None:
             raise SubmitError(f"site {site.name!r} uses Slurm but `sbatch` is not on PATH; run on a login node")
-        executor: Any = ScriptExecutor(folder, script, _tasks(spec), site.preemption.max_requeues)
+        executor: Any = _script_executor_class()(folder, script, _tasks(spec), site.preemption.max_requeues)
         executor.update_parameters(
             time=spec.time_limit_min(site),
             nodes=spec.resources.nodes,
@@ -98,7 +107,7 @@ def submit(spec: JobSpec, site: Site, origin: Origin) -> Submission:
         os.environ[LAUNCH_TIME_VAR] = repr(time.time())
     try:
         job = executor.submit(run_rank, spec, site)
-    except submitit_utils.FailedJobError as exc:
+    except FailedJobError as exc:
         raise SubmitError(f"the scheduler refused job {spec.name!r}: {_first_error_line(str(exc))}") from exc
     except OSError as exc:
         raise SubmitError(f"could not submit job {spec.name!r}: {exc}") from exc
@@ -106,18 +115,20 @@ def submit(spec: JobSpec, site: Site, origin: Origin) -> Submission:
 
 
 def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None) -> list[TaskOutcome]:
-    """Block until the job ends; one outcome per rank, never raising for a failed rank."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while not sub.job.done(force_check=True):
-        if deadline is not None and time.monotonic() > deadline:
-            raise SubmitError(f"job {sub.job_id} did not finish within {timeout_s:g} s; it is still {sub.job.state}")
-        time.sleep(poll_s)
+    """Block until the job ends; one outcome per rank, never raising for a failed rank.
+
+    ``timeout_s=None`` waits as long as the scheduler says the job is not done.
+    """
+    from submitit.core.utils import FailedJobError, UncompletedJobError
+
+    if poll_until(lambda: True if sub.job.done(force_check=True) else None, timeout_s, poll_s) is None:
+        raise SubmitError(f"job {sub.job_id} did not finish within {timeout_s:g} s; it is still {sub.job.state}")
     outcomes = []
     for rank in range(_tasks(sub.spec)):
         task = sub.job.task(rank)
         try:
             outcomes.append(TaskOutcome(rank, True, summary=dict(task.result() or {})))
-        except (submitit_utils.FailedJobError, submitit_utils.UncompletedJobError) as exc:
+        except (FailedJobError, UncompletedJobError) as exc:
             outcomes.append(TaskOutcome(rank, False, error=_first_error_line(str(exc))))
     return outcomes
 
@@ -140,16 +151,18 @@ _FINAL = ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "OUT_OF_MEMORY", "NODE_
 
 
 def final_state(sub: Submission, settle_s: float = 30.0) -> str:
-    """The scheduler's final word on the job: the result files can land before sacct says so."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        if sub.site.scheduler == "slurm":
-            state = status(sub.job_id)[0].state
-        else:
-            state = str(sub.job.state)
-        if state.startswith(_FINAL) or time.monotonic() > deadline:
-            return state
-        time.sleep(0.5)
+    """The scheduler's final word on the job: the result files can land before sacct says so.
+
+    After `settle_s` the last state seen is returned, final or not.
+    """
+    last = ""
+
+    def settled() -> str | None:
+        nonlocal last
+        last = status(sub.job_id)[0].state if sub.site.scheduler == "slurm" else str(sub.job.state)
+        return last if last.startswith(_FINAL) else None
+
+    return poll_until(settled, settle_s, 0.5) or last
 
 
 @dataclass(frozen=True)
@@ -181,6 +194,3 @@ def status(job_id: str) -> list[JobStatus]:
         raise SubmitError(f"Slurm knows no job {job_id}; check the id with `sacct` or `squeue`")
     return rows
 
-
-def log_patterns(spec: JobSpec, site: Site) -> tuple[str, str]:
-    return log_paths(submitit_folder(spec, site))

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from hpcdist.bench.pairs import rounds
-from hpcdist.config import load_site, load_spec
+from hpcdist.config import load_site
 from hpcdist.errors import ConfigError
+from hpcdist.jobs.registry import load_job
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = ROOT / "jobs"
@@ -25,7 +26,7 @@ def slurm_site():  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("job", ["bench_collectives", "bench_p2p", "bench_pairs", "bench_preflight"])
 def test_shipped_specs_load_on_the_slurm_site(job: str) -> None:
-    spec = load_spec(JOBS / f"{job}.yaml", slurm_site())
+    spec = load_job(JOBS / f"{job}.yaml", slurm_site()).spec
     assert spec.kind == job
 
 
@@ -48,7 +49,7 @@ def test_shipped_specs_load_on_the_slurm_site(job: str) -> None:
 )
 def test_bad_collectives_input_is_one_clear_error(sets: list[str], needles: list[str]) -> None:
     with pytest.raises(ConfigError) as err:
-        load_spec(JOBS / "bench_collectives.yaml", slurm_site(), sets)
+        load_job(JOBS / "bench_collectives.yaml", slurm_site(), sets)
     text = str(err.value)
     assert "bench_collectives.yaml" in text
     for needle in needles:
@@ -60,7 +61,7 @@ def test_mpi_on_a_site_without_an_mpi_launcher_is_refused() -> None:
     if env_mpi:
         pytest.skip("running under an MPI launcher")
     with pytest.raises(ConfigError, match="without an MPI launcher"):
-        load_spec(JOBS / "bench_collectives.yaml", load_site("local"),
+        load_job(JOBS / "bench_collectives.yaml", load_site("local"),
                   ["resources.nodes=1", "resources.tasks_per_node=2"])
 
 
@@ -69,22 +70,22 @@ def test_mpi_without_mpi4py_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mpi4py" else real(name, *a))
     with pytest.raises(ConfigError, match=r"mpi4py is not installed"):
-        load_spec(JOBS / "bench_p2p.yaml", slurm_site(), ["params.paths=[mpi]"])
+        load_job(JOBS / "bench_p2p.yaml", slurm_site(), ["params.paths=[mpi]"])
 
 
 def test_pairs_need_two_nodes_and_p2p_two_ranks() -> None:
     with pytest.raises(ConfigError, match="at least 2 nodes"):
-        load_spec(JOBS / "bench_pairs.yaml", slurm_site(), ["resources.nodes=1"])
+        load_job(JOBS / "bench_pairs.yaml", slurm_site(), ["resources.nodes=1"])
     with pytest.raises(ConfigError, match="at least 2 ranks"):
-        load_spec(JOBS / "bench_p2p.yaml", slurm_site(), ["resources.nodes=1"])
+        load_job(JOBS / "bench_p2p.yaml", slurm_site(), ["resources.nodes=1"])
     with pytest.raises(ConfigError, match="params.ranks"):
-        load_spec(JOBS / "bench_p2p.yaml", slurm_site(), ["params.ranks=[0, 5]"])
+        load_job(JOBS / "bench_p2p.yaml", slurm_site(), ["params.ranks=[0, 5]"])
 
 
 def test_unknown_operation_in_site_baselines_is_refused() -> None:
     site = load_site(str(ROOT / "site_configs" / "local-slurm.yaml"), ["baselines.min_busbw_gbps.allreduce=10"])
     with pytest.raises(ConfigError, match=r"baselines.min_busbw_gbps.allreduce"):
-        load_spec(JOBS / "bench_collectives.yaml", site)
+        load_job(JOBS / "bench_collectives.yaml", site)
 
 
 def test_cli_prints_one_line_and_exits_non_zero_before_submitting() -> None:

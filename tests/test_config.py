@@ -6,6 +6,8 @@ import pytest
 
 from hpcdist.config import load_site, load_spec, site_names
 from hpcdist.errors import ConfigError
+from hpcdist.jobs.registry import load_job
+from hpcdist.jobs.smoke import SmokeParams
 from tests.conftest import REPO, run_cli
 
 SMOKE = REPO / "jobs" / "smoke.yaml"
@@ -86,7 +88,7 @@ def test_malicious_yaml_is_refused(tmp_path: Path) -> None:
 def test_spec_against_site(sets: list[str], message: str) -> None:
     site = load_site("local-slurm")
     with pytest.raises(ConfigError, match=message):
-        load_spec(SMOKE, site, sets)
+        load_job(SMOKE, site, sets)
 
 
 def test_overrides_apply_to_spec_and_site() -> None:
@@ -94,6 +96,12 @@ def test_overrides_apply_to_spec_and_site() -> None:
     spec = load_spec(SMOKE, site, ["resources.nodes=2", "params.mpi=true"])
     assert site.launcher.args == ("--mpi=none",) and spec.timeout(site) == 60
     assert spec.resources.nodes == 2 and spec.params == {"mpi": True}
+
+
+def test_job_params_are_parsed_once_into_the_kinds_model() -> None:
+    job = load_job(SMOKE, load_site("local-slurm"), ["params.mpi=true"])
+    assert type(job.params) is SmokeParams and job.params.mpi and job.uses_mpi
+    assert job.spec.params == {"mpi": True}  # the spec keeps what the file said
 
 
 def test_cli_error_is_one_line_without_traceback(tmp_path: Path) -> None:

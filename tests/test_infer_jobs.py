@@ -13,9 +13,10 @@ from pathlib import Path
 import h5py
 import pytest
 
-from hpcdist.config import load_site, load_spec
+from hpcdist.config import load_site
 from hpcdist.errors import ConfigError
 from hpcdist.infer.report import render_infer_report
+from hpcdist.jobs.registry import load_job
 from hpcdist.store.results import read_attrs, read_table
 from tests.conftest_infer import TINY, make_checkpoint
 
@@ -37,7 +38,7 @@ def setup(tmp_path: Path) -> dict[str, Path]:
 
 def _load(setup: dict[str, Path], *sets: str) -> None:
     site = load_site("local", _storage(setup["root"]))
-    load_spec(JOB, site, [f"params.prompts={setup['prompts']}", *sets])
+    load_job(JOB, site, [f"params.prompts={setup['prompts']}", *sets])
 
 
 def test_good_spec_loads(setup: dict[str, Path]) -> None:
@@ -76,7 +77,7 @@ def test_empty_prompt_file_and_too_long_prompt(setup: dict[str, Path]) -> None:
     long.write_text("ok\n" + "x" * 65 + "\n")
     site = load_site("local", _storage(setup["root"]))
     with pytest.raises(ConfigError, match=r"prompt 2.* is 65 tokens, longer than the model's context of 64"):
-        load_spec(JOB, site, [f"params.prompts={long}"])
+        load_job(JOB, site, [f"params.prompts={long}"])
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

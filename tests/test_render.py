@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from hpcdist.config import load_site, load_spec
+from hpcdist.config import load_site
 from hpcdist.errors import RenderError
+from hpcdist.jobs.registry import load_job
 from hpcdist.render import Origin, first_command_line, render
 from tests.conftest import REPO, run_cli, storage_sets
 
@@ -33,7 +34,7 @@ CASES = {
 def rendered(job: str, site_name: str, sets: list[str]) -> str:
     site_sets = [s.removeprefix("site.") for s in sets if s.startswith("site.")] + [f"python={PYTHON}"]
     site = load_site(site_name, site_sets)
-    spec = load_spec(REPO / job, site, [s for s in sets if not s.startswith("site.")])
+    spec = load_job(REPO / job, site, [s for s in sets if not s.startswith("site.")]).spec
     return render(spec, site, Origin(job, site_name, tuple(sets)))
 
 

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from hpcdist.config import load_site, load_spec
+from hpcdist.config import load_site
 from hpcdist.errors import ConfigError
+from hpcdist.jobs.registry import load_job
 from hpcdist.train.schedule import lr_factor, scaled_lr
 from tests.conftest import REPO, run_cli, storage_sets
 from tests.conftest_train import write_corpus
@@ -38,10 +39,10 @@ def small_tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ],
 )
 def test_bad_params_are_named(small_tokens: Path, tmp_path: Path, sets: list[str], expected: str) -> None:
-    """In-process load_spec: the text `hpcdist submit`/`render` print (see the test below for the CLI)."""
+    """In-process load_job: the text `hpcdist submit`/`render` print (see the test below for the CLI)."""
     site = load_site("local", [s.removeprefix("site.") for s in storage_sets(tmp_path)[1::2]])
     with pytest.raises(ConfigError) as err:
-        load_spec(REPO / "jobs" / "train_gpt.yaml", site, [f"params.data={small_tokens}", *sets])
+        load_job(REPO / "jobs" / "train_gpt.yaml", site, [f"params.data={small_tokens}", *sets])
     assert expected in str(err.value)
 
 

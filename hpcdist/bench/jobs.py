@@ -13,15 +13,14 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
-from hpcdist.bench.base import MODES, NO_BUFFER
 from hpcdist.bench.factors import COLLECTIVES, P2P_TESTS, parse_size, sweep
-from hpcdist.jobs.registry import JobKind, Problem, register
+from hpcdist.config.site import Frozen
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
-    from hpcdist.config.spec import JobSpec
+    from hpcdist.jobs.registry import Job, Problem
 
 Size = Annotated[int, BeforeValidator(parse_size)]
 Op = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "barrier"]
@@ -32,15 +31,17 @@ DType = Literal["float32", "float64", "int32", "float16", "bfloat16"]
 assert set(Op.__args__) == set(COLLECTIVES) and set(Test.__args__) == set(P2P_TESTS)  # type: ignore[attr-defined]
 
 
-class _Params(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class _Params(Frozen):
     paths: tuple[PathName, ...] = Field(default=("torch",), min_length=1,
                                         description="torch (NCCL on GPUs, gloo on CPUs) and/or mpi (mpi4py)")
     mpi_buffers: Literal["numpy", "cuda"] = Field(default="numpy", description="where the MPI path's buffers live")
     warmup: int = Field(default=5, ge=0)
     iters: int = Field(default=20, ge=1)
     enforce_minimums: bool = Field(default=True, description="fail the job below the site's baselines minimums")
+
+    @property
+    def uses_mpi(self) -> bool:
+        return "mpi" in self.paths
 
     @model_validator(mode="after")
     def _unique_paths(self) -> Any:
@@ -124,7 +125,8 @@ class PreflightParams(_Params):
 
 # ---- checks against the site, before anything launches
 
-def _paths_problems(spec: JobSpec, site: Site, p: Any) -> list[Problem]:
+def _paths_problems(job: Job[Any], site: Site) -> list[Problem]:
+    spec, p = job.spec, job.params
     out: list[Problem] = []
     gpus = spec.resources.gpus_per_node
     if "mpi" in p.paths:
@@ -159,9 +161,11 @@ def _baseline_problems(site: Site) -> list[Problem]:
     return out
 
 
-def check_collectives(spec: JobSpec, site: Site) -> list[Problem]:
-    p = CollectivesParams.model_validate(spec.params)
-    out = _paths_problems(spec, site, p) + _baseline_problems(site)
+def check_collectives(job: Job[CollectivesParams], site: Site) -> list[Problem]:
+    from hpcdist.bench.base import MODES, NO_BUFFER  # numpy: only when such a spec is checked
+
+    p = job.params
+    out = _paths_problems(job, site) + _baseline_problems(site)
     for path in p.paths:
         for op in p.ops:
             have = MODES[path][op]
@@ -173,9 +177,9 @@ def check_collectives(spec: JobSpec, site: Site) -> list[Problem]:
     return out
 
 
-def check_p2p(spec: JobSpec, site: Site) -> list[Problem]:
-    p = P2PParams.model_validate(spec.params)
-    out = _paths_problems(spec, site, p) + _baseline_problems(site)
+def check_p2p(job: Job[P2PParams], site: Site) -> list[Problem]:
+    spec, p = job.spec, job.params
+    out = _paths_problems(job, site) + _baseline_problems(site)
     world = spec.resources.world_size
     if world < 2:
         out.append(("resources", world, "point to point needs at least 2 ranks (nodes x tasks_per_node)"))
@@ -184,43 +188,18 @@ def check_p2p(spec: JobSpec, site: Site) -> list[Problem]:
     return out
 
 
-def check_pairs(spec: JobSpec, site: Site) -> list[Problem]:
-    p = PairsParams.model_validate(spec.params)
-    out = _paths_problems(spec, site, p) + _baseline_problems(site)
+def check_pairs(job: Job[PairsParams], site: Site) -> list[Problem]:
+    spec = job.spec
+    out = _paths_problems(job, site) + _baseline_problems(site)
     if spec.resources.nodes < 2:
         out.append(("resources.nodes", spec.resources.nodes, "a node-pair matrix needs at least 2 nodes"))
     return out
 
 
-def check_preflight(spec: JobSpec, site: Site) -> list[Problem]:
-    p = PreflightParams.model_validate(spec.params)
-    out = _paths_problems(spec, site, p) + _baseline_problems(site)
+def check_preflight(job: Job[PreflightParams], site: Site) -> list[Problem]:
+    spec = job.spec
+    out = _paths_problems(job, site) + _baseline_problems(site)
     if spec.resources.world_size < 2:
         out.append(("resources", spec.resources.world_size, "a preflight needs at least 2 ranks"))
     return out
 
-
-def _uses_mpi(params: Any) -> bool:
-    return "mpi" in params.paths
-
-
-register(JobKind(
-    name="bench_collectives", params=CollectivesParams, runner="hpcdist.bench.collectives:run",
-    summary="collectives over a sweep of sizes (nccl-tests figures), HDF5 result",
-    check=check_collectives, uses_mpi=_uses_mpi,
-))
-register(JobKind(
-    name="bench_p2p", params=P2PParams, runner="hpcdist.bench.p2p:run",
-    summary="ping-pong latency, uni- and bidirectional bandwidth between two ranks",
-    check=check_p2p, uses_mpi=_uses_mpi,
-))
-register(JobKind(
-    name="bench_pairs", params=PairsParams, runner="hpcdist.bench.pairs:run",
-    summary="bandwidth and latency of every node pair, as a matrix",
-    check=check_pairs, uses_mpi=_uses_mpi,
-))
-register(JobKind(
-    name="bench_preflight", params=PreflightParams, runner="hpcdist.bench.preflight:run",
-    summary="seconds-long check against the site's minimums; fails naming the short nodes",
-    check=check_preflight, uses_mpi=_uses_mpi,
-))

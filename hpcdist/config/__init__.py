@@ -19,7 +19,10 @@ from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec, fit_to_site
 from hpcdist.errors import ConfigError
 
-__all__ = ["Site", "JobSpec", "load_site", "load_spec", "find_site", "apply_overrides", "site_names"]
+__all__ = [
+    "Site", "JobSpec", "load_site", "load_spec", "read_spec", "check_fits", "find_site", "apply_overrides",
+    "site_names", "validate",
+]
 
 DEFAULT_SITE = "local"
 
@@ -104,30 +107,26 @@ def load_site(name_or_path: str | None = None, overrides: list[str] | None = Non
     return validate(Site, data, path)
 
 
-def load_spec(
-    path: str | Path, site: Site, overrides: list[str] | None = None
-) -> JobSpec:
-    """A job spec validated on its own, then its params by the job kind, then against `site`."""
-    from hpcdist.jobs.registry import get_kind, kind_names
-
+def read_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
+    """A job spec file as a JobSpec, validated on its own; its params stay a dict for the job
+    registry (``hpcdist.jobs.registry.resolve``) to parse with the kind's model."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"job spec {str(path)!r} does not exist")
     data = apply_overrides(read_yaml(path), overrides or [], "job")
-    spec = validate(JobSpec, data, path)
-    try:
-        kind = get_kind(spec.kind)
-    except KeyError:
-        raise ConfigError(
-            f"{path}: kind: unknown job kind {spec.kind!r}; known kinds: {', '.join(kind_names())}"
-        ) from None
-    validate(kind.params, spec.params, path, prefix=("params",))
-    problems = fit_to_site(spec, site)
-    for key, value, allowed in problems:
-        raise ConfigError(f"{path}: {key}: {value!r} is not possible on site {site.name!r}; allowed: {allowed}")
-    if kind.check is not None:
-        for key, value, allowed in kind.check(spec, site):
-            raise ConfigError(f"{path}: {key}: {value!r} cannot run on site {site.name!r}; {allowed}")
+    return validate(JobSpec, data, path)
+
+
+def check_fits(spec: JobSpec, site: Site, origin: Path | str) -> None:
+    """One ConfigError for the first thing that makes `spec` impossible on `site`."""
+    for key, value, allowed in fit_to_site(spec, site):
+        raise ConfigError(f"{origin}: {key}: {value!r} is not possible on site {site.name!r}; allowed: {allowed}")
+
+
+def load_spec(path: str | Path, site: Site, overrides: list[str] | None = None) -> JobSpec:
+    """A job spec read and fitted to `site`; its params are parsed by ``hpcdist.jobs.registry.load_job``."""
+    spec = read_spec(path, overrides)
+    check_fits(spec, site, Path(path))
     return spec
 
 

@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from hpcdist.launchers import launcher_names
+
 # Environment variable names a site may export; anything else is almost certainly a typo.
 _ENV_NAME_CHARS = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
 
@@ -35,8 +37,19 @@ def _env_names(value: dict[str, str]) -> dict[str, str]:
 EnvMap = Annotated[dict[str, str], BeforeValidator(_env_as_strings), AfterValidator(_env_names)]
 
 
+def _expand_path(value: object) -> object:
+    """`~` and `$VARS` are expanded and relative paths made absolute at load time."""
+    if isinstance(value, str):
+        return Path(os.path.expandvars(os.path.expanduser(value))).absolute()
+    return value
+
+
+# A path written by a user in a site config or job params (shared by storage roots and job params).
+ExpandedPath = Annotated[Path, BeforeValidator(_expand_path)]
+
+
 class Frozen(BaseModel):
-    """Base of every config model: immutable, and unknown keys are errors."""
+    """Base of every config and job-params model: immutable, and unknown keys are errors."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -53,10 +66,17 @@ class Partition(Frozen):
 
 
 class Launcher(Frozen):
-    """How the job script starts one process per rank."""
+    """How the job script starts one process per rank: a launcher registered in ``hpcdist.launchers``."""
 
-    kind: Literal["srun", "mpirun", "torchrun", "local"] = "srun"
+    kind: str = "srun"
     args: tuple[str, ...] = ()
+
+    @field_validator("kind")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        if value not in launcher_names():
+            raise ValueError(f"unknown launcher; registered launchers: {', '.join(launcher_names())}")
+        return value
 
 
 class Baselines(Frozen):
@@ -84,18 +104,10 @@ class Network(Frozen):
 class Storage(Frozen):
     """Roots on shared storage, visible from the login node and every compute node."""
 
-    results: Path
-    checkpoints: Path
-    scratch: Path
-    logs: Path
-
-    @field_validator("results", "checkpoints", "scratch", "logs", mode="before")
-    @classmethod
-    def _expand(cls, value: object) -> object:
-        """`~` and `$VARS` are expanded and relative paths made absolute at load time."""
-        if isinstance(value, str):
-            return Path(os.path.expandvars(os.path.expanduser(value))).absolute()
-        return value
+    results: ExpandedPath
+    checkpoints: ExpandedPath
+    scratch: ExpandedPath
+    logs: ExpandedPath
 
 
 class Preemption(Frozen):
@@ -143,10 +155,12 @@ class Site(Frozen):
                 f"defaults.partition {self.defaults.partition!r} is not one of the partitions "
                 f"{sorted(self.partitions)}"
             )
-        if self.scheduler == "local" and self.launcher.kind != "local":
-            raise ValueError(f"a local site uses launcher.kind 'local', not {self.launcher.kind!r}")
-        if self.scheduler == "slurm" and self.launcher.kind == "local":
-            raise ValueError("a slurm site needs launcher.kind srun, mpirun or torchrun")
+        fitting = launcher_names(self.scheduler)
+        if self.launcher.kind not in fitting:
+            raise ValueError(
+                f"a {self.scheduler} site cannot use launcher.kind {self.launcher.kind!r}; "
+                f"use {' or '.join(repr(n) for n in fitting)}"
+            )
         return self
 
     def partition(self, name: str | None) -> tuple[str, Partition]:

@@ -1,7 +1,9 @@
 """The job spec: what to run (a registered job kind and its parameters) and on how much.
 
-A spec is checked twice at load time: on its own (types, ranges, unknown keys) and against the
-site it will run on (partition exists, enough nodes and GPUs, one rank per GPU).
+A spec is checked on its own (types, ranges, unknown keys) and against the site it will run on
+(partition exists, enough nodes and GPUs, one rank per GPU). Its ``params`` stay a dict here:
+the job registry parses them with the kind's model (``hpcdist.jobs.registry.resolve``), so this
+module knows nothing of job kinds.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from hpcdist.config.site import EnvMap, Frozen, Site
 
@@ -51,12 +53,6 @@ class JobSpec(Frozen):
     def result_path(self, site: Site, job_id: str, suffix: str = "") -> Path:
         """``<results root>/<job name>/<job id><suffix>.h5``: where the job's result lands."""
         return site.storage.results / self.name / f"{job_id}{suffix}.h5"
-
-    def typed_params(self) -> BaseModel:
-        """The params validated by the job kind's own model."""
-        from hpcdist.jobs.registry import get_kind
-
-        return get_kind(self.kind).params.model_validate(self.params)
 
 
 def fit_to_site(spec: JobSpec, site: Site) -> list[tuple[str, object, str]]:

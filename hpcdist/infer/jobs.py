@@ -11,23 +11,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from hpcdist.config.site import Frozen
 from hpcdist.data.tokenizer import END_OF_TEXT
 from hpcdist.errors import HpcdistError
-from hpcdist.jobs.registry import JobKind, Problem, register
 from hpcdist.model.config import GPTConfig
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
-    from hpcdist.config.spec import JobSpec
+    from hpcdist.jobs.registry import Job, Problem
     from hpcdist.model.checkpoint import CheckpointHeader
 
 
-class InferParams(BaseModel):
+class InferParams(Frozen):
     """``infer_gpt``: which checkpoint, which prompts, how it is split and how tokens are chosen."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     checkpoint: str = Field(
         description="a step_*.h5 file or a checkpoint directory (its 'latest' is followed); a relative "
@@ -50,10 +48,8 @@ class InferParams(BaseModel):
     end_token: int | None = Field(default=END_OF_TEXT, ge=0, description="stop a row at this token; null: never")
 
 
-class BroadcastParams(BaseModel):
+class BroadcastParams(Frozen):
     """``broadcast``: a model-sized set of tensors from rank 0 to all, timed and checked."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: GPTConfig | None = Field(default=None, description="size the tensors as this model's")
     size_mb: float | None = Field(default=None, gt=0, description="or this many MB in tensors of tensor_mb")
@@ -130,35 +126,15 @@ def inspect(
     return header, encoded, problems
 
 
-def check_infer(spec: JobSpec, site: Site) -> list[Problem]:
-    params = InferParams.model_validate(spec.params)
-    return inspect(params, site, spec.resources.world_size)[2]
+def check_infer(job: Job[InferParams], site: Site) -> list[Problem]:
+    return inspect(job.params, site, job.spec.resources.world_size)[2]
 
 
-def check_broadcast(spec: JobSpec, site: Site) -> list[Problem]:
+def check_broadcast(job: Job[BroadcastParams], site: Site) -> list[Problem]:
+    spec = job.spec
     if spec.resources.world_size < 2:
         return [("resources", spec.resources.world_size, "a broadcast needs at least 2 ranks")]
     return []
-
-
-register(
-    JobKind(
-        name="infer_gpt",
-        params=InferParams,
-        runner="hpcdist.infer.run:run_infer",
-        summary="load a GPT checkpoint (broadcast or TP shards), generate for a prompt file, time it",
-        check=check_infer,
-    )
-)
-register(
-    JobKind(
-        name="broadcast",
-        params=BroadcastParams,
-        runner="hpcdist.infer.run:run_broadcast",
-        summary="flat-bucket broadcast of a model-sized state from rank 0, timed and checked",
-        check=check_broadcast,
-    )
-)
 
 
 def problems_text(problems: list[Problem]) -> str:

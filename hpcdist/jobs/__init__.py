@@ -1,1 +1,2 @@
-"""Job kinds: each registers a name, a params model, and a runner imported only on the nodes."""
+"""Job kinds: the registry (name -> params model, site check, runner; each imported only when
+used) and the smoke job."""

@@ -8,19 +8,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from hpcdist.config.site import Frozen
 from hpcdist.errors import JobError
-from hpcdist.jobs.registry import JobKind, register
 
 if TYPE_CHECKING:
     from hpcdist.runtime.context import JobContext
 
 
-class SmokeParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class SmokeParams(Frozen):
     mpi: bool = Field(default=False, description="also all-reduce through mpi4py")
+
+    @property
+    def uses_mpi(self) -> bool:
+        return self.mpi
 
 
 def run(ctx: JobContext, params: SmokeParams) -> dict[str, Any]:
@@ -58,13 +60,3 @@ def run(ctx: JobContext, params: SmokeParams) -> dict[str, Any]:
         out["result"] = str(path)
     return out
 
-
-register(
-    JobKind(
-        name="smoke",
-        params=SmokeParams,
-        runner="hpcdist.jobs.smoke:run",
-        summary="all-reduce of the ranks, checked; writes bootstrap timings",
-        uses_mpi=lambda params: bool(params.mpi),
-    )
-)

@@ -11,13 +11,14 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from hpcdist.config.contract import FAULT_EXIT_VAR, LAUNCH_TIME_VAR
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import BootstrapError, HpcdistError
-from hpcdist.jobs.registry import get_kind
+from hpcdist.jobs.registry import Job, resolve
 from hpcdist.runtime import group
 from hpcdist.runtime.context import JobContext
 from hpcdist.runtime.rankinfo import RankInfo
@@ -26,7 +27,7 @@ from hpcdist.runtime.requeue import submitit_requeue
 log = logging.getLogger("hpcdist")
 
 
-def _setup_logging(info: RankInfo) -> None:
+def _setup_logging(info: RankInfo, env: Mapping[str, str]) -> None:
     fmt = f"%(asctime)s [rank {info.rank}/{info.world_size} {info.hostname}] %(levelname)s %(message)s"
     root = logging.getLogger("hpcdist")
     for h in list(root.handlers):
@@ -34,15 +35,15 @@ def _setup_logging(info: RankInfo) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(fmt))
     root.addHandler(handler)
-    root.setLevel(os.environ.get("HPCDIST_LOG_LEVEL", "INFO"))
+    root.setLevel(env.get("HPCDIST_LOG_LEVEL", "INFO"))
     root.propagate = False
 
 
-def choose_backend(spec: JobSpec, info: RankInfo) -> tuple[str, Any]:
+def choose_backend(spec: JobSpec, info: RankInfo, env: Mapping[str, str]) -> tuple[str, Any]:
     """NCCL when this rank has a GPU of its own, gloo otherwise; launch mistakes are errors."""
     import torch
 
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    visible = env.get("CUDA_VISIBLE_DEVICES", "")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     wants_gpu = spec.backend == "nccl" or spec.resources.gpus_per_node > 0
     if wants_gpu and gpus == 0:
@@ -80,18 +81,20 @@ def _check_gpu_sharing(ctx: JobContext) -> None:
         raise BootstrapError(f"ranks {shared[0]} share one GPU on {seen[shared[0][0]][0]}; bind one GPU per rank")
 
 
-def bootstrap(spec: JobSpec, site: Site, env: dict[str, str] | None = None) -> tuple[JobContext, Any]:
-    """Form the process group for this rank; returns the context and the store to close with."""
+def bootstrap(job: Job[Any], site: Site, env: Mapping[str, str] | None = None) -> tuple[JobContext, Any]:
+    """Form the process group for this rank; returns the context and the store to close with.
+
+    Every launcher fact, timing and switch is read from `env` (``os.environ`` by default).
+    """
     env = dict(os.environ if env is None else env)
+    spec = job.spec
     t_entry = time.time()
     info = RankInfo.from_env(env)
-    _setup_logging(info)
+    _setup_logging(info, env)
     if env.get(FAULT_EXIT_VAR, "") == str(info.rank):
         log.error("fault injection: rank %d exits before joining", info.rank)
         logging.shutdown()
         os._exit(3)
-    kind = get_kind(spec.kind)
-    params = kind.params.model_validate(spec.params)
     timeout = spec.timeout(site)
     timings: dict[str, float] = {}
     launch = float(env.get(LAUNCH_TIME_VAR, "nan"))
@@ -104,11 +107,11 @@ def bootstrap(spec: JobSpec, site: Site, env: dict[str, str] | None = None) -> t
 
     timings["import_torch"] = time.perf_counter() - t
     mpi_comm = None
-    if kind.uses_mpi(params):
+    if job.uses_mpi:
         t = time.perf_counter()
         mpi_comm = _init_mpi(info)
         timings["mpi_init"] = time.perf_counter() - t
-    backend, device = choose_backend(spec, info)
+    backend, device = choose_backend(spec, info, env)
 
     t = time.perf_counter()
     key = group.rendezvous_key(env, info)
@@ -139,7 +142,7 @@ def bootstrap(spec: JobSpec, site: Site, env: dict[str, str] | None = None) -> t
         mpi_comm=mpi_comm,
     )
     ctx.requeue = submitit_requeue(
-        site.storage.scratch / "rendezvous" / f"{key}.json" if info.is_main else None
+        site.storage.scratch / "rendezvous" / f"{key}.json" if info.is_main else None, env
     )
     if backend == "nccl":
         _check_gpu_sharing(ctx)
@@ -166,14 +169,19 @@ def _init_mpi(info: RankInfo) -> Any:
 
 
 def run_rank(spec: JobSpec, site: Site) -> dict[str, Any]:
-    """Run `spec` on this rank; returns this rank's summary (rank 0's names the result file)."""
+    """What submitit calls on every rank: the spec's params parsed once here, then ``run_job``."""
+    return run_job(resolve(spec, site, check=False), site)
+
+
+def run_job(job: Job[Any], site: Site) -> dict[str, Any]:
+    """Run `job` on this rank; returns this rank's summary (rank 0's names the result file)."""
+    spec = job.spec
     os.environ.update({**site.env, **spec.env})
-    ctx, store = bootstrap(spec, site)
+    ctx, store = bootstrap(job, site)
     import torch.distributed as dist  # already imported by the bootstrap, which times it
-    kind = get_kind(spec.kind)
-    params = kind.params.model_validate(spec.params)
+
     try:
-        out = kind.load_runner()(ctx, params) or {}
+        out = job.kind.load_runner()(ctx, job.params) or {}
         group.finish(store, ctx.info, ctx.timeout_s)
     finally:
         if dist.is_initialized():
@@ -183,7 +191,8 @@ def run_rank(spec: JobSpec, site: Site) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Direct launch: every rank loads the spec and site itself."""
-    from hpcdist.config import load_site, load_spec
+    from hpcdist.config import load_site
+    from hpcdist.jobs.registry import load_job
 
     parser = argparse.ArgumentParser(prog="python -m hpcdist.runtime.entry")
     parser.add_argument("job")
@@ -192,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         site = load_site(args.site, [s[5:] for s in args.sets if s.startswith("site.")])
-        spec = load_spec(args.job, site, [s for s in args.sets if not s.startswith("site.")])
-        out = run_rank(spec, site)
+        job = load_job(args.job, site, [s for s in args.sets if not s.startswith("site.")])
+        out = run_job(job, site)
     except HpcdistError as exc:
         print(f"hpcdist: error: {exc}", file=sys.stderr)
         return 1

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcdist.errors import BootstrapError
+from hpcdist.polling import poll_until
 from hpcdist.runtime.rankinfo import RankInfo
 from hpcdist.store.atomic import atomic_path
 
@@ -104,9 +104,9 @@ def open_store(
     """The job's shared TCPStore, with rank 0 as the server, and how its address was learnt."""
     single_node = info.num_nodes <= 1
     if info.master_addr and info.master_port:
-        # torchrun's agent already serves a store there (every rank is a client); a hand-set
-        # env:// endpoint is served by rank 0.
-        is_master = info.is_main and info.launcher != "torchrun"
+        # A launcher's agent may already serve a store there (torchrun: every rank is a client);
+        # a hand-set env:// endpoint is served by rank 0.
+        is_master = info.is_main and not info.agent_store
         store = _store(info.master_addr, info.master_port, info, timeout, is_master)
         return _prefixed(store, key), Endpoint(info.master_addr, info.master_port, "env")
     if mpi_comm is not None:
@@ -161,16 +161,21 @@ def _resolve(host: str) -> str:
 
 
 def _wait_for_file(path: Path, timeout: float, info: RankInfo) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            return dict(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            time.sleep(_POLL_S)
-    raise BootstrapError(
-        f"rendezvous: rank 0 did not publish its address in {path} within {timeout:g} s "
-        f"(waiting rank {info.rank} on {info.hostname}); rank 0 died or never started"
-    )
+    found = poll_until(lambda: _read_endpoint(path), timeout, _POLL_S)
+    if found is None:
+        raise BootstrapError(
+            f"rendezvous: rank 0 did not publish its address in {path} within {timeout:g} s "
+            f"(waiting rank {info.rank} on {info.hostname}); rank 0 died or never started"
+        )
+    return found
+
+
+def _read_endpoint(path: Path) -> dict[str, Any] | None:
+    """The published endpoint, or None while rank 0 has not written it (atomically) yet."""
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
 
 
 def check_in(store: dist.Store, info: RankInfo, timeout: float) -> dict[int, str]:
@@ -180,9 +185,10 @@ def check_in(store: dist.Store, info: RankInfo, timeout: float) -> dict[int, str
     """
     store.set(f"hpcdist/join/{info.rank}", info.hostname)
     keys = [f"hpcdist/join/{r}" for r in range(info.world_size)]
-    deadline = time.monotonic() + timeout
     missing = list(range(info.world_size))
-    while True:
+
+    def all_joined() -> bool | None:
+        nonlocal missing
         try:
             missing = [r for r, k in enumerate(keys) if not store.check([k])]
         except Exception as exc:  # rank 0 (the store's server) gave up or died
@@ -191,15 +197,14 @@ def check_in(store: dist.Store, info: RankInfo, timeout: float) -> dict[int, str
                 f"store closed (this is rank {info.rank} on {info.hostname}; {type(exc).__name__}); "
                 f"see the missing rank's log"
             ) from None
-        if not missing:
-            break
-        if time.monotonic() >= deadline:
-            raise BootstrapError(
-                f"rendezvous: rank(s) {_ranks(missing)} of {info.world_size} did not join within "
-                f"{timeout:g} s (this is rank {info.rank} on {info.hostname}); the missing rank "
-                f"died or was never started: see its log"
-            )
-        time.sleep(_POLL_S)
+        return True if not missing else None
+
+    if poll_until(all_joined, timeout, _POLL_S) is None:
+        raise BootstrapError(
+            f"rendezvous: rank(s) {_ranks(missing)} of {info.world_size} did not join within "
+            f"{timeout:g} s (this is rank {info.rank} on {info.hostname}); the missing rank "
+            f"died or was never started: see its log"
+        )
     return {r: store.get(k).decode() for r, k in enumerate(keys)}
 
 
@@ -233,9 +238,6 @@ def finish(store: dist.Store, info: RankInfo, timeout: float) -> None:
     """A last check-out so rank 0 (the store's server) leaves only after every rank is done."""
     store.set(f"hpcdist/done/{info.rank}", "1")
     if info.is_main:
-        deadline = time.monotonic() + timeout
         keys = [f"hpcdist/done/{r}" for r in range(info.world_size)]
-        while time.monotonic() < deadline:
-            if all(store.check([k]) for k in keys):
-                return
-            time.sleep(_POLL_S)
+        # Past the timeout rank 0 leaves anyway: the job's work is done, only the farewell is late.
+        poll_until(lambda: True if all(store.check([k]) for k in keys) else None, timeout, _POLL_S)

@@ -1,7 +1,8 @@
 """Rank facts from a launcher's environment: one table per launcher, read by one function.
 
 Launcher detection is data, not code (as submitit's ``SlurmJobEnvironment._env``): each table
-maps a field to the variables that may carry it, first present wins. ``RankInfo.from_env`` takes
+(kept with its launcher in ``hpcdist.launchers``) maps a field to the variables that may carry
+it, first present wins. ``RankInfo.from_env`` takes
 the environment as an argument so tests pass a dict.
 """
 
@@ -12,86 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hpcdist.errors import BootstrapError
+from hpcdist.launchers import EnvTable, env_tables
 from hpcdist.runtime.hostlist import expand_hostlist, expand_tasks_per_node
 
-# Fields: rank, world_size, local_rank, local_world_size, node_rank, num_nodes, nodelist,
-# tasks_per_node, job_id, master_addr, master_port. Each table also names the variable whose
-# presence detects the launcher. Slurm variables are fallbacks for MPI launched by srun.
-_SLURM_FALLBACK: dict[str, tuple[str, ...]] = {
-    "node_rank": ("SLURM_NODEID",),
-    "num_nodes": ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES"),
-    "nodelist": ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"),
-    "tasks_per_node": ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"),
-    "job_id": ("SLURM_JOB_ID", "SLURM_JOBID"),
-}
 
-LAUNCHERS: dict[str, dict[str, tuple[str, ...]]] = {
-    "torchrun": {
-        "detect": ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"),
-        "rank": ("RANK",),
-        "world_size": ("WORLD_SIZE",),
-        "local_rank": ("LOCAL_RANK",),
-        "local_world_size": ("LOCAL_WORLD_SIZE",),
-        "node_rank": ("GROUP_RANK",),
-        "master_addr": ("MASTER_ADDR",),
-        "master_port": ("MASTER_PORT",),
-        **{k: v for k, v in _SLURM_FALLBACK.items() if k != "node_rank"},
-    },
-    "env": {  # torch's env:// convention set by hand or by another tool
-        "detect": ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
-        "rank": ("RANK",),
-        "world_size": ("WORLD_SIZE",),
-        "local_rank": ("LOCAL_RANK",),
-        "local_world_size": ("LOCAL_WORLD_SIZE",),
-        "master_addr": ("MASTER_ADDR",),
-        "master_port": ("MASTER_PORT",),
-        **_SLURM_FALLBACK,
-    },
-    "openmpi": {
-        "detect": ("OMPI_COMM_WORLD_RANK",),
-        "rank": ("OMPI_COMM_WORLD_RANK",),
-        "world_size": ("OMPI_COMM_WORLD_SIZE",),
-        "local_rank": ("OMPI_COMM_WORLD_LOCAL_RANK",),
-        "local_world_size": ("OMPI_COMM_WORLD_LOCAL_SIZE",),
-        "node_rank": ("OMPI_COMM_WORLD_NODE_RANK",),
-        **{k: v for k, v in _SLURM_FALLBACK.items() if k != "node_rank"},
-    },
-    "mpich": {  # MPICH's Hydra and Intel MPI
-        "detect": ("PMI_RANK",),
-        "rank": ("PMI_RANK",),
-        "world_size": ("PMI_SIZE",),
-        "local_rank": ("MPI_LOCALRANKID",),
-        "local_world_size": ("MPI_LOCALNRANKS",),
-        **_SLURM_FALLBACK,
-    },
-    "pmix": {  # srun --mpi=pmix: PMIx gives the rank, Slurm the rest
-        "detect": ("PMIX_RANK",),
-        "rank": ("PMIX_RANK",),
-        "world_size": ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
-        "local_rank": ("SLURM_LOCALID",),
-        **_SLURM_FALLBACK,
-    },
-    "slurm": {
-        "detect": ("SLURM_PROCID",),
-        "rank": ("SLURM_PROCID",),
-        "world_size": ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
-        "local_rank": ("SLURM_LOCALID",),
-        **_SLURM_FALLBACK,
-    },
-    "submitit-local": {
-        "detect": ("SUBMITIT_LOCAL_JOB_ID",),
-        "rank": ("SUBMITIT_LOCAL_GLOBALID",),
-        "world_size": ("SUBMITIT_LOCAL_NTASKS",),
-        "local_rank": ("SUBMITIT_LOCAL_LOCALID",),
-        "node_rank": ("SUBMITIT_LOCAL_NODEID",),
-        "num_nodes": ("SUBMITIT_LOCAL_JOB_NUM_NODES",),
-        "job_id": ("SUBMITIT_LOCAL_JOB_ID",),
-    },
-    "single": {"detect": ()},
-}
-
-# Order matters: an MPI launched by srun also carries SLURM_PROCID, torchrun under srun too.
-DETECTION_ORDER = ("torchrun", "env", "openmpi", "mpich", "pmix", "slurm", "submitit-local", "single")
+def table(name: str) -> EnvTable:
+    """The environment table named `name` (KeyError if none is)."""
+    return {t.name: t for t in env_tables()}[name]
 
 
 @dataclass(frozen=True)
@@ -115,22 +43,24 @@ class RankInfo:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def agent_store(self) -> bool:
+        """Whether the launcher's agent serves the rendezvous store (torchrun), not rank 0."""
+        return table(self.launcher).agent_store
+
     @classmethod
     def detect_launcher(cls, env: Mapping[str, str]) -> str:
-        for name in DETECTION_ORDER:
-            detect = LAUNCHERS[name]["detect"]
-            if all(v in env for v in detect):
-                return name
-        return "single"
+        """The name of the first environment table whose detecting variables are all set."""
+        return next(t.name for t in env_tables() if all(v in env for v in t.detect))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], hostname: str | None = None) -> RankInfo:
         """Rank facts for the launcher detected in `env`; inconsistencies are BootstrapErrors."""
         launcher = cls.detect_launcher(env)
-        table = LAUNCHERS[launcher]
+        fields = table(launcher).fields
 
         def raw(name: str) -> str | None:
-            for var in table.get(name, ()):
+            for var in fields.get(name, ()):
                 if env.get(var, "") != "":
                     return env[var]
             return None
@@ -142,7 +72,7 @@ class RankInfo:
             try:
                 return int(value)
             except ValueError:
-                var = next(v for v in table[name] if env.get(v, "") != "")
+                var = next(v for v in fields[name] if env.get(v, "") != "")
                 raise BootstrapError(
                     f"{launcher} launch: {var}={value!r} is not an integer; "
                     f"check the launcher's environment"

@@ -10,8 +10,7 @@ restarts the ranks. A requeued job has written no result, so it is never taken a
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 log = logging.getLogger("hpcdist")
@@ -31,9 +30,9 @@ def classify(now: float, launch_time: float, limit_s: float, seconds_before_end:
     return "timeout" if left <= seconds_before_end + TIMEOUT_SLACK_S else "preemption"
 
 
-def submitit_requeue(rendezvous_file: Path | None) -> Callable[[], None] | None:
-    """A `JobContext.requeue` for jobs that submitit started, or None outside submitit."""
-    executor = os.environ.get("SUBMITIT_EXECUTOR", "")
+def submitit_requeue(rendezvous_file: Path | None, env: Mapping[str, str]) -> Callable[[], None] | None:
+    """A `JobContext.requeue` for jobs that submitit started (as `env` says), or None outside submitit."""
+    executor = env.get("SUBMITIT_EXECUTOR", "")
     if executor not in ("slurm", "local"):
         return None
 

@@ -1,8 +1,8 @@
-"""Run submitit's task runner under mpirun or torchrun, where Slurm's per-task variables are wrong.
+"""Run submitit's task runner under a launcher whose ranks carry the wrong Slurm task variables.
 
 submitit names each task's result by SLURM_PROCID; under mpirun or torchrun every process of a
-node inherits the same value. This shim sets the SLURM_* task variables from the launcher's own
-(detected by ``RankInfo``) and then hands over to ``submitit.core._submit``.
+node inherits the same value. The launcher that started this rank (found from its environment
+table) says what to set (``Launcher.task_env``); then ``submitit.core._submit`` takes over.
 """
 
 from __future__ import annotations
@@ -10,20 +10,15 @@ from __future__ import annotations
 import os
 import sys
 
+from hpcdist.launchers import owner_of
 from hpcdist.runtime.rankinfo import RankInfo
 
 
-def slurm_task_env(info: RankInfo) -> dict[str, str]:
-    return {
-        "SLURM_PROCID": str(info.rank),
-        "SLURM_LOCALID": str(info.local_rank),
-        "SLURM_NTASKS": str(info.world_size),
-        "SLURM_NODEID": str(info.node_rank),
-    }
-
-
 def main() -> None:
-    os.environ.update(slurm_task_env(RankInfo.from_env(os.environ)))
+    info = RankInfo.from_env(os.environ)
+    launcher = owner_of(info.launcher)
+    if launcher is not None:
+        os.environ.update(launcher.task_env(info))
     from submitit.core.submission import submitit_main
 
     sys.argv = ["submitit", *sys.argv[1:]]

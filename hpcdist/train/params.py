@@ -1,34 +1,29 @@
 """The ``train_gpt`` job kind: its parameters, checked on the login node before anything launches.
 
-This module stays light (pydantic only at import) because the login node validates specs with
+This module stays light (pydantic and the config base models only) because the login node validates specs with
 it; the model shape is checked against ``GPTConfig`` and the token file's vocabulary in
 ``check``, which imports them only when a spec is loaded.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from hpcdist.jobs.registry import JobKind, Problem, register
+from hpcdist.config.site import ExpandedPath, Frozen
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
-    from hpcdist.config.spec import JobSpec
+    from hpcdist.jobs.registry import Job, Problem
 
 
-class _Params(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class BatchParams(_Params):
+class BatchParams(Frozen):
     micro: int = Field(default=8, ge=1, description="sequences per rank per micro-batch")
     accum: int = Field(default=1, ge=1, description="micro-batches per optimizer step")
 
 
-class OptimParams(_Params):
+class OptimParams(Frozen):
     lr: float = Field(default=6e-4, gt=0, description="peak learning rate at the reference batch")
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="final lr as a fraction of the peak")
     warmup_steps: int = Field(default=10, ge=0)
@@ -44,12 +39,12 @@ class OptimParams(_Params):
     )
 
 
-class EvalParams(_Params):
+class EvalParams(Frozen):
     every: int = Field(default=50, ge=0, description="validate every N steps (0: only at the end)")
     batches: int = Field(default=4, ge=1, description="micro-batches per rank per validation")
 
 
-class CheckpointParams(_Params):
+class CheckpointParams(Frozen):
     every: int = Field(default=50, ge=1, description="write a checkpoint every N steps")
     keep_last: int = Field(default=2, ge=1, description="committed checkpoints kept")
     resume: bool = Field(default=True, description="resume from the newest good checkpoint")
@@ -58,8 +53,8 @@ class CheckpointParams(_Params):
     )
 
 
-class TrainParams(_Params):
-    data: Path = Field(description="token file from `hpcdist data prepare`")
+class TrainParams(Frozen):
+    data: ExpandedPath = Field(description="token file from `hpcdist data prepare`")
     model: dict[str, Any] = Field(default_factory=dict, description="GPTConfig fields")
     steps: int = Field(default=100, ge=1, description="optimizer steps of the whole run")
     batch: BatchParams = BatchParams()
@@ -74,15 +69,6 @@ class TrainParams(_Params):
     )
     peak_tflops: float | None = Field(default=None, gt=0, description="per-GPU peak, for model FLOPs utilisation")
 
-    @field_validator("data", mode="before")
-    @classmethod
-    def _expand(cls, value: object) -> object:
-        import os
-
-        if isinstance(value, str):
-            return Path(os.path.expandvars(os.path.expanduser(value))).absolute()
-        return value
-
     @model_validator(mode="after")
     def _warmup_fits(self) -> TrainParams:
         if self.optim.warmup_steps > self.steps:
@@ -90,14 +76,14 @@ class TrainParams(_Params):
         return self
 
 
-def check(spec: JobSpec, site: Site) -> list[Problem]:
+def check(job: Job[TrainParams], site: Site) -> list[Problem]:
     """Model shape, token file and precision against the site; each problem names its key."""
     from pydantic import ValidationError
 
     from hpcdist.data.tokens import describe
     from hpcdist.errors import JobError
 
-    params = TrainParams.model_validate(spec.params)
+    spec, params = job.spec, job.params
     problems: list[Problem] = []
     try:
         info = describe(params.data)
@@ -145,13 +131,3 @@ def model_config(params: TrainParams, vocab_size: int) -> Any:
 
     return GPTConfig.model_validate({"vocab_size": vocab_size, **params.model})
 
-
-register(
-    JobKind(
-        name="train_gpt",
-        params=TrainParams,
-        runner="hpcdist.train.loop:run",
-        summary="data-parallel GPT training with HDF5 checkpoints that survive preemption",
-        check=check,
-    )
-)

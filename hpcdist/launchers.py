@@ -1,0 +1,280 @@
+"""Launchers by name: how a job script starts one process per rank, and what each rank then sees.
+
+One class per launcher, registered by name (ReFrame's ``@register_launcher``); a duplicate name
+is an error. A launcher owns everything that differs between launchers:
+
+- ``schedulers``: the site schedulers it works under (``launcher.kind`` is checked against it);
+- ``command(plan)``: its launch line in the job script (or, for ``local``, the command
+  submitit's LocalExecutor runs per rank);
+- ``env_tables``: the variables its ranks carry, one table per flavour (``RankInfo.from_env``
+  reads them; detection is data, not code; env:// and a lone process have tables of their own);
+- ``task_env(info)``: what the rank must fix before submitit's task runner starts (the shim);
+  srun sets Slurm's per-task variables itself, mpirun and torchrun do not;
+- ``head_node``: whether the script exports the first node as ``HPCDIST_HEAD_NODE``.
+
+Signals: the site's preemption signal reaches the ranks through the launcher (Slurm's
+``--signal`` goes to the job steps; srun delivers it to its tasks, Open MPI's mpirun and
+torchrun's agent forward SIGUSR1/SIGUSR2 and SIGTERM to their children), where submitit's
+handler (``SUBMITIT_PREEMPTION_SIGNAL``) or a job's own ``Preemption`` flag takes it.
+
+Cheap on purpose (standard library only): the login node renders with it, the nodes detect
+ranks with it.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, TypeVar
+
+if TYPE_CHECKING:
+    from hpcdist.runtime.rankinfo import RankInfo
+
+# The module each rank runs: submitit's task runner, or the shim that fixes its variables first.
+SUBMITIT_RUNNER = "submitit.core._submit"
+SHIM = "hpcdist.runtime.shim"
+
+
+@dataclass(frozen=True)
+class EnvTable:
+    """Which variables carry each rank fact under one launcher; first present wins.
+
+    Fields: rank, world_size, local_rank, local_world_size, node_rank, num_nodes, nodelist,
+    tasks_per_node, job_id, master_addr, master_port. ``detect`` lists the variables whose
+    presence identifies the table; ``priority`` orders detection (lower first), because a
+    launcher started inside another keeps the outer one's variables (MPI under srun still has
+    SLURM_PROCID). ``agent_store``: the launcher's agent already serves the TCPStore at
+    master_addr:master_port, so every rank is a client.
+    """
+
+    name: str
+    detect: tuple[str, ...]
+    fields: Mapping[str, tuple[str, ...]]
+    priority: int
+    agent_store: bool = False
+
+
+# Slurm's job-wide variables: fallbacks for the ranks of any launcher started inside an allocation.
+SLURM_FALLBACK: dict[str, tuple[str, ...]] = {
+    "node_rank": ("SLURM_NODEID",),
+    "num_nodes": ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES"),
+    "nodelist": ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"),
+    "tasks_per_node": ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"),
+    "job_id": ("SLURM_JOB_ID", "SLURM_JOBID"),
+}
+_SLURM_BUT_NODE = {k: v for k, v in SLURM_FALLBACK.items() if k != "node_rank"}
+
+# Tables no site launcher owns: torch's env:// convention set by hand or by another tool, and a
+# process started on its own (rank 0 of 1).
+UNOWNED_TABLES = (
+    EnvTable("env", ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"), {
+        "rank": ("RANK",),
+        "world_size": ("WORLD_SIZE",),
+        "local_rank": ("LOCAL_RANK",),
+        "local_world_size": ("LOCAL_WORLD_SIZE",),
+        "master_addr": ("MASTER_ADDR",),
+        "master_port": ("MASTER_PORT",),
+        **SLURM_FALLBACK,
+    }, priority=20),
+    EnvTable("single", (), {}, priority=99),
+)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What a launch line is made of; every piece is quoted by the launcher that uses it."""
+
+    python: str
+    folder: Path  # submitit's folder for this job (``%j`` is the job id)
+    tasks_per_node: int
+    stdout: str  # per-task log patterns (``%j`` job id, ``%t`` task), for srun's own I/O
+    stderr: str
+    args: tuple[str, ...] = ()  # the site's launcher.args
+
+
+class Launcher:
+    """Base of every launcher; subclasses set the class attributes and ``command``."""
+
+    name: ClassVar[str]
+    schedulers: ClassVar[tuple[str, ...]] = ("slurm",)
+    env_tables: ClassVar[tuple[EnvTable, ...]] = ()
+    head_node: ClassVar[bool] = False
+
+    def command(self, plan: LaunchPlan) -> str:
+        """The shell line that starts one process per rank (pieces quoted here)."""
+        raise NotImplementedError
+
+    def task_env(self, info: RankInfo) -> dict[str, str]:
+        """Variables a rank sets before submitit's task runner starts; none by default."""
+        return {}
+
+
+L = TypeVar("L", bound=type[Launcher])
+_LAUNCHERS: dict[str, Launcher] = {}
+
+
+def register_launcher(name: str) -> Callable[[L], L]:
+    """Class decorator: register one instance of the launcher under `name`; twice is an error."""
+
+    def deco(cls: L) -> L:
+        if name in _LAUNCHERS:
+            raise ValueError(
+                f"launcher {name!r} is registered twice ({type(_LAUNCHERS[name]).__name__}, {cls.__name__})"
+            )
+        clash = {t.name for t in env_tables()} & {t.name for t in cls.env_tables}
+        if clash:
+            raise ValueError(f"launcher {name!r}: environment table(s) {sorted(clash)} already belong to another")
+        cls.name = name
+        _LAUNCHERS[name] = cls()
+        return cls
+
+    return deco
+
+
+def get_launcher(name: str) -> Launcher:
+    """The launcher registered as `name` (KeyError if none is)."""
+    return _LAUNCHERS[name]
+
+
+def launcher_names(scheduler: str | None = None) -> list[str]:
+    """Registered names, in registration order; only those for `scheduler` when given."""
+    return [n for n, la in _LAUNCHERS.items() if scheduler is None or scheduler in la.schedulers]
+
+
+def env_tables() -> list[EnvTable]:
+    """Every environment table, the launchers' and the unowned ones, in detection order."""
+    owned = [t for la in _LAUNCHERS.values() for t in la.env_tables]
+    return sorted([*owned, *UNOWNED_TABLES], key=lambda t: t.priority)
+
+
+def owner_of(table: str) -> Launcher | None:
+    """The launcher whose environment table is named `table`, if any."""
+    return next((la for la in _LAUNCHERS.values() if any(t.name == table for t in la.env_tables)), None)
+
+
+def slurm_task_env(info: RankInfo) -> dict[str, str]:
+    """Slurm's per-task variables from a rank's facts: submitit names each task's result by them."""
+    return {
+        "SLURM_PROCID": str(info.rank),
+        "SLURM_LOCALID": str(info.local_rank),
+        "SLURM_NTASKS": str(info.world_size),
+        "SLURM_NODEID": str(info.node_rank),
+    }
+
+
+def _q(items: tuple[str, ...]) -> list[str]:
+    return [shlex.quote(a) for a in items]
+
+
+def _srun_io(plan: LaunchPlan) -> list[str]:
+    """srun writes each task's output to submitit's per-task log files."""
+    return ["--unbuffered", "--output", shlex.quote(plan.stdout), "--error", shlex.quote(plan.stderr)]
+
+
+@register_launcher("srun")
+class SrunLauncher(Launcher):
+    """Slurm's own launcher: it sets every per-task variable and delivers signals to its tasks."""
+
+    env_tables = (
+        EnvTable("pmix", ("PMIX_RANK",), {  # srun --mpi=pmix: PMIx gives the rank, Slurm the rest
+            "rank": ("PMIX_RANK",),
+            "world_size": ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
+            "local_rank": ("SLURM_LOCALID",),
+            **SLURM_FALLBACK,
+        }, priority=40),
+        EnvTable("slurm", ("SLURM_PROCID",), {
+            "rank": ("SLURM_PROCID",),
+            "world_size": ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
+            "local_rank": ("SLURM_LOCALID",),
+            **SLURM_FALLBACK,
+        }, priority=41),
+    )
+
+    def command(self, plan: LaunchPlan) -> str:
+        return " ".join(["srun", *_srun_io(plan), *_q(plan.args), shlex.quote(plan.python),
+                         f"-u -m {SUBMITIT_RUNNER}", shlex.quote(str(plan.folder))])
+
+
+@register_launcher("mpirun")
+class MpirunLauncher(Launcher):
+    """An MPI's own launcher (Open MPI, MPICH, Intel MPI); every rank of a node inherits the
+    batch step's SLURM_PROCID, so the shim rewrites Slurm's task variables from the MPI ones."""
+
+    env_tables = (
+        EnvTable("openmpi", ("OMPI_COMM_WORLD_RANK",), {
+            "rank": ("OMPI_COMM_WORLD_RANK",),
+            "world_size": ("OMPI_COMM_WORLD_SIZE",),
+            "local_rank": ("OMPI_COMM_WORLD_LOCAL_RANK",),
+            "local_world_size": ("OMPI_COMM_WORLD_LOCAL_SIZE",),
+            "node_rank": ("OMPI_COMM_WORLD_NODE_RANK",),
+            **_SLURM_BUT_NODE,
+        }, priority=30),
+        EnvTable("mpich", ("PMI_RANK",), {  # MPICH's Hydra and Intel MPI
+            "rank": ("PMI_RANK",),
+            "world_size": ("PMI_SIZE",),
+            "local_rank": ("MPI_LOCALRANKID",),
+            "local_world_size": ("MPI_LOCALNRANKS",),
+            **SLURM_FALLBACK,
+        }, priority=31),
+    )
+
+    def command(self, plan: LaunchPlan) -> str:
+        return " ".join(['mpirun -np "$SLURM_NTASKS"', f"--map-by ppr:{plan.tasks_per_node}:node",
+                         *_q(plan.args), shlex.quote(plan.python), f"-u -m {SHIM}", shlex.quote(str(plan.folder))])
+
+    def task_env(self, info: RankInfo) -> dict[str, str]:
+        return slurm_task_env(info)
+
+
+@register_launcher("torchrun")
+class TorchrunLauncher(Launcher):
+    """One srun task per node runs torchrun's agent, which starts the node's ranks and serves
+    the rendezvous store on the head node; the shim rewrites Slurm's task variables."""
+
+    head_node = True
+    env_tables = (
+        EnvTable("torchrun", ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"), {
+            "rank": ("RANK",),
+            "world_size": ("WORLD_SIZE",),
+            "local_rank": ("LOCAL_RANK",),
+            "local_world_size": ("LOCAL_WORLD_SIZE",),
+            "node_rank": ("GROUP_RANK",),
+            "master_addr": ("MASTER_ADDR",),
+            "master_port": ("MASTER_PORT",),
+            **_SLURM_BUT_NODE,
+        }, priority=10, agent_store=True),
+    )
+
+    def command(self, plan: LaunchPlan) -> str:
+        return " ".join([
+            "srun", *_srun_io(plan), "--ntasks-per-node=1", shlex.quote(plan.python), "-m torch.distributed.run",
+            '--nnodes="$SLURM_JOB_NUM_NODES"', f"--nproc-per-node={plan.tasks_per_node}", "--rdzv-backend=c10d",
+            '--rdzv-endpoint="$HPCDIST_HEAD_NODE:29400"', '--rdzv-id="$SLURM_JOB_ID"', *_q(plan.args),
+            f"-m {SHIM}", shlex.quote(str(plan.folder)),
+        ])
+
+    def task_env(self, info: RankInfo) -> dict[str, str]:
+        return slurm_task_env(info)
+
+
+@register_launcher("local")
+class LocalLauncher(Launcher):
+    """No scheduler: submitit's LocalExecutor starts the ranks as processes on this machine and
+    sets its own variables; it sends them SIGUSR2/SIGTERM itself on a time-out."""
+
+    schedulers = ("local",)
+    env_tables = (
+        EnvTable("submitit-local", ("SUBMITIT_LOCAL_JOB_ID",), {
+            "rank": ("SUBMITIT_LOCAL_GLOBALID",),
+            "world_size": ("SUBMITIT_LOCAL_NTASKS",),
+            "local_rank": ("SUBMITIT_LOCAL_LOCALID",),
+            "node_rank": ("SUBMITIT_LOCAL_NODEID",),
+            "num_nodes": ("SUBMITIT_LOCAL_JOB_NUM_NODES",),
+            "job_id": ("SUBMITIT_LOCAL_JOB_ID",),
+        }, priority=50),
+    )
+
+    def command(self, plan: LaunchPlan) -> str:
+        return f"{shlex.quote(plan.python)} -u -m {SUBMITIT_RUNNER} {shlex.quote(str(plan.folder))}"
