@@ -74,3 +74,21 @@ def slurm_storage() -> Iterator[Path]:
     root.mkdir(parents=True)
     yield root
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def separate_hosts(slurm_storage: Path) -> Path:
+    """slurm_storage on a cluster whose nodes are separate hosts (cluster/up.sh's netns mode).
+
+    Where cluster/up.sh fell back to single-host mode this fails under HPCDIST_REQUIRE_SLURM=1
+    (`make test`) with up.sh's reason, and skips otherwise, as slurm_storage does.
+    """
+    from tests.netfault import cluster_mode
+
+    mode = cluster_mode()
+    if mode != "netns":
+        message = f"the local Slurm cluster's nodes are not separate hosts: {mode}"
+        if os.environ.get("HPCDIST_REQUIRE_SLURM") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return slurm_storage
