@@ -73,6 +73,7 @@ else
   NET_MODE=single-host
   log "network namespaces unavailable ($why): single-host mode, n1 and n2 both on 127.0.0.1"
   hosts_set "127.0.0.1 ${NODES[*]}"
+  install -m 755 "$HERE/single-host-task-prolog.sh" "$STATE/single-host-task-prolog.sh"
   echo "single-host: $why" >"$MODE_FILE"
 fi
 
@@ -123,8 +124,11 @@ InactiveLimit=0
 KillWait=5
 SlurmctldDebug=info
 SlurmdDebug=info
-
 EOF
+  # Single-host only: n1 and n2 share memory without knowing it, and Open MPI's shared-memory
+  # transport crashes between them, so every task gets TCP (unless it chose a transport).
+  [[ $NET_MODE == netns ]] || echo "TaskProlog=$STATE/single-host-task-prolog.sh"
+  echo
   if [[ $NET_MODE == netns ]]; then
     for n in "${NODES[@]}"; do
       echo "NodeName=$n NodeHostname=$n NodeAddr=$(node_addr "$n") CPUs=8 RealMemory=10000 Gres=gpu:4 State=UNKNOWN"
