@@ -60,7 +60,9 @@ def slurm_up() -> bool:
         return False
     proc = subprocess.run(["sinfo", "-h", "-o", "%T", "-p", "cpu"], capture_output=True, text=True, check=False)
     states = proc.stdout.split()
-    return proc.returncode == 0 and bool(states) and all(s.startswith(("idle", "mix", "alloc")) for s in states)
+    # "completing": a node up and finishing a job (someone else's, or the last test's)
+    up = ("idle", "mix", "alloc", "comp")
+    return proc.returncode == 0 and bool(states) and all(s.startswith(up) for s in states)
 
 
 @pytest.fixture
