@@ -15,6 +15,8 @@ bad() { echo "[check] FAIL $*"; failures=$((failures + 1)); }
 # Every step is bounded: a hang is a failure, not a stuck test run.
 run() { timeout 60 "$@" 2>&1; }
 
+echo "[check] mode: $(cat "$MODE_FILE" 2>/dev/null || echo 'unknown (no mode file)')"
+
 # 1. One task on each node.
 out=$(run srun -N2 -n2 -t 1 hostname) || true
 [[ $(wc -l <<<"$out") == 2 ]] && pass "srun -N2 -n2 hostname: $(tr '\n' ' ' <<<"$out")" ||

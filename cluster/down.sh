@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Stop the local Slurm cluster started by up.sh: slurmd x2, slurmctld, slurmdbd, MariaDB,
-# munged, in that order. Idempotent: fine when nothing runs. State and logs are kept.
+# munged, in that order; then remove the nodes' namespaces, veths, bridge and /etc/hosts block.
+# Idempotent: fine when nothing runs. State and logs are kept.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=lib.sh
 source "$HERE/lib.sh"
+# shellcheck source=net.sh
+source "$HERE/net.sh"
 
 ((EUID == 0)) || { log "down.sh must run as root"; exit 1; }
 
@@ -24,4 +27,8 @@ wait_for 5 pid_gone "$STATE/run/mysqld_safe.pid" mysqld_safe || true
 stop_pidfile "$STATE/run/mysqld_safe.pid" mysqld_safe
 
 stop_pidfile "$MUNGE_PIDFILE" munged
+
+net_down
+hosts_set
+rm -f "$MODE_FILE"
 log "down"

@@ -14,6 +14,25 @@ DB_PASS=hpcdist-slurm
 
 MUNGE_PIDFILE=/run/munge/munged.pid
 
+# The nodes' network (see README.md): a bridge on the host side, one network namespace per node
+# with a veth whose node end is NODE_IFNAME. Traffic stays inside this subnet: no route leaves it.
+NET_PREFIX=10.251.0
+NET_BITS=24
+BRIDGE=hpbr0
+HOST_ADDR=$NET_PREFIX.1 # the bridge's address: slurmctld and srun on the login side
+NODE_IFNAME=eth0        # the node end of each veth, inside its namespace
+# Written by up.sh: "netns" or "single-host: <why>". Tests read it.
+MODE_FILE=$STATE/mode
+HOSTS_FILE=/etc/hosts
+HOSTS_BEGIN="# >>> hpcdist local cluster (cluster/up.sh; removed by cluster/down.sh) >>>"
+HOSTS_END="# <<< hpcdist local cluster <<<"
+
+node_index() { echo "${1#n}"; }                          # n2 -> 2
+node_addr() { echo "$NET_PREFIX.$((10 + ${1#n}))"; }     # n2 -> 10.251.0.12
+node_netns() { echo "hp$1"; }                            # n2 -> hpn2
+node_veth() { echo "hpv-$1"; }                           # n2 -> hpv-n2 (host end, on the bridge)
+in_netns() { nsenter --net="/run/netns/$(node_netns "$1")" "${@:2}"; }
+
 log() { echo "[cluster] $*" >&2; }
 
 # proc_is PID COMM: true when PID is a live process whose command name is COMM. Zombies do

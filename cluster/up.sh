@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# Start a real two-node Slurm cluster on this machine, all on loopback:
-# munged, MariaDB, slurmdbd, slurmctld and two slurmd daemons emulating nodes n1 and n2.
-# Idempotent: what already runs with the current configuration is left alone, so a second
-# run takes about a second. State and logs live under $HPCDIST_SLURM_STATE
-# (default /var/tmp/hpcdist-slurm); configs go to /etc/slurm so clients need no SLURM_CONF.
+# Start a real two-node Slurm cluster on this machine: munged, MariaDB, slurmdbd and slurmctld on
+# the host, and two slurmd daemons emulating nodes n1 and n2, each in its own network namespace
+# with its own hostname and address (see README.md). Where namespaces cannot be made (or with
+# HPCDIST_CLUSTER_NET=single-host) it says so in one line and runs both slurmd on the host, on
+# loopback; $STATE/mode records which. Idempotent: what already runs with the current
+# configuration is left alone, so a second run takes about a second. State and logs live under
+# $HPCDIST_SLURM_STATE (default /var/tmp/hpcdist-slurm); configs go to /etc/slurm so clients need
+# no SLURM_CONF.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=lib.sh
 source "$HERE/lib.sh"
+# shellcheck source=net.sh
+source "$HERE/net.sh"
 
 ((EUID == 0)) || { log "up.sh must run as root"; exit 1; }
 command -v slurmctld >/dev/null || { log "Slurm is not installed: run $HERE/install-deps.sh"; exit 1; }
@@ -50,14 +55,39 @@ for i in 0 1 2 3; do
 done
 
 # ---------------------------------------------------------------------------------------
+# The nodes' network: namespaces when this machine allows them, else the single-host fallback.
+why=
+case ${HPCDIST_CLUSTER_NET:-netns} in
+  netns) why=$(net_probe) || true ;;
+  single-host) why="asked for by HPCDIST_CLUSTER_NET=single-host" ;;
+  *) log "HPCDIST_CLUSTER_NET must be netns or single-host, not '$HPCDIST_CLUSTER_NET'"; exit 1 ;;
+esac
+if [[ -z $why ]]; then
+  NET_MODE=netns
+  net_up
+  hosts_lines=()
+  for n in "${NODES[@]}"; do hosts_lines+=("$(node_addr "$n") $n"); done
+  hosts_set "${hosts_lines[@]}"
+  echo netns >"$MODE_FILE"
+else
+  NET_MODE=single-host
+  log "network namespaces unavailable ($why): single-host mode, n1 and n2 both on 127.0.0.1"
+  hosts_set "127.0.0.1 ${NODES[*]}"
+  install -m 755 "$HERE/single-host-task-prolog.sh" "$STATE/single-host-task-prolog.sh"
+  echo "single-host: $why" >"$MODE_FILE"
+fi
+
+# ---------------------------------------------------------------------------------------
 # Configuration, rendered into $STATE/render and installed into /etc/slurm. A copy of what
 # the running daemons were started with is kept in $STATE/active: a daemon whose config
 # differs from the new one is restarted (even if an earlier run died half-way).
 render_slurm_conf() {
+  local ctld_addr=127.0.0.1 n
+  [[ $NET_MODE == netns ]] && ctld_addr=$HOST_ADDR
   cat <<EOF
-# Written by hpcdist cluster/up.sh; edits are overwritten.
+# Written by hpcdist cluster/up.sh ($NET_MODE mode); edits are overwritten.
 ClusterName=$CLUSTER_NAME
-SlurmctldHost=$HOST(127.0.0.1)
+SlurmctldHost=$HOST($ctld_addr)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -94,8 +124,19 @@ InactiveLimit=0
 KillWait=5
 SlurmctldDebug=info
 SlurmdDebug=info
-
-NodeName=n[1-2] NodeHostname=$HOST NodeAddr=127.0.0.1 Port=[17001-17002] CPUs=8 RealMemory=10000 Gres=gpu:4 State=UNKNOWN
+EOF
+  # Single-host only: n1 and n2 share memory without knowing it, and Open MPI's shared-memory
+  # transport crashes between them, so every task gets TCP (unless it chose a transport).
+  [[ $NET_MODE == netns ]] || echo "TaskProlog=$STATE/single-host-task-prolog.sh"
+  echo
+  if [[ $NET_MODE == netns ]]; then
+    for n in "${NODES[@]}"; do
+      echo "NodeName=$n NodeHostname=$n NodeAddr=$(node_addr "$n") CPUs=8 RealMemory=10000 Gres=gpu:4 State=UNKNOWN"
+    done
+  else
+    echo "NodeName=n[1-2] NodeHostname=$HOST NodeAddr=127.0.0.1 Port=[17001-17002] CPUs=8 RealMemory=10000 Gres=gpu:4 State=UNKNOWN"
+  fi
+  cat <<EOF
 PartitionName=cpu Nodes=n[1-2] Default=YES MaxTime=60 State=UP
 PartitionName=gpu Nodes=n[1-2] MaxTime=60 State=UP
 EOF
@@ -217,18 +258,40 @@ if ! slurmctld_ok; then
   slurmctld
   wait_for 30 slurmctld_ok || fail "slurmctld did not answer" "$STATE/log/slurmctld.log"
 fi
+# slurmd_placed NODE: its slurmd runs in the network namespace this mode wants.
+slurmd_placed() {
+  local pid
+  pid=$(cat "$STATE/run/slurmd-$1.pid" 2>/dev/null) || return 1
+  if [[ $NET_MODE == netns ]]; then
+    netns_matches "$pid" "$1"
+  else
+    [[ $(readlink "/proc/$pid/ns/net") == "$(readlink /proc/self/ns/net)" ]]
+  fi
+}
 declare -A started_at=() # node -> epoch second its slurmd was started by this run
 for n in "${NODES[@]}"; do
+  if slurmd_ok "$n" && ! slurmd_placed "$n"; then
+    stop_pidfile "$STATE/run/slurmd-$n.pid" slurmd
+  fi
   if ! slurmd_ok "$n"; then
     ensure_not_running slurmd
-    log "starting slurmd -N $n"
+    log "starting slurmd -N $n ($NET_MODE)"
     started_at[$n]=$(date +%s)
-    slurmd -N "$n" || fail "slurmd -N $n did not start" "$STATE/log/slurmd-$n.log"
+    if [[ $NET_MODE == netns ]]; then
+      # Its own network (nsenter) and hostname (unshare --uts). Not `ip netns exec`: that
+      # remounts /sys, and slurmd then finds no cgroup filesystem.
+      nsenter --net="/run/netns/$(node_netns "$n")" unshare --uts sh -c "hostname $n; exec slurmd -N $n" ||
+        fail "slurmd -N $n did not start" "$STATE/log/slurmd-$n.log"
+    else
+      slurmd -N "$n" || fail "slurmd -N $n did not start" "$STATE/log/slurmd-$n.log"
+    fi
     # The forked daemon writes its pid file a moment later; the next node's check needs it.
     wait_for 10 slurmd_ok "$n" || fail "slurmd -N $n did not start" "$STATE/log/slurmd-$n.log"
   fi
 done
 mark_active slurm.conf gres.conf
+# Namespaces left by an earlier netns run, now that no slurmd runs in them.
+[[ $NET_MODE == netns ]] || net_down
 
 # ---------------------------------------------------------------------------------------
 # Wait until both nodes take jobs and accounting answers. Nodes left DOWN or DRAINED by an
@@ -282,4 +345,4 @@ until ready; do
   sleep 0.5
 done
 
-echo "[cluster] up: cluster $CLUSTER_NAME, nodes $(node_states | awk "{printf \"%s=%s \", \$1, \$2}")| partitions cpu (default), gpu | state $STATE"
+echo "[cluster] up ($(cat "$MODE_FILE")): cluster $CLUSTER_NAME, nodes $(node_states | awk "{printf \"%s=%s \", \$1, \$2}")| partitions cpu (default), gpu | state $STATE"

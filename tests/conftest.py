@@ -60,7 +60,9 @@ def slurm_up() -> bool:
         return False
     proc = subprocess.run(["sinfo", "-h", "-o", "%T", "-p", "cpu"], capture_output=True, text=True, check=False)
     states = proc.stdout.split()
-    return proc.returncode == 0 and bool(states) and all(s.startswith(("idle", "mix", "alloc")) for s in states)
+    # "completing": a node up and finishing a job (someone else's, or the last test's)
+    up = ("idle", "mix", "alloc", "comp")
+    return proc.returncode == 0 and bool(states) and all(s.startswith(up) for s in states)
 
 
 @pytest.fixture
@@ -74,3 +76,21 @@ def slurm_storage() -> Iterator[Path]:
     root.mkdir(parents=True)
     yield root
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def separate_hosts(slurm_storage: Path) -> Path:
+    """slurm_storage on a cluster whose nodes are separate hosts (cluster/up.sh's netns mode).
+
+    Where cluster/up.sh fell back to single-host mode this fails under HPCDIST_REQUIRE_SLURM=1
+    (`make test`) with up.sh's reason, and skips otherwise, as slurm_storage does.
+    """
+    from tests.netfault import cluster_mode
+
+    mode = cluster_mode()
+    if mode != "netns":
+        message = f"the local Slurm cluster's nodes are not separate hosts: {mode}"
+        if os.environ.get("HPCDIST_REQUIRE_SLURM") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return slurm_storage

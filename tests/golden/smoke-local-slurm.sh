@@ -16,7 +16,6 @@
 # ---- modules and site setup
 
 # ---- environment
-export OMPI_MCA_btl=self,tcp
 export OMP_NUM_THREADS=1
 export SUBMITIT_PREEMPTION_SIGNAL=USR2
 export SUBMITIT_EXECUTOR=slurm
