@@ -15,7 +15,7 @@ from pathlib import Path
 
 import h5py
 import pytest
-from hpcdist.results import read_attrs
+from hpcdist.store.results import read_attrs
 
 from tests.conftest import run_cli, storage_sets
 from tests.netfault import cut, on_node, restore, slowed
