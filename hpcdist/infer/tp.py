@@ -197,12 +197,15 @@ class TPGPT(nn.Module):
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
-        """Logits (batch, time, vocab) for `idx` (batch, time).
+        """Logits (batch, time, vocab) for `idx` (batch, time); (batch, 1, vocab) with `last_only`.
 
         `positions` (batch, time) default to 0..t-1 after the cached tokens; `mask` (batch, 1,
         time, cached + time) is a boolean attention mask (True = attend), default causal; with
-        `cache`, keys and values are appended to it and its length advanced.
+        `cache`, keys and values are appended to it and its length advanced. `last_only` computes
+        the head for the last position only, which is all generation needs: for a prefill of T
+        tokens the head (d_model x vocab per position) would otherwise cost T times one step.
         """
         b, t = idx.shape
         past = cache.length if cache is not None else 0
@@ -218,6 +221,8 @@ class TPGPT(nn.Module):
             x = block(x, mask, cache, i)
         if cache is not None:
             cache.length = past + t
+        if last_only:
+            x = x[:, -1:]
         x = self.transformer["ln_f"](x)
         logits = self.tp.all_gather_last(F.linear(x, cast(torch.Tensor, self.head)))
         return logits[..., : self.cfg.vocab_size]
