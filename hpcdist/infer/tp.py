@@ -155,7 +155,9 @@ class TPGPT(nn.Module):
                     "ln_f": nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps),
                 }
             )
-            self.register_buffer("head", torch.zeros(self.vocab_local, cfg.d_model), persistent=False)
+            # this rank's rows of the tied embedding, stored transposed (d_model, vocab): the head is
+            # the largest matmul of a decode step, and the plain (NN) layout runs it faster on CPUs
+            self.register_buffer("head_t", torch.zeros(cfg.d_model, self.vocab_local), persistent=False)
         self.requires_grad_(False)
         self.eval()
 
@@ -181,9 +183,9 @@ class TPGPT(nn.Module):
             param.copy_(value)
         v0 = self.tp.rank * self.vocab_local
         rows = self.wte.weight[v0 : v0 + self.vocab_local]
-        head = cast(torch.Tensor, self.head)
-        head.zero_()
-        head[: rows.shape[0]] = rows
+        head_t = cast(torch.Tensor, self.head_t)
+        head_t.zero_()
+        head_t[:, : rows.shape[0]] = rows.t()
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.wte.weight
@@ -216,6 +218,10 @@ class TPGPT(nn.Module):
         if mask is None and past and t > 1:
             causal = torch.ones(t, past + t, dtype=torch.bool, device=idx.device).tril(past)
             mask = causal.expand(b, 1, t, past + t)
+        if mask is not None and mask.dtype == torch.bool:  # converted once here, not by every layer's SDPA
+            mask = torch.zeros(mask.shape, dtype=self.wte.weight.dtype, device=mask.device).masked_fill_(
+                ~mask, float("-inf")
+            )
         x = self.wte(idx) + self.transformer["wpe"](positions)
         for i, block in enumerate(cast(nn.ModuleList, self.transformer["h"])):
             x = block(x, mask, cache, i)
@@ -224,5 +230,5 @@ class TPGPT(nn.Module):
         if last_only:
             x = x[:, -1:]
         x = self.transformer["ln_f"](x)
-        logits = self.tp.all_gather_last(F.linear(x, cast(torch.Tensor, self.head)))
+        logits = self.tp.all_gather_last(x @ cast(torch.Tensor, self.head_t))
         return logits[..., : self.cfg.vocab_size]
