@@ -4,11 +4,15 @@ collective from every rank's input."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pytest
 
 from hpcdist.bench import pattern
-from hpcdist.bench.factors import counts
+from hpcdist.bench.base import Prepared, host_timed
+from hpcdist.bench.factors import Counts, counts
 
 N = 3
 AX = pattern.Arrays("numpy")
@@ -101,10 +105,8 @@ class _RecordingPath:
     def arrays(self) -> pattern.Arrays:
         return AX
 
-    def prepare(self, op: str, c: object, mode: str, dtype: str) -> object:
-        from hpcdist.bench.base import Prepared
-
-        count = getattr(c, "count")
+    def prepare(self, op: str, c: Counts, mode: str, dtype: str) -> Prepared:
+        count = c.count
         buf = np.zeros(count, dtype=np.float32)  # fresh zeros, as the real paths allocate
 
         def fill() -> None:
@@ -112,10 +114,8 @@ class _RecordingPath:
 
         return Prepared(step=lambda: self.seen.append(buf.copy()), fill=fill, output=lambda: buf)
 
-    def timed(self, step: object, iters: int) -> np.ndarray:
-        from hpcdist.bench.base import host_timed
-
-        return host_timed(step, iters)  # type: ignore[arg-type]
+    def timed(self, step: Callable[[], Any], iters: int) -> np.ndarray:
+        return host_timed(step, iters)
 
     def sync(self) -> None: ...
     def barrier(self) -> None: ...
