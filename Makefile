@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hpcdist-installed
 PYTEST ?= -q --durations=15
 
-.PHONY: demo test install system-deps cluster-up cluster-down lint clean
+.PHONY: demo test install system-deps cluster-up cluster-down lint clean gpu-check
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -44,6 +44,12 @@ test: install cluster-up lint
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hpcdist tests
 	$(VENV)/bin/mypy hpcdist
+
+# Every GPU path on a machine with one GPU and no network (< 10 min); "no GPU" and exit 2 elsewhere.
+# Uses the python that is there (GPU machines carry their own torch); wheels for what lacks: .whl/
+GPU_PY ?= $(shell test -x $(PY) && echo $(PY) || echo python3)
+gpu-check:
+	$(GPU_PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf hpcdist-out

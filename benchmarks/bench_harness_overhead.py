@@ -80,6 +80,7 @@ def main() -> int:
     from mpi4py import MPI
     from mpi4py import bench as mpibench
 
+    from hpcdist.bench import pattern
     from hpcdist.bench.base import IN_PLACE, OUT_OF_PLACE, host_timed
     from hpcdist.bench.measure import measure
     from hpcdist.bench.mpi_path import MPIPath
@@ -114,8 +115,14 @@ def main() -> int:
             return busbw("all_reduce", c.size_bytes, mean_over_ranks(float(loc.times.mean())), n)
         return run
 
+    # The bare loops get their buffers as measure() does, like nccl-tests: allocated with zeros,
+    # then the input written before the first call. Both halves matter here: an untouched
+    # buffer from zeros reads the kernel's zero page (faster than real data), and the same data
+    # in a buffer made another way (numpy's astype over freed temporaries) ran the same
+    # Allreduce 2-3x slower at 1-16 MiB on this machine; that is placement, not the harness.
     def bare_torch(size: int) -> float:
         t = torch.zeros(size // 4)
+        t.copy_(pattern.values(pattern.Arrays("torch"), rank, 0, size // 4))
         for _ in range(W):
             dist.all_reduce(t)
         dist.barrier()
@@ -125,7 +132,8 @@ def main() -> int:
         return busbw("all_reduce", size, mean_over_ranks((time.perf_counter() - t0) / ITERS), n)
 
     def bare_mpi(size: int) -> float:
-        s, r = np.zeros(size // 4, np.float32), np.zeros(size // 4, np.float32)
+        r, s = np.zeros(size // 4, np.float32), np.zeros(size // 4, np.float32)
+        s[:] = pattern.values(pattern.Arrays(), rank, 0, size // 4)
         for _ in range(W):
             comm.Allreduce(s, r, MPI.SUM)
         comm.Barrier()

@@ -1,9 +1,10 @@
-"""hpcdist KV-cache generation against Hugging Face transformers GPT-2, same weights, this CPU.
+"""hpcdist KV-cache generation against Hugging Face transformers GPT-2, same weights, same device.
 
 Both generate greedily for the same left-padded batch of prompts of different lengths, the
 same number of new tokens (no end token), with the same torch thread count; medians of
 --repeat runs after one warm-up. Prints both medians, the ratio (HF time / hpcdist time; > 1
-means hpcdist is faster) and whether the greedy tokens are identical.
+means hpcdist is faster), whether the greedy tokens are identical, and the versions.
+``benchmarks/gpu_check.py`` calls ``compare`` for the same figures on a GPU.
 
     python benchmarks/infer_vs_hf.py [--layers 6 --d-model 384 --heads 6 --batch 8 --new 64]
 """
@@ -12,14 +13,71 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from hpcdist.infer.generate import Sampling, generate
-from hpcdist.infer.hf import hf_generate_greedy, to_hf
-from hpcdist.infer.tp import TPGPT
-from hpcdist.model.gpt import GPT, GPTConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hpcdist.infer.generate import Sampling, generate  # noqa: E402
+from hpcdist.infer.hf import hf_generate_greedy, to_hf  # noqa: E402
+from hpcdist.infer.tp import TPGPT  # noqa: E402
+from hpcdist.model.gpt import GPT, GPTConfig  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def compare(cfg: GPTConfig, batch: int, new: int, repeat: int, device: str = "cpu") -> dict[str, Any]:
+    """Time both generators on one random model and batch; the figures `main` prints."""
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    model = GPT(cfg).eval()
+    with torch.no_grad():  # spread the logits so greedy choices are not near-ties
+        for p in model.parameters():
+            p.mul_(4.0)
+    state = model.state_dict()
+    ours = TPGPT(cfg, device=dev)
+    ours.load_shard({k: v for k, v in state.items() if k != "lm_head.weight"})
+    hf = to_hf(cfg, state).to(dev)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (16 + 8 * (i % 4),), generator=gen).tolist() for i in range(batch)]
+    no_end = cfg.vocab_size - 1  # the end token; a random model rarely emits it, and both stop alike
+
+    def run_ours() -> list[list[int]]:
+        return generate(ours, prompts, Sampling(max_new_tokens=new, end_token=no_end)).tokens
+
+    def run_hf() -> list[list[int]]:
+        return hf_generate_greedy(hf, prompts, new, no_end)
+
+    sides = (("hpcdist", run_ours), ("transformers", run_hf))
+    times: dict[str, list[float]] = {"hpcdist": [], "transformers": []}
+    outs = {name: fn() for name, fn in sides}  # warm-up
+    for _ in range(repeat):
+        for name, fn in sides:
+            _sync(dev)
+            t = time.perf_counter()
+            outs[name] = fn()
+            _sync(dev)
+            times[name].append(time.perf_counter() - t)
+    import transformers
+
+    new_tokens = sum(len(t) for t in outs["hpcdist"])
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    return {
+        "params_m": cfg.num_params() / 1e6,
+        "new_tokens": new_tokens,
+        "seconds": med,
+        "tokens_per_s": {name: new_tokens / s for name, s in med.items()},
+        "ratio": med["transformers"] / med["hpcdist"],
+        "identical": outs["hpcdist"] == outs["transformers"],
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
 
 
 def main() -> None:
@@ -34,44 +92,15 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = GPTConfig(context=256, n_layer=args.layers, n_head=args.heads, d_model=args.d_model)
-    torch.manual_seed(0)
-    model = GPT(cfg).eval()
-    with torch.no_grad():  # spread the logits so greedy choices are not near-ties
-        for p in model.parameters():
-            p.mul_(4.0)
-    state = model.state_dict()
-    ours = TPGPT(cfg)
-    ours.load_shard({k: v for k, v in state.items() if k != "lm_head.weight"})
-    hf = to_hf(cfg, state)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 256, (16 + 8 * (i % 4),), generator=gen).tolist() for i in range(args.batch)]
-    no_end = cfg.vocab_size - 1  # the end token; a random model rarely emits it, and both stop alike
-
-    def run_ours() -> list[list[int]]:
-        return generate(ours, prompts, Sampling(max_new_tokens=args.new, end_token=no_end)).tokens
-
-    def run_hf() -> list[list[int]]:
-        return hf_generate_greedy(hf, prompts, args.new, no_end)
-
-    times: dict[str, list[float]] = {"hpcdist": [], "transformers": []}
-    outs = {}
-    for name, fn in (("hpcdist", run_ours), ("transformers", run_hf)) * 1:
-        outs[name] = fn()  # warm-up
-    for _ in range(args.repeat):
-        for name, fn in (("hpcdist", run_ours), ("transformers", run_hf)):
-            t = time.perf_counter()
-            outs[name] = fn()
-            times[name].append(time.perf_counter() - t)
-    new_tokens = sum(len(t) for t in outs["hpcdist"])
-    print(f"model: {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads, "
-          f"{cfg.num_params() / 1e6:.1f}M params; batch {args.batch} ragged prompts (16-40 tokens), "
-          f"{args.new} new tokens, {args.threads} threads, torch {torch.__version__}")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"{name:>13}: median {med:.3f} s over {len(ts)} runs, {new_tokens / med:.1f} tokens/s")
-    ratio = statistics.median(times["transformers"]) / statistics.median(times["hpcdist"])
-    print(f"speed ratio transformers/hpcdist: {ratio:.2f}x (>1: hpcdist faster)")
-    print(f"greedy tokens identical: {outs['hpcdist'] == outs['transformers']}")
+    r = compare(cfg, args.batch, args.new, args.repeat)
+    v = r["versions"]
+    print(f"model: {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads, {r['params_m']:.1f}M params; "
+          f"batch {args.batch} ragged prompts (16-40 tokens), {args.new} new tokens, {args.threads} threads; "
+          f"torch {v['torch']}, transformers {v['transformers']}")
+    for name, s in r["seconds"].items():
+        print(f"{name:>13}: median {s:.3f} s over {args.repeat} runs, {r['tokens_per_s'][name]:.1f} tokens/s")
+    print(f"speed ratio transformers/hpcdist: {r['ratio']:.2f}x (>1: hpcdist faster)")
+    print(f"greedy tokens identical: {r['identical']}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,13 @@ Efficiency = tokens/s at 2 ranks / (2 x tokens/s at 1 rank).
 
     PYTHONPATH=. python benchmarks/train_scaling.py --repeat 3
     PYTHONPATH=. python benchmarks/train_scaling.py --site local-slurm --nodes 2   # 1 rank per node
+    PYTHONPATH=. python benchmarks/train_scaling.py --profile     # where a 2-rank step's time goes
+
+``--profile`` answers why the speed-up is what it is: the same model and per-rank batch, in
+processes of its own (gloo, one thread each), timing alternately a DDP step with its gradient
+all-reduce and the same step under ``no_sync`` (compute only), plus a bare all_reduce of the
+gradient's bytes; at 1 rank and at 2. Communication's share of a step is (synced - compute) /
+synced; the compute-only step at 2 ranks against 1 rank shows what sharing the cores costs.
 """
 
 from __future__ import annotations
@@ -58,6 +65,100 @@ def run(work: Path, tokens: Path, ranks: int, args: argparse.Namespace, i: int) 
     return float(read_attrs(Path(match.group(1)))["tokens_per_s_median"])
 
 
+def _profile_rank(rank: int, world: int, store_path: str, args: argparse.Namespace, out: dict[int, dict[str, float]],
+                  ) -> None:
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hpcdist.model.gpt import GPT, GPTConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    cfg = GPTConfig(n_layer=args.n_layer, n_head=4, d_model=args.d_model, context=args.context, vocab_size=257)
+    torch.manual_seed(0)
+    ddp = DDP(GPT(cfg))
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    x = torch.randint(0, 257, (args.micro, args.context))
+
+    def step(sync: bool) -> float:
+        t = time.perf_counter()
+        with ddp.no_sync() if not sync else torch.enable_grad():
+            loss = F.cross_entropy(ddp(x).view(-1, cfg.vocab_size), x.view(-1))
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t
+
+    grad = torch.zeros(sum(p.numel() for p in ddp.parameters()))
+    grad.fill_(1.0)
+
+    def reduce() -> float:
+        t = time.perf_counter()
+        dist.all_reduce(grad)
+        return time.perf_counter() - t
+
+    for _ in range(3):
+        step(True)
+    synced, compute, comm = [], [], []
+    for i in range(args.steps):
+        dist.barrier()
+        for sync in ((True, False) if i % 2 == 0 else (False, True)):
+            (synced if sync else compute).append(step(sync))
+        dist.barrier()
+        comm.append(reduce())
+    med = statistics.median
+    figures = {"synced_ms": med(synced) * 1e3, "compute_ms": med(compute) * 1e3, "all_reduce_ms": med(comm) * 1e3,
+               "grad_mb": grad.numel() * 4 / 1e6}
+    gathered: list[dict[str, float] | None] = [None] * world
+    dist.all_gather_object(gathered, figures)
+    if rank == 0:
+        for r, f in enumerate(gathered):
+            assert f is not None
+            out[r] = f
+    dist.destroy_process_group()
+
+
+def _profile_worker(rank: int, world: int, store_path: str, args: argparse.Namespace, result: str) -> None:
+    import json
+
+    out: dict[int, dict[str, float]] = {}
+    _profile_rank(rank, world, store_path, args, out)
+    if rank == 0:
+        Path(result).write_text(json.dumps(out))
+
+
+def profile(args: argparse.Namespace, work: Path) -> None:
+    """Per-step compute and communication at 1 and 2 ranks (see the module docstring)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    load_before = os.getloadavg()[0]
+    rows = {}
+    for world in (1, 2):
+        result = work / f"profile{world}.json"
+        mp.spawn(_profile_worker, args=(world, str(work / f"store{world}"), args, str(result)), nprocs=world)
+        rows[world] = {int(k): v for k, v in json.loads(result.read_text()).items()}
+    print(f"# train step profile: GPT {args.n_layer}x{args.d_model}, context {args.context}, micro-batch "
+          f"{args.micro} per rank, fp32, gloo, 1 thread per rank, medians of {args.steps} alternating steps; "
+          f"{os.cpu_count()} CPUs, load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+    print(f"{'ranks':>5}{'rank':>5}{'step ms':>10}{'compute ms':>12}{'comm share':>12}{'all_reduce ms':>15}"
+          f"{'grad MB':>9}")
+    for world, per_rank in rows.items():
+        for r, f in sorted(per_rank.items()):
+            share = (f["synced_ms"] - f["compute_ms"]) / f["synced_ms"]
+            print(f"{world:>5}{r:>5}{f['synced_ms']:>10.1f}{f['compute_ms']:>12.1f}{share:>12.1%}"
+                  f"{f['all_reduce_ms']:>15.2f}{f['grad_mb']:>9.2f}")
+    one = rows[1][0]["compute_ms"]
+    two = statistics.mean(f["compute_ms"] for f in rows[2].values())
+    print(f"# compute alone at 2 ranks is {two / one:.2f}x its time at 1 rank: the bound on the speed-up from "
+          f"sharing the cores is {2 * one / two:.2f}x before any communication")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--site", default="local")
@@ -70,9 +171,13 @@ def main() -> int:
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--dir", type=Path, default=None, help="work directory (shared storage for Slurm)")
+    parser.add_argument("--profile", action="store_true", help="time compute and communication of a step instead")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="scaling-", dir=args.dir))
     try:
+        if args.profile:
+            profile(args, work)
+            return 0
         tokens = prepare_tokens(work)
         load_before = os.getloadavg()[0]
         tps: dict[int, list[float]] = {1: [], 2: []}

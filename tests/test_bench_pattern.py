@@ -4,11 +4,15 @@ collective from every rank's input."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pytest
 
 from hpcdist.bench import pattern
-from hpcdist.bench.factors import counts
+from hpcdist.bench.base import Prepared, host_timed
+from hpcdist.bench.factors import Counts, counts
 
 N = 3
 AX = pattern.Arrays("numpy")
@@ -88,3 +92,44 @@ def test_torch_arrays_count_the_same() -> None:
     got[5] = -1
     assert tx.count_wrong(got, want, exact=True) == 1
     assert tx.count_wrong(got.to(torch.bfloat16), want, exact=False) == 1
+
+
+class _RecordingPath:
+    """A one-rank path whose all_reduce records its input at every call (no communication)."""
+
+    name, label, rank, size = "mpi", "mpi/numpy", 0, 1
+
+    def __init__(self) -> None:
+        self.seen: list[np.ndarray] = []
+
+    def arrays(self) -> pattern.Arrays:
+        return AX
+
+    def prepare(self, op: str, c: Counts, mode: str, dtype: str) -> Prepared:
+        count = c.count
+        buf = np.zeros(count, dtype=np.float32)  # fresh zeros, as the real paths allocate
+
+        def fill() -> None:
+            buf[:] = pattern.values(AX, self.rank, 0, count)
+
+        return Prepared(step=lambda: self.seen.append(buf.copy()), fill=fill, output=lambda: buf)
+
+    def timed(self, step: Callable[[], Any], iters: int) -> np.ndarray:
+        return host_timed(step, iters)
+
+    def sync(self) -> None: ...
+    def barrier(self) -> None: ...
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_measure_writes_the_pattern_into_the_inputs_before_the_first_call(warmup: int) -> None:
+    """An input left as fresh zeros reads the kernel's zero page and times faster than real data."""
+    from hpcdist.bench.measure import measure
+
+    path = _RecordingPath()
+    c = counts("all_reduce", 4 * 1000, 1, 4)
+    measure(path, "all_reduce", c, "out_of_place", "float32", warmup, 3, check=False)  # type: ignore[arg-type]
+    want = np.asarray(pattern.values(AX, 0, 0, c.count), dtype=np.float32)
+    assert len(path.seen) == warmup + 3
+    assert np.array_equal(path.seen[0], want)
+    assert np.array_equal(path.seen[warmup], want)  # the first timed call

@@ -64,6 +64,14 @@ def rank_pids(root: Path) -> dict[int, int]:
     return ranks
 
 
+def test_auto_precision_trains_in_fp32_on_cpus_and_the_result_says_so(train_root: Path, reference: Path) -> None:
+    """jobs/train_gpt.yaml asks for `precision: auto`; on CPUs that is fp32 (bf16 autocast is slower there)."""
+    (path,) = sorted((train_root / "reference" / "results").rglob("*.h5"))
+    attrs = read_attrs(path)
+    assert (attrs["precision_requested"], attrs["precision"]) == ("auto", "fp32")
+    assert ", fp32" in rank_log(train_root / "reference")
+
+
 def test_stop_then_resume_past_a_corrupt_checkpoint_equals_uninterrupted(train_root: Path, tokens: Path,
                                                                           reference: Path) -> None:
     root = train_root / "stop-corrupt"

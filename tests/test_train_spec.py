@@ -9,6 +9,7 @@ import pytest
 from hpcdist.config import load_site
 from hpcdist.errors import ConfigError
 from hpcdist.jobs.registry import load_job
+from hpcdist.train.params import effective_precision
 from hpcdist.train.schedule import lr_factor, scaled_lr
 from tests.conftest import REPO, run_cli, storage_sets
 from tests.conftest_train import write_corpus
@@ -64,3 +65,19 @@ def test_lr_scaling_rules() -> None:
     assert scaled_lr(1e-3, "none", 64, 16) == 1e-3
     assert scaled_lr(1e-3, "linear", 64, 16) == pytest.approx(4e-3)
     assert scaled_lr(1e-3, "sqrt", 64, 16) == pytest.approx(2e-3)
+
+
+@pytest.mark.parametrize(
+    ("requested", "device", "bf16_ok", "used"),
+    [
+        ("auto", "cuda", True, "bf16"),
+        ("auto", "cuda", False, "fp32"),  # pre-Ampere GPUs
+        ("auto", "cpu", False, "fp32"),
+        ("bf16", "cpu", False, "bf16"),  # asked for explicitly
+        ("fp16", "cuda", True, "fp16"),
+    ],
+)
+def test_auto_precision_is_bf16_on_capable_gpus_and_fp32_elsewhere(
+    requested: str, device: str, bf16_ok: bool, used: str
+) -> None:
+    assert effective_precision(requested, device, bf16_ok) == used

@@ -73,7 +73,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(
     model: TPGPT, prompts: list[list[int]], sampling: Sampling, generator: torch.Generator | None = None
 ) -> BatchOutput:
@@ -112,7 +112,7 @@ def generate(
     step_s: list[float] = []
     _sync(device)
     t0 = time.perf_counter()
-    logits = model(idx, positions=positions, mask=mask, cache=cache)[:, -1]
+    logits = model(idx, positions=positions, mask=mask, cache=cache, last_only=True)[:, -1]
     nxt = sample(logits, sampling, generator)
     tokens = nxt.tolist()
     now = time.perf_counter() - t0
@@ -130,7 +130,7 @@ def generate(
         before = now
         pos = (lens + step)[:, None]
         step_mask = valid[:, None, None, : t_max + step + 1] if ragged else None
-        logits = model(nxt[:, None], positions=pos, mask=step_mask, cache=cache)[:, -1]
+        logits = model(nxt[:, None], positions=pos, mask=step_mask, cache=cache, last_only=True)[:, -1]
         nxt = sample(logits, sampling, generator)
         tokens = nxt.tolist()
         now = time.perf_counter() - t0

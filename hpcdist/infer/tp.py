@@ -155,7 +155,9 @@ class TPGPT(nn.Module):
                     "ln_f": nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps),
                 }
             )
-            self.register_buffer("head", torch.zeros(self.vocab_local, cfg.d_model), persistent=False)
+            # this rank's rows of the tied embedding, stored transposed (d_model, vocab): the head is
+            # the largest matmul of a decode step, and the plain (NN) layout runs it faster on CPUs
+            self.register_buffer("head_t", torch.zeros(cfg.d_model, self.vocab_local), persistent=False)
         self.requires_grad_(False)
         self.eval()
 
@@ -181,9 +183,9 @@ class TPGPT(nn.Module):
             param.copy_(value)
         v0 = self.tp.rank * self.vocab_local
         rows = self.wte.weight[v0 : v0 + self.vocab_local]
-        head = cast(torch.Tensor, self.head)
-        head.zero_()
-        head[: rows.shape[0]] = rows
+        head_t = cast(torch.Tensor, self.head_t)
+        head_t.zero_()
+        head_t[:, : rows.shape[0]] = rows.t()
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.wte.weight
@@ -197,12 +199,15 @@ class TPGPT(nn.Module):
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
-        """Logits (batch, time, vocab) for `idx` (batch, time).
+        """Logits (batch, time, vocab) for `idx` (batch, time); (batch, 1, vocab) with `last_only`.
 
         `positions` (batch, time) default to 0..t-1 after the cached tokens; `mask` (batch, 1,
         time, cached + time) is a boolean attention mask (True = attend), default causal; with
-        `cache`, keys and values are appended to it and its length advanced.
+        `cache`, keys and values are appended to it and its length advanced. `last_only` computes
+        the head for the last position only, which is all generation needs: for a prefill of T
+        tokens the head (d_model x vocab per position) would otherwise cost T times one step.
         """
         b, t = idx.shape
         past = cache.length if cache is not None else 0
@@ -213,11 +218,17 @@ class TPGPT(nn.Module):
         if mask is None and past and t > 1:
             causal = torch.ones(t, past + t, dtype=torch.bool, device=idx.device).tril(past)
             mask = causal.expand(b, 1, t, past + t)
+        if mask is not None and mask.dtype == torch.bool:  # converted once here, not by every layer's SDPA
+            mask = torch.zeros(mask.shape, dtype=self.wte.weight.dtype, device=mask.device).masked_fill_(
+                ~mask, float("-inf")
+            )
         x = self.wte(idx) + self.transformer["wpe"](positions)
         for i, block in enumerate(cast(nn.ModuleList, self.transformer["h"])):
             x = block(x, mask, cache, i)
         if cache is not None:
             cache.length = past + t
+        if last_only:
+            x = x[:, -1:]
         x = self.transformer["ln_f"](x)
-        logits = self.tp.all_gather_last(F.linear(x, cast(torch.Tensor, self.head)))
+        logits = self.tp.all_gather_last(x @ cast(torch.Tensor, self.head_t))
         return logits[..., : self.cfg.vocab_size]

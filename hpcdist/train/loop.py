@@ -32,7 +32,7 @@ from hpcdist.errors import JobError
 from hpcdist.model.gpt import GPT, GPTConfig
 from hpcdist.runtime.requeue import Requeued, classify
 from hpcdist.train.metrics import Metrics, add_rank_log_file, perplexity
-from hpcdist.train.params import TrainParams, model_config
+from hpcdist.train.params import Precision, TrainParams, effective_precision, model_config
 from hpcdist.train.result import write_result
 from hpcdist.train.resume import resume, save
 from hpcdist.train.schedule import lr_factor, scaled_lr
@@ -57,6 +57,7 @@ class Run:
     train: TokenWindows
     val: TokenWindows
     peak_lr: float
+    precision: Precision  # what this run uses: params.precision with "auto" resolved for the device
     metrics: Metrics = field(default_factory=Metrics)
     step: int = 0
     epoch: int = 0
@@ -71,7 +72,7 @@ class Run:
         return self.order.global_batch * self.cfg.context
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        precision = self.params.precision
+        precision = self.precision
         if precision == "fp32":
             return contextlib.nullcontext()
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
@@ -97,14 +98,16 @@ def build(ctx: JobContext, params: TrainParams) -> Run:
     )
     factor = partial(lr_factor, warmup=o.warmup_steps, total=params.steps, min_ratio=o.min_lr_ratio)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-    scaler = torch.amp.GradScaler(ctx.device.type, enabled=params.precision == "fp16")
+    bf16_ok = ctx.device.type == "cuda" and torch.cuda.is_bf16_supported()
+    precision = effective_precision(params.precision, ctx.device.type, bf16_ok)
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=precision == "fp16")
     # Each rank's own generators (dropout): seeded per rank, saved and restored per rank.
     torch.manual_seed(params.seed + 1 + ctx.rank)
     np.random.seed(params.seed + 1 + ctx.rank)
     random.seed(params.seed + 1 + ctx.rank)
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     ddp = DDP(model, device_ids=device_ids)
-    return Run(ctx, params, cfg, model, ddp, opt, sched, scaler, order, train, val, peak)
+    return Run(ctx, params, cfg, model, ddp, opt, sched, scaler, order, train, val, peak, precision)
 
 
 # ---------------------------------------------------------------- steps
@@ -196,7 +199,7 @@ def loop(r: Run) -> dict[str, Any]:
         ctx.log.info(
             "training %s: %.2fM parameters, %d steps from step %d, global batch %d x %d tokens, peak lr %.3g, %s",
             ctx.spec.name, r.cfg.num_params() / 1e6, params.steps, r.step, r.order.global_batch,
-            r.cfg.context, r.peak_lr, params.precision,
+            r.cfg.context, r.peak_lr, r.precision,
         )
     stop = ""
     try:
