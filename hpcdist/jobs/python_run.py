@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -68,21 +69,69 @@ def run(ctx: JobContext, params: PythonParams) -> dict[str, Any]:
         torch.cuda.set_device(ctx.device)  # as torchrun's users expect: cuda:LOCAL_RANK is this rank's
     api.attach(ctx)
     where = f"rank {ctx.rank} on {ctx.info.hostname}"
+    watchdog = Watchdog(ctx.store, where)
+    watchdog.start()
     try:
         code, returned = _run_target(params)
     except (Requeued, KeyboardInterrupt):
         raise
     except Exception as exc:
         traceback.print_exc()
-        raise JobError(f"{where}: {params.target} raised {type(exc).__name__}: {_first_line(exc)}") from exc
+        error = JobError(f"{where}: {params.target} raised {type(exc).__name__}: {_first_line(exc)}")
+        watchdog.fail(str(error))
+        raise error from exc
     finally:
+        watchdog.stop()
         api.detach()
     if code != 0:
-        raise JobError(f"{where}: {params.target} exited with code {code}")
+        error = JobError(f"{where}: {params.target} exited with code {code}")
+        watchdog.fail(str(error))
+        raise error
     out: dict[str, Any] = {"host": ctx.info.hostname, "exit_code": 0}
     if returned is not None:
         out["returned"] = returned
     return out
+
+
+class Watchdog(threading.Thread):
+    """Stops this rank once another rank's code has failed, as torchrun's agent stops the workers.
+
+    Without it the surviving ranks would wait in the script's own collectives (or its
+    ``init_process_group``) for the dead rank until torch's 30-minute default. The failed rank
+    writes one key; every rank polls it (one request per rank per interval) and, when it appears,
+    prints why and exits, naming the rank that failed first.
+    """
+
+    KEY = "hpcdist/failed"
+
+    def __init__(self, store: Any, where: str, interval_s: float = 0.5) -> None:
+        super().__init__(name="hpcdist-watchdog", daemon=True)
+        self.store, self.where, self.interval_s = store, where, interval_s
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(self.interval_s):
+            try:
+                if not self.store.check([self.KEY]):
+                    continue
+                reason = self.store.get(self.KEY).decode()
+            except Exception as exc:  # rank 0, the store's server, is gone
+                reason = f"the job's store (rank 0) went away ({type(exc).__name__})"
+            if self._done.is_set():
+                return
+            print(f"hpcdist.errors.JobError: {self.where} stopped: {reason}", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    def fail(self, reason: str) -> None:
+        """Tell every other rank that this one failed (first one wins; best effort)."""
+        self._done.set()
+        try:
+            self.store.compare_set(self.KEY, "", reason)
+        except Exception:
+            pass
+
+    def stop(self) -> None:
+        self._done.set()
 
 
 def _first_line(exc: BaseException) -> str:
