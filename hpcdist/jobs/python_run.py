@@ -71,8 +71,10 @@ def run(ctx: JobContext, params: PythonParams) -> dict[str, Any]:
     where = f"rank {ctx.rank} on {ctx.info.hostname}"
     watchdog = Watchdog(ctx.store, where)
     watchdog.start()
+    ok = False
     try:
         code, returned = _run_target(params)
+        ok = code == 0
     except (Requeued, KeyboardInterrupt):
         raise
     except Exception as exc:
@@ -82,7 +84,7 @@ def run(ctx: JobContext, params: PythonParams) -> dict[str, Any]:
         raise error from exc
     finally:
         watchdog.stop()
-        api.detach()
+        api.detach(ok)
     if code != 0:
         error = JobError(f"{where}: {params.target} exited with code {code}")
         watchdog.fail(str(error))
