@@ -20,9 +20,11 @@ from hpcdist.errors import CheckpointError
 from hpcdist.store import CheckpointStore
 from hpcdist.store.claim import Claim, Holder, read
 from hpcdist.store.results import read_attrs, read_table
+from tests import conftest_train as fx
 from tests.conftest import REPO, run_cli, storage_sets
-from tests.conftest_train import Background, wait_for
+from tests.conftest_train import Background, ckpt_dir, train, wait_for
 
+train_root, tokens = fx.train_root, fx.tokens  # session fixtures: the token file, made once
 API = REPO / "examples" / "ddp_hpcdist.py"
 STEPS = 120
 
@@ -159,3 +161,16 @@ def test_preempted_api_job_requeues_and_ends_as_uninterrupted(slurm_storage: Pat
     with h5py.File(path) as f:
         assert read_table(f["loss"])["step"].tolist() == list(range(1, STEPS + 1))
     assert read(ckpts) is None  # the claim was released at the end
+
+
+def test_train_gpt_refuses_a_checkpoint_directory_another_job_holds(train_root: Path, tokens: Path) -> None:
+    root = train_root / "claimed"
+    held = Claim(ckpt_dir(root), Holder("local-other", socket.gethostname(), os.getpid(), time.time())).acquire()
+    try:
+        result = train(root, tokens, "--set", "params.steps=2", "--set", "params.optim.warmup_steps=1")
+    finally:
+        held.release()
+    assert result.code == 1, result.text
+    assert re.search(r"rank 0: FAILED CheckpointError: checkpoint directory \S+ is claimed by job local-other on",
+                     result.out), result.out
+    assert not list(ckpt_dir(root).glob("step_*"))
