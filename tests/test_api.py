@@ -83,8 +83,8 @@ def test_a_stale_claim_is_taken_over_and_a_requeue_takes_its_own_back(tmp_path: 
 def test_a_claim_of_an_ended_slurm_job_is_stale(tmp_path: Path) -> None:
     if subprocess.run(["squeue", "-h"], capture_output=True).returncode != 0:
         pytest.skip("no Slurm here")
-    ended = subprocess.run(["sbatch", "--parsable", "-p", "cpu", "-o", "/dev/null", "--wrap", "true"], capture_output=True, text=True,
-                           check=True).stdout.strip()
+    ended = subprocess.run(["sbatch", "--parsable", "-p", "cpu", "-o", "/dev/null", "--wrap", "true"],
+                           capture_output=True, text=True, check=True).stdout.strip()
     wait_for(lambda: squeue_state(ended) == "", 60, f"job {ended} to end")
     Claim(tmp_path, Holder(ended, "n1", 1, time.time())).acquire()
     mine = Claim(tmp_path, Holder("local-1", socket.gethostname(), os.getpid(), time.time())).acquire()
