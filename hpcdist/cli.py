@@ -39,16 +39,45 @@ def _split_sets(sets: Sequence[str]) -> tuple[list[str], list[str]]:
     return site, job
 
 
-def _load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """The site, then the job spec with its params parsed and checked against the site."""
+def _load_job(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """The site, then the job (its params parsed and checked against the site), and the origin."""
     from hpcdist.config import load_site
     from hpcdist.jobs.registry import load_job
     from hpcdist.render import Origin
 
     site_sets, job_sets = _split_sets(args.sets)
     site = load_site(args.site, site_sets)
-    job = load_job(args.job, site, job_sets)
-    origin = Origin(args.job, args.site or site.name, tuple(args.sets))
+    argv = tuple(args.argv or ())
+    if argv:
+        job = _command_job(argv, site, job_sets)
+    else:
+        job = load_job(args.job, site, job_sets)
+    origin = Origin(args.job or "", args.site or site.name, tuple(args.sets), argv)
+    return job, site, origin
+
+
+def _command_job(argv: tuple[str, ...], site: Any, job_sets: list[str]) -> Any:
+    """`-- train.py ARG...` (or `-- -m pkg.mod ARG...`) as a ``python`` job spec, no YAML."""
+    from hpcdist.config import apply_overrides, validate
+    from hpcdist.config.spec import JobSpec
+    from hpcdist.jobs.registry import resolve
+
+    if argv[0] == "-m":
+        if len(argv) < 2:
+            from hpcdist.errors import ConfigError
+
+            raise ConfigError("-- -m: a module name must follow -m, e.g. -- -m mypkg.train")
+        target, args, name = {"module": argv[1]}, list(argv[2:]), argv[1].rsplit(".", 1)[-1]
+    else:
+        target, args, name = {"script": argv[0]}, list(argv[1:]), Path(argv[0]).stem
+    data = apply_overrides({"name": name or "python", "kind": "python", "params": {**target, "args": args}},
+                           job_sets, "job")
+    return resolve(validate(JobSpec, data, "command line"), site, origin="command line")
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """The site, then the job spec with its params parsed and checked against the site."""
+    job, site, origin = _load_job(args)
     return job.spec, site, origin
 
 
@@ -64,8 +93,10 @@ def cmd_render(args: argparse.Namespace) -> int:
 @command("submit")
 def cmd_submit(args: argparse.Namespace) -> int:
     from hpcdist import submit as sub
+    from hpcdist.jobs.registry import prepare
 
-    spec, site, origin = _load(args)
+    job, site, origin = _load_job(args)
+    spec = prepare(job, site).spec
     t0 = time.perf_counter()
     submission = sub.submit(spec, site, origin)
     took = time.perf_counter() - t0
@@ -185,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     subs = parser.add_subparsers(dest="command", required=True)
 
     def job_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("job", help="job spec YAML, e.g. jobs/smoke.yaml")
+        p.add_argument("job", nargs="?", default=None,
+                       help="job spec YAML, e.g. jobs/smoke.yaml; or none and `-- SCRIPT ARG...` after the options")
         p.add_argument("--site", default=None, help="site name or YAML (default: $HPCDIST_SITE or local)")
         p.add_argument(
             "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
@@ -226,9 +258,23 @@ def _data_parser(subs: Any) -> None:
 _EXTRA_PARSERS.append(_data_parser)
 
 
+def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
+    """hpcdist's own arguments, and the user's command after the first `--` (render, submit)."""
+    if "--" in argv:
+        i = argv.index("--")
+        if any(a in ("render", "submit") for a in argv[:i]):
+            return argv[:i], argv[i + 1:]
+    return argv, []
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    own, command_argv = _split_command(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(own)
+    if args.command in ("render", "submit"):
+        args.argv = command_argv
+        if bool(args.job) == bool(command_argv):
+            parser.error(f"{args.command}: give a job spec YAML or `-- SCRIPT ARG...`, not both or neither")
     try:
         return _COMMANDS[args.command](args)
     except HpcdistError as exc:

@@ -45,12 +45,13 @@ class Origin:
     job_path: str
     site_ref: str
     overrides: tuple[str, ...] = ()
+    argv: tuple[str, ...] = ()  # `hpcdist submit ... -- SCRIPT ARG...`: the user's command
 
     def command(self, verb: str = "submit") -> str:
-        parts = ["hpcdist", verb, self.job_path, "--site", self.site_ref]
+        parts = ["hpcdist", verb, *([self.job_path] if not self.argv else []), "--site", self.site_ref]
         for item in self.overrides:
             parts += ["--set", item]
-        return shlex.join(parts)
+        return shlex.join(parts + (["--", *self.argv] if self.argv else []))
 
 
 def check_controls(value: Any, where: str) -> None:

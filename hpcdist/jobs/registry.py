@@ -46,6 +46,8 @@ class JobKind:
     summary: str
     # Site-dependent checks done before anything is launched: check(job, site) -> problems.
     check: str | None = None
+    # At submit only (never render): prepare(job, site) -> params updates (e.g. a code snapshot).
+    prepare: str | None = None
 
     def params_model(self) -> type[BaseModel]:
         model: type[BaseModel] = _load(self.params)
@@ -72,6 +74,12 @@ class Job(Generic[P]):
         """Whether the ranks need mpi4py initialised before the process group (a params model
         says so with a ``uses_mpi`` property)."""
         return bool(getattr(self.params, "uses_mpi", False))
+
+    @property
+    def makes_group(self) -> bool:
+        """Whether the bootstrap makes the default process group (the ``python`` kind leaves it
+        to the user's code; a params model says so with a ``process_group`` property)."""
+        return bool(getattr(self.params, "process_group", True))
 
 
 _KINDS: dict[str, JobKind] = {}
@@ -111,6 +119,16 @@ def resolve(spec: JobSpec, site: Site, *, origin: Path | str = "job spec", check
     return job
 
 
+def prepare(job: Job[Any], site: Site) -> Job[Any]:
+    """`job` as it is submitted: the kind's submit-time step done (the ``python`` kind's code
+    snapshot), its params parsed again with the updates."""
+    if job.kind.prepare is None:
+        return job
+    updates = _load(job.kind.prepare)(job, site)
+    spec = job.spec.model_copy(update={"params": {**job.spec.params, **updates}})
+    return resolve(spec, site, origin="prepared job", check=False)
+
+
 def load_job(path: str | Path, site: Site, overrides: list[str] | None = None) -> Job[Any]:
     """A job spec file read, its params parsed, and checked against `site`: what render and submit take."""
     return resolve(read_spec(path, overrides), site, origin=Path(path))
@@ -140,5 +158,8 @@ for _kind in (
     JobKind("broadcast", "hpcdist.infer.jobs:BroadcastParams", "hpcdist.infer.run:run_broadcast",
             "flat-bucket broadcast of a model-sized state from rank 0, timed and checked",
             check="hpcdist.infer.jobs:check_broadcast"),
+    JobKind("python", "hpcdist.jobs.python:PythonParams", "hpcdist.jobs.python_run:run",
+            "your own script, module or function, started as torchrun would start it",
+            check="hpcdist.jobs.python:check", prepare="hpcdist.jobs.python:prepare"),
 ):
     register(_kind)

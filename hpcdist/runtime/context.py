@@ -57,6 +57,8 @@ class JobContext:
     mpi_comm: Any = None
     preemption: Preemption = field(default_factory=Preemption)
     requeue: Callable[[], None] | None = None
+    endpoint: Any = None  # group.Endpoint: where the job's TCPStore listens (the python kind's MASTER_ADDR)
+    store: Any = None  # the job's store (rank 0 serves it)
 
     @property
     def rank(self) -> int:

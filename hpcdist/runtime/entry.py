@@ -125,9 +125,10 @@ def bootstrap(job: Job[Any], site: Site, env: Mapping[str, str] | None = None) -
     )
     hosts_by_rank = group.check_in(store, info, timeout)
     timings["rendezvous"] = time.perf_counter() - t
-    t = time.perf_counter()
-    group.init_process_group(store, info, backend, timeout)
-    timings["init_process_group"] = time.perf_counter() - t
+    if job.makes_group:
+        t = time.perf_counter()
+        group.init_process_group(store, info, backend, timeout)
+        timings["init_process_group"] = time.perf_counter() - t
     timings["launch_to_ready"] = time.time() - launch
     ctx = JobContext(
         spec=spec,
@@ -140,11 +141,13 @@ def bootstrap(job: Job[Any], site: Site, env: Mapping[str, str] | None = None) -
         log=log,
         timings=timings,
         mpi_comm=mpi_comm,
+        endpoint=endpoint,
+        store=store,
     )
     ctx.requeue = submitit_requeue(
         site.storage.scratch / "rendezvous" / f"{key}.json" if info.is_main else None, env
     )
-    if backend == "nccl":
+    if backend == "nccl" and job.makes_group:
         _check_gpu_sharing(ctx)
     log.info(
         "group ready: %s, backend %s, endpoint %s:%d via %s, %.2f s after entry",
@@ -181,12 +184,24 @@ def run_job(job: Job[Any], site: Site) -> dict[str, Any]:
     import torch.distributed as dist  # already imported by the bootstrap, which times it
 
     try:
-        out = job.kind.load_runner()(ctx, job.params) or {}
+        try:
+            out = job.kind.load_runner()(ctx, job.params) or {}
+        except BaseException:
+            _check_out_failed(store, ctx)
+            raise
         group.finish(store, ctx.info, ctx.timeout_s)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     return {"rank": ctx.rank, "host": ctx.info.hostname, "timings": ctx.timings, **out}
+
+
+def _check_out_failed(store: Any, ctx: JobContext) -> None:
+    """A failed rank still checks out, so rank 0 does not wait the full timeout for it."""
+    try:
+        store.set(f"hpcdist/done/{ctx.rank}", "failed")
+    except Exception:  # the store's server (rank 0) may be gone already
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:

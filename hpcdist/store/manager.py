@@ -8,18 +8,21 @@
 
 State is a nested dict (``hpcdist.store.tree``): tensors and arrays are stored with their
 sha256, other values as attributes. The class only binds the module functions of
-``hpcdist.store.checkpoints``, ``directory`` and ``discovery`` to a directory and a retention; a
-later claim on the directory (one writer per directory) belongs here too.
+``hpcdist.store.checkpoints``, ``directory`` and ``discovery`` to a directory and a retention;
+``claim`` takes the directory for one writer (``hpcdist.store.claim``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpcdist.store import checkpoints, discovery
 from hpcdist.store import directory as layout
+
+if TYPE_CHECKING:
+    from hpcdist.store.claim import Claim, Holder
 
 
 class CheckpointStore:
@@ -69,6 +72,13 @@ class CheckpointStore:
     def prune(self) -> tuple[Path, ...]:
         """Drop committed checkpoints beyond the newest `keep_last` (none when it is unset)."""
         return layout.prune(self.directory, self.keep_last) if self.keep_last else ()
+
+    def claim(self, holder: Holder | None = None) -> Claim:
+        """Claim the directory for one writer (this process by default); a second run fails at
+        once naming the holder. Release it with ``Claim.release`` when the run ends."""
+        from hpcdist.store.claim import Claim, Holder
+
+        return Claim(self.directory, holder or Holder.this_process()).acquire()
 
     def remove_temporaries(self) -> list[Path]:
         """Remove files left by killed writers; only when no writer of this directory runs."""

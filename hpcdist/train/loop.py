@@ -28,7 +28,7 @@ from hpcdist.config.contract import LAUNCH_TIME_VAR
 from hpcdist.console import Progress
 from hpcdist.data.dataset import DistributedOrder, TokenWindows, eval_samples
 from hpcdist.data.tokens import describe
-from hpcdist.errors import JobError
+from hpcdist.errors import CheckpointError, JobError
 from hpcdist.model.gpt import GPT, GPTConfig
 from hpcdist.runtime.requeue import Requeued, classify
 from hpcdist.train.metrics import Metrics, add_rank_log_file, perplexity
@@ -39,6 +39,7 @@ from hpcdist.train.schedule import lr_factor, scaled_lr
 
 if TYPE_CHECKING:
     from hpcdist.runtime.context import JobContext
+    from hpcdist.store.claim import Claim
 
 
 @dataclass
@@ -171,22 +172,52 @@ def run(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
     handler = add_rank_log_file(log_file)
     ctx.preemption.install(ctx.site.preemption.signal)
     try:
-        t0 = time.perf_counter()
-        r = build(ctx, params)
-        ctx.timings["train_build"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        resume(r)
-        ctx.timings["train_resume"] = time.perf_counter() - t0
+        claim = _claim(ctx)
         try:
-            return loop(r)
-        finally:
-            r.train.close()
-            r.val.close()
+            t0 = time.perf_counter()
+            r = build(ctx, params)
+            ctx.timings["train_build"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            resume(r)
+            ctx.timings["train_resume"] = time.perf_counter() - t0
+            try:
+                out = loop(r)
+            finally:
+                r.train.close()
+                r.val.close()
+        except Exception:
+            if claim is not None:
+                claim.release()
+            raise
+        # A requeue (SystemExit) keeps the claim: the requeued job, same id, takes it back.
+        if claim is not None:
+            claim.release()
+        return out
     finally:
         import logging
 
         logging.getLogger("hpcdist").removeHandler(handler)
         handler.close()
+
+
+def _claim(ctx: JobContext) -> Claim | None:
+    """Rank 0 claims the checkpoint directory for this run (one writer per directory); when
+    another job holds it every rank raises the same error, naming the holder."""
+    from hpcdist.store.claim import Claim, Holder
+
+    claim, error = None, [""]
+    if ctx.is_main:
+        try:
+            claim = Claim(ctx.checkpoint_dir, Holder.this_process()).acquire()
+            if claim.took_over is not None:
+                ctx.log.warning("took over the stale claim of %s", claim.took_over.describe())
+        except CheckpointError as exc:
+            error[0] = str(exc)
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise CheckpointError(error[0])
+    return claim
 
 
 def loop(r: Run) -> dict[str, Any]:

@@ -1,0 +1,197 @@
+"""The ``python`` job kind, login side: the user's own script, module or function, and its checks.
+
+    kind: python
+    params: {script: train.py, args: ["--lr", "0.1"]}      # or module: pkg.train, or function: pkg.mod:main
+
+Each rank runs the target after hpcdist's rendezvous has set the variables torchrun sets
+(``hpcdist.jobs.python_run``), so a script written for torchrun runs unchanged. Everything that
+can be wrong with the target is found here, before anything is queued, one ``ConfigError`` each:
+a missing script, a module that does not import, a function that is not callable, args that are
+not strings, a code snapshot over its size limit. The snapshot itself (``hpcdist.jobs.snapshot``)
+is made by ``prepare`` at submit only, never by ``render``.
+
+Light on purpose (pydantic and the standard library): the login node imports it to render.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field, StrictStr, model_validator
+
+from hpcdist.config.site import Frozen
+
+if TYPE_CHECKING:
+    from hpcdist.config.site import Site
+    from hpcdist.jobs.registry import Job, Problem
+
+
+class PythonParams(Frozen):
+    """One of ``script``, ``module``, ``function``; its arguments; the code snapshot."""
+
+    script: str | None = Field(default=None, description="a Python file, run as `python FILE ARGS`")
+    module: str | None = Field(default=None, description="a module, run as `python -m MODULE ARGS`")
+    function: str | None = Field(default=None, description="`package.module:name`, called as name(*args)")
+    args: list[StrictStr] = Field(default_factory=list, description="sys.argv[1:] (or the function's arguments)")
+    snapshot: bool | str = Field(
+        default=True,
+        description="copy the code to shared storage at submit: true (the script's directory or the "
+        "module's package), a directory, or false (run the code where it is)",
+    )
+    snapshot_max_mb: float = Field(default=64.0, gt=0, description="refuse a snapshot larger than this")
+    # Set by `prepare` at submit: the directory the ranks put first on sys.path (the snapshot).
+    code_dir: str | None = None
+
+    @model_validator(mode="after")
+    def _one_target(self) -> PythonParams:
+        given = [k for k in ("script", "module", "function") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(
+                f"give exactly one of script, module or function (given: {', '.join(given) or 'none'})"
+            )
+        if self.function and ":" not in self.function:
+            raise ValueError(f"function {self.function!r} must be written package.module:name")
+        return self
+
+    @property
+    def process_group(self) -> bool:
+        """The bootstrap leaves the default group to the user's code (its env:// init)."""
+        return False
+
+    @property
+    def target(self) -> str:
+        """What runs, as a user would type it."""
+        if self.script:
+            return Path(self.script).name if self.code_dir else self.script
+        if self.module:
+            return f"-m {self.module}"
+        return str(self.function)
+
+    @property
+    def module_name(self) -> str | None:
+        """The module to import: ``module``, or the module part of ``function``."""
+        if self.module:
+            return self.module
+        return self.function.partition(":")[0] if self.function else None
+
+
+@contextmanager
+def cwd_on_path(extra: str | None = None) -> Iterator[None]:
+    """`python -m` semantics: the working directory (and `extra`) importable while inside."""
+    added = [p for p in (extra, os.getcwd()) if p and p not in sys.path]
+    sys.path[:0] = added
+    try:
+        yield
+    finally:
+        for p in added:
+            if p in sys.path:
+                sys.path.remove(p)
+
+
+def code_root(params: PythonParams) -> tuple[Path, str] | None:
+    """The directory to snapshot and the name it keeps inside the copy ('' for its contents).
+
+    A script: its directory. A module: its top-level package (or the directory of a lone
+    module file). None when the code is installed (inside the interpreter's prefix) or snapshots
+    are off.
+    """
+    if params.snapshot is False:
+        return None
+    if isinstance(params.snapshot, str):
+        return Path(params.snapshot).resolve(), ""
+    if params.script:
+        return Path(params.script).resolve().parent, ""
+    top = (params.module_name or "").split(".")[0]
+    with cwd_on_path():
+        spec = importlib.util.find_spec(top)
+    if spec is None or spec.origin in (None, "built-in", "frozen"):
+        return None
+    origin = Path(spec.origin).resolve()
+    prefixes = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    if any(origin.is_relative_to(p) for p in prefixes):
+        return None  # installed code: the nodes have it too
+    if spec.submodule_search_locations:
+        return origin.parent, top
+    return origin.parent, ""
+
+
+def check(job: Job[PythonParams], site: Site) -> list[Problem]:
+    """What makes the target impossible to run, found before anything is queued."""
+    from hpcdist.jobs import snapshot
+
+    p = job.params
+    if p.code_dir:  # already prepared (a snapshot made at submit); the nodes check again
+        return []
+    if p.script:
+        path = Path(p.script)
+        if not path.is_file():
+            where = f" (from {os.getcwd()})" if not path.is_absolute() else ""
+            return [("params.script", p.script, f"an existing Python file{where}; check the path")]
+    if p.module_name:
+        problem = _import_problem(p)
+        if problem:
+            return [problem]
+    if isinstance(p.snapshot, str) and not Path(p.snapshot).is_dir():
+        return [("params.snapshot", p.snapshot, "an existing directory, true or false")]
+    root = code_root(p)
+    if root is not None and p.script and not Path(p.script).resolve().is_relative_to(root[0]):
+        return [("params.snapshot", str(root[0]), f"a directory holding the script {p.script}, or false")]
+    if root is not None:
+        size, count = snapshot.measure(root[0])
+        if size > p.snapshot_max_mb * 1e6:
+            return [(
+                "params.snapshot", str(root[0]),
+                f"a code snapshot under params.snapshot_max_mb={p.snapshot_max_mb:g} MB, but it holds "
+                f"{size / 1e6:.1f} MB in {count} files; leave data out (.gitignore it in a git checkout), "
+                f"point params.snapshot at the code's own directory, raise params.snapshot_max_mb, "
+                f"or set params.snapshot=false",
+            )]
+    return []
+
+
+def _import_problem(p: PythonParams) -> Problem | None:
+    name = p.module_name or ""
+    key = "params.module" if p.module else "params.function"
+    with cwd_on_path():
+        try:
+            found = importlib.util.find_spec(name)
+        except (ImportError, ValueError) as exc:  # a parent package that does not import
+            return (key, name, f"an importable module; importing it failed: {type(exc).__name__}: {exc}")
+        if found is None:
+            return (key, name, f"an importable module from {os.getcwd()} or the installed packages; "
+                               f"check the name and that its package has an __init__.py")
+        if not p.function:
+            return None
+        attr = p.function.partition(":")[2]
+        try:
+            obj: Any = getattr(importlib.import_module(name), attr)
+        except Exception as exc:
+            return (key, p.function, f"a callable; importing {name} failed: {type(exc).__name__}: {exc}")
+    if not callable(obj):
+        return (key, p.function, f"a callable, but {attr} is a {type(obj).__name__}")
+    return None
+
+
+def prepare(job: Job[PythonParams], site: Site) -> dict[str, Any]:
+    """At submit: the code snapshot made, and the params the ranks run (paths made absolute)."""
+    from hpcdist.jobs import snapshot
+
+    p = job.params
+    updates: dict[str, Any] = {"snapshot": False}
+    root = code_root(p)
+    if p.script:
+        updates["script"] = str(Path(p.script).resolve())
+    if root is not None:
+        src, keep = root
+        dest = snapshot.make(src, snapshot.destination(job.spec.name, site), keep, p.snapshot_max_mb)
+        updates["code_dir"] = str(dest)
+        if p.script:
+            updates["script"] = str(dest / Path(p.script).resolve().relative_to(src))
+    return updates

@@ -1,0 +1,191 @@
+"""The ``python`` job kind on the nodes: torchrun's variables set, then the user's code in-process.
+
+hpcdist's bootstrap has done the rendezvous (finite timeouts, missing ranks named) but not made
+the default process group. Here the rank gets exactly the variables torchrun's agent gives its
+workers, pointing MASTER_ADDR:MASTER_PORT at the job's TCPStore (rank 0's, or torchrun's own
+agent store) with ``TORCHELASTIC_USE_AGENT_STORE=True``, so the script's
+``init_process_group(backend)`` (env://) joins that store as a client
+(``torch.distributed.rendezvous._create_c10d_store``) instead of opening a second one.
+
+The code runs in this process (``runpy`` with the script's ``sys.argv``, ``SystemExit`` caught),
+not in a child: torch is already imported by the bootstrap (about 4 s a rank here), the store
+server and the preemption handling stay in the process submitit watches, and there is no second
+process tree to forward signals to. A non-zero exit or an exception becomes one ``JobError``
+naming the rank, its host and the code (or the exception), which ``submit --wait`` prints.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpcdist.errors import JobError
+from hpcdist.jobs.python import PythonParams, cwd_on_path
+from hpcdist.runtime.requeue import Requeued
+
+if TYPE_CHECKING:
+    from hpcdist.runtime.context import JobContext
+    from hpcdist.runtime.rankinfo import RankInfo
+
+
+def torchrun_env(info: RankInfo, addr: str, port: int, run_id: str) -> dict[str, str]:
+    """The variables torchrun's agent sets for a worker (plus NODE_RANK, which many scripts read)."""
+    return {
+        "RANK": str(info.rank),
+        "WORLD_SIZE": str(info.world_size),
+        "LOCAL_RANK": str(info.local_rank),
+        "LOCAL_WORLD_SIZE": str(info.local_world_size),
+        "GROUP_RANK": str(info.node_rank),
+        "GROUP_WORLD_SIZE": str(info.num_nodes),
+        "NODE_RANK": str(info.node_rank),
+        "ROLE_RANK": str(info.rank),
+        "ROLE_WORLD_SIZE": str(info.world_size),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_RESTART_COUNT": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+        "TORCHELASTIC_MAX_RESTARTS": os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"),
+    }
+
+
+def run(ctx: JobContext, params: PythonParams) -> dict[str, Any]:
+    """Run the target on this rank; returns its exit code (0) or raises a JobError naming the rank."""
+    from hpcdist import api
+
+    endpoint = ctx.endpoint
+    os.environ.update(torchrun_env(ctx.info, endpoint.addr, endpoint.port, ctx.job_id))
+    if ctx.device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(ctx.device)  # as torchrun's users expect: cuda:LOCAL_RANK is this rank's
+    api.attach(ctx)
+    where = f"rank {ctx.rank} on {ctx.info.hostname}"
+    watchdog = Watchdog(ctx.store, where)
+    watchdog.start()
+    ok = False
+    try:
+        code, returned = _run_target(params)
+        ok = code == 0
+    except (Requeued, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        traceback.print_exc()
+        error = JobError(f"{where}: {params.target} raised {type(exc).__name__}: {_first_line(exc)}")
+        watchdog.fail(str(error))
+        raise error from exc
+    finally:
+        watchdog.stop()
+        api.detach(ok)
+    if code != 0:
+        error = JobError(f"{where}: {params.target} exited with code {code}")
+        watchdog.fail(str(error))
+        raise error
+    out: dict[str, Any] = {"host": ctx.info.hostname, "exit_code": 0}
+    if returned is not None:
+        out["returned"] = returned
+    return out
+
+
+class Watchdog(threading.Thread):
+    """Stops this rank once another rank's code has failed, as torchrun's agent stops the workers.
+
+    Without it the surviving ranks would wait in the script's own collectives (or its
+    ``init_process_group``) for the dead rank until torch's 30-minute default. The failed rank
+    writes one key; every rank polls it (one request per rank per interval) and, when it appears,
+    prints why and exits, naming the rank that failed first.
+    """
+
+    KEY = "hpcdist/failed"
+
+    def __init__(self, store: Any, where: str, interval_s: float = 0.5) -> None:
+        super().__init__(name="hpcdist-watchdog", daemon=True)
+        self.store, self.where, self.interval_s = store, where, interval_s
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(self.interval_s):
+            try:
+                if not self.store.check([self.KEY]):
+                    continue
+                reason = self.store.get(self.KEY).decode()
+            except Exception as exc:  # rank 0, the store's server, is gone
+                reason = f"the job's store (rank 0) went away ({type(exc).__name__})"
+            if self._done.is_set():
+                return
+            print(f"hpcdist.errors.JobError: {self.where} stopped: {reason}", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    def fail(self, reason: str) -> None:
+        """Tell every other rank that this one failed (first one wins; best effort)."""
+        self._done.set()
+        try:
+            self.store.compare_set(self.KEY, "", reason)
+        except Exception:
+            pass
+
+    def stop(self) -> None:
+        self._done.set()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def _run_target(params: PythonParams) -> tuple[int, Any]:
+    """(exit code, the function's return value) of the target run in this process."""
+    returned = None
+    try:
+        with _argv_and_path(params):
+            if params.script:
+                runpy.run_path(params.script, run_name="__main__")
+            elif params.module:
+                runpy.run_module(params.module, run_name="__main__", alter_sys=True)
+            else:
+                returned = _function(params)(*params.args)
+    except Requeued:
+        raise
+    except SystemExit as exc:
+        return _exit_code(exc), None
+    return 0, returned
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """What the shell would see for ``sys.exit(code)``."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _function(params: PythonParams) -> Callable[..., Any]:
+    import importlib
+
+    module, _, name = str(params.function).partition(":")
+    fn: Callable[..., Any] = getattr(importlib.import_module(module), name)
+    return fn
+
+
+@contextmanager
+def _argv_and_path(params: PythonParams) -> Iterator[None]:
+    """``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` (or ``-m``) would have them."""
+    saved_argv = sys.argv[:]
+    first = params.script or params.module or str(params.function)
+    sys.argv = [first, *params.args]
+    extra = str(Path(params.script).parent) if params.script else params.code_dir
+    try:
+        with cwd_on_path(params.code_dir), cwd_on_path(extra):
+            yield
+    finally:
+        sys.argv = saved_argv

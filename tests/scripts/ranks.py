@@ -1,0 +1,24 @@
+"""A torchrun-style test script: prints its marker and torchrun's variables, then joins the group.
+
+`ranks.py MARKER [exit RANK CODE | raise RANK]`: rank RANK then exits with CODE, or raises.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+marker = sys.argv[1]
+keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+print(f"marker {marker} " + " ".join(f"{k}={os.environ[k]}" for k in keys), flush=True)
+rank = int(os.environ["RANK"])
+if sys.argv[2:3] == ["exit"] and rank == int(sys.argv[3]):
+    sys.exit(int(sys.argv[4]))
+if sys.argv[2:3] == ["raise"] and rank == int(sys.argv[3]):
+    raise ValueError(f"bad value on rank {rank}")
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank())])
+dist.all_reduce(t)
+print(f"sum {t.item():g}", flush=True)
+dist.destroy_process_group()

@@ -1,0 +1,176 @@
+"""`hpcdist.init()` in the user's own code: checkpoints of any state, the directory claim, and
+preemption on the real cluster (USR2, SIGTERM): the job checkpoints, requeues, resumes and ends
+in the same state as an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hpcdist.api import decode, encode
+from hpcdist.errors import CheckpointError
+from hpcdist.store import CheckpointStore
+from hpcdist.store.claim import Claim, Holder, read
+from hpcdist.store.results import read_attrs, read_table
+from tests import conftest_train as fx
+from tests.conftest import REPO, run_cli, storage_sets
+from tests.conftest_train import Background, ckpt_dir, train, wait_for
+
+train_root, tokens = fx.train_root, fx.tokens  # session fixtures: the token file, made once
+API = REPO / "examples" / "ddp_hpcdist.py"
+STEPS = 120
+
+
+def squeue_state(jid: str) -> str:
+    """The job's state in the queue, or "" once it has left it."""
+    return subprocess.run(["squeue", "-h", "-j", jid, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+
+
+# ---------------------------------------------------------------- any state in a checkpoint
+
+
+def test_model_optimizer_and_rng_state_round_trip(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state(),
+             "meta": {"epoch": 3, "tag": None, "pair": (1, 2.5), "names": ["a", "b"]}}
+    store = CheckpointStore(tmp_path, keep_last=2)
+    store.save(7, {"state": encode(state)})
+    back = decode(store.load(7).tree["state"])
+    assert back["meta"] == {"epoch": 3, "tag": None, "pair": (1, 2.5), "names": ["a", "b"]}
+    assert torch.equal(back["rng"], state["rng"])
+    assert all(torch.equal(back["model"][k], v) for k, v in state["model"].items())
+    fresh = torch.optim.Adam(torch.nn.Linear(3, 2).parameters(), lr=0.5)
+    fresh.load_state_dict(back["opt"])
+    assert fresh.state_dict()["param_groups"][0]["lr"] == 0.1
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+# ---------------------------------------------------------------- the directory claim
+
+
+def test_a_second_writer_fails_naming_the_holder(tmp_path: Path) -> None:
+    first = Claim(tmp_path, Holder("local-1", socket.gethostname(), os.getpid(), time.time())).acquire()
+    with pytest.raises(CheckpointError, match=r"claimed by job local-1 on .* which is still running.*another job name"):
+        Claim(tmp_path, Holder("local-2", socket.gethostname(), os.getpid(), time.time())).acquire()
+    first.release()
+    assert read(tmp_path) is None
+    Claim(tmp_path, Holder("local-2", socket.gethostname(), os.getpid(), time.time())).acquire()
+
+
+def test_a_stale_claim_is_taken_over_and_a_requeue_takes_its_own_back(tmp_path: Path) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    Claim(tmp_path, Holder("local-9", socket.gethostname(), dead.pid, time.time() - 60)).acquire()
+    mine = Claim(tmp_path, Holder("local-10", socket.gethostname(), os.getpid(), time.time())).acquire()
+    assert mine.took_over is not None and mine.took_over.job_id == "local-9"
+    # The same job id (a requeue) on another pid and host takes it back at once.
+    again = Claim(tmp_path, Holder("local-10", "other-host", 1, time.time())).acquire()
+    assert read(tmp_path) == again.holder
+
+
+@pytest.mark.slurm
+def test_a_claim_of_an_ended_slurm_job_is_stale(tmp_path: Path) -> None:
+    if subprocess.run(["squeue", "-h"], capture_output=True).returncode != 0:
+        pytest.skip("no Slurm here")
+    ended = subprocess.run(["sbatch", "--parsable", "-p", "cpu", "-o", "/dev/null", "--wrap", "true"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    wait_for(lambda: squeue_state(ended) == "", 60, f"job {ended} to end")
+    Claim(tmp_path, Holder(ended, "n1", 1, time.time())).acquire()
+    mine = Claim(tmp_path, Holder("local-1", socket.gethostname(), os.getpid(), time.time())).acquire()
+    assert mine.took_over is not None and mine.took_over.job_id == ended
+
+
+def test_a_second_job_on_the_same_checkpoints_fails_at_once(tmp_path: Path) -> None:
+    root = tmp_path / "out"
+    args = ["submit", "--site", "local", *storage_sets(root), "--wait", "--set", "timeout_s=30", "--"]
+    first = Background([*args, str(API), "--steps", "400", "--step-s", "0.05"])
+    try:
+        wait_for(lambda: (root / "checkpoints" / "ddp_hpcdist" / ".claim").is_file(), 90, "the first job's claim")
+        holder = read(root / "checkpoints" / "ddp_hpcdist")
+        assert holder is not None
+        second = run_cli(*args, str(API), "--steps", "5")
+    finally:
+        first.kill()
+    assert second.code == 1, second.text
+    assert re.search(rf"rank 0: FAILED JobError: rank 0 on \S+: ddp_hpcdist.py raised CheckpointError: checkpoint "
+                     rf"directory \S+ is claimed by job {holder.job_id} on", second.out), second.out
+
+
+# ---------------------------------------------------------------- preemption on the cluster
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
+    """The uninterrupted run's final model (2 ranks on the local site)."""
+    root = tmp_path_factory.mktemp("ref")
+    result = run_cli("submit", "--site", "local", "--set", "resources.tasks_per_node=2", *storage_sets(root),
+                     "--wait", "--", str(API), "--steps", str(STEPS))
+    assert result.code == 0, result.text
+    return final_model(root)
+
+
+def final_model(root: Path) -> dict[str, np.ndarray]:
+    ckpt = CheckpointStore(root / "checkpoints" / "ddp_hpcdist").load(STEPS)
+    return dict(ckpt.tree["state"]["model"])
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("sig", ["USR2", "TERM"])
+def test_preempted_api_job_requeues_and_ends_as_uninterrupted(slurm_storage: Path, reference: dict[str, np.ndarray],
+                                                              sig: str) -> None:
+    root = slurm_storage
+    job = Background(["submit", "--site", "local-slurm", "--set", "resources.nodes=2", *storage_sets(root),
+                      "--wait", "--", str(API), "--steps", str(STEPS), "--step-s", "0.1"])
+    try:
+        ckpts = root / "checkpoints" / "ddp_hpcdist"
+        wait_for(lambda: (ckpts / "step_00000020.h5").is_file(), 150, "the first checkpoint")
+        jid = next(p.name for p in (root / "logs" / "ddp_hpcdist").iterdir() if p.name.isdigit())
+        subprocess.run(["scancel", f"--signal={sig}", jid], check=True)
+        # Slurm holds a requeued job for ~2 minutes (BeginTime); release it so the test stays short.
+        wait_for(lambda: squeue_state(jid).startswith("PENDING"), 60, "the job to be requeued (PENDING)")
+        subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], check=True)
+        result = job.finish(timeout=240)
+    finally:
+        job.kill()
+    assert result.code == 0, result.text
+    assert f"job {jid} finished: COMPLETED; 2/2 ranks succeeded" in result.out
+    history = subprocess.run(["sacct", "-j", jid, "-X", "-n", "-P", "--duplicates", "-o", "State"],
+                             capture_output=True, text=True).stdout.split()
+    assert history == ["REQUEUED", "COMPLETED"], history
+    log = (root / "logs" / "ddp_hpcdist" / jid / f"{jid}_0_log.err").read_text()
+    stopped = int(re.search(r"stop requested: checkpointing at step (\d+)", log).group(1))  # type: ignore[union-attr]
+    assert 20 <= stopped < STEPS and f"resumed from step {stopped}" in log
+    model = final_model(root)
+    assert all(np.array_equal(model[k], reference[k]) for k in reference), "the resumed run ended elsewhere"
+    path = root / "results" / "ddp_hpcdist" / f"{jid}.h5"
+    attrs = read_attrs(path)
+    assert attrs["complete"] and attrs["resumed_from"] == stopped and attrs["site"] == "local-slurm"
+    import h5py
+
+    with h5py.File(path) as f:
+        assert read_table(f["loss"])["step"].tolist() == list(range(1, STEPS + 1))
+    assert read(ckpts) is None  # the claim was released at the end
+
+
+def test_train_gpt_refuses_a_checkpoint_directory_another_job_holds(train_root: Path, tokens: Path) -> None:
+    root = train_root / "claimed"
+    held = Claim(ckpt_dir(root), Holder("local-other", socket.gethostname(), os.getpid(), time.time())).acquire()
+    try:
+        result = train(root, tokens, "--set", "params.steps=2", "--set", "params.optim.warmup_steps=1")
+    finally:
+        held.release()
+    assert result.code == 1, result.text
+    assert re.search(r"rank 0: FAILED CheckpointError: checkpoint directory \S+ is claimed by job local-other on",
+                     result.out), result.out
+    assert not list(ckpt_dir(root).glob("step_*"))
