@@ -12,9 +12,11 @@ methods and converted on the way in.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -153,7 +155,8 @@ class TreeIndex:
     @classmethod
     def from_json(cls, text: str) -> TreeIndex:
         data = json.loads(text)
-        placed = [Placed(str(n), int(o), str(t), tuple(int(x) for x in s), str(h)) for n, o, t, s, h in data["datasets"]]
+        placed = [Placed(str(n), int(o), str(t), tuple(int(x) for x in shape), str(h))
+                  for n, o, t, shape, h in data["datasets"]]
         return cls([str(g) for g in data["groups"]], placed, [str(o) for o in data["others"]], int(data["bytes"]))
 
 
@@ -191,25 +194,30 @@ def _raw_ok(arr: np.ndarray) -> bool:
 
 
 class _RawWriter:
-    """Writes arrays at file offsets with `os.pwrite` (no GIL held) in one thread, then fdatasyncs,
-    so data reaches the disk while the main thread creates datasets and the pool hashes."""
+    """Writes arrays at file offsets with `os.pwrite` (no GIL held) in one thread, starting the
+    disk's writeback as it goes, then fdatasyncs: the disk works while the pool hashes."""
 
     def __init__(self, path: Path) -> None:
         self.fd = os.open(path, os.O_WRONLY)
         self.pool = ThreadPoolExecutor(max_workers=1)
-        self.jobs: list[Future[None]] = []
+        self.job: Future[None] | None = None
 
-    def put(self, offset: int, arr: np.ndarray) -> None:
-        self.jobs.append(self.pool.submit(_pwrite_all, self.fd, arr, offset))
+    def write(self, parts: list[tuple[int, np.ndarray]]) -> None:
+        self.job = self.pool.submit(self._write, parts)
 
-    def sync(self) -> Future[None]:
-        """All writes done and the data on disk (metadata HDF5 writes at close comes after)."""
-        return self.pool.submit(os.fdatasync, self.fd)
+    def _write(self, parts: list[tuple[int, np.ndarray]]) -> None:
+        for offset, arr in parts:
+            _pwrite_all(self.fd, arr, offset)
+        os.fdatasync(self.fd)
+
+    def wait(self) -> None:
+        """All written and on disk (HDF5 writes its metadata at close, fsynced after)."""
+        if self.job is not None:
+            self.job.result()
 
     def close(self) -> None:
         try:
-            for job in self.jobs:
-                job.result()
+            self.wait()
         finally:
             self.pool.shutdown(wait=True)
             os.close(self.fd)
@@ -220,6 +228,28 @@ def _pwrite_all(fd: int, arr: np.ndarray, offset: int) -> None:
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done : done + (1 << 30)], offset + done)
+    _start_writeback(fd, offset, done)
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask Linux to start writing these pages to disk now (``sync_file_range``, no wait), so the
+    disk works while the rest is written and hashed and the final fdatasync has little left."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, ctypes.c_int64(offset), ctypes.c_int64(nbytes), 2)  # SYNC_FILE_RANGE_WRITE
+
+
+def _sync_file_range() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
 
 
 def write_tree(f: h5py.Group, tree: Mapping[str, Any], raw: Path | None = None) -> TreeIndex:
@@ -246,30 +276,34 @@ def write_tree(f: h5py.Group, tree: Mapping[str, Any], raw: Path | None = None) 
     writer = _RawWriter(raw) if raw is not None else None
     placed: list[Placed] = []
     others: list[str] = []
+    dsets: list[Any] = []  # low-level DatasetIDs: h5py's high-level wrapper costs ~3x per dataset
     try:
-        with ThreadPoolExecutor(max_workers=hash_threads()) as pool:
+        # All datasets first (metadata only) with no other thread running: threads that finish a
+        # write or a hash while this loop holds the GIL would each wait for it (the convoy effect).
+        dcpl = _raw_layout()
+        for name, arr in arrays:
+            parent, _, leaf = name.rpartition("/")
+            g = group(parent or "/")
+            if writer is not None and _raw_ok(arr):
+                dset = _create_raw(g, leaf, arr, dcpl)
+                offset = int(dset.get_offset())
+                placed.append(Placed(f"{base}/{name}", offset, arr.dtype.str, tuple(arr.shape), ""))
+            else:
+                dset = g.create_dataset(leaf, data=arr).id
+                others.append(f"{base}/{name}")
+            dsets.append(dset)
+        # Then the writer (one thread) and the hashing (the other cores) run while this thread waits.
+        if writer is not None:
+            raw_arrays = [arr for _, arr in arrays if _raw_ok(arr)]
+            writer.write([(p.offset, arr) for p, arr in zip(placed, raw_arrays, strict=True)])
+        with ThreadPoolExecutor(max_workers=max(1, hash_threads() - (writer is not None))) as pool:
             digests = [pool.submit(sha256_of, arr) for _, arr in arrays]
-            dsets: list[Any] = []  # low-level DatasetIDs: h5py's high-level wrapper costs ~3x per dataset
-            dcpl = _raw_layout()
-            for name, arr in arrays:
-                parent, _, leaf = name.rpartition("/")
-                g = group(parent or "/")
-                if writer is not None and _raw_ok(arr):
-                    dset = _create_raw(g, leaf, arr, dcpl)
-                    offset = int(dset.get_offset())
-                    writer.put(offset, arr)
-                    placed.append(Placed(f"{base}/{name}", offset, arr.dtype.str, tuple(arr.shape), ""))
-                else:
-                    dset = g.create_dataset(leaf, data=arr).id
-                    others.append(f"{base}/{name}")
-                dsets.append(dset)
-            synced = writer.sync() if writer is not None else None
             hashes = {
                 f"{base}/{name}": _set_sha256(dset, digest.result())
                 for (name, _), dset, digest in zip(arrays, dsets, digests, strict=True)
             }
-            if synced is not None:
-                synced.result()
+        if writer is not None:
+            writer.wait()
     finally:
         if writer is not None:
             writer.close()
@@ -363,7 +397,8 @@ def read_indexed(
             item = f[name]
             arr = np.asarray(item[()])
             nbytes += arr.nbytes
-            checks.append((name, pool.submit(sha256_of, arr) if verify else None, str(plain(item.attrs.get("sha256", "")))))
+            recorded = str(plain(item.attrs.get("sha256", "")))
+            checks.append((name, pool.submit(sha256_of, arr) if verify else None, recorded))
             parent, _, leaf = name.rpartition("/")
             node(parent)[leaf] = arr
         fd = os.open(path, os.O_RDONLY)
