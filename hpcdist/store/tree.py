@@ -224,7 +224,7 @@ class _RawWriter:
 
 
 def _pwrite_all(fd: int, arr: np.ndarray, offset: int) -> None:
-    view = memoryview(arr.reshape(-1).view(np.uint8))
+    view = arr.reshape(-1).view(np.uint8).data
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done : done + (1 << 30)], offset + done)
@@ -405,7 +405,7 @@ def read_indexed(
         try:
             for p in (p for p in index.placed if selected(p.name)):
                 arr = np.empty(p.shape, dtype=np.dtype(p.dtype))
-                if arr.nbytes and os.preadv(fd, [arr.reshape(-1).view(np.uint8)], p.offset) != arr.nbytes:
+                if arr.nbytes and os.preadv(fd, [arr.reshape(-1).view(np.uint8).data], p.offset) != arr.nbytes:
                     raise CheckpointError(f"{where}: dataset {p.name} lies past the end of the file; truncated")
                 nbytes += arr.nbytes
                 checks.append((p.name, pool.submit(sha256_of, arr) if verify else None, p.sha256))
