@@ -97,6 +97,51 @@ def as_array(value: Any) -> np.ndarray | None:
 # ---------------------------------------------------------------- writing
 
 
+def snapshot(tree: Mapping[str, Any], reuse: Mapping[str, Any] | None = None) -> Tree:
+    """A copy of `tree` in host memory that later changes to its tensors do not reach.
+
+    Every array or tensor leaf is copied into a NumPy array: into the same-shaped array of
+    `reuse` (an earlier snapshot no longer in use, so no fresh pages are faulted in) when there is
+    one, else into a new one. Other leaves are kept (they are immutable values or lists of them).
+    This is all an asynchronous save blocks for.
+    """
+    out: Tree = {}
+    for key, value in tree.items():
+        old = reuse.get(key) if reuse is not None else None
+        if isinstance(value, Mapping):
+            out[key] = snapshot(value, old if isinstance(old, Mapping) else None)
+            continue
+        src = _host_view(value)
+        if src is None:
+            out[key] = list(value) if isinstance(value, list) else value
+            continue
+        if isinstance(old, np.ndarray) and old.shape == src.shape and old.dtype == src.dtype:
+            np.copyto(old, src)
+            out[key] = old
+        elif src is not value and not isinstance(value, np.ndarray) and not _on_cpu(value):
+            out[key] = src  # already a fresh host copy (from a device)
+        else:
+            out[key] = np.array(src, copy=True, order="C")
+    return out
+
+
+def _on_cpu(value: Any) -> bool:
+    return str(getattr(value, "device", "cpu")) == "cpu"
+
+
+def _host_view(value: Any) -> np.ndarray | None:
+    """A leaf's array without copying where it can (CPU tensors and arrays), or None."""
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "detach") and hasattr(value, "numpy"):
+        t = value.detach()
+        if str(t.dtype) == "torch.bfloat16":
+            t = t.float()
+        return np.asarray(t.cpu().numpy())
+    return None
+
+
+
 def _flatten(
     tree: Mapping[str, Any], prefix: str = ""
 ) -> tuple[list[tuple[str, np.ndarray]], list[tuple[str, str, Any]]]:
