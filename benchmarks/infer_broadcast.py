@@ -6,10 +6,12 @@ nccl-tests conventions: time per iteration averaged over ranks, algbw = bytes/1e
 algbw (broadcast). Prints the median busbw of each, the ratios to the single-buffer peer, and
 whether every rank's sha256 of every received tensor equals rank 0's.
 
-- ``hpcdist (reused buffer)``: `broadcast_state(..., buffer=)` with the flat buffer allocated
-  once, as a repeating caller (the ``broadcast`` job) does: like for like with the peer;
-- ``hpcdist (fresh buffer)``: a one-shot load (``infer_gpt``'s ``load: broadcast``), which
-  allocates its buffer (pages faulted in while receiving);
+- ``one flat storage``: rank 0's tensors are views of the flat buffer already (as the
+  ``broadcast`` job makes them), every rank reuses its buffer: like for like with the peer;
+- ``packs (reused)``: rank 0's tensors are separate, packed bucket by bucket into a reused
+  buffer while the previous bucket is sent;
+- ``fresh buffer``: a one-shot load (``infer_gpt``'s ``load: broadcast``): separate tensors on
+  rank 0, and every rank allocates its buffer (pages faulted in while receiving);
 - ``per tensor``: `bucket_bytes=0`, one broadcast per tensor.
 
     python benchmarks/infer_broadcast.py                        # 102.5 MB: 8 layers, d_model 512
@@ -32,13 +34,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 from _ranks import run_ranks  # noqa: E402
 
-from hpcdist.infer.broadcast import broadcast_state, describe, flat_buffer  # noqa: E402
+from hpcdist.infer.broadcast import broadcast_state, describe, flat_buffer, in_buffer  # noqa: E402
 from hpcdist.model.checkpoint import parameter_shapes as expected_shapes  # noqa: E402
 from hpcdist.model.config import GPTConfig  # noqa: E402
 
-NAMES = ("reused", "fresh", "per_tensor", "single_buffer")
-LABELS = {"reused": "hpcdist (reused buffer)", "fresh": "hpcdist (fresh buffer)", "per_tensor": "per tensor",
-          "single_buffer": "single buffer (peer)"}
+NAMES = ("in_place", "packed", "fresh", "per_tensor", "single_buffer")
+LABELS = {"in_place": "hpcdist, one flat storage", "packed": "hpcdist, packs (reused)",
+          "fresh": "hpcdist, fresh buffer", "per_tensor": "per tensor", "single_buffer": "single buffer (peer)"}
 
 
 def _digest(state: dict[str, torch.Tensor]) -> str:
@@ -58,6 +60,8 @@ def _rank(rank: int, world: int, cfg: GPTConfig, bucket: int, iters: int) -> dic
     nbytes = sum(torch.Size(s).numel() * 4 for s in shapes.values())
     flat = torch.zeros(nbytes // 4)
     buffer = flat_buffer(meta, torch.device("cpu"))
+    packed_buffer = flat_buffer(meta, torch.device("cpu"))
+    in_place = in_buffer(state, meta, buffer) if state is not None else None  # views of `buffer`
     out: dict[str, list[float]] = {name: [] for name in NAMES}
     digests: dict[str, str] = {}
     for i in range(iters + 1):
@@ -69,8 +73,9 @@ def _rank(rank: int, world: int, cfg: GPTConfig, bucket: int, iters: int) -> dic
                 s = time.perf_counter() - t
             else:
                 got, stats = broadcast_state(
-                    state, torch.device("cpu"), 0 if name == "per_tensor" else bucket, meta=meta,
-                    buffer=buffer if name == "reused" else None,
+                    in_place if name == "in_place" and rank == 0 else state, torch.device("cpu"),
+                    0 if name == "per_tensor" else bucket, meta=meta,
+                    buffer={"in_place": buffer, "packed": packed_buffer}.get(name),
                 )
                 s = stats.seconds
                 if i == iters:
@@ -99,13 +104,13 @@ def main() -> None:
     print(f"# {args.ranks} ranks (gloo, local), {nbytes / 1e6:.1f} MB ({len(expected_shapes(cfg))} tensors), "
           f"bucket {args.bucket_mb} MB, {args.iters} iterations, torch {torch.__version__}, "
           f"load average {os.getloadavg()[0]:.1f}")
-    bw = {}
+    times = {name: [statistics.mean(o[name][i] for o in outs) for i in range(args.iters)] for name in NAMES}
     for name in NAMES:
-        per_iter = [statistics.mean(o[name][i] for o in outs) for i in range(args.iters)]
-        bw[name] = statistics.median(nbytes / 1e9 / t for t in per_iter)
-    for name in NAMES:
-        print(f"{LABELS[name]:<26} busbw median {bw[name]:6.3f} GB/s   vs single buffer "
-              f"{bw[name] / bw['single_buffer']:.2f}")
+        bw = statistics.median(nbytes / 1e9 / t for t in times[name])
+        # the ratio of each iteration (all methods ran back to back in it), then the median:
+        # robust to the load of a shared machine drifting between iterations
+        ratio = statistics.median(p / t for p, t in zip(times["single_buffer"], times[name], strict=True))
+        print(f"{LABELS[name]:<26} busbw median {bw:6.3f} GB/s   vs single buffer {ratio:.2f}")
     same = all(o["digests"][k] == outs[0]["digests"][k] for o in outs for k in outs[0]["digests"])
     print(f"sha256 of the received weights identical on every rank: {'yes' if same else 'NO'}")
     if not same:

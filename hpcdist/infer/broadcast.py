@@ -106,6 +106,22 @@ def flat_buffer(meta: Meta, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
+def _views(meta: Meta, buffer: torch.Tensor) -> list[torch.Tensor]:
+    offsets, _ = layout(meta)
+    return [
+        buffer[off : off + _nbytes(shape, dtype)].view(getattr(torch, dtype)).view(shape)
+        for off, (_, shape, dtype) in zip(offsets, meta, strict=True)
+    ]
+
+
+def in_buffer(state: dict[str, torch.Tensor], meta: Meta, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`state` copied into `buffer` in `layout(meta)`, as views; a source laid out so is sent without packing."""
+    views = _views(meta, buffer)
+    for (name, shape, _), view in zip(meta, views, strict=True):
+        view.copy_(state[name].detach().reshape(shape))
+    return {name: view for (name, _, _), view in zip(meta, views, strict=True)}
+
+
 def broadcast_state(
     state: dict[str, torch.Tensor] | None,
     device: torch.device,
@@ -133,10 +149,7 @@ def broadcast_state(
     elif buffer.numel() < total or buffer.dtype != torch.uint8 or buffer.device != device:
         raise ValueError(f"broadcast buffer of {buffer.numel()} {buffer.dtype} on {buffer.device} cannot hold "
                          f"{total} bytes on {device}; make it with flat_buffer(meta, device)")
-    views = [
-        buffer[off : off + _nbytes(shape, dtype)].view(getattr(torch, dtype)).view(shape)
-        for off, (_, shape, dtype) in zip(offsets, meta, strict=True)
-    ]
+    views = _views(meta, buffer)
     buckets = plan_buckets(meta, bucket_bytes)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
