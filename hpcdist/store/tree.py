@@ -33,6 +33,24 @@ if TYPE_CHECKING:
 Tree = dict[str, Any]  # nested: dict -> group, array/tensor -> dataset, scalar/str -> attribute
 HASH_THREADS = 8
 STREAM_CHUNK_BYTES = 16 << 20
+BATCH_BYTES = 8 << 20  # work handed to a hashing or writing thread at once
+
+
+def _batches(arrays: list[np.ndarray]) -> list[list[np.ndarray]]:
+    """Consecutive arrays grouped into batches of about BATCH_BYTES (a larger array alone)."""
+    out: list[list[np.ndarray]] = [[]]
+    size = 0
+    for arr in arrays:
+        if out[-1] and size + arr.nbytes > BATCH_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(arr)
+        size += arr.nbytes
+    return [b for b in out if b]
+
+
+def _sha256_batch(arrays: list[np.ndarray]) -> list[str]:
+    return [sha256_of(a) for a in arrays]
 
 
 def hash_threads() -> int:
@@ -239,26 +257,28 @@ def _raw_ok(arr: np.ndarray) -> bool:
 
 
 class _RawWriter:
-    """Writes arrays at file offsets with `os.pwrite` (no GIL held) in one thread, starting the
-    disk's writeback as it goes, then fdatasyncs: the disk works while the pool hashes."""
+    """Writes arrays at file offsets with `os.pwrite` (no GIL held) in one thread, in the order
+    given, starting the disk's writeback as it goes, and fdatasyncs after the last batch: the
+    disk works while datasets are still being created and the pool hashes."""
 
     def __init__(self, path: Path) -> None:
         self.fd = os.open(path, os.O_WRONLY)
         self.pool = ThreadPoolExecutor(max_workers=1)
-        self.job: Future[None] | None = None
+        self.jobs: list[Future[None]] = []
 
-    def write(self, parts: list[tuple[int, np.ndarray]]) -> None:
-        self.job = self.pool.submit(self._write, parts)
+    def write(self, parts: list[tuple[int, np.ndarray]], last: bool = False) -> None:
+        self.jobs.append(self.pool.submit(self._write, parts, last))
 
-    def _write(self, parts: list[tuple[int, np.ndarray]]) -> None:
+    def _write(self, parts: list[tuple[int, np.ndarray]], last: bool) -> None:
         for offset, arr in parts:
             _pwrite_all(self.fd, arr, offset)
-        os.fdatasync(self.fd)
+        if last:
+            os.fdatasync(self.fd)
 
     def wait(self) -> None:
         """All written and on disk (HDF5 writes its metadata at close, fsynced after)."""
-        if self.job is not None:
-            self.job.result()
+        for job in self.jobs:
+            job.result()
 
     def close(self) -> None:
         try:
@@ -322,31 +342,35 @@ def write_tree(f: h5py.Group, tree: Mapping[str, Any], raw: Path | None = None) 
     placed: list[Placed] = []
     others: list[str] = []
     dsets: list[Any] = []  # low-level DatasetIDs: h5py's high-level wrapper costs ~3x per dataset
+    # Threads get work in batches of BATCH_BYTES: a thread that finishes a task while this one
+    # holds the GIL (creating datasets) waits for it, so many small tasks would stall them.
     try:
-        # All datasets first (metadata only) with no other thread running: threads that finish a
-        # write or a hash while this loop holds the GIL would each wait for it (the convoy effect).
-        dcpl = _raw_layout()
-        for name, arr in arrays:
-            parent, _, leaf = name.rpartition("/")
-            g = group(parent or "/")
-            if writer is not None and _raw_ok(arr):
-                dset = _create_raw(g, leaf, arr, dcpl)
-                offset = int(dset.get_offset())
-                placed.append(Placed(f"{base}/{name}", offset, arr.dtype.str, tuple(arr.shape), ""))
-            else:
-                dset = g.create_dataset(leaf, data=arr).id
-                others.append(f"{base}/{name}")
-            dsets.append(dset)
-        # Then the writer (one thread) and the hashing (the other cores) run while this thread waits.
-        if writer is not None:
-            raw_arrays = [arr for _, arr in arrays if _raw_ok(arr)]
-            writer.write([(p.offset, arr) for p, arr in zip(placed, raw_arrays, strict=True)])
-        with ThreadPoolExecutor(max_workers=max(1, hash_threads() - (writer is not None))) as pool:
-            digests = [pool.submit(sha256_of, arr) for _, arr in arrays]
-            hashes = {
-                f"{base}/{name}": _set_sha256(dset, digest.result())
-                for (name, _), dset, digest in zip(arrays, dsets, digests, strict=True)
-            }
+        with ThreadPoolExecutor(max_workers=hash_threads()) as pool:
+            digests = [pool.submit(_sha256_batch, batch) for batch in _batches([a for _, a in arrays])]
+            dcpl = _raw_layout()
+            pending: list[tuple[int, np.ndarray]] = []
+            for name, arr in arrays:
+                parent, _, leaf = name.rpartition("/")
+                g = group(parent or "/")
+                if writer is not None and _raw_ok(arr):
+                    dset = _create_raw(g, leaf, arr, dcpl)
+                    offset = int(dset.get_offset())
+                    placed.append(Placed(f"{base}/{name}", offset, arr.dtype.str, tuple(arr.shape), ""))
+                    pending.append((offset, arr))
+                    if sum(a.nbytes for _, a in pending) >= BATCH_BYTES:
+                        writer.write(pending)
+                        pending = []
+                else:
+                    dset = g.create_dataset(leaf, data=arr).id
+                    others.append(f"{base}/{name}")
+                dsets.append(dset)
+            if writer is not None:
+                writer.write(pending, last=True)
+            hex_digests = [h for batch in digests for h in batch.result()]
+        hashes = {
+            f"{base}/{name}": _set_sha256(dset, digest)
+            for (name, _), dset, digest in zip(arrays, dsets, hex_digests, strict=True)
+        }
         if writer is not None:
             writer.wait()
     finally:
