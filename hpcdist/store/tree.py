@@ -12,11 +12,9 @@ methods and converted on the way in.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
-import sys
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -258,8 +256,8 @@ def _raw_ok(arr: np.ndarray) -> bool:
 
 class _RawWriter:
     """Writes arrays at file offsets with `os.pwrite` (no GIL held) in one thread, in the order
-    given, starting the disk's writeback as it goes, and fdatasyncs after the last batch: the
-    disk works while datasets are still being created and the pool hashes."""
+    given, and fdatasyncs after the last batch, while datasets are still being created and the
+    pool hashes. (Starting writeback early with ``sync_file_range`` measured slower here.)"""
 
     def __init__(self, path: Path) -> None:
         self.fd = os.open(path, os.O_WRONLY)
@@ -293,28 +291,6 @@ def _pwrite_all(fd: int, arr: np.ndarray, offset: int) -> None:
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done : done + (1 << 30)], offset + done)
-    _start_writeback(fd, offset, done)
-
-
-def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Ask Linux to start writing these pages to disk now (``sync_file_range``, no wait), so the
-    disk works while the rest is written and hashed and the final fdatasync has little left."""
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, ctypes.c_int64(offset), ctypes.c_int64(nbytes), 2)  # SYNC_FILE_RANGE_WRITE
-
-
-def _sync_file_range() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return fn
-
-
-_SYNC_FILE_RANGE = _sync_file_range()
 
 
 def write_tree(f: h5py.Group, tree: Mapping[str, Any], raw: Path | None = None) -> TreeIndex:
