@@ -65,7 +65,7 @@ def step_cost(base: Path, model: GPT, opt: torch.optim.Optimizer, repeat: int) -
     store_sync = store.CheckpointStore(base / "sync", keep_last=1)
     store_bg = store.CheckpointStore(base / "async", keep_last=1)
     t0 = time.perf_counter()
-    store_bg.save_async(-1 + 10**6, state())  # the first save allocates its host copy; later ones reuse it
+    store_bg.save_async(0, state())  # the first save allocates its host copy; later ones reuse it
     first = time.perf_counter() - t0
     store_bg.wait()
     for i in range(repeat):
@@ -82,7 +82,7 @@ def step_cost(base: Path, model: GPT, opt: torch.optim.Optimizer, repeat: int) -
         store_sync.save(i, state())
         sync.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        store_bg.save_async(i, state())
+        store_bg.save_async(i + 1, state())
         blocked.append(time.perf_counter() - t0)
         n = 0
         while store_bg.saving:
