@@ -11,7 +11,7 @@ Format ``hpcdist.checkpoint`` version 1 (readable by ``h5dump`` and by plain ``h
 - Root attributes: ``format = "hpcdist.checkpoint"``, ``format_version = 1``, ``step``,
   ``epoch``, ``created`` (UTC ISO 8601), ``hpcdist_version``, and those the caller adds (the GPT
   layer adds ``model_config_json``, see ``hpcdist.model.checkpoint``).
-- Root attribute ``index_json`` (optional, written since hpcdist 0.x; older files lack it):
+- Root attribute ``index_json`` (optional: files of earlier hpcdist 0.1.0 builds lack it):
   the tree's groups, and for each numeric dataset its path, byte offset in the file, dtype,
   shape and sha256 (``hpcdist.store.tree.TreeIndex``). Such datasets are contiguous and
   uncompressed, so a reader can read them without walking HDF5 objects; any disagreement
