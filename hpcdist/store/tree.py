@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hpcdist.errors import CheckpointError
+from hpcdist.store import hostmem
 
 if TYPE_CHECKING:
     import h5py
@@ -142,7 +143,9 @@ def snapshot(tree: Mapping[str, Any], reuse: Mapping[str, Any] | None = None) ->
         elif src is not value and not isinstance(value, np.ndarray) and not _on_cpu(value):
             out[key] = src  # already a fresh host copy (from a device)
         else:
-            out[key] = np.array(src, copy=True, order="C")
+            copy = hostmem.empty(src.shape, src.dtype)  # huge pages: the first save faults in fewer
+            np.copyto(copy, src)
+            out[key] = copy
     return out
 
 
@@ -454,7 +457,7 @@ def read_indexed(
         fd = os.open(path, os.O_RDONLY)
         try:
             for p in (p for p in index.placed if selected(p.name)):
-                arr = np.empty(p.shape, dtype=np.dtype(p.dtype))
+                arr = hostmem.empty(p.shape, np.dtype(p.dtype))  # huge pages: fewer faults
                 if arr.nbytes and os.preadv(fd, [arr.reshape(-1).view(np.uint8).data], p.offset) != arr.nbytes:
                     raise CheckpointError(f"{where}: dataset {p.name} lies past the end of the file; truncated")
                 nbytes += arr.nbytes
