@@ -175,11 +175,14 @@ def main() -> int:
         shutil.rmtree(base / "h5")
         rows["hdf5_write"].clear()
         for i in range(args.repeat):
-            # each pair back to back, its order alternating by repeat, every result freed at once:
-            # fresh pages cost much on a VM, so who runs first (or keeps memory) would decide
+            # each file is read right after it is written (this machine keeps little in its page
+            # cache: a file written 2 GB earlier is read from disk); the order of the blocks
+            # alternates by repeat and every result is freed at once, so that neither reader
+            # inherits the other's memory (fresh pages cost much on a VM)
             b = Bench(base, tree, torch_state, model_attrs(model.cfg), rows)
-            for pair in ((b.hdf5_write, b.dd_write), (b.torch_write,), (b.hdf5_read, b.torch_read)):
-                for run in (pair if i % 2 == 0 else pair[::-1]):
+            blocks = [(b.hdf5_write, b.hdf5_read), (b.dd_write,), (b.torch_write, b.torch_read)]
+            for block in (blocks if i % 2 == 0 else blocks[::-1]):
+                for run in block:
                     run(size if run == b.dd_write else i)
                     gc.collect()
             (base / f"torch-{i}.pt").unlink()
