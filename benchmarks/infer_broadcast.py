@@ -1,15 +1,28 @@
-"""Weight broadcast bandwidth: flat buckets vs tensor by tensor vs one dist.broadcast of a single
-buffer of the same bytes (what the bench job's broadcast measures), on N local gloo ranks.
+"""Weight broadcast bandwidth: hpcdist's `broadcast_state` against one dist.broadcast of a
+single preallocated buffer of the same bytes (what the bench job's broadcast measures), and the
+tensor-by-tensor baseline, on N local gloo ranks, with every rank's received weights checked.
 
 nccl-tests conventions: time per iteration averaged over ranks, algbw = bytes/1e9/s, busbw =
-algbw (broadcast). Prints the median busbw of each and the ratios to the single-buffer peer.
+algbw (broadcast). Prints the median busbw of each, the ratios to the single-buffer peer, and
+whether every rank's sha256 of every received tensor equals rank 0's.
 
-    python benchmarks/infer_broadcast.py [--ranks 2 --layers 8 --d-model 512 --bucket-mb 64]
+- ``one flat storage``: rank 0's tensors are views of the flat buffer already (as the
+  ``broadcast`` job makes them), every rank reuses its buffer: like for like with the peer;
+- ``packs (reused)``: rank 0's tensors are separate, packed bucket by bucket into a reused
+  buffer while the previous bucket is sent;
+- ``fresh buffer``: a one-shot load (``infer_gpt``'s ``load: broadcast``): separate tensors on
+  rank 0, and every rank allocates its buffer (pages faulted in while receiving);
+- ``per tensor``: `bucket_bytes=0`, one broadcast per tensor.
+
+    python benchmarks/infer_broadcast.py                        # 102.5 MB: 8 layers, d_model 512
+    python benchmarks/infer_broadcast.py --gpt2-small           # 124M parameters, 498 MB
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import os
 import statistics
 import sys
 import time
@@ -21,55 +34,87 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 from _ranks import run_ranks  # noqa: E402
 
-from hpcdist.infer.broadcast import broadcast_state, describe  # noqa: E402
+from hpcdist.infer.broadcast import broadcast_state, describe, flat_buffer, in_buffer  # noqa: E402
 from hpcdist.model.checkpoint import parameter_shapes as expected_shapes  # noqa: E402
 from hpcdist.model.config import GPTConfig  # noqa: E402
+
+NAMES = ("in_place", "packed", "fresh", "per_tensor", "single_buffer")
+LABELS = {"in_place": "hpcdist, one flat storage", "packed": "hpcdist, packs (reused)",
+          "fresh": "hpcdist, fresh buffer", "per_tensor": "per tensor", "single_buffer": "single buffer (peer)"}
+
+
+def _digest(state: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for v in state.values():
+        h.update(v.contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def _rank(rank: int, world: int, cfg: GPTConfig, bucket: int, iters: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    state = {k: torch.randn(s) for k, s in expected_shapes(cfg).items()}
-    meta = describe(state)
-    src = state if rank == 0 else None
-    nbytes = sum(v.numel() * 4 for v in state.values())
+    gen = torch.Generator().manual_seed(0)
+    shapes = {k: s for k, s in expected_shapes(cfg).items()}
+    state = {k: torch.randn(s, generator=gen) for k, s in shapes.items()} if rank == 0 else None
+    meta = describe({k: torch.empty(s) for k, s in shapes.items()})
+    nbytes = sum(torch.Size(s).numel() * 4 for s in shapes.values())
     flat = torch.zeros(nbytes // 4)
-    out: dict[str, list[float]] = {"buckets": [], "per_tensor": [], "single_buffer": []}
+    buffer = flat_buffer(meta, torch.device("cpu"))
+    packed_buffer = flat_buffer(meta, torch.device("cpu"))
+    in_place = in_buffer(state, meta, buffer) if state is not None else None  # views of `buffer`
+    out: dict[str, list[float]] = {name: [] for name in NAMES}
+    digests: dict[str, str] = {}
     for i in range(iters + 1):
-        for name in out:
+        for name in NAMES:
             dist.barrier()
             if name == "single_buffer":
                 t = time.perf_counter()
                 dist.broadcast(flat, src=0)
                 s = time.perf_counter() - t
             else:
-                _, stats = broadcast_state(src, torch.device("cpu"), bucket if name == "buckets" else 0, meta=meta)
+                got, stats = broadcast_state(
+                    in_place if name == "in_place" and rank == 0 else state, torch.device("cpu"),
+                    0 if name == "per_tensor" else bucket, meta=meta,
+                    buffer={"in_place": buffer, "packed": packed_buffer}.get(name),
+                )
                 s = stats.seconds
+                if i == iters:
+                    digests[name] = _digest(got)
+                del got
             if i:
                 out[name].append(s)
-    return {"bytes": nbytes, **out}
+    return {"bytes": nbytes, "digests": digests, **out}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--gpt2-small", action="store_true", help="GPT-2 small's shapes (124M parameters)")
     ap.add_argument("--bucket-mb", type=float, default=64)
     ap.add_argument("--iters", type=int, default=5)
     args = ap.parse_args()
-    cfg = GPTConfig(context=512, n_layer=args.layers, n_head=8, d_model=args.d_model)
+    if args.gpt2_small:
+        cfg = GPTConfig(vocab_size=50257, context=1024, n_layer=12, n_head=12, d_model=768)
+    else:
+        cfg = GPTConfig(context=512, n_layer=args.layers, n_head=8, d_model=args.d_model)
     outs = run_ranks(args.ranks, _rank, cfg, int(args.bucket_mb * (1 << 20)), args.iters)
     nbytes = outs[0]["bytes"]
-    print(f"{args.ranks} ranks, {nbytes / 1e6:.1f} MB ({len(expected_shapes(cfg))} tensors), "
-          f"bucket {args.bucket_mb} MB, {args.iters} iterations")
-    bw = {}
-    for name in ("buckets", "per_tensor", "single_buffer"):
-        per_iter = [statistics.mean(o[name][i] for o in outs) for i in range(args.iters)]
-        bw[name] = statistics.median(nbytes / 1e9 / t for t in per_iter)
-        print(f"{name:>14}: busbw median {bw[name]:.3f} GB/s")
-    print(f"buckets / single buffer: {bw['buckets'] / bw['single_buffer']:.2f}; "
-          f"per tensor / single buffer: {bw['per_tensor'] / bw['single_buffer']:.2f}")
+    print(f"# {args.ranks} ranks (gloo, local), {nbytes / 1e6:.1f} MB ({len(expected_shapes(cfg))} tensors), "
+          f"bucket {args.bucket_mb} MB, {args.iters} iterations, torch {torch.__version__}, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    times = {name: [statistics.mean(o[name][i] for o in outs) for i in range(args.iters)] for name in NAMES}
+    for name in NAMES:
+        bw = statistics.median(nbytes / 1e9 / t for t in times[name])
+        # the ratio of each iteration (all methods ran back to back in it), then the median:
+        # robust to the load of a shared machine drifting between iterations
+        ratio = statistics.median(p / t for p, t in zip(times["single_buffer"], times[name], strict=True))
+        print(f"{LABELS[name]:<26} busbw median {bw:6.3f} GB/s   vs single buffer {ratio:.2f}")
+    same = all(o["digests"][k] == outs[0]["digests"][k] for o in outs for k in outs[0]["digests"])
+    print(f"sha256 of the received weights identical on every rank: {'yes' if same else 'NO'}")
+    if not same:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -58,3 +58,26 @@ def test_one_version_rule(tmp_path: Path, version: int, why: str) -> None:
         f.attrs["format_version"] = version
     with pytest.raises(CheckpointError, match=why):
         read(path)
+
+
+@pytest.mark.parametrize("damage", ["no index", "stale offsets"])
+def test_read_without_or_with_a_wrong_index_falls_back_to_hdf5(tmp_path: Path, damage: str) -> None:
+    """Files written before `index_json` existed read the same; an index that disagrees with the
+    file is not trusted (the HDF5 structure is the truth)."""
+    import json
+
+    store = CheckpointStore(tmp_path)
+    s = state(4)
+    path = store.save(1, s).path
+    with h5py.File(path, "r+") as f:
+        if damage == "no index":
+            del f.attrs["index_json"]
+        else:
+            index = json.loads(f.attrs["index_json"])
+            for entry in index["datasets"]:
+                entry[1] += 8
+            f.attrs["index_json"] = json.dumps(index)
+    got = store.load(1)
+    assert np.array_equal(got.tree["net"]["w"], s["net"]["w"].numpy())
+    assert np.array_equal(got.tree["meta"]["order"], np.arange(5)) and got.tree["meta"]["tags"] == ["x", "y"]
+    assert "index_json" not in got.attrs

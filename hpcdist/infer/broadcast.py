@@ -1,9 +1,14 @@
-"""Rank 0's weights to every rank in large flat buckets (not one broadcast per tensor).
+"""Rank 0's weights to every rank as one flat buffer, sent in buckets that overlap the packing.
 
-Small tensors (biases, layer norms) would each pay a collective's latency; packing tensors
-into contiguous buckets of ``bucket_bytes`` (the idea of DDP's gradient buckets) makes the
-transfer bandwidth-bound. The other ranks learn the names, shapes and dtypes from a small
-object broadcast first, so they need no checkpoint and no model config to receive.
+Every rank lays the state out the same way in one byte buffer (`layout`: tensors in order, each
+at a 64-byte aligned offset). Rank 0 copies tensors into it bucket by bucket and starts each
+bucket's broadcast as soon as it is packed, so packing the next one overlaps the transfer; the
+other ranks receive straight into the buffer and get their tensors as views of it: no per-tensor
+allocation and no unpacking copy. A caller that repeats the transfer passes the buffer back in
+(`buffer=`), as a benchmark's single-buffer peer does. Small tensors (biases, layer norms) share
+a bucket so they do not each pay a collective's latency; ``bucket_bytes`` <= 0 sends tensor by
+tensor (the baseline). The other ranks learn names, shapes and dtypes from a small object
+broadcast first, so they need no checkpoint and no model config to receive.
 
 Bandwidth is nccl-tests' arithmetic from the one factor table, ``hpcdist.bench.factors``
 (importing it loads nothing of the benchmark package but that module: no torch, no MPI).
@@ -21,6 +26,7 @@ import torch.distributed as dist
 from hpcdist.bench.factors import algbw, busbw
 
 Meta = list[tuple[str, tuple[int, ...], str]]  # name, shape, dtype
+ALIGN = 64  # bytes: each tensor's offset in the flat buffer, so any dtype can view its part
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,42 @@ def describe(state: dict[str, torch.Tensor]) -> Meta:
     return [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()]
 
 
+def layout(meta: Meta) -> tuple[list[int], int]:
+    """Each tensor's byte offset in the flat buffer, and the buffer's size."""
+    offsets = []
+    end = 0
+    for _, shape, dtype in meta:
+        start = -(-end // ALIGN) * ALIGN
+        offsets.append(start)
+        end = start + _nbytes(shape, dtype)
+    return offsets, end
+
+
+def flat_buffer(meta: Meta, device: torch.device) -> torch.Tensor:
+    """A byte buffer that `broadcast_state(..., buffer=)` fills, for a caller that repeats the transfer.
+
+    Allocate it once: touching fresh pages costs more than the transfer on a virtual machine
+    (a one-shot load pays it once; huge-page advice did not help in the benchmark here).
+    """
+    return torch.empty(layout(meta)[1], dtype=torch.uint8, device=device)
+
+
+def _views(meta: Meta, buffer: torch.Tensor) -> list[torch.Tensor]:
+    offsets, _ = layout(meta)
+    return [
+        buffer[off : off + _nbytes(shape, dtype)].view(getattr(torch, dtype)).view(shape)
+        for off, (_, shape, dtype) in zip(offsets, meta, strict=True)
+    ]
+
+
+def in_buffer(state: dict[str, torch.Tensor], meta: Meta, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`state` copied into `buffer` in `layout(meta)`, as views; a source laid out so is sent without packing."""
+    views = _views(meta, buffer)
+    for (name, shape, _), view in zip(meta, views, strict=True):
+        view.copy_(state[name].detach().reshape(shape))
+    return {name: view for (name, _, _), view in zip(meta, views, strict=True)}
+
+
 def broadcast_state(
     state: dict[str, torch.Tensor] | None,
     device: torch.device,
@@ -87,12 +129,13 @@ def broadcast_state(
     src: int = 0,
     group: dist.ProcessGroup | None = None,
     meta: Meta | None = None,
+    buffer: torch.Tensor | None = None,
 ) -> tuple[dict[str, torch.Tensor], BroadcastStats]:
     """Every rank gets `src`'s `state` (others pass None); returns it and the transfer's figures.
 
-    Tensors of one dtype share a bucket; on the receiving side each tensor is a view into its
-    bucket (no copy). Pass `meta` (identical on every rank) to skip the object broadcast, as a
-    repeated benchmark does.
+    The returned tensors are views of one flat byte buffer on `device` (on `src` too), `buffer`
+    when given (`flat_buffer(meta, device)`, reused across calls). Pass `meta` (identical on
+    every rank) to skip the object broadcast, as a repeated benchmark does.
     """
     is_src = dist.get_rank() == src
     if meta is None:
@@ -100,30 +143,37 @@ def broadcast_state(
         dist.broadcast_object_list(box, src=src, group=group, device=device if device.type == "cuda" else None)
         meta = box[0]
         assert meta is not None
+    offsets, total = layout(meta)
+    if buffer is None:
+        buffer = flat_buffer(meta, device)
+    elif buffer.numel() < total or buffer.dtype != torch.uint8 or buffer.device != device:
+        raise ValueError(f"broadcast buffer of {buffer.numel()} {buffer.dtype} on {buffer.device} cannot hold "
+                         f"{total} bytes on {device}; make it with flat_buffer(meta, device)")
+    views = _views(meta, buffer)
     buckets = plan_buckets(meta, bucket_bytes)
-    out: dict[str, torch.Tensor] = {}
-    total = 0
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
+    works = []
     for bucket in buckets:
-        dtypes = {meta[i][2] for i in bucket}
-        for dtype in sorted(dtypes):  # one flat buffer per dtype (the checkpoint is all float32)
-            idx = [i for i in bucket if meta[i][2] == dtype]
-            numels = [_numel(meta[i][1]) for i in idx]
-            if is_src:
-                assert state is not None
-                flat = torch.cat([state[meta[i][0]].reshape(-1).to(device) for i in idx])
-            else:
-                flat = torch.empty(sum(numels), dtype=getattr(torch, dtype), device=device)
-            dist.broadcast(flat, src=src, group=group)
-            total += flat.numel() * flat.element_size()
-            for i, part in zip(idx, flat.split(numels), strict=True):
-                out[meta[i][0]] = part.view(meta[i][1])
+        if is_src:
+            assert state is not None
+            for i in bucket:
+                source = state[meta[i][0]]
+                if source.data_ptr() != views[i].data_ptr():  # already in place: nothing to pack
+                    views[i].copy_(source.detach().reshape(meta[i][1]))
+        first, last = bucket[0], bucket[-1]
+        span = buffer[offsets[first] : offsets[last] + views[last].numel() * views[last].element_size()]
+        works.append(dist.broadcast(span, src=src, group=group, async_op=True))  # goes while the next is packed
+    for work in works:
+        assert work is not None
+        work.wait()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
-    stats = BroadcastStats(total, seconds, len(buckets), len(meta), dist.get_world_size(group))
+    out = {name: view for (name, _, _), view in zip(meta, views, strict=True)}
+    payload = sum(v.numel() * v.element_size() for v in views)
+    stats = BroadcastStats(payload, seconds, len(buckets), len(meta), dist.get_world_size(group))
     return out, stats
 
 

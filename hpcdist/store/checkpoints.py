@@ -11,6 +11,11 @@ Format ``hpcdist.checkpoint`` version 1 (readable by ``h5dump`` and by plain ``h
 - Root attributes: ``format = "hpcdist.checkpoint"``, ``format_version = 1``, ``step``,
   ``epoch``, ``created`` (UTC ISO 8601), ``hpcdist_version``, and those the caller adds (the GPT
   layer adds ``model_config_json``, see ``hpcdist.model.checkpoint``).
+- Root attribute ``index_json`` (optional: files of earlier hpcdist 0.1.0 builds lack it):
+  the tree's groups, and for each numeric dataset its path, byte offset in the file, dtype,
+  shape and sha256 (``hpcdist.store.tree.TreeIndex``). Such datasets are contiguous and
+  uncompressed, so a reader can read them without walking HDF5 objects; any disagreement
+  between index and file sends the reader back to the HDF5 structure, which stays the truth.
 - Below the root: the caller's tree (``hpcdist.store.tree``): groups, datasets each with a
   ``sha256`` attribute, attributes. A read verifies every dataset it reads.
 
@@ -36,11 +41,22 @@ from hpcdist import __version__
 from hpcdist.errors import CheckpointError
 from hpcdist.store.atomic import atomic_path
 from hpcdist.store.directory import checkpoint_name, prune, read_pointer, write_pointer
-from hpcdist.store.tree import DatasetInfo, Tree, attr_value, describe_group, plain, read_tree, write_tree
+from hpcdist.store.tree import (
+    DatasetInfo,
+    Tree,
+    TreeIndex,
+    attr_value,
+    describe_group,
+    plain,
+    read_indexed,
+    read_tree,
+    write_tree,
+)
 
 FORMAT = "hpcdist.checkpoint"
 FORMAT_VERSION = 1
 ROOT_ATTRS = ("format", "format_version", "step", "epoch", "created")
+INDEX_ATTR = "index_json"  # optional: where each array lies (`TreeIndex`), for the fast read
 
 
 # ---------------------------------------------------------------- writing
@@ -90,8 +106,8 @@ def save(
                     f.attrs[key] = attr_value(value)
                 f.attrs["created"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
                 f.attrs["hpcdist_version"] = __version__
-                write_tree(f, tree)
-                f.flush()
+                index = write_tree(f, tree, raw=tmp)
+                f.attrs[INDEX_ATTR] = index.to_json()
         nbytes = final.stat().st_size
         write_pointer(directory, final.name)
     except OSError as exc:
@@ -168,7 +184,14 @@ def read(path: Path | str, *, groups: tuple[str, ...] | None = None, verify: boo
             attrs = {k: plain(v) for k, v in f.attrs.items()}
             check_root(path, attrs)
             names = list(f.keys()) if groups is None else [g for g in groups if g in f]
-            tree, nbytes = read_tree({name: f[name] for name in names}, verify=verify, where=path)
+            index = attrs.pop(INDEX_ATTR, None)
+            try:
+                if not isinstance(index, str):
+                    raise CheckpointError(f"{path}: no index")
+                tree, nbytes = read_indexed(f, path, TreeIndex.from_json(index), names, verify=verify, where=path)
+            except (CheckpointError, OSError, KeyError, ValueError, TypeError):
+                # no index (an older file) or one that disagrees with the file: HDF5 is the truth
+                tree, nbytes = read_tree({name: f[name] for name in names}, verify=verify, where=path)
     except CheckpointError:
         raise
     except (OSError, KeyError, ValueError, RuntimeError) as exc:

@@ -6,6 +6,10 @@
     if latest is not None:
         step, state = latest.step, latest.tree   # nested dicts of NumPy arrays and plain values
 
+    store.save_async(step, state)        # blocks only to copy `state` to host memory
+    ...                                  # training goes on while it is written and committed
+    store.wait()                         # the stats of the save in flight, or its error
+
 State is a nested dict (``hpcdist.store.tree``): tensors and arrays are stored with their
 sha256, other values as attributes. The class only binds the module functions of
 ``hpcdist.store.checkpoints``, ``directory`` and ``discovery`` to a directory and a retention;
@@ -15,11 +19,13 @@ sha256, other values as attributes. The class only binds the module functions of
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcdist.store import checkpoints, discovery
 from hpcdist.store import directory as layout
+from hpcdist.store.tree import Tree, snapshot
 
 if TYPE_CHECKING:
     from hpcdist.store.claim import Claim, Holder
@@ -31,6 +37,9 @@ class CheckpointStore:
     def __init__(self, path: Path | str, *, keep_last: int | None = None) -> None:
         self.directory = Path(path)
         self.keep_last = keep_last
+        self._pending: Future[checkpoints.SaveStats] | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._spare: Tree | None = None  # the last snapshot, once written: its arrays are reused
 
     def __repr__(self) -> str:
         return f"CheckpointStore({str(self.directory)!r}, keep_last={self.keep_last})"
@@ -44,6 +53,39 @@ class CheckpointStore:
     ) -> checkpoints.SaveStats:
         """Write and commit `state` as step `step`, then keep only the newest `keep_last`."""
         return checkpoints.save(self.directory, step, state, epoch=epoch, attrs=attrs, keep_last=self.keep_last)
+
+    def save_async(
+        self, step: int, state: Mapping[str, Any], *, epoch: int = 0, attrs: Mapping[str, Any] | None = None
+    ) -> None:
+        """`save`, blocking only while `state` is copied to host memory; the rest runs in a thread.
+
+        The previous asynchronous save is waited for first, and its error, if it failed, is raised
+        here (this save is then not started). A crash while the thread writes leaves the previous
+        checkpoint the latest: the new file only becomes visible when it is committed. Call
+        `wait` before the process ends to learn the outcome of the last one.
+        """
+        self.wait()
+        copied = snapshot(state, self._spare)
+        self._spare = None
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcdist-checkpoint")
+        self._pending = self._writer.submit(self._write, step, copied, epoch, dict(attrs or {}))
+
+    def _write(self, step: int, state: Tree, epoch: int, attrs: dict[str, Any]) -> checkpoints.SaveStats:
+        stats = self.save(step, state, epoch=epoch, attrs=attrs)
+        self._spare = state
+        return stats
+
+    def wait(self) -> checkpoints.SaveStats | None:
+        """Block until the asynchronous save in flight is committed; its stats (None if there was
+        none), or the CheckpointError it failed with (raised once)."""
+        pending, self._pending = self._pending, None
+        return pending.result() if pending is not None else None
+
+    @property
+    def saving(self) -> bool:
+        """Whether an asynchronous save is in flight."""
+        return self._pending is not None and not self._pending.done()
 
     def load(self, step: int, *, groups: tuple[str, ...] | None = None, verify: bool = True) -> checkpoints.Checkpoint:
         """The checkpoint of `step` (only the named top-level groups, when given), checksums verified."""

@@ -31,6 +31,7 @@ from hpcdist.data.tokens import describe
 from hpcdist.errors import CheckpointError, JobError
 from hpcdist.model.gpt import GPT, GPTConfig
 from hpcdist.runtime.requeue import Requeued, classify
+from hpcdist.store import CheckpointStore
 from hpcdist.train.metrics import Metrics, add_rank_log_file, perplexity
 from hpcdist.train.params import Precision, TrainParams, effective_precision, model_config
 from hpcdist.train.result import write_result
@@ -67,6 +68,7 @@ class Run:
     requeues: int = 0
     timeouts: int = 0
     last_checkpoint: Path | None = None
+    store: CheckpointStore | None = None  # rank 0's, kept: a background save outlives the step
 
     @property
     def tokens_per_step(self) -> int:
@@ -273,7 +275,7 @@ def loop(r: Run) -> dict[str, Any]:
             if stop == "preempted":
                 _count_preemption(r)
             if stop or r.step % params.checkpoint.every == 0 or r.step == params.steps:
-                save(r)
+                save(r, final=bool(stop) or r.step == params.steps)
             if stop:
                 break
     finally:

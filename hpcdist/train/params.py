@@ -51,6 +51,9 @@ class CheckpointParams(Frozen):
     if_unusable: Literal["error", "start_fresh"] = Field(
         default="error", description="when checkpoints exist but none verifies"
     )
+    background: bool = Field(
+        default=True, description="write, hash and commit in a thread: a step waits only for the copy to host memory"
+    )
 
 
 class TrainParams(Frozen):

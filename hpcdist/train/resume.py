@@ -34,7 +34,7 @@ from hpcdist.model.checkpoint import (
     state_dict_of,
     stored_shapes,
 )
-from hpcdist.store import CheckpointStore, checkpoints_in
+from hpcdist.store import CheckpointStore, SaveStats, checkpoints_in, step_of
 from hpcdist.store import read as read_checkpoint
 from hpcdist.store.directory import POINTER
 from hpcdist.train import state as st
@@ -45,7 +45,10 @@ if TYPE_CHECKING:
 
 
 def store_of(run: Run) -> CheckpointStore:
-    return CheckpointStore(run.ctx.checkpoint_dir, keep_last=run.params.checkpoint.keep_last)
+    """The run's checkpoint store, made once: it carries a background save from one step to a later one."""
+    if run.store is None:
+        run.store = CheckpointStore(run.ctx.checkpoint_dir, keep_last=run.params.checkpoint.keep_last)
+    return run.store
 
 
 def choose_checkpoint(run: Run) -> dict[str, Any]:
@@ -131,8 +134,15 @@ def resume(run: Run) -> None:
     )
 
 
-def save(run: Run) -> Path:
-    """Every rank's RNG to rank 0, which writes and commits; all ranks learn the outcome."""
+def save(run: Run, *, final: bool = True) -> Path | None:
+    """Every rank's RNG to rank 0, which writes and commits; all ranks learn the outcome.
+
+    With ``params.checkpoint.background`` and not `final`, rank 0 blocks only while it copies the
+    state to host memory; the write and the commit go on in a thread while training continues.
+    Each save first waits for the one before, so a background failure stops the run at the next
+    save, and the `final` save (the last step, or before leaving on a signal) is always waited
+    for: a run never ends with a checkpoint in flight. Returns the newest committed checkpoint.
+    """
     ctx = run.ctx
     rngs: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
     dist.gather_object(st.rng_tree(ctx.device), rngs, dst=0)
@@ -155,22 +165,34 @@ def save(run: Run) -> Path:
             },
             "metrics": run.metrics.to_tree(),
         }
+        store = store_of(run)
         try:
-            stats = store_of(run).save(run.step, tree, epoch=run.epoch, attrs=model_attrs(run.cfg))
-            run.metrics.add(
-                "checkpoints", step=run.step, op="write", bytes=stats.bytes, seconds=stats.seconds,
-                mb_per_s=stats.mb_per_s, job_id=ctx.job_id,
-            )
-            ctx.log.info(
-                "checkpoint %s committed: %.1f MB in %.2f s (%.0f MB/s)%s", stats.path, stats.bytes / 1e6,
-                stats.seconds, stats.mb_per_s, f"; removed {len(stats.removed)} older" if stats.removed else "",
-            )
-            outcome[0] = ("ok", str(stats.path))
+            committed = _committed(run, store.wait())
+            if run.params.checkpoint.background and not final:
+                store.save_async(run.step, tree, epoch=run.epoch, attrs=model_attrs(run.cfg))
+            else:
+                committed = _committed(run, store.save(run.step, tree, epoch=run.epoch, attrs=model_attrs(run.cfg)))
+            outcome[0] = ("ok", str(committed or run.last_checkpoint or ""))
         except CheckpointError as exc:
             outcome[0] = ("error", str(exc))
     dist.broadcast_object_list(outcome, src=0)
     status, detail = outcome[0]
     if status != "ok":
         raise CheckpointError(detail)
-    run.last_checkpoint = Path(detail)
+    run.last_checkpoint = Path(detail) if detail else None
     return run.last_checkpoint
+
+
+def _committed(run: Run, stats: SaveStats | None) -> Path | None:
+    """Record a committed save in the metrics and the log; its path."""
+    if stats is None:
+        return None
+    run.metrics.add(
+        "checkpoints", step=step_of(stats.path) or 0, op="write", bytes=stats.bytes, seconds=stats.seconds,
+        mb_per_s=stats.mb_per_s, job_id=run.ctx.job_id,
+    )
+    run.ctx.log.info(
+        "checkpoint %s committed: %.1f MB in %.2f s (%.0f MB/s)%s", stats.path, stats.bytes / 1e6,
+        stats.seconds, stats.mb_per_s, f"; removed {len(stats.removed)} older" if stats.removed else "",
+    )
+    return stats.path

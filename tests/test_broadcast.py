@@ -1,0 +1,60 @@
+"""`broadcast_state`: every rank ends with rank 0's exact bytes (sha256), whether rank 0 packs
+separate tensors of mixed dtypes, sends a state already laid out in the flat buffer, or the
+buffer is reused across calls; receivers get views of one buffer (no per-tensor allocation)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest_infer import run_ranks
+
+
+def _source() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "w": torch.randn(33, 17, generator=g),
+        "b": torch.randn(5, generator=g).to(torch.float16),
+        "steps": torch.arange(3, dtype=torch.int64),
+        "t": torch.randn(4, 6, generator=g).t(),  # not contiguous
+        "half": torch.randn(9, generator=g).to(torch.bfloat16),
+    }
+
+
+def _digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for k, v in state.items()}
+
+
+def _rank(rank: int, world: int, bucket: int) -> dict[str, Any]:
+    from hpcdist.infer.broadcast import broadcast_state, describe, flat_buffer, in_buffer
+
+    cpu = torch.device("cpu")
+    src = _source() if rank == 0 else None
+    got, stats = broadcast_state(src, cpu, bucket_bytes=bucket)  # meta by object broadcast, fresh buffer
+    first = _digests(got)
+    bases = {v.untyped_storage().data_ptr() for v in got.values()}
+    meta = describe(_source())
+    buffer = flat_buffer(meta, cpu)
+    placed = in_buffer(src, meta, buffer) if src is not None else None
+    again = []
+    for _ in range(2):  # reused buffer, rank 0's state already in it: nothing to pack
+        out, _ = broadcast_state(placed, cpu, bucket_bytes=bucket, meta=meta, buffer=buffer)
+        again.append(_digests(out))
+        assert all(v.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() for v in out.values())
+    return {"first": first, "again": again, "bases": len(bases), "buckets": stats.buckets, "bytes": stats.bytes}
+
+
+@pytest.mark.parametrize("bucket", [0, 300, 64 << 20])
+def test_every_rank_receives_rank_zeros_bytes(bucket: int) -> None:
+    want = _digests(_source())
+    outs = run_ranks(3, _rank, bucket)
+    for rank, out in enumerate(outs):
+        assert out["first"] == want, f"rank {rank}"
+        assert out["again"] == [want, want], f"rank {rank}"
+        assert out["bases"] == 1  # views of one buffer
+        assert out["bytes"] == sum(v.numel() * v.element_size() for v in _source().values())
+    assert outs[0]["buckets"] == {0: 5, 64 << 20: 1}.get(bucket, outs[0]["buckets"])
+    assert bucket != 300 or 1 < outs[0]["buckets"] < 5

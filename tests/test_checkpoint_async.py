@@ -1,0 +1,83 @@
+"""Asynchronous checkpoint saves (`CheckpointStore.save_async`): the state is copied before the
+call returns, the write and commit run in a thread, errors reach the caller at the next save or
+`wait`, and a writer killed mid-write leaves the previous checkpoint the latest."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hpcdist.errors import CheckpointError
+from hpcdist.store import CheckpointStore
+from hpcdist.store import directory as layout
+from tests.conftest import REPO
+
+
+def test_async_save_commits_the_state_as_it_was_at_the_call(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep_last=2)
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    store.save_async(1, {"net": {"w": w, "b": torch.ones(3, dtype=torch.bfloat16)}, "meta": {"lr": 0.1}})
+    w.add_(100.0)  # training goes on: the checkpoint must not see this
+    stats = store.wait()
+    assert stats is not None and stats.path == store.path(1) and store.latest() == stats.path
+    got = store.load(1)
+    assert np.array_equal(got.tree["net"]["w"], np.arange(12, dtype=np.float32).reshape(3, 4))
+    assert got.tree["meta"]["lr"] == 0.1 and got.tree["net"]["b"].dtype == np.float32
+    store.save_async(2, {"net": {"w": w, "b": torch.zeros(3)}, "meta": {"lr": 0.2}})  # reuses step 1's arrays
+    store.save_async(3, {"net": {"w": w * 2, "b": torch.zeros(3)}, "meta": {"lr": 0.3}})  # waits for step 2
+    assert store.wait() is not None and store.wait() is None
+    assert store.steps() == [2, 3]
+    assert np.array_equal(store.load(2).tree["net"]["w"], w.numpy())
+    assert np.array_equal(store.load(3).tree["net"]["w"], (w * 2).numpy())
+
+
+def test_background_error_reaches_the_next_save_and_wait(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    store = CheckpointStore(tmp_path / "file" / "checkpoints")
+    store.save_async(1, {"net": {"w": np.ones(4)}})  # returns: the failure happens in the thread
+    with pytest.raises(CheckpointError, match="writing checkpoint .*step_00000001.h5 failed"):
+        store.save_async(2, {"net": {"w": np.ones(4)}})
+    store.save_async(3, {"net": {"w": np.ones(4)}})  # the error was raised once; this one fails too
+    with pytest.raises(CheckpointError, match="step_00000003.h5 failed"):
+        store.wait()
+    assert store.wait() is None
+
+
+def test_killed_during_a_background_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    """A real process SIGKILLed while its background thread writes: step 1 stays the latest."""
+    script = textwrap.dedent(f"""
+        import time, torch
+        from hpcdist.store import CheckpointStore
+        store = CheckpointStore({str(tmp_path)!r})
+        store.save(1, {{"model": {{"w": torch.ones(16, 16)}}}})
+        big = {{f"w{{i}}": torch.full((256, 1024), float(i)) for i in range(400)}}  # 400 MiB
+        store.save_async(2, {{"model": big}})
+        print("returned", flush=True)
+        time.sleep(120)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "returned"
+        deadline = time.monotonic() + 60
+        while not [p for p in layout.temporaries_in(tmp_path) if p.stat().st_size > 1 << 20]:
+            assert not (tmp_path / "step_00000002.h5").exists(), "the write finished before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    store = CheckpointStore(tmp_path)
+    assert store.latest() == store.path(1) and store.steps() == [1]
+    store.verify(1)
+    found = store.scan()
+    assert found.latest == store.path(1) and found.temporaries
