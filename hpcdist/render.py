@@ -153,6 +153,8 @@ def launch_plan(spec: JobSpec, site: Site, folder: Path) -> LaunchPlan:
         stdout=out_pattern,
         stderr=err_pattern,
         args=site.launcher.args,
+        cpus_per_task=spec.resources.cpus_per_task,
+        socket_ifname=site.network.socket_ifname,
     )
 
 
@@ -165,6 +167,7 @@ def render_script(spec: JobSpec, site: Site, origin: Origin) -> str:
     check_controls(list(origin.overrides), "--set")  # only reached by a value no key holds
     folder = submitit_folder(spec, site)
     launcher = get_launcher(site.launcher.kind)
+    plan = launch_plan(spec, site, folder)
     env = {**site.env, **spec.env, "SUBMITIT_PREEMPTION_SIGNAL": site.preemption.signal}
     context = {
         "version": __version__,
@@ -176,9 +179,9 @@ def render_script(spec: JobSpec, site: Site, origin: Origin) -> str:
         "modules": list(site.modules),
         "setup": [Shell(line) for line in site.setup],
         "env": sorted(env.items()),
-        "head_node": launcher.head_node,
+        "prelude": [Shell(line) for line in launcher.prelude(plan)],
         "launch_time_var": Shell(LAUNCH_TIME_VAR),
-        "launch": Shell(launcher.command(launch_plan(spec, site, folder))),
+        "launch": Shell(launcher.command(plan)),
     }
     import jinja2
 

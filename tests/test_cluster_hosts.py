@@ -15,8 +15,8 @@ from pathlib import Path
 
 import h5py
 import pytest
-from hpcdist.results import read_attrs
 
+from hpcdist.store.results import read_attrs
 from tests.conftest import run_cli, storage_sets
 from tests.netfault import cut, on_node, restore, slowed
 from tests.test_local_site import result_path
@@ -129,6 +129,7 @@ LAUNCHERS = {
     "srun": (["--set", "site.launcher.args=[]"], False),
     "srun-pmix": ([], True),
     "mpirun": (["--set", "site.launcher.kind=mpirun", "--set", "site.launcher.args=[]"], True),
+    "torchrun": (["--set", "site.launcher.kind=torchrun", "--set", "site.launcher.args=[]"], False),
 }
 
 
