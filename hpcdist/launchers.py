@@ -70,6 +70,13 @@ SLURM_FALLBACK: dict[str, tuple[str, ...]] = {
     "job_id": ("SLURM_JOB_ID", "SLURM_JOBID"),
 }
 _SLURM_BUT_NODE = {k: v for k, v in SLURM_FALLBACK.items() if k != "node_rank"}
+# Job-wide only: a rank that Open MPI starts on another node inherits its daemon's srun step (one
+# node, one task), so the step's node list and counts, and SLURM_NODEID, describe the daemon.
+_SLURM_JOB_ONLY: dict[str, tuple[str, ...]] = {
+    "num_nodes": ("SLURM_JOB_NUM_NODES",),
+    "nodelist": ("SLURM_JOB_NODELIST",),
+    "job_id": ("SLURM_JOB_ID", "SLURM_JOBID"),
+}
 
 # Tables no site launcher owns: torch's env:// convention set by hand or by another tool, and a
 # process started on its own (rank 0 of 1).
@@ -210,7 +217,11 @@ class SrunLauncher(Launcher):
 @register_launcher("mpirun")
 class MpirunLauncher(Launcher):
     """An MPI's own launcher (Open MPI, MPICH, Intel MPI); every rank of a node inherits the
-    batch step's SLURM_PROCID, so the shim rewrites Slurm's task variables from the MPI ones."""
+    batch step's SLURM_PROCID, so the shim rewrites Slurm's task variables from the MPI ones.
+
+    Open MPI names no node index (OMPI_COMM_WORLD_NODE_RANK is the rank within the node), so
+    the node comes from the hosts: this host's place in the job's node list, else the block
+    placement the launch line asks for, and exactly from every rank's host once they check in."""
 
     env_tables = (
         EnvTable("openmpi", ("OMPI_COMM_WORLD_RANK",), {
@@ -218,8 +229,7 @@ class MpirunLauncher(Launcher):
             "world_size": ("OMPI_COMM_WORLD_SIZE",),
             "local_rank": ("OMPI_COMM_WORLD_LOCAL_RANK",),
             "local_world_size": ("OMPI_COMM_WORLD_LOCAL_SIZE",),
-            "node_rank": ("OMPI_COMM_WORLD_NODE_RANK",),
-            **_SLURM_BUT_NODE,
+            **_SLURM_JOB_ONLY,
         }, priority=30),
         EnvTable("mpich", ("PMI_RANK",), {  # MPICH's Hydra and Intel MPI
             "rank": ("PMI_RANK",),

@@ -23,12 +23,10 @@ source /shared/apps/conda/etc/profile.d/conda.sh
 conda activate hpcdist
 
 # ---- environment
-export GLOO_SOCKET_IFNAME=eth0
 export NCCL_CROSS_NIC=0
 export NCCL_IB_HCA==mlx5_0,mlx5_3,mlx5_4,mlx5_5
 export NCCL_IB_QPS_PER_CONNECTION=2
 export NCCL_NVLS_ENABLE=1
-export NCCL_SOCKET_IFNAME=eth0
 export OMP_NUM_THREADS=16
 export SUBMITIT_PREEMPTION_SIGNAL=USR2
 export UCX_NET_DEVICES=mlx5_0:1
