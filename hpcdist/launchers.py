@@ -17,9 +17,11 @@ Signals: the site's preemption signal (``--signal=SIG@N``, not ``B:``) goes to e
 of every job step (proctrack/linuxproc and proctrack/cgroup signal the whole step), so the
 ranks get it wherever they run, and submitit's handler (``SUBMITIT_PREEMPTION_SIGNAL``) or a
 job's own ``Preemption`` flag takes it. A process between Slurm and the ranks must survive it:
-Open MPI's mpirun forwards SIGUSR1/SIGUSR2 and stays up; torchrun's agent would die of it (it
-handles only SIGTERM, SIGINT, SIGHUP and SIGQUIT), so it runs under ``hpcdist.runtime.agent``,
-which lets the agent outlive the signal its workers act on.
+torchrun's agent would die of it (it handles only SIGTERM, SIGINT, SIGHUP and SIGQUIT), so it
+runs under ``hpcdist.runtime.agent``, which lets the agent outlive the signal its workers act on.
+mpirun runs in the batch step, which Slurm leaves out, and so would its ranks on the first node:
+it asks for the signal on the batch shell (``--signal=B:SIG@N``, ``signal_flag``), which hands it
+to mpirun, and mpirun forwards SIGUSR1/SIGUSR2 to every rank.
 
 Cheap on purpose (standard library only): the login node renders with it, the nodes detect
 ranks with it.
@@ -106,6 +108,7 @@ class LaunchPlan:
     args: tuple[str, ...] = ()  # the site's launcher.args
     cpus_per_task: int = 1
     socket_ifname: str | None = None  # the site's network.socket_ifname
+    signal: str = "USR2"  # the site's preemption signal
 
 
 class Launcher:
@@ -116,12 +119,16 @@ class Launcher:
     env_tables: ClassVar[tuple[EnvTable, ...]] = ()
 
     def command(self, plan: LaunchPlan) -> str:
-        """The shell line that starts one process per rank (pieces quoted here)."""
+        """The shell line(s) that start one process per rank (pieces quoted here)."""
         raise NotImplementedError
 
     def prelude(self, plan: LaunchPlan) -> list[str]:
         """Shell lines run on the batch host before the launch line; none by default."""
         return []
+
+    def signal_flag(self, signal: str, seconds: int) -> str:
+        """The value of ``#SBATCH --signal``: by default to every job step, not the batch shell."""
+        return f"{signal}@{seconds}"
 
     def task_env(self, info: RankInfo) -> dict[str, str]:
         """Variables a rank sets before submitit's task runner starts; none by default."""
@@ -240,9 +247,21 @@ class MpirunLauncher(Launcher):
         }, priority=31),
     )
 
+    def signal_flag(self, signal: str, seconds: int) -> str:
+        return f"B:{signal}@{seconds}"  # the batch shell, which forwards it to mpirun (command)
+
     def command(self, plan: LaunchPlan) -> str:
-        return " ".join(['mpirun -np "$SLURM_NTASKS"', f"--map-by ppr:{plan.tasks_per_node}:node",
-                         *_q(plan.args), shlex.quote(plan.python), f"-u -m {SHIM}", shlex.quote(str(plan.folder))])
+        mpirun = " ".join(['mpirun -np "$SLURM_NTASKS"', f"--map-by ppr:{plan.tasks_per_node}:node",
+                           *_q(plan.args), shlex.quote(plan.python), f"-u -m {SHIM}", shlex.quote(str(plan.folder))])
+        sig = shlex.quote(plan.signal)
+        return "\n".join([  # wait again after each forwarded signal, until mpirun has ended
+            f"{mpirun} &",
+            "HPCDIST_LAUNCHER_PID=$!",
+            f"trap 'kill -{sig} \"$HPCDIST_LAUNCHER_PID\"' {sig}",
+            'until wait "$HPCDIST_LAUNCHER_PID"; HPCDIST_STATUS=$?; '
+            '! kill -0 "$HPCDIST_LAUNCHER_PID" 2>/dev/null; do :; done',
+            'exit "$HPCDIST_STATUS"',
+        ])
 
     def task_env(self, info: RankInfo) -> dict[str, str]:
         return slurm_task_env(info)

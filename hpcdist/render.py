@@ -133,7 +133,8 @@ def directives(spec: JobSpec, site: Site, folder: Path) -> list[tuple[str, Any]]
         ("output", out_pattern.replace("%t", "0")),
         ("error", err_pattern.replace("%t", "0")),
         ("open-mode", "append"),
-        ("signal", f"{site.preemption.signal}@{site.preemption.seconds_before_end}"),
+        ("signal", get_launcher(site.launcher.kind).signal_flag(site.preemption.signal,
+                                                                site.preemption.seconds_before_end)),
         ("requeue", True),
     ]
     flags += sorted(site.sbatch.items())
@@ -155,6 +156,7 @@ def launch_plan(spec: JobSpec, site: Site, folder: Path) -> LaunchPlan:
         args=site.launcher.args,
         cpus_per_task=spec.resources.cpus_per_task,
         socket_ifname=site.network.socket_ifname,
+        signal=site.preemption.signal,
     )
 
 
@@ -181,7 +183,7 @@ def render_script(spec: JobSpec, site: Site, origin: Origin) -> str:
         "env": sorted(env.items()),
         "prelude": [Shell(line) for line in launcher.prelude(plan)],
         "launch_time_var": Shell(LAUNCH_TIME_VAR),
-        "launch": Shell(launcher.command(plan)),
+        "launch": [Shell(line) for line in launcher.command(plan).splitlines()],
     }
     import jinja2
 
