@@ -16,11 +16,14 @@ from pathlib import Path
 import h5py
 
 from hpcdist.store.results import read_table
-from tests.conftest import REPO
+from tests import conftest_train as fx
+from tests.conftest import REPO, run_cli
+from tests.conftest_train import ckpt_dir, rank_log, train_args
 from tests.netfault import cut, slowed
 from tests.test_slurm_spine import sacct_state
 
 JOBS = REPO / "jobs"
+train_root, tokens = fx.train_root, fx.tokens  # the training tests' session fixtures (token file)
 TIMEOUT_S = 15  # the job's collective timeout: a cut is noticed within it
 
 
@@ -71,8 +74,9 @@ def test_cut_link_during_all_reduce_sweep(separate_hosts: Path) -> None:
         with cut("n2"):
             t_cut = time.monotonic()
             logs = separate_hosts / "logs"
-            failed = wait_for(lambda: re.search(r"BenchmarkError: (all_reduce at size .* on rank 0 .*)",
-                                                read_logs(logs)), TIMEOUT_S * 2 + 20, "rank 0 to fail")
+            wait_for(lambda: both_failed(read_logs(logs), "BenchmarkError: all_reduce at size"), TIMEOUT_S * 2 + 20,
+                     "both ranks to fail")
+            failed = re.search(r"BenchmarkError: (all_reduce at size .* on rank 0 .*)", read_logs(logs))
             noticed = time.monotonic() - t_cut
         out, err = job.communicate(timeout=120)
     finally:
@@ -87,10 +91,15 @@ def test_cut_link_during_all_reduce_sweep(separate_hosts: Path) -> None:
                      r"rank 0 \(n1\): .*Timed out.*; no answer within 5 s from n2 \(rank 1\)", out), out
     assert re.search(r"rank 1: FAILED BenchmarkError: all_reduce at size .* failed on rank 1 \(n2\): .*; "
                      r"n1 does not answer", out), out
-    assert "no answer within 5 s from n2 (rank 1)" in failed.group(1)
+    assert failed and "no answer within 5 s from n2 (rank 1)" in failed.group(1)
     with h5py.File(path, "r") as f:  # the rows measured before the cut stay in the result
         assert not bool(f.attrs["complete"]) and f.attrs["verdict"].startswith("failed at all_reduce")
     assert rows(path, table) >= 3
+
+
+def both_failed(logs: str, error: str) -> bool:
+    """Rank 0 (n1) and rank 1 (n2) have each logged `error`."""
+    return all(re.search(re.escape(error) + rf".* failed on rank {r} \({n}\)", logs) for r, n in ((0, "n1"), (1, "n2")))
 
 
 def read_logs(logs: Path) -> str:
@@ -140,3 +149,39 @@ def test_slowed_link_fails_the_preflight_naming_n2(separate_hosts: Path) -> None
     assert code == 1, out
     assert "finished: FAILED" in out and "below the site's minimum" in out
     assert "n1->n2" in out and "n2->n1" in out and "n2 (2 links)" in out, out
+
+
+def test_cut_link_during_training_keeps_the_checkpoint_and_resumes(separate_hosts: Path, train_root: Path,
+                                                                   tokens: Path) -> None:
+    root = separate_hosts
+    args = train_args(root, tokens, "--set", "resources.nodes=2", "--set", "resources.tasks_per_node=1",
+                      "--set", "params.steps=5000", "--set", f"timeout_s={TIMEOUT_S}", site="local-slurm")
+    job = subprocess.Popen([sys.executable, "-m", "hpcdist.cli", *args], cwd=REPO, text=True,
+                           env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        first = ckpt_dir(root) / "step_00000050.h5"
+        wait_for(first.exists, 120, "the first committed checkpoint")
+        with cut("n2"):
+            t_cut = time.monotonic()
+            # both sides fail while cut (each writes its own log on the shared storage)
+            wait_for(lambda: both_failed(read_logs(root / "logs"), "JobError: training step"), TIMEOUT_S * 2 + 20,
+                     "both ranks to fail")
+            noticed = time.monotonic() - t_cut
+        out, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert noticed < TIMEOUT_S * 1.25 + 10, noticed
+    assert job.returncode == 1, out + err
+    jid = re.search(r"submitted job (\d+)", out).group(1)  # type: ignore[union-attr]
+    assert f"job {jid} finished: FAILED" in out and sacct_state(jid) == "FAILED"
+    kept = re.search(r"rank 0: FAILED JobError: training step \d+ \(gradient all_reduce\) failed on rank 0 \(n1\): "
+                     r".*; no answer within 5 s from n2 \(rank 1\).*; resubmit to resume from (\S+\.h5)", out)
+    assert kept, out
+    assert re.search(r"rank 1: FAILED JobError: training step .* on rank 1 \(n2\): .*n1 does not answer", out), out
+    # the last committed checkpoint is valid: a resubmission resumes from it
+    step = int(Path(kept.group(1)).stem.split("_")[1])
+    again = run_cli(*train_args(root, tokens, "--set", "resources.nodes=2", "--set", "resources.tasks_per_node=1",
+                                "--set", "params.steps=5000", "--set", "params.run_steps=5", site="local-slurm"))
+    assert again.code == 0, again.text
+    assert f"resumed from {kept.group(1)}: step {step}" in rank_log(root, 0)

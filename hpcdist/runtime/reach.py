@@ -60,3 +60,11 @@ def roll_call(rank: int, host_of_rank: Sequence[str], wait_s: float = ROLL_CALL_
     named = ", ".join(f"{node} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})"
                       for node, rs in by_node.items())
     return f"no answer within {wait_s:g} s from {named}: the link to {', '.join(by_node)} is down or its ranks are gone"
+
+
+def failure_message(what: str, rank: int, host_of_rank: Sequence[str], exc: BaseException) -> str:
+    """`what` failed on this rank: the cause's first line and the nodes that stopped answering."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    gone = roll_call(rank, host_of_rank)
+    return (f"{what} failed on rank {rank} ({host_of_rank[rank]}): {type(exc).__name__}: {first}"
+            + (f"; {gone}" if gone else ""))
