@@ -227,6 +227,8 @@ def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None) -
             outcomes.append(TaskOutcome(rank, True, summary=dict(task.result() or {})))
         except (FailedJobError, UncompletedJobError) as exc:
             outcomes.append(TaskOutcome(rank, False, error=_first_error_line(str(exc))))
+    if sub.site.scheduler != "slurm" and state is JobState.COMPLETED and not all(o.ok for o in outcomes):
+        state = JobState.FAILED  # submitit's local controller says FINISHED whatever its ranks did
     return Finished(state, outcomes)
 
 

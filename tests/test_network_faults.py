@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import h5py
@@ -62,21 +63,16 @@ def only_result(root: Path) -> Path | None:
     return found[0] if found else None
 
 
-def test_cut_link_during_all_reduce_sweep(separate_hosts: Path) -> None:
-    job = start("bench_collectives", separate_hosts, "resources.nodes=2", "resources.tasks_per_node=1",
-                "params.ops=[all_reduce]", "params.paths=[torch]", "params.modes=[in_place]",
-                "params.min_bytes=1K", "params.max_bytes=64M", "params.factor=2", "params.iters=20",
-                f"timeout_s={TIMEOUT_S}")
+def cut_n2_until_both_fail(job: subprocess.Popen[str], ready: Callable[[], object], what: str, logs: Path,
+                           error: str) -> str:
+    """Once `ready()`, cut n2's link until rank 0 (n1) and rank 1 (n2) have both logged `error`,
+    then restore it; returns the `--wait` output of the job, checked to have ended FAILED with
+    the cut noticed within the job's timeout."""
     try:
-        table = "bench/all_reduce/torch"
-        path = wait_for(lambda: (p := only_result(separate_hosts)) and rows(p, table) >= 3 and p, 90,
-                        "three measured rows")
+        wait_for(ready, 120, what)
         with cut("n2"):
             t_cut = time.monotonic()
-            logs = separate_hosts / "logs"
-            wait_for(lambda: both_failed(read_logs(logs), "BenchmarkError: all_reduce at size"), TIMEOUT_S * 2 + 20,
-                     "both ranks to fail")
-            failed = re.search(r"BenchmarkError: (all_reduce at size .* on rank 0 .*)", read_logs(logs))
+            wait_for(lambda: both_failed(read_logs(logs), error), TIMEOUT_S * 2 + 20, "both ranks to fail")
             noticed = time.monotonic() - t_cut
         out, err = job.communicate(timeout=120)
     finally:
@@ -85,15 +81,28 @@ def test_cut_link_during_all_reduce_sweep(separate_hosts: Path) -> None:
     assert noticed < TIMEOUT_S * 1.25 + 10, noticed
     assert job.returncode == 1, out + err
     jid = re.search(r"submitted job (\d+)", out).group(1)  # type: ignore[union-attr]
-    assert f"job {jid} finished: FAILED" in out and sacct_state(jid) == "FAILED"
+    assert f"job {jid} finished: FAILED" in out and sacct_state(jid) == "FAILED"  # not TIMEOUT
+    return out
+
+
+def test_cut_link_during_all_reduce_sweep(separate_hosts: Path) -> None:
+    job = start("bench_collectives", separate_hosts, "resources.nodes=2", "resources.tasks_per_node=1",
+                "params.ops=[all_reduce]", "params.paths=[torch]", "params.modes=[in_place]",
+                "params.min_bytes=1K", "params.max_bytes=64M", "params.factor=2", "params.iters=20",
+                f"timeout_s={TIMEOUT_S}")
+    table = "bench/all_reduce/torch"
+    out = cut_n2_until_both_fail(job, lambda: (p := only_result(separate_hosts)) and rows(p, table) >= 3,
+                                 "three measured rows", separate_hosts / "logs", "BenchmarkError: all_reduce at size")
     # each side names the operation and the node it cannot reach
     assert re.search(r"rank 0: FAILED BenchmarkError: all_reduce at size \d+ B .* on path torch/gloo .* failed on "
                      r"rank 0 \(n1\): .*Timed out.*; no answer within 5 s from n2 \(rank 1\)", out), out
     assert re.search(r"rank 1: FAILED BenchmarkError: all_reduce at size .* failed on rank 1 \(n2\): .*; "
                      r"n1 does not answer", out), out
-    assert failed and "no answer within 5 s from n2 (rank 1)" in failed.group(1)
+    path = only_result(separate_hosts)
+    assert path is not None
     with h5py.File(path, "r") as f:  # the rows measured before the cut stay in the result
         assert not bool(f.attrs["complete"]) and f.attrs["verdict"].startswith("failed at all_reduce")
+        assert "no answer within 5 s from n2 (rank 1)" in f.attrs["verdict"]
     assert rows(path, table) >= 3
 
 
@@ -158,23 +167,8 @@ def test_cut_link_during_training_keeps_the_checkpoint_and_resumes(separate_host
                       "--set", "params.steps=5000", "--set", f"timeout_s={TIMEOUT_S}", site="local-slurm")
     job = subprocess.Popen([sys.executable, "-m", "hpcdist.cli", *args], cwd=REPO, text=True,
                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        first = ckpt_dir(root) / "step_00000050.h5"
-        wait_for(first.exists, 120, "the first committed checkpoint")
-        with cut("n2"):
-            t_cut = time.monotonic()
-            # both sides fail while cut (each writes its own log on the shared storage)
-            wait_for(lambda: both_failed(read_logs(root / "logs"), "JobError: training step"), TIMEOUT_S * 2 + 20,
-                     "both ranks to fail")
-            noticed = time.monotonic() - t_cut
-        out, err = job.communicate(timeout=120)
-    finally:
-        if job.poll() is None:
-            job.kill()
-    assert noticed < TIMEOUT_S * 1.25 + 10, noticed
-    assert job.returncode == 1, out + err
-    jid = re.search(r"submitted job (\d+)", out).group(1)  # type: ignore[union-attr]
-    assert f"job {jid} finished: FAILED" in out and sacct_state(jid) == "FAILED"
+    out = cut_n2_until_both_fail(job, (ckpt_dir(root) / "step_00000050.h5").exists, "the first committed checkpoint",
+                                 root / "logs", "JobError: training step")
     kept = re.search(r"rank 0: FAILED JobError: training step \d+ \(gradient all_reduce\) failed on rank 0 \(n1\): "
                      r".*; no answer within 5 s from n2 \(rank 1\).*; resubmit to resume from (\S+\.h5)", out)
     assert kept, out
