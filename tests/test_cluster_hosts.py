@@ -1,6 +1,7 @@
 """The local Slurm cluster's nodes are separate hosts (cluster/up.sh's netns mode): own hostname,
 own address, names that resolve everywhere, no route off the test network; the fault helper
-slows and cuts one node's link; the smoke job spans both nodes under every MPI-capable launcher."""
+slows and cuts one node's link; the smoke job spans both nodes under every launcher (srun,
+srun + PMIx, mpirun, torchrun), and mpirun spans them with no Slurm at all."""
 
 from __future__ import annotations
 
