@@ -107,17 +107,18 @@ def cmd_submit(args: argparse.Namespace) -> int:
     print(f"  result: {submission.result_path}")
     if not args.wait:
         return 0
-    outcomes = sub.wait(submission, timeout_s=args.wait_timeout)
-    state = sub.final_state(submission)
+    finished = sub.wait(submission, timeout_s=args.wait_timeout)
+    outcomes = finished.outcomes
     failed = [o for o in outcomes if not o.ok]
-    print(f"job {submission.job_id} finished: {state}; {len(outcomes) - len(failed)}/{len(outcomes)} ranks succeeded")
+    print(f"job {submission.job_id} finished: {finished.state.value}; "
+          f"{len(outcomes) - len(failed)}/{len(outcomes)} ranks succeeded")
     for o in outcomes:
         if o.ok:
             shown = {k: v for k, v in o.summary.items() if k not in ("rank", "timings")}
             print(f"  rank {o.rank}: ok {json.dumps(shown, default=str)}")
         else:
             print(f"  rank {o.rank}: FAILED {o.error}")
-    return 1 if failed else 0
+    return 0 if finished.ok else 1
 
 
 @command("status")

@@ -10,12 +10,18 @@ is an error. A launcher owns everything that differs between launchers:
   reads them; detection is data, not code; env:// and a lone process have tables of their own);
 - ``task_env(info)``: what the rank must fix before submitit's task runner starts (the shim);
   srun sets Slurm's per-task variables itself, mpirun and torchrun do not;
-- ``head_node``: whether the script exports the first node as ``HPCDIST_HEAD_NODE``.
+- ``prelude(plan)``: shell lines the script runs on the batch host (the first node) before
+  the launch line (torchrun: the head node's address on ``network.socket_ifname``).
 
-Signals: the site's preemption signal reaches the ranks through the launcher (Slurm's
-``--signal`` goes to the job steps; srun delivers it to its tasks, Open MPI's mpirun and
-torchrun's agent forward SIGUSR1/SIGUSR2 and SIGTERM to their children), where submitit's
-handler (``SUBMITIT_PREEMPTION_SIGNAL``) or a job's own ``Preemption`` flag takes it.
+Signals: the site's preemption signal (``--signal=SIG@N``, not ``B:``) goes to every process
+of every job step (proctrack/linuxproc and proctrack/cgroup signal the whole step), so the
+ranks get it wherever they run, and submitit's handler (``SUBMITIT_PREEMPTION_SIGNAL``) or a
+job's own ``Preemption`` flag takes it. A process between Slurm and the ranks must survive it:
+torchrun's agent would die of it (it handles only SIGTERM, SIGINT, SIGHUP and SIGQUIT), so it
+runs under ``hpcdist.runtime.agent``, which lets the agent outlive the signal its workers act on.
+mpirun runs in the batch step, which Slurm leaves out, and so would its ranks on the first node:
+it asks for the signal on the batch shell (``--signal=B:SIG@N``, ``signal_flag``), which hands it
+to mpirun, and mpirun forwards SIGUSR1/SIGUSR2 to every rank.
 
 Cheap on purpose (standard library only): the login node renders with it, the nodes detect
 ranks with it.
@@ -35,6 +41,7 @@ if TYPE_CHECKING:
 # The module each rank runs: submitit's task runner, or the shim that fixes its variables first.
 SUBMITIT_RUNNER = "submitit.core._submit"
 SHIM = "hpcdist.runtime.shim"
+AGENT = "hpcdist.runtime.agent"  # torchrun's agent, kept alive through the preemption signal
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,13 @@ SLURM_FALLBACK: dict[str, tuple[str, ...]] = {
     "job_id": ("SLURM_JOB_ID", "SLURM_JOBID"),
 }
 _SLURM_BUT_NODE = {k: v for k, v in SLURM_FALLBACK.items() if k != "node_rank"}
+# Job-wide only: a rank that Open MPI starts on another node inherits its daemon's srun step (one
+# node, one task), so the step's node list and counts, and SLURM_NODEID, describe the daemon.
+_SLURM_JOB_ONLY: dict[str, tuple[str, ...]] = {
+    "num_nodes": ("SLURM_JOB_NUM_NODES",),
+    "nodelist": ("SLURM_JOB_NODELIST",),
+    "job_id": ("SLURM_JOB_ID", "SLURM_JOBID"),
+}
 
 # Tables no site launcher owns: torch's env:// convention set by hand or by another tool, and a
 # process started on its own (rank 0 of 1).
@@ -92,6 +106,9 @@ class LaunchPlan:
     stdout: str  # per-task log patterns (``%j`` job id, ``%t`` task), for srun's own I/O
     stderr: str
     args: tuple[str, ...] = ()  # the site's launcher.args
+    cpus_per_task: int = 1
+    socket_ifname: str | None = None  # the site's network.socket_ifname
+    signal: str = "USR2"  # the site's preemption signal
 
 
 class Launcher:
@@ -100,11 +117,18 @@ class Launcher:
     name: ClassVar[str]
     schedulers: ClassVar[tuple[str, ...]] = ("slurm",)
     env_tables: ClassVar[tuple[EnvTable, ...]] = ()
-    head_node: ClassVar[bool] = False
 
     def command(self, plan: LaunchPlan) -> str:
-        """The shell line that starts one process per rank (pieces quoted here)."""
+        """The shell line(s) that start one process per rank (pieces quoted here)."""
         raise NotImplementedError
+
+    def prelude(self, plan: LaunchPlan) -> list[str]:
+        """Shell lines run on the batch host before the launch line; none by default."""
+        return []
+
+    def signal_flag(self, signal: str, seconds: int) -> str:
+        """The value of ``#SBATCH --signal``: by default to every job step, not the batch shell."""
+        return f"{signal}@{seconds}"
 
     def task_env(self, info: RankInfo) -> dict[str, str]:
         """Variables a rank sets before submitit's task runner starts; none by default."""
@@ -200,7 +224,11 @@ class SrunLauncher(Launcher):
 @register_launcher("mpirun")
 class MpirunLauncher(Launcher):
     """An MPI's own launcher (Open MPI, MPICH, Intel MPI); every rank of a node inherits the
-    batch step's SLURM_PROCID, so the shim rewrites Slurm's task variables from the MPI ones."""
+    batch step's SLURM_PROCID, so the shim rewrites Slurm's task variables from the MPI ones.
+
+    Open MPI names no node index (OMPI_COMM_WORLD_NODE_RANK is the rank within the node), so
+    the node comes from the hosts: this host's place in the job's node list, else the block
+    placement the launch line asks for, and exactly from every rank's host once they check in."""
 
     env_tables = (
         EnvTable("openmpi", ("OMPI_COMM_WORLD_RANK",), {
@@ -208,8 +236,7 @@ class MpirunLauncher(Launcher):
             "world_size": ("OMPI_COMM_WORLD_SIZE",),
             "local_rank": ("OMPI_COMM_WORLD_LOCAL_RANK",),
             "local_world_size": ("OMPI_COMM_WORLD_LOCAL_SIZE",),
-            "node_rank": ("OMPI_COMM_WORLD_NODE_RANK",),
-            **_SLURM_BUT_NODE,
+            **_SLURM_JOB_ONLY,
         }, priority=30),
         EnvTable("mpich", ("PMI_RANK",), {  # MPICH's Hydra and Intel MPI
             "rank": ("PMI_RANK",),
@@ -220,9 +247,21 @@ class MpirunLauncher(Launcher):
         }, priority=31),
     )
 
+    def signal_flag(self, signal: str, seconds: int) -> str:
+        return f"B:{signal}@{seconds}"  # the batch shell, which forwards it to mpirun (command)
+
     def command(self, plan: LaunchPlan) -> str:
-        return " ".join(['mpirun -np "$SLURM_NTASKS"', f"--map-by ppr:{plan.tasks_per_node}:node",
-                         *_q(plan.args), shlex.quote(plan.python), f"-u -m {SHIM}", shlex.quote(str(plan.folder))])
+        mpirun = " ".join(['mpirun -np "$SLURM_NTASKS"', f"--map-by ppr:{plan.tasks_per_node}:node",
+                           *_q(plan.args), shlex.quote(plan.python), f"-u -m {SHIM}", shlex.quote(str(plan.folder))])
+        sig = shlex.quote(plan.signal)
+        return "\n".join([  # wait again after each forwarded signal, until mpirun has ended
+            f"{mpirun} &",
+            "HPCDIST_LAUNCHER_PID=$!",
+            f"trap 'kill -{sig} \"$HPCDIST_LAUNCHER_PID\"' {sig}",
+            'until wait "$HPCDIST_LAUNCHER_PID"; HPCDIST_STATUS=$?; '
+            '! kill -0 "$HPCDIST_LAUNCHER_PID" 2>/dev/null; do :; done',
+            'exit "$HPCDIST_STATUS"',
+        ])
 
     def task_env(self, info: RankInfo) -> dict[str, str]:
         return slurm_task_env(info)
@@ -230,10 +269,13 @@ class MpirunLauncher(Launcher):
 
 @register_launcher("torchrun")
 class TorchrunLauncher(Launcher):
-    """One srun task per node runs torchrun's agent, which starts the node's ranks and serves
-    the rendezvous store on the head node; the shim rewrites Slurm's task variables."""
+    """One srun task per node runs torchrun's agent (under ``hpcdist.runtime.agent``, which
+    keeps it alive through the preemption signal), which starts the node's ranks; the head
+    node's agent serves the c10d rendezvous at the address the batch host (the head node) has on
+    ``network.socket_ifname``, so no node name has to resolve. The step asks for one task per
+    node explicitly: it would otherwise inherit the job's task count, and srun ignores a lone
+    ``--ntasks-per-node=1`` that disagrees with it. The shim rewrites Slurm's task variables."""
 
-    head_node = True
     env_tables = (
         EnvTable("torchrun", ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"), {
             "rank": ("RANK",),
@@ -246,12 +288,23 @@ class TorchrunLauncher(Launcher):
             **_SLURM_BUT_NODE,
         }, priority=10, agent_store=True),
     )
+    RDZV_PORT: ClassVar[int] = 29400
+
+    def prelude(self, plan: LaunchPlan) -> list[str]:
+        if plan.socket_ifname is None:
+            find = 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1'
+        else:
+            find = f"{shlex.quote(plan.python)} -m {AGENT} --address {shlex.quote(plan.socket_ifname)}"
+        return [f"HPCDIST_HEAD_ADDR=$({find}) || exit 1", "export HPCDIST_HEAD_ADDR"]
 
     def command(self, plan: LaunchPlan) -> str:
+        ifname = ["--ifname", shlex.quote(plan.socket_ifname)] if plan.socket_ifname else []
         return " ".join([
-            "srun", *_srun_io(plan), "--ntasks-per-node=1", shlex.quote(plan.python), "-m torch.distributed.run",
+            "srun", *_srun_io(plan), '--ntasks="$SLURM_JOB_NUM_NODES"', "--ntasks-per-node=1",
+            f"--cpus-per-task={plan.cpus_per_task * plan.tasks_per_node}", shlex.quote(plan.python), f"-m {AGENT}",
+            *ifname,
             '--nnodes="$SLURM_JOB_NUM_NODES"', f"--nproc-per-node={plan.tasks_per_node}", "--rdzv-backend=c10d",
-            '--rdzv-endpoint="$HPCDIST_HEAD_NODE:29400"', '--rdzv-id="$SLURM_JOB_ID"', *_q(plan.args),
+            f'--rdzv-endpoint="$HPCDIST_HEAD_ADDR:{self.RDZV_PORT}"', '--rdzv-id="$SLURM_JOB_ID"', *_q(plan.args),
             f"-m {SHIM}", shlex.quote(str(plan.folder)),
         ])
 

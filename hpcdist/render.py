@@ -134,7 +134,8 @@ def directives(spec: JobSpec, site: Site, folder: Path) -> list[tuple[str, Any]]
         ("output", out_pattern.replace("%t", "0")),
         ("error", err_pattern.replace("%t", "0")),
         ("open-mode", "append"),
-        ("signal", f"{site.preemption.signal}@{site.preemption.seconds_before_end}"),
+        ("signal", get_launcher(site.launcher.kind).signal_flag(site.preemption.signal,
+                                                                site.preemption.seconds_before_end)),
         ("requeue", True),
     ]
     flags += sorted(site.sbatch.items())
@@ -154,6 +155,9 @@ def launch_plan(spec: JobSpec, site: Site, folder: Path) -> LaunchPlan:
         stdout=out_pattern,
         stderr=err_pattern,
         args=site.launcher.args,
+        cpus_per_task=spec.resources.cpus_per_task,
+        socket_ifname=site.network.socket_ifname,
+        signal=site.preemption.signal,
     )
 
 
@@ -166,6 +170,7 @@ def render_script(spec: JobSpec, site: Site, origin: Origin) -> str:
     check_controls(list(origin.overrides), "--set")  # only reached by a value no key holds
     folder = submitit_folder(spec, site)
     launcher = get_launcher(site.launcher.kind)
+    plan = launch_plan(spec, site, folder)
     env = {**site.env, **spec.env, "SUBMITIT_PREEMPTION_SIGNAL": site.preemption.signal}
     context = {
         "version": __version__,
@@ -177,9 +182,9 @@ def render_script(spec: JobSpec, site: Site, origin: Origin) -> str:
         "modules": list(site.modules),
         "setup": [Shell(line) for line in site.setup],
         "env": sorted(env.items()),
-        "head_node": launcher.head_node,
+        "prelude": [Shell(line) for line in launcher.prelude(plan)],
         "launch_time_var": Shell(LAUNCH_TIME_VAR),
-        "launch": Shell(launcher.command(launch_plan(spec, site, folder))),
+        "launch": [Shell(line) for line in launcher.command(plan).splitlines()],
     }
     import jinja2
 

@@ -15,6 +15,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -114,55 +115,150 @@ def submit(spec: JobSpec, site: Site, origin: Origin) -> Submission:
     return Submission(job=job, spec=spec, site=site, script=script)
 
 
-def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None) -> list[TaskOutcome]:
-    """Block until the job ends; one outcome per rank, never raising for a failed rank.
+class JobState(Enum):
+    """A job's state as hpcdist reasons about it, mapped once from the scheduler's strings
+    (TorchX's ``SLURM_STATES -> AppState``); ``final`` states never change again."""
 
-    ``timeout_s=None`` waits as long as the scheduler says the job is not done.
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    REQUEUED = "REQUEUED"  # back in the queue after a preemption or a time-out
+    SUSPENDED = "SUSPENDED"
+    COMPLETING = "COMPLETING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    TIMEOUT = "TIMEOUT"
+    CANCELLED = "CANCELLED"
+    OUT_OF_MEMORY = "OUT_OF_MEMORY"
+    NODE_FAIL = "NODE_FAIL"
+    PREEMPTED = "PREEMPTED"
+    BOOT_FAIL = "BOOT_FAIL"
+    DEADLINE = "DEADLINE"
+    UNKNOWN = "UNKNOWN"  # the scheduler does not (yet) know the job, or said something else
+
+    @property
+    def final(self) -> bool:
+        return self in _FINAL_STATES
+
+    @classmethod
+    def from_slurm(cls, text: str) -> JobState:
+        """sacct's or squeue's word (``CANCELLED by 0``, ``CA``, ``COMPLETING``) as a JobState."""
+        word = text.strip().split(" ")[0].rstrip("+").upper()
+        return _SLURM_STATES.get(word, cls.UNKNOWN)
+
+    @classmethod
+    def from_submitit_local(cls, text: str) -> JobState:
+        """submitit's LocalJob states (FINISHED, INTERRUPTED, ...) as a JobState."""
+        return _LOCAL_STATES.get(text.strip().upper(), cls.UNKNOWN)
+
+
+_FINAL_STATES = frozenset({
+    JobState.COMPLETED, JobState.FAILED, JobState.TIMEOUT, JobState.CANCELLED, JobState.OUT_OF_MEMORY,
+    JobState.NODE_FAIL, JobState.PREEMPTED, JobState.BOOT_FAIL, JobState.DEADLINE,
+})
+# Slurm's long names (sacct, squeue %T) and short codes (squeue %t) for every state it reports.
+_SLURM_STATES: dict[str, JobState] = {
+    **{s.value: s for s in JobState if s is not JobState.UNKNOWN},
+    "PD": JobState.PENDING, "CF": JobState.PENDING, "CONFIGURING": JobState.PENDING,
+    "R": JobState.RUNNING, "RESIZING": JobState.RUNNING, "SIGNALING": JobState.RUNNING,
+    "STAGE_OUT": JobState.COMPLETING, "CG": JobState.COMPLETING, "SO": JobState.COMPLETING,
+    "RQ": JobState.REQUEUED, "REQUEUE_FED": JobState.REQUEUED, "REQUEUE_HOLD": JobState.REQUEUED,
+    "RS": JobState.PENDING, "RESV_DEL_HOLD": JobState.PENDING, "RV": JobState.PENDING, "REVOKED": JobState.CANCELLED,
+    "S": JobState.SUSPENDED, "ST": JobState.SUSPENDED, "STOPPED": JobState.SUSPENDED, "RH": JobState.REQUEUED,
+    "CD": JobState.COMPLETED, "F": JobState.FAILED, "TO": JobState.TIMEOUT, "CA": JobState.CANCELLED,
+    "OOM": JobState.OUT_OF_MEMORY, "NF": JobState.NODE_FAIL, "PR": JobState.PREEMPTED, "BF": JobState.BOOT_FAIL,
+    "DL": JobState.DEADLINE, "SE": JobState.FAILED, "SPECIAL_EXIT": JobState.FAILED,
+}
+_LOCAL_STATES = {
+    "RUNNING": JobState.RUNNING, "FINISHED": JobState.COMPLETED, "DONE": JobState.COMPLETED,
+    "FAILED": JobState.FAILED, "INTERRUPTED": JobState.CANCELLED, "UNKNOWN": JobState.UNKNOWN,
+}
+
+
+@dataclass(frozen=True)
+class Finished:
+    """What ``wait`` learnt: the scheduler's final state and one outcome per rank."""
+
+    state: JobState
+    outcomes: list[TaskOutcome]
+
+    @property
+    def ok(self) -> bool:
+        """Success means both: the scheduler says COMPLETED and every rank returned a result."""
+        return self.state is JobState.COMPLETED and all(o.ok for o in self.outcomes)
+
+
+def job_state(sub: Submission) -> JobState:
+    """The scheduler's current word on the job (Slurm: sacct, else squeue; local: submitit)."""
+    if sub.site.scheduler == "slurm":
+        return slurm_state(sub.job_id)
+    return JobState.from_submitit_local(str(sub.job.state))
+
+
+def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None) -> Finished:
+    """Block until the scheduler says the job ended; its final state and one outcome per rank.
+
+    Waiting ends on the scheduler's word (Slurm's accounting, or squeue), not on submitit's
+    result files, which a job that dies early never writes. A rank without a result is
+    summarised by the first real error line of its log. ``timeout_s=None`` waits as long as the
+    scheduler says the job is not done.
     """
     from submitit.core.utils import FailedJobError, UncompletedJobError
 
-    if poll_until(lambda: True if sub.job.done(force_check=True) else None, timeout_s, poll_s) is None:
-        raise SubmitError(f"job {sub.job_id} did not finish within {timeout_s:g} s; it is still {sub.job.state}")
+    def ended() -> JobState | None:
+        state = job_state(sub)
+        if state.final:
+            return state
+        if sub.site.scheduler != "slurm" and sub.job.done(force_check=True):
+            return JobState.COMPLETED if state is JobState.UNKNOWN else state
+        return None
+
+    state = poll_until(ended, timeout_s, poll_s)
+    if state is None:
+        raise SubmitError(
+            f"job {sub.job_id} did not finish within {timeout_s:g} s; it is still {job_state(sub).value}"
+        )
     outcomes = []
     for rank in range(_tasks(sub.spec)):
         task = sub.job.task(rank)
+        if not task.paths.result_pickle.exists():
+            outcomes.append(TaskOutcome(rank, False, error=_log_error(task.paths.stderr, state)))
+            continue
         try:
             outcomes.append(TaskOutcome(rank, True, summary=dict(task.result() or {})))
         except (FailedJobError, UncompletedJobError) as exc:
             outcomes.append(TaskOutcome(rank, False, error=_first_error_line(str(exc))))
-    return outcomes
+    if sub.site.scheduler != "slurm" and state is JobState.COMPLETED and not all(o.ok for o in outcomes):
+        state = JobState.FAILED  # submitit's local controller says FINISHED whatever its ranks did
+    return Finished(state, outcomes)
+
+
+def _log_error(path: Path, state: JobState) -> str:
+    """The first real error line of a rank's log, or why there is none."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return f"no result and no log ({path}); the job ended {state.value} before this rank started"
+    line = _first_error_line(text, first=True)
+    return f"no result; {line}" if line != "(no output)" else f"no result and an empty log ({path})"
 
 
 _ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?(\w*(?:Error|Exception)): (.+)$")
+_SLURM_LINE = re.compile(r"^(?:srun|slurmstepd|mpirun|torchrun)[^:]*: (?:error|error:)?\s*(.+)$", re.IGNORECASE)
+_NOT_THE_CAUSE = {"FailedJobError", "UncompletedJobError", "ChildFailedError"}
 
 
-def _first_error_line(text: str) -> str:
-    """The last `SomeError: message` line of a traceback, else the text's last line."""
+def _first_error_line(text: str, first: bool = False) -> str:
+    """The last `SomeError: message` line of a traceback (the first one in a log, `first`), else
+    the first line srun or slurmstepd wrote as an error, else the text's last line."""
     lines = [ln for ln in text.splitlines() if ln.strip()]
-    for line in reversed(lines):
+    for line in (lines if first else reversed(lines)):
         match = _ERROR_LINE.match(line)
-        if match and match.group(1) not in {"FailedJobError", "UncompletedJobError"}:
+        if match and match.group(1) not in _NOT_THE_CAUSE:
             return f"{match.group(1)}: {match.group(2)}"
+    for line in lines:
+        if _SLURM_LINE.match(line) and "error" in line.lower():
+            return line.strip()
     return lines[-1].strip() if lines else "(no output)"
-
-
-_FINAL = ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
-          "DEADLINE", "FINISHED", "INTERRUPTED")
-
-
-def final_state(sub: Submission, settle_s: float = 30.0) -> str:
-    """The scheduler's final word on the job: the result files can land before sacct says so.
-
-    After `settle_s` the last state seen is returned, final or not.
-    """
-    last = ""
-
-    def settled() -> str | None:
-        nonlocal last
-        last = status(sub.job_id)[0].state if sub.site.scheduler == "slurm" else str(sub.job.state)
-        return last if last.startswith(_FINAL) else None
-
-    return poll_until(settled, settle_s, 0.5) or last
 
 
 @dataclass(frozen=True)
@@ -193,4 +289,16 @@ def status(job_id: str) -> list[JobStatus]:
     if not rows:
         raise SubmitError(f"Slurm knows no job {job_id}; check the id with `sacct` or `squeue`")
     return rows
+
+
+def slurm_state(job_id: str) -> JobState:
+    """The job's state from sacct, else from squeue (accounting can lag behind a new job);
+    UNKNOWN when neither knows it yet."""
+    try:
+        return JobState.from_slurm(status(job_id)[-1].state)
+    except SubmitError:
+        pass
+    proc = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, check=False)
+    words = proc.stdout.split()
+    return JobState.from_slurm(words[0]) if proc.returncode == 0 and words else JobState.UNKNOWN
 

@@ -1,6 +1,7 @@
 """The local Slurm cluster's nodes are separate hosts (cluster/up.sh's netns mode): own hostname,
 own address, names that resolve everywhere, no route off the test network; the fault helper
-slows and cuts one node's link; the smoke job spans both nodes under every MPI-capable launcher."""
+slows and cuts one node's link; the smoke job spans both nodes under every launcher (srun,
+srun + PMIx, mpirun, torchrun), and mpirun spans them with no Slurm at all."""
 
 from __future__ import annotations
 
@@ -129,6 +130,7 @@ LAUNCHERS = {
     "srun": (["--set", "site.launcher.args=[]"], False),
     "srun-pmix": ([], True),
     "mpirun": (["--set", "site.launcher.kind=mpirun", "--set", "site.launcher.args=[]"], True),
+    "torchrun": (["--set", "site.launcher.kind=torchrun", "--set", "site.launcher.args=[]"], False),
 }
 
 
@@ -148,12 +150,39 @@ def test_smoke_spans_both_hosts(separate_hosts: Path, launcher: str) -> None:
     assert f"job {jid} finished: COMPLETED; 4/4 ranks succeeded" in result.out
     assert sacct_state(jid) == "COMPLETED"
     attrs = read_attrs(result_path(result.out))
-    assert attrs["hosts"] == ["n1", "n1", "n2", "n2"]
+    assert attrs["hosts"] == ["n1", "n1", "n2", "n2"] and attrs["num_nodes"] == 2
     with h5py.File(result_path(result.out)) as f:
         assert f.attrs["sum"] == 6.0
+    # every rank knows its node: n2's ranks say node 1 of 2 (Open MPI's NODE_RANK is not the node)
+    logs = sorted((separate_hosts / "logs" / "smoke").glob("*/*_log.err"))
+    ready = set(re.findall(r"\(local \d/2, node (\d/\d)\) on (n\d)", "".join(p.read_text() for p in logs)))
+    assert ready == {("0/2", "n1"), ("1/2", "n2")}, ready
     if mpi:
         assert result.out.count('"mpi_sum": 6') == 4
     # rank 0 published its address on network.socket_ifname: n1's, which every rank used
     log = next((separate_hosts / "logs" / "smoke").glob("*/*_0_log.err")).read_text()
     endpoints = set(re.findall(r"endpoint ([\d.]+):\d+", log))
     assert endpoints == {socket.gethostbyname("n1")}, log[-2000:]
+
+
+def test_mpirun_outside_slurm_spans_both_hosts(separate_hosts: Path) -> None:
+    """`mpirun -H n1:2,n2:2` with no Slurm at all: Open MPI starts its daemons on the nodes
+    through a remote-shell agent (tests/node_rsh.sh stands in for ssh, which the nodes lack);
+    the node index comes from the hosts, so rank 0 publishes n1's address, not loopback."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "HPCDIST_RUN_ID": separate_hosts.name}
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+    proc = subprocess.run(
+        ["mpirun", "--mca", "plm_rsh_agent", str(Path(__file__).with_name("node_rsh.sh")), "--mca", "routed", "direct",
+         "-x", "PYTHONPATH", "-x", "HPCDIST_RUN_ID", "-H", "n1:2,n2:2", "-n", "4",
+         sys.executable, "-m", "hpcdist.runtime.entry", "jobs/smoke.yaml", "--site", "local-slurm",
+         "--set", "resources.nodes=2", "--set", "params.mpi=true", *storage_sets(separate_hosts)],
+        capture_output=True, text=True, timeout=150, env=env, cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "'sum': 6.0" in proc.stdout and "'mpi_sum': 6" in proc.stdout, proc.stdout
+    ready = re.findall(r"rank (\d)/4 \(local \d/2, node (\d)/(\d)\) on (n\d) via openmpi, .* endpoint ([\d.]+):",
+                       proc.stderr)
+    assert sorted(ready) == [("0", "0", "2", "n1", "10.251.0.11"), ("1", "0", "2", "n1", "10.251.0.11"),
+                             ("2", "1", "2", "n2", "10.251.0.11"), ("3", "1", "2", "n2", "10.251.0.11")], proc.stderr

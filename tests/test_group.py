@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcdist.errors import BootstrapError
+from hpcdist.config import load_site
+from hpcdist.errors import BootstrapError, ConfigError
 from hpcdist.runtime import group
 from hpcdist.runtime.rankinfo import RankInfo
 
@@ -78,3 +79,13 @@ def test_restart_gets_a_fresh_key() -> None:
     first = group.rendezvous_key({"SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "0"}, me)
     again = group.rendezvous_key({"SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "1"}, me)
     assert first != again and first.startswith("77.")
+
+
+def test_gloo_and_nccl_interface_follow_socket_ifname() -> None:
+    assert group.socket_ifname_env("eth0") == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
+    assert group.socket_ifname_env(None) == {}
+
+
+def test_site_env_cannot_set_the_socket_interface() -> None:
+    with pytest.raises(ConfigError, match=r"NCCL_SOCKET_IFNAME='ib0' is set from network.socket_ifname"):
+        load_site("local-slurm", ["env.NCCL_SOCKET_IFNAME=ib0"])

@@ -114,3 +114,29 @@ def test_slurm_node_name_is_the_hostname() -> None:
 def test_inconsistent_launch_is_an_error(env: dict[str, str], message: str) -> None:
     with pytest.raises(BootstrapError, match=message.replace("(", r"\(").replace(")", r"\)")):
         RankInfo.from_env(env, hostname="h")
+
+
+def test_openmpi_node_comes_from_the_hosts_not_node_rank() -> None:
+    # OMPI_COMM_WORLD_NODE_RANK is the rank within the node: it is never the node index
+    base = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    rank2 = {**base, "OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_NODE_RANK": "0"}
+    # outside Slurm: no node list, so block placement until the ranks check in; two nodes, not one
+    info = RankInfo.from_env(rank2, hostname="n2")
+    assert (info.node_rank, info.num_nodes, info.single_host) == (1, 2, False)
+    placed = info.placed({0: "n1", 1: "n1", 2: "n2", 3: "n2"})
+    assert (placed.node_rank, placed.num_nodes) == (1, 2)
+    assert info.placed({0: "n2", 1: "n1", 2: "n2", 3: "n1"}).node_rank == 0  # nodes in order of lowest rank
+    # inside an allocation: a rank on n2 inherits its Open MPI daemon's one-node srun step
+    in_job = {**rank2, "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0",
+              "SLURM_STEP_NODELIST": "n2", "SLURM_STEP_NUM_NODES": "1", "SLURM_JOB_ID": "7"}
+    info = RankInfo.from_env(in_job, hostname="n2")
+    assert (info.node_rank, info.num_nodes, info.hosts, info.job_id) == (1, 2, ("n1", "n2"), "7")
+    # one host for every rank: loopback
+    alone = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+             "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert RankInfo.from_env(alone, hostname="h").single_host
+
+
+def test_launcher_given_node_index_is_kept_after_check_in() -> None:
+    info = RankInfo.from_env(SRUN_RANK5, hostname="gpu08")
+    assert info.placed({r: "gpu07" if r % 2 else "gpu08" for r in range(8)}) is info

@@ -90,6 +90,8 @@ def measure_pairs(s: Session, path: CommPath, params: Any) -> Matrix:
         "size": params.size, "latency_size": params.latency_size, "iters": params.iters, "warmup": params.warmup,
         "window": params.window, "rounds": len(schedule), "fraction_of": label, "label": path.label,
         "leaders": np.array([leader[i] for i in range(n)], dtype=np.int32),
+        # the site's minimum, so a report can mark the slow pairs (NaN: the site sets none)
+        "min_gbps": np.nan if s.ctx.site.baselines.min_p2p_gbps is None else s.ctx.site.baselines.min_p2p_gbps,
     }
     return Matrix(list(nodes), bw, lat, frac, attrs)
 
@@ -104,7 +106,7 @@ def pair_shortfalls(m: Matrix, min_gbps: float | None, max_latency_us: float | N
             if i == j:
                 continue
             if min_gbps is not None and not m.bandwidth[i, j] >= min_gbps:
-                bad.append(f"{m.nodes[i]}->{m.nodes[j]} {m.bandwidth[i, j]:.2f} GB/s")
+                bad.append(f"{m.nodes[i]}->{m.nodes[j]} {m.bandwidth[i, j]:.3g} GB/s")
                 blame[m.nodes[i]] = blame.get(m.nodes[i], 0) + 1
                 blame[m.nodes[j]] = blame.get(m.nodes[j], 0) + 1
             if max_latency_us is not None and i < j and not m.latency[i, j] <= max_latency_us:

@@ -166,21 +166,36 @@ def p2p_lines(t: Table) -> list[str]:
     return lines + text(grid, indent=2).splitlines()
 
 
-def _matrix(nodes: list[str], values: np.ndarray, digits: int) -> list[str]:
-    """A node-by-node matrix, row sends to column; the diagonal is '-'."""
+def _matrix(nodes: list[str], values: np.ndarray, digits: int, slow: np.ndarray | None = None) -> list[str]:
+    """A node-by-node matrix, row sends to column; the diagonal is '-', a slow cell ends in ' SLOW'."""
     grid = table("from \\ to", *nodes)
     for i, n in enumerate(nodes):
-        grid.add_row(n, *("-" if i == j else _f(values[i, j], digits) for j in range(len(nodes))))
+        grid.add_row(n, *("-" if i == j else _f(values[i, j], digits) + (" SLOW" if slow is not None and slow[i, j]
+                                                                           else "") for j in range(len(nodes))))
     return text(grid, indent=2).splitlines()
+
+
+def slow_pairs(m: dict[str, Any]) -> np.ndarray:
+    """Which cells of the bandwidth matrix fall below the site's minimum kept with it (none if unset)."""
+    bw = np.asarray(m["bandwidth_gbps"], dtype=float)
+    low = float(m.get("min_gbps", math.nan))
+    slow = np.zeros(bw.shape, dtype=bool) if math.isnan(low) else ~(bw >= low)
+    np.fill_diagonal(slow, False)
+    return slow
 
 
 def matrix_lines(path: str, m: dict[str, Any]) -> list[str]:
     nodes = m["nodes"]
+    slow = slow_pairs(m)
+    marked = [f"{nodes[i]}->{nodes[j]}" for i, j in zip(*np.nonzero(slow), strict=True)]
+    note = (f"# SLOW: {', '.join(marked)} below the site's minimum {float(m['min_gbps']):g} GB/s"
+            if marked else None)
     return [
         "",
         f"# node pairs on {m.get('label', path)}: bandwidth (GB/s) of {human_bytes(int(m['size']))} messages, "
         f"row sends to column; {m.get('rounds')} round(s); fraction of: {m.get('fraction_of')}",
-        *_matrix(nodes, m["bandwidth_gbps"], 2),
+        *_matrix(nodes, m["bandwidth_gbps"], 3, slow),
+        *([note] if note else []),
         f"# latency (us) of {int(m['latency_size'])}-byte ping-pong:",
         *_matrix(nodes, m["latency_us"], 1),
     ]
@@ -282,6 +297,7 @@ def plot(r: Result, out_dir: str | Path, other: Result | None = None) -> list[Pa
         written.append(_save(fig, out_dir / f"busbw_{t.op}_{t.path}.png"))
     for name, m in r.matrices.items():
         nodes = m["nodes"]
+        slow = slow_pairs(m)
         fig, ax = plt.subplots(figsize=(1.2 * len(nodes) + 3, 1.0 * len(nodes) + 2.5))
         im = ax.imshow(m["bandwidth_gbps"], cmap="viridis")
         ax.set_xticks(range(len(nodes)), nodes, rotation=45, ha="right")
@@ -292,7 +308,10 @@ def plot(r: Result, out_dir: str | Path, other: Result | None = None) -> list[Pa
             for j in range(len(nodes)):
                 v = m["bandwidth_gbps"][i, j]
                 if not math.isnan(v):
-                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="white", fontsize=8)
+                    ax.text(j, i, f"{v:.3g}" + ("\nSLOW" if slow[i, j] else ""), ha="center", va="center",
+                            color="white", fontsize=8)
+                if slow[i, j]:  # a slow pair: outlined in red
+                    ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=3))
         fig.colorbar(im, ax=ax, label="GB/s")
         ax.set_title(f"node pairs, {human_bytes(int(m['size']))} messages ({m.get('label', name)})")
         written.append(_save(fig, out_dir / f"pairs_{name}.png"))

@@ -15,6 +15,7 @@ from hpcdist.bench.base import CommPath
 from hpcdist.bench.measure import Watchdog, maybe_fault
 from hpcdist.bench.record import BenchRecord, rank_layout
 from hpcdist.errors import BenchmarkError, HpcdistError
+from hpcdist.runtime.reach import roll_call
 
 if TYPE_CHECKING:
     from hpcdist.runtime.context import JobContext
@@ -125,10 +126,11 @@ class Session:
             raise
         except Exception as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            where = ""
+            gone = roll_call(self.rank, self.node_of_rank)  # names the node that stopped answering
+            where = f"; {gone}" if gone else ""
             if self.record is not None:
-                self.record.flush(complete=False, verdict=f"failed at {what}: {first}")
-                where = f"; the rows measured before it are in {self.record.path} (complete=False)"
+                self.record.flush(complete=False, verdict=f"failed at {what}: {first}{where}")
+                where += f"; the rows measured before it are in {self.record.path} (complete=False)"
             raise BenchmarkError(
                 f"{what} failed on rank {self.rank} ({self.node_of_rank[self.rank]}): "
                 f"{type(exc).__name__}: {first}{where}"

@@ -93,6 +93,11 @@ class Baselines(Frozen):
     )
 
 
+# The variables by which gloo and NCCL pick their interface: set from ``network.socket_ifname``
+# by the rank bootstrap (``hpcdist.runtime.group.socket_ifname_env``), never in a site's env.
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
 class Network(Frozen):
     """The interconnect as the site's users know it."""
 
@@ -145,6 +150,17 @@ class Site(Frozen):
     defaults: Defaults = Defaults()
     baselines: Baselines = Baselines()
     python: str | None = Field(default=None, description="interpreter on the nodes")
+
+    @field_validator("env")
+    @classmethod
+    def _no_socket_ifname(cls, value: dict[str, str]) -> dict[str, str]:
+        for var in SOCKET_IFNAME_VARS:
+            if var in value:
+                raise ValueError(
+                    f"{var}={value[var]!r} is set from network.socket_ifname; set that instead "
+                    f"(hpcdist sets {' and '.join(SOCKET_IFNAME_VARS)} from it on every rank)"
+                )
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> Site:

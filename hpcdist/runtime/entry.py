@@ -113,6 +113,7 @@ def bootstrap(job: Job[Any], site: Site, env: Mapping[str, str] | None = None) -
         timings["mpi_init"] = time.perf_counter() - t
     backend, device = choose_backend(spec, info, env)
 
+    os.environ.update(group.socket_ifname_env(site.network.socket_ifname))
     t = time.perf_counter()
     key = group.rendezvous_key(env, info)
     store, endpoint = group.open_store(
@@ -124,6 +125,7 @@ def bootstrap(job: Job[Any], site: Site, env: Mapping[str, str] | None = None) -
         ifname=site.network.socket_ifname,
     )
     hosts_by_rank = group.check_in(store, info, timeout)
+    info = info.placed(hosts_by_rank)  # the node index from every rank's host (Open MPI names none)
     timings["rendezvous"] = time.perf_counter() - t
     if job.makes_group:
         t = time.perf_counter()

@@ -18,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpcdist.config.site import SOCKET_IFNAME_VARS
 from hpcdist.errors import BootstrapError
 from hpcdist.polling import poll_until
 from hpcdist.runtime.rankinfo import RankInfo
@@ -43,6 +44,13 @@ def own_address(ifname: str | None, single_node: bool) -> str:
     if ifname:
         return _interface_address(ifname)
     return socket.gethostbyname(socket.gethostname())
+
+
+def socket_ifname_env(ifname: str | None) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME for the site's ``network.socket_ifname``: the
+    interface rank 0 publishes its address on is the one the collectives use (set here only,
+    by the bootstrap, so a direct launch gets them as a submitted job does)."""
+    return dict.fromkeys(SOCKET_IFNAME_VARS, ifname) if ifname else {}
 
 
 def _interface_address(ifname: str) -> str:
@@ -102,7 +110,7 @@ def open_store(
     ifname: str | None = None,
 ) -> tuple[dist.Store, Endpoint]:
     """The job's shared TCPStore, with rank 0 as the server, and how its address was learnt."""
-    single_node = info.num_nodes <= 1
+    single_node = info.single_host
     if info.master_addr and info.master_port:
         # A launcher's agent may already serve a store there (torchrun: every rank is a client);
         # a hand-set env:// endpoint is served by rank 0.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hpcdist.errors import BootstrapError
 from hpcdist.launchers import EnvTable, env_tables
@@ -87,12 +87,20 @@ class RankInfo:
                 f"the launcher's environment is inconsistent"
             )
         hosts = tuple(expand_hostlist(raw("nodelist") or ""))
+        name = hostname or env.get("SLURMD_NODENAME") or socket.gethostname()
         per_node = _tasks_per_node(raw("tasks_per_node"), launcher)
+        local_world = number("local_world_size", None)
         node_rank = number("node_rank", None)
         if node_rank is None:
-            node_rank = _node_of(rank, per_node) if per_node else 0
-        num_nodes = number("num_nodes", None) or (len(hosts) or len(per_node) or 1)
-        local_world = number("local_world_size", None)
+            if name in hosts:  # the launcher names no node index: this host's place in the node list
+                node_rank = hosts.index(name)
+            elif per_node:
+                node_rank = _node_of(rank, per_node)
+            else:  # block placement, as the launch lines ask for; exact once ranks check in
+                node_rank = rank // local_world if local_world else 0
+        num_nodes = number("num_nodes", None) or len(hosts) or len(per_node) or (
+            -(-world // local_world) if local_world else 1
+        )
         if local_world is None:
             local_world = per_node[node_rank] if node_rank < len(per_node) else world // num_nodes
         local_rank = number("local_rank", None)
@@ -113,11 +121,29 @@ class RankInfo:
             node_rank=node_rank,
             num_nodes=num_nodes,
             hosts=hosts,
-            hostname=hostname or env.get("SLURMD_NODENAME") or socket.gethostname(),
+            hostname=name,
             job_id=raw("job_id"),
             master_addr=raw("master_addr"),
             master_port=port,
         )
+
+    @property
+    def single_host(self) -> bool:
+        """Whether every rank runs on this host (then the ranks meet on loopback)."""
+        return self.local_world_size >= self.world_size
+
+    def placed(self, host_of_rank: Mapping[int, str]) -> RankInfo:
+        """These facts with the node index and count taken from every rank's host, as the
+        rendezvous gathered them, for launchers that name no node index (Open MPI, MPICH, env://).
+
+        Nodes are numbered in the order of their lowest rank.
+        """
+        if "node_rank" in table(self.launcher).fields:
+            return self
+        nodes = list(dict.fromkeys(host_of_rank[r] for r in sorted(host_of_rank)))
+        if self.hostname not in nodes:
+            return self
+        return replace(self, node_rank=nodes.index(self.hostname), num_nodes=len(nodes))
 
     def describe(self) -> str:
         return (

@@ -13,6 +13,7 @@ import contextlib
 import os
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -28,8 +29,9 @@ from hpcdist.config.contract import LAUNCH_TIME_VAR
 from hpcdist.console import Progress
 from hpcdist.data.dataset import DistributedOrder, TokenWindows, eval_samples
 from hpcdist.data.tokens import describe
-from hpcdist.errors import CheckpointError, JobError
+from hpcdist.errors import CheckpointError, HpcdistError, JobError
 from hpcdist.model.gpt import GPT, GPTConfig
+from hpcdist.runtime.reach import failure_message
 from hpcdist.runtime.requeue import Requeued, classify
 from hpcdist.store import CheckpointStore
 from hpcdist.train.metrics import Metrics, add_rank_log_file, perplexity
@@ -238,7 +240,8 @@ def loop(r: Run) -> dict[str, Any]:
     try:
         while r.step < params.steps:
             t0 = time.perf_counter()
-            loss, grad_norm = train_step(r)
+            with _named(r, f"training step {r.step + 1} (gradient all_reduce)"):
+                loss, grad_norm = train_step(r)
             if r.ctx.device.type == "cuda":
                 torch.cuda.synchronize(r.ctx.device)
             seconds = time.perf_counter() - t0
@@ -264,7 +267,8 @@ def loop(r: Run) -> dict[str, Any]:
                                 f"{r.tokens_per_step / seconds:,.0f} tok/s  grad_norm {grad_norm:.3f}")
             every = params.eval.every
             if (every and r.step % every == 0) or r.step == params.steps:
-                val = evaluate(r)
+                with _named(r, f"validation at step {r.step} (all_reduce)"):
+                    val = evaluate(r)
                 r.metrics.add("val", step=r.step, loss=val, ppl=perplexity(val))
                 if ctx.is_main:
                     ctx.log.info("step %d: validation loss %.4f (ppl %.2f)", r.step, val, perplexity(val))
@@ -286,6 +290,19 @@ def loop(r: Run) -> dict[str, Any]:
     complete = r.step >= params.steps
     result = write_result(r, complete) if ctx.is_main else None
     return _summary(r, complete, result, stop)
+
+
+@contextlib.contextmanager
+def _named(r: Run, what: str) -> Iterator[None]:
+    """A failed collective becomes a JobError naming the step, the node that stopped answering
+    and the last committed checkpoint, from which a resubmission resumes."""
+    try:
+        yield
+    except HpcdistError:
+        raise
+    except Exception as exc:
+        kept = f"; resubmit to resume from {r.last_checkpoint}" if r.last_checkpoint else "; no checkpoint yet"
+        raise JobError(failure_message(what, r.ctx.rank, r.ctx.hosts, exc) + kept) from exc
 
 
 def _lr_of_step(r: Run) -> float:

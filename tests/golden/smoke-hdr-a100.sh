@@ -24,12 +24,10 @@ module load PyTorch
 source "$HOME/venvs/hpcdist/bin/activate"
 
 # ---- environment
-export GLOO_SOCKET_IFNAME=ib0
 export NCCL_DEBUG=WARN
 export NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3
 export NCCL_IB_TIMEOUT=20
 export NCCL_NET_GDR_LEVEL=PHB
-export NCCL_SOCKET_IFNAME=ib0
 export OMP_NUM_THREADS=12
 export SUBMITIT_PREEMPTION_SIGNAL=USR2
 export UCX_TLS=rc,sm,cuda_copy,cuda_ipc

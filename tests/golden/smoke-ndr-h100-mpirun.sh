@@ -12,7 +12,7 @@
 #SBATCH --output=/shared/ml-research/hpcdist/logs/smoke/%j/%j_0_log.out
 #SBATCH --error=/shared/ml-research/hpcdist/logs/smoke/%j/%j_0_log.err
 #SBATCH --open-mode=append
-#SBATCH --signal=USR2@180
+#SBATCH --signal=B:USR2@180
 #SBATCH --requeue
 
 # ---- modules and site setup
@@ -23,12 +23,10 @@ source /shared/apps/conda/etc/profile.d/conda.sh
 conda activate hpcdist
 
 # ---- environment
-export GLOO_SOCKET_IFNAME=eth0
 export NCCL_CROSS_NIC=0
 export NCCL_IB_HCA==mlx5_0,mlx5_3,mlx5_4,mlx5_5
 export NCCL_IB_QPS_PER_CONNECTION=2
 export NCCL_NVLS_ENABLE=1
-export NCCL_SOCKET_IFNAME=eth0
 export OMP_NUM_THREADS=16
 export SUBMITIT_PREEMPTION_SIGNAL=USR2
 export UCX_NET_DEVICES=mlx5_0:1
@@ -37,4 +35,8 @@ export SUBMITIT_EXECUTOR=slurm
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME
-mpirun -np "$SLURM_NTASKS" --map-by ppr:2:node /opt/hpcdist/bin/python -u -m hpcdist.runtime.shim /shared/ml-research/hpcdist/logs/smoke/%j
+mpirun -np "$SLURM_NTASKS" --map-by ppr:2:node /opt/hpcdist/bin/python -u -m hpcdist.runtime.shim /shared/ml-research/hpcdist/logs/smoke/%j &
+HPCDIST_LAUNCHER_PID=$!
+trap 'kill -USR2 "$HPCDIST_LAUNCHER_PID"' USR2
+until wait "$HPCDIST_LAUNCHER_PID"; HPCDIST_STATUS=$?; ! kill -0 "$HPCDIST_LAUNCHER_PID" 2>/dev/null; do :; done
+exit "$HPCDIST_STATUS"

@@ -23,20 +23,18 @@ source /shared/apps/conda/etc/profile.d/conda.sh
 conda activate hpcdist
 
 # ---- environment
-export GLOO_SOCKET_IFNAME=eth0
 export NCCL_CROSS_NIC=0
 export NCCL_IB_HCA==mlx5_0,mlx5_3,mlx5_4,mlx5_5
 export NCCL_IB_QPS_PER_CONNECTION=2
 export NCCL_NVLS_ENABLE=1
-export NCCL_SOCKET_IFNAME=eth0
 export OMP_NUM_THREADS=16
 export SUBMITIT_PREEMPTION_SIGNAL=USR2
 export UCX_NET_DEVICES=mlx5_0:1
 export SUBMITIT_EXECUTOR=slurm
-HPCDIST_HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-export HPCDIST_HEAD_NODE
+HPCDIST_HEAD_ADDR=$(/opt/hpcdist/bin/python -m hpcdist.runtime.agent --address eth0) || exit 1
+export HPCDIST_HEAD_ADDR
 
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME
-srun --unbuffered --output /shared/ml-research/hpcdist/logs/smoke/%j/%j_%t_log.out --error /shared/ml-research/hpcdist/logs/smoke/%j/%j_%t_log.err --ntasks-per-node=1 /opt/hpcdist/bin/python -m torch.distributed.run --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint="$HPCDIST_HEAD_NODE:29400" --rdzv-id="$SLURM_JOB_ID" -m hpcdist.runtime.shim /shared/ml-research/hpcdist/logs/smoke/%j
+srun --unbuffered --output /shared/ml-research/hpcdist/logs/smoke/%j/%j_%t_log.out --error /shared/ml-research/hpcdist/logs/smoke/%j/%j_%t_log.err --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=2 /opt/hpcdist/bin/python -m hpcdist.runtime.agent --ifname eth0 --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint="$HPCDIST_HEAD_ADDR:29400" --rdzv-id="$SLURM_JOB_ID" -m hpcdist.runtime.shim /shared/ml-research/hpcdist/logs/smoke/%j
