@@ -5,7 +5,10 @@ values; neither torch nor any workload module is imported here (tensors are conv
 they are met). The GPT's own checkpoint knowledge lives in ``hpcdist.model.checkpoint``.
 
 - ``atomic``: temporary name in the same directory, fsync, ``os.replace``, directory fsync;
-- ``tree``: nested dict <-> HDF5 group, sha256 of every array, the HDF5-attribute converters;
+- ``tree``: nested dict <-> HDF5 group, sha256 of every array, the HDF5-attribute converters,
+  reading through HDF5 with every sha256 checked;
+- ``rawio``: writing a tree, a checkpoint's arrays by ``os.pwrite``/``os.preadv`` and its index,
+  the host-memory snapshot an asynchronous save takes;
 - ``directory``: step names, the ``latest`` pointer, listing, retention, temporaries;
 - ``checkpoints``: the ``hpcdist.checkpoint`` format: save (commit), read and verify, headers;
 - ``discovery``: the newest committed checkpoint that verifies, with reasons for each one skipped;

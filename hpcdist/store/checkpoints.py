@@ -13,7 +13,7 @@ Format ``hpcdist.checkpoint`` version 1 (readable by ``h5dump`` and by plain ``h
   layer adds ``model_config_json``, see ``hpcdist.model.checkpoint``).
 - Root attribute ``index_json`` (optional: files of earlier hpcdist 0.1.0 builds lack it):
   the tree's groups, and for each numeric dataset its path, byte offset in the file, dtype,
-  shape and sha256 (``hpcdist.store.tree.TreeIndex``). Such datasets are contiguous and
+  shape and sha256 (``hpcdist.store.rawio.TreeIndex``). Such datasets are contiguous and
   uncompressed, so a reader can read them without walking HDF5 objects; any disagreement
   between index and file sends the reader back to the HDF5 structure, which stays the truth.
 - Below the root: the caller's tree (``hpcdist.store.tree``): groups, datasets each with a
@@ -41,17 +41,8 @@ from hpcdist import __version__
 from hpcdist.errors import CheckpointError
 from hpcdist.store.atomic import atomic_path
 from hpcdist.store.directory import checkpoint_name, prune, read_pointer, write_pointer
-from hpcdist.store.tree import (
-    DatasetInfo,
-    Tree,
-    TreeIndex,
-    attr_value,
-    describe_group,
-    plain,
-    read_indexed,
-    read_tree,
-    write_tree,
-)
+from hpcdist.store.rawio import TreeIndex, read_indexed, write_tree
+from hpcdist.store.tree import DatasetInfo, Tree, attr_value, describe_group, plain, read_tree
 
 FORMAT = "hpcdist.checkpoint"
 FORMAT_VERSION = 1

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from hpcdist.store import checkpoints, discovery
 from hpcdist.store import directory as layout
-from hpcdist.store.tree import Tree, snapshot
+from hpcdist.store.rawio import snapshot
+from hpcdist.store.tree import Tree
 
 if TYPE_CHECKING:
     from hpcdist.store.claim import Claim, Holder
