@@ -1,7 +1,7 @@
 """The `python` job kind as a user submits it: `hpcdist submit --site SITE -- script.py ARG...`.
 
 An unchanged torchrun-style DDP script runs on the local site and on the real cluster (2 nodes x
-2 tasks) under srun, srun --mpi=pmix and mpirun; a rank that exits 3 or raises fails the job
+2 tasks) under srun, srun --mpi=pmix, mpirun and torchrun; a rank that exits 3 or raises fails the job
 naming the rank, its host and the code or exception; the job runs the code snapshot taken at
 submit (an edit made after submitting changes nothing, git-ignored files are left out); each kind
 of bad input is one clear error before anything is queued.
@@ -106,6 +106,25 @@ def test_bad_input_is_one_clear_error_before_anything_is_queued(tmp_path: Path, 
     assert not (root / "logs").exists()  # nothing was snapshotted or queued
 
 
+def test_under_torchrun_the_script_keeps_torchruns_own_variables() -> None:
+    from hpcdist.jobs.python_run import script_env
+    from hpcdist.runtime.rankinfo import RankInfo
+
+    worker = {"TORCHELASTIC_RUN_ID": "myrun", "TORCHELASTIC_USE_AGENT_STORE": "True", "RANK": "3", "WORLD_SIZE": "4",
+              "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2",
+              "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4", "ROLE_NAME": "default", "MASTER_ADDR": "10.0.0.1",
+              "MASTER_PORT": "36315", "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"}
+    info = RankInfo.from_env(worker, hostname="n2")
+    assert script_env(info, "10.0.0.1", 36315, "local", worker) == {"NODE_RANK": "1"}  # torchrun leaves it out
+    # under srun every variable comes from hpcdist, the run id from the job
+    slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+             "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "77"}
+    env = script_env(RankInfo.from_env(slurm, hostname="n2"), "10.0.0.1", 4000, "77", slurm)
+    assert {k: env[k] for k in ("RANK", "GROUP_RANK", "NODE_RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID")} == {
+        "RANK": "3", "GROUP_RANK": "1", "NODE_RANK": "1", "MASTER_PORT": "4000", "TORCHELASTIC_RUN_ID": "77"}
+    assert env.keys() >= worker.keys()
+
+
 def test_render_shows_the_command_form() -> None:
     result = run_cli("render", "--site", "local-slurm", "--set", "resources.nodes=2", "--", str(PLAIN), "--steps", "5")
     assert result.code == 0, result.err
@@ -118,7 +137,8 @@ def test_render_shows_the_command_form() -> None:
     ["--set", "site.launcher.args=[]"],  # plain srun
     [],  # the site's srun --mpi=pmix
     ["--set", "site.launcher.kind=mpirun", "--set", "site.launcher.args=[]", *MPIRUN_AS_ROOT],
-], ids=["srun", "srun-pmix", "mpirun"])
+    ["--set", "site.launcher.kind=torchrun", "--set", "site.launcher.args=[]"],  # one agent per node
+], ids=["srun", "srun-pmix", "mpirun", "torchrun"])
 def test_plain_ddp_script_on_two_nodes(slurm_storage: Path, launcher: list[str]) -> None:
     result = run_cli("submit", "--site", "local-slurm", "--set", "resources.nodes=2",
                      "--set", "resources.tasks_per_node=2", *launcher, *storage_sets(slurm_storage),

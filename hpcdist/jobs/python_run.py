@@ -2,9 +2,9 @@
 
 hpcdist's bootstrap has done the rendezvous (finite timeouts, missing ranks named) but not made
 the default process group. Here the rank gets exactly the variables torchrun's agent gives its
-workers, pointing MASTER_ADDR:MASTER_PORT at the job's TCPStore (rank 0's, or torchrun's own
-agent store) with ``TORCHELASTIC_USE_AGENT_STORE=True``, so the script's
-``init_process_group(backend)`` (env://) joins that store as a client
+workers (under torchrun, torchrun's own values stand), pointing MASTER_ADDR:MASTER_PORT at the
+job's TCPStore (rank 0's, or torchrun's own agent store) with ``TORCHELASTIC_USE_AGENT_STORE=True``,
+so the script's ``init_process_group(backend)`` (env://) joins that store as a client
 (``torch.distributed.rendezvous._create_c10d_store``) instead of opening a second one.
 
 The code runs in this process (``runpy`` with the script's ``sys.argv``, ``SystemExit`` caught),
@@ -21,7 +21,7 @@ import runpy
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,12 +57,24 @@ def torchrun_env(info: RankInfo, addr: str, port: int, run_id: str) -> dict[str,
     }
 
 
+def script_env(info: RankInfo, addr: str, port: int, run_id: str, env: Mapping[str, str]) -> dict[str, str]:
+    """What this rank's environment `env` gains for the script: torchrun's worker variables.
+
+    Under torchrun itself (its agent serves the store) the worker already has them, and torchrun's
+    own values stand (its ``--rdzv-id``, not hpcdist's job id): only what it leaves out is added.
+    """
+    wanted = torchrun_env(info, addr, port, run_id)
+    if info.agent_store:
+        return {k: v for k, v in wanted.items() if k not in env}
+    return wanted
+
+
 def run(ctx: JobContext, params: PythonParams) -> dict[str, Any]:
     """Run the target on this rank; returns its exit code (0) or raises a JobError naming the rank."""
     from hpcdist import api
 
     endpoint = ctx.endpoint
-    os.environ.update(torchrun_env(ctx.info, endpoint.addr, endpoint.port, ctx.job_id))
+    os.environ.update(script_env(ctx.info, endpoint.addr, endpoint.port, ctx.job_id, os.environ))
     if ctx.device.type == "cuda":
         import torch
 
