@@ -15,7 +15,7 @@ is an error. A launcher owns everything that differs between launchers:
 Signals: the site's preemption signal reaches the ranks through the launcher (Slurm's
 ``--signal`` goes to the job steps; srun delivers it to its tasks, Open MPI's mpirun and
 torchrun's agent forward SIGUSR1/SIGUSR2 and SIGTERM to their children), where submitit's
-handler (``SUBMITIT_PREEMPTION_SIGNAL``) or a job's own ``Preemption`` flag takes it.
+handler (``SUBMITIT_PREEMPTION_SIGNAL``) or a job's ``Context.should_stop`` flag takes it.
 
 Cheap on purpose (standard library only): the login node renders with it, the nodes detect
 ranks with it.

@@ -4,7 +4,7 @@
     ctx = hpcdist.init()                      # rank facts, device, process group, logger
     latest = ctx.checkpoints.load_latest()    # (step, state) or None; state as it was saved
     ...
-    ctx.checkpoints.save(step, {"model": model.state_dict(), "opt": opt.state_dict()})
+    ctx.checkpoints.save(step, {"model": model.state_dict(), "opt": opt.state_dict()}, background=True)
     if ctx.should_stop():                     # the site's preemption signal or SIGTERM, on any rank
         ctx.checkpoints.save(step, state); ctx.requeue()
     ctx.results.attrs["final_loss"] = loss; ctx.close()
@@ -14,7 +14,7 @@ it builds on that rank's bootstrap (``attach``); under plain torchrun, srun, mpi
 process it does hpcdist's own rendezvous (finite timeouts, missing ranks named) unless the
 default group already exists. Checkpoints are the model-agnostic ``CheckpointStore`` with the
 directory claimed by rank 0 for the context's lifetime; rank 0 writes, every rank loads the one
-step rank 0 resolved. ``import hpcdist`` stays light: torch is imported by ``init``.
+step rank 0 resolved. ``train_gpt`` is built on this API. ``import hpcdist`` stays light: torch is imported by ``init``.
 
 The package: ``launch`` (``init``, and the runtime's ``attach``/``detach``), ``context``
 (``Context``, ``Results``), ``checkpoints`` (``Checkpoints``), ``codec`` (any state <-> a store tree).

@@ -172,7 +172,8 @@ class Context:
         attrs = run_attrs(kind=self.kind, job_name=self.name, job_id=self.job_id, site=self.site_name,
                           hosts=list(self.hosts), num_nodes=self.info.num_nodes,
                           spec_json=self._spec_json, site_json=self._site_json)
-        attrs.update(world_size=self.world_size, complete=complete, **self.results.attrs)
+        attrs.update(world_size=self.world_size, complete=complete)
+        attrs.update(self.results.attrs)  # the caller's own figures win, `complete` included
         self.results.path.parent.mkdir(parents=True, exist_ok=True)
         with result_file(self.results.path, attrs) as f:
             for name, columns in self.results.tables.items():

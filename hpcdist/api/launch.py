@@ -1,7 +1,7 @@
 """``init``: this rank's ``Context``, built on a ``python`` job's bootstrap or on the launcher's own.
 
 In a hpcdist job the runtime ``attach``es its ``JobContext`` before the user's code runs and
-``detach``es after; ``_from_job`` builds on it (a built-in job kind calls it directly). Outside,
+``detach``es after; ``from_job`` builds on it (a built-in job kind calls it directly). Outside,
 ``_standalone`` reads the rank facts from the launcher and does hpcdist's rendezvous (finite
 timeouts, missing ranks named) unless env:// already made the default group.
 """
@@ -60,13 +60,13 @@ def init(*, site: str | None = None, name: str | None = None, timeout_s: float |
     """
     if _CONTEXT:
         return _CONTEXT[0]
-    ctx = _from_job(_ACTIVE[0], checkpoint_dir, keep_last) if _ACTIVE else _standalone(
+    ctx = from_job(_ACTIVE[0], checkpoint_dir, keep_last) if _ACTIVE else _standalone(
         site, name, timeout_s, checkpoint_dir, keep_last)
     _CONTEXT.append(ctx)
     return ctx
 
 
-def _from_job(job: JobContext, checkpoint_dir: str | Path | None, keep_last: int | None,
+def from_job(job: JobContext, checkpoint_dir: str | Path | None, keep_last: int | None,
               log: logging.Logger | None = None) -> Context:
     """In a hpcdist job: the bootstrap's facts, hosts and requeue; the group made on its store
     unless the job kind made it. `log`: the job's logger (a built-in kind's), else ``hpcdist.user``."""
