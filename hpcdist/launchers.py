@@ -16,7 +16,7 @@ is an error. A launcher owns everything that differs between launchers:
 Signals: the site's preemption signal (``--signal=SIG@N``, not ``B:``) goes to every process
 of every job step (proctrack/linuxproc and proctrack/cgroup signal the whole step), so the
 ranks get it wherever they run, and submitit's handler (``SUBMITIT_PREEMPTION_SIGNAL``) or a
-job's own ``Preemption`` flag takes it. A process between Slurm and the ranks must survive it:
+job's ``Context.should_stop`` flag takes it. A process between Slurm and the ranks must survive it:
 torchrun's agent would die of it (it handles only SIGTERM, SIGINT, SIGHUP and SIGQUIT), so it
 runs under ``hpcdist.runtime.agent``, which lets the agent outlive the signal its workers act on.
 mpirun runs in the batch step, which Slurm leaves out, and so would its ranks on the first node:

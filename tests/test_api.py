@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from hpcdist.api import decode, encode
+from hpcdist.api import Context, decode, encode
 from hpcdist.errors import CheckpointError
+from hpcdist.runtime.rankinfo import RankInfo
 from hpcdist.store import CheckpointStore
 from hpcdist.store.claim import Claim, Holder, read
 from hpcdist.store.results import read_attrs, read_table
@@ -54,6 +55,32 @@ def test_model_optimizer_and_rng_state_round_trip(tmp_path: Path) -> None:
     fresh.load_state_dict(back["opt"])
     assert fresh.state_dict()["param_groups"][0]["lr"] == 0.1
     assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def one_rank(tmp_path: Path) -> Context:
+    """A single-rank Context with no process group (every collective is then a no-op)."""
+    info = RankInfo("local", 0, 1, 0, 1, 0, 1, job_id=None)
+    return Context(info=info, device=torch.device("cpu"), backend="gloo", timeout_s=10, name="t", job_id="local",
+                   checkpoint_dir=tmp_path / "ckpt", result_path=tmp_path / "r.h5", keep_last=2, requeue=None,
+                   own_group=False, store=None, stop_signals=())
+
+
+def test_background_saves_commit_in_order_and_a_tree_keeps_its_own_layout(tmp_path: Path) -> None:
+    ctx = one_rank(tmp_path)
+    ckpts = ctx.checkpoints
+    for step in (1, 2, 3):
+        ckpts.save(step, {"w": torch.full((4,), float(step))}, background=True)
+    ckpts.wait()
+    assert [s.path.name for s in ckpts.committed] == [f"step_{n:08d}.h5" for n in (1, 2, 3)]
+    latest = ckpts.load_latest()
+    assert latest is not None and latest[0] == 3 and torch.equal(latest[1]["w"], torch.full((4,), 3.0))
+    assert ckpts.store.steps() == [2, 3]  # keep_last=2
+    path = ckpts.save_tree(4, {"model": {"w": np.arange(3.0)}}, epoch=1, attrs={"note": "x"})
+    read_back = CheckpointStore(ckpts.directory).load(4)
+    assert path == read_back.path and read_back.epoch == 1 and read_back.attrs["note"] == "x"
+    assert np.array_equal(read_back.tree["model"]["w"], np.arange(3.0))  # at the root, as written
+    ctx.close()
+    assert read(ckpts.directory) is None
 
 
 # ---------------------------------------------------------------- the directory claim

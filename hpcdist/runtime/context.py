@@ -7,7 +7,6 @@ environment themselves.
 from __future__ import annotations
 
 import logging
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -20,25 +19,6 @@ from hpcdist.runtime.rankinfo import RankInfo
 
 if TYPE_CHECKING:
     import torch
-
-
-@dataclass
-class Preemption:
-    """Set by the site's preemption signal; ranks agree on it at a step boundary.
-
-    The handler only sets a flag: writing a checkpoint from a signal handler is unsafe, and
-    ranks must stop at the same step.
-    """
-
-    signum: int | None = None
-    received: bool = False
-
-    def install(self, signal_name: str) -> None:
-        self.signum = int(getattr(signal, f"SIG{signal_name}"))
-        signal.signal(self.signum, self._handler)
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        self.received = True
 
 
 @dataclass
@@ -55,7 +35,6 @@ class JobContext:
     log: logging.Logger
     timings: dict[str, float] = field(default_factory=dict)
     mpi_comm: Any = None
-    preemption: Preemption = field(default_factory=Preemption)
     requeue: Callable[[], None] | None = None
     endpoint: Any = None  # group.Endpoint: where the job's TCPStore listens (the python kind's MASTER_ADDR)
     store: Any = None  # the job's store (rank 0 serves it)
@@ -103,13 +82,3 @@ class JobContext:
             spec_json=self.spec.model_dump_json(),
             site_json=self.site.model_dump_json(),
         )
-
-    def preempted(self) -> bool:
-        """True on every rank if any rank received the preemption signal (a collective)."""
-        import torch
-        import torch.distributed as dist
-
-        flag = torch.tensor([1.0 if self.preemption.received else 0.0], device=self.device)
-        if dist.is_initialized() and self.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)

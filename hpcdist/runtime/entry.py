@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -198,12 +199,23 @@ def run_job(job: Job[Any], site: Site) -> dict[str, Any]:
     return {"rank": ctx.rank, "host": ctx.info.hostname, "timings": ctx.timings, **out}
 
 
-def _check_out_failed(store: Any, ctx: JobContext) -> None:
-    """A failed rank still checks out, so rank 0 does not wait the full timeout for it."""
-    try:
-        store.set(f"hpcdist/done/{ctx.rank}", "failed")
-    except Exception:  # the store's server (rank 0) may be gone already
-        pass
+def _check_out_failed(store: Any, ctx: JobContext, wait_s: float = 2.0) -> None:
+    """A failed rank still checks out, so rank 0 does not wait the full timeout for it.
+
+    Best effort and bounded: when the failure is a lost link to rank 0, the store request would
+    block until the store's own timeout and hold back the rank's error, so it runs in a daemon
+    thread that this rank stops waiting for after `wait_s`.
+    """
+
+    def check_out() -> None:
+        try:
+            store.set(f"hpcdist/done/{ctx.rank}", "failed")
+        except Exception:  # the store's server (rank 0) may be gone already
+            pass
+
+    thread = threading.Thread(target=check_out, name="hpcdist-check-out", daemon=True)
+    thread.start()
+    thread.join(wait_s)
 
 
 def main(argv: list[str] | None = None) -> int:

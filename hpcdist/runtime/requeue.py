@@ -1,8 +1,8 @@
 """Requeue a preempted or timed-out job through submitit's own mechanism.
 
 submitit installs a handler for its preemption signal that requeues at once; a training job
-replaces it with ``Preemption`` (a flag), checkpoints at the next step boundary on every rank,
-and only then asks submitit's job environment to requeue: ``scontrol requeue <job id>`` on
+replaces it with a flag (``hpcdist.api.Context.should_stop``), checkpoints at the next step
+boundary on every rank, and only then asks submitit's job environment to requeue: ``scontrol requeue <job id>`` on
 Slurm, exit code 144 (``LOCAL_REQUEUE_RETURN_CODE``) on the local site, whose controller then
 restarts the ranks. A requeued job has written no result, so it is never taken as finished.
 """

@@ -1,10 +1,14 @@
 """The ``train_gpt`` runner: data-parallel training that resumes bit for bit after preemption.
 
+The first user of the public API (``hpcdist.api``): the run's ``Context`` claims the checkpoint
+directory, saves (in the background between the final ones), tells when to stop and requeues.
 Every rank builds the same model from the seed, rank 0 picks the checkpoint to resume from
 (the newest committed one that verifies) and tells the others, then all ranks train under DDP.
-At each step boundary the ranks agree on the preemption flag; when it is set they write a
-checkpoint and the job is requeued through submitit, up to ``preemption.max_requeues`` times
-for time-outs. Rank 0 writes the metrics to the HDF5 result when the run ends.
+At each step boundary the ranks agree on ``should_stop()`` (the site's signal or SIGTERM); when
+it is set they write a checkpoint and the job requeues, up to ``preemption.max_requeues`` times
+for time-outs. Rank 0's ``results`` hold the metrics, written when the run ends.
+It runs a little over 350 lines: the step loop, its failure naming and the stop/requeue
+ending are one flow, read top to bottom (resume, result and state are their own modules).
 """
 
 from __future__ import annotations
@@ -25,24 +29,24 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from hpcdist.api.launch import from_job
 from hpcdist.config.contract import LAUNCH_TIME_VAR
 from hpcdist.console import Progress
 from hpcdist.data.dataset import DistributedOrder, TokenWindows, eval_samples
 from hpcdist.data.tokens import describe
-from hpcdist.errors import CheckpointError, HpcdistError, JobError
+from hpcdist.errors import HpcdistError, JobError
 from hpcdist.model.gpt import GPT, GPTConfig
 from hpcdist.runtime.reach import failure_message
-from hpcdist.runtime.requeue import Requeued, classify
-from hpcdist.store import CheckpointStore
+from hpcdist.runtime.requeue import classify
 from hpcdist.train.metrics import Metrics, add_rank_log_file, perplexity
 from hpcdist.train.params import Precision, TrainParams, effective_precision, model_config
-from hpcdist.train.result import write_result
+from hpcdist.train.result import fill_result
 from hpcdist.train.resume import resume, save
 from hpcdist.train.schedule import lr_factor, scaled_lr
 
 if TYPE_CHECKING:
+    from hpcdist.api import Context
     from hpcdist.runtime.context import JobContext
-    from hpcdist.store.claim import Claim
 
 
 @dataclass
@@ -50,6 +54,7 @@ class Run:
     """Everything one rank trains with; step/epoch/position say where the data order stands."""
 
     ctx: JobContext
+    api: Context  # the public API's handles on the same rank: checkpoints, should_stop, requeue, results
     params: TrainParams
     cfg: GPTConfig
     model: GPT
@@ -70,7 +75,7 @@ class Run:
     requeues: int = 0
     timeouts: int = 0
     last_checkpoint: Path | None = None
-    store: CheckpointStore | None = None  # rank 0's, kept: a background save outlives the step
+    commits_seen: int = 0  # of api.checkpoints.committed, already in the metrics
 
     @property
     def tokens_per_step(self) -> int:
@@ -84,7 +89,7 @@ class Run:
         return torch.autocast(device_type=self.ctx.device.type, dtype=dtype)
 
 
-def build(ctx: JobContext, params: TrainParams) -> Run:
+def build(ctx: JobContext, api: Context, params: TrainParams) -> Run:
     info = describe(params.data)
     cfg: GPTConfig = model_config(params, info.vocab_size)
     torch.manual_seed(params.seed)  # the same initial weights on every rank
@@ -112,7 +117,7 @@ def build(ctx: JobContext, params: TrainParams) -> Run:
     random.seed(params.seed + 1 + ctx.rank)
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     ddp = DDP(model, device_ids=device_ids)
-    return Run(ctx, params, cfg, model, ddp, opt, sched, scaler, order, train, val, peak, precision)
+    return Run(ctx, api, params, cfg, model, ddp, opt, sched, scaler, order, train, val, peak, precision)
 
 
 # ---------------------------------------------------------------- steps
@@ -174,54 +179,29 @@ def run(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     log_file = ctx.site.storage.logs / ctx.spec.name / ctx.job_id / f"train_rank{ctx.rank}.log"
     handler = add_rank_log_file(log_file)
-    ctx.preemption.install(ctx.site.preemption.signal)
+    api = from_job(ctx, None, params.checkpoint.keep_last, log=ctx.log)
     try:
-        claim = _claim(ctx)
         try:
+            api.checkpoints  # noqa: B018 - rank 0 claims the directory now: a held one fails every rank at once
             t0 = time.perf_counter()
-            r = build(ctx, params)
+            r = build(ctx, api, params)
             ctx.timings["train_build"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             resume(r)
             ctx.timings["train_resume"] = time.perf_counter() - t0
             try:
-                out = loop(r)
+                return loop(r)
             finally:
                 r.train.close()
                 r.val.close()
         except Exception:
-            if claim is not None:
-                claim.release()
+            api.release()  # a requeue (SystemExit) keeps the claim: the requeued job, same id, takes it back
             raise
-        # A requeue (SystemExit) keeps the claim: the requeued job, same id, takes it back.
-        if claim is not None:
-            claim.release()
-        return out
     finally:
         import logging
 
         logging.getLogger("hpcdist").removeHandler(handler)
         handler.close()
-
-
-def _claim(ctx: JobContext) -> Claim | None:
-    """Rank 0 claims the checkpoint directory for this run (one writer per directory); when
-    another job holds it every rank raises the same error, naming the holder."""
-    from hpcdist.store.claim import Claim, Holder
-
-    claim, error = None, [""]
-    if ctx.is_main:
-        try:
-            claim = Claim(ctx.checkpoint_dir, Holder.this_process()).acquire()
-            if claim.took_over is not None:
-                ctx.log.warning("took over the stale claim of %s", claim.took_over.describe())
-        except CheckpointError as exc:
-            error[0] = str(exc)
-    if ctx.world_size > 1:
-        dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise CheckpointError(error[0])
-    return claim
 
 
 def loop(r: Run) -> dict[str, Any]:
@@ -272,7 +252,7 @@ def loop(r: Run) -> dict[str, Any]:
                 r.metrics.add("val", step=r.step, loss=val, ppl=perplexity(val))
                 if ctx.is_main:
                     ctx.log.info("step %d: validation loss %.4f (ppl %.2f)", r.step, val, perplexity(val))
-            if ctx.preempted() and r.step < params.steps:  # at the last step: just finish
+            if r.api.should_stop() and r.step < params.steps:  # at the last step: just finish
                 stop = "preempted"
             elif params.run_steps and r.step - start_step >= params.run_steps and r.step < params.steps:
                 stop = "run_steps"
@@ -288,8 +268,18 @@ def loop(r: Run) -> dict[str, Any]:
     if stop == "preempted":
         _requeue(r)
     complete = r.step >= params.steps
-    result = write_result(r, complete) if ctx.is_main else None
+    result = _finish(r, complete)
     return _summary(r, complete, result, stop)
+
+
+def _newest_commit(r: Run) -> Path | None:
+    """The checkpoint a resubmission would resume from: the directory's ``latest`` pointer, read
+    from shared storage by any rank (a background save commits after the step that made it, so
+    the run's own record can lag), else what this rank last saw committed."""
+    try:
+        return r.api.checkpoints.store.latest() or r.last_checkpoint
+    except Exception:  # an unreadable pointer: the error message falls back to the run's record
+        return r.last_checkpoint
 
 
 @contextlib.contextmanager
@@ -301,8 +291,20 @@ def _named(r: Run, what: str) -> Iterator[None]:
     except HpcdistError:
         raise
     except Exception as exc:
-        kept = f"; resubmit to resume from {r.last_checkpoint}" if r.last_checkpoint else "; no checkpoint yet"
+        committed = _newest_commit(r)
+        kept = f"; resubmit to resume from {committed}" if committed else "; no checkpoint yet"
         raise JobError(failure_message(what, r.ctx.rank, r.ctx.hosts, exc) + kept) from exc
+
+
+def _finish(r: Run, complete: bool) -> Path | None:
+    """Close the run's context: rank 0's result is written, the claim released; rank 0's result path."""
+    if r.ctx.is_main:
+        fill_result(r, complete)
+    r.api.close()
+    if not r.ctx.is_main:
+        return None
+    r.ctx.log.info("result written to %s", r.api.results.path)
+    return r.api.results.path
 
 
 def _lr_of_step(r: Run) -> float:
@@ -314,20 +316,20 @@ def _lr_of_step(r: Run) -> float:
 
 def _count_preemption(r: Run) -> None:
     """Rank 0 tells a time-out from a preemption; every rank counts it the same way."""
-    kind: list[Any] = [None]
+    kind = None
     if r.ctx.is_main:
         launch = float(os.environ.get(LAUNCH_TIME_VAR, "nan"))
         if launch != launch:  # not set: count from now, i.e. never a time-out
             launch = time.time()
         limit = r.ctx.spec.time_limit_min(r.ctx.site) * 60.0
-        kind[0] = classify(time.time(), launch, limit, r.ctx.site.preemption.seconds_before_end)
-    dist.broadcast_object_list(kind, src=0)
+        kind = classify(time.time(), launch, limit, r.ctx.site.preemption.seconds_before_end)
+    kind = r.api.broadcast(kind)
     r.requeues += 1
-    if kind[0] == "timeout":
+    if kind == "timeout":
         r.timeouts += 1
     r.ctx.log.warning(
         "%s signal received: checkpointing at step %d (%s; %d time-out(s), %d requeue(s) so far)",
-        r.ctx.site.preemption.signal, r.step, kind[0], r.timeouts, r.requeues,
+        r.ctx.site.preemption.signal, r.step, kind, r.timeouts, r.requeues,
     )
 
 
@@ -335,23 +337,18 @@ def _requeue(r: Run) -> None:
     ctx = r.ctx
     limit = ctx.site.preemption.max_requeues
     if r.timeouts > limit:
-        if ctx.is_main:
-            write_result(r, complete=False)
+        _finish(r, complete=False)
         raise JobError(
             f"job timed out {r.timeouts} time(s), more than preemption.max_requeues={limit}: not requeued; "
             f"step {r.step} of {r.params.steps} is committed in {r.last_checkpoint}: resubmit the same spec "
             f"to continue, or raise resources.time_min"
         )
-    if ctx.requeue is None:
+    if not r.api.can_requeue:
         raise JobError(
             f"preempted at step {r.step}; checkpoint {r.last_checkpoint} is committed but this launch was not "
             f"started by submitit and cannot requeue itself: resubmit the same spec to resume"
         )
-    dist.barrier()  # the checkpoint is committed and every rank knows it before the job goes away
-    if ctx.is_main:
-        ctx.requeue()
-    ctx.log.warning("rank %d leaves for the requeue at step %d", ctx.rank, r.step)
-    raise Requeued(1)
+    r.api.requeue()  # a barrier first: the checkpoint is committed and every rank knows it
 
 
 def _summary(r: Run, complete: bool, result: Path | None, stop: str) -> dict[str, Any]:

@@ -1,28 +1,27 @@
 """The training run's HDF5 result: the run's figures as root attributes, the metrics as tables.
 
-Rank 0 writes it when the run ends (complete or not) in the ``hpcdist.store.results`` layout:
+Rank 0 fills the run's ``Context.results`` when the run ends (complete or not); the context
+writes them, with the run's attributes (``hpcdist.store.results``), when it closes: the tables
 ``/train/steps``, ``/train/val``, ``/train/epochs`` and ``/train/checkpoints``.
 """
 
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from hpcdist.store.results import result_file, write_table
 from hpcdist.train.metrics import PEAK_BF16_TFLOPS
 
 if TYPE_CHECKING:
     from hpcdist.train.loop import Run
 
 
-def write_result(r: Run, complete: bool) -> Path:
-    ctx = r.ctx
-    path = ctx.result_path()
-    attrs = ctx.run_attrs()
+def fill_result(r: Run, complete: bool) -> None:
+    """The run's figures and metrics into ``r.api.results`` (rank 0)."""
+    results = r.api.results
+    attrs = results.attrs
     steps = r.metrics.columns("steps")
     val = r.metrics.columns("val")
     tok_s = [float(v) for v in steps["tokens_per_s"][1:]] or [float(v) for v in steps["tokens_per_s"]]
@@ -47,14 +46,10 @@ def write_result(r: Run, complete: bool) -> Path:
     mfu = _mfu(r, median_tok_s)
     if mfu is not None:
         attrs["mfu"] = mfu
-    with result_file(path, attrs) as f:
-        group = f.require_group("train")
-        write_table(group, "steps", steps)
-        write_table(group, "val", val)
-        write_table(group, "epochs", r.metrics.epochs())
-        write_table(group, "checkpoints", r.metrics.columns("checkpoints"))
-    ctx.log.info("result written to %s", path)
-    return path
+    results.table("train/steps", steps)
+    results.table("train/val", val)
+    results.table("train/epochs", r.metrics.epochs())
+    results.table("train/checkpoints", r.metrics.columns("checkpoints"))
 
 
 def _mfu(r: Run, tokens_per_s: float) -> float | None:

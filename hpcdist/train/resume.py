@@ -1,6 +1,12 @@
 """The training run's checkpoints: rank 0 picks the one to resume from, every rank restores it,
 and rank 0 writes and commits a new one with every rank's generators.
 
+Writing, the background saves, retention and the directory claim are the public API's
+``ctx.checkpoints`` (``save_tree``: the tree below at the file's root, where ``infer_gpt`` and
+``hpcdist.model.checkpoint`` read ``/model``). Choosing the checkpoint stays here: the run's
+policy (``resume``, ``if_unusable``, the model-shape check before any tensor is read) is not
+``load_latest``'s, which takes the newest that verifies or nothing.
+
 The files are ``hpcdist.store`` checkpoints with the GPT's ``/model`` (``hpcdist.model.checkpoint``)
 and the trainer's groups:
 
@@ -34,7 +40,7 @@ from hpcdist.model.checkpoint import (
     state_dict_of,
     stored_shapes,
 )
-from hpcdist.store import CheckpointStore, SaveStats, checkpoints_in, step_of
+from hpcdist.store import checkpoints_in, step_of
 from hpcdist.store import read as read_checkpoint
 from hpcdist.store.directory import POINTER
 from hpcdist.train import state as st
@@ -44,17 +50,10 @@ if TYPE_CHECKING:
     from hpcdist.train.loop import Run
 
 
-def store_of(run: Run) -> CheckpointStore:
-    """The run's checkpoint store, made once: it carries a background save from one step to a later one."""
-    if run.store is None:
-        run.store = CheckpointStore(run.ctx.checkpoint_dir, keep_last=run.params.checkpoint.keep_last)
-    return run.store
-
-
 def choose_checkpoint(run: Run) -> dict[str, Any]:
     """Rank 0's decision: the checkpoint to resume from, or an error every rank raises."""
     ctx, cp = run.ctx, run.params.checkpoint
-    store = store_of(run)
+    store = run.api.checkpoints.store
     directory = store.directory
     if not cp.resume:
         if checkpoints_in(directory):
@@ -90,9 +89,7 @@ def choose_checkpoint(run: Run) -> dict[str, Any]:
 def resume(run: Run) -> None:
     """Every rank restores the checkpoint rank 0 chose (checksums verified), or starts fresh."""
     ctx = run.ctx
-    decision: list[Any] = [choose_checkpoint(run) if ctx.is_main else None]
-    dist.broadcast_object_list(decision, src=0)
-    choice = decision[0]
+    choice = run.api.broadcast(choose_checkpoint(run) if ctx.is_main else None)
     if "error" in choice:
         raise CheckpointError(choice["error"])
     if choice["path"] is None:
@@ -146,7 +143,7 @@ def save(run: Run, *, final: bool = True) -> Path | None:
     ctx = run.ctx
     rngs: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
     dist.gather_object(st.rng_tree(ctx.device), rngs, dst=0)
-    outcome: list[Any] = [None]
+    tree: dict[str, Any] = {}
     if ctx.is_main:
         assert rngs is not None
         tree = {
@@ -165,34 +162,16 @@ def save(run: Run, *, final: bool = True) -> Path | None:
             },
             "metrics": run.metrics.to_tree(),
         }
-        store = store_of(run)
-        try:
-            committed = _committed(run, store.wait())
-            if run.params.checkpoint.background and not final:
-                store.save_async(run.step, tree, epoch=run.epoch, attrs=model_attrs(run.cfg))
-            else:
-                committed = _committed(run, store.save(run.step, tree, epoch=run.epoch, attrs=model_attrs(run.cfg)))
-            outcome[0] = ("ok", str(committed or run.last_checkpoint or ""))
-        except CheckpointError as exc:
-            outcome[0] = ("error", str(exc))
-    dist.broadcast_object_list(outcome, src=0)
-    status, detail = outcome[0]
-    if status != "ok":
-        raise CheckpointError(detail)
-    run.last_checkpoint = Path(detail) if detail else None
+    background = run.params.checkpoint.background and not final
+    checkpoints = run.api.checkpoints
+    path = checkpoints.save_tree(run.step, tree, epoch=run.epoch, attrs=model_attrs(run.cfg), background=background)
+    for stats in checkpoints.committed[run.commits_seen:]:  # rank 0's commits since the last save
+        run.metrics.add(
+            "checkpoints", step=step_of(stats.path) or 0, op="write", bytes=stats.bytes, seconds=stats.seconds,
+            mb_per_s=stats.mb_per_s, job_id=ctx.job_id,
+        )
+        run.last_checkpoint = stats.path
+    run.commits_seen = len(checkpoints.committed)
+    if not background:
+        run.last_checkpoint = path
     return run.last_checkpoint
-
-
-def _committed(run: Run, stats: SaveStats | None) -> Path | None:
-    """Record a committed save in the metrics and the log; its path."""
-    if stats is None:
-        return None
-    run.metrics.add(
-        "checkpoints", step=step_of(stats.path) or 0, op="write", bytes=stats.bytes, seconds=stats.seconds,
-        mb_per_s=stats.mb_per_s, job_id=run.ctx.job_id,
-    )
-    run.ctx.log.info(
-        "checkpoint %s committed: %.1f MB in %.2f s (%.0f MB/s)%s", stats.path, stats.bytes / 1e6,
-        stats.seconds, stats.mb_per_s, f"; removed {len(stats.removed)} older" if stats.removed else "",
-    )
-    return stats.path

@@ -1,0 +1,28 @@
+"""The public API for the user's own code: ``ctx = hpcdist.init()``.
+
+    import hpcdist
+    ctx = hpcdist.init()                      # rank facts, device, process group, logger
+    latest = ctx.checkpoints.load_latest()    # (step, state) or None; state as it was saved
+    ...
+    ctx.checkpoints.save(step, {"model": model.state_dict(), "opt": opt.state_dict()}, background=True)
+    if ctx.should_stop():                     # the site's preemption signal or SIGTERM, on any rank
+        ctx.checkpoints.save(step, state); ctx.requeue()
+    ctx.results.attrs["final_loss"] = loss; ctx.close()
+
+It works under every launcher hpcdist knows, inside an hpcdist job or not: in a ``python`` job
+it builds on that rank's bootstrap (``attach``); under plain torchrun, srun, mpirun or a single
+process it does hpcdist's own rendezvous (finite timeouts, missing ranks named) unless the
+default group already exists. Checkpoints are the model-agnostic ``CheckpointStore`` with the
+directory claimed by rank 0 for the context's lifetime; rank 0 writes, every rank loads the one
+step rank 0 resolved. ``train_gpt`` is built on this API. ``import hpcdist`` stays light: torch is imported by ``init``.
+
+The package: ``launch`` (``init``, and the runtime's ``attach``/``detach``), ``context``
+(``Context``, ``Results``), ``checkpoints`` (``Checkpoints``), ``codec`` (any state <-> a store tree).
+"""
+
+from hpcdist.api.checkpoints import Checkpoints
+from hpcdist.api.codec import decode, encode
+from hpcdist.api.context import Context, Results
+from hpcdist.api.launch import attach, detach, init
+
+__all__ = ["Checkpoints", "Context", "Results", "attach", "decode", "detach", "encode", "init"]

@@ -1,0 +1,119 @@
+"""``ctx.checkpoints``: the job's ``CheckpointStore`` as every rank uses it.
+
+Rank 0 claims the directory (one writer per directory) and writes; every rank returns once a
+save is committed (or raises the same error); every rank loads the one step rank 0 resolved.
+``save`` nests the state, encoded, under ``/state``; ``save_tree`` writes a store tree as it is at
+the file's root, for a layout another reader already knows (the GPT's ``/model`` that
+``infer_gpt`` reads). Either may run in the background: the caller waits only for the copy to
+host memory, and the next save, ``wait`` or ``Context.close`` learns how it ended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpcdist.api.codec import decode, encode
+from hpcdist.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from hpcdist.api.context import Context
+    from hpcdist.store.checkpoints import SaveStats
+    from hpcdist.store.claim import Claim
+    from hpcdist.store.manager import CheckpointStore
+
+
+class Checkpoints:
+    """The job's ``CheckpointStore`` as every rank uses it: rank 0 claims and writes, all load."""
+
+    def __init__(self, ctx: Context, directory: Path, keep_last: int | None) -> None:
+        from hpcdist.store.manager import CheckpointStore
+
+        self.ctx = ctx
+        self.store: CheckpointStore = CheckpointStore(directory, keep_last=keep_last)
+        self.claim: Claim | None = None
+        self.committed: list[SaveStats] = []  # rank 0: every save committed so far, oldest first
+        error = ""
+        if ctx.is_main:
+            try:
+                self.claim = self.store.claim()
+                if self.claim.took_over is not None:
+                    ctx.log.warning("took over the stale claim of %s on %s", self.claim.took_over.describe(), directory)
+            except CheckpointError as exc:
+                error = str(exc)
+        error = ctx.broadcast(error)
+        if error:
+            raise CheckpointError(error)
+
+    @property
+    def directory(self) -> Path:
+        return self.store.directory
+
+    def save(self, step: int, state: Mapping[str, Any], *, attrs: Mapping[str, Any] | None = None,
+             background: bool = False) -> Path:
+        """Commit `state` (a nested dict of tensors, arrays and plain values) as `step` on rank 0;
+        every rank returns once it is committed (once it is copied, with `background`), or raises
+        the same error. Returns where the checkpoint is (or will be once committed)."""
+        return self._commit(step, lambda: {"state": encode(state)}, 0, attrs, background)
+
+    def save_tree(self, step: int, tree: Mapping[str, Any], *, epoch: int = 0,
+                  attrs: Mapping[str, Any] | None = None, background: bool = False) -> Path:
+        """`save` for a store tree (nested dicts of arrays, tensors and attribute values, not
+        encoded) written as it is at the file's root, for a layout another reader knows."""
+        return self._commit(step, lambda: tree, epoch, attrs, background)
+
+    def _commit(self, step: int, make: Callable[[], Mapping[str, Any]], epoch: int,
+                attrs: Mapping[str, Any] | None, background: bool) -> Path:
+        error = ""
+        if self.ctx.is_main:
+            try:
+                self._record(self.store.wait())  # the save before this one, and its error
+                if background:
+                    self.store.save_async(step, make(), epoch=epoch, attrs=attrs)
+                else:
+                    self._record(self.store.save(step, make(), epoch=epoch, attrs=attrs))
+            except CheckpointError as exc:
+                error = str(exc)
+            except Exception as exc:
+                error = f"saving step {step} in {self.directory} failed: {type(exc).__name__}: {exc}"
+        error = self.ctx.broadcast(error)
+        if error:
+            raise CheckpointError(error)
+        return self.store.path(step)
+
+    def wait(self) -> None:
+        """Every rank returns once a background save in flight is committed, or raises its error."""
+        error = ""
+        if self.ctx.is_main:
+            try:
+                self._record(self.store.wait())
+            except Exception as exc:
+                error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+        error = self.ctx.broadcast(error)
+        if error:
+            raise CheckpointError(error)
+
+    def _record(self, stats: SaveStats | None) -> None:
+        if stats is None:
+            return
+        self.committed.append(stats)
+        self.ctx.log.info(
+            "checkpoint %s committed: %.1f MB in %.2f s (%.0f MB/s)%s", stats.path, stats.bytes / 1e6,
+            stats.seconds, stats.mb_per_s, f"; removed {len(stats.removed)} older" if stats.removed else "",
+        )
+
+    def load_latest(self) -> tuple[int, dict[str, Any]] | None:
+        """(step, state) of the newest committed checkpoint that verifies, or None: rank 0 picks
+        the step, every rank loads that one (never a newer one a concurrent writer commits)."""
+        latest = self.store.load_latest(self.ctx.log.warning) if self.ctx.is_main else None
+        step = self.ctx.broadcast(latest.step if latest is not None else None)
+        if step is None:
+            return None
+        return step, decode((latest or self.store.load(step)).tree["state"])
+
+    def release(self) -> None:
+        """Drop rank 0's claim (no collective: safe at exit and after a failure)."""
+        if self.claim is not None:
+            self.claim.release()
+            self.claim = None

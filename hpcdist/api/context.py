@@ -1,0 +1,200 @@
+"""``Context``: one rank's facts and handles, what ``hpcdist.init()`` returns.
+
+Rank facts, device, process group, a logger with rank prefixes, ``results`` (written by rank 0
+on ``close``), ``checkpoints`` (claimed on first use), and preemption: ``should_stop()`` and
+``requeue()``. torch is imported where it is used, never at import.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpcdist.api.checkpoints import Checkpoints
+from hpcdist.errors import JobError
+
+if TYPE_CHECKING:
+    import torch
+
+    from hpcdist.runtime.rankinfo import RankInfo
+
+
+@dataclass
+class Results:
+    """Attributes and tables for the job's HDF5 result file, written by rank 0 on ``close``.
+
+    A table name may hold a ``/`` (``train/steps``): the table goes in that group."""
+
+    path: Path
+    attrs: dict[str, Any] = field(default_factory=dict)
+    tables: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def table(self, name: str, columns: Mapping[str, Any]) -> None:
+        """A table of equal-length columns (replaces one of the same name)."""
+        self.tables[name] = columns
+
+
+class Context:
+    """One rank's handles: facts, device, group, logger, results, checkpoints, preemption."""
+
+    def __init__(self, *, info: RankInfo, device: torch.device, backend: str, timeout_s: float, name: str,
+                 job_id: str, checkpoint_dir: Path, result_path: Path, keep_last: int | None,
+                 requeue: Callable[[], None] | None, own_group: bool, store: Any, stop_signals: tuple[str, ...],
+                 site_name: str = "", spec_json: str = "{}", site_json: str = "{}", kind: str = "python",
+                 hosts: Sequence[str] = (), log: logging.Logger | None = None):
+        self.site_name, self._spec_json, self._site_json = site_name, spec_json, site_json
+        self.info, self.device, self.backend, self.timeout_s = info, device, backend, timeout_s
+        self.name, self.job_id, self.kind = name, job_id, kind
+        self.hosts = tuple(hosts) or (info.hostname,)
+        self.log = log or _logger(info)
+        self.results = Results(result_path)
+        self._checkpoint_dir, self._keep_last = checkpoint_dir, keep_last
+        self._checkpoints: Checkpoints | None = None
+        self._requeue, self._own_group, self._store = requeue, own_group, store
+        self._stop_received = False
+        self._closed = False
+        for name_ in stop_signals:
+            try:
+                signal.signal(getattr(signal, f"SIG{name_}"), self._on_signal)
+            except ValueError:  # not the main thread: the launcher's default stays
+                self.log.warning("cannot handle SIG%s outside the main thread; should_stop() will not see it", name_)
+
+    rank = property(lambda self: self.info.rank)
+    world_size = property(lambda self: self.info.world_size)
+    local_rank = property(lambda self: self.info.local_rank)
+    is_main = property(lambda self: self.info.rank == 0)
+
+    @property
+    def group(self) -> Any:
+        """The default process group (torch.distributed's WORLD)."""
+        import torch.distributed as dist
+
+        return dist.group.WORLD
+
+    @property
+    def checkpoints(self) -> Checkpoints:
+        """The job's checkpoint directory, claimed by rank 0 on first use (a collective)."""
+        if self._checkpoints is None:
+            self._checkpoints = Checkpoints(self, self._checkpoint_dir, self._keep_last)
+        return self._checkpoints
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._stop_received = True  # only a flag: the ranks agree at a step boundary
+
+    def should_stop(self) -> bool:
+        """True on every rank once any rank received the preemption signal or SIGTERM (a
+        collective: call it on every rank at the same step)."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if self._stop_received else 0.0], device=self.device)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank (picklable objects)."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or self.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    @property
+    def can_requeue(self) -> bool:
+        """Whether ``requeue`` can requeue this launch (submitit or Slurm started it)."""
+        return self._requeue is not None
+
+    def requeue(self) -> None:
+        """Requeue the job (after the caller's checkpoint) and leave: every rank calls it."""
+        import torch.distributed as dist
+
+        from hpcdist.runtime.requeue import Requeued
+
+        if self._requeue is None:
+            raise JobError(f"{self.name}: asked to requeue, but this launch was not started by submitit or Slurm; "
+                           f"resubmit the same command to resume from the last checkpoint")
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier()  # the checkpoint is committed and every rank knows it
+        self.log.warning("rank %d leaves for the requeue", self.rank)
+        self._write_results(complete=False)
+        self._closed = True  # the claim stays: the requeued job (same id) takes it back
+        if self.is_main:
+            try:
+                self._requeue()
+            except SystemExit as exc:  # the local executor requeues by exit code 144
+                raise Requeued(exc.code) from None
+        raise Requeued(1)
+
+    def close(self) -> None:
+        """Wait for a background save, write the results (rank 0), release the checkpoint claim,
+        leave the group hpcdist made."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._checkpoints is not None:
+            self._checkpoints.wait()
+        self._write_results(complete=True)
+        if self._checkpoints is not None:
+            self._checkpoints.release()
+        import torch.distributed as dist
+
+        if self._own_group and dist.is_initialized():
+            if self._store is not None:
+                from hpcdist.runtime import group
+
+                group.finish(self._store, self.info, self.timeout_s)
+            dist.destroy_process_group()
+        from hpcdist.api import launch
+
+        launch.forget(self)
+
+    def release(self) -> None:
+        """After a failure: drop the checkpoint claim, no collectives, nothing written."""
+        self._closed = True
+        if self._checkpoints is not None:
+            self._checkpoints.release()
+
+    def _write_results(self, complete: bool) -> None:
+        if not self.is_main or not (self.results.attrs or self.results.tables):
+            return
+        from hpcdist.store.results import result_file, run_attrs, write_table
+
+        attrs = run_attrs(kind=self.kind, job_name=self.name, job_id=self.job_id, site=self.site_name,
+                          hosts=list(self.hosts), num_nodes=self.info.num_nodes,
+                          spec_json=self._spec_json, site_json=self._site_json)
+        attrs.update(world_size=self.world_size, complete=complete)
+        attrs.update(self.results.attrs)  # the caller's own figures win, `complete` included
+        self.results.path.parent.mkdir(parents=True, exist_ok=True)
+        with result_file(self.results.path, attrs) as f:
+            for name, columns in self.results.tables.items():
+                write_table(f, name, columns)
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _logger(info: RankInfo) -> logging.Logger:
+    """``hpcdist.user``: records prefixed with the rank and host, to stderr."""
+    log = logging.getLogger("hpcdist.user")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        host = info.hostname or socket.gethostname()
+        handler.setFormatter(logging.Formatter(
+            f"%(asctime)s [rank {info.rank}/{info.world_size} {host}] %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(os.environ.get("HPCDIST_LOG_LEVEL", "INFO"))
+        log.propagate = False
+    return log

@@ -1,0 +1,165 @@
+"""``init``: this rank's ``Context``, built on a ``python`` job's bootstrap or on the launcher's own.
+
+In a hpcdist job the runtime ``attach``es its ``JobContext`` before the user's code runs and
+``detach``es after; ``from_job`` builds on it (a built-in job kind calls it directly). Outside,
+``_standalone`` reads the rank facts from the launcher and does hpcdist's rendezvous (finite
+timeouts, missing ranks named) unless env:// already made the default group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hpcdist.api.context import Context
+
+if TYPE_CHECKING:
+    from hpcdist.config.site import Site
+    from hpcdist.runtime.context import JobContext
+
+_ACTIVE: list[JobContext] = []  # the python job's bootstrap on this rank, when there is one
+_CONTEXT: list[Context] = []  # what init() returned, so a second call returns the same
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def attach(ctx: JobContext) -> None:
+    """Make `ctx` (a ``python`` job's bootstrap on this rank) what ``init`` builds on."""
+    _ACTIVE[:] = [ctx]
+
+
+def detach(ok: bool) -> None:
+    """End of the python job's code on this rank: close a context it left open (write its
+    results) when the code succeeded; after a failure or a requeue only release the claim."""
+    if _CONTEXT:
+        if ok:
+            _CONTEXT[0].close()
+        else:
+            _CONTEXT[0].release()
+            _CONTEXT.clear()
+    _ACTIVE.clear()
+
+
+def forget(ctx: Context) -> None:
+    """`ctx` is closed: a later ``init`` makes a new one."""
+    if _CONTEXT and _CONTEXT[0] is ctx:
+        _CONTEXT.clear()
+
+
+def init(*, site: str | None = None, name: str | None = None, timeout_s: float | None = None,
+         checkpoint_dir: str | Path | None = None, keep_last: int | None = 3) -> Context:
+    """This rank's Context, made once per process (later calls return the same one).
+
+    `site` (or $HPCDIST_SITE) names the site whose storage and preemption signal to use outside
+    an hpcdist job; `name` defaults to the script's name; `checkpoint_dir` overrides the job's
+    ``<checkpoints>/<name>``; `keep_last` committed checkpoints are kept (None: all).
+    """
+    if _CONTEXT:
+        return _CONTEXT[0]
+    ctx = from_job(_ACTIVE[0], checkpoint_dir, keep_last) if _ACTIVE else _standalone(
+        site, name, timeout_s, checkpoint_dir, keep_last)
+    _CONTEXT.append(ctx)
+    return ctx
+
+
+def from_job(job: JobContext, checkpoint_dir: str | Path | None, keep_last: int | None,
+              log: logging.Logger | None = None) -> Context:
+    """In a hpcdist job: the bootstrap's facts, hosts and requeue; the group made on its store
+    unless the job kind made it. `log`: the job's logger (a built-in kind's), else ``hpcdist.user``."""
+    import torch.distributed as dist
+
+    from hpcdist.runtime import group
+
+    own = not dist.is_initialized()
+    if own:
+        group.init_process_group(job.store, job.info, job.backend, job.timeout_s)
+    return Context(
+        info=job.info, device=job.device, backend=job.backend, timeout_s=job.timeout_s, name=job.spec.name,
+        job_id=job.job_id, checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else job.checkpoint_dir,
+        result_path=job.result_path(), keep_last=keep_last, requeue=job.requeue, own_group=own, store=None,
+        stop_signals=(job.site.preemption.signal, "TERM"), site_name=job.site.name,
+        spec_json=job.spec.model_dump_json(), site_json=job.site.model_dump_json(), kind=job.spec.kind,
+        hosts=job.hosts, log=log,
+    )
+
+
+def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
+                checkpoint_dir: str | Path | None, keep_last: int | None) -> Context:
+    """Outside an hpcdist job: rank facts from the launcher, hpcdist's rendezvous unless env://
+    already made the group."""
+    import torch
+    import torch.distributed as dist
+
+    from hpcdist.runtime import group
+    from hpcdist.runtime.rankinfo import RankInfo
+    from hpcdist.runtime.requeue import submitit_requeue
+
+    env = dict(os.environ)
+    info = RankInfo.from_env(env)
+    site = _site(site_ref or env.get("HPCDIST_SITE"))
+    timeout = timeout_s or (site.defaults.timeout_s if site else DEFAULT_TIMEOUT_S)
+    name = name or Path(sys.argv[0]).stem or "python"
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", info.local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    backend = "nccl" if cuda else "gloo"
+    store, own = None, not dist.is_initialized()
+    if own:
+        if cuda:
+            torch.cuda.set_device(device)
+        if info.world_size == 1:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            store, _ = group.open_store(
+                info, timeout, key=group.rendezvous_key(env, info),
+                rendezvous_dir=site.storage.scratch / "rendezvous" if site else None,
+                ifname=site.network.socket_ifname if site else None,
+            )
+            group.check_in(store, info, timeout)
+            group.init_process_group(store, info, backend, timeout)
+    job_id = info.job_id or env.get("TORCHELASTIC_RUN_ID") or "local"
+    storage = site.storage if site else None
+    ckpt = Path(checkpoint_dir) if checkpoint_dir else (
+        storage.checkpoints if storage else Path("hpcdist-out/checkpoints")) / name
+    results = (storage.results if storage else Path("hpcdist-out/results")) / name / f"{job_id}.h5"
+    requeue = submitit_requeue(None, env) or _slurm_requeue(env)
+    signals = (site.preemption.signal if site else env.get("SUBMITIT_PREEMPTION_SIGNAL", "USR2"), "TERM")
+    ctx = Context(info=info, device=device, backend=backend, timeout_s=timeout, name=name, job_id=job_id,
+                  checkpoint_dir=ckpt, result_path=results, keep_last=keep_last, requeue=requeue, own_group=own,
+                  store=store, stop_signals=signals, site_name=site.name if site else "",
+                  site_json=site.model_dump_json() if site else "{}")
+    atexit.register(_release_at_exit, ctx)
+    ctx.log.info("hpcdist.init: rank %d/%d on %s via %s, %s on %s", info.rank, info.world_size, info.hostname,
+                 info.launcher, backend, device)
+    return ctx
+
+
+def _release_at_exit(ctx: Context) -> None:
+    """A script that never called close(): its claim must not outlive it (no collectives here)."""
+    if ctx._checkpoints is not None:
+        ctx._checkpoints.release()
+
+
+def _site(ref: str | None) -> Site | None:
+    if not ref:
+        return None
+    from hpcdist.config import load_site
+
+    return load_site(ref)
+
+
+def _slurm_requeue(env: Mapping[str, str]) -> Callable[[], None] | None:
+    """`scontrol requeue` for a Slurm job not started through submitit."""
+    job = env.get("SLURM_JOB_ID")
+    if not job:
+        return None
+
+    def requeue() -> None:
+        import subprocess
+
+        subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
+
+    return requeue
