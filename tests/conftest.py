@@ -65,13 +65,18 @@ def slurm_up() -> bool:
     return proc.returncode == 0 and bool(states) and all(s.startswith(up) for s in states)
 
 
-@pytest.fixture
-def slurm_storage() -> Iterator[Path]:
-    """A fresh directory on the cluster's shared storage, removed after the test."""
+def require_slurm() -> None:
+    """Fail (under `make test`, HPCDIST_REQUIRE_SLURM=1) or skip (elsewhere) when the cluster is down."""
     if not slurm_up():
         if os.environ.get("HPCDIST_REQUIRE_SLURM") == "1":
             pytest.fail("the local Slurm cluster is not up (make cluster-up)")
         pytest.skip("the local Slurm cluster is not up (make cluster-up)")
+
+
+@pytest.fixture
+def slurm_storage() -> Iterator[Path]:
+    """A fresh directory on the cluster's shared storage, removed after the test."""
+    require_slurm()
     root = SHARED / f"t-{uuid.uuid4().hex[:10]}"
     root.mkdir(parents=True)
     yield root

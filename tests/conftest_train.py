@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -134,3 +135,26 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):  # type: 
             return value
         time.sleep(poll)
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def queue_state(jid: str) -> str:
+    """The job's state and reason in Slurm's queue, or "" once it has left it."""
+    return subprocess.run(["squeue", "-h", "-j", jid, "-o", "%T %r"], capture_output=True, text=True).stdout.strip()
+
+
+def preempt_and_release(jid: str, signal_name: str, *, batch: bool = False) -> None:
+    """Send Slurm job `jid` the preemption signal, wait until it is requeued, and release it at
+    once (Slurm holds a requeued job for ~2 minutes, BeginTime) so a test stays short."""
+    subprocess.run(["scancel", *(["--batch"] if batch else []), f"--signal={signal_name}", jid], check=True)
+    wait_for(lambda: queue_state(jid).startswith("PENDING"), 60, "the job to be requeued (PENDING)")
+    subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], check=True)
+
+
+def assert_completed_after_one_requeue(jid: str, result: Any, ranks: int) -> None:
+    """`submit --wait` (`result`, a Run) ended COMPLETED with every rank, and Slurm's accounting
+    shows the job requeued exactly once before it completed."""
+    assert result.code == 0, result.text
+    assert f"job {jid} finished: COMPLETED; {ranks}/{ranks} ranks succeeded" in result.out
+    history = subprocess.run(["sacct", "-j", jid, "-X", "-n", "-P", "--duplicates", "-o", "State"],
+                             capture_output=True, text=True).stdout.split()
+    assert history == ["REQUEUED", "COMPLETED"], history

@@ -22,17 +22,20 @@ from hpcdist.store import CheckpointStore
 from hpcdist.store.claim import Claim, Holder, read
 from hpcdist.store.results import read_attrs, read_table
 from tests import conftest_train as fx
-from tests.conftest import REPO, run_cli, storage_sets
-from tests.conftest_train import Background, ckpt_dir, train, wait_for
+from tests.conftest import REPO, require_slurm, run_cli, storage_sets
+from tests.conftest_train import (
+    Background,
+    assert_completed_after_one_requeue,
+    ckpt_dir,
+    preempt_and_release,
+    queue_state,
+    train,
+    wait_for,
+)
 
 train_root, tokens = fx.train_root, fx.tokens  # session fixtures: the token file, made once
 API = REPO / "examples" / "ddp_hpcdist.py"
 STEPS = 120
-
-
-def squeue_state(jid: str) -> str:
-    """The job's state in the queue, or "" once it has left it."""
-    return subprocess.run(["squeue", "-h", "-j", jid, "-o", "%T"], capture_output=True, text=True).stdout.strip()
 
 
 # ---------------------------------------------------------------- any state in a checkpoint
@@ -108,11 +111,10 @@ def test_a_stale_claim_is_taken_over_and_a_requeue_takes_its_own_back(tmp_path: 
 
 @pytest.mark.slurm
 def test_a_claim_of_an_ended_slurm_job_is_stale(tmp_path: Path) -> None:
-    if subprocess.run(["squeue", "-h"], capture_output=True).returncode != 0:
-        pytest.skip("no Slurm here")
+    require_slurm()
     ended = subprocess.run(["sbatch", "--parsable", "-p", "cpu", "-o", "/dev/null", "--wrap", "true"],
                            capture_output=True, text=True, check=True).stdout.strip()
-    wait_for(lambda: squeue_state(ended) == "", 60, f"job {ended} to end")
+    wait_for(lambda: queue_state(ended) == "", 60, f"job {ended} to end")
     Claim(tmp_path, Holder(ended, "n1", 1, time.time())).acquire()
     mine = Claim(tmp_path, Holder("local-1", socket.gethostname(), os.getpid(), time.time())).acquire()
     assert mine.took_over is not None and mine.took_over.job_id == ended
@@ -163,18 +165,11 @@ def test_preempted_api_job_requeues_and_ends_as_uninterrupted(slurm_storage: Pat
         ckpts = root / "checkpoints" / "ddp_hpcdist"
         wait_for(lambda: (ckpts / "step_00000020.h5").is_file(), 150, "the first checkpoint")
         jid = next(p.name for p in (root / "logs" / "ddp_hpcdist").iterdir() if p.name.isdigit())
-        subprocess.run(["scancel", f"--signal={sig}", jid], check=True)
-        # Slurm holds a requeued job for ~2 minutes (BeginTime); release it so the test stays short.
-        wait_for(lambda: squeue_state(jid).startswith("PENDING"), 60, "the job to be requeued (PENDING)")
-        subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], check=True)
+        preempt_and_release(jid, sig)
         result = job.finish(timeout=240)
     finally:
         job.kill()
-    assert result.code == 0, result.text
-    assert f"job {jid} finished: COMPLETED; 2/2 ranks succeeded" in result.out
-    history = subprocess.run(["sacct", "-j", jid, "-X", "-n", "-P", "--duplicates", "-o", "State"],
-                             capture_output=True, text=True).stdout.split()
-    assert history == ["REQUEUED", "COMPLETED"], history
+    assert_completed_after_one_requeue(jid, result, ranks=2)
     log = (root / "logs" / "ddp_hpcdist" / jid / f"{jid}_0_log.err").read_text()
     stopped = int(re.search(r"stop requested: checkpointing at step (\d+)", log).group(1))  # type: ignore[union-attr]
     assert 20 <= stopped < STEPS and f"resumed from step {stopped}" in log

@@ -8,16 +8,14 @@ requeues itself and resumes from that checkpoint."""
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from hpcdist.store.results import read_attrs
 from tests import conftest_train as fx
-from tests.conftest_train import STEPS, Background, rank_log, train_args, wait_for
+from tests.conftest_train import STEPS, Background, preempt_and_release, rank_log, train_args, wait_for
 from tests.test_local_site import result_path
-from tests.test_train_jobs import squeue
 
 train_root, tokens = fx.train_root, fx.tokens
 
@@ -41,9 +39,7 @@ def test_preemption_requeues_and_resumes_under(launcher: str, separate_hosts: Pa
         script = (root / "logs" / "train_gpt" / jid / f"{jid}_submission.sh").read_text()
         batch = ["--batch"] if "#SBATCH --signal=B:USR2@" in script else []
         assert batch == (["--batch"] if launcher == "mpirun" else [])
-        subprocess.run(["scancel", *batch, "--signal=USR2", jid], check=True)
-        wait_for(lambda: squeue(jid).startswith("PENDING"), 60, "the job to be requeued (PENDING)")
-        subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], check=True)
+        preempt_and_release(jid, "USR2", batch=bool(batch))
         result = job.finish(timeout=180)
     finally:
         job.kill()

@@ -19,7 +19,7 @@ import h5py
 from hpcdist.store.results import read_table
 from tests import conftest_train as fx
 from tests.conftest import REPO, run_cli
-from tests.conftest_train import ckpt_dir, rank_log, train_args
+from tests.conftest_train import ckpt_dir, rank_log, train_args, wait_for
 from tests.netfault import cut, slowed
 from tests.test_slurm_spine import sacct_state
 
@@ -38,16 +38,6 @@ def start(job: str, root: Path, *sets: str) -> subprocess.Popen[str]:
             "--wait", "--wait-timeout", "240", *storage(root), *(f"--set={s}" for s in sets)]
     return subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_for(check, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 def rows(path: Path, table: str) -> int:

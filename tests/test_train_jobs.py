@@ -23,14 +23,16 @@ import pytest
 from hpcdist import store
 from hpcdist.store.results import read_attrs, read_table
 from tests import conftest_train as fx
-from tests.conftest import slurm_up
+from tests.conftest import require_slurm
 from tests.conftest_train import (
     STEPS,
     Background,
+    assert_completed_after_one_requeue,
     ckpt_dir,
     differing,
     final_checkpoint,
     model_arrays,
+    preempt_and_release,
     rank_log,
     train,
     train_args,
@@ -187,32 +189,20 @@ def test_gradient_accumulation_gives_the_update_of_one_large_batch(train_root: P
     assert abs(loss_a - loss_b) < 1e-4
 
 
-def squeue(jid: str) -> str:
-    return subprocess.run(["squeue", "-h", "-j", jid, "-o", "%T %r"], capture_output=True, text=True).stdout.strip()
-
-
 @pytest.mark.slurm
 def test_slurm_preempted_job_requeues_and_resumes_bit_for_bit(train_root: Path, tokens: Path, reference: Path) -> None:
-    if not slurm_up():
-        pytest.skip("the local Slurm cluster is not up (make cluster-up)")
+    require_slurm()
     root = train_root / "slurm-preempt"
     job = Background(train_args(root, tokens, "--set", "resources.nodes=2", "--set", "resources.tasks_per_node=1",
                                 site="local-slurm"))
     try:
         wait_for(lambda: "step 20/400" in rank_log(root), 120, "step 20 in rank 0's log")
         jid = next(p.name for p in (root / "logs" / "train_gpt").iterdir() if p.name.isdigit())
-        subprocess.run(["scancel", "--signal=USR2", jid], check=True)
-        # Slurm holds a requeued job for ~2 minutes (BeginTime); release it so the test stays short.
-        wait_for(lambda: squeue(jid).startswith("PENDING"), 60, "the job to be requeued (PENDING)")
-        subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], check=True)
+        preempt_and_release(jid, "USR2")
         result = job.finish(timeout=180)
     finally:
         job.kill()
-    assert result.code == 0, result.text
-    assert f"job {jid} finished: COMPLETED; 2/2 ranks succeeded" in result.out
-    history = subprocess.run(["sacct", "-j", jid, "-X", "-n", "-P", "--duplicates", "-o", "State"],
-                             capture_output=True, text=True).stdout.split()
-    assert history == ["REQUEUED", "COMPLETED"], history
+    assert_completed_after_one_requeue(jid, result, ranks=2)
     log = rank_log(root, 0)
     stopped = int(re.search(r"USR2 signal received: checkpointing at step (\d+)", log).group(1))  # type: ignore[union-attr]
     assert 20 <= stopped < STEPS
