@@ -252,14 +252,17 @@ def loop(r: Run) -> dict[str, Any]:
                 r.metrics.add("val", step=r.step, loss=val, ppl=perplexity(val))
                 if ctx.is_main:
                     ctx.log.info("step %d: validation loss %.4f (ppl %.2f)", r.step, val, perplexity(val))
-            if r.api.should_stop() and r.step < params.steps:  # at the last step: just finish
+            with _named(r, f"training step {r.step} (stop agreement all_reduce)"):
+                stopping = r.api.should_stop()
+            if stopping and r.step < params.steps:  # at the last step: just finish
                 stop = "preempted"
             elif params.run_steps and r.step - start_step >= params.run_steps and r.step < params.steps:
                 stop = "run_steps"
             if stop == "preempted":
                 _count_preemption(r)
             if stop or r.step % params.checkpoint.every == 0 or r.step == params.steps:
-                save(r, final=bool(stop) or r.step == params.steps)
+                with _named(r, f"training step {r.step} (checkpoint gather to rank 0)"):
+                    save(r, final=bool(stop) or r.step == params.steps)
             if stop:
                 break
     finally:
