@@ -17,12 +17,16 @@ import pytest
 from hpcdist.bench.measure import FAULT_VAR
 from hpcdist.store.results import read_table
 
-from .conftest_bench import JOBS, ROOT, make_shared_dir, run_cli, slurm_ready, storage_sets, submit
+from .conftest import require_slurm
+from .conftest_bench import JOBS, ROOT, make_shared_dir, run_cli, storage_sets, submit
 
-pytestmark = [
-    pytest.mark.slurm,
-    pytest.mark.skipif(not slurm_ready(), reason="the local Slurm cluster is not up (make cluster-up)"),
-]
+pytestmark = [pytest.mark.slurm]
+
+
+@pytest.fixture(autouse=True)
+def _cluster() -> None:
+    """Every test here needs the cluster: it fails under `make test` when it is down, never skips."""
+    require_slurm()
 
 SITE = "local-slurm"
 

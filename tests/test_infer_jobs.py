@@ -18,6 +18,7 @@ from hpcdist.errors import ConfigError
 from hpcdist.infer.report import render_infer_report
 from hpcdist.jobs.registry import load_job
 from hpcdist.store.results import read_attrs, read_table
+from tests.conftest import require_slurm
 from tests.conftest_infer import TINY, make_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -134,16 +135,9 @@ def test_broadcast_job_delivers_every_byte(tmp_path: Path) -> None:
     assert "median busbw" in render_infer_report(path)
 
 
-def _slurm_up() -> bool:
-    if shutil.which("sinfo") is None:
-        return False
-    out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True).stdout
-    return any(s.strip() in ("idle", "mixed", "allocated", "mix") for s in out.split())
-
-
 @pytest.mark.slurm
-@pytest.mark.skipif(not _slurm_up(), reason="local Slurm cluster is not up (make cluster-up)")
 def test_infer_and_broadcast_across_two_slurm_nodes(tmp_path: Path) -> None:
+    require_slurm()
     root = Path("/var/tmp/hpcdist-shared") / f"t-{uuid.uuid4().hex[:8]}"
     try:
         make_checkpoint(root / "checkpoints" / "train_gpt")
