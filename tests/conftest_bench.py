@@ -44,15 +44,6 @@ def submit(job: str, site: str, root: Path, sets: list[str], env_extra: dict[str
     return proc, Path(match.group(1)) if match else None
 
 
-def slurm_ready() -> bool:
-    if shutil.which("sinfo") is None:
-        return False
-    proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, check=False)
-    usable = {line.split()[0] for line in proc.stdout.splitlines()
-              if len(line.split()) == 2 and line.split()[1].rstrip("*") in ("idle", "mixed", "allocated")}
-    return proc.returncode == 0 and len(usable) >= 2
-
-
 def make_shared_dir() -> Iterator[Path]:
     """A per-test directory on the cluster's shared storage, removed afterwards (for a fixture)."""
     path = SHARED / f"t-bench-{uuid.uuid4().hex[:8]}"
