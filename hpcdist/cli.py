@@ -7,6 +7,7 @@ line and the exit code is non-zero; ``--debug`` shows the traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -39,8 +40,10 @@ def _split_sets(sets: Sequence[str]) -> tuple[list[str], list[str]]:
     return site, job
 
 
-def _load_job(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """The site, then the job (its params parsed and checked against the site), and the origin."""
+def _load_job(args: argparse.Namespace, path: str | None = None,
+              after: Sequence[str] | None = None) -> tuple[Any, Any, Any]:
+    """The site, then the job (its params parsed and checked against the site), and the origin.
+    `path`: another spec than ``args.job`` (a chain's link); `after`: the job ids it waits for."""
     from hpcdist.config import load_site
     from hpcdist.jobs.registry import load_job
     from hpcdist.render import Origin
@@ -48,11 +51,14 @@ def _load_job(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     site_sets, job_sets = _split_sets(args.sets)
     site = load_site(args.site, site_sets)
     argv = tuple(args.argv or ())
+    path = path or args.job
     if argv:
         job = _command_job(argv, site, job_sets)
     else:
-        job = load_job(args.job, site, job_sets)
-    origin = Origin(args.job or "", args.site or site.name, tuple(args.sets), argv)
+        job = load_job(path, site, job_sets)
+    origin = Origin(path or "", args.site or site.name, tuple(args.sets), argv,
+                    after=tuple(getattr(args, "after", ()) if after is None else after),
+                    sweeps=tuple(getattr(args, "sweeps", ())), max_parallel=getattr(args, "max_parallel", None))
     return job, site, origin
 
 
@@ -86,6 +92,8 @@ def cmd_render(args: argparse.Namespace) -> int:
     from hpcdist.render import render
 
     spec, site, origin = _load(args)
+    if origin.sweeps:
+        _sweep_tasks(args, site)  # every combination checked; the array's script is printed
     sys.stdout.write(render(spec, site, origin))
     return 0
 
@@ -95,6 +103,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from hpcdist import submit as sub
     from hpcdist.jobs.registry import prepare
 
+    if args.more or args.chain:
+        return _submit_chain(args)
+    if args.sweeps:
+        return _submit_sweep(args)
     job, site, origin = _load_job(args)
     spec = prepare(job, site).spec
     t0 = time.perf_counter()
@@ -108,6 +120,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if not args.wait:
         return 0
     finished = sub.wait(submission, timeout_s=args.wait_timeout)
+    _print_finished(submission, finished)
+    return 0 if finished.ok else 1
+
+
+def _print_finished(submission: Any, finished: Any) -> None:
+    """The job's final state and one line per rank: its summary, or its first error."""
     outcomes = finished.outcomes
     failed = [o for o in outcomes if not o.ok]
     print(f"job {submission.job_id} finished: {finished.state.value}; "
@@ -118,7 +136,88 @@ def cmd_submit(args: argparse.Namespace) -> int:
             print(f"  rank {o.rank}: ok {json.dumps(shown, default=str)}")
         else:
             print(f"  rank {o.rank}: FAILED {o.error}")
-    return 0 if finished.ok else 1
+
+
+# ---- several jobs from one `submit`: chains (afterok) and sweeps (one job array)
+
+def _submit_chain(args: argparse.Namespace) -> int:
+    """`submit A.yaml B.yaml C.yaml --chain`: each link waits for the one before (afterok). Every
+    link is loaded and checked before the first is submitted. On Slurm a failed link cancels the
+    rest (kill-on-invalid-dep); on the local site the links run in turn and a failure stops them."""
+    from hpcdist import submit as sub
+    from hpcdist.errors import ConfigError
+    from hpcdist.jobs.registry import prepare
+
+    paths = [p for p in (args.job, *args.more) if p]
+    if not args.chain or args.sweeps or args.argv:
+        raise ConfigError(f"submit {' '.join(paths)}: several job specs run one after another with --chain "
+                          f"(and without --sweep or `-- SCRIPT`); or submit them one by one")
+    links = [_load_job(args, path, after=()) for path in paths]
+    site = links[0][1]
+    local = site.scheduler != "slurm"
+    after: list[str] = list(args.after)
+    for n, (job, _, origin) in enumerate(links, 1):
+        origin = dataclasses.replace(origin, after=tuple(after))
+        submission = sub.submit(prepare(job, site).spec, site, origin)
+        waits = f" after job {after[0]}" if after else ""
+        print(f"chain {n}/{len(links)}: submitted job {submission.job_id} ({job.spec.name}, kind {job.spec.kind})"
+              f"{waits}; result: {submission.result_path}")
+        after = [submission.job_id]
+        if local or args.wait:
+            finished = sub.wait(submission, timeout_s=args.wait_timeout)
+            _print_finished(submission, finished)
+            if not finished.ok:
+                rest = ", ".join(j.spec.name for j, _, _ in links[n:])
+                if rest:
+                    print(f"chain stopped at link {n} ({job.spec.name}): " + (
+                        f"not run: {rest}" if local else f"Slurm cancels the rest ({rest}), whose dependency "
+                        f"can no longer be satisfied"))
+                return 1
+    return 0
+
+
+def _sweep_tasks(args: argparse.Namespace, site: Any) -> list[Any]:
+    """One job per combination of the --sweep values, each checked and named with its suffix."""
+    from hpcdist.config.sweep import task_name, tasks
+    from hpcdist.jobs.registry import load_job
+
+    _, job_sets = _split_sets(args.sets)
+    out = []
+    for task in tasks(args.sweeps):
+        job = load_job(args.job, site, [*job_sets, *task.overrides])
+        out.append(dataclasses.replace(job, spec=job.spec.model_copy(
+            update={"name": task_name(job.spec.name, task)})))
+    return out
+
+
+def _submit_sweep(args: argparse.Namespace) -> int:
+    """`submit SPEC --sweep KEY=V1,V2 ...`: one Slurm job array, a task per combination (on the
+    local site the tasks run one at a time)."""
+    from hpcdist import submit as sub
+    from hpcdist.errors import ConfigError
+    from hpcdist.jobs.registry import prepare
+
+    if args.argv:
+        raise ConfigError("--sweep needs a job spec YAML; sweep a `-- SCRIPT` job by writing its spec")
+    base, site, origin = _load_job(args)
+    tasks = [prepare(job, site).spec for job in _sweep_tasks(args, site)]
+    if site.scheduler == "slurm":
+        subs = sub.submit_array(base.spec, tasks, site, origin)
+        limit = f", at most {args.max_parallel} at a time" if args.max_parallel else ""
+        print(f"submitted job array {subs[0].job_id.split('_')[0]} ({base.spec.name}, kind {base.spec.kind}, "
+              f"{len(subs)} tasks{limit}) to site {site.name}")
+    else:
+        subs = []
+    failed = 0
+    for i, spec in enumerate(tasks):
+        if site.scheduler != "slurm":
+            subs.append(sub.submit(spec, site, dataclasses.replace(origin, sweeps=())))
+        print(f"  task {subs[i].job_id}: {spec.name}  result: {subs[i].result_path}")
+        if args.wait or site.scheduler != "slurm":
+            finished = sub.wait(subs[i], timeout_s=args.wait_timeout)
+            _print_finished(subs[i], finished)
+            failed += not finished.ok
+    return 1 if failed else 0
 
 
 @command("status")
@@ -225,9 +324,22 @@ def build_parser() -> argparse.ArgumentParser:
             help="override a job key (resources.nodes=2) or a site key (site.launcher.kind=mpirun)",
         )
 
-    job_args(subs.add_parser("render", help="print the job script that submit would submit"))
+    def placement_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--after", action="append", default=[], metavar="JOBID",
+                       help="start only after job JOBID completed successfully (Slurm's afterok)")
+        p.add_argument("--sweep", dest="sweeps", action="append", default=[], metavar="KEY=V1,V2",
+                       help="one task per combination of the values, as one job array (params.* keys)")
+        p.add_argument("--max-parallel", type=int, default=None, metavar="N",
+                       help="run at most N tasks of a sweep at a time (the array's %%N)")
+
+    p = subs.add_parser("render", help="print the job script that submit would submit")
+    job_args(p)
+    placement_args(p)
     p = subs.add_parser("submit", help="submit a job through submitit")
     job_args(p)
+    p.add_argument("more", nargs="*", default=[], metavar="MORE.yaml", help="further job specs, with --chain")
+    p.add_argument("--chain", action="store_true", help="submit the specs in order, each after the one before")
+    placement_args(p)
     p.add_argument("--wait", action="store_true", help="wait for the job and print its summary")
     p.add_argument("--wait-timeout", type=float, default=None, help="give up waiting after this many seconds")
     p = subs.add_parser("status", help="a job's state from Slurm")

@@ -46,12 +46,28 @@ class Origin:
     site_ref: str
     overrides: tuple[str, ...] = ()
     argv: tuple[str, ...] = ()  # `hpcdist submit ... -- SCRIPT ARG...`: the user's command
+    after: tuple[str, ...] = ()  # job ids this job waits for (afterok): --after, or a chain's previous link
+    sweeps: tuple[str, ...] = ()  # `--sweep KEY=V1,V2`: the job is an array, one task per combination
+    max_parallel: int | None = None  # the array's %N
 
     def command(self, verb: str = "submit") -> str:
         parts = ["hpcdist", verb, *([self.job_path] if not self.argv else []), "--site", self.site_ref]
         for item in self.overrides:
             parts += ["--set", item]
+        for job_id in self.after:
+            parts += ["--after", job_id]
+        for item in self.sweeps:
+            parts += ["--sweep", item]
+        if self.max_parallel is not None and self.sweeps:
+            parts += ["--max-parallel", str(self.max_parallel)]
         return shlex.join(parts + (["--", *self.argv] if self.argv else []))
+
+    @property
+    def array_size(self) -> int | None:
+        """How many tasks the job array has (None: not an array)."""
+        from hpcdist.config.sweep import tasks
+
+        return len(tasks(self.sweeps)) or None
 
 
 def check_controls(value: Any, where: str) -> None:
@@ -100,20 +116,27 @@ def submitit_folder(spec: JobSpec, site: Site) -> Path:
     return site.storage.logs / spec.name / "%j"
 
 
-def log_paths(folder: Path) -> tuple[str, str]:
-    """submitit's per-task stdout/stderr patterns (``%j`` job id, ``%t`` task)."""
-    return str(folder / "%j_%t_log.out"), str(folder / "%j_%t_log.err")
+def log_paths(folder: Path, array: bool = False) -> tuple[str, str]:
+    """submitit's per-task stdout/stderr patterns (``%j`` job id, ``%t`` task). In a job array
+    submitit names each task ``ARRAYID_INDEX``, which Slurm's patterns spell ``%A_%a``."""
+    out, err = str(folder / "%j_%t_log.out"), str(folder / "%j_%t_log.err")
+    if array:
+        out, err = out.replace("%j", "%A_%a"), err.replace("%j", "%A_%a")
+    return out, err
 
 
 def python_for(site: Site) -> str:
     return site.python or sys.executable
 
 
-def directives(spec: JobSpec, site: Site, folder: Path) -> list[tuple[str, Any]]:
-    """The #SBATCH flags, in a fixed order; site extras last."""
+def directives(spec: JobSpec, site: Site, folder: Path, origin: Origin | None = None) -> list[tuple[str, Any]]:
+    """The #SBATCH flags, in a fixed order; then the array and dependency `origin` asks for;
+    site extras and the job's own ``sbatch:`` options (the job's win) last, sorted."""
     res = spec.resources
     partition, _ = site.partition(res.partition)
-    out_pattern, err_pattern = log_paths(folder)
+    size = origin.array_size if origin else None
+    out_pattern, err_pattern = log_paths(folder, array=size is not None)
+    extra = {**site.sbatch, **spec.sbatch}
     flags: list[tuple[str, Any]] = [
         ("job-name", spec.name),
         ("partition", partition),
@@ -126,9 +149,9 @@ def directives(spec: JobSpec, site: Site, folder: Path) -> list[tuple[str, Any]]
     if res.mem_gb is not None:
         flags.append(("mem", f"{int(res.mem_gb * 1024)}M"))
     flags.append(("time", spec.time_limit_min(site)))
-    if site.account:
+    if site.account and "account" not in extra:
         flags.append(("account", site.account))
-    if site.qos:
+    if site.qos and "qos" not in extra:
         flags.append(("qos", site.qos))
     flags += [
         ("output", out_pattern.replace("%t", "0")),
@@ -138,16 +161,24 @@ def directives(spec: JobSpec, site: Site, folder: Path) -> list[tuple[str, Any]]
                                                                 site.preemption.seconds_before_end)),
         ("requeue", True),
     ]
-    flags += sorted(site.sbatch.items())
+    if size is not None:
+        assert origin is not None
+        flags.append(("array", f"0-{size - 1}" + (f"%{origin.max_parallel}" if origin.max_parallel else "")))
+    if origin and origin.after:
+        # afterok on each; a link that failed cancels this job instead of leaving it pending forever
+        flags.append(("dependency", ",".join([*([str(extra.pop("dependency"))] if "dependency" in extra else []),
+                                              *(f"afterok:{j}" for j in origin.after)])))
+        flags.append(("kill-on-invalid-dep", extra.pop("kill-on-invalid-dep", "yes")))
+    flags += sorted(extra.items())
     for flag, _ in flags:
         if not _FLAG.match(flag):
             raise RenderError(f"sbatch flag {flag!r} is not a valid option name (lowercase letters, digits, '-')")
     return flags
 
 
-def launch_plan(spec: JobSpec, site: Site, folder: Path) -> LaunchPlan:
+def launch_plan(spec: JobSpec, site: Site, folder: Path, array: bool = False) -> LaunchPlan:
     """What the site's launcher needs to write its launch line."""
-    out_pattern, err_pattern = log_paths(folder)
+    out_pattern, err_pattern = log_paths(folder, array)
     return LaunchPlan(
         python=python_for(site),
         folder=folder,
@@ -170,7 +201,7 @@ def render_script(spec: JobSpec, site: Site, origin: Origin) -> str:
     check_controls(list(origin.overrides), "--set")  # only reached by a value no key holds
     folder = submitit_folder(spec, site)
     launcher = get_launcher(site.launcher.kind)
-    plan = launch_plan(spec, site, folder)
+    plan = launch_plan(spec, site, folder, array=origin.array_size is not None)
     env = {**site.env, **spec.env, "SUBMITIT_PREEMPTION_SIGNAL": site.preemption.signal}
     context = {
         "version": __version__,
@@ -178,7 +209,7 @@ def render_script(spec: JobSpec, site: Site, origin: Origin) -> str:
         "job_name": spec.name,
         "job_kind": spec.kind,
         "reproduce": Shell(origin.command()),
-        "directives": [(Shell(f), v if v is not True else True) for f, v in directives(spec, site, folder)],
+        "directives": [(Shell(f), v if v is not True else True) for f, v in directives(spec, site, folder, origin)],
         "modules": list(site.modules),
         "setup": [Shell(line) for line in site.setup],
         "env": sorted(env.items()),

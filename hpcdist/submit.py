@@ -45,6 +45,30 @@ def _script_executor_class() -> Callable[[Path, str, int, int], Any]:
         def _num_tasks(self) -> int:
             return self._tasks
 
+        def _internal_process_submissions(self, delayed: list[Any]) -> list[Any]:
+            """An array as submitit makes one (a pickle per task, jobs ``ID_INDEX``), but with
+            this script (its ``--array``), not a plain SlurmExecutor's."""
+            if len(delayed) == 1:
+                return super()._internal_process_submissions(delayed)
+            import uuid
+
+            from submitit.core.utils import JobPaths
+            from submitit.slurm.slurm import SlurmJob
+
+            pickles = []
+            for item in delayed:
+                path = JobPaths.get_first_id_independent_folder(self.folder) / f"{uuid.uuid4().hex}.pkl"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                item.set_timeout(self.parameters.get("time", 5), self.max_num_timeout)
+                item.dump(path)
+                pickles.append(path)
+            first = self._submit_command(self._submitit_command_str)
+            jobs: list[Any] = [SlurmJob(folder=self.folder, job_id=f"{first.job_id}_{i}", tasks=list(range(self._tasks)))
+                    for i in range(len(delayed))]
+            for job, path in zip(jobs, pickles, strict=True):
+                job.paths.move_temporary_file(path, "submitted_pickle")
+            return jobs
+
     return ScriptExecutor
 
 
@@ -82,12 +106,13 @@ def _tasks(spec: JobSpec) -> int:
 
 def submit(spec: JobSpec, site: Site, origin: Origin) -> Submission:
     """Submit `spec` to `site`; returns as soon as the scheduler has the job."""
+    return submit_array(spec, [spec], site, origin)[0]
+
+
+def _executor(spec: JobSpec, site: Site, script: str) -> Any:
+    """submitit's executor for `site`: the Slurm one submitting `script`, or the local one."""
     import submitit
-    from submitit.core.utils import FailedJobError
 
-    from hpcdist.runtime.entry import run_rank  # the callable only; nothing runs here
-
-    script = render(spec, site, origin)
     folder = submitit_folder(spec, site)
     if site.scheduler == "slurm":
         if shutil.which("sbatch") is None:
@@ -106,13 +131,38 @@ def submit(spec: JobSpec, site: Site, origin: Origin) -> Submission:
             tasks_per_node=spec.resources.tasks_per_node,
         )
         os.environ[LAUNCH_TIME_VAR] = repr(time.time())
+    return executor
+
+
+def submit_array(base: JobSpec, tasks: list[JobSpec], site: Site, origin: Origin) -> list[Submission]:
+    """Submit `base`'s script once, running `tasks` (one spec each, as a Slurm job array when
+    there are several); one Submission per task, in order. On the local site there is no
+    scheduler to hold a job back: ``--after`` is refused, and a sweep's tasks run one at a time
+    (``hpcdist.cli`` waits for each)."""
+    from submitit.core.utils import FailedJobError
+
+    from hpcdist.runtime.entry import run_rank  # the callable only; nothing runs here
+
+    if site.scheduler != "slurm" and origin.after:
+        raise SubmitError(f"site {site.name!r} has no scheduler to make a job wait for job {origin.after[0]}; "
+                          f"submit the jobs in one `hpcdist submit A.yaml B.yaml --chain`, which runs them in order")
+    if (origin.array_size or 1) != len(tasks) or (site.scheduler != "slurm" and len(tasks) > 1):
+        raise SubmitError(f"{origin.job_path}: {len(tasks)} tasks for an array of {origin.array_size or 1} on site "
+                          f"{site.name!r}; a local site runs a sweep's tasks one at a time")
+    script = render(base, site, origin)
+    executor = _executor(base, site, script)
     try:
-        job = executor.submit(run_rank, spec, site)
+        if len(tasks) == 1:
+            jobs = [executor.submit(run_rank, tasks[0], site)]
+        else:
+            with executor.batch():
+                pending = [executor.submit(run_rank, task, site) for task in tasks]
+            jobs = list(pending)
     except FailedJobError as exc:
-        raise SubmitError(f"the scheduler refused job {spec.name!r}: {_first_error_line(str(exc))}") from exc
+        raise SubmitError(f"the scheduler refused job {base.name!r}: {_first_error_line(str(exc))}") from exc
     except OSError as exc:
-        raise SubmitError(f"could not submit job {spec.name!r}: {exc}") from exc
-    return Submission(job=job, spec=spec, site=site, script=script)
+        raise SubmitError(f"could not submit job {base.name!r}: {exc}") from exc
+    return [Submission(job=job, spec=task, site=site, script=script) for job, task in zip(jobs, tasks, strict=True)]
 
 
 class JobState(Enum):

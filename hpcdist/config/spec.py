@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from hpcdist.config.sbatch import SbatchOptions
 from hpcdist.config.site import EnvMap, Frozen, Site
 
 
@@ -42,6 +43,7 @@ class JobSpec(Frozen):
     timeout_s: float | None = Field(default=None, gt=0)
     env: EnvMap = Field(default_factory=dict)
     params: dict[str, Any] = Field(default_factory=dict)
+    sbatch: SbatchOptions = Field(default_factory=dict, description="extra #SBATCH options for this job")
 
     def timeout(self, site: Site) -> float:
         """Seconds any rendezvous or collective may wait before it fails."""

@@ -122,7 +122,7 @@ class RankInfo:
             num_nodes=num_nodes,
             hosts=hosts,
             hostname=name,
-            job_id=raw("job_id"),
+            job_id=_array_task_id(env) or raw("job_id"),
             master_addr=raw("master_addr"),
             master_port=port,
         )
@@ -150,6 +150,13 @@ class RankInfo:
             f"rank {self.rank}/{self.world_size} (local {self.local_rank}/{self.local_world_size}, "
             f"node {self.node_rank}/{self.num_nodes}) on {self.hostname} via {self.launcher}"
         )
+
+
+def _array_task_id(env: Mapping[str, str]) -> str | None:
+    """A Slurm array task's id as submitit and sacct name it (``ARRAYID_INDEX``), so its result
+    file is named as ``hpcdist submit --sweep`` printed it; None outside an array."""
+    array, index = env.get("SLURM_ARRAY_JOB_ID", ""), env.get("SLURM_ARRAY_TASK_ID", "")
+    return f"{array}_{index}" if array and index else None
 
 
 def _tasks_per_node(text: str | None, launcher: str) -> list[int]:
