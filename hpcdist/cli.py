@@ -156,24 +156,36 @@ def _submit_chain(args: argparse.Namespace) -> int:
     site = links[0][1]
     local = site.scheduler != "slurm"
     after: list[str] = list(args.after)
+    submissions: list[Any] = []
     for n, (job, _, origin) in enumerate(links, 1):
-        origin = dataclasses.replace(origin, after=tuple(after))
-        submission = sub.submit(prepare(job, site).spec, site, origin)
+        if local and submissions and not _chain_link_ok(submissions[-1], args, links[n - 1:]):
+            return 1
+        submission = sub.submit(prepare(job, site).spec, site, dataclasses.replace(origin, after=tuple(after)))
         waits = f" after job {after[0]}" if after else ""
         print(f"chain {n}/{len(links)}: submitted job {submission.job_id} ({job.spec.name}, kind {job.spec.kind})"
               f"{waits}; result: {submission.result_path}")
         after = [submission.job_id]
-        if local or args.wait:
-            finished = sub.wait(submission, timeout_s=args.wait_timeout)
-            _print_finished(submission, finished)
-            if not finished.ok:
-                rest = ", ".join(j.spec.name for j, _, _ in links[n:])
-                if rest:
-                    print(f"chain stopped at link {n} ({job.spec.name}): " + (
-                        f"not run: {rest}" if local else f"Slurm cancels the rest ({rest}), whose dependency "
-                        f"can no longer be satisfied"))
-                return 1
+        submissions.append(submission)
+    if local:
+        return 0 if _chain_link_ok(submissions[-1], args, []) else 1
+    for n, submission in enumerate(submissions if args.wait else []):
+        if not _chain_link_ok(submission, args, links[n + 1:]):
+            return 1
     return 0
+
+
+def _chain_link_ok(submission: Any, args: argparse.Namespace, rest: list[Any]) -> bool:
+    """Wait for a chain's link and print how it ended; when it failed, what becomes of `rest`."""
+    from hpcdist import submit as sub
+
+    finished = sub.wait(submission, timeout_s=args.wait_timeout)
+    _print_finished(submission, finished)
+    if not finished.ok and rest:
+        names = ", ".join(job.spec.name for job, _, _ in rest)
+        print(f"chain stopped at job {submission.job_id} ({submission.spec.name}): " + (
+            f"not run: {names}" if submission.site.scheduler != "slurm" else
+            f"Slurm cancels the rest ({names}): their afterok dependency can no longer be satisfied"))
+    return bool(finished.ok)
 
 
 def _sweep_tasks(args: argparse.Namespace, site: Any) -> list[Any]:

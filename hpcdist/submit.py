@@ -63,8 +63,9 @@ def _script_executor_class() -> Callable[[Path, str, int, int], Any]:
                 item.dump(path)
                 pickles.append(path)
             first = self._submit_command(self._submitit_command_str)
-            jobs: list[Any] = [SlurmJob(folder=self.folder, job_id=f"{first.job_id}_{i}", tasks=list(range(self._tasks)))
-                    for i in range(len(delayed))]
+            ranks = list(range(self._tasks))
+            jobs: list[Any] = [SlurmJob(folder=self.folder, job_id=f"{first.job_id}_{i}", tasks=ranks)
+                               for i in range(len(delayed))]
             for job, path in zip(jobs, pickles, strict=True):
                 job.paths.move_temporary_file(path, "submitted_pickle")
             return jobs

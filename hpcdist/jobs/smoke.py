@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 class SmokeParams(Frozen):
     mpi: bool = Field(default=False, description="also all-reduce through mpi4py")
+    label: str = Field(default="", description="written to the result as is (tells a sweep's tasks apart)")
 
     @property
     def uses_mpi(self) -> bool:
@@ -53,6 +54,7 @@ def run(ctx: JobContext, params: SmokeParams) -> dict[str, Any]:
             f.attrs["sum"] = value.item()
             f.attrs["expected_sum"] = expected
             f.attrs["mpi_sum"] = -1 if mpi_sum is None else mpi_sum
+            f.attrs["label"] = params.label
             names = sorted({k for t in timings for k in t})
             cols: dict[str, Any] = {"rank": np.arange(ctx.world_size), "host": list(ctx.hosts)}
             cols.update({f"{n}_s": np.array([t.get(n, np.nan) for t in timings]) for n in names})
