@@ -40,10 +40,15 @@ def _split_sets(sets: Sequence[str]) -> tuple[list[str], list[str]]:
     return site, job
 
 
-def _load_job(args: argparse.Namespace, path: str | None = None,
-              after: Sequence[str] | None = None) -> tuple[Any, Any, Any]:
+def _warn(message: str) -> None:
+    print(f"hpcdist: warning: {message}", file=sys.stderr)
+
+
+def _load_job(args: argparse.Namespace, path: str | None = None, after: Sequence[str] | None = None,
+              made_earlier: Sequence[Path] = ()) -> tuple[Any, Any, Any]:
     """The site, then the job (its params parsed and checked against the site), and the origin.
-    `path`: another spec than ``args.job`` (a chain's link); `after`: the job ids it waits for."""
+    `path`: another spec than ``args.job`` (a chain's link); `after`: the job ids it waits for;
+    `made_earlier`: inputs an earlier link writes. A missing input is a warning for render."""
     from hpcdist.config import load_site
     from hpcdist.jobs.registry import load_job
     from hpcdist.render import Origin
@@ -55,11 +60,16 @@ def _load_job(args: argparse.Namespace, path: str | None = None,
     if argv:
         job = _command_job(argv, site, job_sets)
     else:
-        job = load_job(path, site, job_sets)
+        job = load_job(path, site, job_sets, on_missing=_missing_handler(args), made_earlier=made_earlier)
     origin = Origin(path or "", args.site or site.name, tuple(args.sets), argv,
                     after=tuple(getattr(args, "after", ()) if after is None else after),
                     sweeps=tuple(getattr(args, "sweeps", ())), max_parallel=getattr(args, "max_parallel", None))
     return job, site, origin
+
+
+def _missing_handler(args: argparse.Namespace) -> Callable[[str], None] | None:
+    """`render` warns of an input that is not here (storage not mounted here); `submit` refuses."""
+    return _warn if args.command == "render" else None
 
 
 def _command_job(argv: tuple[str, ...], site: Any, job_sets: list[str]) -> Any:
@@ -152,7 +162,10 @@ def _submit_chain(args: argparse.Namespace) -> int:
     if not args.chain or args.sweeps or args.argv:
         raise ConfigError(f"submit {' '.join(paths)}: several job specs run one after another with --chain "
                           f"(and without --sweep or `-- SCRIPT`); or submit them one by one")
-    links = [_load_job(args, path, after=()) for path in paths]
+    links: list[tuple[Any, Any, Any]] = []
+    for path in paths:  # a link may read the checkpoints an earlier link writes
+        made = [link[1].storage.checkpoints / link[0].spec.name for link in links]
+        links.append(_load_job(args, path, after=(), made_earlier=made))
     site = links[0][1]
     local = site.scheduler != "slurm"
     after: list[str] = list(args.after)
@@ -196,7 +209,7 @@ def _sweep_tasks(args: argparse.Namespace, site: Any) -> list[Any]:
     _, job_sets = _split_sets(args.sets)
     out = []
     for task in tasks(args.sweeps):
-        job = load_job(args.job, site, [*job_sets, *task.overrides])
+        job = load_job(args.job, site, [*job_sets, *task.overrides], on_missing=_missing_handler(args))
         out.append(dataclasses.replace(job, spec=job.spec.model_copy(
             update={"name": task_name(job.spec.name, task)})))
     return out

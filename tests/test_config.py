@@ -80,7 +80,7 @@ def test_malicious_yaml_is_refused(tmp_path: Path) -> None:
         (["resources.nodes=3"], r"resources\.nodes: 3 is not possible.*at most 2"),
         (["resources.time_min=999"], r"resources\.time_min: 999 .*at most 60 min"),
         (["kind=smok"], r"kind: unknown job kind 'smok'; known kinds: .*smoke"),
-        (["params.mpii=true"], r"params\.mpii: unknown key; allowed keys: mpi"),
+        (["params.mpii=true"], r"params\.mpii: unknown key; allowed keys: label, mpi"),
         (["resources.nodes=0"], r"resources\.nodes: .*greater than or equal to 1 \(got 0\)"),
         (["backend=nccl"], r"backend: 'nccl' is not possible.*gloo or auto"),
     ],

@@ -83,7 +83,7 @@ def test_the_job_runs_the_snapshot_taken_at_submit(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("argv", "expected"), [
     (["--", "no/such/train.py"],
-     r"params\.script: 'no/such/train\.py' cannot run on site 'local'; an existing Python file"),
+     r"params\.script: 'no/such/train\.py' does not exist; .*read from the current folder"),
     (["--", "-m", "no_such_module_xyz"], r"params\.module: 'no_such_module_xyz' .* an importable module"),
     (["--set", "params.args=[1, 2]", "--", "SCRIPT"], r"params\.args\.0: Input should be a valid string"),
     (["--set", "params.snapshot_max_mb=0.0001", "--", "SCRIPT"],

@@ -48,9 +48,15 @@ def test_bad_params_are_named(small_tokens: Path, tmp_path: Path, sets: list[str
 
 
 def test_missing_token_file_says_how_to_make_it(tmp_path: Path) -> None:
-    result = run_cli("render", "jobs/train_gpt.yaml", "--set", f"params.data={tmp_path / 'none.h5'}")
+    """`submit` refuses in one line; `render` stays usable (storage not mounted here): a warning."""
+    sets = ["--set", f"params.data={tmp_path / 'none.h5'}", *storage_sets(tmp_path)]
+    result = run_cli("submit", "jobs/train_gpt.yaml", *sets)
     assert result.code == 2 and result.err.count("\n") == 1  # one line, no traceback
     assert "jobs/train_gpt.yaml: params.data:" in result.err and "hpcdist data prepare" in result.err
+    assert not list(tmp_path.rglob("*.pkl"))  # nothing was submitted
+    result = run_cli("render", "jobs/train_gpt.yaml", "--site", "local-slurm", *sets)
+    assert result.code == 0 and result.out.startswith("#!/bin/bash"), result.text
+    assert result.err.startswith("hpcdist: warning: jobs/train_gpt.yaml: params.data:") and "data prepare" in result.err
 
 
 def test_schedule_warms_up_then_decays_to_the_floor() -> None:

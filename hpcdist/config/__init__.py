@@ -107,13 +107,23 @@ def load_site(name_or_path: str | None = None, overrides: list[str] | None = Non
     return validate(Site, data, path)
 
 
-def read_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
+Rebase = typing.Callable[[dict[str, Any], Path], dict[str, Any]]
+
+
+def read_spec(path: str | Path, overrides: list[str] | None = None, rebase: Rebase | None = None) -> JobSpec:
     """A job spec file as a JobSpec, validated on its own; its params stay a dict for the job
-    registry (``hpcdist.jobs.registry.resolve``) to parse with the kind's model."""
+    registry (``hpcdist.jobs.registry.resolve``) to parse with the kind's model. `rebase(data,
+    folder)` makes the relative paths in `data` absolute: the file's against its folder, then
+    those the overrides set against the current folder."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"job spec {str(path)!r} does not exist")
-    data = apply_overrides(read_yaml(path), overrides or [], "job")
+    data = read_yaml(path)
+    if rebase is not None:
+        data = rebase(data, path.resolve().parent)
+    data = apply_overrides(data, overrides or [], "job")
+    if rebase is not None and overrides:
+        data = rebase(data, Path.cwd())
     return validate(JobSpec, data, path)
 
 

@@ -8,6 +8,7 @@ module knows nothing of job kinds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +16,23 @@ from pydantic import Field
 
 from hpcdist.config.sbatch import SbatchOptions
 from hpcdist.config.site import EnvMap, Frozen, Site
+
+
+@dataclass(frozen=True)
+class SpecPath:
+    """Marks a params field as a path (``Annotated[str, SpecPath()]``), so the spec loader
+    (``hpcdist.jobs.registry.load_job``) resolves it in one place for every kind: a relative path
+    in a spec file against the file's folder, one from ``--set`` against the current folder.
+
+    `site_root`: a relative value naming an existing entry under this site storage root
+    (``checkpoints``) is kept as it is, to be looked up there; so is one that names nothing yet,
+    which an earlier job of a chain may write. `required`: the path is an input the job reads;
+    one that is not there is a warning at ``render`` and an error at ``submit``.
+    """
+
+    site_root: Literal["checkpoints", "results"] | None = None
+    required: bool = True
+    hint: str = ""  # how to make a missing input, for the message
 
 
 class Resources(Frozen):

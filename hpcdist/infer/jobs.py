@@ -9,11 +9,12 @@ in ``hpcdist.infer.run``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from hpcdist.config.site import Frozen
+from hpcdist.config.spec import SpecPath
 from hpcdist.data.tokenizer import END_OF_TEXT
 from hpcdist.errors import HpcdistError
 from hpcdist.model.config import GPTConfig
@@ -27,11 +28,12 @@ if TYPE_CHECKING:
 class InferParams(Frozen):
     """``infer_gpt``: which checkpoint, which prompts, how it is split and how tokens are chosen."""
 
-    checkpoint: str = Field(
+    checkpoint: Annotated[str, SpecPath(site_root="checkpoints", hint="run the training job first (it writes "
+                                        "storage.checkpoints/<its name>), e.g. in a --chain")] = Field(
         description="a step_*.h5 file or a checkpoint directory (its 'latest' is followed); a relative "
-        "path is looked up under the site's storage.checkpoints first, then the working directory"
+        "path is looked up under the site's storage.checkpoints first, then the spec file's folder"
     )
-    prompts: str = Field(description="prompt file: one prompt per line, or .jsonl")
+    prompts: Annotated[str, SpecPath()] = Field(description="prompt file: one prompt per line, or .jsonl")
     model: GPTConfig | None = Field(default=None, description="if given, the checkpoint must hold this model")
     tp: int = Field(default=1, ge=1, description="tensor-parallel degree; the world size must be a multiple")
     load: Literal["broadcast", "shard"] = Field(

@@ -22,11 +22,12 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, StrictStr, model_validator
 
 from hpcdist.config.site import Frozen
+from hpcdist.config.spec import SpecPath
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
@@ -36,11 +37,12 @@ if TYPE_CHECKING:
 class PythonParams(Frozen):
     """One of ``script``, ``module``, ``function``; its arguments; the code snapshot."""
 
-    script: str | None = Field(default=None, description="a Python file, run as `python FILE ARGS`")
+    script: Annotated[str | None, SpecPath()] = Field(
+        default=None, description="a Python file, run as `python FILE ARGS`")
     module: str | None = Field(default=None, description="a module, run as `python -m MODULE ARGS`")
     function: str | None = Field(default=None, description="`package.module:name`, called as name(*args)")
     args: list[StrictStr] = Field(default_factory=list, description="sys.argv[1:] (or the function's arguments)")
-    snapshot: bool | str = Field(
+    snapshot: Annotated[bool | str, SpecPath()] = Field(
         default=True,
         description="copy the code to shared storage at submit: true (the script's directory or the "
         "module's package), a directory, or false (run the code where it is)",

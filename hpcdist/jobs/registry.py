@@ -13,7 +13,8 @@ The registry depends on ``hpcdist.config`` (YAML, JobSpec, fitting to the site),
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from pydantic import BaseModel
 
 from hpcdist.config import check_fits, read_spec, validate
-from hpcdist.config.spec import JobSpec
+from hpcdist.config.spec import JobSpec, SpecPath
 from hpcdist.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -100,9 +101,17 @@ def kind_names() -> list[str]:
     return sorted(_KINDS)
 
 
-def resolve(spec: JobSpec, site: Site, *, origin: Path | str = "job spec", check: bool = True) -> Job[Any]:
+Warn = Callable[[str], None]
+
+
+def resolve(spec: JobSpec, site: Site, *, origin: Path | str = "job spec", check: bool = True,
+            on_missing: Warn | None = None, made_earlier: Collection[Path] = ()) -> Job[Any]:
     """`spec` as a ``Job``: its kind looked up, its params parsed once, and (login side) the
-    kind's own checks against `site`. Every problem is one ConfigError naming `origin`."""
+    kind's own checks against `site`. Every problem is one ConfigError naming `origin`.
+
+    An input file that is not there is an error, or with `on_missing` (``render``) a warning
+    passed to it; either way the kind's checks, which read the inputs, are skipped. Paths in
+    `made_earlier` (what an earlier job of a chain writes) are expected to be missing."""
     try:
         kind = get_kind(spec.kind)
     except KeyError:
@@ -112,10 +121,21 @@ def resolve(spec: JobSpec, site: Site, *, origin: Path | str = "job spec", check
     job = Job(spec, kind, validate(kind.params_model(), spec.params, origin, prefix=("params",)))
     if check:
         check_fits(spec, site, origin)
+        absent = missing_inputs(job, site)
+        for key, value, path, hint in [a for a in absent if a[2] not in made_earlier]:
+            message = f"{origin}: {key}: {value!r} does not exist" + (f" ({path})" if str(path) != value else "")
+            if on_missing is None:
+                where = "the spec file's folder, or the current one when given with --set" if isinstance(
+                    origin, Path) else "the current folder"
+                raise ConfigError(f"{message}; {hint or 'create it'}, or fix the path (a relative one is read "
+                                  f"from {where})")
+            on_missing(f"{message} here; the job fails unless it exists where it runs ({hint or 'create it'})")
+        if absent:
+            return job  # the kind's checks read the inputs: they run on the nodes instead
         kind_check = kind.load_check()
         problems = kind_check(job, site) if kind_check is not None else []
-        for key, value, allowed in problems:
-            raise ConfigError(f"{origin}: {key}: {value!r} cannot run on site {site.name!r}; {allowed}")
+        for key, seen, allowed in problems:
+            raise ConfigError(f"{origin}: {key}: {seen!r} cannot run on site {site.name!r}; {allowed}")
     return job
 
 
@@ -129,9 +149,54 @@ def prepare(job: Job[Any], site: Site) -> Job[Any]:
     return resolve(spec, site, origin="prepared job", check=False)
 
 
-def load_job(path: str | Path, site: Site, overrides: list[str] | None = None) -> Job[Any]:
-    """A job spec file read, its params parsed, and checked against `site`: what render and submit take."""
-    return resolve(read_spec(path, overrides), site, origin=Path(path))
+def load_job(path: str | Path, site: Site, overrides: list[str] | None = None, *,
+             on_missing: Warn | None = None, made_earlier: Collection[Path] = ()) -> Job[Any]:
+    """A job spec file read, its paths resolved, its params parsed, and checked against `site`:
+    what render and submit take (`on_missing`, `made_earlier`: as ``resolve``)."""
+    def rebase(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+        return rebase_paths(data, folder, site)
+
+    return resolve(read_spec(path, overrides, rebase), site, origin=Path(path), on_missing=on_missing,
+                   made_earlier=made_earlier)
+
+
+def path_fields(model: type[BaseModel]) -> dict[str, SpecPath]:
+    """The params fields a kind's model marks as paths (``Annotated[..., SpecPath()]``)."""
+    return {name: marks[0] for name, field in model.model_fields.items()
+            if (marks := [m for m in field.metadata if isinstance(m, SpecPath)])}
+
+
+def rebase_paths(data: dict[str, Any], folder: Path, site: Site) -> dict[str, Any]:
+    """`data` (a spec mapping) with each relative path of its kind's path fields made absolute
+    against `folder`; a value ``SpecPath.site_root`` keeps (see there) stays as it is."""
+    if data.get("kind") not in _KINDS or not isinstance(data.get("params"), dict):
+        return data
+    params = dict(data["params"])
+    for name, mark in path_fields(get_kind(data["kind"]).params_model()).items():
+        value = params.get(name)
+        if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
+            continue
+        if mark.site_root is not None and not (folder / value).exists():
+            continue  # under the site's storage (now, or once an earlier job wrote it)
+        params[name] = os.path.normpath(folder / value)
+    return {**data, "params": params}
+
+
+def missing_inputs(job: Job[Any], site: Site) -> list[tuple[str, str, Path, str]]:
+    """Each required input path of `job` that is not there: (key, value, where it was looked
+    for, how to make it)."""
+    out = []
+    for name, mark in path_fields(job.kind.params_model()).items():
+        value = job.spec.params.get(name)
+        if not mark.required or not isinstance(value, str) or not value:
+            continue
+        path = Path(value).expanduser()
+        if mark.site_root is not None and not path.is_absolute():
+            under = getattr(site.storage, mark.site_root) / path
+            path = under if under.exists() or not path.exists() else path
+        if not path.exists():
+            out.append((f"params.{name}", value, path, mark.hint))
+    return out
 
 
 for _kind in (

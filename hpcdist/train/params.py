@@ -7,11 +7,12 @@ it; the model shape is checked against ``GPTConfig`` and the token file's vocabu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
 from hpcdist.config.site import ExpandedPath, Frozen
+from hpcdist.config.spec import SpecPath
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
@@ -57,7 +58,8 @@ class CheckpointParams(Frozen):
 
 
 class TrainParams(Frozen):
-    data: ExpandedPath = Field(description="token file from `hpcdist data prepare`")
+    data: Annotated[ExpandedPath, SpecPath(hint="make it with `hpcdist data prepare TEXT... -o FILE`")] = Field(
+        description="token file from `hpcdist data prepare`")
     model: dict[str, Any] = Field(default_factory=dict, description="GPTConfig fields")
     steps: int = Field(default=100, ge=1, description="optimizer steps of the whole run")
     batch: BatchParams = BatchParams()
