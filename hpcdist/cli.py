@@ -302,9 +302,21 @@ def cmd_report(args: argparse.Namespace) -> int:
     from hpcdist.errors import JobError
 
     kind = _result_kind(args.result)
+    if args.compare and not kind.startswith("bench_"):
+        from hpcdist.store.compare import format_results
+
+        for other in args.compare:
+            _result_kind(other)
+        try:
+            sys.stdout.write(format_results([args.result, *args.compare]))
+        except ValueError as exc:
+            raise JobError(str(exc)) from None
+        return 0
+    if len(args.compare or ()) > 1:
+        raise JobError(f"a benchmark result compares with one other; got {len(args.compare)}")
     if not kind.startswith("bench_"):
-        if args.plot or args.compare:
-            raise JobError(f"--plot and --compare are for benchmark results; {args.result} is a {kind} result")
+        if args.plot:
+            raise JobError(f"--plot is for benchmark results; {args.result} is a {kind} result")
         if kind in ("infer_gpt", "broadcast"):
             from hpcdist.infer.report import render_infer_report
 
@@ -317,7 +329,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from hpcdist.bench import report
 
     result = report.load(args.result)
-    other = report.load(args.compare) if args.compare else None
+    other = report.load(args.compare[0]) if args.compare else None
     sys.stdout.write(report.format_report(result))
     if other is not None:
         sys.stdout.write("\n" + report.format_comparison(result, other))
@@ -331,7 +343,8 @@ def _report_parser(subs: Any) -> None:
     p = subs.add_parser("report", help="print a result (benchmark, inference); plot or compare benchmarks")
     p.add_argument("result", help="a result file written by a bench_*, infer_gpt or broadcast job")
     p.add_argument("--plot", metavar="DIR", default=None, help="also write PNG plots into DIR")
-    p.add_argument("--compare", metavar="OTHER.h5", default=None, help="a second result to compare side by side")
+    p.add_argument("--compare", metavar="OTHER.h5", nargs="+", default=None,
+                   help="results to show side by side with the first (benchmarks: one; training, inference: any)")
 
 
 def build_parser() -> argparse.ArgumentParser:

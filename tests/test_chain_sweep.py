@@ -18,7 +18,9 @@ from hpcdist.errors import ConfigError
 from hpcdist.jobs.registry import load_job
 from hpcdist.polling import poll_until
 from hpcdist.submit import JobState, slurm_state
+from tests import conftest_train as fx
 from tests.conftest import REPO, run_cli, storage_sets
+from tests.conftest_train import train_args
 
 SMOKE = (REPO / "jobs" / "smoke.yaml").read_text()
 
@@ -31,6 +33,7 @@ def write_spec(folder: Path, name: str, extra: str = "") -> Path:
     return path
 
 
+train_root, tokens = fx.train_root, fx.tokens  # session fixtures: the token file, made once
 FAILS = "env: {HPCDIST_FAULT_EXIT_RANK: '0'}\n"  # rank 0 exits before joining: the job fails
 
 
@@ -203,3 +206,25 @@ def test_sweep_on_slurm_is_one_array_with_a_result_per_task(slurm_storage: Path)
         assert f"task {job}: {name}  result: {slurm_storage / 'results' / name / job}.h5" in result.out
         with h5py.File(slurm_storage / "results" / name / f"{job}.h5") as f:
             assert (f.attrs["label"], int(f.attrs["mpi_sum"])) == (name[-1], 1 if "mpitrue" in name else -1)
+
+
+def test_training_sweep_has_a_checkpoint_folder_per_task_and_compares(tokens: Path, tmp_path: Path) -> None:
+    """Two learning rates: two runs with their own checkpoints (their claims never meet) and
+    results, which `report --compare` shows side by side."""
+    short = ["--set", "params.steps=40", "--set", "params.checkpoint.every=20", "--set", "params.eval.every=20",
+             "--set", "params.optim.warmup_steps=4"]
+    result = run_cli(*train_args(tmp_path, tokens, *short, "--sweep", "params.optim.lr=1e-3,3e-2"), timeout=400)
+    assert result.code == 0, result.text
+    names = ["train_gpt-lr1e-3", "train_gpt-lr3e-2"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == names
+    for name in names:
+        assert (tmp_path / "checkpoints" / name / "latest").read_text().strip().endswith("40.h5")
+    results = [str(next((tmp_path / "results" / name).glob("*.h5"))) for name in names]
+    shown = run_cli("report", results[0], "--compare", results[1])
+    assert shown.code == 0, shown.text
+    rows = {line.split()[0] + (" " + line.split()[1] if line.split()[1] in ("loss", "val") else ""): line.split()
+            for line in shown.out.splitlines() if line.strip() and not line.startswith("#")}
+    assert rows["params.optim.lr"][1:] == ["1e-3", "3e-2"], shown.out  # as given (a YAML string; parsed as a float)
+    assert "steps done" in shown.out and "40/40" in shown.out
+    losses = [float(v) for v in rows["final loss"][2:]]
+    assert len(losses) == 2 and losses[0] != losses[1], shown.out
