@@ -61,6 +61,11 @@ def _load_job(args: argparse.Namespace, path: str | None = None, after: Sequence
         job = _command_job(argv, site, job_sets)
     else:
         job = load_job(path, site, job_sets, on_missing=_missing_handler(args), made_earlier=made_earlier)
+    limit = getattr(args, "max_parallel", None)
+    if limit is not None and (limit < 1 or not getattr(args, "sweeps", None)):
+        from hpcdist.errors import ConfigError
+
+        raise ConfigError(f"--max-parallel {limit}: give a number of at least 1, with --sweep (it limits an array)")
     origin = Origin(path or "", args.site or site.name, tuple(args.sets), argv,
                     after=tuple(getattr(args, "after", ()) if after is None else after),
                     sweeps=tuple(getattr(args, "sweeps", ())), max_parallel=getattr(args, "max_parallel", None))

@@ -38,6 +38,7 @@ def _script_executor_class() -> Callable[[Path, str, int, int], Any]:
             super().__init__(folder, max_num_timeout=max_num_timeout)
             self._script = script
             self._tasks = num_tasks
+            self.array = False  # the script has --array: even one task is an array task (ID_0)
 
         def _make_submission_file_text(self, command: str, uid: str) -> str:
             return self._script
@@ -48,7 +49,7 @@ def _script_executor_class() -> Callable[[Path, str, int, int], Any]:
         def _internal_process_submissions(self, delayed: list[Any]) -> list[Any]:
             """An array as submitit makes one (a pickle per task, jobs ``ID_INDEX``), but with
             this script (its ``--array``), not a plain SlurmExecutor's."""
-            if len(delayed) == 1:
+            if len(delayed) == 1 and not self.array:
                 return super()._internal_process_submissions(delayed)
             import uuid
 
@@ -153,9 +154,10 @@ def submit_array(base: JobSpec, tasks: list[JobSpec], site: Site, origin: Origin
     script = render(base, site, origin)
     executor = _executor(base, site, script)
     try:
-        if len(tasks) == 1:
+        if origin.array_size is None:
             jobs = [executor.submit(run_rank, tasks[0], site)]
         else:
+            executor.array = True
             with executor.batch():
                 pending = [executor.submit(run_rank, task, site) for task in tasks]
             jobs = list(pending)
