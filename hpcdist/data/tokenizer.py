@@ -202,3 +202,19 @@ def read_tokenizer(path: Path) -> ByteTokenizer | FileTokenizer:
     except OSError as exc:
         raise JobError(f"{path} cannot be read as HDF5 ({exc})") from exc
     return from_tree(tree[GROUP], str(path))
+
+
+def mismatch(
+    data: Tokenizer, data_path: object, other: Mapping[str, Any] | Tokenizer, other_path: object
+) -> str | None:
+    """Why token file `data_path` cannot train the model of checkpoint `other_path` (its
+    tokenizer, or the tree recorded in it): a different tokenizer. None when they are the same."""
+    name = other["name"] if isinstance(other, Mapping) else other.name
+    identity = other["identity"] if isinstance(other, Mapping) else other.identity
+    if identity == data.identity:
+        return None
+    return (
+        f"token file {data_path} was prepared with tokenizer {data.name} ({data.identity[:19]}) but checkpoint "
+        f"{other_path} holds a model of tokenizer {name} ({str(identity)[:19]}); prepare the text again with "
+        f"`hpcdist data prepare TEXT... --tokenizer {other_path} -o TOKENS.h5`"
+    )

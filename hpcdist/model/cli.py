@@ -29,7 +29,8 @@ def cmd_model(args: argparse.Namespace) -> int:
         c = done.config
         print(
             f"wrote {done.path}: GPT-2 of {done.parameters / 1e6:.1f}M parameters ({c.n_layer} layers, d_model "
-            f"{c.d_model}, {c.n_head} heads, context {c.context}, vocabulary {c.vocab_size}), tokenizer {done.tokenizer}"
+            f"{c.d_model}, {c.n_head} heads, context {c.context}, vocabulary {c.vocab_size}), "
+            f"tokenizer {done.tokenizer}"
         )
         return 0
     out, tok = export_pretrained(args.checkpoint, args.output)

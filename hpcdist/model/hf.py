@@ -39,7 +39,8 @@ CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # the same function, GPT-2's and hpcdist's GELU
 HEAD, WTE = "lm_head.weight", "transformer.wte.weight"
 BUFFERS = (".attn.bias", ".attn.masked_bias")  # older GPT-2 files store the causal mask
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 
 def _transformers() -> Any:
