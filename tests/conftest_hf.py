@@ -4,11 +4,13 @@ by ``save_pretrained`` into a folder, as a user's fine-tuned GPT-2 or DialoGPT w
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.conftest import run_cli
 from tests.conftest_train import write_corpus
 
 VOCAB = 320  # BPE vocabulary of the test tokenizer, end-of-text included; divisible by 1, 2 and 4
@@ -43,5 +45,40 @@ def make_pretrained(directory: Path, *, seed: int = 0, vocab: int = VOCAB, n_lay
         for name, p in model.named_parameters():
             if name.endswith(("bias", "ln_1.weight", "ln_2.weight", "ln_f.weight")):
                 p.normal_(0, 0.1).add_(1.0 if name.endswith("weight") else 0.0)
-    model.save_pretrained(str(directory), safe_serialization=safetensors)
+    model.save_pretrained(str(directory))
+    if not safetensors:  # as the original GPT-2 files: pytorch_model.bin, no prefix, the causal masks stored
+        (directory / "model.safetensors").unlink()
+        state = {k.removeprefix("transformer."): v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        for i in range(n_layer):
+            state[f"h.{i}.attn.bias"] = torch.tril(torch.ones(n_positions, n_positions)).view(1, 1, n_positions, -1)
+        torch.save(state, directory / "pytorch_model.bin")
     return model
+
+
+@dataclass(frozen=True)
+class Pretrained:
+    directory: Path  # the save_pretrained folder
+    checkpoint: Path  # what `hpcdist model import` made of it
+    model: Any  # the transformers model, eval mode
+
+
+@pytest.fixture(scope="session")
+def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Pretrained:
+    """One tiny GPT-2 folder and its import through the real CLI, shared by the tests that only read them."""
+    root = tmp_path_factory.mktemp("hf")
+    model = make_pretrained(root / "hf")
+    out = root / "gpt2.h5"
+    result = run_cli("model", "import", str(root / "hf"), "-o", str(out))
+    assert result.code == 0, result.text
+    assert f"wrote {out}" in result.out and f"vocabulary {VOCAB}" in result.out
+    return Pretrained(root / "hf", out, model)
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """`hpcdist ARGS...` in this process (transformers takes ~15 s to import in a fresh one)."""
+    from hpcdist.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
