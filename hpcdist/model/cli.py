@@ -28,7 +28,7 @@ def cmd_model(args: argparse.Namespace) -> int:
         done = import_pretrained(args.directory, args.output)
         c = done.config
         print(
-            f"wrote {done.path}: GPT-2 of {done.parameters / 1e6:.1f}M parameters ({c.n_layer} layers, d_model "
+            f"wrote {done.path}: GPT-2 of {done.parameters:,} parameters ({c.n_layer} layers, d_model "
             f"{c.d_model}, {c.n_head} heads, context {c.context}, vocabulary {c.vocab_size}), "
             f"tokenizer {done.tokenizer}"
         )
