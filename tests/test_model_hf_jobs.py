@@ -14,7 +14,7 @@ import pytest
 from hpcdist.data.tokenizer import read_tokenizer
 from hpcdist.store.results import read_attrs
 from tests.conftest import SHARED, Run, require_slurm, run_cli, storage_sets
-from tests.conftest_hf import Pretrained, pretrained
+from tests.conftest_hf import VOCAB, Pretrained, pretrained
 from tests.conftest_train import model_arrays, write_corpus
 
 __all__ = ["pretrained"]  # the session fixture, imported for pytest
@@ -63,7 +63,7 @@ def test_finetune_and_generate_from_an_imported_model(tmp_path: Path, pretrained
 
     tokens = _prepare(tmp_path, pretrained.checkpoint)
     tok = read_tokenizer(tokens)
-    assert tok.identity == read_tokenizer(pretrained.checkpoint).identity and tok.vocab_size == 320
+    assert tok.identity == read_tokenizer(pretrained.checkpoint).identity and tok.vocab_size == VOCAB
     result = _finetune(tmp_path, pretrained.checkpoint, tokens)
     assert result.code == 0, result.text
     _check_finetuned(tmp_path, pretrained.checkpoint)
@@ -89,7 +89,7 @@ def test_data_of_another_tokenizer_is_refused(tmp_path: Path, pretrained: Pretra
     assert "was prepared with tokenizer bytes" in refused.err and "--tokenizer" in refused.err
     # resuming the fine-tuned run with byte-tokenised text of the same vocabulary size
     assert _finetune(tmp_path, pretrained.checkpoint, tuned).code == 0
-    model = "{vocab_size: 320, context: 64, n_layer: 2, n_head: 4, d_model: 32}"
+    model = f"{{vocab_size: {VOCAB}, context: 64, n_layer: 2, n_head: 4, d_model: 32}}"
     result = _finetune(tmp_path, pretrained.checkpoint, wrong, "--set", "params.init=null",
                        "--set", f"params.model={model}", "--set", "params.steps=6")
     assert result.code != 0
