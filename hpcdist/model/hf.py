@@ -39,6 +39,12 @@ CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # the same function, GPT-2's and hpcdist's GELU
 HEAD, WTE = "lm_head.weight", "transformer.wte.weight"
 BUFFERS = (".attn.bias", ".attn.masked_bias")  # older GPT-2 files store the causal mask
+# GPT-2's published sizes (vocabulary 50257, context 1024), for benchmarks and examples sized like them
+SIZES = {
+    name: GPTConfig(vocab_size=50257, context=1024, n_layer=layers, n_head=heads, d_model=d)
+    for name, layers, heads, d in (("gpt2-small", 12, 12, 768), ("gpt2-medium", 24, 16, 1024),
+                                   ("gpt2-large", 36, 20, 1280), ("gpt2-xl", 48, 25, 1600))
+}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
