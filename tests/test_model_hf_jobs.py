@@ -113,3 +113,16 @@ def test_finetune_and_generate_across_two_slurm_nodes(pretrained: Pretrained) ->
         assert attrs["num_nodes"] == 2 and attrs["tokenizer"] == read_tokenizer(init).name
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_init_fixes_the_model_shape(tmp_path: Path, pretrained: Pretrained) -> None:
+    from hpcdist.config import load_site
+    from hpcdist.errors import ConfigError
+    from hpcdist.jobs.registry import load_job
+
+    tokens = _prepare(tmp_path, pretrained.checkpoint)
+    site = load_site("local", [s.removeprefix("site.") for s in storage_sets(tmp_path)[1::2]])
+    sets = [f"params.init={pretrained.checkpoint}", f"params.data={tokens}"]
+    load_job(Path("jobs/finetune_gpt.yaml"), site, [*sets, "params.model.dropout=0.1"])  # dropout may change
+    with pytest.raises(ConfigError, match=r"params.model: .*'n_layer': 3.* differs from params.init's model"):
+        load_job(Path("jobs/finetune_gpt.yaml"), site, [*sets, "params.model.n_layer=3"])
