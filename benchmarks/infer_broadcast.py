@@ -15,7 +15,8 @@ whether every rank's sha256 of every received tensor equals rank 0's.
 - ``per tensor``: `bucket_bytes=0`, one broadcast per tensor.
 
     python benchmarks/infer_broadcast.py                        # 102.5 MB: 8 layers, d_model 512
-    python benchmarks/infer_broadcast.py --gpt2-small           # 124M parameters, 498 MB
+    python benchmarks/infer_broadcast.py --model gpt2-small     # 124M parameters, 498 MB
+    python benchmarks/infer_broadcast.py --checkpoint gpt2.h5   # a real checkpoint's weights (`model import`)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from _ranks import run_ranks  # noqa: E402
 from hpcdist.infer.broadcast import broadcast_state, describe, flat_buffer, in_buffer  # noqa: E402
 from hpcdist.model.checkpoint import parameter_shapes as expected_shapes  # noqa: E402
 from hpcdist.model.config import GPTConfig  # noqa: E402
+from hpcdist.model.hf import SIZES  # noqa: E402
 
 NAMES = ("in_place", "packed", "fresh", "per_tensor", "single_buffer")
 LABELS = {"in_place": "hpcdist, one flat storage", "packed": "hpcdist, packs (reused)",
@@ -50,12 +52,16 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _rank(rank: int, world: int, cfg: GPTConfig, bucket: int, iters: int) -> dict[str, Any]:
+def _rank(rank: int, world: int, cfg: GPTConfig, bucket: int, iters: int, checkpoint: str | None) -> dict[str, Any]:
     import torch.distributed as dist
 
     gen = torch.Generator().manual_seed(0)
     shapes = {k: s for k, s in expected_shapes(cfg).items()}
     state = {k: torch.randn(s, generator=gen) for k, s in shapes.items()} if rank == 0 else None
+    if checkpoint is not None and rank == 0:
+        from hpcdist.model.checkpoint import read_full, read_header
+
+        state = {k: torch.from_numpy(v) for k, v in read_full(read_header(checkpoint)).items()}
     meta = describe({k: torch.empty(s) for k, s in shapes.items()})
     nbytes = sum(torch.Size(s).numel() * 4 for s in shapes.values())
     flat = torch.zeros(nbytes // 4)
@@ -91,15 +97,20 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d-model", type=int, default=512)
-    ap.add_argument("--gpt2-small", action="store_true", help="GPT-2 small's shapes (124M parameters)")
+    ap.add_argument("--model", choices=sorted(SIZES), default=None, help="a GPT-2 size's shapes (gpt2-small: 124M)")
+    ap.add_argument("--checkpoint", default=None, help="broadcast this checkpoint's weights (e.g. `model import`)")
     ap.add_argument("--bucket-mb", type=float, default=64)
     ap.add_argument("--iters", type=int, default=5)
     args = ap.parse_args()
-    if args.gpt2_small:
-        cfg = GPTConfig(vocab_size=50257, context=1024, n_layer=12, n_head=12, d_model=768)
+    if args.checkpoint:
+        from hpcdist.model.checkpoint import read_header
+
+        cfg = read_header(args.checkpoint).config
+    elif args.model:
+        cfg = SIZES[args.model]
     else:
         cfg = GPTConfig(context=512, n_layer=args.layers, n_head=8, d_model=args.d_model)
-    outs = run_ranks(args.ranks, _rank, cfg, int(args.bucket_mb * (1 << 20)), args.iters)
+    outs = run_ranks(args.ranks, _rank, cfg, int(args.bucket_mb * (1 << 20)), args.iters, args.checkpoint)
     nbytes = outs[0]["bytes"]
     print(f"# {args.ranks} ranks (gloo, local), {nbytes / 1e6:.1f} MB ({len(expected_shapes(cfg))} tensors), "
           f"bucket {args.bucket_mb} MB, {args.iters} iterations, torch {torch.__version__}, "

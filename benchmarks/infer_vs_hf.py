@@ -23,9 +23,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpcdist.infer.generate import Sampling, generate  # noqa: E402
-from hpcdist.infer.hf import hf_generate_greedy, to_hf  # noqa: E402
+from hpcdist.infer.hf import hf_generate_greedy  # noqa: E402
 from hpcdist.infer.tp import TPGPT  # noqa: E402
 from hpcdist.model.gpt import GPT, GPTConfig  # noqa: E402
+from hpcdist.model.hf import to_hf  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:

@@ -414,6 +414,22 @@ def _data_parser(subs: Any) -> None:
 _EXTRA_PARSERS.append(_data_parser)
 
 
+@command("model")
+def cmd_model(args: argparse.Namespace) -> int:
+    from hpcdist.model.cli import cmd_model as run
+
+    return run(args)
+
+
+def _model_parser(subs: Any) -> None:
+    from hpcdist.model.cli import add_parser
+
+    add_parser(subs)
+
+
+_EXTRA_PARSERS.append(_model_parser)
+
+
 def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
     """hpcdist's own arguments, and the user's command after the first `--` (render, submit)."""
     if "--" in argv:

@@ -30,7 +30,8 @@ def _greedy_no_cache(model: GPT, prompt: list[int], n: int) -> list[int]:
 
 def test_greedy_equals_transformers_gpt2_on_a_ragged_batch() -> None:
     pytest.importorskip("transformers")
-    from hpcdist.infer.hf import hf_generate_greedy, to_hf
+    from hpcdist.infer.hf import hf_generate_greedy
+    from hpcdist.model.hf import to_hf
 
     cfg = GPTConfig(vocab_size=257, context=64, n_layer=2, n_head=4, d_model=64)
     model = make_model(cfg, seed=3, scale=8.0)  # spread logits: no near-ties for float order to flip

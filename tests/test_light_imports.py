@@ -17,7 +17,8 @@ from tests.conftest import REPO
 HEAVY = ("torch", "submitit", "numpy", "h5py", "mpi4py", "transformers")
 WORKLOADS = ("hpcdist.bench", "hpcdist.train", "hpcdist.infer", "hpcdist.model", "hpcdist.runtime",
              "hpcdist.checkpoint", "hpcdist.results", "hpcdist.store", "hpcdist.data.")
-ALLOWED = ("hpcdist.data.cli",)  # the `data` subcommand's argument parser: argparse only
+# the `data` and `model` subcommands' argument parsers (argparse only), and the docstring-only package of the latter
+ALLOWED = ("hpcdist.data.cli", "hpcdist.model", "hpcdist.model.cli")
 
 PROBE = """
 import contextlib, io, json, sys

@@ -115,7 +115,9 @@ def test_sbatch_test_only_accepts_every_shipped_spec(slurm_storage: Path) -> Non
     text.write_text("hpcdist renders, submits and runs distributed jobs.\n" * 200)
     tokens = slurm_storage / "tokens.h5"
     assert run_cli("data", "prepare", str(text), "-o", str(tokens)).code == 0
-    extra = {"train_gpt.yaml": ["--set", f"params.data={tokens}"]}
+    extra = {"train_gpt.yaml": ["--set", f"params.data={tokens}"],  # finetune_gpt starts from the checkpoint above
+             "finetune_gpt.yaml": ["--set", f"params.data={tokens}",
+                                   "--set", f"params.init={slurm_storage / 'checkpoints' / 'train_gpt'}"]}
     specs = sorted((REPO / "jobs").glob("*.yaml"))
     assert len(specs) >= 8
     for spec in specs:

@@ -16,7 +16,8 @@ def add_parser(subs: Any) -> None:
     prep.add_argument("--val-fraction", type=float, default=0.1, help="share of each file kept for validation")
     prep.add_argument(
         "--tokenizer", type=Path, default=None,
-        help="a tokenizer.json from the `tokenizers` library (default: bytes, vocabulary 257)",
+        help="a tokenizer.json from the `tokenizers` library, a save_pretrained folder, or a checkpoint "
+        "carrying one (`hpcdist model import`) (default: bytes, vocabulary 257)",
     )
 
 

@@ -3,11 +3,13 @@
 Layout (format ``hpcdist.tokens`` version 1):
 
 - root attributes: ``format``, ``format_version``, ``tokenizer`` (``bytes`` or
-  ``tokenizers:<file name>``), ``tokenizer_sha256`` (of the tokenizer file, empty for bytes),
+  ``tokenizers:<file name>``), ``tokenizer_sha256`` (of its canonical JSON, empty for bytes),
   ``vocab_size``, ``eot_id``, ``val_fraction``, ``sources`` and ``sources_sha256`` (one per text
   file), ``created``;
 - ``/train`` and ``/val``: 1-D token ids (uint16 when the vocabulary fits, else uint32), each
-  document followed by the end-of-text token, with a ``sha256`` attribute.
+  document followed by the end-of-text token, with a ``sha256`` attribute;
+- ``/tokenizer``: the tokenizer itself (``hpcdist.data.tokenizer``), which training records in
+  every checkpoint so inference decodes with it.
 
 Each document is split on its own (its first ``1 - val_fraction`` to train, the rest to
 validation) so the validation split samples every source. Written atomically.
@@ -20,12 +22,15 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hpcdist.errors import JobError
 from hpcdist.store.atomic import atomic_path
+
+if TYPE_CHECKING:
+    from hpcdist.data.tokenizer import Tokenizer
 
 FORMAT = "hpcdist.tokens"
 FORMAT_VERSION = 1
@@ -40,6 +45,17 @@ class TokenFileInfo:
     tokenizer: str
     lengths: dict[str, int]
 
+    def load_tokenizer(self) -> Tokenizer:
+        """The tokenizer the file was written with (bytes for a file from before tokenizers travelled)."""
+        from hpcdist.data.tokenizer import BYTES, read_tokenizer
+
+        if self.tokenizer == BYTES.name:
+            return BYTES
+        try:
+            return read_tokenizer(self.path)
+        except JobError as exc:
+            raise JobError(f"{exc}; prepare the token file again with this hpcdist") from exc
+
 
 def prepare(
     texts: Sequence[Path], out: Path, *, val_fraction: float = 0.1, tokenizer: Path | None = None
@@ -47,7 +63,8 @@ def prepare(
     """Tokenise `texts` into `out`; returns what was written."""
     import h5py
 
-    from hpcdist.data.tokenizer import load_tokenizer
+    from hpcdist.data.tokenizer import GROUP, load_tokenizer
+    from hpcdist.store.rawio import write_tree
     from hpcdist.store.tree import sha256_of
 
     if not texts:
@@ -71,7 +88,7 @@ def prepare(
         if cut < len(ids):
             parts["val"] += [ids[cut:], eot]
     arrays = {s: np.concatenate(parts[s]) if parts[s] else np.zeros(0, dtype) for s in SPLITS}
-    tok_hash = hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest() if tokenizer else ""
+    tok_hash = tok.identity.removeprefix("sha256:") if tok.identity.startswith("sha256:") else ""
     with atomic_path(Path(out)) as tmp:
         with h5py.File(tmp, "w") as f:
             f.attrs["format"] = FORMAT
@@ -87,6 +104,7 @@ def prepare(
             for split, arr in arrays.items():
                 dset = f.create_dataset(split, data=arr)
                 dset.attrs["sha256"] = sha256_of(arr)
+            write_tree(f, {GROUP: tok.to_tree()})
     return TokenFileInfo(Path(out), tok.vocab_size, tok.eot_id, tok.name, {s: len(a) for s, a in arrays.items()})
 
 

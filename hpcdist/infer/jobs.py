@@ -9,13 +9,13 @@ in ``hpcdist.infer.run``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, NamedTuple
 
 from pydantic import Field, model_validator
 
 from hpcdist.config.site import Frozen
 from hpcdist.config.spec import SpecPath
-from hpcdist.data.tokenizer import END_OF_TEXT
+from hpcdist.data.tokenizer import BYTES, ByteTokenizer, FileTokenizer
 from hpcdist.errors import HpcdistError
 from hpcdist.model.config import GPTConfig
 
@@ -47,7 +47,27 @@ class InferParams(Frozen):
     top_k: int | None = Field(default=None, ge=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int = 0
-    end_token: int | None = Field(default=END_OF_TEXT, ge=0, description="stop a row at this token; null: never")
+    end_token: int | Literal["eot"] | None = Field(
+        default="eot",
+        description="stop a row at this token id; eot: the checkpoint tokenizer's end of text; null: never",
+    )
+
+    @model_validator(mode="after")
+    def _end_token_id(self) -> InferParams:
+        if isinstance(self.end_token, int) and self.end_token < 0:
+            raise ValueError(f"end_token {self.end_token} must be a token id (>= 0), eot or null")
+        return self
+
+
+class Inspected(NamedTuple):
+    """What ``inspect`` found: the header, the prompts encoded with the checkpoint's tokenizer,
+    the problems, that tokenizer and the end token id (``params.end_token`` resolved)."""
+
+    header: CheckpointHeader | None
+    prompts: list[list[int]] | None
+    problems: list[Problem]
+    tokenizer: ByteTokenizer | FileTokenizer
+    end_token: int | None
 
 
 class BroadcastParams(Frozen):
@@ -79,27 +99,28 @@ def locate_checkpoint(value: str, site: Site) -> Path:
     return path
 
 
-def inspect(
-    params: InferParams, site: Site, world_size: int
-) -> tuple[CheckpointHeader | None, list[list[int]] | None, list[Problem]]:
-    """Read the checkpoint header and the prompts and list what stops the job, before any weight moves."""
-    from hpcdist.data.tokenizer import BYTES
+def inspect(params: InferParams, site: Site, world_size: int) -> Inspected:
+    """Read the checkpoint header, its tokenizer and the prompts and list what stops the job,
+    before any weight moves."""
     from hpcdist.infer.prompts import load_prompts
     from hpcdist.infer.shard_load import check_tp
-    from hpcdist.model.checkpoint import read_header
+    from hpcdist.model.checkpoint import checkpoint_tokenizer, read_header
 
     problems: list[Problem] = []
     header = None
+    tokenizer: ByteTokenizer | FileTokenizer = BYTES
     try:
         header = read_header(locate_checkpoint(params.checkpoint, site), expect=params.model)
+        tokenizer = checkpoint_tokenizer(header.path, header.config)
     except HpcdistError as exc:
         problems.append(("params.checkpoint", params.checkpoint, str(exc)))
+    end_token = tokenizer.eot_id if params.end_token == "eot" else params.end_token
     cfg = header.config if header is not None else params.model
     if cfg is not None:
         for what, value, todo in check_tp(cfg, params.tp):
             problems.append((f"params.{what}", value, todo))
-        if params.end_token is not None and params.end_token >= cfg.vocab_size:
-            problems.append(("params.end_token", params.end_token, f"must be below the vocab size {cfg.vocab_size}"))
+        if end_token is not None and end_token >= cfg.vocab_size:
+            problems.append(("params.end_token", end_token, f"must be below the vocab size {cfg.vocab_size}"))
     if world_size % params.tp:
         problems.append(
             ("params.tp", params.tp, f"must divide the world size {world_size} (nodes x tasks_per_node); "
@@ -107,7 +128,7 @@ def inspect(
         )
     encoded = None
     try:
-        encoded = [BYTES.encode_text(p) for p in load_prompts(params.prompts)]
+        encoded = [tokenizer.encode_text(p) for p in load_prompts(params.prompts)]
     except HpcdistError as exc:
         problems.append(("params.prompts", params.prompts, str(exc)))
     if encoded is not None and cfg is not None:
@@ -125,11 +146,11 @@ def inspect(
                      f"context of {cfg.context}; use at most {cfg.context - len(ids) + 1} or shorten the prompt")
                 )
                 break
-    return header, encoded, problems
+    return Inspected(header, encoded, problems, tokenizer, end_token)
 
 
 def check_infer(job: Job[InferParams], site: Site) -> list[Problem]:
-    return inspect(job.params, site, job.spec.resources.world_size)[2]
+    return inspect(job.params, site, job.spec.resources.world_size).problems
 
 
 def check_broadcast(job: Job[BroadcastParams], site: Site) -> list[Problem]:

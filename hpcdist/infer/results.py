@@ -1,7 +1,8 @@
 """Inference result files, in the layout of ``hpcdist.store.results`` (format ``hpcdist.result`` v1).
 
 ``infer_gpt`` adds to the common root attributes ``checkpoint``, ``checkpoint_step``,
-``model_config_json``, ``tp``, ``dp``, ``load_method`` and ``sampling_json``, and:
+``model_config_json``, ``tokenizer`` (the checkpoint's, which encoded and decoded the text), ``tp``,
+``dp``, ``load_method`` and ``sampling_json`` (``end_token`` resolved to an id), and:
 
 - ``/requests`` table, one row per prompt: ``request``, ``dp_group``, ``prompt`` (text),
   ``output`` (text, end token dropped, NUL written as ``\\x00``), ``prompt_tokens``, ``new_tokens``, ``finish``
@@ -30,19 +31,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hpcdist.data.tokenizer import BYTES, END_OF_TEXT
 from hpcdist.store.results import result_file, write_table
 
 if TYPE_CHECKING:
+    from hpcdist.data.tokenizer import Tokenizer
     from hpcdist.infer.broadcast import IterationFigures
     from hpcdist.infer.jobs import BroadcastParams, InferParams
     from hpcdist.model.checkpoint import CheckpointHeader
 
 
-def _text(ids: list[int]) -> str:
+def _text(tokenizer: Tokenizer, ids: list[int]) -> str:
     """Decoded text for the table; NUL (which HDF5 strings cannot hold) is written as the escape \\x00.
     The exact ids are in /tokens."""
-    return BYTES.decode(ids).replace("\x00", "\\x00")
+    return tokenizer.decode(ids).replace("\x00", "\\x00")
 
 
 def _columns(rows: Sequence[Mapping[str, Any]], skip: tuple[str, ...] = ()) -> dict[str, list[Any]]:
@@ -64,6 +65,8 @@ def write_infer_result(
     ranks: list[dict[str, Any]],
     load: Mapping[str, Any],
     summary: Mapping[str, float],
+    tokenizer: Tokenizer,
+    end_token: int | None,
 ) -> Path:
     import h5py
 
@@ -74,17 +77,18 @@ def write_infer_result(
         "tp": tp,
         "dp": dp,
         "load_method": str(load["method"]),
+        "tokenizer": tokenizer.name,
         "sampling_json": json.dumps(
-            {k: getattr(params, k) for k in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "end_token",
-                                           "batch_size")}
+            {**{k: getattr(params, k) for k in ("max_new_tokens", "temperature", "top_k", "top_p", "seed",
+                                              "batch_size")}, "end_token": end_token}
         ),
     }
     with result_file(path, {**attrs, **extra}) as f:
         cols: dict[str, Any] = {
             "request": [r["request"] for r in requests],
             "dp_group": [r["dp_group"] for r in requests],
-            "prompt": [_text(prompts[r["request"]]) for r in requests],
-            "output": [_text([t for t in r["output_ids"] if t != END_OF_TEXT]) for r in requests],
+            "prompt": [_text(tokenizer, prompts[r["request"]]) for r in requests],
+            "output": [_text(tokenizer, [t for t in r["output_ids"] if t != end_token]) for r in requests],
         }
         cols.update(_columns(requests, skip=("request", "dp_group", "output_ids")))
         write_table(f, "requests", cols)

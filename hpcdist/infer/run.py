@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from hpcdist.bench.factors import algbw
-from hpcdist.data.tokenizer import BYTES
 from hpcdist.errors import BenchmarkError, CheckpointError, JobError
 from hpcdist.infer import metrics
 from hpcdist.infer.broadcast import broadcast_state, describe, flat_buffer, in_buffer, iteration_figures
@@ -112,7 +111,7 @@ def load_shards(
 
 
 def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
-    header, prompts, problems = inspect(params, ctx.site, ctx.world_size)
+    header, prompts, problems, tokenizer, end_token = inspect(params, ctx.site, ctx.world_size)
     if problems or header is None or prompts is None:
         raise JobError(f"infer_gpt cannot start: {problems_text(problems)}")
     cfg = header.config
@@ -137,7 +136,7 @@ def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
         top_k=params.top_k,
         top_p=params.top_p,
         seed=params.seed,
-        end_token=params.end_token,
+        end_token=end_token,
     )
     mine = [i for i in range(len(prompts)) if i % dp == dp_rank]
     requests: list[dict[str, Any]] = []
@@ -229,8 +228,10 @@ def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
         ranks=ranks,
         load=load,
         summary=figures,
+        tokenizer=tokenizer,
+        end_token=end_token,
     )
-    first = BYTES.decode(all_requests[0]["output_ids"])
+    first = tokenizer.decode(all_requests[0]["output_ids"])
     summary.update(
         {
             "result": str(path),
@@ -244,7 +245,7 @@ def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
             "per_token_p50_ms": round(1e3 * figures["per_token_p50_s"], 3),
             "total_p50_ms": round(1e3 * figures["total_p50_s"], 3),
             "total_p99_ms": round(1e3 * figures["total_p99_s"], 3),
-            "sample": (BYTES.decode(prompts[0]) + first)[:120],
+            "sample": (tokenizer.decode(prompts[0]) + first)[:120],
         }
     )
     return summary

@@ -6,7 +6,10 @@ In a ``hpcdist.checkpoint`` file the GPT adds:
 - the group ``/model``: one float32, C-order dataset per ``GPT.state_dict()`` key, with the exact
   key names (each with its ``sha256``, as every store dataset). The head ``lm_head.weight`` is
   tied to ``transformer.wte.weight`` and stored once: the group attribute ``tied_json`` maps
-  each omitted key to the stored one.
+  each omitted key to the stored one;
+- the group ``/tokenizer`` (``hpcdist.data.tokenizer``): the tokenizer the model reads and
+  writes, which inference encodes prompts and decodes outputs with. A checkpoint from before it
+  travelled has none: it is taken as bytes when the vocabulary is the byte tokenizer's.
 
 Here: the parameter shapes of a config (`parameter_shapes`), the `/model` tree of a state dict
 and the state dict of a `/model` tree (the one tied-weight restore), the shape check training
@@ -33,6 +36,8 @@ from hpcdist.store.tree import ChecksumError, Tree, sha256_of_dataset
 
 if TYPE_CHECKING:
     import torch
+
+    from hpcdist.data.tokenizer import ByteTokenizer, FileTokenizer
 
 MODEL_GROUP = "model"
 CONFIG_ATTR = "model_config_json"
@@ -107,11 +112,44 @@ def state_dict_of(group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def write_checkpoint(
-    directory: str | Path, step: int, state: Mapping[str, Any], cfg: GPTConfig, epoch: int = 0
+    directory: str | Path, step: int, state: Mapping[str, Any], cfg: GPTConfig, epoch: int = 0,
+    tokenizer: ByteTokenizer | FileTokenizer | None = None,
 ) -> Path:
-    """Write `state` (a GPT ``state_dict()``) as a model-only checkpoint and commit it (tests, demos)."""
-    tree = {MODEL_GROUP: model_tree(state)}
+    """Write `state` (a GPT ``state_dict()``) and its tokenizer as a model-only checkpoint and commit it."""
+    from hpcdist.data.tokenizer import GROUP
+
+    tree: dict[str, Any] = {MODEL_GROUP: model_tree(state)}
+    if tokenizer is not None:
+        tree[GROUP] = tokenizer.to_tree()
     return store.save(Path(directory), step, tree, epoch=epoch, attrs=model_attrs(cfg)).path
+
+
+def checkpoint_tokenizer(path: Path, cfg: GPTConfig) -> ByteTokenizer | FileTokenizer:
+    """The tokenizer checkpoint `path` carries, checked against its model's vocabulary."""
+    from hpcdist.data.tokenizer import BYTES, GROUP, from_tree
+    from hpcdist.errors import JobError
+
+    try:
+        group = store.read(path, groups=(GROUP,), verify=True).tree.get(GROUP)
+    except JobError as exc:
+        raise CheckpointError(str(exc)) from exc
+    if group is None:
+        if cfg.vocab_size == BYTES.vocab_size:
+            return BYTES
+        raise CheckpointError(
+            f"checkpoint {path} records no tokenizer and its vocabulary ({cfg.vocab_size}) is not the byte "
+            f"tokenizer's; write it again with this hpcdist (train_gpt or `hpcdist model import`)"
+        )
+    try:
+        tok = from_tree(group, str(path))
+    except JobError as exc:
+        raise CheckpointError(str(exc)) from exc
+    if tok.vocab_size > cfg.vocab_size:
+        raise CheckpointError(
+            f"checkpoint {path}: its tokenizer {tok.name} has {tok.vocab_size} ids, more than the model's "
+            f"vocab_size {cfg.vocab_size}; the checkpoint is inconsistent"
+        )
+    return tok
 
 
 def load_model_state(path: Path, verify: bool = True) -> tuple[GPTConfig, dict[str, torch.Tensor]]:

@@ -46,6 +46,7 @@ from hpcdist.train.schedule import lr_factor, scaled_lr
 
 if TYPE_CHECKING:
     from hpcdist.api import Context
+    from hpcdist.data.tokenizer import Tokenizer
     from hpcdist.runtime.context import JobContext
 
 
@@ -76,6 +77,7 @@ class Run:
     timeouts: int = 0
     last_checkpoint: Path | None = None
     commits_seen: int = 0  # of api.checkpoints.committed, already in the metrics
+    tokenizer: Tokenizer | None = None  # the token file's: recorded in every checkpoint
 
     @property
     def tokens_per_step(self) -> int:
@@ -117,7 +119,8 @@ def build(ctx: JobContext, api: Context, params: TrainParams) -> Run:
     random.seed(params.seed + 1 + ctx.rank)
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     ddp = DDP(model, device_ids=device_ids)
-    return Run(ctx, api, params, cfg, model, ddp, opt, sched, scaler, order, train, val, peak, precision)
+    return Run(ctx, api, params, cfg, model, ddp, opt, sched, scaler, order, train, val, peak, precision,
+               tokenizer=info.load_tokenizer())
 
 
 # ---------------------------------------------------------------- steps

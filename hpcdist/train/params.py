@@ -61,6 +61,11 @@ class TrainParams(Frozen):
     data: Annotated[ExpandedPath, SpecPath(hint="make it with `hpcdist data prepare TEXT... -o FILE`")] = Field(
         description="token file from `hpcdist data prepare`")
     model: dict[str, Any] = Field(default_factory=dict, description="GPTConfig fields")
+    init: Annotated[ExpandedPath | None, SpecPath(hint="make it with `hpcdist model import DIR -o FILE.h5`")] = Field(
+        default=None,
+        description="start from this checkpoint's weights (a file or directory, e.g. from `hpcdist model import`) "
+        "when there is none to resume; params.model may then set only dropout",
+    )
     steps: int = Field(default=100, ge=1, description="optimizer steps of the whole run")
     batch: BatchParams = BatchParams()
     optim: OptimParams = OptimParams()
@@ -90,7 +95,7 @@ def check(job: Job[TrainParams], site: Site) -> list[Problem]:
     from pydantic import ValidationError
 
     from hpcdist.data.tokens import describe
-    from hpcdist.errors import JobError
+    from hpcdist.errors import HpcdistError, JobError
 
     spec, params = job.spec, job.params
     problems: list[Problem] = []
@@ -98,8 +103,23 @@ def check(job: Job[TrainParams], site: Site) -> list[Problem]:
         info = describe(params.data)
     except JobError as exc:
         return [("params.data", str(params.data), str(exc))]
+    if params.init is not None:
+        try:
+            from hpcdist.data.tokenizer import mismatch
+            from hpcdist.model.checkpoint import checkpoint_tokenizer, read_header
+            from hpcdist.store.discovery import resolve
+
+            path = resolve(params.init)
+            wrong = mismatch(info.load_tokenizer(), params.data, checkpoint_tokenizer(path, read_header(path).config),
+                             path)
+            if wrong:
+                return [("params.data", str(params.data), wrong)]
+        except HpcdistError as exc:
+            return [("params.init", str(params.init), str(exc))]
     try:
         cfg = model_config(params, info.vocab_size)
+    except HpcdistError as exc:
+        return [("params.model", dict(params.model), str(exc))]
     except ValidationError as exc:
         for err in exc.errors():
             key = "params.model." + ".".join(str(p) for p in err["loc"]) if err["loc"] else "params.model"
@@ -151,8 +171,21 @@ def effective_precision(requested: str, device_type: str, bf16_supported: bool) 
 
 
 def model_config(params: TrainParams, vocab_size: int) -> Any:
-    """The GPTConfig for `params`, taking the vocabulary from the token file unless given."""
-    from hpcdist.model.gpt import GPTConfig
+    """The GPTConfig for `params`: the vocabulary from the token file unless given; with
+    ``params.init``, that checkpoint's model (``params.model`` may change only its dropout)."""
+    from hpcdist.model.config import GPTConfig
 
-    return GPTConfig.model_validate({"vocab_size": vocab_size, **params.model})
+    if params.init is None:
+        return GPTConfig.model_validate({"vocab_size": vocab_size, **params.model})
+    from hpcdist.errors import ConfigError
+    from hpcdist.model.checkpoint import read_header
+
+    base = read_header(params.init).config
+    changed = {k: v for k, v in params.model.items() if k != "dropout" and getattr(base, k, None) != v}
+    if changed:
+        raise ConfigError(
+            f"params.model {changed} differs from params.init's model {base.model_dump()}; with params.init only "
+            f"dropout may be set"
+        )
+    return GPTConfig.model_validate({**base.model_dump(), **params.model})
 

@@ -17,6 +17,8 @@ and the trainer's groups:
   consumed, ``world_size``, ``global_batch``);
 - ``/rng/rank_<r>`` (``torch_cpu``, ``torch_cuda`` when used, ``numpy_keys`` + attributes,
   ``python_state`` + attributes: every rank's generators);
+- ``/tokenizer``: the token file's tokenizer (``hpcdist.data.tokenizer``), so inference decodes
+  with it and a resume with data of another tokenizer is an error;
 - ``/train`` (attributes ``tokens_seen``, ``requeues``, ``timeouts``, ``world_size``, ``job_id``,
   ``params_json``) and ``/metrics/<table>`` (``steps``, ``val``, ``checkpoints``: the run's
   metrics so far, one dataset per column, column order in the attribute ``columns_json``).
@@ -30,10 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from hpcdist.data.tokenizer import GROUP as TOKENIZER
+from hpcdist.data.tokenizer import mismatch
 from hpcdist.errors import CheckpointError
 from hpcdist.model.checkpoint import (
     MODEL_GROUP,
     check_shapes,
+    load_model_state,
     model_attrs,
     model_tree,
     parameter_shapes,
@@ -43,6 +48,7 @@ from hpcdist.model.checkpoint import (
 from hpcdist.store import checkpoints_in, step_of
 from hpcdist.store import read as read_checkpoint
 from hpcdist.store.directory import POINTER
+from hpcdist.store.discovery import resolve
 from hpcdist.train import state as st
 from hpcdist.train.metrics import Metrics
 
@@ -83,7 +89,20 @@ def choose_checkpoint(run: Run) -> dict[str, Any]:
         check_shapes(found.latest, parameter_shapes(run.cfg), stored_shapes(found.latest))
     except CheckpointError as exc:
         return {"error": str(exc)}
+    recorded = read_checkpoint(found.latest, groups=(TOKENIZER,)).tree.get(TOKENIZER)
+    wrong = mismatch(run.tokenizer, run.params.data, recorded, found.latest) if recorded and run.tokenizer else None
+    if wrong:  # a checkpoint from before tokenizers travelled records none: nothing to compare
+        return {"error": wrong + " (or use a fresh checkpoint directory)"}
     return {"path": str(found.latest)}
+
+
+def start_from_init(run: Run) -> None:
+    """Every rank loads ``params.init``'s weights (checksums verified): fine-tuning's starting point."""
+    assert run.params.init is not None
+    path = resolve(run.params.init)
+    _, state = load_model_state(path)
+    run.model.load_state_dict(state)
+    run.ctx.log.info("starting from the weights of %s (params.init)", path)
 
 
 def resume(run: Run) -> None:
@@ -94,6 +113,8 @@ def resume(run: Run) -> None:
         raise CheckpointError(choice["error"])
     if choice["path"] is None:
         ctx.log.info("starting fresh: no checkpoint to resume from in %s", ctx.checkpoint_dir)
+        if run.params.init is not None:
+            start_from_init(run)
         return
     path = Path(choice["path"])
     loaded = read_checkpoint(path, verify=True)
@@ -162,6 +183,8 @@ def save(run: Run, *, final: bool = True) -> Path | None:
             },
             "metrics": run.metrics.to_tree(),
         }
+        if run.tokenizer is not None:
+            tree[TOKENIZER] = run.tokenizer.to_tree()
     background = run.params.checkpoint.background and not final
     checkpoints = run.api.checkpoints
     path = checkpoints.save_tree(run.step, tree, epoch=run.epoch, attrs=model_attrs(run.cfg), background=background)
