@@ -10,18 +10,23 @@ host memory, and the next save, ``wait`` or ``Context.close`` learns how it ende
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcdist.api.codec import decode, encode
 from hpcdist.errors import CheckpointError
+from hpcdist.runtime.requeue import Requeues
 
 if TYPE_CHECKING:
     from hpcdist.api.context import Context
     from hpcdist.store.checkpoints import SaveStats
     from hpcdist.store.claim import Claim
     from hpcdist.store.manager import CheckpointStore
+
+
+COUNT_ATTR = "requeue_count_json"  # root attribute: the job id and its requeue count when saved
 
 
 class Checkpoints:
@@ -65,6 +70,9 @@ class Checkpoints:
 
     def _commit(self, step: int, make: Callable[[], Mapping[str, Any]], epoch: int,
                 attrs: Mapping[str, Any] | None, background: bool) -> Path:
+        counts = self.ctx.counts_if_requeued()  # restored by load_latest: the bound survives the requeue
+        attrs = {**(attrs or {}), COUNT_ATTR: json.dumps(
+            {"job_id": self.ctx.job_id, "requeues": counts.requeues, "timeouts": counts.timeouts})}
         error = ""
         if self.ctx.is_main:
             try:
@@ -110,7 +118,11 @@ class Checkpoints:
         step = self.ctx.broadcast(latest.step if latest is not None else None)
         if step is None:
             return None
-        return step, decode((latest or self.store.load(step)).tree["state"])
+        loaded = latest or self.store.load(step)
+        count = json.loads(str(loaded.attrs.get(COUNT_ATTR, "{}")))
+        if count:
+            self.ctx.restore_requeues(Requeues(int(count["requeues"]), int(count["timeouts"])), str(count["job_id"]))
+        return step, decode(loaded.tree["state"])
 
     def release(self) -> None:
         """Drop rank 0's claim (no collective: safe at exit and after a failure)."""

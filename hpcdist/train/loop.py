@@ -30,14 +30,12 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpcdist.api.launch import from_job
-from hpcdist.config.contract import LAUNCH_TIME_VAR
 from hpcdist.console import Progress
 from hpcdist.data.dataset import DistributedOrder, TokenWindows, eval_samples
 from hpcdist.data.tokens import describe
 from hpcdist.errors import HpcdistError, JobError
 from hpcdist.model.gpt import GPT, GPTConfig
 from hpcdist.runtime.reach import failure_message
-from hpcdist.runtime.requeue import classify
 from hpcdist.train.metrics import Metrics, add_rank_log_file, perplexity
 from hpcdist.train.params import Precision, TrainParams, effective_precision, model_config
 from hpcdist.train.result import fill_result
@@ -72,10 +70,17 @@ class Run:
     epoch: int = 0
     position: int = 0
     tokens_seen: int = 0
-    requeues: int = 0
-    timeouts: int = 0
     last_checkpoint: Path | None = None
     commits_seen: int = 0  # of api.checkpoints.committed, already in the metrics
+
+    @property
+    def requeues(self) -> int:
+        """This job's requeues, counting a stop in progress (the API's count: the bound's input)."""
+        return self.api.counts_if_requeued().requeues
+
+    @property
+    def timeouts(self) -> int:
+        return self.api.counts_if_requeued().timeouts
 
     @property
     def tokens_per_step(self) -> int:
@@ -254,8 +259,10 @@ def loop(r: Run) -> dict[str, Any]:
                     ctx.log.info("step %d: validation loss %.4f (ppl %.2f)", r.step, val, perplexity(val))
             with _named(r, f"training step {r.step} (stop agreement all_reduce)"):
                 stopping = r.api.should_stop()
-            if stopping and r.step < params.steps:  # at the last step: just finish
+            if stopping and r.step < params.steps:
                 stop = "preempted"
+            elif stopping:  # at the last step: just finish
+                r.api.ignore_stop()
             elif params.run_steps and r.step - start_step >= params.run_steps and r.step < params.steps:
                 stop = "run_steps"
             if stop == "preempted":
@@ -318,34 +325,18 @@ def _lr_of_step(r: Run) -> float:
 
 
 def _count_preemption(r: Run) -> None:
-    """Rank 0 tells a time-out from a preemption; every rank counts it the same way."""
-    kind = None
-    if r.ctx.is_main:
-        launch = float(os.environ.get(LAUNCH_TIME_VAR, "nan"))
-        if launch != launch:  # not set: count from now, i.e. never a time-out
-            launch = time.time()
-        limit = r.ctx.spec.time_limit_min(r.ctx.site) * 60.0
-        kind = classify(time.time(), launch, limit, r.ctx.site.preemption.seconds_before_end)
-    kind = r.api.broadcast(kind)
-    r.requeues += 1
-    if kind == "timeout":
-        r.timeouts += 1
+    """Say which signal stopped the run and how the API counted it (rank 0 told a time-out from a preemption)."""
     r.ctx.log.warning(
         "%s signal received: checkpointing at step %d (%s; %d time-out(s), %d requeue(s) so far)",
-        r.ctx.site.preemption.signal, r.step, kind, r.timeouts, r.requeues,
+        r.api.stop_signal, r.step, r.api.stop_kind, r.timeouts, r.requeues,
     )
 
 
 def _requeue(r: Run) -> None:
-    ctx = r.ctx
-    limit = ctx.site.preemption.max_requeues
-    if r.timeouts > limit:
+    refusal = r.api.requeue_refusal(r.last_checkpoint)
+    if refusal:
         _finish(r, complete=False)
-        raise JobError(
-            f"job timed out {r.timeouts} time(s), more than preemption.max_requeues={limit}: not requeued; "
-            f"step {r.step} of {r.params.steps} is committed in {r.last_checkpoint}: resubmit the same spec "
-            f"to continue, or raise resources.time_min"
-        )
+        raise JobError(f"{refusal} (step {r.step} of {r.params.steps})")
     if not r.api.can_requeue:
         raise JobError(
             f"preempted at step {r.step}; checkpoint {r.last_checkpoint} is committed but this launch was not "

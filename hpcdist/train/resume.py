@@ -40,6 +40,7 @@ from hpcdist.model.checkpoint import (
     state_dict_of,
     stored_shapes,
 )
+from hpcdist.runtime.requeue import Requeues
 from hpcdist.store import checkpoints_in, step_of
 from hpcdist.store import read as read_checkpoint
 from hpcdist.store.directory import POINTER
@@ -55,7 +56,7 @@ def choose_checkpoint(run: Run) -> dict[str, Any]:
     ctx, cp = run.ctx, run.params.checkpoint
     store = run.api.checkpoints.store
     directory = store.directory
-    if not cp.resume:
+    if not cp.resume and _first_start(run):
         if checkpoints_in(directory):
             ctx.log.warning(
                 "params.checkpoint.resume is false: starting fresh; the checkpoints already in %s stop being "
@@ -86,6 +87,26 @@ def choose_checkpoint(run: Run) -> dict[str, Any]:
     return {"path": str(found.latest)}
 
 
+def _first_start(run: Run) -> bool:
+    """Whether this is the job's first start, where ``resume: false`` applies: not a requeue
+    (Slurm's restart count; on the local site, whose controller keeps the job id, a newest
+    checkpoint this same job wrote)."""
+    if run.api.restarts:
+        run.ctx.log.warning("requeued (restart %d): resuming; params.checkpoint.resume=false applies to the "
+                            "job's first start only", run.api.restarts)
+        return False
+    latest = run.api.checkpoints.store.latest()
+    try:
+        ours = latest is not None and read_checkpoint(latest, groups=("train",), verify=False
+                                                      ).tree["train"]["job_id"] == run.ctx.job_id
+    except (CheckpointError, KeyError):
+        ours = False
+    if ours:
+        run.ctx.log.warning("requeued (%s was written by this job): resuming; params.checkpoint.resume=false "
+                            "applies to the job's first start only", latest)
+    return not ours
+
+
 def resume(run: Run) -> None:
     """Every rank restores the checkpoint rank 0 chose (checksums verified), or starts fresh."""
     ctx = run.ctx
@@ -109,7 +130,7 @@ def resume(run: Run) -> None:
     run.position = int(sampler["position"])
     train = tree["train"]
     run.tokens_seen = int(train["tokens_seen"])
-    run.requeues, run.timeouts = int(train["requeues"]), int(train["timeouts"])
+    run.api.restore_requeues(Requeues(int(train["requeues"]), int(train["timeouts"])), str(train["job_id"]))
     same_world = int(sampler["world_size"]) == ctx.world_size
     rng = tree.get("rng", {}).get(f"rank_{ctx.rank}")
     if rng is not None and same_world:
