@@ -51,7 +51,8 @@ class Context:
                  requeue: Callable[[], str] | None, own_group: bool, store: Any, stop_signals: tuple[str, ...],
                  site_name: str = "", spec_json: str = "{}", site_json: str = "{}", kind: str = "python",
                  hosts: Sequence[str] = (), log: logging.Logger | None = None, restarts: int = 0,
-                 max_requeues: int | None = None, classify_stop: Callable[[], rq.StopKind] | None = None):
+                 max_requeues: int | None = None, classify_stop: Callable[[], rq.StopKind] | None = None,
+                 io_timeout_s: float | None = None):
         self.site_name, self._spec_json, self._site_json = site_name, spec_json, site_json
         self.info, self.device, self.backend, self.timeout_s = info, device, backend, timeout_s
         self.name, self.job_id, self.kind = name, job_id, kind
@@ -59,6 +60,7 @@ class Context:
         self.log = log or _logger(info)
         self.results = Results(result_path)
         self._checkpoint_dir, self._keep_last = checkpoint_dir, keep_last
+        self.io_timeout_s = io_timeout_s  # how long ranks wait for rank 0's checkpoint I/O (None: the default)
         self._checkpoints: Checkpoints | None = None
         self._requeue, self._own_group, self._store = requeue, own_group, store
         self._closed = False

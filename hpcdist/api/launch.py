@@ -54,23 +54,28 @@ def forget(ctx: Context) -> None:
 
 
 def init(*, site: str | None = None, name: str | None = None, timeout_s: float | None = None,
-         checkpoint_dir: str | Path | None = None, keep_last: int | None = 3) -> Context:
+         checkpoint_dir: str | Path | None = None, keep_last: int | None = 3,
+         io_timeout_s: float | None = None) -> Context:
     """This rank's Context, made once per process (later calls return the same one).
 
     `site` (or $HPCDIST_SITE) names the site whose storage and preemption signal to use outside
     an hpcdist job; `name` defaults to the script's name; `checkpoint_dir` overrides the job's
-    ``<checkpoints>/<name>``; `keep_last` committed checkpoints are kept (None: all).
+    ``<checkpoints>/<name>``; `keep_last` committed checkpoints are kept (None: all);
+    `io_timeout_s` is how long ranks wait for rank 0's checkpoint I/O (default 30 minutes).
     """
     if _CONTEXT:
         return _CONTEXT[0]
-    ctx = from_job(_ACTIVE[0], checkpoint_dir, keep_last) if _ACTIVE else _standalone(
-        site, name, timeout_s, checkpoint_dir, keep_last)
+    if _ACTIVE:
+        ctx = from_job(_ACTIVE[0], checkpoint_dir, keep_last, io_timeout_s=io_timeout_s)
+    else:
+        ctx = _standalone(site, name, timeout_s, checkpoint_dir, keep_last)
+        ctx.io_timeout_s = io_timeout_s
     _CONTEXT.append(ctx)
     return ctx
 
 
 def from_job(job: JobContext, checkpoint_dir: str | Path | None, keep_last: int | None,
-              log: logging.Logger | None = None) -> Context:
+             log: logging.Logger | None = None, io_timeout_s: float | None = None) -> Context:
     """In a hpcdist job: the bootstrap's facts, hosts and requeue; the group made on its store
     unless the job kind made it. `log`: the job's logger (a built-in kind's), else ``hpcdist.user``."""
     import torch.distributed as dist
@@ -86,7 +91,7 @@ def from_job(job: JobContext, checkpoint_dir: str | Path | None, keep_last: int 
         result_path=job.result_path(), keep_last=keep_last, requeue=job.requeue, own_group=own, store=None,
         stop_signals=(job.site.preemption.signal, "TERM"), site_name=job.site.name,
         spec_json=job.spec.model_dump_json(), site_json=job.site.model_dump_json(), kind=job.spec.kind,
-        hosts=job.hosts, log=log, restarts=restart_count(os.environ),
+        hosts=job.hosts, log=log, restarts=restart_count(os.environ), io_timeout_s=io_timeout_s,
         max_requeues=job.site.preemption.max_requeues,
         classify_stop=partial(_classify, job.spec.time_limit_min(job.site) * 60.0,
                               job.site.preemption.seconds_before_end),

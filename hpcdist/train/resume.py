@@ -107,10 +107,19 @@ def _first_start(run: Run) -> bool:
     return not ours
 
 
+def _choose(run: Run) -> dict[str, Any]:
+    """`choose_checkpoint`, with any failure (an unreadable directory) an error every rank raises."""
+    try:
+        return choose_checkpoint(run)
+    except Exception as exc:
+        where = run.api.checkpoints.directory
+        return {"error": f"choosing a checkpoint in {where} failed: {type(exc).__name__}: {exc}"}
+
+
 def resume(run: Run) -> None:
     """Every rank restores the checkpoint rank 0 chose (checksums verified), or starts fresh."""
     ctx = run.ctx
-    choice = run.api.broadcast(choose_checkpoint(run) if ctx.is_main else None)
+    choice = run.api.checkpoints.share(_choose(run) if ctx.is_main else None, "its choice of checkpoint")
     if "error" in choice:
         raise CheckpointError(choice["error"])
     if choice["path"] is None:
