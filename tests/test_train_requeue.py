@@ -144,8 +144,8 @@ def test_slurm_scancel_checkpoints_and_is_not_requeued(train_root: Path, tokens:
     finally:
         job.kill()
     history = subprocess.run(["sacct", "-j", jid, "-X", "-n", "-P", "--duplicates", "-o", "State"],
-                             capture_output=True, text=True).stdout.split()
-    assert history[0].startswith("CANCELLED") and len(history) == 1, history
+                             capture_output=True, text=True).stdout.splitlines()
+    assert len(history) == 1 and history[0].startswith("CANCELLED"), history  # never REQUEUED
     log = rank_log(root, 0)
     stopped = stopped_at(log, "TERM")
     assert f"job {jid} is ending in Slurm (" in log and "not requeued" in log
