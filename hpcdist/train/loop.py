@@ -225,6 +225,7 @@ def loop(r: Run) -> dict[str, Any]:
     try:
         while r.step < params.steps:
             t0 = time.perf_counter()
+            lr = float(r.opt.param_groups[0]["lr"])  # what this step uses: the metric is the optimizer's, not a formula
             with _named(r, f"training step {r.step + 1} (gradient all_reduce)"):
                 loss, grad_norm = train_step(r)
             if r.ctx.device.type == "cuda":
@@ -235,10 +236,10 @@ def loop(r: Run) -> dict[str, Any]:
             r.tokens_seen += r.tokens_per_step
             r.metrics.add(
                 "steps", step=r.step, epoch=r.epoch, loss=loss, ppl=perplexity(loss), grad_norm=grad_norm,
-                lr=_lr_of_step(r), tokens_per_s=r.tokens_per_step / seconds, step_time_s=seconds,
+                lr=lr, tokens_per_s=r.tokens_per_step / seconds, step_time_s=seconds,
                 tokens_seen=r.tokens_seen,
             )
-            if r.position + r.order.global_batch > r.order.steps_per_epoch * r.order.global_batch:
+            if r.order.epoch_ends_before(r.position):
                 if ctx.is_main:
                     ep = r.metrics.epochs()
                     i = int(np.flatnonzero(ep["epoch"] == r.epoch)[-1]) if len(ep["epoch"]) else 0
@@ -248,7 +249,7 @@ def loop(r: Run) -> dict[str, Any]:
                     )
                 r.epoch, r.position = r.epoch + 1, 0
             if progress is not None:
-                progress.update(r.step, f"loss {loss:.4f}  lr {_lr_of_step(r):.2e}  "
+                progress.update(r.step, f"loss {loss:.4f}  lr {lr:.2e}  "
                                 f"{r.tokens_per_step / seconds:,.0f} tok/s  grad_norm {grad_norm:.3f}")
             every = params.eval.every
             if (every and r.step % every == 0) or r.step == params.steps:
@@ -315,13 +316,6 @@ def _finish(r: Run, complete: bool) -> Path | None:
         return None
     r.ctx.log.info("result written to %s", r.api.results.path)
     return r.api.results.path
-
-
-def _lr_of_step(r: Run) -> float:
-    """The lr the step just taken used."""
-    return r.peak_lr * lr_factor(
-        r.step - 1, warmup=r.params.optim.warmup_steps, total=r.params.steps, min_ratio=r.params.optim.min_lr_ratio
-    )
 
 
 def _count_preemption(r: Run) -> None:

@@ -131,6 +131,7 @@ def resume(run: Run) -> None:
     run.model.load_state_dict(state_dict_of(tree[MODEL_GROUP]))
     st.load_optimizer(run.model, run.opt, tree["optimizer"])
     st.load_json_state(run.sched, tree["scheduler"])
+    st.rebase_schedule(run.sched, run.peak_lr)
     scaler_state = json.loads(tree["scaler"]["state_json"])
     if scaler_state and run.scaler.is_enabled():
         run.scaler.load_state_dict(scaler_state)
@@ -141,6 +142,8 @@ def resume(run: Run) -> None:
     run.tokens_seen = int(train["tokens_seen"])
     run.api.restore_requeues(Requeues(int(train["requeues"]), int(train["timeouts"])), str(train["job_id"]))
     same_world = int(sampler["world_size"]) == ctx.world_size
+    if not same_world:
+        _realign(run, int(sampler["global_batch"]))
     rng = tree.get("rng", {}).get(f"rank_{ctx.rank}")
     if rng is not None and same_world:
         st.load_rng(rng, ctx.device)
@@ -158,6 +161,21 @@ def resume(run: Run) -> None:
     ctx.log.info(
         "resumed from %s: step %d, epoch %d, read %.1f MB at %.0f MB/s (checksums verified)",
         path, run.step, run.epoch, loaded.bytes / 1e6, loaded.mb_per_s,
+    )
+
+
+def _realign(run: Run, written_batch: int) -> None:
+    """Data parallel resumes at any world size: model and optimizer state do not depend on it.
+    The lr follows this run's schedule (``rebase_schedule``), the data order goes on from the
+    same sample of the same epoch, or, when a whole new global batch no longer fits in the epoch,
+    from the next epoch's start (each rank gets a full micro-batch); tokens seen go on counting."""
+    before = (run.epoch, run.position)
+    if run.order.epoch_ends_before(run.position):
+        run.epoch, run.position = run.epoch + 1, 0
+    run.ctx.log.warning(
+        "resuming at another world size: %d ranks, global batch %d -> %d sequences, peak lr %.3g; data order "
+        "from epoch %d sample %d (the checkpoint stopped at epoch %d sample %d)", run.ctx.world_size, written_batch,
+        run.order.global_batch, run.peak_lr, run.epoch, run.position, *before,
     )
 
 
