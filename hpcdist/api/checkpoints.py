@@ -76,8 +76,8 @@ class Checkpoints:
         except RuntimeError as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             raise CheckpointError(
-                f"rank {self.ctx.rank} waited for rank 0 to write {what} in {self.directory}: no answer within "
-                f"params.checkpoint.io_timeout_s={self.io_timeout_s:g} s, or rank 0 is gone ({first})"
+                f"rank {self.ctx.rank} waited for rank 0's checkpoint I/O ({what}) in {self.directory}: no answer "
+                f"within the budget of {self.io_timeout_s:g} s (checkpoint.io_timeout_s), or rank 0 is gone ({first})"
             ) from exc
         return box[0]
 
@@ -151,8 +151,7 @@ class Checkpoints:
                 latest = self.store.load_latest(self.ctx.log.warning)
             except Exception as exc:
                 error = f"looking for the latest checkpoint in {self.directory} failed: {type(exc).__name__}: {exc}"
-        step = self.share((latest.step if latest is not None else None, error), "the latest checkpoint's step")
-        step, error = step
+        step, error = self.share((latest.step if latest is not None else None, error), "its choice of checkpoint")
         if error:
             raise CheckpointError(error)
         if step is None:
