@@ -14,6 +14,8 @@ import h5py
 import numpy as np
 import pytest
 
+from hpcdist.data.dataset import DistributedOrder
+from hpcdist.errors import JobError
 from hpcdist.store.results import read_table
 from hpcdist.train.schedule import lr_factor
 from tests import conftest_train as fx
@@ -65,3 +67,14 @@ def test_resume_at_another_world_size_follows_the_new_schedule(before: int, afte
     assert [g["initial_lr"] for g in groups] == [LR * after] * 2
     assert all(math.isclose(g["lr"], lr(after, total + 1), rel_tol=1e-12) for g in groups)
     assert "resuming at another world size" in rank_log(root)
+
+
+def test_a_step_past_the_epoch_is_an_error_not_a_short_micro_batch() -> None:
+    """One rank stopped at sample 4 of 10 (a step of 4 still fits); at two ranks a step of 8 does
+    not: the epoch ends there, and the order refuses a step that would run past it."""
+    one = DistributedOrder(num_samples=10, world_size=1, rank=0, micro_batch=4, accum=1, seed=0)
+    two = DistributedOrder(num_samples=10, world_size=2, rank=1, micro_batch=4, accum=1, seed=0)
+    assert not one.epoch_ends_before(4) and two.epoch_ends_before(4)
+    assert [len(m) for m in two.step_samples(1, 0)] == [4]
+    with pytest.raises(JobError, match="runs past the epoch's 10 samples"):
+        two.step_samples(0, 4)  # rank 1 would get samples 8 and 9 of its 4
