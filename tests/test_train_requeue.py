@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,16 @@ def stopped_at(log: str, signal_name: str) -> int:
 # ---------------------------------------------------------------- the bound, for any code
 
 
+@pytest.fixture(autouse=True)
+def stop_flag_reset() -> Iterator[None]:
+    """The stop flag is the process's: clear it, and give the test process its handlers back."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR2, signal.SIGTERM)}
+    yield
+    rq._received.clear()
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
 def api_context(tmp_path: Path, restarts: int, kind: rq.StopKind = "timeout") -> Context:
     """One rank of a job that Slurm restarted `restarts` times, with 3 time-outs allowed."""
     info = RankInfo("local", 0, 1, 0, 1, 0, 1, job_id="77")
@@ -74,7 +85,6 @@ def test_slurms_restart_count_bounds_a_job_that_lost_its_checkpoints(tmp_path: P
     assert ctx.should_stop() and (ctx.stop_signal, ctx.stop_kind) == ("USR2", "timeout")
     with pytest.raises(JobError, match=r"job timed out 4 time\(s\), more than preemption.max_requeues=3: not requeued"):
         ctx.requeue()
-    rq._received.clear()
 
 
 def test_a_checkpoints_record_tells_preemptions_from_time_outs(tmp_path: Path) -> None:
