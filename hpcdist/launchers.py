@@ -21,7 +21,10 @@ torchrun's agent would die of it (it handles only SIGTERM, SIGINT, SIGHUP and SI
 runs under ``hpcdist.runtime.agent``, which lets the agent outlive the signal its workers act on.
 mpirun runs in the batch step, which Slurm leaves out, and so would its ranks on the first node:
 it asks for the signal on the batch shell (``--signal=B:SIG@N``, ``signal_flag``), which hands it
-to mpirun, and mpirun forwards SIGUSR1/SIGUSR2 to every rank.
+to mpirun, and mpirun forwards SIGUSR1/SIGUSR2 to every rank. SIGTERM, which Slurm sends to every
+process of a job it preempts, requeues or cancels (``KillWait`` seconds before SIGKILL), needs no
+flag: under srun each rank gets it from its step and sets the same stop flag
+(``hpcdist.runtime.requeue``), and Slurm, not the job, decides whether it comes back.
 
 Cheap on purpose (standard library only): the login node renders with it, the nodes detect
 ranks with it.

@@ -37,14 +37,15 @@ def make_checkpoint(directory: Path, cfg: GPTConfig = TINY, seed: int = 0, scale
     return write_checkpoint(directory, step, model.state_dict(), cfg), model
 
 
-def _worker(fn: Callable[..., Any], rank: int, world: int, init: str, queue: Any, args: tuple[Any, ...]) -> None:
+def _worker(fn: Callable[..., Any], rank: int, world: int, init: str, queue: Any, args: tuple[Any, ...],
+            group_timeout_s: float = 60) -> None:
     import torch.distributed as dist
 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                                timeout=__import__("datetime").timedelta(seconds=60))
+                                timeout=__import__("datetime").timedelta(seconds=group_timeout_s))
         # plain pickle: the data travels in the message (torch's queue reducer would pass
         # shared-memory handles that vanish when this process exits)
         queue.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
@@ -55,13 +56,16 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, init: str, queue: Any
             dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120) -> list[Any]:
-    """`fn(rank, world, *args)` on `world` forked ranks joined in a gloo group; their results in rank order."""
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120,
+              group_timeout_s: float = 60) -> list[Any]:
+    """`fn(rank, world, *args)` on `world` forked ranks joined in a gloo group (collectives time
+    out after `group_timeout_s`); their results in rank order."""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{tmp}/store"
-        procs = [ctx.Process(target=_worker, args=(fn, r, world, init, queue, args)) for r in range(world)]
+        procs = [ctx.Process(target=_worker, args=(fn, r, world, init, queue, args, group_timeout_s))
+                 for r in range(world)]
         for p in procs:
             p.start()
         results: dict[int, Any] = {}

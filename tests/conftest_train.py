@@ -144,8 +144,14 @@ def queue_state(jid: str) -> str:
 
 def preempt_and_release(jid: str, signal_name: str, *, batch: bool = False) -> None:
     """Send Slurm job `jid` the preemption signal, wait until it is requeued, and release it at
-    once (Slurm holds a requeued job for ~2 minutes, BeginTime) so a test stays short."""
-    subprocess.run(["scancel", *(["--batch"] if batch else []), f"--signal={signal_name}", jid], check=True)
+    once (Slurm holds a requeued job for ~2 minutes, BeginTime) so a test stays short.
+
+    ``signal_name="requeue"``: preempt it as Slurm's PreemptMode=REQUEUE does (``scontrol
+    requeue``): SIGTERM to every process of the job, SIGKILL KillWait seconds later, requeued by Slurm."""
+    if signal_name == "requeue":
+        subprocess.run(["scontrol", "requeue", jid], check=True)
+    else:
+        subprocess.run(["scancel", *(["--batch"] if batch else []), f"--signal={signal_name}", jid], check=True)
     wait_for(lambda: queue_state(jid).startswith("PENDING"), 60, "the job to be requeued (PENDING)")
     subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], check=True)
 

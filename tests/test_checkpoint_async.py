@@ -20,6 +20,7 @@ from hpcdist.errors import CheckpointError
 from hpcdist.store import CheckpointStore
 from hpcdist.store import directory as layout
 from tests.conftest import REPO
+from tests.conftest_infer import run_ranks
 
 
 def test_async_save_commits_the_state_as_it_was_at_the_call(tmp_path: Path) -> None:
@@ -81,3 +82,52 @@ def test_killed_during_a_background_write_leaves_the_previous_checkpoint(tmp_pat
     store.verify(1)
     found = store.scan()
     assert found.latest == store.path(1) and found.temporaries
+
+
+# ---------------------------------------------------------------- rank 0's I/O, every rank's outcome
+
+
+def _ranks_saving(rank: int, world: int, directory: str, fault: str) -> str:
+    """Every rank saves through ``ctx.checkpoints`` in a 2-rank gloo group whose collectives time
+    out after 2 s; rank 0's write is slowed (`slow`) or its pruning fails (`prune`)."""
+    import time as _time
+
+    from hpcdist.api import Context
+    from hpcdist.runtime.rankinfo import RankInfo
+    from hpcdist.store import checkpoints as module
+
+    if rank == 0 and fault == "slow":
+        write = module.write_tree
+        module.write_tree = lambda *a, **k: (_time.sleep(5), write(*a, **k))[1]  # type: ignore[assignment]
+    if rank == 0 and fault == "prune":
+        def refuse(directory: Path, keep_last: int) -> tuple[Path, ...]:
+            raise PermissionError(13, "Permission denied", str(Path(directory) / "step_00000000.h5"))
+
+        module.prune = refuse  # type: ignore[assignment]
+    info = RankInfo("env", rank, world, rank, world, 0, 1, job_id="9")
+    ctx = Context(info=info, device=torch.device("cpu"), backend="gloo", timeout_s=2, name="io", job_id="9",
+                  checkpoint_dir=Path(directory), result_path=Path(directory) / "r.h5", keep_last=1,
+                  requeue=None, own_group=False, store=None, stop_signals=(), io_timeout_s=60)
+    try:
+        ctx.checkpoints.save(1, {"w": torch.ones(4)})
+        ctx.checkpoints.save(2, {"w": torch.ones(4)})
+        return "saved"
+    except CheckpointError as exc:
+        return str(exc)
+    finally:
+        ctx.release()
+
+
+def test_a_checkpoint_slower_than_the_group_timeout_is_waited_for(tmp_path: Path) -> None:
+    """Rank 0 takes 5 s per write, the group's timeout is 2 s: rank 1 waits on the I/O budget."""
+    assert run_ranks(2, _ranks_saving, str(tmp_path), "slow", group_timeout_s=2, timeout=60) == ["saved", "saved"]
+    assert CheckpointStore(tmp_path).steps() == [2]
+
+
+def test_a_pruning_error_reaches_every_rank_as_the_same_error(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    errors = run_ranks(2, _ranks_saving, str(tmp_path), "prune", group_timeout_s=2, timeout=60)
+    assert time.monotonic() - t0 < 30  # no rank hangs until a timeout
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith(f"checkpoint {tmp_path / 'step_00000001.h5'} is committed, but removing older "
+                                f"checkpoints failed: Permission denied ({tmp_path / 'step_00000000.h5'})")

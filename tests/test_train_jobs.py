@@ -54,6 +54,19 @@ def flip_byte(path: Path, dataset: str) -> None:
         fh.write(bytes([b[0] ^ 0xFF]))
 
 
+def initial_weights(tokens: Path) -> dict[str, np.ndarray]:
+    """The /model tensors train_gpt starts from (TINY's shape, the default seed), as stored."""
+    import torch
+
+    from hpcdist.data.tokens import describe
+    from hpcdist.model.checkpoint import model_tree
+    from hpcdist.model.gpt import GPT, GPTConfig
+
+    torch.manual_seed(1234)
+    model = GPT(GPTConfig(vocab_size=describe(tokens).vocab_size, n_layer=1, n_head=2, d_model=32, context=32))
+    return {k: v for k, v in model_tree(model.state_dict()).items() if isinstance(v, np.ndarray)}
+
+
 def rank_pids(root: Path) -> dict[int, int]:
     """rank -> pid of the local ranks of the job whose logs are under `root`."""
     out = subprocess.run(["pgrep", "-f", f"submitit.core._submit {root}"], capture_output=True, text=True).stdout
@@ -179,11 +192,14 @@ def test_gradient_accumulation_gives_the_update_of_one_large_batch(train_root: P
     a = model_arrays(final_checkpoint(train_root / "accum-1", 3))
     b = model_arrays(final_checkpoint(train_root / "accum-2", 3))
     assert '"loss"' in big.out
-    moved = 0
     for key in a:
         np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=2e-6, err_msg=key)
-        moved += int(not np.array_equal(a[key], b[key]))
-    # and the updates are real: losses logged by both agree, and training changed the weights
+    # and the updates are real: training moved every tensor away from the seed's initial weights
+    # (an update that did nothing would pass the comparison above), and the logged losses agree
+    start = initial_weights(tokens)
+    assert sorted(start) == sorted(a)
+    moved = [key for key in a if not np.allclose(a[key], start[key], rtol=0, atol=1e-6)]
+    assert moved == list(a), sorted(set(a) - set(moved))
     loss_a = float(big.out.split('"loss": ')[1].split(",")[0])
     loss_b = float(acc.out.split('"loss": ')[1].split(",")[0])
     assert abs(loss_a - loss_b) < 1e-4

@@ -2,6 +2,10 @@
 
 Rank 0 claims the directory (one writer per directory) and writes; every rank returns once a
 save is committed (or raises the same error); every rank loads the one step rank 0 resolved.
+While rank 0 writes, verifies or scans, the other ranks wait on a group of their own whose
+timeout is the checkpoint I/O budget (``io_timeout_s``), not the job's collective timeout: a
+large checkpoint on slow storage is not a hang, and every outcome, errors included, reaches
+every rank, which all raise the same one-line error.
 ``save`` nests the state, encoded, under ``/state``; ``save_tree`` writes a store tree as it is at
 the file's root, for a layout another reader already knows (the GPT's ``/model`` that
 ``infer_gpt`` reads). Either may run in the background: the caller waits only for the copy to
@@ -10,18 +14,24 @@ host memory, and the next save, ``wait`` or ``Context.close`` learns how it ende
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcdist.api.codec import decode, encode
 from hpcdist.errors import CheckpointError
+from hpcdist.runtime.requeue import Requeues
 
 if TYPE_CHECKING:
     from hpcdist.api.context import Context
     from hpcdist.store.checkpoints import SaveStats
     from hpcdist.store.claim import Claim
     from hpcdist.store.manager import CheckpointStore
+
+
+DEFAULT_IO_TIMEOUT_S = 1800.0  # a checkpoint's write, hash and commit: 1 TB at 0.6 GB/s
+COUNT_ATTR = "requeue_count_json"  # root attribute: the job id and its requeue count when saved
 
 
 class Checkpoints:
@@ -45,6 +55,31 @@ class Checkpoints:
         error = ctx.broadcast(error)
         if error:
             raise CheckpointError(error)
+        self.io_timeout_s = ctx.io_timeout_s or DEFAULT_IO_TIMEOUT_S
+        self._io_group: Any = None
+        import torch.distributed as dist
+
+        if dist.is_initialized() and ctx.world_size > 1:  # every rank makes it, here, in the same order
+            from datetime import timedelta
+
+            self._io_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.io_timeout_s))
+
+    def share(self, value: Any, what: str = "a checkpoint") -> Any:
+        """Rank 0's `value` on every rank, waiting up to the I/O budget (rank 0 may be writing)."""
+        if self._io_group is None:
+            return value
+        import torch.distributed as dist
+
+        box = [value]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self._io_group)
+        except RuntimeError as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise CheckpointError(
+                f"rank {self.ctx.rank} waited for rank 0's checkpoint I/O ({what}) in {self.directory}: no answer "
+                f"within the budget of {self.io_timeout_s:g} s (checkpoint.io_timeout_s), or rank 0 is gone ({first})"
+            ) from exc
+        return box[0]
 
     @property
     def directory(self) -> Path:
@@ -65,6 +100,9 @@ class Checkpoints:
 
     def _commit(self, step: int, make: Callable[[], Mapping[str, Any]], epoch: int,
                 attrs: Mapping[str, Any] | None, background: bool) -> Path:
+        counts = self.ctx.counts_if_requeued()  # restored by load_latest: the bound survives the requeue
+        attrs = {**(attrs or {}), COUNT_ATTR: json.dumps(
+            {"job_id": self.ctx.job_id, "requeues": counts.requeues, "timeouts": counts.timeouts})}
         error = ""
         if self.ctx.is_main:
             try:
@@ -77,7 +115,7 @@ class Checkpoints:
                 error = str(exc)
             except Exception as exc:
                 error = f"saving step {step} in {self.directory} failed: {type(exc).__name__}: {exc}"
-        error = self.ctx.broadcast(error)
+        error = self.share(error, f"step {step}")
         if error:
             raise CheckpointError(error)
         return self.store.path(step)
@@ -89,8 +127,9 @@ class Checkpoints:
             try:
                 self._record(self.store.wait())
             except Exception as exc:
-                error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-        error = self.ctx.broadcast(error)
+                error = str(exc) if isinstance(exc, CheckpointError) else (
+                    f"saving in {self.directory} failed: {type(exc).__name__}: {exc}")
+        error = self.share(error, "the checkpoint in flight")
         if error:
             raise CheckpointError(error)
 
@@ -106,11 +145,22 @@ class Checkpoints:
     def load_latest(self) -> tuple[int, dict[str, Any]] | None:
         """(step, state) of the newest committed checkpoint that verifies, or None: rank 0 picks
         the step, every rank loads that one (never a newer one a concurrent writer commits)."""
-        latest = self.store.load_latest(self.ctx.log.warning) if self.ctx.is_main else None
-        step = self.ctx.broadcast(latest.step if latest is not None else None)
+        latest, error = None, ""
+        if self.ctx.is_main:
+            try:
+                latest = self.store.load_latest(self.ctx.log.warning)
+            except Exception as exc:
+                error = f"looking for the latest checkpoint in {self.directory} failed: {type(exc).__name__}: {exc}"
+        step, error = self.share((latest.step if latest is not None else None, error), "its choice of checkpoint")
+        if error:
+            raise CheckpointError(error)
         if step is None:
             return None
-        return step, decode((latest or self.store.load(step)).tree["state"])
+        loaded = latest or self.store.load(step)
+        count = json.loads(str(loaded.attrs.get(COUNT_ATTR, "{}")))
+        if count:
+            self.ctx.restore_requeues(Requeues(int(count["requeues"]), int(count["timeouts"])), str(count["job_id"]))
+        return step, decode(loaded.tree["state"])
 
     def release(self) -> None:
         """Drop rank 0's claim (no collective: safe at exit and after a failure)."""

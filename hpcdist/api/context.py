@@ -2,14 +2,15 @@
 
 Rank facts, device, process group, a logger with rank prefixes, ``results`` (written by rank 0
 on ``close``), ``checkpoints`` (claimed on first use), and preemption: ``should_stop()`` and
-``requeue()``. torch is imported where it is used, never at import.
+``requeue()``, with the job's requeue count and its bound (``hpcdist.runtime.requeue``): the
+count is saved in every checkpoint, restored with it, and never below Slurm's own count.
+torch is imported where it is used, never at import.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpcdist.api.checkpoints import Checkpoints
 from hpcdist.errors import JobError
+from hpcdist.runtime import requeue as rq
 
 if TYPE_CHECKING:
     import torch
@@ -46,9 +48,11 @@ class Context:
 
     def __init__(self, *, info: RankInfo, device: torch.device, backend: str, timeout_s: float, name: str,
                  job_id: str, checkpoint_dir: Path, result_path: Path, keep_last: int | None,
-                 requeue: Callable[[], None] | None, own_group: bool, store: Any, stop_signals: tuple[str, ...],
+                 requeue: Callable[[], str] | None, own_group: bool, store: Any, stop_signals: tuple[str, ...],
                  site_name: str = "", spec_json: str = "{}", site_json: str = "{}", kind: str = "python",
-                 hosts: Sequence[str] = (), log: logging.Logger | None = None):
+                 hosts: Sequence[str] = (), log: logging.Logger | None = None, restarts: int = 0,
+                 max_requeues: int | None = None, classify_stop: Callable[[], rq.StopKind] | None = None,
+                 io_timeout_s: float | None = None):
         self.site_name, self._spec_json, self._site_json = site_name, spec_json, site_json
         self.info, self.device, self.backend, self.timeout_s = info, device, backend, timeout_s
         self.name, self.job_id, self.kind = name, job_id, kind
@@ -56,15 +60,17 @@ class Context:
         self.log = log or _logger(info)
         self.results = Results(result_path)
         self._checkpoint_dir, self._keep_last = checkpoint_dir, keep_last
+        self.io_timeout_s = io_timeout_s  # how long ranks wait for rank 0's checkpoint I/O (None: the default)
         self._checkpoints: Checkpoints | None = None
         self._requeue, self._own_group, self._store = requeue, own_group, store
-        self._stop_received = False
         self._closed = False
-        for name_ in stop_signals:
-            try:
-                signal.signal(getattr(signal, f"SIG{name_}"), self._on_signal)
-            except ValueError:  # not the main thread: the launcher's default stays
-                self.log.warning("cannot handle SIG%s outside the main thread; should_stop() will not see it", name_)
+        # The requeue count: Slurm's own count as a floor, the checkpoint's when one is restored.
+        self.restarts, self.max_requeues, self._classify = restarts, max_requeues, classify_stop
+        self.requeue_count = rq.Requeues().at_least(restarts)
+        self.stop_kind: rq.StopKind | None = None  # once should_stop() said True: time-out or preemption
+        self.stop_signal = ""  # the signal that stopped the job (TERM, USR2), once should_stop() said True
+        for name_ in rq.watch(stop_signals):
+            self.log.warning("cannot handle SIG%s outside the main thread; should_stop() will not see it", name_)
 
     rank = property(lambda self: self.info.rank)
     world_size = property(lambda self: self.info.world_size)
@@ -85,19 +91,47 @@ class Context:
             self._checkpoints = Checkpoints(self, self._checkpoint_dir, self._keep_last)
         return self._checkpoints
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self._stop_received = True  # only a flag: the ranks agree at a step boundary
-
     def should_stop(self) -> bool:
         """True on every rank once any rank received the preemption signal or SIGTERM (a
-        collective: call it on every rank at the same step)."""
+        collective: call it on every rank at the same step). The first time, rank 0 tells a
+        time-out from a preemption (``stop_kind``), which checkpoints then count."""
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1.0 if self._stop_received else 0.0], device=self.device)
+        if self.stop_kind is not None:
+            return True
+        flag = torch.tensor([float(rq.received())], device=self.device)
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+        if flag.item() == 0:
+            return False
+        self.stop_signal = rq.signal_name(int(flag.item()))
+        kind = (self._classify() if self._classify else "preemption") if self.is_main else None
+        self.stop_kind = self.broadcast(kind)
+        return True
+
+    def ignore_stop(self) -> None:
+        """The caller finishes instead of stopping (its last step): the stop is not counted."""
+        self.stop_kind = None
+
+    def counts_if_requeued(self) -> rq.Requeues:
+        """The requeue count once this stop requeues: what a checkpoint written now records."""
+        return self.requeue_count.after(self.stop_kind) if self.stop_kind else self.requeue_count
+
+    def restore_requeues(self, counts: rq.Requeues, job_id: str) -> None:
+        """The count a checkpoint recorded, if this job wrote it (a requeue); a resubmission,
+        another job, starts its own count. Never below Slurm's."""
+        if job_id == self.job_id:
+            self.requeue_count = counts.at_least(self.restarts)
+
+    def requeue_refusal(self, committed: Path | str | None = None) -> str:
+        """Why this stop must not requeue ("" if it may): more time-outs than the site allows."""
+        counts = self.counts_if_requeued()
+        if self.max_requeues is None or not counts.over(self.max_requeues):
+            return ""
+        kept = f"; the last checkpoint is committed in {committed}" if committed else ""
+        return (f"job timed out {counts.timeouts} time(s), more than preemption.max_requeues={self.max_requeues}: "
+                f"not requeued{kept}: resubmit the same spec to continue, or raise resources.time_min")
 
     def broadcast(self, value: Any) -> Any:
         """Rank 0's `value` on every rank (picklable objects)."""
@@ -115,14 +149,21 @@ class Context:
         return self._requeue is not None
 
     def requeue(self) -> None:
-        """Requeue the job (after the caller's checkpoint) and leave: every rank calls it."""
-        import torch.distributed as dist
+        """Requeue the job (after the caller's checkpoint) and leave: every rank calls it.
 
-        from hpcdist.runtime.requeue import Requeued
+        Refused (a JobError on every rank, results written as incomplete) past the site's
+        ``preemption.max_requeues`` time-outs. Where Slurm requeues the job itself (it preempted
+        it) or ends it (``scancel``), rank 0 says so and every rank leaves without requeueing."""
+        import torch.distributed as dist
 
         if self._requeue is None:
             raise JobError(f"{self.name}: asked to requeue, but this launch was not started by submitit or Slurm; "
                            f"resubmit the same command to resume from the last checkpoint")
+        refusal = self.requeue_refusal()
+        if refusal:
+            self._write_results(complete=False)
+            raise JobError(refusal)
+        self.requeue_count, self.stop_kind = self.counts_if_requeued(), None
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()  # the checkpoint is committed and every rank knows it
         self.log.warning("rank %d leaves for the requeue", self.rank)
@@ -130,10 +171,12 @@ class Context:
         self._closed = True  # the claim stays: the requeued job (same id) takes it back
         if self.is_main:
             try:
-                self._requeue()
+                why = self._requeue()
             except SystemExit as exc:  # the local executor requeues by exit code 144
-                raise Requeued(exc.code) from None
-        raise Requeued(1)
+                raise rq.Requeued(exc.code) from None
+            if why:
+                self.log.warning("%s", why)
+        raise rq.Requeued(1)
 
     def close(self) -> None:
         """Wait for a background save, write the results (rank 0), release the checkpoint claim,

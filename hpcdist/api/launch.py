@@ -12,11 +12,14 @@ import atexit
 import logging
 import os
 import sys
-from collections.abc import Callable, Mapping
+import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpcdist.api.context import Context
+from hpcdist.config.contract import LAUNCH_TIME_VAR
+from hpcdist.runtime.requeue import StopKind, classify, requeue_for, restart_count
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
@@ -51,23 +54,28 @@ def forget(ctx: Context) -> None:
 
 
 def init(*, site: str | None = None, name: str | None = None, timeout_s: float | None = None,
-         checkpoint_dir: str | Path | None = None, keep_last: int | None = 3) -> Context:
+         checkpoint_dir: str | Path | None = None, keep_last: int | None = 3,
+         io_timeout_s: float | None = None) -> Context:
     """This rank's Context, made once per process (later calls return the same one).
 
     `site` (or $HPCDIST_SITE) names the site whose storage and preemption signal to use outside
     an hpcdist job; `name` defaults to the script's name; `checkpoint_dir` overrides the job's
-    ``<checkpoints>/<name>``; `keep_last` committed checkpoints are kept (None: all).
+    ``<checkpoints>/<name>``; `keep_last` committed checkpoints are kept (None: all);
+    `io_timeout_s` is how long ranks wait for rank 0's checkpoint I/O (default 30 minutes).
     """
     if _CONTEXT:
         return _CONTEXT[0]
-    ctx = from_job(_ACTIVE[0], checkpoint_dir, keep_last) if _ACTIVE else _standalone(
-        site, name, timeout_s, checkpoint_dir, keep_last)
+    if _ACTIVE:
+        ctx = from_job(_ACTIVE[0], checkpoint_dir, keep_last, io_timeout_s=io_timeout_s)
+    else:
+        ctx = _standalone(site, name, timeout_s, checkpoint_dir, keep_last)
+        ctx.io_timeout_s = io_timeout_s
     _CONTEXT.append(ctx)
     return ctx
 
 
 def from_job(job: JobContext, checkpoint_dir: str | Path | None, keep_last: int | None,
-              log: logging.Logger | None = None) -> Context:
+             log: logging.Logger | None = None, io_timeout_s: float | None = None) -> Context:
     """In a hpcdist job: the bootstrap's facts, hosts and requeue; the group made on its store
     unless the job kind made it. `log`: the job's logger (a built-in kind's), else ``hpcdist.user``."""
     import torch.distributed as dist
@@ -83,8 +91,18 @@ def from_job(job: JobContext, checkpoint_dir: str | Path | None, keep_last: int 
         result_path=job.result_path(), keep_last=keep_last, requeue=job.requeue, own_group=own, store=None,
         stop_signals=(job.site.preemption.signal, "TERM"), site_name=job.site.name,
         spec_json=job.spec.model_dump_json(), site_json=job.site.model_dump_json(), kind=job.spec.kind,
-        hosts=job.hosts, log=log,
+        hosts=job.hosts, log=log, restarts=restart_count(os.environ), io_timeout_s=io_timeout_s,
+        max_requeues=job.site.preemption.max_requeues,
+        classify_stop=partial(_classify, job.spec.time_limit_min(job.site) * 60.0,
+                              job.site.preemption.seconds_before_end),
     )
+
+
+def _classify(limit_s: float, seconds_before_end: float) -> StopKind:
+    """A stop now: a time-out if it came within the warning time of the job's time limit."""
+    launch = float(os.environ.get(LAUNCH_TIME_VAR, "nan"))
+    now = time.time()
+    return classify(now, now if launch != launch else launch, limit_s, seconds_before_end)
 
 
 def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
@@ -96,8 +114,6 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
 
     from hpcdist.runtime import group
     from hpcdist.runtime.rankinfo import RankInfo
-    from hpcdist.runtime.requeue import submitit_requeue
-
     env = dict(os.environ)
     info = RankInfo.from_env(env)
     site = _site(site_ref or env.get("HPCDIST_SITE"))
@@ -125,12 +141,12 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
     ckpt = Path(checkpoint_dir) if checkpoint_dir else (
         storage.checkpoints if storage else Path("hpcdist-out/checkpoints")) / name
     results = (storage.results if storage else Path("hpcdist-out/results")) / name / f"{job_id}.h5"
-    requeue = submitit_requeue(None, env) or _slurm_requeue(env)
     signals = (site.preemption.signal if site else env.get("SUBMITIT_PREEMPTION_SIGNAL", "USR2"), "TERM")
     ctx = Context(info=info, device=device, backend=backend, timeout_s=timeout, name=name, job_id=job_id,
-                  checkpoint_dir=ckpt, result_path=results, keep_last=keep_last, requeue=requeue, own_group=own,
-                  store=store, stop_signals=signals, site_name=site.name if site else "",
-                  site_json=site.model_dump_json() if site else "{}")
+                  checkpoint_dir=ckpt, result_path=results, keep_last=keep_last, requeue=requeue_for(None, env),
+                  own_group=own, store=store, stop_signals=signals, site_name=site.name if site else "",
+                  site_json=site.model_dump_json() if site else "{}", restarts=restart_count(env),
+                  max_requeues=site.preemption.max_requeues if site else None)
     atexit.register(_release_at_exit, ctx)
     ctx.log.info("hpcdist.init: rank %d/%d on %s via %s, %s on %s", info.rank, info.world_size, info.hostname,
                  info.launcher, backend, device)
@@ -149,17 +165,3 @@ def _site(ref: str | None) -> Site | None:
     from hpcdist.config import load_site
 
     return load_site(ref)
-
-
-def _slurm_requeue(env: Mapping[str, str]) -> Callable[[], None] | None:
-    """`scontrol requeue` for a Slurm job not started through submitit."""
-    job = env.get("SLURM_JOB_ID")
-    if not job:
-        return None
-
-    def requeue() -> None:
-        import subprocess
-
-        subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
-
-    return requeue

@@ -83,6 +83,12 @@ class DistributedOrder:
                 f"{self.accum}); use more text, a shorter context or a smaller batch"
             )
 
+    def epoch_ends_before(self, position: int) -> bool:
+        """Whether no whole global batch is left in the epoch at `position`: the next step starts the
+        next epoch. After a resume at another world size `position` need not be a multiple of the
+        global batch; for one that is, this is ``steps_per_epoch`` steps per epoch."""
+        return position + self.global_batch > self.num_samples
+
     def permutation(self, epoch: int) -> np.ndarray:
         """The epoch's order of all samples: depends only on the seed and the epoch."""
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
@@ -93,6 +99,11 @@ class DistributedOrder:
         share = self.micro_batch * self.accum
         start = position + self.rank * share
         mine = order[start : start + share]
+        if len(mine) < share:
+            raise JobError(
+                f"rank {self.rank}: the step at sample {position} of epoch {epoch} runs past the epoch's "
+                f"{self.num_samples} samples (global batch {self.global_batch}); this is a bug in resuming"
+            )
         return [mine[m * self.micro_batch : (m + 1) * self.micro_batch] for m in range(self.accum)]
 
 

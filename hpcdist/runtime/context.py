@@ -35,7 +35,7 @@ class JobContext:
     log: logging.Logger
     timings: dict[str, float] = field(default_factory=dict)
     mpi_comm: Any = None
-    requeue: Callable[[], None] | None = None
+    requeue: Callable[[], str] | None = None  # requeues, or says why Slurm does it (runtime.requeue)
     endpoint: Any = None  # group.Endpoint: where the job's TCPStore listens (the python kind's MASTER_ADDR)
     store: Any = None  # the job's store (rank 0 serves it)
 

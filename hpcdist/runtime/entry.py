@@ -20,10 +20,9 @@ from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import BootstrapError, HpcdistError
 from hpcdist.jobs.registry import Job, resolve
-from hpcdist.runtime import group
+from hpcdist.runtime import group, requeue
 from hpcdist.runtime.context import JobContext
 from hpcdist.runtime.rankinfo import RankInfo
-from hpcdist.runtime.requeue import submitit_requeue
 
 log = logging.getLogger("hpcdist")
 
@@ -92,6 +91,9 @@ def bootstrap(job: Job[Any], site: Site, env: Mapping[str, str] | None = None) -
     t_entry = time.time()
     info = RankInfo.from_env(env)
     _setup_logging(info, env)
+    # SIGTERM (which submitit's handler ignores) sets the stop flag from now on, so one that comes
+    # during the bootstrap is not lost; the site's signal stays submitit's until a Context takes it.
+    requeue.watch(("TERM",))
     if env.get(FAULT_EXIT_VAR, "") == str(info.rank):
         log.error("fault injection: rank %d exits before joining", info.rank)
         logging.shutdown()
@@ -147,7 +149,7 @@ def bootstrap(job: Job[Any], site: Site, env: Mapping[str, str] | None = None) -
         endpoint=endpoint,
         store=store,
     )
-    ctx.requeue = submitit_requeue(
+    ctx.requeue = requeue.requeue_for(
         site.storage.scratch / "rendezvous" / f"{key}.json" if info.is_main else None, env
     )
     if backend == "nccl" and job.makes_group:

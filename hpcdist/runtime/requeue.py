@@ -1,52 +1,183 @@
-"""Requeue a preempted or timed-out job through submitit's own mechanism.
+"""Stop signals, the requeue count and its bound, and requeueing through submitit or Slurm.
 
-submitit installs a handler for its preemption signal that requeues at once; a training job
-replaces it with a flag (``hpcdist.api.Context.should_stop``), checkpoints at the next step
-boundary on every rank, and only then asks submitit's job environment to requeue: ``scontrol requeue <job id>`` on
-Slurm, exit code 144 (``LOCAL_REQUEUE_RETURN_CODE``) on the local site, whose controller then
-restarts the ranks. A requeued job has written no result, so it is never taken as finished.
+Signals. A job is told to stop by the site's preemption signal (``--signal=SIG@N``; Slurm sends
+it before a time limit, and before a preemption only where the site set
+``PreemptParameters=send_user_signal``) or by SIGTERM, which Slurm always sends when it preempts,
+requeues or cancels a job, ``KillWait`` seconds before SIGKILL. submitit's runner installs its own
+handlers: one that requeues at once on the preemption signal (before any checkpoint) and one that
+ignores ("bypasses") SIGTERM. ``watch`` replaces both, as early as the rank starts, with one flag
+(which signal came first); ``hpcdist.api.Context.should_stop`` reads it, the ranks agree at a step
+boundary, checkpoint, and only then requeue.
+
+Requeueing. ``requeue_for`` asks submitit's job environment (``scontrol requeue <job id>`` on
+Slurm, exit code 144 on the local site, whose controller restarts the ranks) or plain
+``scontrol requeue`` outside submitit; on Slurm it first asks Slurm about the job: after SIGTERM
+the job may already be requeued by Slurm itself (preemption, ``scontrol requeue``), or be ending
+for good (``scancel``, a time limit), where ``scontrol requeue`` would bring a cancelled job back.
+A requeued job has written no result, so it is never taken as finished.
+
+The bound. ``preemption.max_requeues`` bounds the time-outs of one job; preemptions are the
+site's doing and are not bounded. The count survives a restart in the checkpoint, and has Slurm's
+own count (``SLURM_RESTART_COUNT``) as a floor, so a run that starts afresh (``resume: false``,
+``if_unusable: start_fresh``) cannot be requeued forever: a restart not on record counts as a
+time-out.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+import signal
+import subprocess
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import Literal
 
 log = logging.getLogger("hpcdist")
 
 # How close to the time limit a preemption signal must come to count as a time-out: Slurm sends
 # `--signal=SIG@N` up to a minute late, and a rank needs a moment to notice.
 TIMEOUT_SLACK_S = 60.0
+RESTART_COUNT_VAR = "SLURM_RESTART_COUNT"  # Slurm: how often this job was requeued (absent: never)
+
+StopKind = Literal["timeout", "preemption"]
 
 
 class Requeued(SystemExit):
     """Raised on every rank once the job is requeued: the process ends without a result."""
 
 
-def classify(now: float, launch_time: float, limit_s: float, seconds_before_end: float) -> str:
+def classify(now: float, launch_time: float, limit_s: float, seconds_before_end: float) -> StopKind:
     """``timeout`` if the signal came within the warning time of the job's limit, else ``preemption``."""
     left = launch_time + limit_s - now
     return "timeout" if left <= seconds_before_end + TIMEOUT_SLACK_S else "preemption"
 
 
-def submitit_requeue(rendezvous_file: Path | None, env: Mapping[str, str]) -> Callable[[], None] | None:
-    """A `JobContext.requeue` for jobs that submitit started (as `env` says), or None outside submitit."""
-    executor = env.get("SUBMITIT_EXECUTOR", "")
-    if executor not in ("slurm", "local"):
+# ---------------------------------------------------------------- the stop flag
+
+_received: list[int] = []  # signal numbers in the order they came; the process's one flag
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    _received.append(signum)  # only a flag: the ranks agree at a step boundary
+
+
+def watch(names: Iterable[str]) -> list[str]:
+    """Handle the named signals (``USR2``, ``TERM``) with the stop flag, replacing submitit's
+    handlers; the names that could not be handled (not the main thread) are returned."""
+    failed = []
+    for name in dict.fromkeys(names):
+        try:
+            signal.signal(getattr(signal, f"SIG{name}"), _on_signal)
+        except ValueError:  # not the main thread: the launcher's handler stays
+            failed.append(name)
+    return failed
+
+
+def received() -> int:
+    """The number of the first stop signal this process received, 0 if none."""
+    return _received[0] if _received else 0
+
+
+def signal_name(signum: int) -> str:
+    """``TERM`` for 15: the name the site config and the logs use."""
+    return signal.Signals(signum).name.removeprefix("SIG") if signum else ""
+
+
+# ---------------------------------------------------------------- the count and its bound
+
+
+def restart_count(env: Mapping[str, str]) -> int:
+    """How often Slurm has requeued this job (0 on its first start, and outside Slurm)."""
+    try:
+        return max(0, int(env.get(RESTART_COUNT_VAR, "0") or 0))
+    except ValueError:
+        return 0
+
+
+@dataclass(frozen=True)
+class Requeues:
+    """How often this job was requeued so far, and how many of those were time-outs."""
+
+    requeues: int = 0
+    timeouts: int = 0
+
+    def at_least(self, restarts: int) -> Requeues:
+        """Slurm's own count as a floor: restarts not on record (a fresh start lost the record)
+        count as time-outs, so losing the record never lifts the bound."""
+        missing = max(0, restarts - self.requeues)
+        return Requeues(self.requeues + missing, self.timeouts + missing)
+
+    def after(self, kind: StopKind) -> Requeues:
+        return Requeues(self.requeues + 1, self.timeouts + (kind == "timeout"))
+
+    def over(self, max_requeues: int) -> bool:
+        return self.timeouts > max_requeues
+
+
+# ---------------------------------------------------------------- requeueing
+
+
+def job_in_slurm(job_id: str) -> tuple[str, int] | None:
+    """Slurm's state of `job_id` and its restart count (``scontrol show job``), or None if unknown."""
+    try:
+        out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+    try:
+        return fields["JobState"], int(fields.get("Restarts", "0"))
+    except (KeyError, ValueError):
         return None
 
-    def requeue() -> None:
-        from submitit.core.job_environment import JobEnvironment
 
+def slurm_leaves_it(job_id: str, restarts: int) -> str:
+    """Why hpcdist must not requeue Slurm job `job_id` itself ("" when it must): Slurm already
+    requeued it (its restart count passed ours: a preemption or ``scontrol requeue``), or it is
+    ending for good (``scancel``, a time limit), which a requeue would undo."""
+    known = job_in_slurm(job_id)
+    if known is None:
+        return ""
+    state, slurm_restarts = known
+    if slurm_restarts > restarts or state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"):
+        return f"Slurm is requeueing job {job_id} itself ({state}, restart {slurm_restarts})"
+    if state not in ("RUNNING", "SUSPENDED"):
+        return f"job {job_id} is ending in Slurm ({state}): not requeued; resubmit the same spec to resume"
+    return ""
+
+
+def requeue_for(rendezvous_file: Path | None, env: Mapping[str, str]) -> Callable[[], str] | None:
+    """The requeue of a launch, as `env` says it was started (submitit's Slurm or local
+    executor, or a plain Slurm job), or None when nothing can requeue it. The returned function
+    requeues, or returns why it did not (Slurm requeues or ends the job itself)."""
+    executor = env.get("SUBMITIT_EXECUTOR", "")
+    slurm_job = env.get("SLURM_JOB_ID", "")
+    restarts = restart_count(env)
+    if executor not in ("slurm", "local") and not slurm_job:
+        return None
+
+    def requeue() -> str:
+        if executor != "local" and slurm_job:
+            why = slurm_leaves_it(slurm_job, restarts)
+            if why:
+                return why
         if rendezvous_file is not None:
             # The local controller restarts ranks under the same job id: a stale address file
             # would send them to a dead store. (Slurm requeues get a new key from the restart count.)
             rendezvous_file.unlink(missing_ok=True)
-        env = JobEnvironment()
-        log.warning("requeueing job %s through submitit (%s)", env.job_id, executor)
         for handler in logging.getLogger("hpcdist").handlers:
             handler.flush()
-        env._requeue(0)  # Slurm: scontrol requeue; local: sys.exit(144) (the controller restarts us)
+        if executor in ("slurm", "local"):
+            from submitit.core.job_environment import JobEnvironment
+
+            job = JobEnvironment()
+            log.warning("requeueing job %s through submitit (%s)", job.job_id, executor)
+            job._requeue(0)  # Slurm: scontrol requeue; local: sys.exit(144) (the controller restarts us)
+        else:
+            log.warning("requeueing Slurm job %s", slurm_job)
+            subprocess.run(["scontrol", "requeue", slurm_job], check=True, timeout=60)
+        return ""
 
     return requeue

@@ -104,7 +104,13 @@ def save(
     except OSError as exc:
         raise CheckpointError(_write_failure(final, exc)) from exc
     seconds = time.perf_counter() - t0
-    removed = prune(directory, keep_last) if keep_last else ()
+    try:
+        removed = prune(directory, keep_last) if keep_last else ()
+    except OSError as exc:
+        raise CheckpointError(
+            f"checkpoint {final} is committed, but removing older checkpoints failed: {exc.strerror or exc} "
+            f"({exc.filename or directory}); fix the permissions or space of {directory}"
+        ) from exc
     return SaveStats(final, nbytes, seconds, removed)
 
 

@@ -30,14 +30,12 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpcdist.api.launch import from_job
-from hpcdist.config.contract import LAUNCH_TIME_VAR
 from hpcdist.console import Progress
 from hpcdist.data.dataset import DistributedOrder, TokenWindows, eval_samples
 from hpcdist.data.tokens import describe
 from hpcdist.errors import HpcdistError, JobError
 from hpcdist.model.gpt import GPT, GPTConfig
 from hpcdist.runtime.reach import failure_message
-from hpcdist.runtime.requeue import classify
 from hpcdist.train.metrics import Metrics, add_rank_log_file, perplexity
 from hpcdist.train.params import Precision, TrainParams, effective_precision, model_config
 from hpcdist.train.result import fill_result
@@ -73,11 +71,18 @@ class Run:
     epoch: int = 0
     position: int = 0
     tokens_seen: int = 0
-    requeues: int = 0
-    timeouts: int = 0
     last_checkpoint: Path | None = None
     commits_seen: int = 0  # of api.checkpoints.committed, already in the metrics
     tokenizer: Tokenizer | None = None  # the token file's: recorded in every checkpoint
+
+    @property
+    def requeues(self) -> int:
+        """This job's requeues, counting a stop in progress (the API's count: the bound's input)."""
+        return self.api.counts_if_requeued().requeues
+
+    @property
+    def timeouts(self) -> int:
+        return self.api.counts_if_requeued().timeouts
 
     @property
     def tokens_per_step(self) -> int:
@@ -182,7 +187,7 @@ def run(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     log_file = ctx.site.storage.logs / ctx.spec.name / ctx.job_id / f"train_rank{ctx.rank}.log"
     handler = add_rank_log_file(log_file)
-    api = from_job(ctx, None, params.checkpoint.keep_last, log=ctx.log)
+    api = from_job(ctx, None, params.checkpoint.keep_last, log=ctx.log, io_timeout_s=params.checkpoint.io_timeout_s)
     try:
         try:
             api.checkpoints  # noqa: B018 - rank 0 claims the directory now: a held one fails every rank at once
@@ -223,6 +228,7 @@ def loop(r: Run) -> dict[str, Any]:
     try:
         while r.step < params.steps:
             t0 = time.perf_counter()
+            lr = float(r.opt.param_groups[0]["lr"])  # what this step uses: the metric is the optimizer's, not a formula
             with _named(r, f"training step {r.step + 1} (gradient all_reduce)"):
                 loss, grad_norm = train_step(r)
             if r.ctx.device.type == "cuda":
@@ -233,10 +239,10 @@ def loop(r: Run) -> dict[str, Any]:
             r.tokens_seen += r.tokens_per_step
             r.metrics.add(
                 "steps", step=r.step, epoch=r.epoch, loss=loss, ppl=perplexity(loss), grad_norm=grad_norm,
-                lr=_lr_of_step(r), tokens_per_s=r.tokens_per_step / seconds, step_time_s=seconds,
+                lr=lr, tokens_per_s=r.tokens_per_step / seconds, step_time_s=seconds,
                 tokens_seen=r.tokens_seen,
             )
-            if r.position + r.order.global_batch > r.order.steps_per_epoch * r.order.global_batch:
+            if r.order.epoch_ends_before(r.position):
                 if ctx.is_main:
                     ep = r.metrics.epochs()
                     i = int(np.flatnonzero(ep["epoch"] == r.epoch)[-1]) if len(ep["epoch"]) else 0
@@ -246,7 +252,7 @@ def loop(r: Run) -> dict[str, Any]:
                     )
                 r.epoch, r.position = r.epoch + 1, 0
             if progress is not None:
-                progress.update(r.step, f"loss {loss:.4f}  lr {_lr_of_step(r):.2e}  "
+                progress.update(r.step, f"loss {loss:.4f}  lr {lr:.2e}  "
                                 f"{r.tokens_per_step / seconds:,.0f} tok/s  grad_norm {grad_norm:.3f}")
             every = params.eval.every
             if (every and r.step % every == 0) or r.step == params.steps:
@@ -257,8 +263,10 @@ def loop(r: Run) -> dict[str, Any]:
                     ctx.log.info("step %d: validation loss %.4f (ppl %.2f)", r.step, val, perplexity(val))
             with _named(r, f"training step {r.step} (stop agreement all_reduce)"):
                 stopping = r.api.should_stop()
-            if stopping and r.step < params.steps:  # at the last step: just finish
+            if stopping and r.step < params.steps:
                 stop = "preempted"
+            elif stopping:  # at the last step: just finish
+                r.api.ignore_stop()
             elif params.run_steps and r.step - start_step >= params.run_steps and r.step < params.steps:
                 stop = "run_steps"
             if stop == "preempted":
@@ -313,42 +321,19 @@ def _finish(r: Run, complete: bool) -> Path | None:
     return r.api.results.path
 
 
-def _lr_of_step(r: Run) -> float:
-    """The lr the step just taken used."""
-    return r.peak_lr * lr_factor(
-        r.step - 1, warmup=r.params.optim.warmup_steps, total=r.params.steps, min_ratio=r.params.optim.min_lr_ratio
-    )
-
-
 def _count_preemption(r: Run) -> None:
-    """Rank 0 tells a time-out from a preemption; every rank counts it the same way."""
-    kind = None
-    if r.ctx.is_main:
-        launch = float(os.environ.get(LAUNCH_TIME_VAR, "nan"))
-        if launch != launch:  # not set: count from now, i.e. never a time-out
-            launch = time.time()
-        limit = r.ctx.spec.time_limit_min(r.ctx.site) * 60.0
-        kind = classify(time.time(), launch, limit, r.ctx.site.preemption.seconds_before_end)
-    kind = r.api.broadcast(kind)
-    r.requeues += 1
-    if kind == "timeout":
-        r.timeouts += 1
+    """Say which signal stopped the run and how the API counted it (rank 0 told a time-out from a preemption)."""
     r.ctx.log.warning(
         "%s signal received: checkpointing at step %d (%s; %d time-out(s), %d requeue(s) so far)",
-        r.ctx.site.preemption.signal, r.step, kind, r.timeouts, r.requeues,
+        r.api.stop_signal, r.step, r.api.stop_kind, r.timeouts, r.requeues,
     )
 
 
 def _requeue(r: Run) -> None:
-    ctx = r.ctx
-    limit = ctx.site.preemption.max_requeues
-    if r.timeouts > limit:
+    refusal = r.api.requeue_refusal(r.last_checkpoint)
+    if refusal:
         _finish(r, complete=False)
-        raise JobError(
-            f"job timed out {r.timeouts} time(s), more than preemption.max_requeues={limit}: not requeued; "
-            f"step {r.step} of {r.params.steps} is committed in {r.last_checkpoint}: resubmit the same spec "
-            f"to continue, or raise resources.time_min"
-        )
+        raise JobError(f"{refusal} (step {r.step} of {r.params.steps})")
     if not r.api.can_requeue:
         raise JobError(
             f"preempted at step {r.step}; checkpoint {r.last_checkpoint} is committed but this launch was not "

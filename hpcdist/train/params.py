@@ -55,6 +55,10 @@ class CheckpointParams(Frozen):
     background: bool = Field(
         default=True, description="write, hash and commit in a thread: a step waits only for the copy to host memory"
     )
+    io_timeout_s: float | None = Field(
+        default=None, gt=0, description="how long the other ranks wait for rank 0 to write, verify and commit a "
+        "checkpoint, in place of timeout_s (default 1800)",
+    )
 
 
 class TrainParams(Frozen):

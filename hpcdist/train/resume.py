@@ -45,6 +45,7 @@ from hpcdist.model.checkpoint import (
     state_dict_of,
     stored_shapes,
 )
+from hpcdist.runtime.requeue import Requeues
 from hpcdist.store import checkpoints_in, step_of
 from hpcdist.store import read as read_checkpoint
 from hpcdist.store.directory import POINTER
@@ -61,7 +62,7 @@ def choose_checkpoint(run: Run) -> dict[str, Any]:
     ctx, cp = run.ctx, run.params.checkpoint
     store = run.api.checkpoints.store
     directory = store.directory
-    if not cp.resume:
+    if not cp.resume and _first_start(run):
         if checkpoints_in(directory):
             ctx.log.warning(
                 "params.checkpoint.resume is false: starting fresh; the checkpoints already in %s stop being "
@@ -105,10 +106,39 @@ def start_from_init(run: Run) -> None:
     run.ctx.log.info("starting from the weights of %s (params.init)", path)
 
 
+def _first_start(run: Run) -> bool:
+    """Whether this is the job's first start, where ``resume: false`` applies: not a requeue
+    (Slurm's restart count; on the local site, whose controller keeps the job id, a newest
+    checkpoint this same job wrote)."""
+    if run.api.restarts:
+        run.ctx.log.warning("requeued (restart %d): resuming; params.checkpoint.resume=false applies to the "
+                            "job's first start only", run.api.restarts)
+        return False
+    latest = run.api.checkpoints.store.latest()
+    try:
+        ours = latest is not None and read_checkpoint(latest, groups=("train",), verify=False
+                                                      ).tree["train"]["job_id"] == run.ctx.job_id
+    except (CheckpointError, KeyError):
+        ours = False
+    if ours:
+        run.ctx.log.warning("requeued (%s was written by this job): resuming; params.checkpoint.resume=false "
+                            "applies to the job's first start only", latest)
+    return not ours
+
+
+def _choose(run: Run) -> dict[str, Any]:
+    """`choose_checkpoint`, with any failure (an unreadable directory) an error every rank raises."""
+    try:
+        return choose_checkpoint(run)
+    except Exception as exc:
+        where = run.api.checkpoints.directory
+        return {"error": f"choosing a checkpoint in {where} failed: {type(exc).__name__}: {exc}"}
+
+
 def resume(run: Run) -> None:
     """Every rank restores the checkpoint rank 0 chose (checksums verified), or starts fresh."""
     ctx = run.ctx
-    choice = run.api.broadcast(choose_checkpoint(run) if ctx.is_main else None)
+    choice = run.api.checkpoints.share(_choose(run) if ctx.is_main else None, "its choice of checkpoint")
     if "error" in choice:
         raise CheckpointError(choice["error"])
     if choice["path"] is None:
@@ -122,6 +152,7 @@ def resume(run: Run) -> None:
     run.model.load_state_dict(state_dict_of(tree[MODEL_GROUP]))
     st.load_optimizer(run.model, run.opt, tree["optimizer"])
     st.load_json_state(run.sched, tree["scheduler"])
+    st.rebase_schedule(run.sched, run.peak_lr)
     scaler_state = json.loads(tree["scaler"]["state_json"])
     if scaler_state and run.scaler.is_enabled():
         run.scaler.load_state_dict(scaler_state)
@@ -130,8 +161,10 @@ def resume(run: Run) -> None:
     run.position = int(sampler["position"])
     train = tree["train"]
     run.tokens_seen = int(train["tokens_seen"])
-    run.requeues, run.timeouts = int(train["requeues"]), int(train["timeouts"])
+    run.api.restore_requeues(Requeues(int(train["requeues"]), int(train["timeouts"])), str(train["job_id"]))
     same_world = int(sampler["world_size"]) == ctx.world_size
+    if not same_world:
+        _realign(run, int(sampler["global_batch"]))
     rng = tree.get("rng", {}).get(f"rank_{ctx.rank}")
     if rng is not None and same_world:
         st.load_rng(rng, ctx.device)
@@ -149,6 +182,21 @@ def resume(run: Run) -> None:
     ctx.log.info(
         "resumed from %s: step %d, epoch %d, read %.1f MB at %.0f MB/s (checksums verified)",
         path, run.step, run.epoch, loaded.bytes / 1e6, loaded.mb_per_s,
+    )
+
+
+def _realign(run: Run, written_batch: int) -> None:
+    """Data parallel resumes at any world size: model and optimizer state do not depend on it.
+    The lr follows this run's schedule (``rebase_schedule``), the data order goes on from the
+    same sample of the same epoch, or, when a whole new global batch no longer fits in the epoch,
+    from the next epoch's start (each rank gets a full micro-batch); tokens seen go on counting."""
+    before = (run.epoch, run.position)
+    if run.order.epoch_ends_before(run.position):
+        run.epoch, run.position = run.epoch + 1, 0
+    run.ctx.log.warning(
+        "resuming at another world size: %d ranks, global batch %d -> %d sequences, peak lr %.3g; data order "
+        "from epoch %d sample %d (the checkpoint stopped at epoch %d sample %d)", run.ctx.world_size, written_batch,
+        run.order.global_batch, run.peak_lr, run.epoch, run.position, *before,
     )
 
 

@@ -61,6 +61,17 @@ def load_json_state(obj: Any, tree: Tree) -> None:
     obj.load_state_dict(json.loads(tree["state_json"]))
 
 
+def rebase_schedule(sched: Any, peak: float) -> None:
+    """This run's schedule over a restored one: the peak of this run's ``lr_scaling`` (the
+    checkpoint's base lrs are the peak of the world size that wrote it), and the lr of the
+    next step from it, as ``LambdaLR`` computes it (the same float when nothing changed)."""
+    sched.base_lrs = [peak] * len(sched.base_lrs)
+    for group, factor in zip(sched.optimizer.param_groups, sched.lr_lambdas, strict=True):
+        group["initial_lr"] = peak
+        group["lr"] = peak * factor(sched.last_epoch)
+    sched._last_lr = [group["lr"] for group in sched.optimizer.param_groups]
+
+
 def rng_tree(device: torch.device) -> Tree:
     """Every generator this rank may draw from."""
     np_state: Any = np.random.get_state()
