@@ -97,7 +97,7 @@ def _environment() -> jinja2.Environment:
 
 def submitit_folder(spec: JobSpec, site: Site) -> Path:
     """Where submitit keeps this job's pickles and logs (``%j`` is the job id)."""
-    return site.storage.logs / spec.name / "%j"
+    return site.storage.path("logs", spec.name, "%j")
 
 
 def log_paths(folder: Path) -> tuple[str, str]:

@@ -7,13 +7,15 @@ byte what is submitted. On the local site submitit's LocalExecutor runs the rank
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
 import shutil
 import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -25,6 +27,8 @@ from hpcdist.config.spec import JobSpec
 from hpcdist.errors import SubmitError
 from hpcdist.polling import poll_until
 from hpcdist.render import Origin, render, submitit_folder
+
+LOCAL_CONTROLLER = "hpcdist.runtime.local_controller"
 
 
 @functools.cache
@@ -46,6 +50,46 @@ def _script_executor_class() -> Callable[[Path, str, int, int], Any]:
             return self._tasks
 
     return ScriptExecutor
+
+
+@functools.cache
+def _local_executor_class() -> Callable[[Path], Any]:
+    """submitit's LocalExecutor with hpcdist's controller (``hpcdist.runtime.local_controller``):
+    the same environment submitit's ``start_controller`` passes, another module to run."""
+    import submitit
+    from submitit.local.local import LocalJob
+
+    class ControllerExecutor(submitit.LocalExecutor):
+        def _submit_command(self, command: str) -> Any:
+            ntasks = self.parameters.get("tasks_per_node", 1)
+            env = {
+                **os.environ,
+                "SUBMITIT_LOCAL_NTASKS": str(ntasks),
+                "SUBMITIT_LOCAL_COMMAND": command,
+                "SUBMITIT_LOCAL_TIMEOUT_S": str(int(60 * self.parameters.get("timeout_min", 2.0))),
+                "SUBMITIT_LOCAL_SIGNAL_DELAY_S": str(int(self.parameters.get("signal_delay_s", 30))),
+                "SUBMITIT_LOCAL_NODEID": "0",
+                "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
+                "SUBMITIT_STDERR_TO_STDOUT": "",
+                "SUBMITIT_EXECUTOR": "local",
+                "CUDA_VISIBLE_DEVICES": "",
+                "SUBMITIT_LOCAL_WITH_SHELL": "",
+            }
+            process = subprocess.Popen([sys.executable, "-m", LOCAL_CONTROLLER, str(self.folder)], env=env)
+            return LocalJob(folder=self.folder, job_id=str(process.pid), process=process, tasks=list(range(ntasks)))
+
+    return ControllerExecutor
+
+
+@contextlib.contextmanager
+def _umask(mask: int) -> Iterator[None]:
+    """The site's storage.mode for what submission creates: submitit's folders and files, and,
+    through sbatch (Slurm passes the submitter's umask on) or the local controller, the job's."""
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
 
 
 @dataclass
@@ -82,37 +126,44 @@ def _tasks(spec: JobSpec) -> int:
 
 def submit(spec: JobSpec, site: Site, origin: Origin) -> Submission:
     """Submit `spec` to `site`; returns as soon as the scheduler has the job."""
-    import submitit
     from submitit.core.utils import FailedJobError
 
     from hpcdist.runtime.entry import run_rank  # the callable only; nothing runs here
 
     script = render(spec, site, origin)
     folder = submitit_folder(spec, site)
+    if site.scheduler == "slurm" and shutil.which("sbatch") is None:
+        raise SubmitError(f"site {site.name!r} uses Slurm but `sbatch` is not on PATH; run on a login node")
+    try:
+        with _umask(site.storage.umask):
+            executor = _executor(spec, site, folder, script)
+            job = executor.submit(run_rank, spec, site)
+    except FailedJobError as exc:
+        raise SubmitError(f"the scheduler refused job {spec.name!r}: {_first_error_line(str(exc))}") from exc
+    except OSError as exc:
+        raise SubmitError(f"could not submit job {spec.name!r}: {exc}") from exc
+    return Submission(job=job, spec=spec, site=site, script=script)
+
+
+def _executor(spec: JobSpec, site: Site, folder: Path, script: str) -> Any:
+    """submitit's executor for `site`, with the job's resources."""
+    executor: Any
     if site.scheduler == "slurm":
-        if shutil.which("sbatch") is None:
-            raise SubmitError(f"site {site.name!r} uses Slurm but `sbatch` is not on PATH; run on a login node")
-        executor: Any = _script_executor_class()(folder, script, _tasks(spec), site.preemption.max_requeues)
+        executor = _script_executor_class()(folder, script, _tasks(spec), site.preemption.max_requeues)
         executor.update_parameters(
             time=spec.time_limit_min(site),
             nodes=spec.resources.nodes,
             ntasks_per_node=spec.resources.tasks_per_node,
         )
     else:
-        executor = submitit.LocalExecutor(folder)
+        executor = _local_executor_class()(folder)
         executor.update_parameters(
             timeout_min=spec.time_limit_min(site),
             nodes=1,
             tasks_per_node=spec.resources.tasks_per_node,
         )
         os.environ[LAUNCH_TIME_VAR] = repr(time.time())
-    try:
-        job = executor.submit(run_rank, spec, site)
-    except FailedJobError as exc:
-        raise SubmitError(f"the scheduler refused job {spec.name!r}: {_first_error_line(str(exc))}") from exc
-    except OSError as exc:
-        raise SubmitError(f"could not submit job {spec.name!r}: {exc}") from exc
-    return Submission(job=job, spec=spec, site=site, script=script)
+    return executor
 
 
 class JobState(Enum):

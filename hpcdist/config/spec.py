@@ -8,10 +8,11 @@ module knows nothing of job kinds.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from hpcdist.config.site import EnvMap, Frozen, Site
 
@@ -32,6 +33,10 @@ class Resources(Frozen):
         return self.nodes * self.tasks_per_node
 
 
+# A job name is a folder under every storage root and Slurm's job name: one plain name.
+NAME_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}"
+
+
 class JobSpec(Frozen):
     """One job: a kind from the registry, its parameters, and its resources."""
 
@@ -43,6 +48,17 @@ class JobSpec(Frozen):
     env: EnvMap = Field(default_factory=dict)
     params: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        if not re.fullmatch(NAME_PATTERN, value):
+            raise ValueError(
+                f"the job name becomes a folder under each storage root, so it must match {NAME_PATTERN} "
+                f"(letters, digits, '.', '_', '-'; no '/', no leading '.'); rename the job, "
+                f"e.g. --set name=my_job"
+            )
+        return value
+
     def timeout(self, site: Site) -> float:
         """Seconds any rendezvous or collective may wait before it fails."""
         return self.timeout_s if self.timeout_s is not None else site.defaults.timeout_s
@@ -52,7 +68,7 @@ class JobSpec(Frozen):
 
     def result_path(self, site: Site, job_id: str, suffix: str = "") -> Path:
         """``<results root>/<job name>/<job id><suffix>.h5``: where the job's result lands."""
-        return site.storage.results / self.name / f"{job_id}{suffix}.h5"
+        return site.storage.path("results", self.name, f"{job_id}{suffix}.h5")
 
 
 def fit_to_site(spec: JobSpec, site: Site) -> list[tuple[str, object, str]]:
