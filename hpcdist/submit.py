@@ -132,6 +132,12 @@ def submit(spec: JobSpec, site: Site, origin: Origin) -> Submission:
 
     script = render(spec, site, origin)
     folder = submitit_folder(spec, site)
+    unset = [name for name in spec.env_passthrough if name not in os.environ]
+    if unset:
+        raise SubmitError(
+            f"env_passthrough: {', '.join(unset)} not set in this shell; the job takes it from the shell you "
+            f"submit from: `export {unset[0]}=...` (or read it from a file) before `hpcdist submit`"
+        )
     if site.scheduler == "slurm" and shutil.which("sbatch") is None:
         raise SubmitError(f"site {site.name!r} uses Slurm but `sbatch` is not on PATH; run on a login node")
     try:

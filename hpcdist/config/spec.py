@@ -12,9 +12,9 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from hpcdist.config.site import EnvMap, Frozen, Site
+from hpcdist.config.site import EnvMap, EnvNames, Frozen, Site
 
 
 class Resources(Frozen):
@@ -46,6 +46,9 @@ class JobSpec(Frozen):
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     timeout_s: float | None = Field(default=None, gt=0)
     env: EnvMap = Field(default_factory=dict)
+    env_passthrough: EnvNames = Field(
+        default=(), description="variables the job takes from the submitting shell; their values are never written"
+    )
     params: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("name")
@@ -58,6 +61,13 @@ class JobSpec(Frozen):
                 f"e.g. --set name=my_job"
             )
         return value
+
+    @model_validator(mode="after")
+    def _passthrough_not_set_here(self) -> JobSpec:
+        both = sorted(set(self.env) & set(self.env_passthrough))
+        if both:
+            raise ValueError(f"{', '.join(both)} is both in env and in env_passthrough; keep it in one")
+        return self
 
     def timeout(self, site: Site) -> float:
         """Seconds any rendezvous or collective may wait before it fails."""
