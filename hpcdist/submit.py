@@ -7,7 +7,6 @@ byte what is submitted. On the local site submitit's LocalExecutor runs the rank
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import re
@@ -15,7 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -27,6 +26,7 @@ from hpcdist.config.spec import JobSpec
 from hpcdist.errors import SubmitError
 from hpcdist.polling import poll_until
 from hpcdist.render import Origin, render, submitit_folder
+from hpcdist.store.atomic import storage_umask
 
 LOCAL_CONTROLLER = "hpcdist.runtime.local_controller"
 
@@ -81,17 +81,6 @@ def _local_executor_class() -> Callable[[Path], Any]:
     return ControllerExecutor
 
 
-@contextlib.contextmanager
-def _umask(mask: int) -> Iterator[None]:
-    """The site's storage.mode for what submission creates: submitit's folders and files, and,
-    through sbatch (Slurm passes the submitter's umask on) or the local controller, the job's."""
-    old = os.umask(mask)
-    try:
-        yield
-    finally:
-        os.umask(old)
-
-
 @dataclass
 class Submission:
     job: Any  # submitit.Job
@@ -141,7 +130,7 @@ def submit(spec: JobSpec, site: Site, origin: Origin) -> Submission:
     if site.scheduler == "slurm" and shutil.which("sbatch") is None:
         raise SubmitError(f"site {site.name!r} uses Slurm but `sbatch` is not on PATH; run on a login node")
     try:
-        with _umask(site.storage.umask):
+        with storage_umask(site.storage.umask):  # submitit's files, and the job's through sbatch
             executor = _executor(spec, site, folder, script)
             job = executor.submit(run_rank, spec, site)
     except FailedJobError as exc:

@@ -77,6 +77,5 @@ def make(src: Path, dest: Path, keep: str, max_mb: float) -> Path:
     for rel in listed:
         out = target / rel
         out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src / rel, out)
-    os.chmod(dest, 0o750)
+        shutil.copyfile(src / rel, out)  # contents only: the mode comes from the site's storage.mode
     return dest

@@ -26,6 +26,7 @@ from hpcdist.config.contract import LAUNCH_ID_VAR
 class JobController(Controller):
     def start_tasks(self) -> None:
         self.folder = Path(str(self.folder).replace("%j", self.pid))
+        self.folder.mkdir(parents=True, exist_ok=True)
         os.environ[LAUNCH_ID_VAR] = uuid.uuid4().hex
         super().start_tasks()
 

@@ -54,5 +54,17 @@ def atomic_path(final: Path, mode: int | None = None) -> Iterator[Path]:
         raise
 
 
+@contextmanager
+def storage_umask(mask: int) -> Iterator[None]:
+    """The process umask `mask` (a site's ``storage.umask``) while files are made on shared
+    storage outside a rank (the submit side: code snapshot, submitit's folders, and, through
+    sbatch, which passes the submitter's umask on, or the local controller, the job's own)."""
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
 def is_temporary(path: Path) -> bool:
     return TMP_MARK in path.name and path.name.startswith(".")
