@@ -80,14 +80,15 @@ def local_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Run]:
 # ---------------------------------------------------------------- 15: names stay under their roots
 
 
-@pytest.mark.parametrize("name", ["../../../tmp/x", "/etc/cron.d", "..", ".hidden", "a/b", "my job"])
+@pytest.mark.parametrize("name", ["../../escaped", "{tmp}/abs-escape", "..", ".hidden", "a/b", "my job"])
 def test_a_job_name_that_is_not_one_plain_name_is_refused(tmp_path: Path, name: str) -> None:
+    name = name.format(tmp=tmp_path)  # escapes land in tmp_path, never in a system folder, even unfixed
     result = run_cli("submit", "jobs/smoke.yaml", "--site", "local", "--set", f"name={name}",
-                     *storage_sets(tmp_path / "out"))
+                     *storage_sets(tmp_path / "out"), "--wait")
     assert result.code == 2, result.text
     assert "name: the job name becomes a folder under each storage root, so it must match" in result.err
     assert repr(name) in result.err and "--set name=" in result.err and len(result.err.splitlines()) == 1
-    assert not (tmp_path / "out").exists()  # nothing written anywhere
+    assert list(tmp_path.iterdir()) == []  # nothing written, inside the roots or out of them
 
 
 @pytest.mark.parametrize("part", ["..", "../x", "/etc", "", ".", "a/b"])
@@ -183,7 +184,7 @@ def test_bad_storage_mode_is_refused() -> None:
 def test_rendezvous_files_are_removed_once_the_group_is_up(
     slurm_job: tuple[Path, Run], local_job: tuple[Path, Run]
 ) -> None:
-    for root, result in (slurm_job, local_job):
+    for root, result in (local_job, slurm_job):
         assert result.code == 0, result.text
         assert (root / "scratch" / "rendezvous").is_dir()  # the file was there: rank 0 published in it
         assert tree(root / "scratch" / "rendezvous") == []
@@ -215,7 +216,7 @@ def test_each_start_of_the_local_ranks_gets_its_own_rendezvous_key(tmp_path: Pat
 def test_no_folder_named_with_a_pattern_after_a_job(
     slurm_job: tuple[Path, Run], local_job: tuple[Path, Run]
 ) -> None:
-    for root, result in (slurm_job, local_job):
+    for root, result in (local_job, slurm_job):
         assert result.code == 0, result.text
         assert [str(p) for p in tree(root) if "%" in p.name] == []
 
