@@ -2,7 +2,7 @@
 file readable by everyone, no secret value, no stale rendezvous file, no literal ``%j`` folder.
 
 One real Slurm job (two nodes, the user's script passed a token from the shell) and one local
-job are run once per module; each test checks one of their traces.
+job are run once per module; each test checks one of their traces (Slurm ones marked ``slurm``).
 """
 
 from __future__ import annotations
@@ -77,6 +77,16 @@ def local_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Run]:
     return root, result
 
 
+# Checks made after both jobs: the local one, and the Slurm one where the cluster is up.
+BOTH = ["local", pytest.param("slurm", marks=pytest.mark.slurm)]
+
+
+def job(request: pytest.FixtureRequest, where: str) -> tuple[Path, Run]:
+    root, result = request.getfixturevalue(f"{where}_job")
+    assert result.code == 0, result.text
+    return root, result
+
+
 # ---------------------------------------------------------------- 15: names stay under their roots
 
 
@@ -106,6 +116,7 @@ def test_paths_from_names_and_keys_stay_under_their_root(tmp_path: Path, part: s
 # ---------------------------------------------------------------- 16: secrets
 
 
+@pytest.mark.slurm
 def test_secret_reaches_every_rank_and_is_written_nowhere(slurm_job: tuple[Path, Run]) -> None:
     root, result = slurm_job
     assert result.code == 0, result.text
@@ -146,9 +157,9 @@ def test_result_env_group_redacts_secret_looking_names(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- 17: modes
 
 
-def test_slurm_job_files_are_group_readable_not_world_readable(slurm_job: tuple[Path, Run]) -> None:
-    root, result = slurm_job
-    assert result.code == 0, result.text
+@pytest.mark.parametrize("where", BOTH)
+def test_job_files_are_group_readable_not_world_readable(request: pytest.FixtureRequest, where: str) -> None:
+    root, _ = job(request, where)
     assert_modes(root, files="640", folders="750")  # results, logs, pickles, snapshot, scratch
 
 
@@ -181,13 +192,11 @@ def test_bad_storage_mode_is_refused() -> None:
 # ---------------------------------------------------------------- 18: rendezvous files
 
 
-def test_rendezvous_files_are_removed_once_the_group_is_up(
-    slurm_job: tuple[Path, Run], local_job: tuple[Path, Run]
-) -> None:
-    for root, result in (local_job, slurm_job):
-        assert result.code == 0, result.text
-        assert (root / "scratch" / "rendezvous").is_dir()  # the file was there: rank 0 published in it
-        assert tree(root / "scratch" / "rendezvous") == []
+@pytest.mark.parametrize("where", BOTH)
+def test_rendezvous_files_are_removed_once_the_group_is_up(request: pytest.FixtureRequest, where: str) -> None:
+    root, _ = job(request, where)
+    assert (root / "scratch" / "rendezvous").is_dir()  # the file was there: rank 0 published in it
+    assert tree(root / "scratch" / "rendezvous") == []
 
 
 def test_each_start_of_the_local_ranks_gets_its_own_rendezvous_key(tmp_path: Path) -> None:
@@ -213,17 +222,10 @@ def test_each_start_of_the_local_ranks_gets_its_own_rendezvous_key(tmp_path: Pat
 # ---------------------------------------------------------------- 20: no literal %j folder
 
 
-def test_no_folder_named_with_a_pattern_after_a_job(
-    slurm_job: tuple[Path, Run], local_job: tuple[Path, Run]
-) -> None:
-    for root, result in (local_job, slurm_job):
-        assert result.code == 0, result.text
-        assert [str(p) for p in tree(root) if "%" in p.name] == []
-
-
-def test_local_job_files_are_group_readable_not_world_readable(local_job: tuple[Path, Run]) -> None:
-    root, _ = local_job
-    assert_modes(root, files="640", folders="750")
+@pytest.mark.parametrize("where", BOTH)
+def test_no_folder_named_with_a_pattern_after_a_job(request: pytest.FixtureRequest, where: str) -> None:
+    root, _ = job(request, where)
+    assert [str(p) for p in tree(root) if "%" in p.name] == []
 
 
 # ---------------------------------------------------------------- 14: thousands of ranks
