@@ -113,7 +113,7 @@ def _environment() -> jinja2.Environment:
 
 def submitit_folder(spec: JobSpec, site: Site) -> Path:
     """Where submitit keeps this job's pickles and logs (``%j`` is the job id)."""
-    return site.storage.logs / spec.name / "%j"
+    return site.storage.path("logs", spec.name, "%j")
 
 
 def log_paths(folder: Path, array: bool = False) -> tuple[str, str]:
@@ -169,11 +169,20 @@ def directives(spec: JobSpec, site: Site, folder: Path, origin: Origin | None = 
         flags.append(("dependency", ",".join([*([str(extra.pop("dependency"))] if "dependency" in extra else []),
                                               *(f"afterok:{j}" for j in origin.after)])))
         flags.append(("kill-on-invalid-dep", extra.pop("kill-on-invalid-dep", "yes")))
+    if spec.env_passthrough:
+        flags.append(("export", _export(str(extra.pop("export", "ALL")), spec.env_passthrough)))
     flags += sorted(extra.items())
     for flag, _ in flags:
         if not _FLAG.match(flag):
             raise RenderError(f"sbatch flag {flag!r} is not a valid option name (lowercase letters, digits, '-')")
     return flags
+
+
+def _export(site_value: str, names: tuple[str, ...]) -> str:
+    """``--export`` that adds the job's pass-through names (never values) to the site's choice:
+    ``ALL`` (Slurm's default) or a list stays as it is plus the names, ``NONE`` becomes the names."""
+    listed = [] if site_value.upper() == "NONE" else [site_value]
+    return ",".join([*listed, *names])
 
 
 def launch_plan(spec: JobSpec, site: Site, folder: Path, array: bool = False) -> LaunchPlan:
@@ -237,6 +246,7 @@ def render_local_plan(spec: JobSpec, site: Site, origin: Origin) -> str:
         f"# submitit's LocalExecutor starts {res.tasks_per_node} process(es), one per rank:",
         f"#   {get_launcher(site.launcher.kind).command(launch_plan(spec, site, folder))}",
         f"# environment: {' '.join(f'{k}={shlex.quote(v)}' for k, v in sorted(env.items())) or '(none added)'}",
+        *([f"# from your shell (values not shown): {' '.join(spec.env_passthrough)}"] if spec.env_passthrough else []),
         f"# time limit: {spec.time_limit_min(site)} min; collective timeout: {spec.timeout(site):g} s",
     ]
     return "\n".join(lines) + "\n"

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +26,9 @@ from hpcdist.config.spec import JobSpec
 from hpcdist.errors import SubmitError
 from hpcdist.polling import poll_until
 from hpcdist.render import Origin, render, submitit_folder
+from hpcdist.store.atomic import storage_umask
+
+LOCAL_CONTROLLER = "hpcdist.runtime.local_controller"
 
 
 @functools.cache
@@ -74,6 +78,35 @@ def _script_executor_class() -> Callable[[Path, str, int, int], Any]:
     return ScriptExecutor
 
 
+@functools.cache
+def _local_executor_class() -> Callable[[Path], Any]:
+    """submitit's LocalExecutor with hpcdist's controller (``hpcdist.runtime.local_controller``):
+    the same environment submitit's ``start_controller`` passes, another module to run."""
+    import submitit
+    from submitit.local.local import LocalJob
+
+    class ControllerExecutor(submitit.LocalExecutor):
+        def _submit_command(self, command: str) -> Any:
+            ntasks = self.parameters.get("tasks_per_node", 1)
+            env = {
+                **os.environ,
+                "SUBMITIT_LOCAL_NTASKS": str(ntasks),
+                "SUBMITIT_LOCAL_COMMAND": command,
+                "SUBMITIT_LOCAL_TIMEOUT_S": str(int(60 * self.parameters.get("timeout_min", 2.0))),
+                "SUBMITIT_LOCAL_SIGNAL_DELAY_S": str(int(self.parameters.get("signal_delay_s", 30))),
+                "SUBMITIT_LOCAL_NODEID": "0",
+                "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
+                "SUBMITIT_STDERR_TO_STDOUT": "",
+                "SUBMITIT_EXECUTOR": "local",
+                "CUDA_VISIBLE_DEVICES": "",
+                "SUBMITIT_LOCAL_WITH_SHELL": "",
+            }
+            process = subprocess.Popen([sys.executable, "-m", LOCAL_CONTROLLER, str(self.folder)], env=env)
+            return LocalJob(folder=self.folder, job_id=str(process.pid), process=process, tasks=list(range(ntasks)))
+
+    return ControllerExecutor
+
+
 @dataclass
 class Submission:
     job: Any  # submitit.Job
@@ -111,22 +144,18 @@ def submit(spec: JobSpec, site: Site, origin: Origin) -> Submission:
     return submit_array(spec, [spec], site, origin)[0]
 
 
-def _executor(spec: JobSpec, site: Site, script: str) -> Any:
-    """submitit's executor for `site`: the Slurm one submitting `script`, or the local one."""
-    import submitit
-
-    folder = submitit_folder(spec, site)
+def _executor(spec: JobSpec, site: Site, folder: Path, script: str) -> Any:
+    """submitit's executor for `site`, with the job's resources."""
+    executor: Any
     if site.scheduler == "slurm":
-        if shutil.which("sbatch") is None:
-            raise SubmitError(f"site {site.name!r} uses Slurm but `sbatch` is not on PATH; run on a login node")
-        executor: Any = _script_executor_class()(folder, script, _tasks(spec), site.preemption.max_requeues)
+        executor = _script_executor_class()(folder, script, _tasks(spec), site.preemption.max_requeues)
         executor.update_parameters(
             time=spec.time_limit_min(site),
             nodes=spec.resources.nodes,
             ntasks_per_node=spec.resources.tasks_per_node,
         )
     else:
-        executor = submitit.LocalExecutor(folder)
+        executor = _local_executor_class()(folder)
         executor.update_parameters(
             timeout_min=spec.time_limit_min(site),
             nodes=1,
@@ -151,16 +180,25 @@ def submit_array(base: JobSpec, tasks: list[JobSpec], site: Site, origin: Origin
     if (origin.array_size or 1) != len(tasks) or (site.scheduler != "slurm" and len(tasks) > 1):
         raise SubmitError(f"{origin.job_path}: {len(tasks)} tasks for an array of {origin.array_size or 1} on site "
                           f"{site.name!r}; a local site runs a sweep's tasks one at a time")
+    unset = [name for name in base.env_passthrough if name not in os.environ]
+    if unset:
+        raise SubmitError(
+            f"env_passthrough: {', '.join(unset)} not set in this shell; the job takes it from the shell you "
+            f"submit from: `export {unset[0]}=...` (or read it from a file) before `hpcdist submit`"
+        )
+    if site.scheduler == "slurm" and shutil.which("sbatch") is None:
+        raise SubmitError(f"site {site.name!r} uses Slurm but `sbatch` is not on PATH; run on a login node")
     script = render(base, site, origin)
-    executor = _executor(base, site, script)
     try:
-        if origin.array_size is None:
-            jobs = [executor.submit(run_rank, tasks[0], site)]
-        else:
-            executor.array = True
-            with executor.batch():
-                pending = [executor.submit(run_rank, task, site) for task in tasks]
-            jobs = list(pending)
+        with storage_umask(site.storage.umask):  # submitit's files, and the job's through sbatch
+            executor = _executor(base, site, submitit_folder(base, site), script)
+            if origin.array_size is None:
+                jobs = [executor.submit(run_rank, tasks[0], site)]
+            else:
+                executor.array = True
+                with executor.batch():
+                    pending = [executor.submit(run_rank, task, site) for task in tasks]
+                jobs = list(pending)
     except FailedJobError as exc:
         raise SubmitError(f"the scheduler refused job {base.name!r}: {_first_error_line(str(exc))}") from exc
     except OSError as exc:

@@ -73,14 +73,24 @@ def require_slurm() -> None:
         pytest.skip("the local Slurm cluster is not up (make cluster-up)")
 
 
-@pytest.fixture
-def slurm_storage() -> Iterator[Path]:
-    """A fresh directory on the cluster's shared storage, removed after the test."""
+def _shared_dir() -> Iterator[Path]:
     require_slurm()
     root = SHARED / f"t-{uuid.uuid4().hex[:10]}"
     root.mkdir(parents=True)
     yield root
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def slurm_storage() -> Iterator[Path]:
+    """A fresh directory on the cluster's shared storage, removed after the test."""
+    yield from _shared_dir()
+
+
+@pytest.fixture(scope="module")
+def slurm_storage_module() -> Iterator[Path]:
+    """slurm_storage shared by a module's tests: one job whose traces several tests check."""
+    yield from _shared_dir()
 
 
 @pytest.fixture

@@ -70,7 +70,7 @@ def test_render_prints_what_submit_submits_header() -> None:
     ("sets", "key"),
     [
         # YAML's double-quoted escapes, as a user could write them in a file
-        (['name="evil\\nhostname"'], "job.name"),
+        (['site.account="evil\\nhostname"'], "site.account"),
         (['env.FOO="a\\rb"'], "job.env.FOO"),
         (['site.modules=["gcc\\0"]'], "site.modules[0]"),
         (['site.setup=["echo hi\\e[31m"]'], "site.setup[0]"),
@@ -84,13 +84,13 @@ def test_control_characters_are_refused_with_key(sets: list[str], key: str) -> N
 
 def test_cli_refuses_newline_in_job_name() -> None:
     result = run_cli("render", "jobs/smoke.yaml", "--site", "local-slurm", "--set", 'name="x\\ntouch /tmp/pwned"')
-    assert result.code == 2 and "job.name" in result.err and "control character" in result.err
+    assert result.code == 2 and "name: the job name becomes a folder" in result.err
     assert result.out == ""
 
 
 def test_values_are_quoted() -> None:
-    text = rendered("jobs/smoke.yaml", "local-slurm", ["name=my job $(reboot)", "env.GREETING=it's; rm -rf /"])
-    assert "#SBATCH --job-name='my job $(reboot)'" in text
+    text = rendered("jobs/smoke.yaml", "local-slurm", ["site.account=my acct $(reboot)", "env.GREETING=it's; rm -rf /"])
+    assert "#SBATCH --account='my acct $(reboot)'" in text
     assert "export GREETING='it'\"'\"'s; rm -rf /'" in text
     # the quoted value reads back as the original through the shell
     line = next(ln for ln in text.splitlines() if ln.startswith("export GREETING="))

@@ -112,11 +112,14 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
     import torch
     import torch.distributed as dist
 
+    from hpcdist.config.site import under
     from hpcdist.runtime import group
     from hpcdist.runtime.rankinfo import RankInfo
     env = dict(os.environ)
     info = RankInfo.from_env(env)
     site = _site(site_ref or env.get("HPCDIST_SITE"))
+    if site is not None:
+        os.umask(site.storage.umask)  # what this script writes to the site's storage gets storage.mode
     timeout = timeout_s or (site.defaults.timeout_s if site else DEFAULT_TIMEOUT_S)
     name = name or Path(sys.argv[0]).stem or "python"
     cuda = torch.cuda.is_available()
@@ -129,18 +132,20 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
         if info.world_size == 1:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
+            key = group.rendezvous_key(env, info)
+            rendezvous_dir = site.storage.path("scratch", "rendezvous") if site else None
             store, _ = group.open_store(
-                info, timeout, key=group.rendezvous_key(env, info),
-                rendezvous_dir=site.storage.scratch / "rendezvous" if site else None,
+                info, timeout, key=key, rendezvous_dir=rendezvous_dir,
                 ifname=site.network.socket_ifname if site else None,
             )
             group.check_in(store, info, timeout)
+            group.forget_endpoint(rendezvous_dir, key, info)
             group.init_process_group(store, info, backend, timeout)
     job_id = info.job_id or env.get("TORCHELASTIC_RUN_ID") or "local"
     storage = site.storage if site else None
-    ckpt = Path(checkpoint_dir) if checkpoint_dir else (
-        storage.checkpoints if storage else Path("hpcdist-out/checkpoints")) / name
-    results = (storage.results if storage else Path("hpcdist-out/results")) / name / f"{job_id}.h5"
+    ckpt = Path(checkpoint_dir) if checkpoint_dir else under(
+        storage.checkpoints if storage else Path("hpcdist-out/checkpoints"), name)
+    results = under(storage.results if storage else Path("hpcdist-out/results"), name, f"{job_id}.h5")
     signals = (site.preemption.signal if site else env.get("SUBMITIT_PREEMPTION_SIGNAL", "USR2"), "TERM")
     ctx = Context(info=info, device=device, backend=backend, timeout_s=timeout, name=name, job_id=job_id,
                   checkpoint_dir=ckpt, result_path=results, keep_last=keep_last, requeue=requeue_for(None, env),

@@ -2,12 +2,14 @@
 
 Layout (inside the ``hpcdist.result`` format, see ``hpcdist.store.results``; ``bench_layout`` 1):
 
-- root attributes, besides the run's (``hosts`` is each rank's hostname): ``complete`` (False
+- root attributes, besides the run's: ``complete`` (False
   until the sweep ends: a run that died leaves the rows measured so far), ``bench_layout``,
-  ``nodes`` (the scheduler's node names, in rank order), ``rank_nodes`` (node of each rank),
   ``rank_layout`` (JSON: rank, node, hostname, local_rank, node_index), ``paths`` (labels such
   as ``torch/gloo``, ``mpi/numpy``), ``params_json``, ``baselines_json``, ``verdict`` ("ok",
   "below minimum: ..." or "failed at ...");
+- root datasets (``LIST_FACTS`` in ``hpcdist.store.results``), besides the run's ``/hosts``
+  (each rank's hostname): ``/nodes`` (the scheduler's node names, in rank order) and
+  ``/rank_nodes`` (node of each rank);
 - ``/interconnect``: a table of InfiniBand ports per node (host, device, port, state,
   link_layer, rate, rate_gbps), empty where a node has none, with the site's ``network``
   figures as attributes;

@@ -44,7 +44,7 @@ def load(file: str | Path) -> Result:
     """The result at `file`; a missing or foreign file is a BenchmarkError saying so."""
     import h5py
 
-    from hpcdist.store.results import read_table
+    from hpcdist.store.results import read_facts, read_table
     from hpcdist.store.tree import plain as _plain
 
     file = Path(file)
@@ -55,7 +55,7 @@ def load(file: str | Path) -> Result:
     except OSError as exc:
         raise BenchmarkError(f"{file} is not an HDF5 file ({exc})") from None
     with f:
-        attrs = {k: _plain(v) for k, v in f.attrs.items()}
+        attrs = read_facts(f)
         if attrs.get("format") != "hpcdist.result" or "bench_layout" not in attrs:
             raise BenchmarkError(
                 f"{file} is not an hpcdist benchmark result (format {attrs.get('format')!r}, "

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from hpcdist._paths import data_dir
-from hpcdist.config.site import Site
+from hpcdist.config.site import REDACTED, Site, looks_secret
 from hpcdist.config.spec import JobSpec, fit_to_site
 from hpcdist.errors import ConfigError
 
@@ -162,7 +162,14 @@ def _describe(model: type[BaseModel], err: Any, prefix: tuple[str, ...]) -> str:
     if err["type"] == "missing":
         return f"{key}: required key is missing"
     msg = err["msg"].removeprefix("Value error, ")
-    return f"{key}: {msg} (got {err.get('input')!r})"
+    return f"{key}: {msg} (got {_shown(err.get('input'))!r})"
+
+
+def _shown(value: object) -> object:
+    """A value for an error message: a mapping's secret-looking entries without their values."""
+    if isinstance(value, dict):
+        return {k: REDACTED if isinstance(k, str) and looks_secret(k) else _shown(v) for k, v in value.items()}
+    return value
 
 
 def _fields_at(model: type[BaseModel], loc: tuple[str, ...]) -> list[str]:

@@ -11,8 +11,18 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    field_validator,
+    model_validator,
+)
 
+from hpcdist.errors import ConfigError
 from hpcdist.launchers import launcher_names
 
 # Environment variable names a site may export; anything else is almost certainly a typo.
@@ -26,15 +36,44 @@ def _env_as_strings(value: object) -> object:
     return value
 
 
+# Words that mark a variable's value as a secret (matched against the parts of its name
+# between underscores: HF_TOKEN, AWS_SECRET_ACCESS_KEY, WANDB_API_KEY, DB_PASSWORD...).
+_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASSPHRASE", "CREDENTIAL", "APIKEY")
+_SECRET_PARTS = frozenset({"KEY", "PASS", "PAT"})
+
+
+REDACTED = "REDACTED"  # written where a secret-looking variable's value would be
+
+
+def looks_secret(name: str) -> bool:
+    """Whether a variable's name says its value is a secret (then hpcdist never writes the value)."""
+    parts = name.upper().split("_")
+    words = any(p.removesuffix("S").endswith(w) for p in parts for w in _SECRET_WORDS)  # not TOKENIZERS_...
+    return words or any(p in _SECRET_PARTS for p in parts)
+
+
+def _env_name(key: str) -> str:
+    if not key or not set(key) <= _ENV_NAME_CHARS or key[0].isdigit():
+        raise ValueError(f"{key!r} is not a valid environment variable name")
+    return key
+
+
 def _env_names(value: dict[str, str]) -> dict[str, str]:
     for key in value:
-        if not key or not set(key) <= _ENV_NAME_CHARS or key[0].isdigit():
-            raise ValueError(f"{key!r} is not a valid environment variable name")
+        _env_name(key)
+        if looks_secret(key):
+            raise ValueError(
+                f"{key} looks like a secret, and a value under env is written into the job script "
+                f"and every result file; export {key} in the shell you submit from and list it "
+                f"under the job's env_passthrough instead"
+            )
     return value
 
 
 # Variables to export: names checked, values as strings (shared by sites and job specs).
 EnvMap = Annotated[dict[str, str], BeforeValidator(_env_as_strings), AfterValidator(_env_names)]
+# Names of variables taken from the submitting shell: only the names are ever written.
+EnvNames = tuple[Annotated[str, AfterValidator(_env_name)], ...]
 
 
 def _expand_path(value: object) -> object:
@@ -106,6 +145,50 @@ class Network(Frozen):
     socket_ifname: str | None = None
 
 
+def under(root: Path, *parts: str) -> Path:
+    """``root/part/...`` where each part is one plain file or folder name: a part that would
+    leave `root` (``..``, a ``/``, an absolute path, empty) is a ConfigError, so no job name,
+    job id or key can write outside the storage root it was meant for."""
+    for part in parts:
+        if part in ("", ".", "..") or "/" in part or os.sep in part or "\x00" in part:
+            raise ConfigError(
+                f"{part!r} cannot name a file or folder under {root}: it must be one plain name "
+                f"(no '/', not '.' or '..', not empty); rename the job or key that produced it"
+            )
+    return root.joinpath(*parts)
+
+
+StorageRoot = Literal["results", "checkpoints", "scratch", "logs"]
+
+
+def _octal_mode(value: object) -> object:
+    """``"0640"``, ``"640"`` or ``"0o640"`` (YAML's unquoted ``0640`` arrives as the int 416)."""
+    if isinstance(value, str):
+        try:
+            return int(value.strip().lower().removeprefix("0o"), 8)
+        except ValueError:
+            raise ValueError("not an octal file mode; write it in quotes, e.g. '0640'") from None
+    return value
+
+
+def _file_mode(value: int) -> int:
+    if not 0 <= value <= 0o777 or value & 0o600 != 0o600 or value & 0o111:
+        raise ValueError(
+            f"{value:#o} is not a file mode hpcdist can use: the owner needs read and write (0600), "
+            f"no execute bits; e.g. '0640' (group reads) or '0600' (owner only), in quotes"
+        )
+    return value
+
+
+# A permission mode for files on shared storage, read as octal and shown as '0640'.
+FileMode = Annotated[
+    int,
+    BeforeValidator(_octal_mode),
+    AfterValidator(_file_mode),
+    PlainSerializer(lambda m: f"{m:04o}", return_type=str),
+]
+
+
 class Storage(Frozen):
     """Roots on shared storage, visible from the login node and every compute node."""
 
@@ -113,6 +196,20 @@ class Storage(Frozen):
     checkpoints: ExpandedPath
     scratch: ExpandedPath
     logs: ExpandedPath
+    mode: FileMode = Field(
+        default=0o640, description="files hpcdist and its jobs create; folders add x where r is set (0750)"
+    )
+
+    @property
+    def umask(self) -> int:
+        """The process umask that gives `mode` to new files and its folder form to new folders:
+        set by the submit side (and so, through sbatch, on the job) and by every rank."""
+        folders = self.mode | (self.mode & 0o444) >> 2
+        return 0o777 & ~folders
+
+    def path(self, root: StorageRoot, *parts: str) -> Path:
+        """A path under one root, built from job names, ids and keys through ``under``."""
+        return under(getattr(self, root), *parts)
 
 
 class Preemption(Frozen):

@@ -8,14 +8,15 @@ module knows nothing of job kinds.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from hpcdist.config.sbatch import SbatchOptions
-from hpcdist.config.site import EnvMap, Frozen, Site
+from hpcdist.config.site import EnvMap, EnvNames, Frozen, Site
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,10 @@ class Resources(Frozen):
         return self.nodes * self.tasks_per_node
 
 
+# A job name is a folder under every storage root and Slurm's job name: one plain name.
+NAME_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}"
+
+
 class JobSpec(Frozen):
     """One job: a kind from the registry, its parameters, and its resources."""
 
@@ -60,8 +65,29 @@ class JobSpec(Frozen):
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     timeout_s: float | None = Field(default=None, gt=0)
     env: EnvMap = Field(default_factory=dict)
+    env_passthrough: EnvNames = Field(
+        default=(), description="variables the job takes from the submitting shell; their values are never written"
+    )
     params: dict[str, Any] = Field(default_factory=dict)
     sbatch: SbatchOptions = Field(default_factory=dict, description="extra #SBATCH options for this job")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        if not re.fullmatch(NAME_PATTERN, value):
+            raise ValueError(
+                f"the job name becomes a folder under each storage root, so it must match {NAME_PATTERN} "
+                f"(letters, digits, '.', '_', '-'; no '/', no leading '.'); rename the job, "
+                f"e.g. --set name=my_job"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _passthrough_not_set_here(self) -> JobSpec:
+        both = sorted(set(self.env) & set(self.env_passthrough))
+        if both:
+            raise ValueError(f"{', '.join(both)} is both in env and in env_passthrough; keep it in one")
+        return self
 
     def timeout(self, site: Site) -> float:
         """Seconds any rendezvous or collective may wait before it fails."""
@@ -72,7 +98,7 @@ class JobSpec(Frozen):
 
     def result_path(self, site: Site, job_id: str, suffix: str = "") -> Path:
         """``<results root>/<job name>/<job id><suffix>.h5``: where the job's result lands."""
-        return site.storage.results / self.name / f"{job_id}{suffix}.h5"
+        return site.storage.path("results", self.name, f"{job_id}{suffix}.h5")
 
 
 def fit_to_site(spec: JobSpec, site: Site) -> list[tuple[str, object, str]]:

@@ -142,9 +142,12 @@ def resolve(spec: JobSpec, site: Site, *, origin: Path | str = "job spec", check
 def prepare(job: Job[Any], site: Site) -> Job[Any]:
     """`job` as it is submitted: the kind's submit-time step done (the ``python`` kind's code
     snapshot), its params parsed again with the updates."""
+    from hpcdist.store.atomic import storage_umask
+
     if job.kind.prepare is None:
         return job
-    updates = _load(job.kind.prepare)(job, site)
+    with storage_umask(site.storage.umask):  # what it writes to shared storage gets storage.mode
+        updates = _load(job.kind.prepare)(job, site)
     spec = job.spec.model_copy(update={"params": {**job.spec.params, **updates}})
     return resolve(spec, site, origin="prepared job", check=False)
 

@@ -60,7 +60,7 @@ def measure(src: Path) -> tuple[int, int]:
 def destination(job_name: str, site: Site) -> Path:
     """A new directory beside the job's logs on shared storage: ``<logs>/<name>/code-<time>-<id>``."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return site.storage.logs / job_name / f"code-{stamp}-{uuid.uuid4().hex[:6]}"
+    return site.storage.path("logs", job_name, f"code-{stamp}-{uuid.uuid4().hex[:6]}")
 
 
 def make(src: Path, dest: Path, keep: str, max_mb: float) -> Path:
@@ -77,6 +77,5 @@ def make(src: Path, dest: Path, keep: str, max_mb: float) -> Path:
     for rel in listed:
         out = target / rel
         out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src / rel, out)
-    os.chmod(dest, 0o750)
+        shutil.copyfile(src / rel, out)  # contents only: the mode comes from the site's storage.mode
     return dest

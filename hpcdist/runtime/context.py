@@ -66,7 +66,7 @@ class JobContext:
     @property
     def checkpoint_dir(self) -> Path:
         """Stable across requeues and resubmissions of the same job name."""
-        return self.site.storage.checkpoints / self.spec.name
+        return self.site.storage.path("checkpoints", self.spec.name)
 
     def run_attrs(self) -> dict[str, Any]:
         """Root attributes for this run's result file."""

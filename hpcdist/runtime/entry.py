@@ -119,15 +119,17 @@ def bootstrap(job: Job[Any], site: Site, env: Mapping[str, str] | None = None) -
     os.environ.update(group.socket_ifname_env(site.network.socket_ifname))
     t = time.perf_counter()
     key = group.rendezvous_key(env, info)
+    rendezvous_dir = site.storage.path("scratch", "rendezvous")
     store, endpoint = group.open_store(
         info,
         timeout,
-        rendezvous_dir=site.storage.scratch / "rendezvous",
+        rendezvous_dir=rendezvous_dir,
         key=key,
         mpi_comm=mpi_comm,
         ifname=site.network.socket_ifname,
     )
     hosts_by_rank = group.check_in(store, info, timeout)
+    group.forget_endpoint(rendezvous_dir, key, info)
     info = info.placed(hosts_by_rank)  # the node index from every rank's host (Open MPI names none)
     timings["rendezvous"] = time.perf_counter() - t
     if job.makes_group:
@@ -149,9 +151,7 @@ def bootstrap(job: Job[Any], site: Site, env: Mapping[str, str] | None = None) -
         endpoint=endpoint,
         store=store,
     )
-    ctx.requeue = requeue.requeue_for(
-        site.storage.scratch / "rendezvous" / f"{key}.json" if info.is_main else None, env
-    )
+    ctx.requeue = requeue.requeue_for(group.endpoint_file(rendezvous_dir, key) if info.is_main else None, env)
     if backend == "nccl" and job.makes_group:
         _check_gpu_sharing(ctx)
     log.info(
@@ -185,6 +185,7 @@ def run_job(job: Job[Any], site: Site) -> dict[str, Any]:
     """Run `job` on this rank; returns this rank's summary (rank 0's names the result file)."""
     spec = job.spec
     os.environ.update({**site.env, **spec.env})
+    os.umask(site.storage.umask)  # storage.mode for all this rank writes (a direct launch has the shell's umask)
     ctx, store = bootstrap(job, site)
     import torch.distributed as dist  # already imported by the bootstrap, which times it
 

@@ -18,7 +18,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpcdist.config.site import SOCKET_IFNAME_VARS
+from hpcdist.config.contract import LAUNCH_ID_VAR
+from hpcdist.config.site import SOCKET_IFNAME_VARS, under
 from hpcdist.errors import BootstrapError
 from hpcdist.polling import poll_until
 from hpcdist.runtime.rankinfo import RankInfo
@@ -69,14 +70,29 @@ def _interface_address(ifname: str) -> str:
 
 
 def rendezvous_key(env: dict[str, str] | os._Environ[str], info: RankInfo) -> str:
-    """A name unique to this launch: job, step and restart, so a requeued job never reads a stale file."""
+    """A name unique to this launch: job, step and restart, so a requeued job never reads a stale
+    file; plus the launch id where the job id alone is not unique (the local site's job id is its
+    controller's PID, which the system reuses)."""
     parts = [
-        info.job_id or env.get("HPCDIST_RUN_ID", "") or "nojob",
+        info.job_id or env.get("HPCDIST_RUN_ID", "") or env.get("PMIX_NAMESPACE", "") or "nojob",
+        *([env[LAUNCH_ID_VAR]] if env.get(LAUNCH_ID_VAR) else []),
         env.get("SLURM_STEP_ID", "0"),
         env.get("SLURM_RESTART_COUNT", "0"),
         env.get("TORCHELASTIC_RESTART_COUNT", "0"),
     ]
     return ".".join(p.replace(os.sep, "_") for p in parts)
+
+
+def endpoint_file(rendezvous_dir: Path, key: str) -> Path:
+    """Where rank 0 publishes its endpoint for the launch `key` (never outside `rendezvous_dir`)."""
+    return under(rendezvous_dir, f"{key}.json")
+
+
+def forget_endpoint(rendezvous_dir: Path | None, key: str, info: RankInfo) -> None:
+    """Rank 0 removes the endpoint file once every rank has checked in: no later launch can
+    read it, and the rendezvous folder does not grow with every job."""
+    if rendezvous_dir is not None and info.is_main:
+        endpoint_file(rendezvous_dir, key).unlink(missing_ok=True)
 
 
 def _store(addr: str, port: int, info: RankInfo, timeout: float, is_master: bool) -> dist.TCPStore:
@@ -129,12 +145,12 @@ def open_store(
         client = server or _store(published.addr, published.port, info, timeout, False)
         return _prefixed(client, key), published
     if rendezvous_dir is not None:
-        path = rendezvous_dir / f"{key}.json"
+        path = endpoint_file(rendezvous_dir, key)
         if info.is_main:
             addr = own_address(ifname, single_node)
             store = _store(addr, 0, info, timeout, True)
             rendezvous_dir.mkdir(parents=True, exist_ok=True)
-            with atomic_path(path) as tmp:
+            with atomic_path(path, mode=0o600) as tmp:  # the owner's ranks only: it opens the job's store
                 tmp.write_text(json.dumps({"addr": addr, "port": store.port, "host": info.hostname}))
             return _prefixed(store, key), Endpoint(addr, store.port, "file")
         found = _wait_for_file(path, timeout, info)

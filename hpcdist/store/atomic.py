@@ -31,12 +31,20 @@ def temporary_name(final: Path) -> Path:
 
 
 @contextmanager
-def atomic_path(final: Path) -> Iterator[Path]:
-    """Yield a temporary path to write; on success it becomes `final` atomically and durably."""
+def atomic_path(final: Path, mode: int | None = None) -> Iterator[Path]:
+    """Yield a temporary path to write; on success it becomes `final` atomically and durably.
+
+    With `mode` the temporary file is created empty with that mode before the writer gets it
+    (writers truncate it, keeping the mode), so its contents are never readable by more people
+    than `mode` allows; without, the process umask decides (``hpcdist.store.modes``).
+    """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_name(final)
     try:
+        if mode is not None:
+            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, mode))
+            os.chmod(tmp, mode)  # the umask may have taken bits `mode` asked for
         yield tmp
         fsync_path(tmp)
         os.replace(tmp, final)
@@ -44,6 +52,18 @@ def atomic_path(final: Path) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def storage_umask(mask: int) -> Iterator[None]:
+    """The process umask `mask` (a site's ``storage.umask``) while files are made on shared
+    storage outside a rank (the submit side: code snapshot, submitit's folders, and, through
+    sbatch, which passes the submitter's umask on, or the local controller, the job's own)."""
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
 
 
 def is_temporary(path: Path) -> bool:

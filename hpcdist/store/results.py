@@ -1,12 +1,17 @@
 """Result files: versioned HDF5 with the run's facts as attributes, committed atomically.
 
-Layout (format ``hpcdist.result`` version 1), readable by ``h5dump`` as well as by hpcdist:
+Layout (format ``hpcdist.result`` version 2), readable by ``h5dump`` as well as by hpcdist:
 
 - root attributes: ``format``, ``format_version``, ``kind``, ``job_name``, ``job_id``, ``site``,
-  ``world_size``, ``num_nodes``, ``hosts`` (one per rank), ``created`` (UTC ISO 8601),
+  ``world_size``, ``num_nodes``, ``created`` (UTC ISO 8601),
   ``complete`` (False while a run that died left partial rows), ``spec_json``, ``site_json``,
   ``version_*`` (hpcdist, python, torch, numpy, h5py, mpi, nccl);
-- ``/env``: attributes holding the NCCL_*, UCX_*, OMP_*, GLOO_* and SLURM_JOB_* variables;
+- root datasets of strings, one entry per rank or per node (``LIST_FACTS``): ``/hosts`` (each
+  rank's host), and for benchmarks ``/nodes`` and ``/rank_nodes``. They are datasets, not
+  attributes, because HDF5 keeps attributes in a 64 KiB object header: about 4,000 host names;
+- ``/env``: attributes holding the NCCL_*, UCX_*, OMP_*, GLOO_* and SLURM_JOB_* variables
+  (a value whose name looks secret, ``hpcdist.config.site.looks_secret``, is stored as
+  ``REDACTED``);
 - one group per table (``/bootstrap``, ``/bench/all_reduce/torch``...): one 1-D dataset per
   column, and a ``columns`` attribute giving their order;
 - benchmark results (``bench_layout`` attribute, version 1) add ``/interconnect``,
@@ -29,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcdist import __version__
+from hpcdist.config.site import REDACTED, looks_secret
 from hpcdist.store.atomic import atomic_path
 from hpcdist.store.tree import attr_value, plain
 
@@ -38,7 +44,9 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 FORMAT = "hpcdist.result"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-rank and per-node lists are datasets (LIST_FACTS), not attributes
+# Facts with one entry per rank or per node: root datasets, never attributes (see above).
+LIST_FACTS = ("hosts", "nodes", "rank_nodes")
 ENV_PREFIXES = ("NCCL_", "UCX_", "OMP_", "GLOO_", "SLURM_JOB_", "CUDA_VISIBLE_DEVICES", "TORCH_")
 
 
@@ -101,8 +109,9 @@ def run_attrs(
 
 
 def captured_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables the numbers depend on; a value whose name looks secret is never written."""
     env = os.environ if env is None else env
-    return {k: v for k, v in sorted(env.items()) if k.startswith(ENV_PREFIXES)}
+    return {k: REDACTED if looks_secret(k) else v for k, v in sorted(env.items()) if k.startswith(ENV_PREFIXES)}
 
 
 @contextmanager
@@ -113,7 +122,10 @@ def result_file(path: Path, attrs: Mapping[str, Any]) -> Iterator[h5py.File]:
     with atomic_path(path) as tmp:
         with h5py.File(tmp, "w") as f:
             for key, value in attrs.items():
-                f.attrs[key] = attr_value(value)
+                if key in LIST_FACTS:
+                    f.create_dataset(key, data=[str(v) for v in value], dtype=h5py.string_dtype())
+                else:
+                    f.attrs[key] = attr_value(value)
             env = f.create_group("env")
             for key, value in captured_env().items():
                 env.attrs[key] = value
@@ -157,12 +169,21 @@ def read_table(group: h5py.Group) -> dict[str, np.ndarray]:
     return out
 
 
+def read_facts(f: h5py.File) -> dict[str, Any]:
+    """The run's facts: root attributes and the ``LIST_FACTS`` datasets, as plain values."""
+    facts = {k: plain(v) for k, v in f.attrs.items()}
+    for key in LIST_FACTS:
+        if key in f:
+            facts[key] = plain(f[key][()])
+    return facts
+
+
 def read_attrs(path: Path) -> dict[str, Any]:
-    """Root attributes of a result file, with JSON fields decoded; checks the format."""
+    """The run's facts of a result file (``read_facts``), with JSON fields decoded; checks the format."""
     import h5py
 
     with h5py.File(path, "r") as f:
-        attrs = {k: plain(v) for k, v in f.attrs.items()}
+        attrs = read_facts(f)
     if attrs.get("format") != FORMAT:
         raise ValueError(f"{path} is not an hpcdist result file (format {attrs.get('format')!r})")
     for key, decoded in (("spec_json", "spec"), ("site_json", "site_config")):

@@ -185,7 +185,7 @@ def evaluate(run: Run) -> float:
 
 def run(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    log_file = ctx.site.storage.logs / ctx.spec.name / ctx.job_id / f"train_rank{ctx.rank}.log"
+    log_file = ctx.site.storage.path("logs", ctx.spec.name, ctx.job_id, f"train_rank{ctx.rank}.log")
     handler = add_rank_log_file(log_file)
     api = from_job(ctx, None, params.checkpoint.keep_last, log=ctx.log, io_timeout_s=params.checkpoint.io_timeout_s)
     try:

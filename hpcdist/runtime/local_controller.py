@@ -1,0 +1,39 @@
+"""The local site's job controller: submitit's, with two launch facts fixed before any rank starts.
+
+- The job's folder is named by its id before anything is created in it: submitit's controller
+  makes the folder from its ``%j`` pattern first, which left a literal ``%j`` folder beside
+  every job's logs.
+- Every start of the ranks gets a fresh launch id (``LAUNCH_ID_VAR``): the local job id is this
+  controller's PID, which the system reuses, and a requeue restarts the ranks under the same
+  PID, so the id alone would let ranks find an older launch's rendezvous file.
+
+``hpcdist.submit`` starts it as ``python -m hpcdist.runtime.local_controller FOLDER`` where
+submitit starts ``submitit.local._local``; everything else is submitit's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from pathlib import Path
+
+from submitit.local.local import Controller
+
+from hpcdist.config.contract import LAUNCH_ID_VAR
+
+
+class JobController(Controller):
+    def start_tasks(self) -> None:
+        self.folder = Path(str(self.folder).replace("%j", self.pid))
+        self.folder.mkdir(parents=True, exist_ok=True)
+        os.environ[LAUNCH_ID_VAR] = uuid.uuid4().hex
+        super().start_tasks()
+
+
+def main() -> None:
+    JobController(Path(sys.argv[1])).run()
+
+
+if __name__ == "__main__":
+    main()
