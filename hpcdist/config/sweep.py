@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from hpcdist.errors import ConfigError
 
-_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")  # what a job name allows (config.spec.NAME_PATTERN)
 
 
 @dataclass(frozen=True)
