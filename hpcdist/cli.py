@@ -7,7 +7,6 @@ line and the exit code is non-zero; ``--debug`` shows the traceback.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -107,18 +106,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     print(f"  result: {submission.result_path}")
     if not args.wait:
         return 0
-    finished = sub.wait(submission, timeout_s=args.wait_timeout)
-    outcomes = finished.outcomes
-    failed = [o for o in outcomes if not o.ok]
-    print(f"job {submission.job_id} finished: {finished.state.value}; "
-          f"{len(outcomes) - len(failed)}/{len(outcomes)} ranks succeeded")
-    for o in outcomes:
-        if o.ok:
-            shown = {k: v for k, v in o.summary.items() if k not in ("rank", "timings")}
-            print(f"  rank {o.rank}: ok {json.dumps(shown, default=str)}")
-        else:
-            print(f"  rank {o.rank}: FAILED {o.error}")
-    return 0 if finished.ok else 1
+    from hpcdist.lifecycle import print_finished, watch
+
+    return print_finished(submission.job_id, watch(submission, timeout_s=args.wait_timeout))
 
 
 @command("status")
@@ -257,6 +247,30 @@ def _data_parser(subs: Any) -> None:
 
 
 _EXTRA_PARSERS.append(_data_parser)
+
+
+def _lifecycle(name: str) -> Command:
+    """`jobs`, `logs`, `wait`, `cancel`: a job's life after submit (hpcdist.lifecycle, hpcdist.joblogs)."""
+    def run(args: argparse.Namespace) -> int:
+        from hpcdist import joblogs, lifecycle
+
+        return int(getattr(lifecycle if name != "logs" else joblogs, f"cmd_{name}")(args))
+
+    return command(name)(run)
+
+
+for _name in ("jobs", "logs", "wait", "cancel"):
+    _lifecycle(_name)
+
+
+def _lifecycle_parsers(subs: Any) -> None:
+    from hpcdist import joblogs, lifecycle
+
+    joblogs.add_parser(subs)
+    lifecycle.add_parsers(subs)
+
+
+_EXTRA_PARSERS.append(_lifecycle_parsers)
 
 
 def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
