@@ -7,13 +7,15 @@ byte what is submitted. On the local site submitit's LocalExecutor runs the rank
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
 import shutil
 import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -107,7 +109,8 @@ def submit(spec: JobSpec, site: Site, origin: Origin) -> Submission:
         )
         os.environ[LAUNCH_TIME_VAR] = repr(time.time())
     try:
-        job = executor.submit(run_rank, spec, site)
+        with _detached_streams() if site.scheduler != "slurm" else contextlib.nullcontext():
+            job = executor.submit(run_rank, spec, site)
     except FailedJobError as exc:
         raise SubmitError(f"the scheduler refused job {spec.name!r}: {_first_error_line(str(exc))}") from exc
     except OSError as exc:
@@ -117,6 +120,26 @@ def submit(spec: JobSpec, site: Site, origin: Origin) -> Submission:
 
     add(submission, origin)
     return submission
+
+
+@contextlib.contextmanager
+def _detached_streams() -> Iterator[None]:
+    """Standard streams on /dev/null while submitit starts a local job's controller, which
+    outlives `submit`: holding our stdout, it would keep `$(hpcdist submit ...)` or a pipe to
+    `tee` open until the job ends. The ranks write to their own log files."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(fd) for fd in (0, 1, 2)]
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        yield
+    finally:
+        for fd, copy in zip((0, 1, 2), saved, strict=True):
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(null)
 
 
 class JobState(Enum):
