@@ -149,7 +149,7 @@ class StatusLine:
         if self._live is not None:
             from rich.text import Text
 
-            self._live.update(Text(line))
+            self._live.update(Text(line, no_wrap=True, overflow="ellipsis"))  # one line, cut at the width
         elif key != self._printed_key and (urgent or time.monotonic() - self._printed_at >= self.every_s):
             self._print()
 

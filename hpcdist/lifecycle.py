@@ -151,12 +151,11 @@ class _Watcher:
 
         now = time.monotonic()
         if self.sub.site.scheduler == "slurm" and (state is not self.last_state or now - self.queue_read >= 5.0):
-            self.queue = sub_.squeue_rows([self.sub.job_id]).get(self.sub.job_id)
-            self.queue_read = now
+            self.queue, self.queue_read = self._slurm_row(state), now
         elapsed: float | None = time.time() - self.submitted
         if self.queue is not None:
-            from_queue = slurm_seconds(self.queue.elapsed)
-            elapsed = None if from_queue is None else from_queue + (now - self.queue_read)
+            from_slurm = slurm_seconds(self.queue.elapsed)
+            elapsed = None if from_slurm is None else from_slurm + (0.0 if state.final else now - self.queue_read)
         words = [f"job {self.sub.job_id} ({self.sub.spec.name}): {state.value} {hms(elapsed)}"]
         detail = ""
         if state is JobState.PENDING and self.queue is not None and self.queue.reason not in ("", "None"):
@@ -167,6 +166,16 @@ class _Watcher:
         line = "  ".join(words + ([detail] if detail else []))
         self.line.show(line, key=f"{state.value}|{detail}", urgent=state is not self.last_state)
         self.last_state = state
+
+
+    def _slurm_row(self, state: JobState) -> sub_.JobStatus | None:
+        """squeue's row while the job is queued or runs (reason, elapsed), sacct's once it ended."""
+        if state.final:
+            try:
+                return sub_.sacct_rows([self.sub.job_id])[-1]
+            except (SubmitError, IndexError):
+                return None
+        return sub_.squeue_rows([self.sub.job_id]).get(self.sub.job_id)
 
 
 def watch(sub: Submission, submitted: float | None = None, timeout_s: float | None = None,

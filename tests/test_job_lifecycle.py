@@ -112,14 +112,24 @@ def test_cancel_a_running_job(place: tuple[str, Path], tmp_path: Path) -> None:
 
 def test_waiting_shows_the_training_step_without_a_terminal(place: tuple[str, Path], tokens: Path) -> None:  # noqa: F811
     site, root = place
-    result = train(root, tokens, "--set", "resources.tasks_per_node=2", site=site, timeout=WAIT)
+    short = ["--set", "params.steps=60", "--set", "params.eval.every=30", "--set", "params.checkpoint.every=30"]
+    result = train(root, tokens, *short, site=site, timeout=WAIT)
     assert result.code == 0, result.text
     jid = job_id(result.out)
     lines = [ln for ln in result.out.splitlines() if ln.startswith(f"job {jid} (train_gpt): ")]
     assert lines[-1].startswith(f"job {jid} (train_gpt): COMPLETED "), result.out
-    steps = [ln for ln in lines if re.search(r"  train step \d+/400  loss \d+\.\d{4}  lr [\d.e+-]+  [\d,]+ tok/s", ln)]
+    steps = [ln for ln in lines if re.search(r"  train step \d+/60  loss \d+\.\d{4}  lr [\d.e+-]+  [\d,]+ tok/s", ln)]
     assert steps, result.out
     assert f"job {jid} finished: COMPLETED; 2/2 ranks succeeded" in result.out
+
+
+def test_waiting_shows_why_a_slurm_job_is_pending(slurm_storage: Path) -> None:
+    result = cli("submit", "jobs/smoke.yaml", "--site", "local-slurm", "--wait", "--set", "site.sbatch.begin=now+15",
+                 *storage_sets(slurm_storage))
+    assert result.code == 0, result.text
+    jid = job_id(result.out)
+    assert re.search(rf"^job {jid} \(smoke\): PENDING \d:\d\d:\d\d  waiting: BeginTime$", result.out, re.M), result.out
+    assert re.search(rf"^job {jid} \(smoke\): COMPLETED \d:\d\d:\d\d$", result.out, re.M), result.out
 
 
 @pytest.mark.parametrize("verb", ["logs", "wait", "cancel"])
