@@ -18,6 +18,7 @@ from typing import Any
 
 from hpcdist.errors import SubmitError
 from hpcdist.jobindex import JobRecord, find
+from hpcdist.submit import JobState
 
 POLL_S = 0.5
 STATE_EVERY_S = 2.0
@@ -112,12 +113,15 @@ def follow(record: JobRecord, ranks: list[int], tail: int | None) -> None:
                     data = head + sep
                 printer.lines(label, path, data.decode(errors="replace").splitlines(keepends=True))
 
-    checked = float("-inf")
+    checked, unknown = float("-inf"), 0
     while True:
         drain(final=False)
         if time.monotonic() - checked >= STATE_EVERY_S:
             checked = time.monotonic()
-            if current_state(record).final:
+            state = current_state(record)
+            # UNKNOWN twice: neither squeue nor sacct has the job, i.e. it ended while accounting is down
+            unknown = unknown + 1 if state is JobState.UNKNOWN else 0
+            if state.final or unknown >= 2:
                 time.sleep(1.0)  # the last lines a node flushes as the job ends
                 drain(final=True)
                 return
