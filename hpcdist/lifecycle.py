@@ -167,7 +167,6 @@ class _Watcher:
         self.line.show(line, key=f"{state.value}|{detail}", urgent=state is not self.last_state)
         self.last_state = state
 
-
     def _slurm_row(self, state: JobState) -> sub_.JobStatus | None:
         """squeue's row while the job is queued or runs (reason, elapsed), sacct's once it ended."""
         if state.final:
