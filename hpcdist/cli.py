@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -134,23 +133,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     print(f"  result: {submission.result_path}")
     if not args.wait:
         return 0
-    finished = sub.wait(submission, timeout_s=args.wait_timeout)
-    _print_finished(submission, finished)
-    return 0 if finished.ok else 1
+    from hpcdist.lifecycle import print_finished, watch
 
-
-def _print_finished(submission: Any, finished: Any) -> None:
-    """The job's final state and one line per rank: its summary, or its first error."""
-    outcomes = finished.outcomes
-    failed = [o for o in outcomes if not o.ok]
-    print(f"job {submission.job_id} finished: {finished.state.value}; "
-          f"{len(outcomes) - len(failed)}/{len(outcomes)} ranks succeeded")
-    for o in outcomes:
-        if o.ok:
-            shown = {k: v for k, v in o.summary.items() if k not in ("rank", "timings")}
-            print(f"  rank {o.rank}: ok {json.dumps(shown, default=str)}")
-        else:
-            print(f"  rank {o.rank}: FAILED {o.error}")
+    return print_finished(submission.job_id, watch(submission, timeout_s=args.wait_timeout))
 
 
 # ---- several jobs from one `submit`: chains (afterok) and sweeps (one job array)
@@ -194,10 +179,11 @@ def _submit_chain(args: argparse.Namespace) -> int:
 
 def _chain_link_ok(submission: Any, args: argparse.Namespace, rest: list[Any]) -> bool:
     """Wait for a chain's link and print how it ended; when it failed, what becomes of `rest`."""
-    from hpcdist import submit as sub
 
-    finished = sub.wait(submission, timeout_s=args.wait_timeout)
-    _print_finished(submission, finished)
+    from hpcdist.lifecycle import print_finished, watch
+
+    finished = watch(submission, timeout_s=args.wait_timeout)
+    print_finished(submission.job_id, finished)
     if not finished.ok and rest:
         names = ", ".join(job.spec.name for job, _, _ in rest)
         print(f"chain stopped at job {submission.job_id} ({submission.spec.name}): " + (
@@ -226,6 +212,7 @@ def _submit_sweep(args: argparse.Namespace) -> int:
     from hpcdist import submit as sub
     from hpcdist.errors import ConfigError
     from hpcdist.jobs.registry import prepare
+    from hpcdist.lifecycle import print_finished, watch
 
     if args.argv:
         raise ConfigError("--sweep needs a job spec YAML; sweep a `-- SCRIPT` job by writing its spec")
@@ -244,8 +231,8 @@ def _submit_sweep(args: argparse.Namespace) -> int:
             subs.append(sub.submit(spec, site, dataclasses.replace(origin, sweeps=())))
         print(f"  task {subs[i].job_id}: {spec.name}  result: {subs[i].result_path}")
         if args.wait or site.scheduler != "slurm":
-            finished = sub.wait(subs[i], timeout_s=args.wait_timeout)
-            _print_finished(subs[i], finished)
+            finished = watch(subs[i], timeout_s=args.wait_timeout)
+            print_finished(subs[i].job_id, finished)
             failed += not finished.ok
     return 1 if failed else 0
 
@@ -428,6 +415,30 @@ def _model_parser(subs: Any) -> None:
 
 
 _EXTRA_PARSERS.append(_model_parser)
+
+
+def _lifecycle(name: str) -> Command:
+    """`jobs`, `logs`, `wait`, `cancel`: a job's life after submit (hpcdist.lifecycle, hpcdist.joblogs)."""
+    def run(args: argparse.Namespace) -> int:
+        from hpcdist import joblogs, lifecycle
+
+        return int(getattr(lifecycle if name != "logs" else joblogs, f"cmd_{name}")(args))
+
+    return command(name)(run)
+
+
+for _name in ("jobs", "logs", "wait", "cancel"):
+    _lifecycle(_name)
+
+
+def _lifecycle_parsers(subs: Any) -> None:
+    from hpcdist import joblogs, lifecycle
+
+    joblogs.add_parser(subs)
+    lifecycle.add_parsers(subs)
+
+
+_EXTRA_PARSERS.append(_lifecycle_parsers)
 
 
 def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:

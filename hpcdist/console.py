@@ -13,8 +13,11 @@ from __future__ import annotations
 import io
 import logging
 import sys
+import time
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
+
+from hpcdist.progress import report_progress
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -61,7 +64,8 @@ class Progress:
 
     On a terminal (stderr): a rich bar with the latest `info`, elapsed and remaining time. Elsewhere,
     as in a batch job's log: ``"{unit} N/total  info"`` through `log` every `every` steps and at
-    the last, or nothing when `every` is 0. Use it as a context manager or call `close()`.
+    the last, or nothing when `every` is 0. Each update is also rank 0's progress report
+    (``hpcdist.progress``). Use it as a context manager or call `close()`.
     """
 
     def __init__(
@@ -76,7 +80,7 @@ class Progress:
         unit: str = "step",
         transient: bool = False,
     ) -> None:
-        self.total, self.done = total, start
+        self.title, self.total, self.done, self._report = title, total, start, show
         self.log, self.every, self.unit = (log, every, unit) if show else (None, 0, unit)
         self._bar: Any = None
         if show and sys.stderr.isatty():
@@ -94,6 +98,8 @@ class Progress:
     def update(self, done: int, info: str = "") -> None:
         """`done` of the total steps are done; `info` is the latest figures, in a few words."""
         self.done = done
+        if self._report:  # rank 0's newest progress, for `hpcdist wait` on the login node
+            report_progress(self.title, done, self.total, info, self.unit)
         if self._bar is not None:
             self._bar.update(self._task, completed=done, info=info)
         elif self.log is not None and self.every and (done % self.every == 0 or done == self.total):
@@ -115,3 +121,45 @@ class Progress:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+class StatusLine:
+    """One line that says how a job is doing while someone waits for it.
+
+    On a terminal (stdout): redrawn in place (rich ``Live``) and left on screen at the end.
+    Elsewhere (a pipe, a log, CI): a plain line each time the `key` (state, progress) changes,
+    at once for an `urgent` change (a new state), else at most every `every_s` seconds, and the
+    last line at `close()` if it was not printed yet; elapsed time alone never prints a line.
+    """
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s = every_s
+        self._live: Any = None
+        self._line, self._key = "", ""
+        self._printed_key, self._printed_at = "", float("-inf")
+        if sys.stdout.isatty():
+            from rich.console import Console
+            from rich.live import Live
+
+            self._live = Live(console=Console(markup=False, highlight=False, emoji=False), refresh_per_second=4)
+            self._live.start()
+
+    def show(self, line: str, key: str, urgent: bool = False) -> None:
+        self._line, self._key = line, key
+        if self._live is not None:
+            from rich.text import Text
+
+            self._live.update(Text(line, no_wrap=True, overflow="ellipsis"))  # one line, cut at the width
+        elif key != self._printed_key and (urgent or time.monotonic() - self._printed_at >= self.every_s):
+            self._print()
+
+    def _print(self) -> None:
+        print(self._line, flush=True)
+        self._printed_key, self._printed_at = self._key, time.monotonic()
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+        elif self._line and self._key != self._printed_key:
+            self._print()

@@ -7,6 +7,7 @@ byte what is submitted. On the local site submitit's LocalExecutor runs the rank
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -14,7 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -190,7 +191,8 @@ def submit_array(base: JobSpec, tasks: list[JobSpec], site: Site, origin: Origin
         raise SubmitError(f"site {site.name!r} uses Slurm but `sbatch` is not on PATH; run on a login node")
     script = render(base, site, origin)
     try:
-        with storage_umask(site.storage.umask):  # submitit's files, and the job's through sbatch
+        with storage_umask(site.storage.umask), (  # submitit's files, and the job's through sbatch
+                _detached_streams() if site.scheduler != "slurm" else contextlib.nullcontext()):
             executor = _executor(base, site, submitit_folder(base, site), script)
             if origin.array_size is None:
                 jobs = [executor.submit(run_rank, tasks[0], site)]
@@ -203,7 +205,33 @@ def submit_array(base: JobSpec, tasks: list[JobSpec], site: Site, origin: Origin
         raise SubmitError(f"the scheduler refused job {base.name!r}: {_first_error_line(str(exc))}") from exc
     except OSError as exc:
         raise SubmitError(f"could not submit job {base.name!r}: {exc}") from exc
-    return [Submission(job=job, spec=task, site=site, script=script) for job, task in zip(jobs, tasks, strict=True)]
+    from hpcdist.jobindex import add  # the index of submitted jobs: `hpcdist jobs`, `logs`, `wait`, `cancel`
+
+    submissions = [Submission(job=job, spec=task, site=site, script=script)
+                   for job, task in zip(jobs, tasks, strict=True)]
+    for submission in submissions:
+        add(submission, origin)
+    return submissions
+
+
+@contextlib.contextmanager
+def _detached_streams() -> Iterator[None]:
+    """Standard streams on /dev/null while submitit starts a local job's controller, which
+    outlives `submit`: holding our stdout, it would keep `$(hpcdist submit ...)` or a pipe to
+    `tee` open until the job ends. The ranks write to their own log files."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(fd) for fd in (0, 1, 2)]
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        yield
+    finally:
+        for fd, copy in zip((0, 1, 2), saved, strict=True):
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(null)
 
 
 class JobState(Enum):
@@ -285,18 +313,23 @@ def job_state(sub: Submission) -> JobState:
     return JobState.from_submitit_local(str(sub.job.state))
 
 
-def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None) -> Finished:
+def wait(
+    sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
+    on_poll: Callable[[JobState], None] | None = None,
+) -> Finished:
     """Block until the scheduler says the job ended; its final state and one outcome per rank.
 
     Waiting ends on the scheduler's word (Slurm's accounting, or squeue), not on submitit's
     result files, which a job that dies early never writes. A rank without a result is
     summarised by the first real error line of its log. ``timeout_s=None`` waits as long as the
-    scheduler says the job is not done.
+    scheduler says the job is not done. `on_poll` sees each state read (the live status line).
     """
     from submitit.core.utils import FailedJobError, UncompletedJobError
 
     def ended() -> JobState | None:
         state = job_state(sub)
+        if on_poll is not None:
+            on_poll(state)
         if state.final:
             return state
         if sub.site.scheduler != "slurm" and sub.job.done(force_check=True):
@@ -360,23 +393,57 @@ class JobStatus:
     exit_code: str
     elapsed: str
     nodes: str
+    reason: str = ""  # squeue's %r: why a pending job waits (Resources, Priority, Dependency)
 
 
-def status(job_id: str) -> list[JobStatus]:
-    """The job's state from Slurm's accounting (one row per requeue-visible record)."""
-    if not re.fullmatch(r"\d+(_\d+)?", job_id):
-        raise SubmitError(f"job id {job_id!r} is not a Slurm job id (digits, e.g. 1234)")
+_JOB_ID = re.compile(r"\d+(_\d+)?")
+
+
+def _check_ids(job_ids: Sequence[str]) -> None:
+    for job_id in job_ids:
+        if not _JOB_ID.fullmatch(job_id):
+            raise SubmitError(f"job id {job_id!r} is not a Slurm job id (digits, e.g. 1234)")
+
+
+def sacct_rows(job_ids: Sequence[str]) -> list[JobStatus]:
+    """The jobs' records in Slurm's accounting (one row per requeue-visible record, oldest first)."""
+    _check_ids(job_ids)
     if shutil.which("sacct") is None:
-        raise SubmitError("`sacct` is not on PATH; `hpcdist status` needs Slurm's accounting")
+        raise SubmitError("`sacct` is not on PATH; this needs Slurm's accounting")
     proc = subprocess.run(
-        ["sacct", "-j", job_id, "-X", "-P", "-n", "-o", "JobID,JobName,State,ExitCode,Elapsed,NodeList"],
+        ["sacct", "-j", ",".join(job_ids), "-X", "-P", "-n", "-o", "JobID,JobName,State,ExitCode,Elapsed,NodeList"],
         capture_output=True,
         text=True,
         check=False,
     )
     if proc.returncode != 0:
-        raise SubmitError(f"sacct failed for job {job_id}: {proc.stderr.strip()}")
-    rows = [JobStatus(*line.split("|")[:6]) for line in proc.stdout.splitlines() if line.strip()]
+        raise SubmitError(f"sacct failed for job {','.join(job_ids)}: {proc.stderr.strip()}")
+    return [JobStatus(*line.split("|")[:6]) for line in proc.stdout.splitlines() if line.strip()]
+
+
+def squeue_rows(job_ids: Sequence[str]) -> dict[str, JobStatus]:
+    """The jobs Slurm still has in its queue (pending, running, completing), by job id; empty when
+    squeue is missing or fails. Elapsed is squeue's %M, nodes %N, reason %r."""
+    _check_ids(job_ids)
+    if not job_ids or shutil.which("squeue") is None:
+        return {}
+    proc = subprocess.run(
+        ["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%j|%T|%M|%N|%r"],
+        capture_output=True, text=True, check=False,
+    )
+    if proc.returncode != 0:
+        return {}
+    rows = {}
+    for line in proc.stdout.splitlines():
+        parts = line.split("|")
+        if len(parts) == 6:
+            rows[parts[0]] = JobStatus(parts[0], parts[1], parts[2], "", parts[3], parts[4], parts[5])
+    return rows
+
+
+def status(job_id: str) -> list[JobStatus]:
+    """The job's state from Slurm's accounting (one row per requeue-visible record)."""
+    rows = sacct_rows([job_id])
     if not rows:
         raise SubmitError(f"Slurm knows no job {job_id}; check the id with `sacct` or `squeue`")
     return rows
@@ -389,7 +456,5 @@ def slurm_state(job_id: str) -> JobState:
         return JobState.from_slurm(status(job_id)[-1].state)
     except SubmitError:
         pass
-    proc = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, check=False)
-    words = proc.stdout.split()
-    return JobState.from_slurm(words[0]) if proc.returncode == 0 and words else JobState.UNKNOWN
-
+    queued = squeue_rows([job_id]).get(job_id)
+    return JobState.from_slurm(queued.state) if queued else JobState.UNKNOWN

@@ -42,6 +42,14 @@ def run_cli(*args: str, cwd: Path = REPO, timeout: float = 240, env: dict[str, s
     return Run(proc.returncode, proc.stdout, proc.stderr)
 
 
+@pytest.fixture(autouse=True)
+def job_index(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's own job index (hpcdist.jobindex): a test never writes to the user's state folder."""
+    state = tmp_path_factory.mktemp("state")
+    monkeypatch.setenv("HPCDIST_STATE", str(state))
+    return state
+
+
 def storage_sets(root: Path) -> list[str]:
     """`--set` arguments that move every storage root of a site under `root`."""
     out = []

@@ -26,6 +26,7 @@ from hpcdist.infer.shard_load import read_shard, shard_state
 from hpcdist.infer.tp import TPGPT, TPGroup
 from hpcdist.model.checkpoint import CheckpointHeader, read_full
 from hpcdist.model.checkpoint import parameter_shapes as expected_shapes
+from hpcdist.progress import report_progress
 from hpcdist.store.tree import sha256_of
 
 if TYPE_CHECKING:
@@ -181,6 +182,7 @@ def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
                     "output_ids": out.tokens[j],
                 }
             )
+        report_progress("generate", len(requests), len(mine), unit="request")  # rank 0's share, for `hpcdist wait`
     gen_s = time.perf_counter() - t_gen
     my_tokens = sum(r["new_tokens"] for r in requests)
     rank_row = {

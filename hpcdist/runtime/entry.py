@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from hpcdist import progress
 from hpcdist.config.contract import FAULT_EXIT_VAR, LAUNCH_TIME_VAR
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
@@ -187,6 +188,7 @@ def run_job(job: Job[Any], site: Site) -> dict[str, Any]:
     os.environ.update({**site.env, **spec.env})
     os.umask(site.storage.umask)  # storage.mode for all this rank writes (a direct launch has the shell's umask)
     ctx, store = bootstrap(job, site)
+    progress.start(site.storage.logs / spec.name / ctx.job_id, ctx.is_main)  # what `hpcdist wait` shows
     import torch.distributed as dist  # already imported by the bootstrap, which times it
 
     try:

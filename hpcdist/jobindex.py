@@ -1,0 +1,167 @@
+"""The index of submitted jobs: what lets `logs`, `jobs`, `wait` and `cancel` work from a job id.
+
+One JSON file per job, ``<state>/jobs/<site>/<job id>.json``, written atomically (temporary
+name, fsync, ``os.replace``): two submits at once write two different files, so they never race,
+and a reader never sees half a record. Plain files rather than SQLite because a home directory
+on a cluster is often NFS, where SQLite's locking is not dependable. The state folder is
+``$HPCDIST_STATE``, else ``$XDG_STATE_HOME/hpcdist``, else ``~/.local/state/hpcdist``; it is
+private to the user (mode 0700, files 0600), as a record holds the job's spec and site.
+
+Paths in a record are absolute, so a job is found from any folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpcdist.errors import SubmitError
+
+if TYPE_CHECKING:
+    from hpcdist.render import Origin
+    from hpcdist.submit import Submission
+
+STATE_VAR = "HPCDIST_STATE"
+_SAFE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def state_dir(env: dict[str, str] | None = None) -> Path:
+    """The user's hpcdist state folder (not created here)."""
+    env = dict(os.environ) if env is None else env
+    if env.get(STATE_VAR):
+        return Path(env[STATE_VAR]).expanduser()
+    base = Path(env["XDG_STATE_HOME"]).expanduser() if env.get("XDG_STATE_HOME") else Path.home() / ".local" / "state"
+    return base / "hpcdist"
+
+
+def jobs_dir() -> Path:
+    return state_dir() / "jobs"
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One submitted job as hpcdist knows it; `spec` and `site` are the validated models as JSON
+    data, so `wait` re-attaches without reading any YAML again."""
+
+    job_id: str
+    site: str
+    scheduler: str
+    name: str
+    kind: str
+    spec_path: str  # the YAML as the user named it, or "command line"
+    submitted: float  # epoch seconds
+    host: str  # where it was submitted from
+    tasks: int
+    nodes: int
+    folder: str  # the job's log folder: submitit's files, rank logs, progress.json
+    stdout: str  # rank stdout/stderr log paths, "%t" standing for the rank
+    stderr: str
+    result: str
+    checkpoints: str
+    spec: dict[str, Any]
+    site_model: dict[str, Any]
+    cancelled: float | None = None  # when `hpcdist cancel` cancelled it (the local site has no accounting)
+
+    def log_paths(self, rank: int) -> tuple[Path, Path]:
+        """Rank `rank`'s stdout and stderr files."""
+        return Path(self.stdout.replace("%t", str(rank))), Path(self.stderr.replace("%t", str(rank)))
+
+
+def _check_name(value: str, what: str) -> str:
+    if not _SAFE.fullmatch(value):
+        raise SubmitError(f"{what} {value!r} cannot name a file in the job index (letters, digits, '_', '.', '-')")
+    return value
+
+
+def _path(site: str, job_id: str) -> Path:
+    return jobs_dir() / _check_name(site, "site name") / f"{_check_name(job_id, 'job id')}.json"
+
+
+def _write(record: JobRecord) -> Path:
+    from hpcdist.store.atomic import atomic_path  # the one atomic writer; imported only to write
+
+    path = _path(record.site, record.job_id)
+    for folder in (state_dir(), jobs_dir(), path.parent):
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(record), f, indent=1)
+    return path
+
+
+def make_record(sub: Submission, origin: Origin) -> JobRecord:
+    """The record of a job just submitted."""
+    from hpcdist.render import log_paths
+
+    folder = Path(sub.job.paths.folder).absolute()
+    out, err = (p.replace("%j", sub.job_id) for p in log_paths(folder))
+    return JobRecord(
+        job_id=sub.job_id, site=sub.site.name, scheduler=sub.site.scheduler, name=sub.spec.name,
+        kind=sub.spec.kind, spec_path=origin.job_path or "command line", submitted=time.time(),
+        host=socket.gethostname(), tasks=sub.spec.resources.world_size, nodes=sub.spec.resources.nodes,
+        folder=str(folder), stdout=out, stderr=err, result=str(Path(sub.result_path).absolute()),
+        # the runtime's JobContext.checkpoint_dir: stable across requeues of the same job name
+        checkpoints=str((sub.site.storage.checkpoints / sub.spec.name).absolute()),
+        spec=sub.spec.model_dump(mode="json"), site_model=sub.site.model_dump(mode="json"),
+    )
+
+
+def add(sub: Submission, origin: Origin) -> JobRecord | None:
+    """Record a submitted job. The job is in the queue already, so a failure to record it is a
+    warning on stderr, not an error."""
+    record = make_record(sub, origin)
+    try:
+        _write(record)
+    except (OSError, SubmitError) as exc:
+        print(f"hpcdist: warning: job {sub.job_id} is submitted but not in the job index ({exc}); "
+              f"`hpcdist logs/wait/cancel {sub.job_id}` will not find it", file=sys.stderr)
+        return None
+    return record
+
+
+def mark_cancelled(record: JobRecord) -> JobRecord:
+    """The record again, marked cancelled now."""
+    record = replace(record, cancelled=time.time())
+    _write(record)
+    return record
+
+
+def _read(path: Path) -> JobRecord | None:
+    try:
+        return JobRecord(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None  # a record from another hpcdist version, or not a record
+
+
+def records() -> list[JobRecord]:
+    """Every job in the index, oldest first."""
+    found = [_read(p) for p in jobs_dir().glob("*/*.json") if not p.name.startswith(".")]
+    return sorted((r for r in found if r is not None), key=lambda r: r.submitted)
+
+
+def find(job_id: str, site: str | None = None) -> JobRecord:
+    """The job `job_id` (on `site`, when given); one clear error when the index has none, or more
+    than one site has a job of that id."""
+    _check_name(job_id, "job id")
+    if site is not None:
+        paths = [_path(site, job_id)]
+    else:
+        paths = sorted(jobs_dir().glob(f"*/{job_id}.json"))
+    found = [r for r in (_read(p) for p in paths if p.is_file()) if r is not None]
+    if not found:
+        where = f" on site {site!r}" if site else ""
+        raise SubmitError(
+            f"no job {job_id}{where} in the job index ({jobs_dir()}); `hpcdist jobs` lists the jobs submitted from here"
+        )
+    if len(found) > 1:
+        sites = ", ".join(r.site for r in found)
+        raise SubmitError(f"job id {job_id} is in the index for sites {sites}; name one with --site")
+    return found[0]

@@ -1,0 +1,151 @@
+"""`hpcdist logs JOBID`: a job's per-rank logs, found from the job id alone through the index.
+
+A rank's logs are the stdout and stderr files its launcher wrote (submitit's ``%j_%t_log.out``
+and ``.err``; hpcdist's log lines are in the ``.err``). Where the launcher wrote no per-rank
+files (mpirun puts every rank in the batch step's files), hpcdist's own rank logs
+(``train_rank1.log``) stand in. ``-f`` follows the files while the job runs and ends when the
+scheduler says the job ended; ``--tail K`` starts from the last K lines of each file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from hpcdist.errors import SubmitError
+from hpcdist.jobindex import JobRecord, find
+from hpcdist.submit import JobState
+
+POLL_S = 0.5
+STATE_EVERY_S = 2.0
+
+
+def rank_files(record: JobRecord, rank: int) -> list[tuple[str, Path]]:
+    """(label, path) of rank `rank`'s logs that exist now, stdout first."""
+    out, err = record.log_paths(rank)
+    files = [(f"rank {rank} stdout", out), (f"rank {rank} stderr", err)]
+    found = [(label, p) for label, p in files if p.is_file()]
+    if found:
+        return found
+    return [(f"rank {rank} hpcdist log", p) for p in sorted(Path(record.folder).glob(f"*_rank{rank}.log"))]
+
+
+def _ranks(record: JobRecord, rank: int | None, every: bool) -> list[int]:
+    if every:
+        return list(range(record.tasks))
+    rank = 0 if rank is None else rank
+    if not 0 <= rank < record.tasks:
+        raise SubmitError(f"job {record.job_id} has ranks 0-{record.tasks - 1}; --rank {rank} is not one of them")
+    return [rank]
+
+
+class _Printer:
+    """Lines to stdout, with a ``==> label: path <==`` header whenever the file changes (as tail)."""
+
+    def __init__(self, headers: bool) -> None:
+        self.headers, self.current = headers, ""
+
+    def lines(self, label: str, path: Path, lines: list[str]) -> None:
+        if not lines:
+            return
+        if self.headers and label != self.current:
+            sys.stdout.write(f"{chr(10) if self.current else ''}==> {label}: {path} <==\n")
+            self.current = label
+        sys.stdout.write("".join(line if line.endswith("\n") else line + "\n" for line in lines))
+        sys.stdout.flush()
+
+
+def _tail(path: Path, keep: int | None) -> tuple[list[str], int]:
+    """The file's lines (the last `keep` of them) and the offset of its end."""
+    with path.open("rb") as f:
+        lines = deque(f, maxlen=keep) if keep is not None else list(f)
+        end = f.tell()
+    return [line.decode(errors="replace") for line in lines], end
+
+
+def show(record: JobRecord, ranks: list[int], tail: int | None) -> None:
+    """Print the logs of `ranks` as they are now."""
+    from hpcdist.lifecycle import current_state
+
+    printer = _Printer(headers=True)
+    missing = []
+    for rank in ranks:
+        files = rank_files(record, rank)
+        if not files:
+            missing.append(rank)
+        for label, path in files:
+            printer.lines(label, path, _tail(path, tail)[0])
+    if missing and len(missing) == len(ranks):
+        state = current_state(record)
+        if not state.final:
+            raise SubmitError(f"job {record.job_id} has written no logs yet ({state.value}); "
+                              f"follow them with `hpcdist logs {record.job_id} -f`")
+        raise SubmitError(f"no log files for rank(s) {missing} of job {record.job_id} in {record.folder} "
+                          f"(job {state.value}); were they moved or removed?")
+
+
+def follow(record: JobRecord, ranks: list[int], tail: int | None) -> None:
+    """Print the logs of `ranks` as they grow, until the job has ended and its files are read."""
+    from hpcdist.lifecycle import current_state
+
+    printer = _Printer(headers=True)
+    offsets: dict[Path, int] = {}
+    partial: dict[Path, bytes] = {}
+
+    def drain(final: bool) -> None:
+        for rank in ranks:
+            for label, path in rank_files(record, rank):
+                if path not in offsets:  # first sight: start from its last `tail` lines (all by default)
+                    lines, offsets[path] = _tail(path, tail)
+                    printer.lines(label, path, lines)
+                    continue
+                with path.open("rb") as f:
+                    f.seek(offsets[path])
+                    data = partial.pop(path, b"") + f.read()
+                    offsets[path] = f.tell()
+                head, sep, rest = data.rpartition(b"\n")
+                if rest and not final:
+                    partial[path] = rest  # a line still being written
+                    data = head + sep
+                printer.lines(label, path, data.decode(errors="replace").splitlines(keepends=True))
+
+    checked, unknown = float("-inf"), 0
+    while True:
+        drain(final=False)
+        if time.monotonic() - checked >= STATE_EVERY_S:
+            checked = time.monotonic()
+            state = current_state(record)
+            # UNKNOWN twice: neither squeue nor sacct has the job, i.e. it ended while accounting is down
+            unknown = unknown + 1 if state is JobState.UNKNOWN else 0
+            if state.final or unknown >= 2:
+                time.sleep(1.0)  # the last lines a node flushes as the job ends
+                drain(final=True)
+                return
+        time.sleep(POLL_S)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    record = find(args.job_id, args.site)
+    ranks = _ranks(record, args.rank, args.all)
+    if args.tail is not None and args.tail < 0:
+        raise SubmitError(f"--tail {args.tail}: give a number of lines, 0 or more")
+    if args.follow:
+        follow(record, ranks, args.tail)
+    else:
+        show(record, ranks, args.tail)
+    return 0
+
+
+def add_parser(subs: Any) -> None:
+    p = subs.add_parser("logs", help="a job's per-rank logs, found from its id; -f follows them while it runs")
+    p.add_argument("job_id", help="the id `hpcdist submit` printed")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--rank", type=int, default=None, help="this rank's logs (default: rank 0)")
+    which.add_argument("--all", action="store_true", help="every rank's logs, rank by rank")
+    p.add_argument("-f", "--follow", action="store_true", help="follow the logs until the job ends")
+    p.add_argument("--tail", type=int, default=None, metavar="K", help="only the last K lines of each file")
+    p.add_argument("--site", default=None, help="the job's site, when two sites have a job of that id")

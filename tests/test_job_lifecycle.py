@@ -1,0 +1,194 @@
+"""A job's life from the login node as a user types it, on the local site and the local Slurm
+cluster: `submit`, then `hpcdist jobs`, `logs` (`--rank`, `--tail`, `-f`), `wait`, `cancel`,
+found from the job id alone; and the status line that shows rank 0's training step while waiting."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+from hpcdist import jobindex, progress
+from hpcdist.console import StatusLine
+from hpcdist.lifecycle import hms, slurm_seconds
+from tests.conftest import Run, run_cli, storage_sets
+from tests.conftest_train import tokens, train, train_root, wait_for  # noqa: F401 - fixtures
+from tests.test_slurm_spine import job_id
+
+SLEEPER = "import time\nprint('sleeping now', flush=True)\ntime.sleep(900)\n"
+WAIT = 300  # other helpers' jobs share the machine and the cluster: generous
+
+
+@pytest.fixture(params=["local", "local-slurm"])
+def place(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, Path]:
+    """The site and a storage root its nodes see (the cluster's shared storage for Slurm)."""
+    if request.param == "local-slurm":
+        return request.param, request.getfixturevalue("slurm_storage")
+    return request.param, tmp_path
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> Run:
+    return run_cli(*args, timeout=WAIT, env=env)
+
+
+def jobs_row(jid: str) -> list[str]:
+    """The job's row of `hpcdist jobs`, split into its columns."""
+    result = cli("jobs")
+    assert result.code == 0, result.text
+    header, *rows = result.out.splitlines()
+    assert header.split() == ["job", "name", "kind", "site", "state", "elapsed", "nodes", "result"]
+    row = [r.split() for r in rows if r.split()[0] == jid]
+    assert len(row) == 1, result.out
+    return row[0]
+
+
+def state_of(jid: str) -> str:
+    return jobs_row(jid)[4]
+
+
+def test_submit_then_follow_wait_list_and_read_the_logs(place: tuple[str, Path]) -> None:
+    site, root = place
+    submitted = cli("submit", "jobs/smoke.yaml", "--site", site, *storage_sets(root))
+    assert submitted.code == 0, submitted.text
+    jid = job_id(submitted.out)
+
+    followed = cli("logs", jid, "-f")  # returns only once the job has ended
+    assert followed.code == 0, followed.text
+    assert "[rank 0/2" in followed.out and "group ready" in followed.out, followed.out
+    assert state_of(jid) == "COMPLETED"
+
+    waited = cli("wait", jid)  # re-attach from another shell: the summary of `submit --wait`
+    assert waited.code == 0, waited.text
+    assert f"job {jid} finished: COMPLETED; 2/2 ranks succeeded" in waited.out
+    assert "  rank 1: ok " in waited.out
+
+    row = jobs_row(jid)
+    assert row[:5] == [jid, "smoke", "smoke", site, "COMPLETED"]
+    assert row[7] == str(root / "results" / "smoke" / f"{jid}.h5")
+    assert re.fullmatch(r"\d+:\d\d:\d\d", row[5]), row
+
+    rank0 = cli("logs", jid)
+    assert rank0.code == 0, rank0.text
+    assert f"==> rank 0 stderr: {root / 'logs' / 'smoke' / jid / f'{jid}_0_log.err'} <==" in rank0.out
+    assert "[rank 0/2" in rank0.out and "[rank 1/2" not in rank0.out
+    rank1 = cli("logs", jid, "--rank", "1")
+    assert "[rank 1/2" in rank1.out and "[rank 0/2" not in rank1.out, rank1.out
+    every = cli("logs", jid, "--all", "--tail", "1")
+    sections = [s for s in every.out.split("==> ") if s.strip()]
+    assert [s.split(":")[0] for s in sections] == ["rank 0 stdout", "rank 0 stderr", "rank 1 stdout", "rank 1 stderr"]
+    assert all(len(s.strip().splitlines()) == 2 for s in sections), every.out  # the header and one line
+
+
+def test_cancel_a_running_job(place: tuple[str, Path], tmp_path: Path) -> None:
+    site, root = place
+    script = root / "sleeper.py"
+    script.write_text(SLEEPER)
+    submitted = cli("submit", "--site", site, *storage_sets(root), "--", str(script))
+    assert submitted.code == 0, submitted.text
+    jid = job_id(submitted.out)
+    wait_for(lambda: state_of(jid) == "RUNNING", WAIT, f"job {jid} RUNNING in `hpcdist jobs`", poll=2)
+    wait_for(lambda: "sleeping now" in cli("logs", jid).out, WAIT, "the script's first line in `hpcdist logs`", poll=2)
+    if site == "local-slurm":  # accounting down: the running job's state still comes from squeue
+        fake = tmp_path / "bin"
+        fake.mkdir()
+        (fake / "sacct").write_text("#!/bin/sh\necho 'sacct: error: slurmdbd: connection refused' >&2\nexit 1\n")
+        (fake / "sacct").chmod(0o755)
+        down = cli("jobs", env={"PATH": f"{fake}:{os.environ['PATH']}"})
+        assert [r.split()[4] for r in down.out.splitlines() if r.startswith(jid)] == ["RUNNING"], down.text
+
+    cancelled = cli("cancel", jid)
+    assert cancelled.code == 0, cancelled.text
+    assert cancelled.out.strip() == f"cancelled job {jid} (sleeper) on site {site}"
+    wait_for(lambda: state_of(jid) == "CANCELLED", WAIT, f"job {jid} CANCELLED in `hpcdist jobs`", poll=2)
+    waited = cli("wait", jid)
+    assert waited.code == 1 and f"job {jid} finished: CANCELLED" in waited.out, waited.text
+    again = cli("cancel", jid)
+    assert again.out.strip() == f"job {jid} (sleeper) already ended: CANCELLED; nothing to cancel"
+
+
+def test_waiting_shows_the_training_step_without_a_terminal(place: tuple[str, Path], tokens: Path) -> None:  # noqa: F811
+    site, root = place
+    short = ["--set", "params.steps=60", "--set", "params.eval.every=30", "--set", "params.checkpoint.every=30"]
+    result = train(root, tokens, *short, site=site, timeout=WAIT)
+    assert result.code == 0, result.text
+    jid = job_id(result.out)
+    lines = [ln for ln in result.out.splitlines() if ln.startswith(f"job {jid} (train_gpt): ")]
+    assert lines[-1].startswith(f"job {jid} (train_gpt): COMPLETED "), result.out
+    steps = [ln for ln in lines if re.search(r"  train step \d+/60  loss \d+\.\d{4}  lr [\d.e+-]+  [\d,]+ tok/s", ln)]
+    assert steps, result.out
+    assert f"job {jid} finished: COMPLETED; 2/2 ranks succeeded" in result.out
+
+
+def test_waiting_shows_why_a_slurm_job_is_pending(slurm_storage: Path) -> None:
+    result = cli("submit", "jobs/smoke.yaml", "--site", "local-slurm", "--wait", "--set", "site.sbatch.begin=now+15",
+                 *storage_sets(slurm_storage))
+    assert result.code == 0, result.text
+    jid = job_id(result.out)
+    assert re.search(rf"^job {jid} \(smoke\): PENDING \d:\d\d:\d\d  waiting: BeginTime$", result.out, re.M), result.out
+    assert re.search(rf"^job {jid} \(smoke\): COMPLETED \d:\d\d:\d\d$", result.out, re.M), result.out
+
+
+@pytest.mark.parametrize("verb", ["logs", "wait", "cancel"])
+def test_unknown_job_id_is_one_clear_line(verb: str, job_index: Path) -> None:
+    result = cli(verb, "424242")
+    assert result.code == 2 and result.out == ""
+    assert result.err == (f"hpcdist: error: no job 424242 in the job index ({job_index / 'jobs'}); "
+                          f"`hpcdist jobs` lists the jobs submitted from here\n")
+
+
+def test_two_submits_at_once_both_land_in_the_index() -> None:
+    def record(i: int) -> jobindex.JobRecord:
+        return jobindex.JobRecord(
+            job_id=str(1000 + i), site="local", scheduler="local", name=f"j{i}", kind="smoke", spec_path="x.yaml",
+            submitted=float(i), host="h", tasks=2, nodes=1, folder="/f", stdout="/f/o%t", stderr="/f/e%t",
+            result="/r.h5", checkpoints="/c", spec={}, site_model={},
+        )
+
+    threads = [threading.Thread(target=jobindex._write, args=(record(i),)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.job_id for r in jobindex.records()] == [str(1000 + i) for i in range(16)]
+    assert jobindex.find("1003").name == "j3"
+    assert (jobindex.jobs_dir() / "local" / "1003.json").stat().st_mode & 0o077 == 0  # private to the user
+
+
+def test_progress_file_is_rank_0s_newest_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(progress, "_last_write", 0.0)
+    progress.start(tmp_path, is_main=True)
+    progress.report_progress("train", 5, 400, "loss 3.2100")
+    progress.report_progress("train", 6, 400, "loss 3.1000")  # within EVERY_S of the last write: skipped
+    assert progress.read_progress(tmp_path).text() == "train step 5/400  loss 3.2100"  # type: ignore[union-attr]
+    progress.report_progress("train", 400, 400, "loss 1.0000")  # the last step is always written
+    assert json.loads((tmp_path / "progress.json").read_text())["done"] == 400
+    progress.start(tmp_path, is_main=False)
+    progress.report_progress("train", 1, 400)  # not rank 0: nothing
+    assert progress.read_progress(tmp_path).done == 400  # type: ignore[union-attr]
+
+
+def test_status_line_prints_plain_lines_on_change_only(capsys: pytest.CaptureFixture[str]) -> None:
+    line = StatusLine(every_s=3600)
+    line.show("job 1: PENDING 0:00:01  waiting: Resources", "PENDING|waiting: Resources", urgent=True)
+    line.show("job 1: PENDING 0:00:02  waiting: Resources", "PENDING|waiting: Resources")  # elapsed only
+    line.show("job 1: RUNNING 0:00:03", "RUNNING|", urgent=True)
+    line.show("job 1: RUNNING 0:00:04  train step 1/4", "RUNNING|train step 1/4")  # within every_s
+    line.show("job 1: RUNNING 0:00:05  train step 2/4", "RUNNING|train step 2/4")
+    line.close()  # the newest line, not printed yet
+    assert capsys.readouterr().out.splitlines() == [
+        "job 1: PENDING 0:00:01  waiting: Resources",
+        "job 1: RUNNING 0:00:03",
+        "job 1: RUNNING 0:00:05  train step 2/4",
+    ]
+
+
+@pytest.mark.parametrize(("text", "seconds", "shown"), [
+    ("1:23", 83, "0:01:23"), ("01:02:03", 3723, "1:02:03"), ("2-01:02:03", 176523, "2-01:02:03"),
+    ("INVALID", None, "-"),
+])
+def test_slurm_durations(text: str, seconds: float | None, shown: str) -> None:
+    assert slurm_seconds(text) == seconds and hms(slurm_seconds(text)) == shown
