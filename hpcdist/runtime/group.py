@@ -25,6 +25,7 @@ from hpcdist.runtime.rankinfo import RankInfo
 from hpcdist.store.atomic import atomic_path
 
 if TYPE_CHECKING:
+    import torch
     import torch.distributed as dist
 
 _POLL_S = 0.05
@@ -221,15 +222,17 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def init_process_group(
-    store: dist.Store, info: RankInfo, backend: str, timeout: float
+    store: dist.Store, info: RankInfo, backend: str, timeout: float, device: torch.device | None = None
 ) -> None:
-    """torch.distributed's default group over `store`, bound to the local GPU under NCCL."""
+    """torch.distributed's default group over `store`; under NCCL bound to `device`, the rank's
+    device as ``hpcdist.runtime.device`` chose it (the bootstrap's), never re-derived here."""
     import torch
     import torch.distributed as dist
 
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
-        device = torch.device("cuda", info.local_rank)
+        if device is None or device.type != "cuda":
+            raise BootstrapError(f"rank {info.rank}: the nccl backend needs this rank's CUDA device, got {device}")
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
     dist.init_process_group(
