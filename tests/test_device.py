@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import torch
 
-from hpcdist.config import load_site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import BootstrapError
 from hpcdist.runtime import entry, group
@@ -38,7 +37,8 @@ def test_device_from_what_is_visible(env: dict[str, str], torch_sees: int, index
 
 
 def test_no_visible_device_is_a_bootstrap_error() -> None:
-    with pytest.raises(BootstrapError, match=r"no CUDA device is visible to local rank 1 \(CUDA_VISIBLE_DEVICES='', torch sees 0\)"):
+    seen = r"no CUDA device is visible to local rank 1 \(CUDA_VISIBLE_DEVICES='', torch sees 0\)"
+    with pytest.raises(BootstrapError, match=seen):
         cuda_index(1, {"CUDA_VISIBLE_DEVICES": ""}, 0)
 
 
@@ -58,7 +58,6 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 def test_the_bound_device_is_the_chosen_one(fake_cuda: dict[str, Any], env: dict[str, str], count: int,
                                             want: str) -> None:
     fake_cuda["count"] = count
-    site = load_site("local-slurm")
     spec = JobSpec.model_validate({"name": "t", "kind": "smoke", "backend": "nccl",
                                    "resources": {"nodes": 2, "tasks_per_node": 4, "gpus_per_node": 4}})
     info = RankInfo.from_env(env, hostname="gpu08")

@@ -208,7 +208,7 @@ def _check_out_failed(store: Any, ctx: JobContext, wait_s: float = 2.0) -> None:
 
     def check_out() -> None:
         try:
-            store.set(f"hpcdist/done/{ctx.rank}", "failed")
+            group.check_out(store, ctx.info, failed=True)
         except Exception:  # the store's server (rank 0) may be gone already
             pass
 
