@@ -136,6 +136,7 @@ def test_a_missing_rank_error_chains_the_store_timeout() -> None:
     key = f"77.0.{uuid.uuid4().hex[:8]}"
     _server, _ = group.open_store(info(0, 3), 5, rendezvous_dir=None, key=key)
     client, _ = group.open_store(info(1, 3), 5, rendezvous_dir=None, key=key)
-    with pytest.raises(BootstrapError, match=r"rank\(s\) 0, 2 of 3 did not join within 1 s \(this is rank 1 on h1\)") as caught:
+    missing = r"rank\(s\) 0, 2 of 3 did not join within 1 s \(this is rank 1 on h1\)"
+    with pytest.raises(BootstrapError, match=missing) as caught:
         group.check_in(client, info(1, 3), 1.0)
     assert caught.value.__cause__ is not None
