@@ -112,6 +112,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     failed = [o for o in outcomes if not o.ok]
     print(f"job {submission.job_id} finished: {finished.state.value}; "
           f"{len(outcomes) - len(failed)}/{len(outcomes)} ranks succeeded")
+    if finished.cause:
+        print(f"  cause: {finished.cause}")
     for o in outcomes:
         if o.ok:
             shown = {k: v for k, v in o.summary.items() if k not in ("rank", "timings")}
