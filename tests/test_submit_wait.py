@@ -4,6 +4,8 @@ ends the wait, with the first real error line of each rank's log."""
 
 from __future__ import annotations
 
+import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 from hpcdist.postmortem import StepRecord, ending, task_ends
 from hpcdist.submit import JobState, _first_error_line
 from tests.conftest import REPO, run_cli, storage_sets
+from tests.conftest_train import Background, wait_for
 from tests.test_slurm_spine import job_id, sacct_state
 
 RANKS = REPO / "tests" / "scripts" / "ranks.py"
@@ -120,3 +123,26 @@ def test_a_rank_killed_by_sigkill_is_named_with_its_host(slurm_storage: Path) ->
     rank0 = next(line for line in result.out.splitlines() if line.startswith("  rank 0: FAILED"))
     assert "Connection closed by peer" in rank0 and "the peer 10.251.0.12 is n2 (rank 1)" in rank0, rank0
     assert rank0.endswith("(after rank 1 on n2 was killed by SIGKILL)"), rank0
+
+
+def test_a_cancelled_job_is_said_to_be_cancelled(slurm_storage: Path) -> None:
+    """scancel while both ranks run: the summary says Slurm cancelled it (sacct), not the last
+    line each rank's log ended with."""
+    job = Background(["submit", "--site", "local-slurm", "--set", "resources.nodes=2", "--set",
+                      "resources.tasks_per_node=1", *storage_sets(slurm_storage), "--wait", "--", str(RANKS), "m",
+                      "sleep", "120"])
+    try:
+        logs = slurm_storage / "logs" / "ranks"
+        wait_for(lambda: sum("sleeping" in p.read_text() for p in logs.glob("*/*_log.out")) == 2, 180,
+                 "both ranks sleeping")
+        jid = next(p.name for p in logs.iterdir() if p.name.isdigit())
+        subprocess.run(["scancel", jid], check=True, timeout=30)
+        result = job.finish(timeout=120)
+    finally:
+        job.kill()
+    assert result.code == 1, result.text
+    assert f"job {jid} finished: CANCELLED; 0/2 ranks succeeded" in result.out, result.out
+    assert re.search(rf"  cause: .*cancelled \(by uid \d+\) \[sacct: {jid} CANCELLED by \d+", result.out), result.out
+    for rank in (0, 1):
+        line = next(ln for ln in result.out.splitlines() if ln.startswith(f"  rank {rank}: FAILED"))
+        assert "cancelled" in line or "SIGTERM" in line or "SIGKILL" in line, line
