@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import subprocess
+import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -140,3 +144,31 @@ def test_a_missing_rank_error_chains_the_store_timeout() -> None:
     with pytest.raises(BootstrapError, match=missing) as caught:
         group.check_in(client, info(1, 3), 1.0)
     assert caught.value.__cause__ is not None
+
+
+MPI_STUCK_RANK0 = """
+import time
+from mpi4py import MPI
+from hpcdist.runtime import group
+from hpcdist.runtime.rankinfo import RankInfo
+comm = MPI.COMM_WORLD
+me = RankInfo.from_env(__import__("os").environ)
+if comm.Get_rank() == 0:
+    time.sleep(60)  # stuck before publishing: never joins the broadcast
+else:
+    group._mpi_share(comm, None, me, 2.0)
+"""
+
+
+def test_an_endpoint_that_never_comes_over_mpi_aborts_the_job() -> None:
+    """Real `mpirun -n 2`: rank 0 never sends its endpoint; rank 1 stops waiting after the timeout,
+    logs why and aborts the MPI job (a broadcast cannot be cancelled, so it is not left behind)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+    t0 = time.monotonic()
+    proc = subprocess.run(["mpirun", "-n", "2", sys.executable, "-c", MPI_STUCK_RANK0], capture_output=True,
+                          text=True, timeout=50, env=env)
+    assert proc.returncode != 0
+    assert "rendezvous: no endpoint from rank 0 over MPI within 2 s (this is rank 1 on" in proc.stderr, proc.stderr
+    assert "aborting the MPI job" in proc.stderr and time.monotonic() - t0 < 40

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
 _POLL_S = 0.05
-_MPI_MESSAGE_BYTES = 4096  # rank 0's endpoint or error, as JSON, over MPI
+_MPI_MESSAGE_BYTES = 4096  # rank 0's endpoint or error (600 characters at most: 6 bytes each escaped), as JSON
 log = logging.getLogger("hpcdist")
 
 
@@ -165,7 +165,7 @@ def _mpi_rendezvous(
         addr = own_address(ifname, info.single_host)
         server = _store(addr, 0, info, timeout, True)
     except BaseException as exc:
-        _mpi_share(comm, {"error": cause_text(exc)[:1000], "host": info.hostname}, info, timeout)
+        _mpi_share(comm, {"error": cause_text(exc)[:500], "host": info.hostname[:100]}, info, timeout)
         raise
     _mpi_share(comm, {"addr": addr, "port": server.port}, info, timeout)
     return _prefixed(server, key), Endpoint(addr, server.port, "mpi")
