@@ -252,6 +252,8 @@ def _no_result(path: Path, state: JobState, rank: int, end: Ending | None) -> st
     task = end.tasks.get(rank) if end else None
     if end is not None and task is not None:
         first = "the first rank to end" if end.first == task else end.after(rank)
+        if task.how.startswith("exited"):  # its own log says why: keep that, add srun's word
+            return f"{_log_error(path, state)} ({task.how} on {task.host}, {first})"
         return f"{task.how} on {task.host} ({first}); no result"
     if end is not None and end.cause:
         return f"no result; the job ended: {end.cause}"

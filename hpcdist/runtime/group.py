@@ -247,13 +247,20 @@ def check_in(store: dist.Store, info: RankInfo, timeout: float) -> dict[int, str
             store.set("hpcdist/hosts", json.dumps(hosts))
         else:
             store.wait(["hpcdist/hosts"], timedelta(seconds=timeout))
-            hosts = list(json.loads(store.get("hpcdist/hosts")))
+            hosts = json.loads(store.get("hpcdist/hosts"))
+            if isinstance(hosts, dict):  # rank 0 gave up: it names the missing ranks to everyone
+                raise TimeoutError(f"rank 0 saw rank(s) {_ranks(hosts['missing'])} missing")
     except Exception as exc:  # the wait timed out, or rank 0 (the store's server) gave up or died
         missing = _missing(store, keys)
+        if info.is_main and missing is not None:
+            try:
+                store.set("hpcdist/hosts", json.dumps({"missing": missing}))
+            except Exception:  # noqa: BLE001 - best effort: the others time out on their own
+                pass
         if missing is None:
             raise BootstrapError(
-                f"rendezvous: rank 0's store closed before every rank had joined (this is rank "
-                f"{info.rank} on {info.hostname}; {cause_text(exc)}); see rank 0's log and the missing rank's"
+                f"rendezvous: rank(s) ? of {info.world_size} had not joined when rank 0's store closed "
+                f"(this is rank {info.rank} on {info.hostname}; {cause_text(exc)}); see rank 0's log"
             ) from exc
         raise BootstrapError(
             f"rendezvous: rank(s) {_ranks(missing) or 'none'} of {info.world_size} did not join within "
