@@ -1,7 +1,8 @@
 """One error base for hpcdist and one subclass per stage of a job's flow.
 
 The CLI prints any ``HpcdistError`` as one line (no traceback unless ``--debug``) and exits
-non-zero, so every message says what was wrong, the value seen, and what to do.
+non-zero, so every message says what was wrong, the value seen, and what to do; an error raised
+from another keeps it as its cause (`cause_text` for the one line, the chain for `--debug`).
 """
 
 
@@ -35,3 +36,11 @@ class CheckpointError(HpcdistError):
 
 class BenchmarkError(HpcdistError):
     """A benchmark cannot run as asked, or its result is below the site's minimum."""
+
+
+def cause_text(exc: BaseException) -> str:
+    """``Type: first line of its message`` (the type alone when it has none): the cause of a failure
+    kept inside a one-line error message; the full chain stays on ``__cause__`` for ``--debug``."""
+    text = str(exc).strip()
+    first = text.splitlines()[0].strip() if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

@@ -194,6 +194,8 @@ def print_finished(job_id: str, finished: Finished) -> int:
     failed = [o for o in outcomes if not o.ok]
     print(f"job {job_id} finished: {finished.state.value}; "
           f"{len(outcomes) - len(failed)}/{len(outcomes)} ranks succeeded")
+    if finished.cause:
+        print(f"  cause: {finished.cause}")
     for o in outcomes:
         if o.ok:
             shown = {k: v for k, v in o.summary.items() if k not in ("rank", "timings")}

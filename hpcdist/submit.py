@@ -26,6 +26,7 @@ from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import SubmitError
 from hpcdist.polling import poll_until
+from hpcdist.postmortem import Ending, accounting, ending
 from hpcdist.render import Origin, render, submitit_folder
 from hpcdist.store.atomic import storage_umask
 
@@ -299,6 +300,7 @@ class Finished:
 
     state: JobState
     outcomes: list[TaskOutcome]
+    cause: str = ""  # which rank and host went first and how, and Slurm's cause (cancelled, ...)
 
     @property
     def ok(self) -> bool:
@@ -321,8 +323,11 @@ def wait(
 
     Waiting ends on the scheduler's word (Slurm's accounting, or squeue), not on submitit's
     result files, which a job that dies early never writes. A rank without a result is
-    summarised by the first real error line of its log. ``timeout_s=None`` waits as long as the
-    scheduler says the job is not done. `on_poll` sees each state read (the live status line).
+    summarised by how srun saw it end (killed by a signal, its exit code) or else the first real
+    error line of its log; a failed job's ``cause`` names the rank and host that went first and
+    Slurm's word on the job (cancelled, node failure, out of memory; ``hpcdist.postmortem``).
+    ``timeout_s=None`` waits as long as the scheduler says the job is not done. `on_poll` sees
+    each state read (the live status line).
     """
     from submitit.core.utils import FailedJobError, UncompletedJobError
 
@@ -341,19 +346,43 @@ def wait(
         raise SubmitError(
             f"job {sub.job_id} did not finish within {timeout_s:g} s; it is still {job_state(sub).value}"
         )
+    end = _slurm_ending(sub) if sub.site.scheduler == "slurm" and state is not JobState.COMPLETED else None
     outcomes = []
     for rank in range(_tasks(sub.spec)):
         task = sub.job.task(rank)
         if not task.paths.result_pickle.exists():
-            outcomes.append(TaskOutcome(rank, False, error=_log_error(task.paths.stderr, state)))
+            outcomes.append(TaskOutcome(rank, False, error=_no_result(task.paths.stderr, state, rank, end)))
             continue
         try:
             outcomes.append(TaskOutcome(rank, True, summary=dict(task.result() or {})))
         except (FailedJobError, UncompletedJobError) as exc:
-            outcomes.append(TaskOutcome(rank, False, error=_first_error_line(str(exc))))
+            after = f" ({end.after(rank)})" if end and end.after(rank) else ""
+            outcomes.append(TaskOutcome(rank, False, error=_first_error_line(str(exc)) + after))
     if sub.site.scheduler != "slurm" and state is JobState.COMPLETED and not all(o.ok for o in outcomes):
         state = JobState.FAILED  # submitit's local controller says FINISHED whatever its ranks did
-    return Finished(state, outcomes)
+    return Finished(state, outcomes, end.headline() if end else "")
+
+
+def _slurm_ending(sub: Submission) -> Ending:
+    """srun's and slurmstepd's lines in the batch log, and Slurm's accounting of the job's steps."""
+    try:
+        batch_log = sub.log_paths[1].read_text(errors="replace")
+    except OSError:
+        batch_log = ""
+    return ending(batch_log, accounting(sub.job_id))
+
+
+def _no_result(path: Path, state: JobState, rank: int, end: Ending | None) -> str:
+    """Why a rank left no result: how srun saw it end, or the job's cause, or its log's first error."""
+    task = end.tasks.get(rank) if end else None
+    if end is not None and task is not None:
+        first = "the first rank to end" if end.first == task else end.after(rank)
+        if task.how.startswith("exited"):  # its own log says why: keep that, add srun's word
+            return f"{_log_error(path, state)} ({task.how} on {task.host}, {first})"
+        return f"{task.how} on {task.host} ({first}); no result"
+    if end is not None and end.cause:
+        return f"no result; the job ended: {end.cause}"
+    return _log_error(path, state)
 
 
 def _log_error(path: Path, state: JobState) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from hpcdist.bench.factors import algbw, bus_factor, busbw, counts, human_bytes, parse_size, sweep
@@ -69,3 +70,28 @@ def test_sweep_by_factor_and_by_step() -> None:
         sweep(64, 8)
     with pytest.raises(ValueError, match="positive"):
         sweep(0, 8)
+
+
+@pytest.mark.parametrize(("op", "busbw_gbps"), [
+    ("all_reduce", 0.75),  # algbw 0.5 x 2(4-1)/4
+    ("all_gather", 0.375),  # x (4-1)/4
+    ("reduce_scatter", 0.375),
+    ("all_to_all", 0.375),
+    ("broadcast", 0.5),  # x 1
+    ("reduce", 0.5),
+])
+def test_a_result_row_from_known_times_on_four_ranks(op: str, busbw_gbps: float) -> None:
+    """The stored row from four ranks' known iteration times: time averaged over iterations, then
+    over ranks (nccl-tests), 1 MB / 2 ms = 0.5 GB/s algbw, busbw by nccl-tests' factor for 4 ranks."""
+    from hpcdist.bench.measure import Local, summarize
+
+    per_rank_ms = ([1.0, 1.0], [2.0, 2.0], [3.0, 3.0], [1.0, 3.0])  # means 1, 2, 3, 2 ms: 2 ms overall
+    locals_ = [Local(np.array(ms) * 1e-3, wrong=0) for ms in per_rank_ms]
+    c = counts(op, 1_000_000, 4, 4)  # float32
+    row = summarize(op, c, False, locals_, [0, 1, 2, 3], ["h0", "h1", "h2", "h3"], 4, expected_gbps=1.0)
+    assert c.size_bytes == 1_000_000  # 250,000 float32 elements divide among 4 ranks
+    assert row["time_us"] == pytest.approx(2000.0)
+    assert row["algbw_gbps"] == pytest.approx(0.5)
+    assert row["busbw_gbps"] == pytest.approx(busbw_gbps)
+    assert row["fraction"] == pytest.approx(busbw_gbps)  # of the 1 GB/s expected
+    assert (row["slowest_rank"], row["slowest_host"], row["slowest_time_us"]) == (2, "h2", pytest.approx(3000.0))

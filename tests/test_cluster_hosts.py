@@ -165,24 +165,50 @@ def test_smoke_spans_both_hosts(separate_hosts: Path, launcher: str) -> None:
     assert endpoints == {socket.gethostbyname("n1")}, log[-2000:]
 
 
-def test_mpirun_outside_slurm_spans_both_hosts(separate_hosts: Path) -> None:
-    """`mpirun -H n1:2,n2:2` with no Slurm at all: Open MPI starts its daemons on the nodes
-    through a remote-shell agent (tests/node_rsh.sh stands in for ssh, which the nodes lack);
-    the node index comes from the hosts, so rank 0 publishes n1's address, not loopback."""
+def mpirun_smoke(storage: Path, hosts: str, ranks: int, *sets: str,
+                 timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    """The smoke job under `mpirun -H HOSTS -n RANKS` with no Slurm at all: Open MPI starts its
+    daemons on the nodes through a remote-shell agent (tests/node_rsh.sh stands in for ssh, which
+    the nodes lack). `sets`: more ``--set`` arguments."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
            "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "HPCDIST_RUN_ID": separate_hosts.name}
+           "HPCDIST_RUN_ID": storage.name}
     env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
-    proc = subprocess.run(
+    return subprocess.run(
         ["mpirun", "--mca", "plm_rsh_agent", str(Path(__file__).with_name("node_rsh.sh")), "--mca", "routed", "direct",
-         "-x", "PYTHONPATH", "-x", "HPCDIST_RUN_ID", "-H", "n1:2,n2:2", "-n", "4",
+         "-x", "PYTHONPATH", "-x", "HPCDIST_RUN_ID", "-H", hosts, "-n", str(ranks),
          sys.executable, "-m", "hpcdist.runtime.entry", "jobs/smoke.yaml", "--site", "local-slurm",
-         "--set", "resources.nodes=2", "--set", "params.mpi=true", *storage_sets(separate_hosts)],
-        capture_output=True, text=True, timeout=150, env=env, cwd=Path(__file__).resolve().parents[1],
+         "--set", "resources.nodes=2", "--set", "params.mpi=true", *sets, *storage_sets(storage)],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=Path(__file__).resolve().parents[1],
     )
+
+
+def test_mpirun_outside_slurm_spans_both_hosts(separate_hosts: Path) -> None:
+    """`mpirun -H n1:2,n2:2` with no Slurm at all: the node index comes from the hosts, so rank 0
+    publishes n1's address, not loopback."""
+    proc = mpirun_smoke(separate_hosts, "n1:2,n2:2", 4)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "'sum': 6.0" in proc.stdout and "'mpi_sum': 6" in proc.stdout, proc.stdout
     ready = re.findall(r"rank (\d)/4 \(local \d/2, node (\d)/(\d)\) on (n\d) via openmpi, .* endpoint ([\d.]+):",
                        proc.stderr)
     assert sorted(ready) == [("0", "0", "2", "n1", "10.251.0.11"), ("1", "0", "2", "n1", "10.251.0.11"),
                              ("2", "1", "2", "n2", "10.251.0.11"), ("3", "1", "2", "n2", "10.251.0.11")], proc.stderr
+
+
+def test_mpi_rendezvous_ends_when_rank0_fails_before_its_endpoint(separate_hosts: Path) -> None:
+    """Rank 0 on n1 cannot publish an endpoint (no such interface): it sends its error over MPI
+    instead, so rank 1 on n2 fails at once naming rank 0's cause (it waited in bcast forever)."""
+    t0 = time.monotonic()
+    try:
+        proc = mpirun_smoke(separate_hosts, "n1:1,n2:1", 2, "--set", "resources.tasks_per_node=1",
+                            "--set", "site.network.socket_ifname=nope0", "--set", "site.defaults.timeout_s=60",
+                            timeout=100)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"mpirun still running after {exc.timeout:g} s: rank 1 waits for an endpoint that never comes")
+    took = time.monotonic() - t0
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "network.socket_ifname 'nope0' has no IPv4 address on n1" in proc.stderr, proc.stderr[-3000:]
+    assert ("rendezvous: rank 0 on n1 failed before publishing its endpoint (BootstrapError: network.socket_ifname "
+            "'nope0' has no IPv4 address on n1") in proc.stderr, proc.stderr[-3000:]
+    assert "this is rank 1 on n2" in proc.stderr, proc.stderr[-3000:]
+    assert took < 45, took  # well inside the 60 s rendezvous timeout: nobody waited it out

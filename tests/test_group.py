@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import socket
+import subprocess
+import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
 from hpcdist.config import load_site
-from hpcdist.errors import BootstrapError, ConfigError
+from hpcdist.errors import BootstrapError, ConfigError, cause_text
 from hpcdist.runtime import group
 from hpcdist.runtime.rankinfo import RankInfo
 
@@ -89,3 +95,80 @@ def test_gloo_and_nccl_interface_follow_socket_ifname() -> None:
 def test_site_env_cannot_set_the_socket_interface() -> None:
     with pytest.raises(ConfigError, match=r"NCCL_SOCKET_IFNAME='ib0' is set from network.socket_ifname"):
         load_site("local-slurm", ["env.NCCL_SOCKET_IFNAME=ib0"])
+
+
+def test_check_in_store_requests_grow_linearly() -> None:
+    """At 32 ranks the old check-in (every rank polls every key) made over 1,000 requests; the
+    counter and one wait per rank make a handful per rank (benchmarks/checkin_scaling.py times it)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from benchmarks.checkin_scaling import new_check_in, one_run
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    for world in (8, 32):
+        _, requests = one_run(server, world, new_check_in, 30.0)  # checks every rank's host table
+        assert requests <= 4 * world + 2, (world, requests)
+
+
+def test_finish_names_the_ranks_that_never_checked_out(caplog: pytest.LogCaptureFixture,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(logging.getLogger("hpcdist"), "propagate", True)
+    me = info(0, 3)
+    store, _ = group.open_store(me, 5, rendezvous_dir=None, key=f"77.0.{uuid.uuid4().hex[:8]}")
+    group.check_out(store, info(2, 3), failed=True)  # rank 2 failed but said so; rank 1 is silent
+    with caplog.at_level(logging.WARNING, logger="hpcdist"):
+        assert group.finish(store, me, 0.5) == [1]
+    assert "check-out: rank(s) 1 of 3 did not check out within 0.5 s" in caplog.text
+
+
+def test_a_rendezvous_error_keeps_its_cause_in_one_line() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(BootstrapError) as caught:
+        group.open_store(info(1, 2, master_addr="127.0.0.1", master_port=port), 0.5, rendezvous_dir=None, key="k")
+    message = str(caught.value)
+    assert "rank 1 could not reach rank 0 at 127.0.0.1:" in message and "\n" not in message
+    assert caught.value.__cause__ is not None  # the chain `--debug` prints
+    assert cause_text(caught.value.__cause__) in message  # its type and first line, not the type alone
+    assert len(cause_text(caught.value.__cause__)) > len(type(caught.value.__cause__).__name__)
+
+
+def test_a_missing_rank_error_chains_the_store_timeout() -> None:
+    key = f"77.0.{uuid.uuid4().hex[:8]}"
+    _server, _ = group.open_store(info(0, 3), 5, rendezvous_dir=None, key=key)
+    client, _ = group.open_store(info(1, 3), 5, rendezvous_dir=None, key=key)
+    missing = r"rank\(s\) 0, 2 of 3 did not join within 1 s \(this is rank 1 on h1\)"
+    with pytest.raises(BootstrapError, match=missing) as caught:
+        group.check_in(client, info(1, 3), 1.0)
+    assert caught.value.__cause__ is not None
+
+
+MPI_STUCK_RANK0 = """
+import time
+from mpi4py import MPI
+from hpcdist.runtime import group
+from hpcdist.runtime.rankinfo import RankInfo
+comm = MPI.COMM_WORLD
+me = RankInfo.from_env(__import__("os").environ)
+if comm.Get_rank() == 0:
+    time.sleep(60)  # stuck before publishing: never joins the broadcast
+else:
+    group._mpi_share(comm, None, me, 2.0)
+"""
+
+
+def test_an_endpoint_that_never_comes_over_mpi_aborts_the_job() -> None:
+    """Real `mpirun -n 2`: rank 0 never sends its endpoint; rank 1 stops waiting after the timeout,
+    logs why and aborts the MPI job (a broadcast cannot be cancelled, so it is not left behind)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+    t0 = time.monotonic()
+    proc = subprocess.run(["mpirun", "-n", "2", sys.executable, "-c", MPI_STUCK_RANK0], capture_output=True,
+                          text=True, timeout=50, env=env)
+    assert proc.returncode != 0
+    assert "rendezvous: no endpoint from rank 0 over MPI within 2 s (this is rank 1 on" in proc.stderr, proc.stderr
+    assert "aborting the MPI job" in proc.stderr and time.monotonic() - t0 < 40

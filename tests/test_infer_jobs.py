@@ -4,6 +4,7 @@ jobs run on the local site and across two Slurm nodes, results are readable and 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from hpcdist.config import load_site
 from hpcdist.errors import ConfigError
 from hpcdist.infer.report import render_infer_report
 from hpcdist.jobs.registry import load_job
+from hpcdist.store.directory import checkpoint_name, write_pointer
 from hpcdist.store.results import read_attrs, read_table
 from tests.conftest import require_slurm
 from tests.conftest_infer import TINY, make_checkpoint
@@ -81,8 +83,8 @@ def test_empty_prompt_file_and_too_long_prompt(setup: dict[str, Path]) -> None:
         load_job(JOB, site, [f"params.prompts={long}"])
 
 
-def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def _cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run([sys.executable, "-m", "hpcdist.cli", *args], cwd=REPO, env=env, text=True,
                           capture_output=True, timeout=timeout)
 
@@ -118,6 +120,28 @@ def test_infer_runs_on_the_local_site_and_report_shows_it(setup: dict[str, Path]
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (path,) = (setup["root"] / "results" / "infer_gpt").glob("*.h5")
     _check_result(path, world=2, tp=2, n_prompts=3)
+
+
+@pytest.mark.parametrize("load", ["broadcast", "shard"])
+def test_every_rank_loads_the_step_rank0_resolved_while_training_commits(setup: dict[str, Path], load: str) -> None:
+    """A training job commits a newer step right after each read of `latest` (a hook stands in
+    for it, deterministically): each rank resolving `latest` itself would load a different step
+    (broadcast: the received weights fail the other step's checksums; shard: a silent mix)."""
+    ckdir = setup["root"] / "checkpoints" / "train_gpt"
+    for step in range(4, 8):
+        make_checkpoint(ckdir, seed=step, step=step)
+    write_pointer(ckdir, checkpoint_name(3))
+    hook = REPO / "tests" / "scripts" / "commit_on_resolve"
+    sets = [f"--set=site.{s}" for s in _storage(setup["root"])]
+    proc = _cli("submit", str(JOB), "--site", "local", "--wait", *sets, f"--set=params.prompts={setup['prompts']}",
+                "--set=params.max_new_tokens=4", f"--set=params.load={load}",
+                env={"PYTHONPATH": f"{hook}{os.pathsep}{REPO}", "HPCDIST_TEST_COMMIT_ON_RESOLVE": str(ckdir)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    logs = "".join(p.read_text() for p in (setup["root"] / "logs" / "infer_gpt").glob("*/*_log.err"))
+    loaded = re.findall(rf"\[rank (\d)/2 [^]]*\] INFO weights loaded by {load} .* from (\S+)", logs)
+    assert sorted(r for r, _ in loaded) == ["0", "1"], logs[-3000:]
+    assert len({path for _, path in loaded}) == 1, loaded
+    assert (ckdir / "latest").read_text().strip() != Path(loaded[0][1]).name  # commits did arrive meanwhile
 
 
 def test_broadcast_job_delivers_every_byte(tmp_path: Path) -> None:

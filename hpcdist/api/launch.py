@@ -84,7 +84,7 @@ def from_job(job: JobContext, checkpoint_dir: str | Path | None, keep_last: int 
 
     own = not dist.is_initialized()
     if own:
-        group.init_process_group(job.store, job.info, job.backend, job.timeout_s)
+        group.init_process_group(job.store, job.info, job.backend, job.timeout_s, job.device)
     return Context(
         info=job.info, device=job.device, backend=job.backend, timeout_s=job.timeout_s, name=job.spec.name,
         job_id=job.job_id, checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else job.checkpoint_dir,
@@ -114,6 +114,7 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
 
     from hpcdist.config.site import under
     from hpcdist.runtime import group
+    from hpcdist.runtime.device import cuda_index
     from hpcdist.runtime.rankinfo import RankInfo
     env = dict(os.environ)
     info = RankInfo.from_env(env)
@@ -123,7 +124,8 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
     timeout = timeout_s or (site.defaults.timeout_s if site else DEFAULT_TIMEOUT_S)
     name = name or Path(sys.argv[0]).stem or "python"
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", info.local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    device = torch.device("cuda", cuda_index(info.local_rank, env, torch.cuda.device_count())) if cuda else (
+        torch.device("cpu"))
     backend = "nccl" if cuda else "gloo"
     store, own = None, not dist.is_initialized()
     if own:
@@ -140,7 +142,7 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
             )
             group.check_in(store, info, timeout)
             group.forget_endpoint(rendezvous_dir, key, info)
-            group.init_process_group(store, info, backend, timeout)
+            group.init_process_group(store, info, backend, timeout, device)
     job_id = info.job_id or env.get("TORCHELASTIC_RUN_ID") or "local"
     storage = site.storage if site else None
     ckpt = Path(checkpoint_dir) if checkpoint_dir else under(

@@ -1,6 +1,8 @@
 """The runners of ``infer_gpt`` and ``broadcast``, called on every rank with a JobContext.
 
-``infer_gpt``: every rank checks the spec against the checkpoint header and prompts (same
+``infer_gpt``: rank 0 resolves the checkpoint (a directory's ``latest``) to one file and every
+rank uses that file, so a training job committing meanwhile cannot give ranks different steps;
+every rank checks the spec against its header and prompts (same
 answer everywhere, so a bad input fails all ranks at once, before any weight moves); ranks
 form tensor-parallel groups of ``tp`` consecutive ranks (data-parallel across groups); weights
 arrive by broadcast from rank 0 or by per-rank shard reads; each group generates for its share
@@ -17,16 +19,17 @@ import torch
 import torch.distributed as dist
 
 from hpcdist.bench.factors import algbw
-from hpcdist.errors import BenchmarkError, CheckpointError, JobError
+from hpcdist.errors import BenchmarkError, CheckpointError, HpcdistError, JobError
 from hpcdist.infer import metrics
 from hpcdist.infer.broadcast import broadcast_state, describe, flat_buffer, in_buffer, iteration_figures
 from hpcdist.infer.generate import Sampling, generate
-from hpcdist.infer.jobs import BroadcastParams, InferParams, inspect, problems_text
+from hpcdist.infer.jobs import BroadcastParams, InferParams, inspect, locate_checkpoint, problems_text
 from hpcdist.infer.shard_load import read_shard, shard_state
 from hpcdist.infer.tp import TPGPT, TPGroup
 from hpcdist.model.checkpoint import CheckpointHeader, read_full
 from hpcdist.model.checkpoint import parameter_shapes as expected_shapes
 from hpcdist.progress import report_progress
+from hpcdist.store.discovery import resolve
 from hpcdist.store.tree import sha256_of
 
 if TYPE_CHECKING:
@@ -52,6 +55,21 @@ def _agree(ctx: JobContext, local: Any) -> list[Any]:
     box: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(box, local)
     return box
+
+
+def agree_on_checkpoint(ctx: JobContext, params: InferParams) -> InferParams:
+    """`params` with the checkpoint as the one file rank 0 resolved (a directory's ``latest``
+    read once, on rank 0) and broadcast; rank 0's error, if any, fails every rank alike."""
+    found: list[Any] = [None, None]  # the file, or rank 0's error
+    if ctx.is_main:
+        try:
+            found[0] = str(resolve(locate_checkpoint(params.checkpoint, ctx.site)))
+        except HpcdistError as exc:
+            found[1] = str(exc)
+    dist.broadcast_object_list(found, src=0, device=ctx.device if ctx.device.type == "cuda" else None)
+    if found[1] is not None:
+        raise JobError(f"infer_gpt cannot start: {problems_text([('params.checkpoint', params.checkpoint, found[1])])}")
+    return params.model_copy(update={"checkpoint": found[0]})
 
 
 def load_broadcast(
@@ -112,6 +130,7 @@ def load_shards(
 
 
 def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
+    params = agree_on_checkpoint(ctx, params)
     header, prompts, problems, tokenizer, end_token = inspect(params, ctx.site, ctx.world_size)
     if problems or header is None or prompts is None:
         raise JobError(f"infer_gpt cannot start: {problems_text(problems)}")
@@ -129,7 +148,8 @@ def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
     model.load_shard(shard)
     del shard
     load_s = time.perf_counter() - t_load
-    ctx.log.info("weights loaded by %s in %.3f s (%s bytes)", load["method"], load_s, load["bytes"])
+    ctx.log.info("weights loaded by %s in %.3f s (%s bytes) from %s", load["method"], load_s, load["bytes"],
+                 header.path)
 
     sampling = Sampling(
         max_new_tokens=params.max_new_tokens,

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpcdist.errors import JobError
 from hpcdist.jobs.python import PythonParams, cwd_on_path
+from hpcdist.runtime.reach import peer_named
 from hpcdist.runtime.requeue import Requeued
 
 if TYPE_CHECKING:
@@ -91,7 +92,9 @@ def run(ctx: JobContext, params: PythonParams) -> dict[str, Any]:
         raise
     except Exception as exc:
         traceback.print_exc()
-        error = JobError(f"{where}: {params.target} raised {type(exc).__name__}: {_first_line(exc)}")
+        peer = peer_named(str(exc), ctx.hosts)
+        error = JobError(f"{where}: {params.target} raised {type(exc).__name__}: {_first_line(exc)}"
+                         + (f" ({peer})" if peer else ""))
         watchdog.fail(str(error))
         raise error from exc
     finally:

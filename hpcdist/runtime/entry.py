@@ -23,6 +23,7 @@ from hpcdist.errors import BootstrapError, HpcdistError
 from hpcdist.jobs.registry import Job, resolve
 from hpcdist.runtime import group, requeue
 from hpcdist.runtime.context import JobContext
+from hpcdist.runtime.device import cuda_index, visible_entries
 from hpcdist.runtime.rankinfo import RankInfo
 
 log = logging.getLogger("hpcdist")
@@ -57,14 +58,12 @@ def choose_backend(spec: JobSpec, info: RankInfo, env: Mapping[str, str]) -> tup
         )
     if spec.backend == "gloo" or (spec.backend == "auto" and not (wants_gpu and gpus)):
         return "gloo", torch.device("cpu")
-    if gpus == 1:
-        return "nccl", torch.device("cuda", 0)  # the scheduler bound one GPU to this task
-    if info.local_rank >= gpus or info.local_world_size > gpus:
+    if not visible_entries(env) and info.local_world_size > gpus:  # every rank sees every GPU
         raise BootstrapError(
             f"{info.local_world_size} ranks on {info.hostname} but only {gpus} GPUs visible: "
             f"two ranks would share a GPU; set tasks_per_node to the GPUs per node"
         )
-    return "nccl", torch.device("cuda", info.local_rank)
+    return "nccl", torch.device("cuda", cuda_index(info.local_rank, env, gpus))
 
 
 def _check_gpu_sharing(ctx: JobContext) -> None:
@@ -135,7 +134,7 @@ def bootstrap(job: Job[Any], site: Site, env: Mapping[str, str] | None = None) -
     timings["rendezvous"] = time.perf_counter() - t
     if job.makes_group:
         t = time.perf_counter()
-        group.init_process_group(store, info, backend, timeout)
+        group.init_process_group(store, info, backend, timeout, device)
         timings["init_process_group"] = time.perf_counter() - t
     timings["launch_to_ready"] = time.time() - launch
     ctx = JobContext(
@@ -214,7 +213,7 @@ def _check_out_failed(store: Any, ctx: JobContext, wait_s: float = 2.0) -> None:
 
     def check_out() -> None:
         try:
-            store.set(f"hpcdist/done/{ctx.rank}", "failed")
+            group.check_out(store, ctx.info, failed=True)
         except Exception:  # the store's server (rank 0) may be gone already
             pass
 

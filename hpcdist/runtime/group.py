@@ -1,15 +1,18 @@
 """From rank facts to a torch.distributed process group, with no hang and no name lookup.
 
 Rank 0 opens a TCPStore on a free port (so two jobs sharing a node never collide) and
-publishes ``address:port``: over MPI when mpi4py is up, else in a file on shared storage, else
-(no shared directory) on the first host of the node list with a port derived from the job id.
-Every rank then checks in; a rank that does not arrive within the timeout is named in the error
-that every other rank raises.
+publishes ``address:port``: over MPI when mpi4py is up (or its error, so no rank waits for an
+endpoint that will never come), else in a file on shared storage, else (no shared directory) on
+the first host of the node list with a port derived from the job id.
+Every rank then checks in: a counter and one blocking wait per rank, so store requests grow
+linearly with the ranks; a rank that does not arrive within the timeout is named in the error
+that every other rank raises. Every wait here has the job's finite timeout.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import zlib
@@ -20,15 +23,18 @@ from typing import TYPE_CHECKING, Any
 
 from hpcdist.config.contract import LAUNCH_ID_VAR
 from hpcdist.config.site import SOCKET_IFNAME_VARS, under
-from hpcdist.errors import BootstrapError
+from hpcdist.errors import BootstrapError, cause_text
 from hpcdist.polling import poll_until
 from hpcdist.runtime.rankinfo import RankInfo
 from hpcdist.store.atomic import atomic_path
 
 if TYPE_CHECKING:
+    import torch
     import torch.distributed as dist
 
 _POLL_S = 0.05
+_MPI_MESSAGE_BYTES = 4096  # rank 0's endpoint or error (600 characters at most: 6 bytes each escaped), as JSON
+log = logging.getLogger("hpcdist")
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,7 @@ def _interface_address(ifname: str) -> str:
             raise BootstrapError(
                 f"network.socket_ifname {ifname!r} has no IPv4 address on {socket.gethostname()} "
                 f"({exc.strerror}); set it to an interface listed by `ip addr`"
-            ) from None
+            ) from exc
     return socket.inet_ntoa(packed[20:24])
 
 
@@ -109,10 +115,10 @@ def _store(addr: str, port: int, info: RankInfo, timeout: float, is_master: bool
         )
     except Exception as exc:  # torch raises DistNetworkError / RuntimeError variants
         if is_master:
-            raise BootstrapError(f"rendezvous: rank 0 cannot listen on {addr}:{port}: {exc}") from exc
+            raise BootstrapError(f"rendezvous: rank 0 cannot listen on {addr}:{port}: {cause_text(exc)}") from exc
         raise BootstrapError(
             f"rendezvous: rank {info.rank} could not reach rank 0 at {addr}:{port} within "
-            f"{timeout:g} s ({type(exc).__name__}); rank 0 may have died or never started"
+            f"{timeout:g} s ({cause_text(exc)}); rank 0 may have died or never started"
         ) from exc
 
 
@@ -134,16 +140,7 @@ def open_store(
         store = _store(info.master_addr, info.master_port, info, timeout, is_master)
         return _prefixed(store, key), Endpoint(info.master_addr, info.master_port, "env")
     if mpi_comm is not None:
-        server = None
-        published: Endpoint | None = None
-        if info.is_main:
-            addr = own_address(ifname, single_node)
-            server = _store(addr, 0, info, timeout, True)
-            published = Endpoint(addr, server.port, "mpi")
-        published = mpi_comm.bcast(published, root=0)
-        assert published is not None
-        client = server or _store(published.addr, published.port, info, timeout, False)
-        return _prefixed(client, key), published
+        return _mpi_rendezvous(mpi_comm, info, timeout, key, ifname)
     if rendezvous_dir is not None:
         path = endpoint_file(rendezvous_dir, key)
         if info.is_main:
@@ -167,6 +164,52 @@ def open_store(
     return _prefixed(store, key), Endpoint(addr, port, "hostlist")
 
 
+def _mpi_rendezvous(
+    comm: Any, info: RankInfo, timeout: float, key: str, ifname: str | None
+) -> tuple[dist.Store, Endpoint]:
+    """Rank 0 serves the store and sends every rank its endpoint, or its error, over MPI."""
+    if not info.is_main:
+        got = _mpi_share(comm, None, info, timeout)
+        if "error" in got:
+            raise BootstrapError(
+                f"rendezvous: rank 0 on {got.get('host', '?')} failed before publishing its endpoint "
+                f"({got['error']}); this is rank {info.rank} on {info.hostname}: see rank 0's log"
+            )
+        endpoint = Endpoint(str(got["addr"]), int(got["port"]), "mpi")
+        return _prefixed(_store(endpoint.addr, endpoint.port, info, timeout, False), key), endpoint
+    try:
+        addr = own_address(ifname, info.single_host)
+        server = _store(addr, 0, info, timeout, True)
+    except BaseException as exc:
+        _mpi_share(comm, {"error": cause_text(exc)[:500], "host": info.hostname[:100]}, info, timeout)
+        raise
+    _mpi_share(comm, {"addr": addr, "port": server.port}, info, timeout)
+    return _prefixed(server, key), Endpoint(addr, server.port, "mpi")
+
+
+def _mpi_share(comm: Any, message: dict[str, Any] | None, info: RankInfo, timeout: float) -> dict[str, Any]:
+    """Rank 0's `message` on every rank (a non-blocking broadcast polled against `timeout`).
+
+    A broadcast that does not complete in time cannot be cancelled, and a process left inside
+    it would hang in MPI_Finalize: the error is logged and the whole MPI job is aborted.
+    """
+    from mpi4py import MPI
+
+    buf = bytearray(_MPI_MESSAGE_BYTES)
+    if message is not None:
+        data = json.dumps(message).encode()
+        buf[: len(data)] = data
+    request = comm.Ibcast([buf, MPI.BYTE], root=0)
+    if poll_until(lambda: True if request.Test() else None, timeout, _POLL_S) is None:
+        log.error(
+            "rendezvous: no endpoint from rank 0 over MPI within %g s (this is rank %d on %s); rank 0 is "
+            "stuck or gone; aborting the MPI job", timeout, info.rank, info.hostname,
+        )
+        logging.shutdown()
+        comm.Abort(1)
+    return dict(json.loads(bytes(buf).rstrip(b"\0")))
+
+
 def _prefixed(store: dist.Store, key: str) -> dist.Store:
     """Keys of this launch only: a torchrun restart or a requeue starts on a clean namespace."""
     import torch.distributed as dist
@@ -177,11 +220,11 @@ def _prefixed(store: dist.Store, key: str) -> dist.Store:
 def _resolve(host: str) -> str:
     try:
         return socket.gethostbyname(host)
-    except OSError:
+    except OSError as exc:
         raise BootstrapError(
-            f"rendezvous: first host {host!r} does not resolve and no other way to find rank 0 "
-            f"was available; set storage.scratch on shared storage or launch with MPI"
-        ) from None
+            f"rendezvous: first host {host!r} does not resolve ({cause_text(exc)}) and no other way to "
+            f"find rank 0 was available; set storage.scratch on shared storage or launch with MPI"
+        ) from exc
 
 
 def _wait_for_file(path: Path, timeout: float, info: RankInfo) -> dict[str, Any]:
@@ -205,31 +248,61 @@ def _read_endpoint(path: Path) -> dict[str, Any] | None:
 def check_in(store: dist.Store, info: RankInfo, timeout: float) -> dict[int, str]:
     """Every rank announces itself and waits for all others; returns rank -> host.
 
+    Requests grow linearly with the ranks: each rank sets its key and bumps a counter; the last
+    to arrive marks the roll complete; rank 0 then reads every key in one request and publishes
+    the host table, which every other rank waits for (one blocking wait, no polling).
     A rank missing after `timeout` is named in the error every waiting rank raises.
     """
     store.set(f"hpcdist/join/{info.rank}", info.hostname)
-    keys = [f"hpcdist/join/{r}" for r in range(info.world_size)]
-    missing = list(range(info.world_size))
-
-    def all_joined() -> bool | None:
-        nonlocal missing
-        try:
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        except Exception as exc:  # rank 0 (the store's server) gave up or died
+    _count_in(store, "hpcdist/joined", info.world_size)
+    keys = _rank_keys("hpcdist/join", info.world_size)
+    try:
+        if info.is_main:
+            store.wait(["hpcdist/joined/all"], timedelta(seconds=timeout))
+            hosts = [v.decode() for v in store.multi_get(keys)]
+            store.set("hpcdist/hosts", json.dumps(hosts))
+        else:
+            store.wait(["hpcdist/hosts"], timedelta(seconds=timeout))
+            hosts = json.loads(store.get("hpcdist/hosts"))
+            if isinstance(hosts, dict):  # rank 0 gave up: it names the missing ranks to everyone
+                raise TimeoutError(f"rank 0 saw rank(s) {_ranks(hosts['missing'])} missing")
+    except Exception as exc:  # the wait timed out, or rank 0 (the store's server) gave up or died
+        missing = _missing(store, keys)
+        if info.is_main and missing is not None:
+            try:
+                store.set("hpcdist/hosts", json.dumps({"missing": missing}))
+            except Exception:  # noqa: BLE001 - best effort: the others time out on their own
+                pass
+        if missing is None:
             raise BootstrapError(
-                f"rendezvous: rank(s) {_ranks(missing)} of {info.world_size} had not joined when rank 0's "
-                f"store closed (this is rank {info.rank} on {info.hostname}; {type(exc).__name__}); "
-                f"see the missing rank's log"
-            ) from None
-        return True if not missing else None
-
-    if poll_until(all_joined, timeout, _POLL_S) is None:
+                f"rendezvous: rank(s) ? of {info.world_size} had not joined when rank 0's store closed "
+                f"(this is rank {info.rank} on {info.hostname}; {cause_text(exc)}); see rank 0's log"
+            ) from exc
         raise BootstrapError(
-            f"rendezvous: rank(s) {_ranks(missing)} of {info.world_size} did not join within "
+            f"rendezvous: rank(s) {_ranks(missing) or 'none'} of {info.world_size} did not join within "
             f"{timeout:g} s (this is rank {info.rank} on {info.hostname}); the missing rank "
             f"died or was never started: see its log"
-        )
-    return {r: store.get(k).decode() for r, k in enumerate(keys)}
+        ) from exc
+    return dict(enumerate(hosts))
+
+
+def _rank_keys(prefix: str, world_size: int) -> list[str]:
+    return [f"{prefix}/{r}" for r in range(world_size)]
+
+
+def _count_in(store: dist.Store, counter: str, world_size: int) -> None:
+    """Add this rank to `counter`; the rank that completes it sets ``<counter>/all`` for the waiters."""
+    if store.add(counter, 1) == world_size:
+        store.set(f"{counter}/all", "1")
+
+
+def _missing(store: dist.Store, keys: list[str]) -> list[int] | None:
+    """The ranks whose key is absent (one request per rank: only after a failed wait); None when
+    the store itself no longer answers."""
+    try:
+        return [r for r, k in enumerate(keys) if not store.check([k])]
+    except Exception:  # noqa: BLE001 - the server is gone: any error means the same
+        return None
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -237,15 +310,17 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def init_process_group(
-    store: dist.Store, info: RankInfo, backend: str, timeout: float
+    store: dist.Store, info: RankInfo, backend: str, timeout: float, device: torch.device | None = None
 ) -> None:
-    """torch.distributed's default group over `store`, bound to the local GPU under NCCL."""
+    """torch.distributed's default group over `store`; under NCCL bound to `device`, the rank's
+    device as ``hpcdist.runtime.device`` chose it (the bootstrap's), never re-derived here."""
     import torch
     import torch.distributed as dist
 
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
-        device = torch.device("cuda", info.local_rank)
+        if device is None or device.type != "cuda":
+            raise BootstrapError(f"rank {info.rank}: the nccl backend needs this rank's CUDA device, got {device}")
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
     dist.init_process_group(
@@ -258,10 +333,29 @@ def init_process_group(
     )
 
 
-def finish(store: dist.Store, info: RankInfo, timeout: float) -> None:
-    """A last check-out so rank 0 (the store's server) leaves only after every rank is done."""
-    store.set(f"hpcdist/done/{info.rank}", "1")
-    if info.is_main:
-        keys = [f"hpcdist/done/{r}" for r in range(info.world_size)]
-        # Past the timeout rank 0 leaves anyway: the job's work is done, only the farewell is late.
-        poll_until(lambda: True if all(store.check([k]) for k in keys) else None, timeout, _POLL_S)
+def check_out(store: dist.Store, info: RankInfo, failed: bool = False) -> None:
+    """This rank is done (or failed: it will not finish), so rank 0 need not wait for it."""
+    store.set(f"hpcdist/done/{info.rank}", "failed" if failed else "1")
+    _count_in(store, "hpcdist/done", info.world_size)
+
+
+def finish(store: dist.Store, info: RankInfo, timeout: float) -> list[int]:
+    """A last check-out so rank 0 (the store's server) leaves only after every rank is done.
+
+    Past the timeout rank 0 leaves anyway, since the job's work is done and only the farewell is
+    late, but says so: a warning names the ranks that never checked out, which are returned.
+    """
+    check_out(store, info)
+    if not info.is_main:
+        return []
+    try:
+        store.wait(["hpcdist/done/all"], timedelta(seconds=timeout))
+        return []
+    except Exception as exc:  # noqa: BLE001 - timed out (the server is this process)
+        missing = _missing(store, _rank_keys("hpcdist/done", info.world_size)) or []
+        log.warning(
+            "check-out: rank(s) %s of %d did not check out within %g s (%s); rank 0 leaves anyway, "
+            "their store connections close now: see their logs", _ranks(missing) or "?", info.world_size,
+            timeout, cause_text(exc),
+        )
+        return missing

@@ -4,14 +4,20 @@ A gloo or NCCL time-out says only that a receive timed out. Each rank that catch
 failure answers a short roll call over the rendezvous store (a separate TCP connection to rank
 0, not the failed group), waits a few seconds for the others, and names the nodes whose ranks
 never answered; a rank that cannot reach the store at all names rank 0's node, which serves it.
+A transport error that quotes a peer's address ("Connection closed by peer [10.0.0.12]:4711")
+also gets the rank(s) and node behind that address.
 """
 
 from __future__ import annotations
 
+import re
+import socket
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from hpcdist.errors import cause_text
 
 ROLL_CALL_S = 5.0
 
@@ -62,9 +68,37 @@ def roll_call(rank: int, host_of_rank: Sequence[str], wait_s: float = ROLL_CALL_
     return f"no answer within {wait_s:g} s from {named}: the link to {', '.join(by_node)} is down or its ranks are gone"
 
 
+_PEER = re.compile(r"\[?\b(\d{1,3}(?:\.\d{1,3}){3})\]?:\d+")
+
+
+def peer_named(text: str, host_of_rank: Sequence[str]) -> str:
+    """"the peer 10.0.0.12 is n2 (rank 1)" for each address quoted in `text` that is one of the
+    job's nodes (names resolved here, on the failure path only); "" when none is."""
+    quoted = list(dict.fromkeys(_PEER.findall(text)))
+    if not quoted:
+        return ""
+    by_addr: dict[str, list[int]] = {}
+    addr_of: dict[str, str] = {}
+    for r, host in enumerate(host_of_rank):
+        if host not in addr_of:
+            try:
+                addr_of[host] = socket.gethostbyname(host)
+            except OSError:
+                addr_of[host] = ""
+        by_addr.setdefault(addr_of[host], []).append(r)
+    named = []
+    for addr in quoted:
+        ranks = by_addr.get(addr)
+        if ranks:
+            which = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+            named.append(f"the peer {addr} is {host_of_rank[ranks[0]]} ({which})")
+    return "; ".join(named)
+
+
 def failure_message(what: str, rank: int, host_of_rank: Sequence[str], exc: BaseException) -> str:
-    """`what` failed on this rank: the cause's first line and the nodes that stopped answering."""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    """`what` failed on this rank: the cause's first line, the peer it names, and the nodes that
+    stopped answering."""
+    peer = peer_named(str(exc), host_of_rank)
     gone = roll_call(rank, host_of_rank)
-    return (f"{what} failed on rank {rank} ({host_of_rank[rank]}): {type(exc).__name__}: {first}"
-            + (f"; {gone}" if gone else ""))
+    return (f"{what} failed on rank {rank} ({host_of_rank[rank]}): {cause_text(exc)}"
+            + (f"; {peer}" if peer else "") + (f"; {gone}" if gone else ""))

@@ -1,10 +1,14 @@
 """A torchrun-style test script: prints its marker and torchrun's variables, then joins the group.
 
-`ranks.py MARKER [exit RANK CODE | raise RANK]`: rank RANK then exits with CODE, or raises.
+`ranks.py MARKER [exit RANK CODE | raise RANK | kill RANK | sleep SECONDS]`: rank RANK then exits
+with CODE, or raises, or (once the group is up, so its peers are left in a collective) kills itself
+with SIGKILL; or every rank sleeps SECONDS once the group is up (to be cancelled meanwhile).
 """
 
 import os
+import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -18,6 +22,12 @@ if sys.argv[2:3] == ["exit"] and rank == int(sys.argv[3]):
 if sys.argv[2:3] == ["raise"] and rank == int(sys.argv[3]):
     raise ValueError(f"bad value on rank {rank}")
 dist.init_process_group("gloo")
+if sys.argv[2:3] == ["kill"] and rank == int(sys.argv[3]):
+    time.sleep(1.0)  # the others are in the all_reduce below by now
+    os.kill(os.getpid(), signal.SIGKILL)
+if sys.argv[2:3] == ["sleep"]:
+    print("sleeping", flush=True)
+    time.sleep(float(sys.argv[3]))
 t = torch.tensor([float(dist.get_rank())])
 dist.all_reduce(t)
 print(f"sum {t.item():g}", flush=True)

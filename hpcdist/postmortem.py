@@ -1,0 +1,181 @@
+"""How a Slurm job ended, and which rank and host went first: from Slurm's accounting and the logs.
+
+A rank killed by a signal writes nothing about it, so its own log ends on whatever it last
+logged; the ranks that survive it report their transport's complaint ("Connection closed by
+peer"). What did happen is known to Slurm: sacct's steps (State, ExitCode ``code:signal``,
+DerivedExitCode, NodeList) and the lines srun and slurmstepd write into the batch log
+(``srun: error: n2: task 1: Killed``, ``*** STEP 7.0 ON n1 CANCELLED AT ... DUE TO NODE FAILURE ***``,
+``Detected 1 oom_kill event``), in the order things happened. The parsers are pure functions of
+that text; ``accounting`` is the one sacct call. Standard library only (the submit side).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass
+
+from hpcdist.runtime.hostlist import expand_hostlist
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One sacct line: the job, its batch/extern steps or a numbered step."""
+
+    step: str  # "707", "707.batch", "707.0"
+    state: str  # sacct's words, e.g. "CANCELLED by 0"
+    exit_code: str  # "code:signal"
+    derived: str
+    nodes: str
+
+    @property
+    def signal(self) -> int:
+        """The signal that ended the step's process (0: none), from ExitCode's second field."""
+        try:
+            return int(self.exit_code.split(":")[1])
+        except (IndexError, ValueError):
+            return 0
+
+
+@dataclass(frozen=True)
+class TaskEnd:
+    """How srun saw one task end, in the order it reported them."""
+
+    rank: int
+    host: str
+    how: str  # "killed by SIGKILL", "exited with code 1", "out of memory", ...
+    order: int
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+# srun's words for a task's end (its strsignal text, or its own phrases) as what happened.
+_SRUN_WORDS = {
+    "killed": "killed by SIGKILL", "terminated": "killed by SIGTERM", "segmentation fault": "killed by SIGSEGV",
+    "aborted": "killed by SIGABRT", "bus error": "killed by SIGBUS", "hangup": "killed by SIGHUP",
+    "interrupt": "killed by SIGINT", "floating point exception": "killed by SIGFPE",
+    "illegal instruction": "killed by SIGILL", "out of memory": "out of memory",
+    "user defined signal 1": "killed by SIGUSR1", "user defined signal 2": "killed by SIGUSR2",
+}
+_SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+?)\s*$")
+_EXIT = re.compile(r"exited with exit code (\d+)", re.IGNORECASE)
+_STEPD = re.compile(r"\*\*\* (?:STEP|JOB) [\d.]+ ON (\S+) CANCELLED AT \S+(?: DUE TO ([A-Z ]+?))?(?: \*\*\*|$)")
+_OOM = re.compile(r"Detected \d+ oom[_-]kill events? in (?:StepId=)?\S+", re.IGNORECASE)
+
+
+def _ranks(text: str) -> list[int]:
+    ranks: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        ranks += list(range(int(lo), int(hi or lo) + 1))
+    return ranks
+
+
+def task_ends(log: str) -> list[TaskEnd]:
+    """Each task srun reported ending with a signal or a non-zero code, first first."""
+    ends: list[TaskEnd] = []
+    seen: set[int] = set()
+    for line in log.splitlines():
+        match = _SRUN_TASK.match(line.strip())
+        if not match:
+            continue
+        host, ranks, words = match.groups()
+        code = _EXIT.search(words)
+        how = f"exited with code {code.group(1)}" if code else _SRUN_WORDS.get(words.lower(), words)
+        for rank in _ranks(ranks):
+            if rank not in seen:
+                seen.add(rank)
+                ends.append(TaskEnd(rank, host, how, len(ends)))
+    return ends
+
+
+def job_event(log: str) -> str:
+    """slurmstepd's or srun's word on the whole job or step: cancelled (and why), or out of memory."""
+    for line in log.splitlines():
+        match = _STEPD.search(line)
+        if match:
+            host, why = match.groups()
+            return f"cancelled on {host}" + (f" due to {why.lower()}" if why else "")
+        if _OOM.search(line):
+            return "out of memory (the kernel's OOM killer ended a task)"
+    return ""
+
+
+def accounting(job_id: str) -> list[StepRecord]:
+    """The job's sacct records, steps included; [] when accounting is not available."""
+    if shutil.which("sacct") is None or not re.fullmatch(r"\d+(_\d+)?", job_id):
+        return []
+    try:
+        proc = subprocess.run(
+            ["sacct", "-j", job_id, "-P", "-n", "-o", "JobID,State,ExitCode,DerivedExitCode,NodeList"],
+            capture_output=True, text=True, check=False, timeout=60,
+        )
+    except subprocess.TimeoutExpired:
+        return []
+    if proc.returncode != 0:
+        return []
+    return [StepRecord(*line.split("|")[:5]) for line in proc.stdout.splitlines() if line.count("|") >= 4]
+
+
+_JOB_STATES = {  # the allocation's own end, said in words (sacct State's first word)
+    "CANCELLED": "cancelled", "NODE_FAIL": "node failure", "OUT_OF_MEMORY": "out of memory",
+    "TIMEOUT": "time limit reached", "PREEMPTED": "preempted", "DEADLINE": "deadline reached",
+    "BOOT_FAIL": "node boot failure",
+}
+
+
+def job_cause(records: list[StepRecord]) -> str:
+    """What Slurm's accounting says ended the job, in words, or "" for a plain FAILED/COMPLETED."""
+    for rec in records:
+        word = rec.state.split(" ")[0].rstrip("+").upper()
+        if word in _JOB_STATES:
+            by = rec.state.split(" by ")[1] if " by " in rec.state else ""
+            nodes = ", ".join(expand_hostlist(rec.nodes)) if rec.nodes and word != "CANCELLED" else ""
+            return (_JOB_STATES[word] + (f" (by uid {by})" if by else "") + (f" on {nodes}" if nodes else "")
+                    + f" [sacct: {rec.step} {rec.state}, exit {rec.exit_code}]")
+    for rec in records:
+        if rec.signal:
+            return f"step {rec.step} killed by {signal_name(rec.signal)} [sacct: {rec.state}, exit {rec.exit_code}]"
+    return ""
+
+
+@dataclass(frozen=True)
+class Ending:
+    """What went first, for the per-rank summary: the first task srun saw end, and the job's cause."""
+
+    tasks: dict[int, TaskEnd]
+    first: TaskEnd | None
+    cause: str  # the job-level cause (cancelled, node failure, out of memory, ...), or ""
+
+    def headline(self) -> str:
+        """One line: which rank and host went first and how, and the job-level cause."""
+        parts = []
+        if self.first is not None:
+            parts.append(f"rank {self.first.rank} on {self.first.host} went first: {self.first.how}")
+        if self.cause:
+            parts.append(self.cause)
+        return "; ".join(parts)
+
+    def after(self, rank: int) -> str:
+        """For a rank that failed after another went first: which, where and how; else ""."""
+        first = self.first
+        if first is None or first.rank == rank:
+            return ""
+        how = f"was {first.how}" if first.how.startswith("killed") else (
+            "ran out of memory" if first.how == "out of memory" else first.how)
+        return f"after rank {first.rank} on {first.host} {how}"
+
+
+def ending(batch_log: str, records: list[StepRecord]) -> Ending:
+    """Read srun's task lines and slurmstepd's events from the batch log, and the job's cause."""
+    tasks = task_ends(batch_log)
+    accounted, event = job_cause(records), job_event(batch_log)
+    cause = "; ".join(c for c in (accounted, event) if c)
+    return Ending({t.rank: t for t in tasks}, tasks[0] if tasks else None, cause)
