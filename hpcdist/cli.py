@@ -432,10 +432,24 @@ for _name in ("jobs", "logs", "wait", "cancel"):
 
 
 def _lifecycle_parsers(subs: Any) -> None:
-    from hpcdist import joblogs, lifecycle
-
-    joblogs.add_parser(subs)
-    lifecycle.add_parsers(subs)
+    """argparse only: building the parser imports neither side of the flow."""
+    p = subs.add_parser("logs", help="a job's per-rank logs, found from its id; -f follows them while it runs")
+    p.add_argument("job_id", help="the id `hpcdist submit` printed")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--rank", type=int, default=None, help="this rank's logs (default: rank 0)")
+    which.add_argument("--all", action="store_true", help="every rank's logs, rank by rank")
+    p.add_argument("-f", "--follow", action="store_true", help="follow the logs until the job ends")
+    p.add_argument("--tail", type=int, default=None, metavar="K", help="only the last K lines of each file")
+    p.add_argument("--site", default=None, help="the job's site, when two sites have a job of that id")
+    p = subs.add_parser("jobs", help="the jobs submitted from here: state, elapsed time, nodes, result")
+    p.add_argument("--last", type=int, default=20, metavar="N", help="the newest N jobs (default 20; 0: all)")
+    for name, what in (("wait", "wait for a job and print its per-rank summary (as submit --wait)"),
+                       ("cancel", "cancel a job (scancel; on the local site, its ranks' processes)")):
+        p = subs.add_parser(name, help=what)
+        p.add_argument("job_id", help="the id `hpcdist submit` printed")
+        p.add_argument("--site", default=None, help="the job's site, when two sites have a job of that id")
+        if name == "wait":
+            p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
 
 
 _EXTRA_PARSERS.append(_lifecycle_parsers)

@@ -14,7 +14,6 @@ import sys
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
 
 from hpcdist.errors import SubmitError
 from hpcdist.jobindex import JobRecord, find
@@ -138,14 +137,3 @@ def cmd_logs(args: argparse.Namespace) -> int:
     else:
         show(record, ranks, args.tail)
     return 0
-
-
-def add_parser(subs: Any) -> None:
-    p = subs.add_parser("logs", help="a job's per-rank logs, found from its id; -f follows them while it runs")
-    p.add_argument("job_id", help="the id `hpcdist submit` printed")
-    which = p.add_mutually_exclusive_group()
-    which.add_argument("--rank", type=int, default=None, help="this rank's logs (default: rank 0)")
-    which.add_argument("--all", action="store_true", help="every rank's logs, rank by rank")
-    p.add_argument("-f", "--follow", action="store_true", help="follow the logs until the job ends")
-    p.add_argument("--tail", type=int, default=None, metavar="K", help="only the last K lines of each file")
-    p.add_argument("--site", default=None, help="the job's site, when two sites have a job of that id")

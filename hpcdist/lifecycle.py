@@ -33,7 +33,8 @@ from hpcdist.submit import Finished, JobState, Submission
 
 
 def controller_alive(pid: str) -> bool:
-    """Whether submitit's local controller `pid` (a local job's id) still runs."""
+    """Whether the local controller `pid` (a local job's id) still runs: hpcdist's
+    (``submit.LOCAL_CONTROLLER``), or submitit's own for a job submitted by an older hpcdist."""
     proc = Path("/proc") / pid
     if not Path("/proc/self").is_dir():  # no procfs (macOS): any live process of that id
         try:
@@ -46,7 +47,8 @@ def controller_alive(pid: str) -> bool:
         stat = (proc / "stat").read_text()
     except OSError:
         return False
-    return b"submitit.local._local" in cmdline and stat.rsplit(")", 1)[-1].split()[0] != "Z"
+    controllers = (sub_.LOCAL_CONTROLLER.encode(), b"submitit.local._local")
+    return any(name in cmdline for name in controllers) and stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 @functools.cache
@@ -314,15 +316,3 @@ def cmd_wait(args: argparse.Namespace) -> int:
 def cmd_cancel(args: argparse.Namespace) -> int:
     print(cancel(find(args.job_id, args.site)))
     return 0
-
-
-def add_parsers(subs: Any) -> None:
-    p = subs.add_parser("jobs", help="the jobs submitted from here: state, elapsed time, nodes, result")
-    p.add_argument("--last", type=int, default=20, metavar="N", help="the newest N jobs (default 20; 0: all)")
-    for name, what in (("wait", "wait for a job and print its per-rank summary (as submit --wait)"),
-                       ("cancel", "cancel a job (scancel; on the local site, its ranks' processes)")):
-        p = subs.add_parser(name, help=what)
-        p.add_argument("job_id", help="the id `hpcdist submit` printed")
-        p.add_argument("--site", default=None, help="the job's site, when two sites have a job of that id")
-        if name == "wait":
-            p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")

@@ -16,12 +16,40 @@ they are met). The GPT's own checkpoint knowledge lives in ``hpcdist.model.check
 - ``results``: the versioned ``hpcdist.result`` files.
 """
 
-from hpcdist.store.atomic import atomic_path, fsync_path
-from hpcdist.store.checkpoints import Checkpoint, Header, SaveStats, read, read_header, save, verify
-from hpcdist.store.directory import checkpoints_in, read_pointer, step_of
-from hpcdist.store.discovery import Scan, find_latest, resolve, scan
-from hpcdist.store.manager import CheckpointStore
-from hpcdist.store.tree import Tree, plain, sha256_of
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hpcdist.store.atomic import atomic_path, fsync_path
+    from hpcdist.store.checkpoints import Checkpoint, Header, SaveStats, read, read_header, save, verify
+    from hpcdist.store.directory import checkpoints_in, read_pointer, step_of
+    from hpcdist.store.discovery import Scan, find_latest, resolve, scan
+    from hpcdist.store.manager import CheckpointStore
+    from hpcdist.store.tree import Tree, plain, sha256_of
+
+# Each name's module, imported on first use (PEP 562): the login node's light modules use
+# ``hpcdist.store.atomic`` without paying for h5py and NumPy (tests/test_light_imports.py).
+_HOME = {
+    "atomic": ("atomic_path", "fsync_path"),
+    "checkpoints": ("Checkpoint", "Header", "SaveStats", "read", "read_header", "save", "verify"),
+    "directory": ("checkpoints_in", "read_pointer", "step_of"),
+    "discovery": ("Scan", "find_latest", "resolve", "scan"),
+    "manager": ("CheckpointStore",),
+    "tree": ("Tree", "plain", "sha256_of"),
+}
+_MODULE_OF = {name: module for module, names in _HOME.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hpcdist.store' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"hpcdist.store.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Checkpoint",
