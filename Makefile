@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh Debian 12 machine (as root):
-#   make demo   - virtual environment, hpcdist, then smoke, train and generate on the local site
+#   make demo   - virtual environment, hpcdist, then smoke, train (~3 min) and generate on the local site
 #   make test   - the above plus Debian packages and the local Slurm cluster, then the suite
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -23,14 +23,21 @@ system-deps:
 
 install: system-deps $(STAMP)
 
-# The demo: smoke job, a token file from this repo's own text, a short training, then
-# generation from the checkpoint that training wrote (all on the local site, 2 ranks).
+# The demo: smoke job, a token file from this repo's README and Python's own documentation
+# (pydoc_data, on every install: nothing downloaded), ~3 minutes of training on 2 local ranks with
+# its progress line, generation from the checkpoint it wrote, then both reports and the loss curve
+# as a PNG. Its specs are jobs/demo_train.yaml and jobs/demo_infer.yaml; it starts afresh each time.
+DEMO := hpcdist-out/demo
 demo: install
 	$(VENV)/bin/hpcdist submit jobs/smoke.yaml --site local --wait
-	$(VENV)/bin/hpcdist data prepare README.md $(wildcard hpcdist/*.py hpcdist/*/*.py) -o hpcdist-out/data/tokens.h5
-	$(VENV)/bin/hpcdist submit jobs/train_gpt.yaml --site local --wait
-	$(VENV)/bin/hpcdist submit jobs/infer_gpt.yaml --site local --wait
-	$(VENV)/bin/hpcdist report $$(ls -t hpcdist-out/results/infer_gpt/*.h5 | head -n 1)
+	mkdir -p hpcdist-out/data $(DEMO)
+	$(PY) -c 'from pydoc_data.topics import topics; print("\n\n".join(topics.values()))' > hpcdist-out/data/python-docs.txt
+	$(VENV)/bin/hpcdist data prepare README.md hpcdist-out/data/python-docs.txt -o hpcdist-out/data/demo_tokens.h5
+	rm -rf hpcdist-out/checkpoints/demo_gpt
+	$(VENV)/bin/hpcdist submit jobs/demo_train.yaml --site local --wait
+	$(VENV)/bin/hpcdist submit jobs/demo_infer.yaml --site local --wait
+	$(VENV)/bin/hpcdist report $$(ls -t hpcdist-out/results/demo_gpt/*.h5 | head -n 1) --plot $(DEMO)
+	$(VENV)/bin/hpcdist report $$(ls -t hpcdist-out/results/demo_infer/*.h5 | head -n 1)
 
 cluster-up: system-deps
 	bash cluster/up.sh

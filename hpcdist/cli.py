@@ -306,9 +306,19 @@ def cmd_report(args: argparse.Namespace) -> int:
         return 0
     if len(args.compare or ()) > 1:
         raise JobError(f"a benchmark result compares with one other; got {len(args.compare)}")
+    if kind == "train_gpt":
+        from hpcdist.train.report import plot_train, render_train_report
+
+        try:
+            sys.stdout.write(render_train_report(args.result))
+            for path in plot_train(args.result, args.plot) if args.plot else ():
+                print(f"wrote {path}")
+        except ValueError as exc:
+            raise JobError(str(exc)) from None
+        return 0
     if not kind.startswith("bench_"):
         if args.plot:
-            raise JobError(f"--plot is for benchmark results; {args.result} is a {kind} result")
+            raise JobError(f"--plot is for benchmark and training results; {args.result} is a {kind} result")
         if kind in ("infer_gpt", "broadcast"):
             from hpcdist.infer.report import render_infer_report
 
@@ -332,8 +342,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _report_parser(subs: Any) -> None:
-    p = subs.add_parser("report", help="print a result (benchmark, inference); plot or compare benchmarks")
-    p.add_argument("result", help="a result file written by a bench_*, infer_gpt or broadcast job")
+    p = subs.add_parser("report", help="print a result (benchmark, training, inference); plot benchmarks and losses")
+    p.add_argument("result", help="a result file written by a bench_*, train_gpt, infer_gpt or broadcast job")
     p.add_argument("--plot", metavar="DIR", default=None, help="also write PNG plots into DIR")
     p.add_argument("--compare", metavar="OTHER.h5", nargs="+", default=None,
                    help="results to show side by side with the first (benchmarks: one; training, inference: any)")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from hpcdist.errors import SubmitError
 from hpcdist.jobindex import JobRecord, find
-from hpcdist.submit import JobState
+from hpcdist.submit import Vanished
 
 POLL_S = 0.5
 STATE_EVERY_S = 2.0
@@ -112,17 +112,19 @@ def follow(record: JobRecord, ranks: list[int], tail: int | None) -> None:
                     data = head + sep
                 printer.lines(label, path, data.decode(errors="replace").splitlines(keepends=True))
 
-    checked, unknown = float("-inf"), 0
+    checked, vanished = float("-inf"), Vanished()
     while True:
         drain(final=False)
         if time.monotonic() - checked >= STATE_EVERY_S:
             checked = time.monotonic()
             state = current_state(record)
-            # UNKNOWN twice: neither squeue nor sacct has the job, i.e. it ended while accounting is down
-            unknown = unknown + 1 if state is JobState.UNKNOWN else 0
-            if state.final or unknown >= 2:
+            gone = vanished.gone(state)  # neither squeue nor sacct has it: it ended while accounting is down
+            if state.final or gone:
                 time.sleep(1.0)  # the last lines a node flushes as the job ends
                 drain(final=True)
+                if gone:
+                    print(f"hpcdist: {Vanished.message(record.job_id, 'the logs above are all there is')}",
+                          file=sys.stderr)
                 return
         time.sleep(POLL_S)
 

@@ -143,7 +143,9 @@ class _Watcher:
 
         self.sub, self.submitted = sub, submitted
         self.line = StatusLine(every_s)
-        self.folder = Path(sub.job.paths.folder)
+        from hpcdist.progress import progress_folder
+
+        self.folder = progress_folder(sub.site.storage.logs, sub.spec.name, sub.job_id)  # where the node writes
         self.last_state: JobState | None = None
         self.queue: sub_.JobStatus | None = None
         self.queue_read = float("-inf")

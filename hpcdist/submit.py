@@ -326,10 +326,13 @@ def wait(
     summarised by how srun saw it end (killed by a signal, its exit code) or else the first real
     error line of its log; a failed job's ``cause`` names the rank and host that went first and
     Slurm's word on the job (cancelled, node failure, out of memory; ``hpcdist.postmortem``).
-    ``timeout_s=None`` waits as long as the scheduler says the job is not done. `on_poll` sees
-    each state read (the live status line).
+    ``timeout_s=None`` waits as long as the scheduler says the job is not done; a Slurm job that
+    left the queue while accounting is down ends the wait with a `SubmitError` (``Vanished``).
+    `on_poll` sees each state read (the live status line).
     """
     from submitit.core.utils import FailedJobError, UncompletedJobError
+
+    vanished = Vanished()
 
     def ended() -> JobState | None:
         state = job_state(sub)
@@ -337,6 +340,8 @@ def wait(
             on_poll(state)
         if state.final:
             return state
+        if sub.site.scheduler == "slurm" and vanished.gone(state):
+            raise SubmitError(Vanished.message(sub.job_id))
         if sub.site.scheduler != "slurm" and sub.job.done(force_check=True):
             return JobState.COMPLETED if state is JobState.UNKNOWN else state
         return None
@@ -487,3 +492,33 @@ def slurm_state(job_id: str) -> JobState:
         pass
     queued = squeue_rows([job_id]).get(job_id)
     return JobState.from_slurm(queued.state) if queued else JobState.UNKNOWN
+
+
+GONE_AFTER_S = 5.0  # how long a job may be unknown to squeue and sacct before a waiter gives up
+
+
+class Vanished:
+    """One rule for every waiter (``wait``, ``hpcdist logs -f``): a job that neither squeue nor
+    sacct knows, on two reads at least `after_s` apart, has left the queue while accounting is
+    down; its end state will not come, so waiting longer would wait forever."""
+
+    def __init__(self, after_s: float = GONE_AFTER_S) -> None:
+        self.after_s = after_s
+        self.since: float | None = None
+        self.reads = 0
+
+    def gone(self, state: JobState) -> bool:
+        """`state` is the newest read; True once the job counts as gone."""
+        if state is not JobState.UNKNOWN:
+            self.since, self.reads = None, 0
+            return False
+        now = time.monotonic()
+        self.since = now if self.since is None else self.since
+        self.reads += 1
+        return self.reads >= 2 and now - self.since >= self.after_s
+
+    @staticmethod
+    def message(job_id: str, then: str = "") -> str:
+        """The line a waiter ends with; `then` is what to do next (default: read the job's logs)."""
+        return (f"job {job_id} left the queue and Slurm's accounting (sacct) is unavailable, so how it ended "
+                f"is unknown; {then or f'look at `hpcdist logs {job_id}`'}")

@@ -192,3 +192,35 @@ def test_status_line_prints_plain_lines_on_change_only(capsys: pytest.CaptureFix
 ])
 def test_slurm_durations(text: str, seconds: float | None, shown: str) -> None:
     assert slurm_seconds(text) == seconds and hms(slurm_seconds(text)) == shown
+
+
+def test_waiting_on_a_slurm_sweep_shows_each_tasks_training_step(slurm_storage: Path, tokens: Path) -> None:  # noqa: F811
+    """A sweep task's rank 0 reports under the task's own name and ``ARRAYID_INDEX``, where the
+    waiter of that task reads (``progress.progress_folder``)."""
+    short = ["--set", "params.steps=60", "--set", "params.eval.every=30", "--set", "params.checkpoint.every=30"]
+    result = train(slurm_storage, tokens, *short, "--sweep", "params.seed=1,2", "--max-parallel", "1",
+                   site="local-slurm", timeout=WAIT)  # one at a time: the second still runs when its wait begins
+    assert result.code == 0, result.text
+    tasks = re.findall(r"^  task (\d+_\d+): (\S+)  result:", result.out, re.M)
+    assert [name for _, name in tasks] == ["train_gpt-seed1", "train_gpt-seed2"], result.out
+    for task, name in tasks:
+        assert re.search(rf"^job {task} \({name}\): RUNNING \S+  train step \d+/60  loss \d+\.\d{{4}}",
+                         result.out, re.M), result.out
+        assert f"job {task} finished: COMPLETED; 2/2 ranks succeeded" in result.out
+
+
+def test_waiting_ends_when_the_job_left_the_queue_while_accounting_is_down(
+        slurm_storage: Path, tmp_path: Path) -> None:
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sacct").write_text("#!/bin/sh\necho 'sacct: error: slurmdbd: connection refused' >&2\nexit 1\n")
+    (fake / "sacct").chmod(0o755)
+    down = {"PATH": f"{fake}:{os.environ['PATH']}"}
+    result = cli("submit", "jobs/smoke.yaml", "--site", "local-slurm", "--wait", *storage_sets(slurm_storage), env=down)
+    jid = job_id(result.out)
+    assert result.code != 0, result.text
+    assert result.err.strip().splitlines()[-1] == (
+        f"hpcdist: error: job {jid} left the queue and Slurm's accounting (sacct) is unavailable, so how it "
+        f"ended is unknown; look at `hpcdist logs {jid}`"), result.text
+    waited = cli("wait", jid, env=down)
+    assert waited.code == result.code and waited.err == result.err.strip().splitlines()[-1] + "\n", waited.text

@@ -187,7 +187,8 @@ def run_job(job: Job[Any], site: Site) -> dict[str, Any]:
     os.environ.update({**site.env, **spec.env})
     os.umask(site.storage.umask)  # storage.mode for all this rank writes (a direct launch has the shell's umask)
     ctx, store = bootstrap(job, site)
-    progress.start(site.storage.logs / spec.name / ctx.job_id, ctx.is_main)  # what `hpcdist wait` shows
+    # what `hpcdist wait` shows, where the waiter of this very task reads it
+    progress.start(progress.progress_folder(site.storage.logs, spec.name, ctx.job_id), ctx.is_main)
     import torch.distributed as dist  # already imported by the bootstrap, which times it
 
     try:
