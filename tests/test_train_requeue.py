@@ -12,6 +12,7 @@ import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -112,6 +113,19 @@ def test_a_checkpoints_record_tells_preemptions_from_time_outs(tmp_path: Path) -
 # ---------------------------------------------------------------- on the cluster
 
 
+def preempted_slurm_run(root: Path, tokens: Path, how: str, *sets: str) -> tuple[str, Any]:
+    """A 2-node training job on the cluster, preempted `how` (``preempt_and_release``) once rank 0
+    logged step 20, waited to its end: (job id, the submit command's result)."""
+    job = Background(train_args(root, tokens, *TWO_NODES, *sets, site="local-slurm"))
+    try:
+        wait_for(lambda: "step 20/400" in rank_log(root), 120, "step 20 in rank 0's log")
+        jid = slurm_job(root)
+        preempt_and_release(jid, how)
+        return jid, job.finish(timeout=180)
+    finally:
+        job.kill()
+
+
 @pytest.mark.slurm
 def test_slurm_preemption_by_sigterm_checkpoints_and_resumes_bit_for_bit(train_root: Path, tokens: Path,
                                                                          reference: Path) -> None:
@@ -119,14 +133,7 @@ def test_slurm_preemption_by_sigterm_checkpoints_and_resumes_bit_for_bit(train_r
     the ranks checkpoint within KillWait (5 s here), leave the requeue to Slurm, and resume."""
     require_slurm()
     root = train_root / "slurm-sigterm"
-    job = Background(train_args(root, tokens, *TWO_NODES, site="local-slurm"))
-    try:
-        wait_for(lambda: "step 20/400" in rank_log(root), 120, "step 20 in rank 0's log")
-        jid = slurm_job(root)
-        preempt_and_release(jid, "requeue")
-        result = job.finish(timeout=180)
-    finally:
-        job.kill()
+    jid, result = preempted_slurm_run(root, tokens, "requeue")
     assert_completed_after_one_requeue(jid, result, ranks=2)
     log = rank_log(root, 0)
     stopped = stopped_at(log, "TERM")
@@ -168,15 +175,7 @@ def test_slurm_resume_false_applies_to_the_first_start_only(train_root: Path, to
     so it could be requeued forever; its requeue resumes, counted from Slurm's restart count."""
     require_slurm()
     root = train_root / "slurm-resume-false"
-    job = Background(train_args(root, tokens, *TWO_NODES, "--set", "params.checkpoint.resume=false",
-                                site="local-slurm"))
-    try:
-        wait_for(lambda: "step 20/400" in rank_log(root), 120, "step 20 in rank 0's log")
-        jid = slurm_job(root)
-        preempt_and_release(jid, "USR2")
-        result = job.finish(timeout=180)
-    finally:
-        job.kill()
+    jid, result = preempted_slurm_run(root, tokens, "USR2", "--set", "params.checkpoint.resume=false")
     assert_completed_after_one_requeue(jid, result, ranks=2)
     log = rank_log(root, 0)
     stopped = stopped_at(log, "USR2")

@@ -243,6 +243,7 @@ def import_pretrained(directory: Path, out: Path) -> Imported:
     """Write the model and tokenizer of `directory` as an hpcdist checkpoint: the file `out`
     (``*.h5``) or, for any other name, the checkpoint directory `out` (its step 0)."""
     from hpcdist.model.checkpoint import write_checkpoint
+    from hpcdist.store.atomic import fsync_path
 
     cfg, state, tok = read_pretrained(Path(directory))
     out = Path(out)
@@ -253,19 +254,11 @@ def import_pretrained(directory: Path, out: Path) -> Imported:
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:  # the store commits step_0.h5 atomically; one rename in the same directory makes it `out`
             os.replace(write_checkpoint(staging, 0, state, cfg, tokenizer=tok), out)
-            _fsync_dir(out.parent)
+            fsync_path(out.parent)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         path = out
     return Imported(path, cfg, tok.name, cfg.num_params())
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def export_pretrained(checkpoint: Path, out: Path) -> tuple[Path, ByteTokenizer | FileTokenizer]:
