@@ -153,7 +153,9 @@ def preempt_and_release(jid: str, signal_name: str, *, batch: bool = False) -> N
     else:
         subprocess.run(["scancel", *(["--batch"] if batch else []), f"--signal={signal_name}", jid], check=True)
     wait_for(lambda: queue_state(jid).startswith("PENDING"), 60, "the job to be requeued (PENDING)")
-    subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], check=True)
+    # not `now`: a restart within the second of the requeue finds the old run's credential
+    # revoked ("Killing non-startable batch job: Job credential revoked", Slurm 22.05) and fails
+    subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now+2"], check=True)
 
 
 def assert_completed_after_one_requeue(jid: str, result: Any, ranks: int) -> None:
