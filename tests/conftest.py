@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import subprocess
@@ -10,6 +11,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,6 +81,14 @@ def require_slurm() -> None:
         if os.environ.get("HPCDIST_REQUIRE_SLURM") == "1":
             pytest.fail("the local Slurm cluster is not up (make cluster-up)")
         pytest.skip("the local Slurm cluster is not up (make cluster-up)")
+
+
+def require_module(name: str) -> Any:
+    """`name` imported; when it is missing, fail under `make test` (HPCDIST_REQUIRE_SLURM=1: the
+    dev extra installs it) and skip elsewhere, like ``require_slurm``."""
+    if os.environ.get("HPCDIST_REQUIRE_SLURM") == "1":
+        return importlib.import_module(name)
+    return pytest.importorskip(name)
 
 
 def _shared_dir() -> Iterator[Path]:

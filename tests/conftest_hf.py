@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import require_module, run_cli
 from tests.conftest_train import write_corpus
 
 VOCAB = 317  # BPE vocabulary of the test tokenizer, end-of-text included; odd like GPT-2's 50257 (TP pads it)
@@ -20,7 +20,7 @@ def make_pretrained(directory: Path, *, seed: int = 0, vocab: int = VOCAB, n_lay
                     n_head: int = 4, n_positions: int = 64, safetensors: bool = True,
                     tokenizer_json: bool = True) -> Any:
     """`directory` as save_pretrained writes it; the model (eval mode) for reference logits."""
-    pytest.importorskip("transformers")
+    require_module("transformers")
     import tokenizers
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast

@@ -13,6 +13,7 @@ import pytest
 from hpcdist.bench import pattern
 from hpcdist.bench.base import Prepared, host_timed
 from hpcdist.bench.factors import Counts, counts
+from tests.conftest import require_module
 
 N = 3
 AX = pattern.Arrays("numpy")
@@ -83,7 +84,7 @@ def test_sums_are_exact_over_many_ranks_and_checked_with_tolerance_in_half_types
 
 
 def test_torch_arrays_count_the_same() -> None:
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch")
     tx = pattern.Arrays("torch", torch.device("cpu"))
     c = counts("all_reduce", 4 * 100, 4, 4)
     want = pattern.expected(tx, "all_reduce", 0, 4, c)

@@ -10,6 +10,7 @@ from hpcdist.data.tokenizer import BYTES
 from hpcdist.infer.generate import Sampling, generate, sample
 from hpcdist.infer.tp import TPGPT
 from hpcdist.model.gpt import GPT, GPTConfig
+from tests.conftest import require_module
 from tests.conftest_infer import TINY, make_model
 
 PROMPTS = [BYTES.encode_text(t) for t in ("hello world", "hi", "the quick brown fox jumps", "a")]
@@ -29,7 +30,7 @@ def _greedy_no_cache(model: GPT, prompt: list[int], n: int) -> list[int]:
 
 
 def test_greedy_equals_transformers_gpt2_on_a_ragged_batch() -> None:
-    pytest.importorskip("transformers")
+    require_module("transformers")
     from hpcdist.infer.hf import hf_generate_greedy
     from hpcdist.model.hf import to_hf
 

@@ -14,10 +14,11 @@ import torch
 from hpcdist.model.checkpoint import checkpoint_tokenizer, load_model_state, read_header
 from hpcdist.model.gpt import GPT
 from hpcdist.store import verify
+from tests.conftest import require_module
 from tests.conftest_hf import VOCAB, Pretrained, cli, make_pretrained, pretrained
 from tests.conftest_infer import run_ranks
 
-pytest.importorskip("transformers")
+require_module("transformers")
 
 # The same float32 arithmetic in another order (fused attention, then all-reduced partial sums):
 # logits of these small models agree to a few ulps.

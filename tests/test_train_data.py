@@ -12,7 +12,7 @@ import pytest
 from hpcdist.data.dataset import DistributedOrder, TokenWindows
 from hpcdist.data.tokenizer import ByteTokenizer
 from hpcdist.errors import JobError
-from tests.conftest import run_cli
+from tests.conftest import require_module, run_cli
 from tests.conftest_train import write_corpus
 
 
@@ -40,7 +40,7 @@ def test_prepare_writes_both_splits_of_every_file(tmp_path: Path) -> None:
 
 
 def test_prepare_with_a_local_tokenizers_file(tmp_path: Path) -> None:
-    tokenizers = pytest.importorskip("tokenizers")
+    tokenizers = require_module("tokenizers")
     corpus = write_corpus(tmp_path / "corpus.txt", words=2000)
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
