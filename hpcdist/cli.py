@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import sys
 import time
@@ -395,36 +396,21 @@ def build_parser() -> argparse.ArgumentParser:
 _EXTRA_PARSERS: list[Callable[[Any], None]] = [_report_parser]
 
 
-@command("data")
-def cmd_data(args: argparse.Namespace) -> int:
-    from hpcdist.data.cli import cmd_data as run
+def _module_subcommand(name: str, module: str) -> None:
+    """`hpcdist NAME ...` owned by `module` (its ``add_parser(subs)`` and ``cmd_NAME(args)``),
+    imported only when the parser is built or the command runs: ``data``, ``model``."""
+    def run(args: argparse.Namespace) -> int:
+        return int(getattr(importlib.import_module(module), f"cmd_{name}")(args))
 
-    return run(args)
+    def parser(subs: Any) -> None:
+        importlib.import_module(module).add_parser(subs)
 
-
-def _data_parser(subs: Any) -> None:
-    from hpcdist.data.cli import add_parser
-
-    add_parser(subs)
-
-
-_EXTRA_PARSERS.append(_data_parser)
+    command(name)(run)
+    _EXTRA_PARSERS.append(parser)
 
 
-@command("model")
-def cmd_model(args: argparse.Namespace) -> int:
-    from hpcdist.model.cli import cmd_model as run
-
-    return run(args)
-
-
-def _model_parser(subs: Any) -> None:
-    from hpcdist.model.cli import add_parser
-
-    add_parser(subs)
-
-
-_EXTRA_PARSERS.append(_model_parser)
+_module_subcommand("data", "hpcdist.data.cli")
+_module_subcommand("model", "hpcdist.model.cli")
 
 
 def _lifecycle(name: str) -> Command:
