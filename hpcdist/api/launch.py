@@ -150,7 +150,7 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
     results = under(storage.results if storage else Path("hpcdist-out/results"), name, f"{job_id}.h5")
     signals = (site.preemption.signal if site else env.get("SUBMITIT_PREEMPTION_SIGNAL", "USR2"), "TERM")
     ctx = Context(info=info, device=device, backend=backend, timeout_s=timeout, name=name, job_id=job_id,
-                  checkpoint_dir=ckpt, result_path=results, keep_last=keep_last, requeue=requeue_for(None, env),
+                  checkpoint_dir=ckpt, result_path=results, keep_last=keep_last, requeue=requeue_for(env),
                   own_group=own, store=store, stop_signals=signals, site_name=site.name if site else "",
                   site_json=site.model_dump_json() if site else "{}", restarts=restart_count(env),
                   max_requeues=site.preemption.max_requeues if site else None)

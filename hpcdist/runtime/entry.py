@@ -151,7 +151,7 @@ def bootstrap(job: Job[Any], site: Site, env: Mapping[str, str] | None = None) -
         endpoint=endpoint,
         store=store,
     )
-    ctx.requeue = requeue.requeue_for(group.endpoint_file(rendezvous_dir, key) if info.is_main else None, env)
+    ctx.requeue = requeue.requeue_for(env)  # no rendezvous file to clear: forget_endpoint removed it
     if backend == "nccl" and job.makes_group:
         _check_gpu_sharing(ctx)
     log.info(

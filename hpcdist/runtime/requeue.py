@@ -30,7 +30,6 @@ import signal
 import subprocess
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import FrameType
 from typing import Literal
 
@@ -148,7 +147,7 @@ def slurm_leaves_it(job_id: str, restarts: int) -> str:
     return ""
 
 
-def requeue_for(rendezvous_file: Path | None, env: Mapping[str, str]) -> Callable[[], str] | None:
+def requeue_for(env: Mapping[str, str]) -> Callable[[], str] | None:
     """The requeue of a launch, as `env` says it was started (submitit's Slurm or local
     executor, or a plain Slurm job), or None when nothing can requeue it. The returned function
     requeues, or returns why it did not (Slurm requeues or ends the job itself)."""
@@ -163,10 +162,6 @@ def requeue_for(rendezvous_file: Path | None, env: Mapping[str, str]) -> Callabl
             why = slurm_leaves_it(slurm_job, restarts)
             if why:
                 return why
-        if rendezvous_file is not None:
-            # The local controller restarts ranks under the same job id: a stale address file
-            # would send them to a dead store. (Slurm requeues get a new key from the restart count.)
-            rendezvous_file.unlink(missing_ok=True)
         for handler in logging.getLogger("hpcdist").handlers:
             handler.flush()
         if executor in ("slurm", "local"):
