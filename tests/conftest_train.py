@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -108,7 +109,8 @@ def reference(train_root: Path, tokens: Path) -> Path:
 
 
 class Background:
-    """`hpcdist submit ... --wait` running in the background while a test interferes."""
+    """`hpcdist submit ... --wait` running in the background while a test interferes; what it
+    has printed so far is readable while it runs (`printed`), so a test can act on a line."""
 
     def __init__(self, args: list[str]) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -116,10 +118,22 @@ class Background:
             [sys.executable, "-m", "hpcdist.cli", *args], cwd=REPO, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
+        self._out: list[str] = []
+        self._err: list[str] = []
+        self._readers = [threading.Thread(target=to.extend, args=(pipe,), daemon=True)  # line by line
+                         for pipe, to in ((self.proc.stdout, self._out), (self.proc.stderr, self._err))]
+        for reader in self._readers:
+            reader.start()
+
+    def printed(self) -> str:
+        """Its stdout so far."""
+        return "".join(self._out)
 
     def finish(self, timeout: float) -> Run:
-        out, err = self.proc.communicate(timeout=timeout)
-        return Run(self.proc.returncode, out, err)
+        self.proc.wait(timeout=timeout)
+        for reader in self._readers:
+            reader.join(timeout=10)
+        return Run(self.proc.returncode, "".join(self._out), "".join(self._err))
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -153,9 +167,16 @@ def preempt_and_release(jid: str, signal_name: str, *, batch: bool = False) -> N
     else:
         subprocess.run(["scancel", *(["--batch"] if batch else []), f"--signal={signal_name}", jid], check=True)
     wait_for(lambda: queue_state(jid).startswith("PENDING"), 60, "the job to be requeued (PENDING)")
-    # not `now`: a restart within the second of the requeue finds the old run's credential
+    # not at once: a restart within the second of the requeue finds the old run's credential
     # revoked ("Killing non-startable batch job: Job credential revoked", Slurm 22.05) and fails
-    subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now+2"], check=True)
+    time.sleep(2)
+    start_now(jid)
+
+
+def start_now(jid: str) -> None:
+    """Start pending Slurm job `jid` now (BeginTime=now). The update also runs Slurm's scheduler at
+    once, where a BeginTime that merely passes waits for its next periodic pass (10-15 s here)."""
+    subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], check=True)
 
 
 def assert_completed_after_one_requeue(jid: str, result: Any, ranks: int) -> None:

@@ -160,7 +160,7 @@ def test_preempted_api_job_requeues_and_ends_as_uninterrupted(slurm_storage: Pat
                                                               sig: str) -> None:
     root = slurm_storage
     job = Background(["submit", "--site", "local-slurm", "--set", "resources.nodes=2", *storage_sets(root),
-                      "--wait", "--", str(API), "--steps", str(STEPS), "--step-s", "0.1"])
+                      "--wait", "--", str(API), "--steps", str(STEPS), "--step-s", "0.05"])
     try:
         ckpts = root / "checkpoints" / "ddp_hpcdist"
         wait_for(lambda: (ckpts / "step_00000020.h5").is_file(), 150, "the first checkpoint")

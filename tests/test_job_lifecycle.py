@@ -16,7 +16,7 @@ from hpcdist import jobindex, progress
 from hpcdist.console import StatusLine
 from hpcdist.lifecycle import hms, slurm_seconds
 from tests.conftest import Run, run_cli, storage_sets
-from tests.conftest_train import tokens, train, train_root, wait_for  # noqa: F401 - fixtures
+from tests.conftest_train import Background, start_now, tokens, train, train_root, wait_for  # noqa: F401 - fixtures
 from tests.test_slurm_spine import job_id
 
 SLEEPER = "import time\nprint('sleeping now', flush=True)\ntime.sleep(900)\n"
@@ -124,8 +124,17 @@ def test_waiting_shows_the_training_step_without_a_terminal(place: tuple[str, Pa
 
 
 def test_waiting_shows_why_a_slurm_job_is_pending(slurm_storage: Path) -> None:
-    result = cli("submit", "jobs/smoke.yaml", "--site", "local-slurm", "--wait", "--set", "site.sbatch.begin=now+15",
-                 *storage_sets(slurm_storage))
+    # held by a BeginTime that only the test ends, once the waiter has said why the job waits
+    job = Background(["submit", "jobs/smoke.yaml", "--site", "local-slurm", "--wait",
+                      "--set", "site.sbatch.begin=now+600", *storage_sets(slurm_storage)])
+    try:
+        pending = re.compile(r"^job (\d+) \(smoke\): PENDING .*  waiting: BeginTime$", re.M)
+        wait_for(lambda: pending.search(job.printed()) or job.proc.poll() is not None, WAIT, "the PENDING line")
+        if found := pending.search(job.printed()):
+            start_now(found.group(1))
+        result = job.finish(timeout=WAIT)
+    finally:
+        job.kill()
     assert result.code == 0, result.text
     jid = job_id(result.out)
     assert re.search(rf"^job {jid} \(smoke\): PENDING \d:\d\d:\d\d  waiting: BeginTime$", result.out, re.M), result.out

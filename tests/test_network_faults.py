@@ -25,7 +25,7 @@ from tests.test_slurm_spine import sacct_state
 
 JOBS = REPO / "jobs"
 train_root, tokens = fx.train_root, fx.tokens  # the training tests' session fixtures (token file)
-TIMEOUT_S = 15  # the job's collective timeout: a cut is noticed within it
+TIMEOUT_S = 10  # the job's collective timeout: a cut is noticed within it
 
 
 def storage(root: Path) -> list[str]:
