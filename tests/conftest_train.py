@@ -54,13 +54,18 @@ def train_root() -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def tokens(train_root: Path) -> Path:
-    corpus = write_corpus(train_root / "corpus.txt")
-    out = train_root / "tokens.h5"
+def prepare_tokens(root: Path, name: str, words: int = 12000) -> Path:
+    """`hpcdist data prepare` of a `write_corpus` of `words` words: root/NAME.h5."""
+    corpus = write_corpus(root / f"{name}.txt", words=words)
+    out = root / f"{name}.h5"
     result = run_cli("data", "prepare", str(corpus), "-o", str(out))
     assert result.code == 0, result.text
     return out
+
+
+@pytest.fixture(scope="session")
+def tokens(train_root: Path) -> Path:
+    return prepare_tokens(train_root, "tokens")
 
 
 def train_args(root: Path, tokens: Path, *extra: str, site: str = "local") -> list[str]:

@@ -19,11 +19,17 @@ from hpcdist.errors import JobError
 from hpcdist.store.results import read_table
 from hpcdist.train.schedule import lr_factor
 from tests import conftest_train as fx
-from tests.conftest_train import final_checkpoint, rank_log, train
+from tests.conftest_train import final_checkpoint, prepare_tokens, rank_log, train
 from tests.test_local_site import result_path
 
-train_root, tokens = fx.train_root, fx.tokens
+train_root = fx.train_root
 LR, WARMUP, CONTEXT, MICRO = 3.0e-3, 20, 32, 4  # jobs/train_gpt.yaml's lr and warm-up, TINY's shape
+
+
+@pytest.fixture(scope="module")
+def tokens(train_root: Path) -> Path:
+    """A quarter of the session's corpus: one rank reaches the end of epoch 0 in ~110 steps, not ~450."""
+    return prepare_tokens(train_root, "tokens-quarter", words=3000)
 
 
 def train_samples(tokens: Path) -> int:
