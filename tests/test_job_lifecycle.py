@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import threading
 from pathlib import Path
 
@@ -135,6 +136,8 @@ def test_waiting_shows_why_a_slurm_job_is_pending(slurm_storage: Path) -> None:
         result = job.finish(timeout=WAIT)
     finally:
         job.kill()
+        if job.proc.returncode != 0 and (held := re.search(r"submitted job (\d+)", job.printed())):
+            subprocess.run(["scancel", held.group(1)], check=False)  # not left held in the queue for others
     assert result.code == 0, result.text
     jid = job_id(result.out)
     assert re.search(rf"^job {jid} \(smoke\): PENDING \d:\d\d:\d\d  waiting: BeginTime$", result.out, re.M), result.out
