@@ -174,7 +174,7 @@ def submit_array(base: JobSpec, tasks: list[JobSpec], site: Site, origin: Origin
     (``hpcdist.cli`` waits for each)."""
     from submitit.core.utils import FailedJobError
 
-    from hpcdist.runtime.entry import run_rank  # the callable only; nothing runs here
+    from hpcdist.runtime import run_rank  # the callable only; nothing runs here
 
     if site.scheduler != "slurm" and origin.after:
         raise SubmitError(f"site {site.name!r} has no scheduler to make a job wait for job {origin.after[0]}; "
