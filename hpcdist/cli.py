@@ -14,7 +14,7 @@ import io
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,25 @@ def _warn(message: str) -> None:
     print(f"hpcdist: warning: {message}", file=sys.stderr)
 
 
+PYDANTIC_PLUGINS_VAR = "PYDANTIC_DISABLE_PLUGINS"  # pydantic's documented switch; "__all__": none
+
+
+@contextlib.contextmanager
+def _no_pydantic_plugins() -> Iterator[None]:
+    """hpcdist's own models (site, job spec, params) validated without pydantic's plugins: the
+    search for them reads every installed package's entry points, a few ms of each start, and a
+    plugin is for the user's models. Set only while the config loads (unless the user set it),
+    so no job, sbatch or local controller inherits it."""
+    if PYDANTIC_PLUGINS_VAR in os.environ:
+        yield
+        return
+    os.environ[PYDANTIC_PLUGINS_VAR] = "__all__"
+    try:
+        yield
+    finally:
+        os.environ.pop(PYDANTIC_PLUGINS_VAR, None)
+
+
 def _load_job(args: argparse.Namespace, path: str | None = None, after: Sequence[str] | None = None,
               made_earlier: Sequence[Path] = ()) -> tuple[Any, Any, Any]:
     """The site, then the job (its params parsed and checked against the site), and the origin.
@@ -56,13 +75,14 @@ def _load_job(args: argparse.Namespace, path: str | None = None, after: Sequence
     from hpcdist.render import Origin
 
     site_sets, job_sets = _split_sets(args.sets)
-    site = load_site(args.site, site_sets)
     argv = tuple(args.argv or ())
     path = path or args.job
-    if argv:
-        job = _command_job(argv, site, job_sets)
-    else:
-        job = load_job(path, site, job_sets, on_missing=_missing_handler(args), made_earlier=made_earlier)
+    with _no_pydantic_plugins():
+        site = load_site(args.site, site_sets)
+        if argv:
+            job = _command_job(argv, site, job_sets)
+        else:
+            job = load_job(path, site, job_sets, on_missing=_missing_handler(args), made_earlier=made_earlier)
     limit = getattr(args, "max_parallel", None)
     if limit is not None and (limit < 1 or not getattr(args, "sweeps", None)):
         from hpcdist.errors import ConfigError

@@ -131,7 +131,7 @@ def _bytecode_cache() -> jinja2.BytecodeCache:
         def load_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
             try:
                 super().load_bytecode(bucket)
-            except OSError:
+            except Exception:  # unreadable or damaged (Jinja2 checks the header only): compile again
                 bucket.reset()
 
         def dump_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
