@@ -3,8 +3,9 @@
 A pure function: no I/O but reading the template (compiled once, into the user's cache), no
 subprocess. Every value reaching the shell goes through one choke point, the Jinja2 ``finalize``
 hook, which shell-quotes it; pieces that are shell by design (site setup lines, the launch line
-built here from quoted parts) are marked ``Shell``. Any value with a control character is refused first, with its key
-path: ``shlex.quote`` cannot make a newline safe inside a ``#SBATCH`` comment line.
+built here from quoted parts) are marked ``Shell``. Any value with a control character is
+refused first, with its key path: ``shlex.quote`` cannot make a newline safe inside a
+``#SBATCH`` comment line.
 """
 
 from __future__ import annotations
