@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 _PKG = Path(__file__).resolve().parent
@@ -13,3 +14,10 @@ def data_dir(name: str) -> Path:
     if packaged.is_dir():
         return packaged
     return _PKG.parent / name
+
+
+def cache_dir(name: str) -> Path:
+    """``$XDG_CACHE_HOME/hpcdist/NAME`` (``~/.cache/hpcdist/NAME``): what hpcdist may throw away
+    and make again, such as compiled templates (not created here)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "hpcdist" / name

@@ -7,12 +7,14 @@ line and the exit code is non-zero; ``--debug`` shows the traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
+import io
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,25 @@ def _warn(message: str) -> None:
     print(f"hpcdist: warning: {message}", file=sys.stderr)
 
 
+PYDANTIC_PLUGINS_VAR = "PYDANTIC_DISABLE_PLUGINS"  # pydantic's documented switch; "__all__": none
+
+
+@contextlib.contextmanager
+def _no_pydantic_plugins() -> Iterator[None]:
+    """hpcdist's own models (site, job spec, params) validated without pydantic's plugins: the
+    search for them reads every installed package's entry points, a few ms of each start, and a
+    plugin is for the user's models. Set only while the config loads (unless the user set it),
+    so no job, sbatch or local controller inherits it."""
+    if PYDANTIC_PLUGINS_VAR in os.environ:
+        yield
+        return
+    os.environ[PYDANTIC_PLUGINS_VAR] = "__all__"
+    try:
+        yield
+    finally:
+        os.environ.pop(PYDANTIC_PLUGINS_VAR, None)
+
+
 def _load_job(args: argparse.Namespace, path: str | None = None, after: Sequence[str] | None = None,
               made_earlier: Sequence[Path] = ()) -> tuple[Any, Any, Any]:
     """The site, then the job (its params parsed and checked against the site), and the origin.
@@ -54,13 +75,14 @@ def _load_job(args: argparse.Namespace, path: str | None = None, after: Sequence
     from hpcdist.render import Origin
 
     site_sets, job_sets = _split_sets(args.sets)
-    site = load_site(args.site, site_sets)
     argv = tuple(args.argv or ())
     path = path or args.job
-    if argv:
-        job = _command_job(argv, site, job_sets)
-    else:
-        job = load_job(path, site, job_sets, on_missing=_missing_handler(args), made_earlier=made_earlier)
+    with _no_pydantic_plugins():
+        site = load_site(args.site, site_sets)
+        if argv:
+            job = _command_job(argv, site, job_sets)
+        else:
+            job = load_job(path, site, job_sets, on_missing=_missing_handler(args), made_earlier=made_earlier)
     limit = getattr(args, "max_parallel", None)
     if limit is not None and (limit < 1 or not getattr(args, "sweeps", None)):
         from hpcdist.errors import ConfigError
@@ -350,50 +372,69 @@ def _report_parser(subs: Any) -> None:
                    help="results to show side by side with the first (benchmarks: one; training, inference: any)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hpcdist", description="Distributed PyTorch jobs on Slurm clusters.")
-    parser.add_argument("--version", action="version", version=f"hpcdist {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    subs = parser.add_subparsers(dest="command", required=True)
+def _job_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job", nargs="?", default=None,
+                   help="job spec YAML, e.g. jobs/smoke.yaml; or none and `-- SCRIPT ARG...` after the options")
+    p.add_argument("--site", default=None, help="site name or YAML (default: $HPCDIST_SITE or local)")
+    p.add_argument(
+        "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+        help="override a job key (resources.nodes=2) or a site key (site.launcher.kind=mpirun)",
+    )
 
-    def job_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("job", nargs="?", default=None,
-                       help="job spec YAML, e.g. jobs/smoke.yaml; or none and `-- SCRIPT ARG...` after the options")
-        p.add_argument("--site", default=None, help="site name or YAML (default: $HPCDIST_SITE or local)")
-        p.add_argument(
-            "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-            help="override a job key (resources.nodes=2) or a site key (site.launcher.kind=mpirun)",
-        )
 
-    def placement_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--after", action="append", default=[], metavar="JOBID",
-                       help="start only after job JOBID completed successfully (Slurm's afterok)")
-        p.add_argument("--sweep", dest="sweeps", action="append", default=[], metavar="KEY=V1,V2",
-                       help="one task per combination of the values, as one job array (params.* keys)")
-        p.add_argument("--max-parallel", type=int, default=None, metavar="N",
-                       help="run at most N tasks of a sweep at a time (the array's %%N)")
+def _placement_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--after", action="append", default=[], metavar="JOBID",
+                   help="start only after job JOBID completed successfully (Slurm's afterok)")
+    p.add_argument("--sweep", dest="sweeps", action="append", default=[], metavar="KEY=V1,V2",
+                   help="one task per combination of the values, as one job array (params.* keys)")
+    p.add_argument("--max-parallel", type=int, default=None, metavar="N",
+                   help="run at most N tasks of a sweep at a time (the array's %%N)")
 
+
+def _render_parser(subs: Any) -> None:
     p = subs.add_parser("render", help="print the job script that submit would submit")
-    job_args(p)
-    placement_args(p)
+    _job_args(p)
+    _placement_args(p)
+
+
+def _submit_parser(subs: Any) -> None:
     p = subs.add_parser("submit", help="submit a job through submitit")
-    job_args(p)
+    _job_args(p)
     p.add_argument("more", nargs="*", default=[], metavar="MORE.yaml", help="further job specs, with --chain")
     p.add_argument("--chain", action="store_true", help="submit the specs in order, each after the one before")
-    placement_args(p)
+    _placement_args(p)
     p.add_argument("--wait", action="store_true", help="wait for the job and print its summary")
     p.add_argument("--wait-timeout", type=float, default=None, help="give up waiting after this many seconds")
+
+
+def _small_parsers(subs: Any) -> None:
     p = subs.add_parser("status", help="a job's state from Slurm")
     p.add_argument("job_id")
     subs.add_parser("env", help="what the bootstrap sees on this node")
     subs.add_parser("sites", help="list known site configs")
-    for extra in _EXTRA_PARSERS:
-        extra(subs)
+
+
+# Each command's subparser, in the order `hpcdist --help` lists them: (the commands a function
+# adds, the function). Later stages (report, data, model, the lifecycle) add theirs below.
+_PARSERS: list[tuple[tuple[str, ...], Callable[[Any], None]]] = [
+    (("render",), _render_parser),
+    (("submit",), _submit_parser),
+    (("status", "env", "sites"), _small_parsers),
+    (("report",), _report_parser),
+]
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; with `command`, only that command's subparser (what `main` parses a
+    command line with: building every subparser costs more than parsing one)."""
+    parser = argparse.ArgumentParser(prog="hpcdist", description="Distributed PyTorch jobs on Slurm clusters.")
+    parser.add_argument("--version", action="version", version=f"hpcdist {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    subs = parser.add_subparsers(dest="command", required=True)
+    for names, add in _PARSERS:
+        if command is None or command in names:
+            add(subs)
     return parser
-
-
-# Later stages (report, data) add their subcommands here.
-_EXTRA_PARSERS: list[Callable[[Any], None]] = [_report_parser]
 
 
 def _module_subcommand(name: str, module: str) -> None:
@@ -406,7 +447,7 @@ def _module_subcommand(name: str, module: str) -> None:
         importlib.import_module(module).add_parser(subs)
 
     command(name)(run)
-    _EXTRA_PARSERS.append(parser)
+    _PARSERS.append(((name,), parser))
 
 
 _module_subcommand("data", "hpcdist.data.cli")
@@ -448,7 +489,7 @@ def _lifecycle_parsers(subs: Any) -> None:
             p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
 
 
-_EXTRA_PARSERS.append(_lifecycle_parsers)
+_PARSERS.append((("logs", "jobs", "wait", "cancel"), _lifecycle_parsers))
 
 
 def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -460,14 +501,27 @@ def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+def _parse(own: list[str]) -> argparse.Namespace:
+    """`own` parsed by a parser holding only its command's subparser; a command line that
+    fails there is parsed again by the whole parser, whose message and usage it then prints."""
+    name = next((a for a in own if not a.startswith("-")), None)
+    if name is not None and any(name in names for names, _ in _PARSERS):
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                return build_parser(name).parse_args(own)
+        except SystemExit as exc:
+            if exc.code == 0:  # --help, --version: printed to stdout already
+                raise
+    return build_parser().parse_args(own)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
     own, command_argv = _split_command(list(sys.argv[1:] if argv is None else argv))
-    args = parser.parse_args(own)
+    args = _parse(own)
     if args.command in ("render", "submit"):
         args.argv = command_argv
         if bool(args.job) == bool(command_argv):
-            parser.error(f"{args.command}: give a job spec YAML or `-- SCRIPT ARG...`, not both or neither")
+            build_parser().error(f"{args.command}: give a job spec YAML or `-- SCRIPT ARG...`, not both or neither")
     try:
         return _COMMANDS[args.command](args)
     except HpcdistError as exc:

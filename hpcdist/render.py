@@ -1,14 +1,18 @@
 """Rendering: (job spec, site) -> the exact sbatch script ``submit`` hands to submitit.
 
-A pure function: no I/O but reading the template, no subprocess. Every value reaching the
-shell goes through one choke point, the Jinja2 ``finalize`` hook, which shell-quotes it;
-pieces that are shell by design (site setup lines, the launch line built here from quoted
-parts) are marked ``Shell``. Any value with a control character is refused first, with its key
-path: ``shlex.quote`` cannot make a newline safe inside a ``#SBATCH`` comment line.
+A pure function: no I/O but reading the template (compiled once, into the user's cache), no
+subprocess. Every value reaching the shell goes through one choke point, the Jinja2 ``finalize``
+hook, which shell-quotes it; pieces that are shell by design (site setup lines, the launch line
+built here from quoted parts) are marked ``Shell``. Any value with a control character is
+refused first, with its key path: ``shlex.quote`` cannot make a newline safe inside a
+``#SBATCH`` comment line.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
 import re
 import shlex
 import sys
@@ -18,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcdist import __version__
-from hpcdist._paths import data_dir
+from hpcdist._paths import cache_dir, data_dir
 from hpcdist.config.contract import LAUNCH_TIME_VAR
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
@@ -97,18 +101,49 @@ def _finalize(value: Any) -> str:
     return shlex.quote(text)
 
 
+_ENV_OPTIONS: dict[str, Any] = {
+    "autoescape": False, "trim_blocks": True, "lstrip_blocks": True, "keep_trailing_newline": True,
+}
+
+
+@functools.cache
 def _environment() -> jinja2.Environment:
+    """The one Jinja2 environment: templates compiled once per process, and kept compiled
+    between runs in the user's cache (``_bytecode_cache``)."""
     import jinja2  # only a Slurm script needs it; a local site's plan is plain text
 
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(data_dir("templates"))),
         undefined=jinja2.StrictUndefined,
         finalize=_finalize,
-        autoescape=False,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
+        bytecode_cache=_bytecode_cache(),
+        **_ENV_OPTIONS,
     )
+
+
+def _bytecode_cache() -> jinja2.BytecodeCache:
+    """Jinja2's compiled templates in ``cache_dir("templates")``, so a render does not lex,
+    parse and compile the template again (Jinja2 checks the template's checksum and its own
+    and Python's versions; the file names add this environment's options, which change the
+    compiled code too). A cache that cannot be read or written is passed over."""
+    import jinja2
+
+    class Cache(jinja2.FileSystemBytecodeCache):
+        def load_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
+            try:
+                super().load_bytecode(bucket)
+            except Exception:  # unreadable or damaged (Jinja2 checks the header only): compile again
+                bucket.reset()
+
+        def dump_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
+            try:
+                os.makedirs(self.directory, mode=0o700, exist_ok=True)
+                super().dump_bytecode(bucket)
+            except OSError:
+                pass
+
+    options = repr(sorted({**_ENV_OPTIONS, "undefined": "StrictUndefined", "finalize": _finalize.__qualname__}.items()))
+    return Cache(str(cache_dir("templates")), f"{hashlib.sha256(options.encode()).hexdigest()[:16]}-%s.cache")
 
 
 def submitit_folder(spec: JobSpec, site: Site) -> Path:

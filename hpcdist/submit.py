@@ -19,16 +19,18 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpcdist.config.contract import LAUNCH_TIME_VAR
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import SubmitError
 from hpcdist.polling import poll_until
-from hpcdist.postmortem import Ending, accounting, ending
 from hpcdist.render import Origin, render, submitit_folder
 from hpcdist.store.atomic import storage_umask
+
+if TYPE_CHECKING:
+    from hpcdist.postmortem import Ending
 
 LOCAL_CONTROLLER = "hpcdist.runtime.local_controller"
 
@@ -174,7 +176,7 @@ def submit_array(base: JobSpec, tasks: list[JobSpec], site: Site, origin: Origin
     (``hpcdist.cli`` waits for each)."""
     from submitit.core.utils import FailedJobError
 
-    from hpcdist.runtime.entry import run_rank  # the callable only; nothing runs here
+    from hpcdist.runtime import run_rank  # the callable only; nothing runs here
 
     if site.scheduler != "slurm" and origin.after:
         raise SubmitError(f"site {site.name!r} has no scheduler to make a job wait for job {origin.after[0]}; "
@@ -370,6 +372,8 @@ def wait(
 
 def _slurm_ending(sub: Submission) -> Ending:
     """srun's and slurmstepd's lines in the batch log, and Slurm's accounting of the job's steps."""
+    from hpcdist.postmortem import accounting, ending  # only a job that failed is looked into
+
     try:
         batch_log = sub.log_paths[1].read_text(errors="replace")
     except OSError:

@@ -52,6 +52,16 @@ def job_index(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monk
     return state
 
 
+@pytest.fixture(autouse=True, scope="session")
+def user_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The session's own cache folder (compiled templates, ``hpcdist._paths.cache_dir``): a test
+    never writes to the user's. One per session: the process keeps its template environment."""
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(cache))
+        yield cache
+
+
 def storage_sets(root: Path) -> list[str]:
     """`--set` arguments that move every storage root of a site under `root`."""
     out = []

@@ -71,3 +71,40 @@ def test_checking_a_benchmark_spec_imports_no_torch_submitit_or_runner() -> None
     runners = {get_kind(k).runner.partition(":")[0] for k in kind_names()} - {"hpcdist.jobs.smoke"}
     modules = modules_after("render", "jobs/bench_collectives.yaml", "--site", "local-slurm")
     assert [m for m in modules if m.split(".")[0] in ("torch", "submitit") or m in runners] == []
+
+
+def test_render_leaves_no_pydantic_switch_behind() -> None:
+    """The CLI turns pydantic's plugin search off while it loads the config only: a job, sbatch
+    or the local controller inherits the user's environment, and a value the user set stays."""
+    probe = PROBE.replace("print(json.dumps({", "import os\nprint(json.dumps({'env': os.environ.get("
+                          "'PYDANTIC_DISABLE_PLUGINS'), ")
+    for env, expected in (({}, None), ({"PYDANTIC_DISABLE_PLUGINS": "logfire"}, "logfire")):
+        base = {k: v for k, v in os.environ.items() if k != "PYDANTIC_DISABLE_PLUGINS"}
+        proc = subprocess.run(
+            [sys.executable, "-c", probe, "render", "jobs/smoke.yaml", "--site", "local-slurm"], cwd=REPO,
+            env={**base, **env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120, check=True,
+        )
+        assert json.loads(proc.stdout.strip().splitlines()[-1])["env"] == expected
+
+
+SUBMIT_PROBE = """
+import json, sys
+import hpcdist.submit
+from hpcdist.runtime import run_rank
+modules = sorted(sys.modules)
+import cloudpickle  # as submitit pickles it
+print(json.dumps({"modules": modules, "pickled": len(cloudpickle.dumps(run_rank))}))
+"""
+
+
+def test_submit_side_imports_no_bootstrap_before_submitting() -> None:
+    """`submit` loads, checks and renders as `render` does; it names the ranks' entry point
+    (``hpcdist.runtime.run_rank``, pickled by reference) without importing the bootstrap, and
+    reads Slurm's accounting only for a job that failed."""
+    proc = subprocess.run([sys.executable, "-c", SUBMIT_PROBE], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120, check=True)
+    out = json.loads(proc.stdout)
+    modules = out["modules"]
+    bootstrap = ("hpcdist.runtime.", "hpcdist.postmortem", "hpcdist.bench", "hpcdist.train", "hpcdist.infer")
+    assert [m for m in modules if m.split(".")[0] in HEAVY or m.startswith(bootstrap)] == []
+    assert out["pickled"] < 100  # a reference (module and name), not the function's code

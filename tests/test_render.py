@@ -97,6 +97,22 @@ def test_values_are_quoted() -> None:
     assert shlex.split(line.removeprefix("export GREETING="))[0] == "it's; rm -rf /"
 
 
+def test_compiled_template_cache_changes_no_byte(tmp_path: Path) -> None:
+    """The template is compiled once into the user's cache: the run that writes it, the run that
+    reads it, a run over a damaged cache file and one whose cache cannot be made print one script."""
+    args = ("render", "jobs/smoke.yaml", "--site", "local-slurm")
+    cache = tmp_path / "cache"
+    first = run_cli(*args, env={"XDG_CACHE_HOME": str(cache)})
+    files = list((cache / "hpcdist" / "templates").iterdir())
+    assert first.code == 0 and len(files) == 1
+    assert run_cli(*args, env={"XDG_CACHE_HOME": str(cache)}).out == first.out
+    files[0].write_bytes(files[0].read_bytes()[:40] + b"damaged")
+    assert run_cli(*args, env={"XDG_CACHE_HOME": str(cache)}).out == first.out
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert run_cli(*args, env={"XDG_CACHE_HOME": str(blocked)}).out == first.out
+
+
 def test_local_site_renders_a_plan() -> None:
     result = run_cli("render", "jobs/smoke.yaml", "--site", "local")
     assert result.code == 0 and "LocalExecutor starts 2 process(es)" in result.out

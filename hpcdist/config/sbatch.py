@@ -8,7 +8,6 @@ so one thing never has two owners. A value ``true`` is a bare flag, ``false`` le
 
 from __future__ import annotations
 
-import difflib
 from typing import Annotated
 
 from pydantic import AfterValidator
@@ -48,6 +47,8 @@ def _check(options: dict[str, SbatchValue]) -> dict[str, SbatchValue]:
         if name in OWNED:
             raise ValueError(f"{key!r} is set by hpcdist; set {OWNED[name]} instead")
         if name not in SBATCH_OPTIONS:
+            import difflib  # only for the message
+
             near = difflib.get_close_matches(name, sorted(SBATCH_OPTIONS - set(OWNED)), n=1)
             hint = f"did you mean {near[0].replace('-', '_')!r}?" if near else "see `man sbatch` for the long options"
             raise ValueError(f"{key!r} is not an sbatch option; {hint}")

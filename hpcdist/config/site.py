@@ -90,7 +90,7 @@ ExpandedPath = Annotated[Path, BeforeValidator(_expand_path)]
 class Frozen(BaseModel):
     """Base of every config and job-params model: immutable, and unknown keys are errors."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
 
 class Partition(Frozen):
@@ -240,12 +240,12 @@ class Site(Frozen):
     setup: tuple[str, ...] = Field(default=(), description="shell lines run before the launch")
     env: EnvMap = Field(default_factory=dict)
     sbatch: dict[str, str] = Field(default_factory=dict, description="extra #SBATCH flags")
-    launcher: Launcher = Launcher()
-    network: Network = Network()
+    launcher: Launcher = Field(default_factory=Launcher)
+    network: Network = Field(default_factory=Network)
     storage: Storage
-    preemption: Preemption = Preemption()
-    defaults: Defaults = Defaults()
-    baselines: Baselines = Baselines()
+    preemption: Preemption = Field(default_factory=Preemption)
+    defaults: Defaults = Field(default_factory=Defaults)
+    baselines: Baselines = Field(default_factory=Baselines)
     python: str | None = Field(default=None, description="interpreter on the nodes")
 
     @field_validator("env")

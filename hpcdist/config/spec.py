@@ -61,7 +61,7 @@ class JobSpec(Frozen):
 
     name: str = Field(min_length=1, max_length=128)
     kind: str
-    resources: Resources = Resources()
+    resources: Resources = Field(default_factory=Resources)
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     timeout_s: float | None = Field(default=None, gt=0)
     env: EnvMap = Field(default_factory=dict)

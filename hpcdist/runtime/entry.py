@@ -1,7 +1,8 @@
 """The function every rank runs: environment -> rank facts -> process group -> job kind.
 
-``run_rank`` is what submitit pickles and calls on each task. ``main`` is the same thing for a
-direct launch (``srun python -m hpcdist.runtime.entry JOB.yaml --site SITE``).
+``run_rank`` is what each task runs (submitit pickles and calls ``hpcdist.runtime.run_rank``, which
+imports this module on the node). ``main`` is the same thing for a direct launch
+(``srun python -m hpcdist.runtime.entry JOB.yaml --site SITE``).
 """
 
 from __future__ import annotations
