@@ -1,14 +1,18 @@
-"""Rank 0's weights to every rank as one flat buffer, sent in buckets that overlap the packing.
+"""Rank 0's weights to every rank, received into one flat buffer, sent with no copy where it can be.
 
 Every rank lays the state out the same way in one byte buffer (`layout`: tensors in order, each
-at a 64-byte aligned offset). Rank 0 copies tensors into it bucket by bucket and starts each
-bucket's broadcast as soon as it is packed, so packing the next one overlaps the transfer; the
-other ranks receive straight into the buffer and get their tensors as views of it: no per-tensor
-allocation and no unpacking copy. A caller that repeats the transfer passes the buffer back in
-(`buffer=`), as a benchmark's single-buffer peer does. Small tensors (biases, layer norms) share
-a bucket so they do not each pay a collective's latency; ``bucket_bytes`` <= 0 sends tensor by
-tensor (the baseline). The other ranks learn names, shapes and dtypes from a small object
-broadcast first, so they need no checkpoint and no model config to receive.
+at a 64-byte aligned offset). The other ranks receive straight into it and get their tensors as
+views of it: no per-tensor allocation and no unpacking copy. Rank 0 sends a big tensor (at least
+``DIRECT_BYTES``) from its own storage in a broadcast of its own, and copies only the small ones
+(biases, layer norms) into shared buckets, so they do not each pay a collective's latency; a
+state already laid out in the buffer (`in_buffer`) is sent as it lies, with nothing packed.
+Packing the bytes on rank 0 cost as much CPU as the transfer and, on two busy cores, did not
+overlap it. Every broadcast is started at once (async) and they run on the backend's threads.
+A caller that repeats the transfer passes the buffer back in (`buffer=`): touching a fresh
+buffer's pages costs about half the transfer time on a virtual machine. ``bucket_bytes`` <= 0
+sends tensor by tensor (the baseline). The other ranks learn names, shapes and dtypes from a
+small object broadcast first (or `meta=`), so they need no checkpoint and no model config to
+receive, and the buckets from rank 0 in one small broadcast.
 
 Bandwidth is nccl-tests' arithmetic from the one factor table, ``hpcdist.bench.factors``
 (importing it loads nothing of the benchmark package but that module: no torch, no MPI).
@@ -27,6 +31,10 @@ from hpcdist.bench.factors import algbw, busbw
 
 Meta = list[tuple[str, tuple[int, ...], str]]  # name, shape, dtype
 ALIGN = 64  # bytes: each tensor's offset in the flat buffer, so any dtype can view its part
+# A tensor at least this big goes alone, from the source's own storage: copying it into a bucket
+# would cost more than one more collective. On gloo here a collective costs 0.3-0.6 ms of CPU on
+# every rank and a copy about 0.2 ms per MB on the source (a smaller threshold measured slower).
+DIRECT_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -59,27 +67,32 @@ class BroadcastStats:
 
 
 def plan_buckets(meta: Meta, bucket_bytes: int) -> list[list[int]]:
-    """Consecutive tensors grouped into buckets of at most `bucket_bytes` (a bigger tensor goes alone).
+    """Consecutive tensors grouped into buckets of at most `bucket_bytes`; a tensor bigger than
+    that, or of at least ``DIRECT_BYTES``, goes alone (the source sends it from its own storage).
 
+    The plan follows from `meta` alone, so every rank computes the same one without a message.
     `bucket_bytes` <= 0 gives one bucket per tensor, the tensor-by-tensor baseline.
     """
     buckets: list[list[int]] = []
     current: list[int] = []
     size = 0
+    previous_alone = False
     for i, (_, shape, dtype) in enumerate(meta):
         n = _nbytes(shape, dtype)
-        if current and (bucket_bytes <= 0 or size + n > bucket_bytes):
+        alone = n >= DIRECT_BYTES
+        if current and (bucket_bytes <= 0 or size + n > bucket_bytes or alone or previous_alone):
             buckets.append(current)
             current, size = [], 0
         current.append(i)
         size += n
+        previous_alone = alone
     if current:
         buckets.append(current)
     return buckets
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    return _numel(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return _numel(shape) * getattr(torch, dtype).itemsize
 
 
 def describe(state: dict[str, torch.Tensor]) -> Meta:
@@ -100,26 +113,64 @@ def layout(meta: Meta) -> tuple[list[int], int]:
 def flat_buffer(meta: Meta, device: torch.device) -> torch.Tensor:
     """A byte buffer that `broadcast_state(..., buffer=)` fills, for a caller that repeats the transfer.
 
-    Allocate it once: touching fresh pages costs more than the transfer on a virtual machine
+    Allocate it once: touching fresh pages costs about half the transfer on a virtual machine
     (a one-shot load pays it once; huge-page advice did not help in the benchmark here).
     """
     return torch.empty(layout(meta)[1], dtype=torch.uint8, device=device)
 
 
-def _views(meta: Meta, buffer: torch.Tensor) -> list[torch.Tensor]:
-    offsets, _ = layout(meta)
-    return [
-        buffer[off : off + _nbytes(shape, dtype)].view(getattr(torch, dtype)).view(shape)
-        for off, (_, shape, dtype) in zip(offsets, meta, strict=True)
-    ]
+def _views(meta: Meta, buffer: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
+    """Each tensor of `meta` as a view of `buffer` at its offset; one dtype view of the buffer per
+    dtype, then a slice each (a few microseconds per tensor: it runs while the bytes arrive)."""
+    typed: dict[str, torch.Tensor] = {}
+    out = []
+    for off, (_, shape, dtype) in zip(offsets, meta, strict=True):
+        if dtype not in typed:
+            size = getattr(torch, dtype).itemsize
+            typed[dtype] = buffer[: buffer.numel() // size * size].view(getattr(torch, dtype))
+        whole = typed[dtype]
+        first = off // whole.element_size()
+        out.append(whole[first : first + _numel(shape)].view(shape))
+    return out
 
 
 def in_buffer(state: dict[str, torch.Tensor], meta: Meta, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
     """`state` copied into `buffer` in `layout(meta)`, as views; a source laid out so is sent without packing."""
-    views = _views(meta, buffer)
+    views = _views(meta, buffer, layout(meta)[0])
     for (name, shape, _), view in zip(meta, views, strict=True):
         view.copy_(state[name].detach().reshape(shape))
     return {name: view for (name, _, _), view in zip(meta, views, strict=True)}
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as a flat byte tensor (a view: no copy)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _source_span(
+    state: dict[str, torch.Tensor], meta: Meta, bucket: list[int], offsets: list[int], sizes: list[int],
+    device: torch.device, buffer: torch.Tensor | None, out: dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """On the source: the bytes of `bucket` to broadcast, and its tensors into `out`. A tensor alone
+    in its bucket goes from its own storage, a bucket already in place in `buffer` as it lies; only
+    the others are copied (into `buffer`, or a bucket-sized allocation without one)."""
+    sources = [state[meta[i][0]].detach() for i in bucket]
+    sendable = [t.is_contiguous() and t.device == device and t.dtype == getattr(torch, meta[i][2])
+                and t.numel() == _numel(meta[i][1]) for t, i in zip(sources, bucket, strict=True)]
+    base, end = offsets[bucket[0]], offsets[bucket[-1]] + sizes[bucket[-1]]
+    placed = [ok and buffer is not None and t.data_ptr() == buffer.data_ptr() + offsets[i]
+              for ok, t, i in zip(sendable, sources, bucket, strict=True)]
+    if len(bucket) == 1 and sendable[0] or all(placed):
+        for t, i in zip(sources, bucket, strict=True):
+            out[meta[i][0]] = t.reshape(meta[i][1])
+        return _bytes_of(sources[0]) if len(bucket) == 1 else buffer[base:end]  # type: ignore[index]
+    span = buffer[base:end] if buffer is not None else torch.empty(end - base, dtype=torch.uint8, device=device)
+    for view, t, i, here in zip(_views([meta[i] for i in bucket], span, [offsets[i] - base for i in bucket]),
+                                sources, bucket, placed, strict=True):
+        if not here:
+            view.copy_(t.reshape(meta[i][1]))
+        out[meta[i][0]] = view
+    return span
 
 
 def broadcast_state(
@@ -133,9 +184,11 @@ def broadcast_state(
 ) -> tuple[dict[str, torch.Tensor], BroadcastStats]:
     """Every rank gets `src`'s `state` (others pass None); returns it and the transfer's figures.
 
-    The returned tensors are views of one flat byte buffer on `device` (on `src` too), `buffer`
-    when given (`flat_buffer(meta, device)`, reused across calls). Pass `meta` (identical on
-    every rank) to skip the object broadcast, as a repeated benchmark does.
+    On the other ranks the returned tensors are views of one flat byte buffer on `device`,
+    `buffer` when given (`flat_buffer(meta, device)`, reused across calls). On `src` they are its
+    own tensors, or views of the bytes it packed where it had to copy them (small tensors, or ones
+    not contiguous or not on `device`). Pass `meta` (identical on every rank) to skip the object
+    broadcast, as a repeated benchmark does.
     """
     is_src = dist.get_rank() == src
     if meta is None:
@@ -144,37 +197,37 @@ def broadcast_state(
         meta = box[0]
         assert meta is not None
     offsets, total = layout(meta)
-    if buffer is None:
-        buffer = flat_buffer(meta, device)
-    elif buffer.numel() < total or buffer.dtype != torch.uint8 or buffer.device != device:
+    if buffer is not None and (buffer.numel() < total or buffer.dtype != torch.uint8 or buffer.device != device):
         raise ValueError(f"broadcast buffer of {buffer.numel()} {buffer.dtype} on {buffer.device} cannot hold "
                          f"{total} bytes on {device}; make it with flat_buffer(meta, device)")
-    views = _views(meta, buffer)
+    if buffer is None and not is_src:
+        buffer = flat_buffer(meta, device)
+    sizes = [_nbytes(shape, dtype) for _, shape, dtype in meta]
     buckets = plan_buckets(meta, bucket_bytes)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
+    out: dict[str, torch.Tensor] = {}
     works = []
-    for bucket in buckets:
+    for bucket in buckets:  # every broadcast starts at once; the source packs the next while one goes
         if is_src:
             assert state is not None
-            for i in bucket:
-                source = state[meta[i][0]]
-                if source.data_ptr() != views[i].data_ptr():  # already in place: nothing to pack
-                    views[i].copy_(source.detach().reshape(meta[i][1]))
-        first, last = bucket[0], bucket[-1]
-        span = buffer[offsets[first] : offsets[last] + views[last].numel() * views[last].element_size()]
-        works.append(dist.broadcast(span, src=src, group=group, async_op=True))  # goes while the next is packed
+            span = _source_span(state, meta, bucket, offsets, sizes, device, buffer, out)
+        else:
+            assert buffer is not None
+            span = buffer[offsets[bucket[0]] : offsets[bucket[-1]] + sizes[bucket[-1]]]
+        works.append(dist.broadcast(span, src=src, group=group, async_op=True))
+    if not is_src:  # made while the bytes arrive
+        assert buffer is not None
+        out = {name: view for (name, _, _), view in zip(meta, _views(meta, buffer, offsets), strict=True)}
     for work in works:
         assert work is not None
         work.wait()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
-    out = {name: view for (name, _, _), view in zip(meta, views, strict=True)}
-    payload = sum(v.numel() * v.element_size() for v in views)
-    stats = BroadcastStats(payload, seconds, len(buckets), len(meta), dist.get_world_size(group))
-    return out, stats
+    stats = BroadcastStats(sum(sizes), seconds, len(buckets), len(meta), dist.get_world_size(group))
+    return {name: out[name] for name, _, _ in meta}, stats
 
 
 @dataclass(frozen=True)
