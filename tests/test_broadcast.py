@@ -67,12 +67,18 @@ def test_every_rank_receives_rank_zeros_bytes(bucket: int) -> None:
 
 
 def _big(rank: int, world: int) -> dict[str, Any]:
-    from hpcdist.infer.broadcast import DIRECT_BYTES, broadcast_state
+    from hpcdist.infer.broadcast import DIRECT_BYTES, broadcast_state, describe, flat_buffer, in_buffer
 
+    cpu = torch.device("cpu")
     src = _big_source(DIRECT_BYTES) if rank == 0 else None
-    got, stats = broadcast_state(src, torch.device("cpu"))
+    got, stats = broadcast_state(src, cpu)
     own = sorted(k for k, v in got.items() if src is not None and v.data_ptr() == src[k].data_ptr())
-    return {"digests": _digests(got), "own": own, "buckets": stats.buckets}
+    meta = describe(_big_source(DIRECT_BYTES))
+    buffer = flat_buffer(meta, cpu)
+    placed, placed_stats = broadcast_state(in_buffer(src, meta, buffer) if src is not None else None, cpu,
+                                           meta=meta, buffer=buffer)
+    return {"digests": _digests(got), "own": own, "buckets": stats.buckets, "placed": _digests(placed),
+            "placed_buckets": placed_stats.buckets}
 
 
 def _big_source(direct_bytes: int) -> dict[str, torch.Tensor]:
@@ -89,3 +95,6 @@ def test_a_big_tensor_goes_alone_from_rank_zeros_storage() -> None:
     assert [o["digests"] for o in outs] == [want, want]
     assert outs[0]["own"] == ["a", "big"]  # each alone in its bucket, sent as it lies; b and c packed
     assert outs[0]["buckets"] == 3  # [a] [big] [b, c]
+    # already laid out in the flat buffer, the big tensor shares the one bucket: nothing to copy either way
+    assert [o["placed"] for o in outs] == [want, want]
+    assert [o["placed_buckets"] for o in outs] == [1, 1]
