@@ -6,13 +6,13 @@ views of it: no per-tensor allocation and no unpacking copy. Rank 0 sends a big 
 ``DIRECT_BYTES``) from its own storage in a broadcast of its own, and copies only the small ones
 (biases, layer norms) into shared buckets, so they do not each pay a collective's latency; a
 state already laid out in the buffer (`in_buffer`) is sent as it lies, with nothing packed.
-Packing the bytes on rank 0 cost as much CPU as the transfer and, on two busy cores, did not
-overlap it. Every broadcast is started at once (async) and they run on the backend's threads.
-A caller that repeats the transfer passes the buffer back in (`buffer=`): touching a fresh
-buffer's pages costs about half the transfer time on a virtual machine. ``bucket_bytes`` <= 0
-sends tensor by tensor (the baseline). The other ranks learn names, shapes and dtypes from a
-small object broadcast first (or `meta=`), so they need no checkpoint and no model config to
-receive, and the buckets from rank 0 in one small broadcast.
+Packing every byte on rank 0 cost it about as much CPU as the transfer itself, and on two busy
+cores that did not overlap the sending. Every broadcast is started at once (async); they run on
+the backend's threads. A caller that repeats the transfer passes the buffer back in (`buffer=`):
+touching a fresh buffer's pages costs about half the transfer time on a virtual machine.
+``bucket_bytes`` <= 0 sends tensor by tensor (the baseline). The other ranks learn names, shapes
+and dtypes from a small object broadcast first (or `meta=`), so they need no checkpoint and no
+model config to receive, and the buckets from rank 0 in one small broadcast.
 
 Bandwidth is nccl-tests' arithmetic from the one factor table, ``hpcdist.bench.factors``
 (importing it loads nothing of the benchmark package but that module: no torch, no MPI).
@@ -89,6 +89,12 @@ def plan_buckets(meta: Meta, bucket_bytes: int, alone: list[bool] | None = None)
     return buckets
 
 
+def _sendable(tensor: torch.Tensor, shape: tuple[int, ...], dtype: str, device: torch.device) -> bool:
+    """Whether the source can send `tensor` as it lies: contiguous, on `device`, the layout's dtype and size."""
+    return (tensor.is_contiguous() and tensor.device == device and tensor.dtype == getattr(torch, dtype)
+            and tensor.numel() == _numel(shape))
+
+
 def _source_plan(
     state: dict[str, torch.Tensor], meta: Meta, sizes: list[int], offsets: list[int], device: torch.device,
     buffer: torch.Tensor | None, bucket_bytes: int,
@@ -96,11 +102,10 @@ def _source_plan(
     """The source's buckets: a big tensor (``DIRECT_BYTES``) that it can send from its own storage
     goes alone; tensors already in place in `buffer` and small ones share buckets."""
     alone = []
-    for (name, _, dtype), n, off in zip(meta, sizes, offsets, strict=True):
+    for (name, shape, dtype), n, off in zip(meta, sizes, offsets, strict=True):
         t = state[name]
-        sendable = t.is_contiguous() and t.device == device and t.dtype == getattr(torch, dtype)
-        placed = sendable and buffer is not None and t.data_ptr() == buffer.data_ptr() + off
-        alone.append(sendable and not placed and n >= DIRECT_BYTES)
+        placed = buffer is not None and t.data_ptr() == buffer.data_ptr() + off
+        alone.append(n >= DIRECT_BYTES and not placed and _sendable(t, shape, dtype, device))
     return plan_buckets(meta, bucket_bytes, alone)
 
 
@@ -168,21 +173,19 @@ def _source_span(
     in its bucket goes from its own storage, a bucket already in place in `buffer` as it lies; only
     the others are copied (into `buffer`, or a bucket-sized allocation without one)."""
     sources = [state[meta[i][0]].detach() for i in bucket]
-    sendable = [t.is_contiguous() and t.device == device and t.dtype == getattr(torch, meta[i][2])
-                and t.numel() == _numel(meta[i][1]) for t, i in zip(sources, bucket, strict=True)]
+    sendable = [_sendable(t, meta[i][1], meta[i][2], device) for t, i in zip(sources, bucket, strict=True)]
+    if len(bucket) == 1 and sendable[0]:
+        out[meta[bucket[0]][0]] = sources[0].reshape(meta[bucket[0]][1])
+        return _bytes_of(sources[0])
     base, end = offsets[bucket[0]], offsets[bucket[-1]] + sizes[bucket[-1]]
-    placed = [ok and buffer is not None and t.data_ptr() == buffer.data_ptr() + offsets[i]
-              for ok, t, i in zip(sendable, sources, bucket, strict=True)]
-    if len(bucket) == 1 and sendable[0] or all(placed):
-        for t, i in zip(sources, bucket, strict=True):
-            out[meta[i][0]] = t.reshape(meta[i][1])
-        return _bytes_of(sources[0]) if len(bucket) == 1 else buffer[base:end]  # type: ignore[index]
     span = buffer[base:end] if buffer is not None else torch.empty(end - base, dtype=torch.uint8, device=device)
-    for view, t, i, here in zip(_views([meta[i] for i in bucket], span, [offsets[i] - base for i in bucket]),
-                                sources, bucket, placed, strict=True):
-        if not here:
+    views = _views([meta[i] for i in bucket], span, [offsets[i] - base for i in bucket])
+    for view, t, i, ok in zip(views, sources, bucket, sendable, strict=True):
+        if ok and t.data_ptr() == view.data_ptr():  # already in place: nothing to pack
+            out[meta[i][0]] = t.reshape(meta[i][1])
+        else:
             view.copy_(t.reshape(meta[i][1]))
-        out[meta[i][0]] = view
+            out[meta[i][0]] = view
     return span
 
 
