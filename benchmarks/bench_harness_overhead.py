@@ -9,7 +9,11 @@
 4. the per-iteration timing overhead of hpcdist's timed loop, in microseconds.
 
 Each comparison is repeated ``--trials`` times, alternating which side goes first; the medians
-and their ratios (hpcdist / peer) are printed by rank 0. Run with two ranks:
+and their ratios (hpcdist / peer) are printed by rank 0, from the mean iteration (nccl-tests'
+figure) and from the median one, with the share of iterations over 3x their trial's median. On a
+machine with more runnable processes than cores, Open MPI's busy-polling ranks take 10-70 ms for
+an iteration whose peer was descheduled (0.3-0.6 ms otherwise at 1 MiB): a few of those set the
+mean of 20, and the median shows what the harness itself costs. Run with two ranks:
 
     OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \\
       mpirun -n 2 python benchmarks/bench_harness_overhead.py
