@@ -1,18 +1,20 @@
 """Weight broadcast bandwidth: hpcdist's `broadcast_state` against one dist.broadcast of a
-single preallocated buffer of the same bytes (what the bench job's broadcast measures), and the
+single buffer of the same bytes (what the bench job's broadcast measures), and the
 tensor-by-tensor baseline, on N local gloo ranks, with every rank's received weights checked.
 
 nccl-tests conventions: time per iteration averaged over ranks, algbw = bytes/1e9/s, busbw =
-algbw (broadcast). Prints the median busbw of each, the ratios to the single-buffer peer, and
+algbw (broadcast). Prints the median busbw of each, the ratio to its single-buffer peer (the
+median of the per-iteration ratios, all methods running back to back in each iteration), and
 whether every rank's sha256 of every received tensor equals rank 0's.
 
 - ``one flat storage``: rank 0's tensors are views of the flat buffer already (as the
-  ``broadcast`` job makes them), every rank reuses its buffer: like for like with the peer;
-- ``packs (reused)``: rank 0's tensors are separate, packed bucket by bucket into a reused
-  buffer while the previous bucket is sent;
-- ``fresh buffer``: a one-shot load (``infer_gpt``'s ``load: broadcast``): separate tensors on
-  rank 0, and every rank allocates its buffer (pages faulted in while receiving);
-- ``per tensor``: `bucket_bytes=0`, one broadcast per tensor.
+  ``broadcast`` job makes them), every rank reuses its buffer; peer: one preallocated buffer;
+- ``separate tensors``: rank 0's tensors are separate (the big ones go from their own storage,
+  the small ones are packed), every rank reuses its receive buffer; peer: the same;
+- ``one-shot``: as a load does it once (``infer_gpt``'s ``load: broadcast``): separate tensors
+  on rank 0 and every other rank allocates its buffer, whose pages fault in while receiving;
+  peer: one broadcast into a buffer the receivers allocate each time, the same way;
+- ``per tensor``: `bucket_bytes=0`, one broadcast per tensor, buffers reused.
 
     python benchmarks/infer_broadcast.py                        # 102.5 MB: 8 layers, d_model 512
     python benchmarks/infer_broadcast.py --model gpt2-small     # 124M parameters, 498 MB
@@ -40,9 +42,12 @@ from hpcdist.model.checkpoint import parameter_shapes as expected_shapes  # noqa
 from hpcdist.model.config import GPTConfig  # noqa: E402
 from hpcdist.model.hf import SIZES  # noqa: E402
 
-NAMES = ("in_place", "packed", "fresh", "per_tensor", "single_buffer")
-LABELS = {"in_place": "hpcdist, one flat storage", "packed": "hpcdist, packs (reused)",
-          "fresh": "hpcdist, fresh buffer", "per_tensor": "per tensor", "single_buffer": "single buffer (peer)"}
+NAMES = ("in_place", "packed", "fresh", "per_tensor", "single_buffer", "single_fresh")
+LABELS = {"in_place": "hpcdist, one flat storage", "packed": "hpcdist, separate tensors",
+          "fresh": "hpcdist, one-shot", "per_tensor": "per tensor", "single_buffer": "single buffer (peer)",
+          "single_fresh": "single buffer, one-shot"}
+PEER = {"in_place": "single_buffer", "packed": "single_buffer", "fresh": "single_fresh",
+        "per_tensor": "single_buffer", "single_buffer": "single_buffer", "single_fresh": "single_buffer"}
 
 
 def _digest(state: dict[str, torch.Tensor]) -> str:
@@ -73,15 +78,18 @@ def _rank(rank: int, world: int, cfg: GPTConfig, bucket: int, iters: int, checkp
     for i in range(iters + 1):
         for name in NAMES:
             dist.barrier()
-            if name == "single_buffer":
+            if name in ("single_buffer", "single_fresh"):
                 t = time.perf_counter()
-                dist.broadcast(flat, src=0)
+                # a one-shot receiver allocates, as broadcast_state does (pages fault in on receipt)
+                target = flat if name == "single_buffer" or rank == 0 else torch.empty(nbytes // 4)
+                dist.broadcast(target, src=0)
                 s = time.perf_counter() - t
+                del target
             else:
                 got, stats = broadcast_state(
                     in_place if name == "in_place" and rank == 0 else state, torch.device("cpu"),
                     0 if name == "per_tensor" else bucket, meta=meta,
-                    buffer={"in_place": buffer, "packed": packed_buffer}.get(name),
+                    buffer={"in_place": buffer, "packed": packed_buffer, "per_tensor": packed_buffer}.get(name),
                 )
                 s = stats.seconds
                 if i == iters:
@@ -120,8 +128,9 @@ def main() -> None:
         bw = statistics.median(nbytes / 1e9 / t for t in times[name])
         # the ratio of each iteration (all methods ran back to back in it), then the median:
         # robust to the load of a shared machine drifting between iterations
-        ratio = statistics.median(p / t for p, t in zip(times["single_buffer"], times[name], strict=True))
-        print(f"{LABELS[name]:<26} busbw median {bw:6.3f} GB/s   vs single buffer {ratio:.2f}")
+        peer = PEER[name]
+        ratio = statistics.median(p / t for p, t in zip(times[peer], times[name], strict=True))
+        print(f"{LABELS[name]:<26} busbw median {bw:6.3f} GB/s   vs {LABELS[peer]:<24} {ratio:.2f}")
     same = all(o["digests"][k] == outs[0]["digests"][k] for o in outs for k in outs[0]["digests"])
     print(f"sha256 of the received weights identical on every rank: {'yes' if same else 'NO'}")
     if not same:

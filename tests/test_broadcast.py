@@ -1,6 +1,7 @@
 """`broadcast_state`: every rank ends with rank 0's exact bytes (sha256), whether rank 0 packs
-separate tensors of mixed dtypes, sends a state already laid out in the flat buffer, or the
-buffer is reused across calls; receivers get views of one buffer (no per-tensor allocation)."""
+separate tensors of mixed dtypes, sends them from their own storage, sends a state already laid
+out in the flat buffer, or the buffer is reused across calls; receivers get views of one buffer
+(no per-tensor allocation), and rank 0 copies nothing it can send as it lies."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def _rank(rank: int, world: int, bucket: int) -> dict[str, Any]:
     got, stats = broadcast_state(src, cpu, bucket_bytes=bucket)  # meta by object broadcast, fresh buffer
     first = _digests(got)
     bases = {v.untyped_storage().data_ptr() for v in got.values()}
+    own = sorted(k for k, v in got.items() if src is not None and v.data_ptr() == src[k].data_ptr())
     meta = describe(_source())
     buffer = flat_buffer(meta, cpu)
     placed = in_buffer(src, meta, buffer) if src is not None else None
@@ -44,7 +46,8 @@ def _rank(rank: int, world: int, bucket: int) -> dict[str, Any]:
         out, _ = broadcast_state(placed, cpu, bucket_bytes=bucket, meta=meta, buffer=buffer)
         again.append(_digests(out))
         assert all(v.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() for v in out.values())
-    return {"first": first, "again": again, "bases": len(bases), "buckets": stats.buckets, "bytes": stats.bytes}
+    return {"first": first, "again": again, "bases": len(bases), "own": own, "buckets": stats.buckets,
+            "bytes": stats.bytes}
 
 
 @pytest.mark.parametrize("bucket", [0, 300, 64 << 20])
@@ -54,7 +57,44 @@ def test_every_rank_receives_rank_zeros_bytes(bucket: int) -> None:
     for rank, out in enumerate(outs):
         assert out["first"] == want, f"rank {rank}"
         assert out["again"] == [want, want], f"rank {rank}"
-        assert out["bases"] == 1  # views of one buffer
+        if rank or bucket == 64 << 20:
+            assert out["bases"] == 1  # views of one buffer (rank 0: of its one packed bucket)
         assert out["bytes"] == sum(v.numel() * v.element_size() for v in _source().values())
     assert outs[0]["buckets"] == {0: 5, 64 << 20: 1}.get(bucket, outs[0]["buckets"])
     assert bucket != 300 or 1 < outs[0]["buckets"] < 5
+    # a contiguous tensor alone in its bucket goes from rank 0's own storage: no copy
+    assert outs[0]["own"] == {0: ["b", "half", "steps", "w"], 300: ["w"], 64 << 20: []}[bucket]
+
+
+def _big(rank: int, world: int) -> dict[str, Any]:
+    from hpcdist.infer.broadcast import DIRECT_BYTES, broadcast_state, describe, flat_buffer, in_buffer
+
+    cpu = torch.device("cpu")
+    src = _big_source(DIRECT_BYTES) if rank == 0 else None
+    got, stats = broadcast_state(src, cpu)
+    own = sorted(k for k, v in got.items() if src is not None and v.data_ptr() == src[k].data_ptr())
+    meta = describe(_big_source(DIRECT_BYTES))
+    buffer = flat_buffer(meta, cpu)
+    placed, placed_stats = broadcast_state(in_buffer(src, meta, buffer) if src is not None else None, cpu,
+                                           meta=meta, buffer=buffer)
+    return {"digests": _digests(got), "own": own, "buckets": stats.buckets, "placed": _digests(placed),
+            "placed_buckets": placed_stats.buckets}
+
+
+def _big_source(direct_bytes: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {"a": torch.randn(7, generator=g), "big": torch.randn(direct_bytes // 4 + 1, generator=g),
+            "b": torch.randn(3, generator=g), "c": torch.randn(5, 2, generator=g)}
+
+
+def test_a_big_tensor_goes_alone_from_rank_zeros_storage() -> None:
+    from hpcdist.infer.broadcast import DIRECT_BYTES
+
+    want = _digests(_big_source(DIRECT_BYTES))
+    outs = run_ranks(2, _big)
+    assert [o["digests"] for o in outs] == [want, want]
+    assert outs[0]["own"] == ["a", "big"]  # each alone in its bucket, sent as it lies; b and c packed
+    assert outs[0]["buckets"] == 3  # [a] [big] [b, c]
+    # already laid out in the flat buffer, the big tensor shares the one bucket: nothing to copy either way
+    assert [o["placed"] for o in outs] == [want, want]
+    assert [o["placed_buckets"] for o in outs] == [1, 1]

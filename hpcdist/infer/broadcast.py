@@ -1,14 +1,18 @@
-"""Rank 0's weights to every rank as one flat buffer, sent in buckets that overlap the packing.
+"""Rank 0's weights to every rank, received into one flat buffer, sent with no copy where it can be.
 
 Every rank lays the state out the same way in one byte buffer (`layout`: tensors in order, each
-at a 64-byte aligned offset). Rank 0 copies tensors into it bucket by bucket and starts each
-bucket's broadcast as soon as it is packed, so packing the next one overlaps the transfer; the
-other ranks receive straight into the buffer and get their tensors as views of it: no per-tensor
-allocation and no unpacking copy. A caller that repeats the transfer passes the buffer back in
-(`buffer=`), as a benchmark's single-buffer peer does. Small tensors (biases, layer norms) share
-a bucket so they do not each pay a collective's latency; ``bucket_bytes`` <= 0 sends tensor by
-tensor (the baseline). The other ranks learn names, shapes and dtypes from a small object
-broadcast first, so they need no checkpoint and no model config to receive.
+at a 64-byte aligned offset). The other ranks receive straight into it and get their tensors as
+views of it: no per-tensor allocation and no unpacking copy. Rank 0 sends a big tensor (at least
+``DIRECT_BYTES``) from its own storage in a broadcast of its own, and copies only the small ones
+(biases, layer norms) into shared buckets, so they do not each pay a collective's latency; a
+state already laid out in the buffer (`in_buffer`) is sent as it lies, with nothing packed.
+Packing every byte on rank 0 cost it about as much CPU as the transfer itself, and on two busy
+cores that did not overlap the sending. Every broadcast is started at once (async); they run on
+the backend's threads. A caller that repeats the transfer passes the buffer back in (`buffer=`):
+touching a fresh buffer's pages costs about half the transfer time on a virtual machine.
+``bucket_bytes`` <= 0 sends tensor by tensor (the baseline). The other ranks learn names, shapes
+and dtypes from a small object broadcast first (or `meta=`), so they need no checkpoint and no
+model config to receive, and the buckets from rank 0 in one small broadcast.
 
 Bandwidth is nccl-tests' arithmetic from the one factor table, ``hpcdist.bench.factors``
 (importing it loads nothing of the benchmark package but that module: no torch, no MPI).
@@ -27,6 +31,11 @@ from hpcdist.bench.factors import algbw, busbw
 
 Meta = list[tuple[str, tuple[int, ...], str]]  # name, shape, dtype
 ALIGN = 64  # bytes: each tensor's offset in the flat buffer, so any dtype can view its part
+# A tensor at least this big goes alone, from the source's own storage: copying it into a bucket
+# would cost more than one more collective. On gloo here a collective costs 0.1-0.5 ms (quiet to
+# busy machine) and a copy 0.1-0.2 ms per MB; at 4 MiB GPT-2 small goes in 74 broadcasts with
+# 32 MB copied, instead of 7 with all 498 MB copied.
+DIRECT_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -58,8 +67,9 @@ class BroadcastStats:
         }
 
 
-def plan_buckets(meta: Meta, bucket_bytes: int) -> list[list[int]]:
-    """Consecutive tensors grouped into buckets of at most `bucket_bytes` (a bigger tensor goes alone).
+def plan_buckets(meta: Meta, bucket_bytes: int, alone: list[bool] | None = None) -> list[list[int]]:
+    """Consecutive tensors grouped into buckets of at most `bucket_bytes` (a bigger tensor goes
+    alone); a tensor marked in `alone` is a bucket of its own (the source sends it as it lies).
 
     `bucket_bytes` <= 0 gives one bucket per tensor, the tensor-by-tensor baseline.
     """
@@ -68,7 +78,8 @@ def plan_buckets(meta: Meta, bucket_bytes: int) -> list[list[int]]:
     size = 0
     for i, (_, shape, dtype) in enumerate(meta):
         n = _nbytes(shape, dtype)
-        if current and (bucket_bytes <= 0 or size + n > bucket_bytes):
+        single = alone is not None and (alone[i] or (i > 0 and alone[i - 1]))
+        if current and (bucket_bytes <= 0 or size + n > bucket_bytes or single):
             buckets.append(current)
             current, size = [], 0
         current.append(i)
@@ -78,8 +89,28 @@ def plan_buckets(meta: Meta, bucket_bytes: int) -> list[list[int]]:
     return buckets
 
 
+def _sendable(tensor: torch.Tensor, shape: tuple[int, ...], dtype: str, device: torch.device) -> bool:
+    """Whether the source can send `tensor` as it lies: contiguous, on `device`, the layout's dtype and size."""
+    return (tensor.is_contiguous() and tensor.device == device and tensor.dtype == getattr(torch, dtype)
+            and tensor.numel() == _numel(shape))
+
+
+def _source_plan(
+    state: dict[str, torch.Tensor], meta: Meta, sizes: list[int], offsets: list[int], device: torch.device,
+    buffer: torch.Tensor | None, bucket_bytes: int,
+) -> list[list[int]]:
+    """The source's buckets: a big tensor (``DIRECT_BYTES``) that it can send from its own storage
+    goes alone; tensors already in place in `buffer` and small ones share buckets."""
+    alone = []
+    for (name, shape, dtype), n, off in zip(meta, sizes, offsets, strict=True):
+        t = state[name]
+        placed = buffer is not None and t.data_ptr() == buffer.data_ptr() + off
+        alone.append(n >= DIRECT_BYTES and not placed and _sendable(t, shape, dtype, device))
+    return plan_buckets(meta, bucket_bytes, alone)
+
+
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    return _numel(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return _numel(shape) * getattr(torch, dtype).itemsize
 
 
 def describe(state: dict[str, torch.Tensor]) -> Meta:
@@ -100,26 +131,62 @@ def layout(meta: Meta) -> tuple[list[int], int]:
 def flat_buffer(meta: Meta, device: torch.device) -> torch.Tensor:
     """A byte buffer that `broadcast_state(..., buffer=)` fills, for a caller that repeats the transfer.
 
-    Allocate it once: touching fresh pages costs more than the transfer on a virtual machine
+    Allocate it once: touching fresh pages costs about half the transfer on a virtual machine
     (a one-shot load pays it once; huge-page advice did not help in the benchmark here).
     """
     return torch.empty(layout(meta)[1], dtype=torch.uint8, device=device)
 
 
-def _views(meta: Meta, buffer: torch.Tensor) -> list[torch.Tensor]:
-    offsets, _ = layout(meta)
-    return [
-        buffer[off : off + _nbytes(shape, dtype)].view(getattr(torch, dtype)).view(shape)
-        for off, (_, shape, dtype) in zip(offsets, meta, strict=True)
-    ]
+def _views(meta: Meta, buffer: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
+    """Each tensor of `meta` as a view of `buffer` at its offset; one dtype view of the buffer per
+    dtype, then a slice each (a few microseconds per tensor: it runs while the bytes arrive)."""
+    typed: dict[str, torch.Tensor] = {}
+    out = []
+    for off, (_, shape, dtype) in zip(offsets, meta, strict=True):
+        if dtype not in typed:
+            size = getattr(torch, dtype).itemsize
+            typed[dtype] = buffer[: buffer.numel() // size * size].view(getattr(torch, dtype))
+        whole = typed[dtype]
+        first = off // whole.element_size()
+        out.append(whole[first : first + _numel(shape)].view(shape))
+    return out
 
 
 def in_buffer(state: dict[str, torch.Tensor], meta: Meta, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
     """`state` copied into `buffer` in `layout(meta)`, as views; a source laid out so is sent without packing."""
-    views = _views(meta, buffer)
+    views = _views(meta, buffer, layout(meta)[0])
     for (name, shape, _), view in zip(meta, views, strict=True):
         view.copy_(state[name].detach().reshape(shape))
     return {name: view for (name, _, _), view in zip(meta, views, strict=True)}
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as a flat byte tensor (a view: no copy)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _source_span(
+    state: dict[str, torch.Tensor], meta: Meta, bucket: list[int], offsets: list[int], sizes: list[int],
+    device: torch.device, buffer: torch.Tensor | None, out: dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """On the source: the bytes of `bucket` to broadcast, and its tensors into `out`. A tensor alone
+    in its bucket goes from its own storage, a bucket already in place in `buffer` as it lies; only
+    the others are copied (into `buffer`, or a bucket-sized allocation without one)."""
+    sources = [state[meta[i][0]].detach() for i in bucket]
+    sendable = [_sendable(t, meta[i][1], meta[i][2], device) for t, i in zip(sources, bucket, strict=True)]
+    if len(bucket) == 1 and sendable[0]:
+        out[meta[bucket[0]][0]] = sources[0].reshape(meta[bucket[0]][1])
+        return _bytes_of(sources[0])
+    base, end = offsets[bucket[0]], offsets[bucket[-1]] + sizes[bucket[-1]]
+    span = buffer[base:end] if buffer is not None else torch.empty(end - base, dtype=torch.uint8, device=device)
+    views = _views([meta[i] for i in bucket], span, [offsets[i] - base for i in bucket])
+    for view, t, i, ok in zip(views, sources, bucket, sendable, strict=True):
+        if ok and t.data_ptr() == view.data_ptr():  # already in place: nothing to pack
+            out[meta[i][0]] = t.reshape(meta[i][1])
+        else:
+            view.copy_(t.reshape(meta[i][1]))
+            out[meta[i][0]] = view
+    return span
 
 
 def broadcast_state(
@@ -133,9 +200,11 @@ def broadcast_state(
 ) -> tuple[dict[str, torch.Tensor], BroadcastStats]:
     """Every rank gets `src`'s `state` (others pass None); returns it and the transfer's figures.
 
-    The returned tensors are views of one flat byte buffer on `device` (on `src` too), `buffer`
-    when given (`flat_buffer(meta, device)`, reused across calls). Pass `meta` (identical on
-    every rank) to skip the object broadcast, as a repeated benchmark does.
+    On the other ranks the returned tensors are views of one flat byte buffer on `device`,
+    `buffer` when given (`flat_buffer(meta, device)`, reused across calls). On `src` they are its
+    own tensors, or views of the bytes it packed where it had to copy them (small tensors, or ones
+    not contiguous or not on `device`). Pass `meta` (identical on every rank) to skip the object
+    broadcast, as a repeated benchmark does.
     """
     is_src = dist.get_rank() == src
     if meta is None:
@@ -144,37 +213,45 @@ def broadcast_state(
         meta = box[0]
         assert meta is not None
     offsets, total = layout(meta)
-    if buffer is None:
-        buffer = flat_buffer(meta, device)
-    elif buffer.numel() < total or buffer.dtype != torch.uint8 or buffer.device != device:
+    if buffer is not None and (buffer.numel() < total or buffer.dtype != torch.uint8 or buffer.device != device):
         raise ValueError(f"broadcast buffer of {buffer.numel()} {buffer.dtype} on {buffer.device} cannot hold "
                          f"{total} bytes on {device}; make it with flat_buffer(meta, device)")
-    views = _views(meta, buffer)
-    buckets = plan_buckets(meta, bucket_bytes)
+    if buffer is None and not is_src:
+        buffer = flat_buffer(meta, device)
+    sizes = [_nbytes(shape, dtype) for _, shape, dtype in meta]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
+    # The source alone knows which tensors are in place or big enough to go as they lie: it
+    # decides the buckets and tells the others in one small broadcast (a 1 where a bucket starts).
+    starts = torch.zeros(len(meta), dtype=torch.uint8, device=device)
+    if is_src:
+        assert state is not None
+        starts[[b[0] for b in _source_plan(state, meta, sizes, offsets, device, buffer, bucket_bytes)]] = 1
+    dist.broadcast(starts, src=src, group=group)
+    first = [i for i, v in enumerate(starts.tolist()) if v]
+    buckets = [list(range(a, b)) for a, b in zip(first, [*first[1:], len(meta)], strict=True)]
+    out: dict[str, torch.Tensor] = {}
     works = []
-    for bucket in buckets:
+    for bucket in buckets:  # every broadcast starts at once; the source packs the next while one goes
         if is_src:
             assert state is not None
-            for i in bucket:
-                source = state[meta[i][0]]
-                if source.data_ptr() != views[i].data_ptr():  # already in place: nothing to pack
-                    views[i].copy_(source.detach().reshape(meta[i][1]))
-        first, last = bucket[0], bucket[-1]
-        span = buffer[offsets[first] : offsets[last] + views[last].numel() * views[last].element_size()]
-        works.append(dist.broadcast(span, src=src, group=group, async_op=True))  # goes while the next is packed
+            span = _source_span(state, meta, bucket, offsets, sizes, device, buffer, out)
+        else:
+            assert buffer is not None
+            span = buffer[offsets[bucket[0]] : offsets[bucket[-1]] + sizes[bucket[-1]]]
+        works.append(dist.broadcast(span, src=src, group=group, async_op=True))
+    if not is_src:  # made while the bytes arrive
+        assert buffer is not None
+        out = {name: view for (name, _, _), view in zip(meta, _views(meta, buffer, offsets), strict=True)}
     for work in works:
         assert work is not None
         work.wait()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
-    out = {name: view for (name, _, _), view in zip(meta, views, strict=True)}
-    payload = sum(v.numel() * v.element_size() for v in views)
-    stats = BroadcastStats(payload, seconds, len(buckets), len(meta), dist.get_world_size(group))
-    return out, stats
+    stats = BroadcastStats(sum(sizes), seconds, len(buckets), len(meta), dist.get_world_size(group))
+    return {name: out[name] for name, _, _ in meta}, stats
 
 
 @dataclass(frozen=True)

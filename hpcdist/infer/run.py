@@ -75,7 +75,18 @@ def agree_on_checkpoint(ctx: JobContext, params: InferParams) -> InferParams:
 def load_broadcast(
     ctx: JobContext, header: CheckpointHeader, params: InferParams
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Rank 0 reads (verifying sha256) and broadcasts in buckets; returns the full state and figures."""
+    """Rank 0 reads (verifying sha256) and broadcasts in buckets; returns the full state and figures.
+
+    The other ranks know the layout from the header, so they allocate their receive buffer and
+    fault its pages in while rank 0 reads: a fresh buffer's page faults, paid during the
+    transfer, would cost about half of it on a virtual machine (`benchmarks/infer_broadcast.py`).
+    """
+    meta = [(name, tuple(shape), "float32") for name, shape in header.shapes.items()]  # read_header checks float32
+    buffer = None
+    if not ctx.is_main:
+        buffer = flat_buffer(meta, ctx.device)
+        if ctx.device.type == "cpu":
+            buffer.zero_()
     t0 = time.perf_counter()
     state = None
     error = None
@@ -89,7 +100,8 @@ def load_broadcast(
     dist.broadcast_object_list(box, src=0, device=ctx.device if ctx.device.type == "cuda" else None)
     if box[0]:
         raise CheckpointError(f"rank 0 could not read the checkpoint: {box[0]}")
-    full, stats = broadcast_state(state, ctx.device, bucket_bytes=int(params.bucket_mb * (1 << 20)))
+    full, stats = broadcast_state(state, ctx.device, bucket_bytes=int(params.bucket_mb * (1 << 20)), meta=meta,
+                                  buffer=buffer)
     wrong = 0
     if params.verify_received:
         wrong = sum(sha256_of(full[k].cpu().numpy()) != header.sha256[k] for k in header.shapes)
