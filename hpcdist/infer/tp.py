@@ -16,7 +16,7 @@ and the model is the plain GPT with a KV cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -67,43 +67,25 @@ def _prepack(weight: torch.Tensor) -> torch.Tensor | None:
 _DECODE_ROWS = 8  # the row count oneDNN picks its layout for; any count works
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             packed: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b; through the packed weight for a decode step (one position per row).
-
-    Longer inputs (prefill, a full forward) are compute-bound, where MKL on the plain weight is
-    faster; they also keep the tp=1 forward bit-identical to ``GPT``'s.
-    """
-    if packed is None or x.dim() != 3 or x.shape[1] != 1:
+    """x W^T + b for x (rows, in); through `packed` when given (decode steps only, see `TPGPT._linear`)."""
+    if packed is None:
         return F.linear(x, weight, bias)
-    y = torch.ops.mkldnn._linear_pointwise(x.view(x.shape[0], x.shape[2]), packed, bias, "none", [], "")
-    return cast(torch.Tensor, y).view(x.shape[0], 1, -1)
+    return cast(torch.Tensor, torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
 
 
 class ColumnParallelLinear(nn.Linear):
     """y = x A_r^T + b_r: this rank's output slice; the input is the full (replicated) x."""
 
-    packed: torch.Tensor | None = None  # set by TPGPT.load_shard
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight, self.bias, self.packed)
-
 
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r A_r^T + b: this rank's input slice, partial products summed by all-reduce."""
 
-    def __init__(self, in_local: int, out_features: int, tp: TPGroup) -> None:
+    def __init__(self, in_local: int, out_features: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_local))
         self.bias = nn.Parameter(torch.empty(out_features))
-        self.tp = tp
-        self.packed: torch.Tensor | None = None  # set by TPGPT.load_shard
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:  # no partial sums: the bias joins the product
-            return _linear(x, self.weight, self.bias, self.packed)
-        y = self.tp.all_reduce(_linear(x, self.weight, None, self.packed))
-        return y + self.bias
 
 
 class KVCache:
@@ -126,49 +108,28 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class TPAttention(nn.Module):
+    """Parameters only: `c_attn` column-parallel (this rank's heads), `c_proj` row-parallel."""
+
     def __init__(self, cfg: GPTConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.n_local, self.d_head = cfg.n_head // tp.size, cfg.d_head
-        self.d_local = self.n_local * self.d_head
-        self.c_attn = ColumnParallelLinear(cfg.d_model, 3 * self.d_local)
-        self.c_proj = RowParallelLinear(self.d_local, cfg.d_model, tp)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None, layer: int) -> torch.Tensor:
-        b, t, _ = x.shape
-        qkv = self.c_attn(x).view(b, t, 3, self.n_local, self.d_head)
-        q = qkv[:, :, 0].transpose(1, 2)  # (b, heads, t, d_head)
-        if cache is None:
-            k, v = qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2)
-        else:
-            start, kv = cache.length, cache.kv[layer]
-            kv[:, :, :, start : start + t] = qkv[:, :, 1:].permute(2, 0, 3, 1, 4)
-            k, v = kv[0, :, :, : start + t], kv[1, :, :, : start + t]
-        if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.c_proj(y.transpose(1, 2).reshape(b, t, self.d_local))
+        d_local = cfg.n_head // tp.size * cfg.d_head
+        self.c_attn = ColumnParallelLinear(cfg.d_model, 3 * d_local)
+        self.c_proj = RowParallelLinear(d_local, cfg.d_model)
 
 
 class TPMLP(nn.Module):
+    """Parameters only: `c_fc` column-parallel (this rank's hidden slice), `c_proj` row-parallel."""
+
     def __init__(self, cfg: GPTConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.kind = cfg.mlp
         h_local = cfg.d_hidden // tp.size
         self.c_fc = ColumnParallelLinear(cfg.d_model, h_local * (2 if cfg.mlp == "swiglu" else 1))
-        self.c_proj = RowParallelLinear(h_local, cfg.d_model, tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.c_fc(x)
-        if self.kind == "swiglu":
-            gate, up = h.chunk(2, dim=-1)  # this rank's gate slice, then the same slice of up
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")
-        return self.c_proj(h)
+        self.c_proj = RowParallelLinear(h_local, cfg.d_model)
 
 
 class TPBlock(nn.Module):
+    """Parameters only; `TPGPT._block` computes the block."""
+
     def __init__(self, cfg: GPTConfig, tp: TPGroup) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
@@ -176,9 +137,31 @@ class TPBlock(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
         self.mlp = TPMLP(cfg, tp)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None, layer: int) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), mask, cache, layer)
-        return x + self.mlp(self.ln_2(x))
+
+class _Linear(NamedTuple):
+    weight: torch.Tensor
+    bias: torch.Tensor
+    packed: torch.Tensor | None
+
+
+class _Layer(NamedTuple):
+    """One block's tensors, gathered once: a step then does no module calls or attribute lookups."""
+
+    ln_1: tuple[torch.Tensor, torch.Tensor]
+    c_attn: _Linear
+    c_proj: _Linear
+    ln_2: tuple[torch.Tensor, torch.Tensor]
+    c_fc: _Linear
+    mlp_proj: _Linear
+
+
+def _gather(block: TPBlock, pack: bool) -> _Layer:
+    def lin(m: nn.Module) -> _Linear:
+        w, b = cast(torch.Tensor, m.weight), cast(torch.Tensor, m.bias)
+        return _Linear(w, b, _prepack(w) if pack else None)
+
+    return _Layer((block.ln_1.weight, block.ln_1.bias), lin(block.attn.c_attn), lin(block.attn.c_proj),
+                  (block.ln_2.weight, block.ln_2.bias), lin(block.mlp.c_fc), lin(block.mlp.c_proj))
 
 
 class TPGPT(nn.Module):
@@ -207,6 +190,8 @@ class TPGPT(nn.Module):
             self.register_buffer("head_t", torch.zeros(cfg.d_model, self.vocab_local), persistent=False)
         self.requires_grad_(False)
         self.eval()
+        self.n_local = cfg.n_head // tp.size
+        self._layers = [_gather(cast(TPBlock, blk), pack=False) for blk in self.transformer["h"]]
 
     @property
     def wte(self) -> nn.Embedding:
@@ -233,9 +218,7 @@ class TPGPT(nn.Module):
         head_t = cast(torch.Tensor, self.head_t)
         head_t.zero_()
         head_t[:, : rows.shape[0]] = rows.t()
-        for module in self.modules():
-            if isinstance(module, ColumnParallelLinear | RowParallelLinear):
-                module.packed = _prepack(module.weight)
+        self._layers = [_gather(cast(TPBlock, blk), pack=True) for blk in self.transformer["h"]]
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.wte.weight
@@ -271,13 +254,54 @@ class TPGPT(nn.Module):
             mask = causal.expand(b, 1, t, past + t)
         if mask is not None and mask.dtype == torch.bool:  # converted once here, not by every layer's SDPA
             mask = additive_mask(mask, self.wte.weight.dtype)
-        x = self.wte(idx) + self.transformer["wpe"](positions)
-        for i, block in enumerate(cast(nn.ModuleList, self.transformer["h"])):
-            x = block(x, mask, cache, i)
+        d = self.cfg.d_model
+        x = (self.wte(idx) + self.transformer["wpe"](positions)).view(b * t, d)
+        decode = t == 1
+        for layer, weights in enumerate(self._layers):
+            x = self._block(x, weights, b, t, mask, cache, layer, decode)
         if cache is not None:
             cache.length = past + t
+        x = x.view(b, t, d)
         if last_only:
             x = x[:, -1:]
         x = self.transformer["ln_f"](x)
         logits = self.tp.all_gather_last(x @ cast(torch.Tensor, self.head_t))
         return logits[..., : self.cfg.vocab_size]
+
+    def _linear(self, x: torch.Tensor, lin: _Linear, decode: bool, row: bool) -> torch.Tensor:
+        """A column- or row-parallel (`row`) linear of `x` (rows, in); packed weights for a decode step.
+
+        Longer inputs (prefill, a full forward) are compute-bound, where MKL on the plain weight is
+        faster; they also keep the tp=1 forward bit-identical to ``GPT``'s.
+        """
+        packed = lin.packed if decode else None
+        if not row or self.tp.size == 1:  # no partial sums: the bias joins the product
+            return _matmul(x, lin.weight, lin.bias, packed)
+        return self.tp.all_reduce(_matmul(x, lin.weight, None, packed)).add_(lin.bias)
+
+    def _block(self, x: torch.Tensor, w: _Layer, b: int, t: int, mask: torch.Tensor | None,
+               cache: KVCache | None, layer: int, decode: bool) -> torch.Tensor:
+        """One transformer block on `x` (b * t, d_model), Megatron-placed (see the module docstring)."""
+        cfg = self.cfg
+        shape = (cfg.d_model,)
+        h = torch.layer_norm(x, shape, w.ln_1[0], w.ln_1[1], cfg.ln_eps)
+        qkv = self._linear(h, w.c_attn, decode, row=False).view(b, t, 3, self.n_local, cfg.d_head)
+        q = qkv[:, :, 0].transpose(1, 2)  # (b, local heads, t, d_head)
+        if cache is None:
+            k, v = qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2)
+        else:
+            start, kv = cache.length, cache.kv[layer]
+            kv[:, :, :, start : start + t] = qkv[:, :, 1:].permute(2, 0, 3, 1, 4)
+            k, v = kv[0, :, :, : start + t], kv[1, :, :, : start + t]
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = self._linear(y.transpose(1, 2).reshape(b * t, -1), w.c_proj, decode, row=True).add_(x)
+        h = self._linear(torch.layer_norm(x, shape, w.ln_2[0], w.ln_2[1], cfg.ln_eps), w.c_fc, decode, row=False)
+        if cfg.mlp == "swiglu":
+            gate, up = h.chunk(2, dim=-1)  # this rank's gate slice, then the same slice of up
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self._linear(h, w.mlp_proj, decode, row=True).add_(x)
