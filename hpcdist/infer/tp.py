@@ -155,7 +155,7 @@ class _Layer(NamedTuple):
     mlp_proj: _Linear
 
 
-def _gather(block: TPBlock, pack: bool) -> _Layer:
+def _layer_tensors(block: TPBlock, pack: bool) -> _Layer:
     def lin(m: nn.Module) -> _Linear:
         w, b = cast(torch.Tensor, m.weight), cast(torch.Tensor, m.bias)
         return _Linear(w, b, _prepack(w) if pack else None)
@@ -191,7 +191,7 @@ class TPGPT(nn.Module):
         self.requires_grad_(False)
         self.eval()
         self.n_local = cfg.n_head // tp.size
-        self._layers = [_gather(cast(TPBlock, blk), pack=False) for blk in self.transformer["h"]]
+        self._layers = self._gather(pack=False)
 
     @property
     def wte(self) -> nn.Embedding:
@@ -218,7 +218,10 @@ class TPGPT(nn.Module):
         head_t = cast(torch.Tensor, self.head_t)
         head_t.zero_()
         head_t[:, : rows.shape[0]] = rows.t()
-        self._layers = [_gather(cast(TPBlock, blk), pack=True) for blk in self.transformer["h"]]
+        self._layers = self._gather(pack=True)
+
+    def _gather(self, pack: bool) -> list[_Layer]:
+        return [_layer_tensors(cast(TPBlock, block), pack) for block in cast(nn.ModuleList, self.transformer["h"])]
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.wte.weight
