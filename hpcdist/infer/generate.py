@@ -113,7 +113,8 @@ def generate(
     step_s: list[float] = []
     _sync(device)
     t0 = time.perf_counter()
-    logits = model(idx, positions=positions, mask=mask, cache=cache, last_only=True)[:, -1]
+    real = valid[:, :t_max] if ragged else None
+    logits = model(idx, positions=positions, mask=mask, cache=cache, last_only=True, real=real)[:, -1]
     nxt = sample(logits, sampling, generator)
     tokens = nxt.tolist()
     now = time.perf_counter() - t0

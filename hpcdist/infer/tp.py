@@ -236,6 +236,7 @@ class TPGPT(nn.Module):
         mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
         last_only: bool = False,
+        real: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (batch, time, vocab) for `idx` (batch, time); (batch, 1, vocab) with `last_only`.
 
@@ -245,6 +246,9 @@ class TPGPT(nn.Module):
         `cache`, keys and values are appended to it and its length advanced. `last_only` computes
         the head for the last position only, which is all generation needs: for a prefill of T
         tokens the head (d_model x vocab per position) would otherwise cost T times one step.
+        `real` (batch, time), False at a left-padding position, lets a prefill skip the padding in
+        every linear layer (a third of a typical ragged batch); padding keys and values are then
+        zeros, which `mask` must hide from the real positions.
         """
         b, t = idx.shape
         past = cache.length if cache is not None else 0
@@ -260,8 +264,13 @@ class TPGPT(nn.Module):
         d = self.cfg.d_model
         x = (self.wte(idx) + self.transformer["wpe"](positions)).view(b * t, d)
         decode = t == 1
+        rows = None if real is None or decode else real.reshape(-1).nonzero().squeeze(1)
+        if rows is not None:
+            x = x.index_select(0, rows)
         for layer, weights in enumerate(self._layers):
-            x = self._block(x, weights, b, t, mask, cache, layer, decode)
+            x = self._block(x, weights, b, t, mask, cache, layer, decode, rows)
+        if rows is not None:
+            x = x.new_zeros(b * t, d).index_copy_(0, rows, x)
         if cache is not None:
             cache.length = past + t
         x = x.view(b, t, d)
@@ -283,12 +292,19 @@ class TPGPT(nn.Module):
         return self.tp.all_reduce(_matmul(x, lin.weight, None, packed)).add_(lin.bias)
 
     def _block(self, x: torch.Tensor, w: _Layer, b: int, t: int, mask: torch.Tensor | None,
-               cache: KVCache | None, layer: int, decode: bool) -> torch.Tensor:
-        """One transformer block on `x` (b * t, d_model), Megatron-placed (see the module docstring)."""
+               cache: KVCache | None, layer: int, decode: bool, rows: torch.Tensor | None) -> torch.Tensor:
+        """One transformer block, Megatron-placed (see the module docstring).
+
+        `x` is (b * t, d_model), or only the `rows` of it that are real tokens: attention then runs
+        on the padded (b, t) layout with zeros at the padding.
+        """
         cfg = self.cfg
         shape = (cfg.d_model,)
         h = torch.layer_norm(x, shape, w.ln_1[0], w.ln_1[1], cfg.ln_eps)
-        qkv = self._linear(h, w.c_attn, decode, row=False).view(b, t, 3, self.n_local, cfg.d_head)
+        qkv = self._linear(h, w.c_attn, decode, row=False)
+        if rows is not None:
+            qkv = qkv.new_zeros(b * t, qkv.shape[1]).index_copy_(0, rows, qkv)
+        qkv = qkv.view(b, t, 3, self.n_local, cfg.d_head)
         q = qkv[:, :, 0].transpose(1, 2)  # (b, local heads, t, d_head)
         if cache is None:
             k, v = qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2)
@@ -300,7 +316,10 @@ class TPGPT(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = self._linear(y.transpose(1, 2).reshape(b * t, -1), w.c_proj, decode, row=True).add_(x)
+        y = y.transpose(1, 2).reshape(b * t, -1)
+        if rows is not None:
+            y = y.index_select(0, rows)
+        x = self._linear(y, w.c_proj, decode, row=True).add_(x)
         h = self._linear(torch.layer_norm(x, shape, w.ln_2[0], w.ln_2[1], cfg.ln_eps), w.c_fc, decode, row=False)
         if cfg.mlp == "swiglu":
             gate, up = h.chunk(2, dim=-1)  # this rank's gate slice, then the same slice of up
