@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hpcdist.infer.tp import TPGPT
+from hpcdist.infer.tp import TPGPT, additive_mask
 
 
 @dataclass(frozen=True)
@@ -97,12 +97,13 @@ def generate(
     valid = torch.ones(b, t_max + steps, dtype=torch.bool, device=device)
     valid[:, :t_max] = torch.arange(t_max, device=device)[None, :] >= pad[:, None]
     positions = (torch.arange(t_max, device=device)[None, :] - pad[:, None]).clamp(min=0)
-    mask = None
-    if ragged:
+    step_positions = lens[:, None] + torch.arange(steps, device=device)[None, :]  # (b, steps)
+    mask = step_bias = None
+    if ragged:  # additive masks (0 or -inf), built once: a decode step only slices its columns
         causal = torch.ones(t_max, t_max, dtype=torch.bool, device=device).tril()
         eye = torch.eye(t_max, dtype=torch.bool, device=device)
-        mask = (causal[None] & valid[:, None, :t_max]) | eye[None]
-        mask = mask[:, None]
+        mask = additive_mask((causal[None] & valid[:, None, :t_max]) | eye[None], model.wte.weight.dtype)[:, None]
+        step_bias = additive_mask(valid, model.wte.weight.dtype)[:, None, None]  # (b, 1, 1, t_max + steps)
     cache = model.new_cache(b, t_max + steps)
 
     out: list[list[int]] = [[] for _ in range(b)]
@@ -112,7 +113,8 @@ def generate(
     step_s: list[float] = []
     _sync(device)
     t0 = time.perf_counter()
-    logits = model(idx, positions=positions, mask=mask, cache=cache, last_only=True)[:, -1]
+    real = valid[:, :t_max] if ragged else None
+    logits = model(idx, positions=positions, mask=mask, cache=cache, last_only=True, real=real)[:, -1]
     nxt = sample(logits, sampling, generator)
     tokens = nxt.tolist()
     now = time.perf_counter() - t0
@@ -128,8 +130,8 @@ def generate(
         if all(done) or step == steps - 1:
             break
         before = now
-        pos = (lens + step)[:, None]
-        step_mask = valid[:, None, None, : t_max + step + 1] if ragged else None
+        pos = step_positions[:, step : step + 1]
+        step_mask = step_bias[..., : t_max + step + 1] if step_bias is not None else None
         logits = model(nxt[:, None], positions=pos, mask=step_mask, cache=cache, last_only=True)[:, -1]
         nxt = sample(logits, sampling, generator)
         tokens = nxt.tolist()

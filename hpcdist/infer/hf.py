@@ -20,9 +20,9 @@ def hf_generate_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int
     for i, p in enumerate(prompts):
         ids[i, t_max - len(p) :] = torch.tensor(p)
         attn[i, t_max - len(p) :] = 1
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=attn,
+    out = model.generate(  # on the model's device: generate does not move its inputs there
+        input_ids=ids.to(model.device),
+        attention_mask=attn.to(model.device),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         eos_token_id=end_token,
