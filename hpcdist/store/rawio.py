@@ -425,7 +425,9 @@ def read_indexed(
         fd = os.open(path, os.O_RDONLY)
         try:
             for p in (p for p in index.placed if selected(p.name)):
-                arr = hostmem.empty(p.shape, np.dtype(p.dtype))  # huge pages: fewer faults
+                # malloc's memory, as torch.load's: huge pages (hostmem) came out 2-4x dearer to
+                # fault in on this VM for reads (fresh 2 MiB pages are ones the balloon returned)
+                arr = np.empty(p.shape, np.dtype(p.dtype))
                 if arr.nbytes and os.preadv(fd, [arr.reshape(-1).view(np.uint8).data], p.offset) != arr.nbytes:
                     raise CheckpointError(f"{where}: dataset {p.name} lies past the end of the file; truncated")
                 nbytes += arr.nbytes
