@@ -67,7 +67,7 @@ def snapshot(tree: Mapping[str, Any], reuse: Mapping[str, Any] | None = None) ->
         elif src is not value and not isinstance(value, np.ndarray) and not _on_cpu(value):
             out[key] = src  # already a fresh host copy (from a device)
         else:
-            copy = hostmem.empty(src.shape, src.dtype)  # huge pages: the first save faults in fewer
+            copy = hostmem.empty(src.shape, src.dtype)  # 4 KiB pages, as a torch copy: see hostmem
             np.copyto(copy, src)
             out[key] = copy
     return out
@@ -425,9 +425,7 @@ def read_indexed(
         fd = os.open(path, os.O_RDONLY)
         try:
             for p in (p for p in index.placed if selected(p.name)):
-                # malloc's memory, as torch.load's: huge pages (hostmem) came out 2-4x dearer to
-                # fault in on this VM for reads (fresh 2 MiB pages are ones the balloon returned)
-                arr = np.empty(p.shape, np.dtype(p.dtype))
+                arr = hostmem.empty(p.shape, np.dtype(p.dtype))  # 4 KiB pages: see hostmem
                 if arr.nbytes and os.preadv(fd, [arr.reshape(-1).view(np.uint8).data], p.offset) != arr.nbytes:
                     raise CheckpointError(f"{where}: dataset {p.name} lies past the end of the file; truncated")
                 nbytes += arr.nbytes
