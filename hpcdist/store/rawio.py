@@ -157,6 +157,7 @@ class _Objects:
         self.ids: dict[str, Any] = {"": f.id}  # group path relative to f -> GroupID
         self.dcpl = _raw_layout()
         self.types: dict[str, Any] = {}
+        self.spaces: dict[tuple[int, ...], Any] = {}
         self.text = h5py.string_dtype()  # the sha256 attribute as h5py writes a str: variable-length UTF-8
         self.text_type = h5py.h5t.py_create(self.text, logical=True)
         self.scalar = h5py.h5s.create(h5py.h5s.SCALAR)
@@ -188,7 +189,9 @@ class _Objects:
         dtype = self.types.get(arr.dtype.str)
         if dtype is None:
             dtype = self.types[arr.dtype.str] = h5py.h5t.py_create(arr.dtype, logical=True)
-        space = h5py.h5s.create_simple(arr.shape) if arr.ndim else self.scalar
+        space = self.spaces.get(arr.shape)  # AdamW's moments have their parameter's shape
+        if space is None:
+            space = self.spaces[arr.shape] = h5py.h5s.create_simple(arr.shape) if arr.ndim else self.scalar
         return h5py.h5d.create(self.group(parent), leaf.encode(), dtype, space, dcpl=self.dcpl)
 
     def set_sha256(self, dset: Any, digest: str) -> None:
