@@ -18,8 +18,7 @@ import errno
 import json
 import os
 import sys
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,6 @@ import numpy as np
 
 from hpcdist.errors import CheckpointError
 from hpcdist.store import hostmem
-from hpcdist.store.tree import HASH_THREADS as HASH_THREADS_MAX
 from hpcdist.store.tree import Check, Tree, check_digests, flatten, hash_threads, plain, sha256_of
 
 if TYPE_CHECKING:
@@ -272,17 +270,15 @@ class _RawWriter:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcdist-write")
         self.jobs: list[Future[None]] = []
 
-    def write(self, parts: list[tuple[int, np.ndarray]], last: Callable[[], None] | None = None) -> None:
-        """Write `parts`; with `last`, call it once they are written, then fdatasync."""
+    def write(self, parts: list[tuple[int, np.ndarray]], last: bool = False) -> None:
         self.jobs.append(self.pool.submit(self._write, parts, last))
 
-    def _write(self, parts: list[tuple[int, np.ndarray]], last: Callable[[], None] | None) -> None:
+    def _write(self, parts: list[tuple[int, np.ndarray]], last: bool) -> None:
         for offset, views in _runs(parts):
             _pwritev_all(self.fd, offset, views)
             if _SYNC_FILE_RANGE is not None:
                 _SYNC_FILE_RANGE(self.fd, offset, sum(len(v) for v in views), SYNC_FILE_RANGE_WRITE)
-        if last is not None:
-            last()
+        if last:
             os.fdatasync(self.fd)
 
     def wait(self) -> None:
@@ -296,33 +292,6 @@ class _RawWriter:
         finally:
             self.pool.shutdown(wait=True)
             os.close(self.fd)
-
-
-class _HashGate:
-    """At most `early` hashing tasks at once, one more after `widen`, any number after `open`.
-
-    The path to the disk is: make a batch's datasets, write its bytes, flush. On 2 cores the
-    thread making datasets and the writer get them to themselves first, hashing takes the core
-    the datasets no longer need, then both while the disk flushes. (Hashing from the start
-    took the cores from them: 256 datasets took 87-166 ms to make instead of 17-34 ms.)"""
-
-    def __init__(self, early: int) -> None:
-        self.slots = threading.Semaphore(early)
-        self.opened = threading.Event()
-
-    def widen(self) -> None:
-        self.slots.release()
-
-    def open(self) -> None:
-        if not self.opened.is_set():
-            self.opened.set()
-            self.slots.release(HASH_THREADS_MAX)
-
-    def run(self, fn: Callable[[list[np.ndarray]], list[str]], batch: list[np.ndarray]) -> list[str]:
-        if self.opened.is_set():
-            return fn(batch)
-        with self.slots:
-            return fn(batch)
 
 
 def _batches(sizes: list[int]) -> list[range]:
@@ -352,6 +321,10 @@ def write_tree(f: h5py.Group, tree: Mapping[str, Any], raw: Path | None = None) 
     arrays, attrs = flatten(tree)
     objs = _Objects(f)
     base = f.name.rstrip("/")
+    for name, key, value in attrs:
+        objs.group(name)  # a group exists even when empty
+        if key:
+            objs.high(name).attrs[key] = value
     writer = _RawWriter(raw) if raw is not None else None
     offsets: dict[int, int] = {}  # index in `arrays` -> where its bytes lie
     others: list[str] = []
@@ -359,36 +332,24 @@ def write_tree(f: h5py.Group, tree: Mapping[str, Any], raw: Path | None = None) 
     try:
         with ThreadPoolExecutor(max_workers=hash_threads()) as pool:
             batches = _batches([a.nbytes for _, a in arrays])
-            # while datasets are made and their bytes written (the path to the disk), hashing
-            # only takes the cores those two leave free; then it gets them all
-            cores = _HashGate(max(0, (os.cpu_count() or 1) - 2) if writer is not None else hash_threads())
-            digests = [pool.submit(cores.run, _sha256_batch, [arrays[i][1] for i in batch]) for batch in batches]
-            try:
-                for n, batch in enumerate(batches):
-                    parts: list[tuple[int, np.ndarray]] = []
-                    for i in batch:
-                        name, arr = arrays[i]
-                        parent, _, leaf = name.rpartition("/")
-                        if writer is not None and _raw_ok(arr):
-                            dset = objs.raw_dataset(parent, leaf, arr)
-                            offsets[i] = int(dset.get_offset())
-                            parts.append((offsets[i], arr))
-                        else:
-                            dset = objs.high(parent).create_dataset(leaf, data=arr).id
-                            others.append(f"{base}/{name}")
-                        dsets.append(dset)
-                    if writer is not None:
-                        writer.write(parts, last=cores.open if n == len(batches) - 1 else None)
-                if writer is not None and not batches:
-                    writer.write([], last=cores.open)
-                cores.widen()
-            except BaseException:
-                cores.open()  # the waiting tasks must end
-                raise
-            for name, key, value in attrs:  # the groups' attributes while the pool hashes
-                objs.group(name)  # a group exists even when empty
-                if key:
-                    objs.high(name).attrs[key] = value
+            digests = [pool.submit(_sha256_batch, [arrays[i][1] for i in batch]) for batch in batches]
+            for n, batch in enumerate(batches):
+                parts: list[tuple[int, np.ndarray]] = []
+                for i in batch:
+                    name, arr = arrays[i]
+                    parent, _, leaf = name.rpartition("/")
+                    if writer is not None and _raw_ok(arr):
+                        dset = objs.raw_dataset(parent, leaf, arr)
+                        offsets[i] = int(dset.get_offset())
+                        parts.append((offsets[i], arr))
+                    else:
+                        dset = objs.high(parent).create_dataset(leaf, data=arr).id
+                        others.append(f"{base}/{name}")
+                    dsets.append(dset)
+                if writer is not None:
+                    writer.write(parts, last=n == len(batches) - 1)
+            if writer is not None and not batches:
+                writer.write([], last=True)
             hashes: list[str] = []
             for batch, digest in zip(batches, digests, strict=True):
                 for i, hex_digest in zip(batch, digest.result(), strict=True):
