@@ -17,6 +17,7 @@ import argparse
 import gc
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -29,6 +30,7 @@ import torch
 from hpcdist import store
 from hpcdist.model.checkpoint import model_attrs, model_tree
 from hpcdist.model.gpt import GPT, GPTConfig
+from hpcdist.store.tree import flatten, sha256_of
 from hpcdist.train import state as st
 
 
@@ -109,48 +111,79 @@ def step_cost(base: Path, model: GPT, opt: torch.optim.Optimizer, repeat: int) -
 
 
 class Bench:
-    """One measurement each, appended to `rows` in MB/s."""
+    """One measurement each, appended to `rows` in MB/s, and the CPU time it took to `cpu` in s
+    (every thread of this process, or dd's own), so a run shows where the time went."""
 
-    def __init__(self, base: Path, tree: dict, torch_state: dict, attrs: dict, rows: dict[str, list[float]]) -> None:
-        self.base, self.tree, self.torch_state, self.attrs, self.rows = base, tree, torch_state, attrs, rows
+    def __init__(
+        self, base: Path, tree: dict, torch_state: dict, attrs: dict,
+        rows: dict[str, list[float]], cpu: dict[str, list[float]],
+    ) -> None:
+        self.base, self.tree, self.torch_state, self.attrs = base, tree, torch_state, attrs
+        self.rows, self.cpu = rows, cpu
 
     def hdf5_write(self, i: int) -> int:
-        stats = store.save(self.base / "h5", i, self.tree, attrs=self.attrs, keep_last=1)
+        c0 = time.process_time()
+        stats = store.save(self.base / "h5", i, self.tree, attrs=self.attrs)
+        self.cpu["hdf5_write"].append(time.process_time() - c0)
+        store.CheckpointStore(self.base / "h5", keep_last=1).prune()  # outside the time, as in `save`
         self.rows["hdf5_write"].append(stats.bytes / 1e6 / stats.seconds)
         return stats.bytes
 
     def dd_write(self, size: int) -> None:
         mib = max(1, round(size / 2**20))
-        self.rows["dd_write"].append(mib * 2**20 / 1e6 / time_dd(self.base / "dd.bin", mib))
+        seconds, cpu = time_dd(self.base / "dd.bin", mib)
+        self.rows["dd_write"].append(mib * 2**20 / 1e6 / seconds)
+        self.cpu["dd_write"].append(cpu)
         (self.base / "dd.bin").unlink()
 
     def hdf5_read(self, i: int) -> None:
+        c0 = time.process_time()
         loaded = store.read(store.CheckpointStore(self.base / "h5").path(i), verify=True)
+        self.cpu["hdf5_read"].append(time.process_time() - c0)
         self.rows["hdf5_read"].append(loaded.mb_per_s)
 
     def torch_write(self, i: int) -> None:
         path = self.base / f"torch-{i}.pt"
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         torch.save(self.torch_state, path)
         store.fsync_path(path)
+        self.cpu["torch_write"].append(time.process_time() - c0)
         self.rows["torch_write"].append(path.stat().st_size / 1e6 / (time.perf_counter() - t0))
 
     def torch_read(self, i: int) -> None:
         path = self.base / f"torch-{i}.pt"
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         torch.load(path, weights_only=True)
+        self.cpu["torch_read"].append(time.process_time() - c0)
         self.rows["torch_read"].append(path.stat().st_size / 1e6 / (time.perf_counter() - t0))
 
 
-def time_dd(path: Path, mib: int) -> float:
+def time_dd(path: Path, mib: int) -> tuple[float, float]:
+    """dd's own time for `mib` MiB with conv=fsync, and the CPU time it used."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run(
         ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mib}", "conv=fsync"],
         capture_output=True, text=True, check=True,
     )
     elapsed = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     match = re.search(r"copied, ([\d.]+) s", proc.stderr)
-    return float(match.group(1)) if match else elapsed
+    return (float(match.group(1)) if match else elapsed), cpu
+
+
+def sha256_alone(tree: dict) -> float:
+    """Seconds to sha256 every array of `tree` on one thread: what a verified write or read
+    must spend on top of the bytes (median of 3)."""
+    arrays = [a for _, a in flatten(tree)[0]]
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for a in arrays:
+            sha256_of(a)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def main() -> int:
@@ -171,15 +204,17 @@ def main() -> int:
         torch_state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
         names = ("hdf5_write", "dd_write", "torch_write", "hdf5_read", "torch_read")
         rows: dict[str, list[float]] = {k: [] for k in names}
-        size = Bench(base, tree, torch_state, model_attrs(model.cfg), rows).hdf5_write(0)  # the size dd writes
+        cpu: dict[str, list[float]] = {k: [] for k in names}
+        size = Bench(base, tree, torch_state, model_attrs(model.cfg), rows, cpu).hdf5_write(0)  # the size dd writes
         shutil.rmtree(base / "h5")
         rows["hdf5_write"].clear()
+        cpu["hdf5_write"].clear()
         for i in range(args.repeat):
             # each file is read right after it is written (this machine keeps little in its page
             # cache: a file written 2 GB earlier is read from disk); the order of the blocks
             # alternates by repeat and every result is freed at once, so that neither reader
             # inherits the other's memory (fresh pages cost much on a VM)
-            b = Bench(base, tree, torch_state, model_attrs(model.cfg), rows)
+            b = Bench(base, tree, torch_state, model_attrs(model.cfg), rows, cpu)
             blocks = [(b.hdf5_write, b.hdf5_read), (b.dd_write,), (b.torch_write, b.torch_read)]
             for block in (blocks if i % 2 == 0 else blocks[::-1]):
                 for run in block:
@@ -196,14 +231,24 @@ def main() -> int:
         def ratio(key: str, peer: str) -> float:  # per repeat (measured back to back), then the median
             return statistics.median(a / b for a, b in zip(rows[key], rows[peer], strict=True))
 
-        print(f"{'writer':<28}{'median MB/s':>12}{'vs dd':>10}")
+        def line(key: str, label: str, peer: str) -> None:
+            wall_ms = size / med[key] / 1e3
+            print(f"{label:<28}{med[key]:>12.0f}{ratio(key, peer):>10.2f}{wall_ms:>10.0f}"
+                  f"{statistics.median(cpu[key]) * 1e3:>10.0f}")
+
+        print(f"{'writer':<28}{'median MB/s':>12}{'vs dd':>10}{'wall ms':>10}{'CPU ms':>10}")
         for key, label in (("dd_write", "dd conv=fsync"), ("hdf5_write", "hpcdist HDF5 (sha256+fsync)"),
                            ("torch_write", "torch.save + fsync")):
-            print(f"{label:<28}{med[key]:>12.0f}{ratio(key, 'dd_write'):>10.2f}")
-        print(f"{'reader':<28}{'median MB/s':>12}{'vs torch':>10}")
+            line(key, label, "dd_write")
+        print(f"{'reader':<28}{'median MB/s':>12}{'vs torch':>10}{'wall ms':>10}{'CPU ms':>10}")
         for key, label in (("torch_read", "torch.load"), ("hdf5_read", "hpcdist HDF5 (verified)")):
-            print(f"{label:<28}{med[key]:>12.0f}{ratio(key, 'torch_read'):>10.2f}")
+            line(key, label, "torch_read")
         print(f"hdf5 write / torch.save = {med['hdf5_write'] / med['torch_write']:.2f}")
+        hashing, cores = sha256_alone(tree), os.cpu_count() or 1
+        floor = statistics.median(cpu["hdf5_write"]) / cores
+        print(f"sha256 of every array on one thread: {hashing * 1e3:.0f} ms; the hpcdist write's CPU time "
+              f"spread over all {cores} cores takes at least {floor * 1e3:.0f} ms, dd's wall time "
+              f"{size / med['dd_write'] / 1e3:.0f} ms (wall ms: bytes / median MB/s)")
         shutil.rmtree(base / "h5", ignore_errors=True)
         if not args.no_step_cost:
             step_cost(base, model, opt, args.repeat)

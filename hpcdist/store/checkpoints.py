@@ -29,6 +29,7 @@ The directory itself (naming, the pointer, listing, pruning, discovery) is
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import errno
 import time
@@ -48,6 +49,9 @@ FORMAT = "hpcdist.checkpoint"
 FORMAT_VERSION = 1
 ROOT_ATTRS = ("format", "format_version", "step", "epoch", "created")
 INDEX_ATTR = "index_json"  # optional: where each array lies (`TreeIndex`), for the fast read
+# HDF5 gathers object headers in blocks of this size (2 KiB by default), so the arrays' bytes
+# lie in a few long runs that the writer writes with one call each, not one per dataset
+META_BLOCK_BYTES = 256 << 10
 
 
 # ---------------------------------------------------------------- writing
@@ -88,7 +92,8 @@ def save(
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with atomic_path(final) as tmp:
-            with h5py.File(tmp, "w") as f:
+            f = h5py.File(tmp, "w", meta_block_size=META_BLOCK_BYTES)
+            try:
                 f.attrs["format"] = FORMAT
                 f.attrs["format_version"] = FORMAT_VERSION
                 f.attrs["step"] = int(step)
@@ -99,9 +104,14 @@ def save(
                 f.attrs["hpcdist_version"] = __version__
                 index = write_tree(f, tree, raw=tmp)
                 f.attrs[INDEX_ATTR] = index.to_json()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    f.close()  # its flush fails too when the disk is full: report what stopped the write
+                raise
+            f.close()
         nbytes = final.stat().st_size
         write_pointer(directory, final.name)
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:  # h5py reports a failed flush at close as RuntimeError
         raise CheckpointError(_write_failure(final, exc)) from exc
     seconds = time.perf_counter() - t0
     try:
@@ -114,8 +124,8 @@ def save(
     return SaveStats(final, nbytes, seconds, removed)
 
 
-def _write_failure(final: Path, exc: OSError) -> str:
-    no_space = exc.errno == errno.ENOSPC or "No space left" in str(exc) or "errno = 28" in str(exc)
+def _write_failure(final: Path, exc: Exception) -> str:
+    no_space = getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in str(exc) or "errno = 28" in str(exc)
     what = "no space left on the device" if no_space else f"{type(exc).__name__}: {exc}"
     latest = read_pointer(final.parent)[0]
     kept = f"the committed checkpoint {latest} is intact" if latest else "no earlier checkpoint was committed"

@@ -1,12 +1,13 @@
-"""Large host arrays that are cheap to fill the first time: anonymous memory advised for
-transparent huge pages.
+"""Large host arrays on ordinary 4 KiB pages: the memory a checkpoint is read into or copied to.
 
-Filling new memory faults every 4 KiB page in, and on a virtual machine each fault is dear: on
-the 2-core build machine a verified read of a 1 GB checkpoint spent more time faulting its new
-arrays in than hashing them (4.2 s, or 2.0 s with recycled memory, against 1.7 s with this).
-With ``MADV_HUGEPAGE`` the kernel backs the array with 2 MiB pages where it can
-(``transparent_hugepage`` set to ``madvise`` or ``always``), 512x fewer faults. Elsewhere, or for
-small arrays, it is an ordinary ``np.empty``.
+NumPy advises transparent huge pages for every allocation of 4 MiB or more. On the 2-core build
+machine (a Firecracker VM whose balloon takes back free 8 MiB blocks, ``page_reporting_order=11``)
+a new 2 MiB page is almost always one the host took back, and zeroing it costs host faults: a
+verified read of a 1 GB checkpoint spent 4.4-4.7 s of CPU with huge pages against 1.5-1.7 s on
+4 KiB pages (``torch.load``, whose allocator asks for no huge pages, 1.0-1.2 s; three fresh
+processes each, load 7-8; ``perf`` put 73 % of the huge-page read in ``clear_page_erms`` under
+``do_huge_pmd_anonymous_page``). So these arrays are anonymous mappings advised
+``MADV_NOHUGEPAGE``, as torch's tensors get by default; small ones are an ordinary ``np.empty``.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from typing import Any
 
 import numpy as np
 
-HUGE_MIN_BYTES = 4 << 20  # below this an ordinary allocation is as cheap
+MAPPED_MIN_BYTES = 4 << 20  # NumPy's threshold for advising huge pages
 
 
 def empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
-    """A new writable C-ordered array (contents undefined), huge-page advised when large."""
+    """A new writable C-ordered array (contents undefined), on 4 KiB pages when large."""
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if nbytes < HUGE_MIN_BYTES or advice is None:
+    advice = getattr(mmap, "MADV_NOHUGEPAGE", None)
+    if nbytes < MAPPED_MIN_BYTES or advice is None:
         return np.empty(shape, dtype=dtype)
     try:
         m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
