@@ -117,3 +117,16 @@ def test_arrays_written_in_batches_and_runs_read_back_by_plain_h5py(
     tree = read(path).tree["net"]
     assert all(np.array_equal(tree[k], v) for k, v in net.items() if k != "deep")
     assert np.array_equal(tree["deep"]["t"], np.arange(10, dtype=np.int32))
+
+
+def test_a_model_with_thousands_of_arrays_is_saved_in_the_format_that_holds_its_index(tmp_path: Path) -> None:
+    # The index of 3,000 arrays is an attribute of about 300 KB. HDF5 files in the 1.6 format
+    # (superblock 0, the default low bound of HDF5 before 2.0) cap an attribute at 64 KiB, so
+    # such a save fails on an older HDF5; the 1.8 format (superblock 2) stores it densely.
+    tree = {"model": {f"layer{i:04d}.weight": np.full(2, i, dtype=np.float32) for i in range(3000)}}
+    path = CheckpointStore(tmp_path).save(1, tree).path
+    with h5py.File(path, "r") as f:
+        assert len(f.attrs["index_json"]) > 64 * 1024
+        assert f.id.get_create_plist().get_version()[0] >= 2  # superblock version
+    got = read(path).tree["model"]
+    assert len(got) == 3000 and np.array_equal(got["layer2999.weight"], [2999, 2999])

@@ -52,6 +52,10 @@ INDEX_ATTR = "index_json"  # optional: where each array lies (`TreeIndex`), for 
 # HDF5 gathers object headers in blocks of this size (2 KiB by default), so the arrays' bytes
 # lie in a few long runs that the writer writes with one call each, not one per dataset
 META_BLOCK_BYTES = 256 << 10
+# The file format of HDF5 1.8 and later (superblock 2): it stores an attribute over 64 KiB (the
+# index of a model with thousands of arrays) densely, where the 1.6 format, the default low bound
+# of HDF5 before 2.0, refuses it. Every HDF5 since 1.8 (2008) reads it.
+LIBVER = "v108"
 
 
 # ---------------------------------------------------------------- writing
@@ -92,7 +96,7 @@ def save(
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with atomic_path(final) as tmp:
-            f = h5py.File(tmp, "w", meta_block_size=META_BLOCK_BYTES)
+            f = h5py.File(tmp, "w", libver=LIBVER, meta_block_size=META_BLOCK_BYTES)
             try:
                 f.attrs["format"] = FORMAT
                 f.attrs["format_version"] = FORMAT_VERSION
