@@ -120,9 +120,9 @@ def test_arrays_written_in_batches_and_runs_read_back_by_plain_h5py(
 
 
 def test_a_model_with_thousands_of_arrays_is_saved_in_the_format_that_holds_its_index(tmp_path: Path) -> None:
-    # The index of 3,000 arrays is an attribute of about 300 KB. HDF5 files in the 1.6 format
-    # (superblock 0, the default low bound of HDF5 before 2.0) cap an attribute at 64 KiB, so
-    # such a save fails on an older HDF5; the 1.8 format (superblock 2) stores it densely.
+    # The index of 3,000 arrays is an attribute of about 300 KB. In the 1.6 format (superblock 0,
+    # h5py's default) an HDF5 older than 2.0 caps an attribute at 64 KiB, so such a save fails
+    # there; the 1.8 format (superblock 2) stores it densely.
     tree = {"model": {f"layer{i:04d}.weight": np.full(2, i, dtype=np.float32) for i in range(3000)}}
     path = CheckpointStore(tmp_path).save(1, tree).path
     with h5py.File(path, "r") as f:

@@ -53,8 +53,8 @@ INDEX_ATTR = "index_json"  # optional: where each array lies (`TreeIndex`), for 
 # lie in a few long runs that the writer writes with one call each, not one per dataset
 META_BLOCK_BYTES = 256 << 10
 # The file format of HDF5 1.8 and later (superblock 2): it stores an attribute over 64 KiB (the
-# index of a model with thousands of arrays) densely, where the 1.6 format, the default low bound
-# of HDF5 before 2.0, refuses it. Every HDF5 since 1.8 (2008) reads it.
+# index of a model with thousands of arrays) densely. In h5py's default, the 1.6 format (superblock
+# 0), an HDF5 older than 2.0 refuses such an attribute. Every HDF5 since 1.8 (2008) reads the file.
 LIBVER = "v108"
 
 
