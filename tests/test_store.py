@@ -130,3 +130,22 @@ def test_a_model_with_thousands_of_arrays_is_saved_in_the_format_that_holds_its_
         assert f.id.get_create_plist().get_version()[0] >= 2  # superblock version
     got = read(path).tree["model"]
     assert len(got) == 3000 and np.array_equal(got["layer2999.weight"], [2999, 2999])
+
+
+@pytest.mark.parametrize(
+    "leaf",
+    [np.array([1, "x", None], dtype=object), object(), [1, [2, 3]], np.array(["a", "b"])],
+    ids=["object array", "object", "ragged list", "unicode array"],
+)
+def test_a_leaf_hdf5_cannot_store_is_named_and_nothing_is_written(tmp_path: Path, leaf: object) -> None:
+    store = CheckpointStore(tmp_path)
+    store.save(1, state(0))
+    bad = {**state(1), "run": {"ok": 1.5, "unset": None, "bad": leaf}}
+    for save in (store.save, store.save_async):  # the asynchronous save says so at the call, not later
+        with pytest.raises(CheckpointError) as err:
+            save(2, bad)
+        message = str(err.value)
+        assert "'run/bad'" in message and type(leaf).__name__ in message and "convert" in message
+    assert store.wait() is None
+    assert store.steps() == [1] and store.latest() == tmp_path / "step_00000001.h5"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001.h5"]

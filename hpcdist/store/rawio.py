@@ -29,7 +29,7 @@ import numpy as np
 
 from hpcdist.errors import CheckpointError
 from hpcdist.store import hostmem
-from hpcdist.store.tree import Check, Tree, check_digests, flatten, hash_threads, plain, sha256_of
+from hpcdist.store.tree import Check, Tree, check_digests, check_leaf, flatten, hash_threads, plain, sha256_of
 
 if TYPE_CHECKING:
     import h5py
@@ -44,21 +44,23 @@ def _sha256_batch(arrays: list[np.ndarray]) -> list[str]:
 # ---------------------------------------------------------------- the copy an async save takes
 
 
-def snapshot(tree: Mapping[str, Any], reuse: Mapping[str, Any] | None = None) -> Tree:
+def snapshot(tree: Mapping[str, Any], reuse: Mapping[str, Any] | None = None, prefix: str = "") -> Tree:
     """A copy of `tree` in host memory that later changes to its tensors do not reach.
 
     Every array or tensor leaf is copied into a NumPy array: into the same-shaped array of
     `reuse` (an earlier snapshot no longer in use, so no fresh pages are faulted in) when there is
     one, else into a new one. Other leaves are kept (they are immutable values or lists of them).
-    This is all an asynchronous save blocks for.
+    This is all an asynchronous save blocks for; a leaf HDF5 cannot store raises here, at the
+    call, as a CheckpointError naming it (`check_leaf`).
     """
     out: Tree = {}
     for key, value in tree.items():
         old = reuse.get(key) if reuse is not None else None
         if isinstance(value, Mapping):
-            out[key] = snapshot(value, old if isinstance(old, Mapping) else None)
+            out[key] = snapshot(value, old if isinstance(old, Mapping) else None, f"{prefix}{key}/")
             continue
         src = _host_view(value)
+        check_leaf(f"{prefix}{key}", value, src)
         if src is None:
             out[key] = list(value) if isinstance(value, list) else value
             continue

@@ -74,11 +74,15 @@ def attr_value(value: Any) -> Any:
         return ""
     if isinstance(value, str):
         return str(value)  # plain str: subclasses such as torch's TorchVersion do not convert
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+    if _string_list(value):
         import h5py
 
         return np.array(value, dtype=h5py.string_dtype())
     return value
+
+
+def _string_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, str) for v in value)
 
 
 def as_array(value: Any) -> np.ndarray | None:
@@ -93,10 +97,35 @@ def as_array(value: Any) -> np.ndarray | None:
     return None
 
 
+# NumPy kinds HDF5 has no type for: object, unicode text, datetime, timedelta
+UNSTORABLE_KINDS = "OUMm"
+
+
+def check_leaf(path: str, value: Any, arr: np.ndarray | None) -> None:
+    """Raise a CheckpointError naming `path` when HDF5 cannot store the leaf `value` (`arr`: its
+    array, None for an attribute), before anything is written."""
+    if arr is None:
+        if value is None or isinstance(value, (str, bytes)) or _string_list(value):
+            return  # stored as a string (`attr_value`)
+        try:
+            arr = np.asarray(value)
+        except ValueError:  # a ragged list
+            arr = np.empty(0, dtype=object)
+    if arr.dtype.kind not in UNSTORABLE_KINDS:
+        return
+    what = f"a {type(value).__name__}" + (f" of dtype {arr.dtype}" if hasattr(value, "dtype") else "")
+    raise CheckpointError(
+        f"cannot checkpoint {path!r}: {what} has no HDF5 form; keep tensors, NumPy arrays of numbers, "
+        "numbers, strings and lists of one of these in the state, and convert other objects first "
+        "(e.g. a dict of plain values with json.dumps)"
+    )
+
+
 def flatten(
     tree: Mapping[str, Any], prefix: str = ""
 ) -> tuple[list[tuple[str, np.ndarray]], list[tuple[str, str, Any]]]:
-    """(dataset path, array) and (group path, attribute name, value) for a nested tree."""
+    """(dataset path, array) and (group path, attribute name, value) for a nested tree; a leaf
+    HDF5 cannot store raises a CheckpointError naming it (`check_leaf`)."""
     arrays: list[tuple[str, np.ndarray]] = []
     attrs: list[tuple[str, str, Any]] = []
     for key, value in tree.items():
@@ -107,6 +136,7 @@ def flatten(
             attrs.append((f"{prefix}{key}", "", None))  # the group exists even when empty
             continue
         arr = as_array(value)
+        check_leaf(f"{prefix}{key}", value, arr)
         if arr is None:
             attrs.append((prefix.rstrip("/") or "/", key, attr_value(value)))
         else:
