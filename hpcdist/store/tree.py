@@ -113,9 +113,9 @@ def check_leaf(path: str, value: Any, arr: np.ndarray | None) -> None:
             arr = np.empty(0, dtype=object)
     if arr.dtype.kind not in UNSTORABLE_KINDS:
         return
-    what = f"a {type(value).__name__}" + (f" of dtype {arr.dtype}" if hasattr(value, "dtype") else "")
+    what = type(value).__name__ + (f" of dtype {arr.dtype}" if hasattr(value, "dtype") else "")
     raise CheckpointError(
-        f"cannot checkpoint {path!r}: {what} has no HDF5 form; keep tensors, NumPy arrays of numbers, "
+        f"cannot checkpoint {path!r} ({what}): HDF5 has no form for it; keep tensors, NumPy arrays of numbers, "
         "numbers, strings and lists of one of these in the state, and convert other objects first "
         "(e.g. a dict of plain values with json.dumps)"
     )
