@@ -156,7 +156,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     print(f"  result: {submission.result_path}")
     if not args.wait:
         return 0
-    from hpcdist.lifecycle import print_finished, watch
+    from hpcdist.lifecycle import print_finished
+    from hpcdist.watch import watch
 
     return print_finished(submission.job_id, watch(submission, timeout_s=args.wait_timeout))
 
@@ -203,7 +204,8 @@ def _submit_chain(args: argparse.Namespace) -> int:
 def _chain_link_ok(submission: Any, args: argparse.Namespace, rest: list[Any]) -> bool:
     """Wait for a chain's link and print how it ended; when it failed, what becomes of `rest`."""
 
-    from hpcdist.lifecycle import print_finished, watch
+    from hpcdist.lifecycle import print_finished
+    from hpcdist.watch import watch
 
     finished = watch(submission, timeout_s=args.wait_timeout)
     print_finished(submission.job_id, finished)
@@ -235,7 +237,8 @@ def _submit_sweep(args: argparse.Namespace) -> int:
     from hpcdist import submit as sub
     from hpcdist.errors import ConfigError
     from hpcdist.jobs.registry import prepare
-    from hpcdist.lifecycle import print_finished, watch
+    from hpcdist.lifecycle import print_finished
+    from hpcdist.watch import watch
 
     if args.argv:
         raise ConfigError("--sweep needs a job spec YAML; sweep a `-- SCRIPT` job by writing its spec")
@@ -263,10 +266,14 @@ def _submit_sweep(args: argparse.Namespace) -> int:
 @command("status")
 def cmd_status(args: argparse.Namespace) -> int:
     from hpcdist.console import table, text
-    from hpcdist.submit import status
+    from hpcdist.errors import SubmitError
+    from hpcdist.scheduler.slurm import sacct_rows
 
+    rows = sacct_rows([args.job_id])
+    if not rows:
+        raise SubmitError(f"Slurm knows no job {args.job_id}; check the id with `sacct` or `squeue`")
     grid = table("job", "name", "state", "exit", "elapsed", "nodes", left=("job", "name", "state", "nodes"))
-    for row in status(args.job_id):
+    for row in rows:
         grid.add_row(row.job_id, row.name, row.state, row.exit_code, row.elapsed, row.nodes)
     sys.stdout.write(text(grid))
     return 0

@@ -15,18 +15,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hpcdist.errors import SubmitError
-
-if TYPE_CHECKING:
-    from hpcdist.render import Origin
-    from hpcdist.submit import Submission
 
 STATE_VAR = "HPCDIST_STATE"
 _SAFE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -68,10 +63,22 @@ class JobRecord:
     spec: dict[str, Any]
     site_model: dict[str, Any]
     cancelled: float | None = None  # when `hpcdist cancel` cancelled it (the local site has no accounting)
+    started: int | None = None  # local site: the controller's start time (``scheduler.local``), as pids are reused
+    ended: str | None = None  # the final state, once a waiter learnt it (kept when the results are deleted)
 
     def log_paths(self, rank: int) -> tuple[Path, Path]:
         """Rank `rank`'s stdout and stderr files."""
         return Path(self.stdout.replace("%t", str(rank))), Path(self.stderr.replace("%t", str(rank)))
+
+    def rank_files(self, rank: int) -> list[tuple[str, Path]]:
+        """(label, path) of rank `rank`'s logs that exist now, stdout first; where the launcher
+        wrote no per-rank files (mpirun), hpcdist's own rank logs (``train_rank1.log``)."""
+        out, err = self.log_paths(rank)
+        files = [(f"rank {rank} stdout", out), (f"rank {rank} stderr", err)]
+        found = [(label, p) for label, p in files if p.is_file()]
+        if found:
+            return found
+        return [(f"rank {rank} hpcdist log", p) for p in sorted(Path(self.folder).glob(f"*_rank{rank}.log"))]
 
 
 def _check_name(value: str, what: str) -> str:
@@ -84,7 +91,8 @@ def _path(site: str, job_id: str) -> Path:
     return jobs_dir() / _check_name(site, "site name") / f"{_check_name(job_id, 'job id')}.json"
 
 
-def _write(record: JobRecord) -> Path:
+def write(record: JobRecord) -> Path:
+    """Write `record` (new, or replacing the job's earlier record) atomically."""
     from hpcdist.store.atomic import atomic_path  # the one atomic writer; imported only to write
 
     path = _path(record.site, record.job_id)
@@ -97,40 +105,51 @@ def _write(record: JobRecord) -> Path:
     return path
 
 
-def make_record(sub: Submission, origin: Origin) -> JobRecord:
-    """The record of a job just submitted."""
-    from hpcdist.render import log_paths
-
-    folder = Path(sub.job.paths.folder).absolute()
-    out, err = (p.replace("%j", sub.job_id) for p in log_paths(folder))
-    return JobRecord(
-        job_id=sub.job_id, site=sub.site.name, scheduler=sub.site.scheduler, name=sub.spec.name,
-        kind=sub.spec.kind, spec_path=origin.job_path or "command line", submitted=time.time(),
-        host=socket.gethostname(), tasks=sub.spec.resources.world_size, nodes=sub.spec.resources.nodes,
-        folder=str(folder), stdout=out, stderr=err, result=str(Path(sub.result_path).absolute()),
-        # the runtime's JobContext.checkpoint_dir: stable across requeues of the same job name
-        checkpoints=str((sub.site.storage.checkpoints / sub.spec.name).absolute()),
-        spec=sub.spec.model_dump(mode="json"), site_model=sub.site.model_dump(mode="json"),
-    )
+KEEP_RECORDS = 1000  # the index keeps this many jobs per site, the newest
+KEEP_DAYS = 60.0  # and forgets ended jobs older than this
 
 
-def add(sub: Submission, origin: Origin) -> JobRecord | None:
-    """Record a submitted job. The job is in the queue already, so a failure to record it is a
-    warning on stderr, not an error."""
-    record = make_record(sub, origin)
+def add(record: JobRecord) -> JobRecord | None:
+    """Record a submitted job, and forget the oldest ones past the index's bounds. The job is in
+    the queue already, so a failure to record it is a warning on stderr, not an error."""
     try:
-        _write(record)
+        write(record)
     except (OSError, SubmitError) as exc:
-        print(f"hpcdist: warning: job {sub.job_id} is submitted but not in the job index ({exc}); "
-              f"`hpcdist logs/wait/cancel {sub.job_id}` will not find it", file=sys.stderr)
+        print(f"hpcdist: warning: job {record.job_id} is submitted but not in the job index ({exc}); "
+              f"`hpcdist logs/wait/cancel {record.job_id}` will not find it", file=sys.stderr)
         return None
+    prune(record.site)
+    return record
+
+
+def prune(site: str, keep: int = KEEP_RECORDS, keep_days: float = KEEP_DAYS) -> list[str]:
+    """Forget a site's jobs beyond the newest `keep`, and ended ones older than `keep_days`;
+    the ids forgotten."""
+    recs = [r for r in records() if r.site == site]
+    old = time.time() - keep_days * 86400
+    gone = recs[:-keep] if len(recs) > keep else []
+    gone += [r for r in recs[-keep:] if r.ended and r.submitted < old]
+    for r in gone:
+        _path(r.site, r.job_id).unlink(missing_ok=True)
+    return [r.job_id for r in gone]
+
+
+def mark_ended(record: JobRecord, state: str) -> JobRecord:
+    """The record again, with its final state kept (best effort: a waiter's knowledge)."""
+    if record.ended == state:
+        return record
+    record = replace(record, ended=state)
+    try:
+        write(record)
+    except OSError:
+        pass
     return record
 
 
 def mark_cancelled(record: JobRecord) -> JobRecord:
     """The record again, marked cancelled now."""
     record = replace(record, cancelled=time.time())
-    _write(record)
+    write(record)
     return record
 
 

@@ -16,21 +16,12 @@ from collections import deque
 from pathlib import Path
 
 from hpcdist.errors import SubmitError
+from hpcdist.jobhandle import JobHandle
 from hpcdist.jobindex import JobRecord, find
-from hpcdist.submit import Vanished
+from hpcdist.scheduler.slurm import Vanished
 
 POLL_S = 0.5
 STATE_EVERY_S = 2.0
-
-
-def rank_files(record: JobRecord, rank: int) -> list[tuple[str, Path]]:
-    """(label, path) of rank `rank`'s logs that exist now, stdout first."""
-    out, err = record.log_paths(rank)
-    files = [(f"rank {rank} stdout", out), (f"rank {rank} stderr", err)]
-    found = [(label, p) for label, p in files if p.is_file()]
-    if found:
-        return found
-    return [(f"rank {rank} hpcdist log", p) for p in sorted(Path(record.folder).glob(f"*_rank{rank}.log"))]
 
 
 def _ranks(record: JobRecord, rank: int | None, every: bool) -> list[int]:
@@ -68,18 +59,16 @@ def _tail(path: Path, keep: int | None) -> tuple[list[str], int]:
 
 def show(record: JobRecord, ranks: list[int], tail: int | None) -> None:
     """Print the logs of `ranks` as they are now."""
-    from hpcdist.lifecycle import current_state
-
     printer = _Printer(headers=True)
     missing = []
     for rank in ranks:
-        files = rank_files(record, rank)
+        files = record.rank_files(rank)
         if not files:
             missing.append(rank)
         for label, path in files:
             printer.lines(label, path, _tail(path, tail)[0])
     if missing and len(missing) == len(ranks):
-        state = current_state(record)
+        state = JobHandle(record).state
         if not state.final:
             raise SubmitError(f"job {record.job_id} has written no logs yet ({state.value}); "
                               f"follow them with `hpcdist logs {record.job_id} -f`")
@@ -89,15 +78,13 @@ def show(record: JobRecord, ranks: list[int], tail: int | None) -> None:
 
 def follow(record: JobRecord, ranks: list[int], tail: int | None) -> None:
     """Print the logs of `ranks` as they grow, until the job has ended and its files are read."""
-    from hpcdist.lifecycle import current_state
-
     printer = _Printer(headers=True)
     offsets: dict[Path, int] = {}
     partial: dict[Path, bytes] = {}
 
     def drain(final: bool) -> None:
         for rank in ranks:
-            for label, path in rank_files(record, rank):
+            for label, path in record.rank_files(rank):
                 if path not in offsets:  # first sight: start from its last `tail` lines (all by default)
                     lines, offsets[path] = _tail(path, tail)
                     printer.lines(label, path, lines)
@@ -117,9 +104,9 @@ def follow(record: JobRecord, ranks: list[int], tail: int | None) -> None:
         drain(final=False)
         if time.monotonic() - checked >= STATE_EVERY_S:
             checked = time.monotonic()
-            state = current_state(record)
-            gone = vanished.gone(state)  # neither squeue nor sacct has it: it ended while accounting is down
-            if state.final or gone:
+            reading = JobHandle(record).reading()
+            gone = vanished.gone(reading)  # squeue answered without it, and sacct is down: it ended
+            if reading.state.final or gone:
                 time.sleep(1.0)  # the last lines a node flushes as the job ends
                 drain(final=True)
                 if gone:

@@ -12,27 +12,31 @@ import functools
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpcdist import jobindex
 from hpcdist.config.contract import LAUNCH_TIME_VAR
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import SubmitError
 from hpcdist.polling import poll_until
 from hpcdist.render import Origin, render, submitit_folder
+from hpcdist.scheduler import slurm
+from hpcdist.scheduler.local import LOCAL_CONTROLLER, process_started
+from hpcdist.scheduler.slurm import Vanished
+from hpcdist.scheduler.states import JobState
 from hpcdist.store.atomic import storage_umask
 
 if TYPE_CHECKING:
-    from hpcdist.postmortem import Ending
+    from hpcdist.scheduler.postmortem import Ending
 
-LOCAL_CONTROLLER = "hpcdist.runtime.local_controller"
 
 
 @functools.cache
@@ -53,6 +57,21 @@ def _script_executor_class() -> Callable[[Path, str, int, int], Any]:
 
         def _num_tasks(self) -> int:
             return self._tasks
+
+        def _submit_command(self, command: str) -> Any:
+            """submitit's own, with sbatch run by the scheduler client (a timeout, one owner)."""
+            import uuid
+
+            from submitit.core.utils import JobPaths
+
+            tmp = uuid.uuid4().hex
+            path = JobPaths.get_first_id_independent_folder(self.folder) / f".submission_file_{tmp}.sh"
+            path.write_text(self._make_submission_file_text(command, tmp))
+            job = self.job_class(folder=self.folder, job_id=slurm.sbatch(path), tasks=list(range(self._num_tasks())))
+            job.paths.move_temporary_file(path, "submission_file", keep_as_symlink=True)
+            self._write_job_id(job.job_id, tmp)
+            self._set_job_permissions(job.paths.folder)
+            return job
 
         def _internal_process_submissions(self, delayed: list[Any]) -> list[Any]:
             """An array as submitit makes one (a pickle per task, jobs ``ID_INDEX``), but with
@@ -137,6 +156,7 @@ class TaskOutcome:
     ok: bool
     summary: dict[str, Any] = field(default_factory=dict)
     error: str = ""
+    traceback: str = ""  # the rank's traceback, when it raised
 
 
 def _tasks(spec: JobSpec) -> int:
@@ -174,8 +194,6 @@ def submit_array(base: JobSpec, tasks: list[JobSpec], site: Site, origin: Origin
     there are several); one Submission per task, in order. On the local site there is no
     scheduler to hold a job back: ``--after`` is refused, and a sweep's tasks run one at a time
     (``hpcdist.cli`` waits for each)."""
-    from submitit.core.utils import FailedJobError
-
     from hpcdist.runtime import run_rank  # the callable only; nothing runs here
 
     if site.scheduler != "slurm" and origin.after:
@@ -204,17 +222,33 @@ def submit_array(base: JobSpec, tasks: list[JobSpec], site: Site, origin: Origin
                 with executor.batch():
                     pending = [executor.submit(run_rank, task, site) for task in tasks]
                 jobs = list(pending)
-    except FailedJobError as exc:
-        raise SubmitError(f"the scheduler refused job {base.name!r}: {_first_error_line(str(exc))}") from exc
+    except slurm.Refused as exc:
+        raise SubmitError(f"the scheduler refused job {base.name!r}: {exc}") from exc
     except OSError as exc:
         raise SubmitError(f"could not submit job {base.name!r}: {exc}") from exc
-    from hpcdist.jobindex import add  # the index of submitted jobs: `hpcdist jobs`, `logs`, `wait`, `cancel`
-
     submissions = [Submission(job=job, spec=task, site=site, script=script)
                    for job, task in zip(jobs, tasks, strict=True)]
     for submission in submissions:
-        add(submission, origin)
+        jobindex.add(make_record(submission, origin))  # `hpcdist jobs`, `logs`, `wait`, `cancel`, `hpcdist.job`
     return submissions
+
+
+def make_record(sub: Submission, origin: Origin) -> jobindex.JobRecord:
+    """The job index's record of a job just submitted."""
+    from hpcdist.render import log_paths
+
+    folder = Path(sub.job.paths.folder).absolute()
+    out, err = (p.replace("%j", sub.job_id) for p in log_paths(folder))
+    return jobindex.JobRecord(
+        job_id=sub.job_id, site=sub.site.name, scheduler=sub.site.scheduler, name=sub.spec.name,
+        kind=sub.spec.kind, spec_path=origin.job_path or "command line", submitted=time.time(),
+        host=socket.gethostname(), tasks=sub.spec.resources.world_size, nodes=sub.spec.resources.nodes,
+        folder=str(folder), stdout=out, stderr=err, result=str(Path(sub.result_path).absolute()),
+        # the runtime's JobContext.checkpoint_dir: stable across requeues of the same job name
+        checkpoints=str((sub.site.storage.checkpoints / sub.spec.name).absolute()),
+        spec=sub.spec.model_dump(mode="json"), site_model=sub.site.model_dump(mode="json"),
+        started=process_started(sub.job_id) if sub.site.scheduler != "slurm" else None,
+    )
 
 
 @contextlib.contextmanager
@@ -237,65 +271,6 @@ def _detached_streams() -> Iterator[None]:
         os.close(null)
 
 
-class JobState(Enum):
-    """A job's state as hpcdist reasons about it, mapped once from the scheduler's strings
-    (TorchX's ``SLURM_STATES -> AppState``); ``final`` states never change again."""
-
-    PENDING = "PENDING"
-    RUNNING = "RUNNING"
-    REQUEUED = "REQUEUED"  # back in the queue after a preemption or a time-out
-    SUSPENDED = "SUSPENDED"
-    COMPLETING = "COMPLETING"
-    COMPLETED = "COMPLETED"
-    FAILED = "FAILED"
-    TIMEOUT = "TIMEOUT"
-    CANCELLED = "CANCELLED"
-    OUT_OF_MEMORY = "OUT_OF_MEMORY"
-    NODE_FAIL = "NODE_FAIL"
-    PREEMPTED = "PREEMPTED"
-    BOOT_FAIL = "BOOT_FAIL"
-    DEADLINE = "DEADLINE"
-    UNKNOWN = "UNKNOWN"  # the scheduler does not (yet) know the job, or said something else
-
-    @property
-    def final(self) -> bool:
-        return self in _FINAL_STATES
-
-    @classmethod
-    def from_slurm(cls, text: str) -> JobState:
-        """sacct's or squeue's word (``CANCELLED by 0``, ``CA``, ``COMPLETING``) as a JobState."""
-        word = text.strip().split(" ")[0].rstrip("+").upper()
-        return _SLURM_STATES.get(word, cls.UNKNOWN)
-
-    @classmethod
-    def from_submitit_local(cls, text: str) -> JobState:
-        """submitit's LocalJob states (FINISHED, INTERRUPTED, ...) as a JobState."""
-        return _LOCAL_STATES.get(text.strip().upper(), cls.UNKNOWN)
-
-
-_FINAL_STATES = frozenset({
-    JobState.COMPLETED, JobState.FAILED, JobState.TIMEOUT, JobState.CANCELLED, JobState.OUT_OF_MEMORY,
-    JobState.NODE_FAIL, JobState.PREEMPTED, JobState.BOOT_FAIL, JobState.DEADLINE,
-})
-# Slurm's long names (sacct, squeue %T) and short codes (squeue %t) for every state it reports.
-_SLURM_STATES: dict[str, JobState] = {
-    **{s.value: s for s in JobState if s is not JobState.UNKNOWN},
-    "PD": JobState.PENDING, "CF": JobState.PENDING, "CONFIGURING": JobState.PENDING,
-    "R": JobState.RUNNING, "RESIZING": JobState.RUNNING, "SIGNALING": JobState.RUNNING,
-    "STAGE_OUT": JobState.COMPLETING, "CG": JobState.COMPLETING, "SO": JobState.COMPLETING,
-    "RQ": JobState.REQUEUED, "REQUEUE_FED": JobState.REQUEUED, "REQUEUE_HOLD": JobState.REQUEUED,
-    "RS": JobState.PENDING, "RESV_DEL_HOLD": JobState.PENDING, "RV": JobState.PENDING, "REVOKED": JobState.CANCELLED,
-    "S": JobState.SUSPENDED, "ST": JobState.SUSPENDED, "STOPPED": JobState.SUSPENDED, "RH": JobState.REQUEUED,
-    "CD": JobState.COMPLETED, "F": JobState.FAILED, "TO": JobState.TIMEOUT, "CA": JobState.CANCELLED,
-    "OOM": JobState.OUT_OF_MEMORY, "NF": JobState.NODE_FAIL, "PR": JobState.PREEMPTED, "BF": JobState.BOOT_FAIL,
-    "DL": JobState.DEADLINE, "SE": JobState.FAILED, "SPECIAL_EXIT": JobState.FAILED,
-}
-_LOCAL_STATES = {
-    "RUNNING": JobState.RUNNING, "FINISHED": JobState.COMPLETED, "DONE": JobState.COMPLETED,
-    "FAILED": JobState.FAILED, "INTERRUPTED": JobState.CANCELLED, "UNKNOWN": JobState.UNKNOWN,
-}
-
-
 @dataclass(frozen=True)
 class Finished:
     """What ``wait`` learnt: the scheduler's final state and one outcome per rank."""
@@ -310,11 +285,42 @@ class Finished:
         return self.state is JobState.COMPLETED and all(o.ok for o in self.outcomes)
 
 
-def job_state(sub: Submission) -> JobState:
-    """The scheduler's current word on the job (Slurm: sacct, else squeue; local: submitit)."""
+def read_state(sub: Submission) -> slurm.Reading:
+    """The scheduler's current word on the job (Slurm: squeue, else sacct; local: submitit's
+    controller, then the ranks' results once it ended)."""
     if sub.site.scheduler == "slurm":
-        return slurm_state(sub.job_id)
-    return JobState.from_submitit_local(str(sub.job.state))
+        return slurm.read_state(sub.job_id)
+    state = JobState.from_submitit_local(str(sub.job.state))
+    return slurm.Reading(state.local_outcome(all(o.ok for o in outcomes(sub))) if state.final else state)
+
+
+def job_state(sub: Submission) -> JobState:
+    return read_state(sub).state
+
+
+def outcomes(sub: Submission, state: JobState = JobState.UNKNOWN, end: Ending | None = None) -> list[TaskOutcome]:
+    """One outcome per rank, from submitit's result files (read directly: asking submitit's job
+    would call sacct behind the scheduler client's back). A rank without a result is summarised
+    by how srun saw it end, or else the first real error line of its log."""
+    from submitit.core.utils import pickle_load
+
+    out = []
+    for rank in range(_tasks(sub.spec)):
+        task = sub.job.task(rank)
+        try:
+            status, value = pickle_load(task.paths.result_pickle)
+        except FileNotFoundError:
+            out.append(TaskOutcome(rank, False, error=_no_result(task.paths.stderr, state, rank, end)))
+            continue
+        except Exception as exc:  # half-written or unreadable: not a result
+            out.append(TaskOutcome(rank, False, error=f"its result file is unreadable: {type(exc).__name__}: {exc}"))
+            continue
+        if status == "success":
+            out.append(TaskOutcome(rank, True, summary=dict(value or {})))
+        else:
+            after = f" ({end.after(rank)})" if end and end.after(rank) else ""
+            out.append(TaskOutcome(rank, False, error=_first_error_line(str(value)) + after, traceback=str(value)))
+    return out
 
 
 def wait(
@@ -323,29 +329,24 @@ def wait(
 ) -> Finished:
     """Block until the scheduler says the job ended; its final state and one outcome per rank.
 
-    Waiting ends on the scheduler's word (Slurm's accounting, or squeue), not on submitit's
-    result files, which a job that dies early never writes. A rank without a result is
-    summarised by how srun saw it end (killed by a signal, its exit code) or else the first real
-    error line of its log; a failed job's ``cause`` names the rank and host that went first and
-    Slurm's word on the job (cancelled, node failure, out of memory; ``hpcdist.postmortem``).
-    ``timeout_s=None`` waits as long as the scheduler says the job is not done; a Slurm job that
-    left the queue while accounting is down ends the wait with a `SubmitError` (``Vanished``).
-    `on_poll` sees each state read (the live status line).
+    Waiting ends on the scheduler's word (squeue, then Slurm's accounting), not on submitit's
+    result files, which a job that dies early never writes. A failed job's ``cause`` names the
+    rank and host that went first and Slurm's word on the job (cancelled, node failure, out of
+    memory; ``hpcdist.scheduler.postmortem``). ``timeout_s=None`` waits as long as the scheduler
+    says the job is not done; a command that fails is retried and read as unknown, and only a job
+    proven absent from the queue while accounting is down ends the wait with a `SubmitError`
+    (``Vanished``). `on_poll` sees each state read (the live status line).
     """
-    from submitit.core.utils import FailedJobError, UncompletedJobError
-
     vanished = Vanished()
 
     def ended() -> JobState | None:
-        state = job_state(sub)
+        reading = read_state(sub)
         if on_poll is not None:
-            on_poll(state)
-        if state.final:
-            return state
-        if sub.site.scheduler == "slurm" and vanished.gone(state):
+            on_poll(reading.state)
+        if reading.state.final:
+            return reading.state
+        if sub.site.scheduler == "slurm" and vanished.gone(reading):
             raise SubmitError(Vanished.message(sub.job_id))
-        if sub.site.scheduler != "slurm" and sub.job.done(force_check=True):
-            return JobState.COMPLETED if state is JobState.UNKNOWN else state
         return None
 
     state = poll_until(ended, timeout_s, poll_s)
@@ -354,25 +355,12 @@ def wait(
             f"job {sub.job_id} did not finish within {timeout_s:g} s; it is still {job_state(sub).value}"
         )
     end = _slurm_ending(sub) if sub.site.scheduler == "slurm" and state is not JobState.COMPLETED else None
-    outcomes = []
-    for rank in range(_tasks(sub.spec)):
-        task = sub.job.task(rank)
-        if not task.paths.result_pickle.exists():
-            outcomes.append(TaskOutcome(rank, False, error=_no_result(task.paths.stderr, state, rank, end)))
-            continue
-        try:
-            outcomes.append(TaskOutcome(rank, True, summary=dict(task.result() or {})))
-        except (FailedJobError, UncompletedJobError) as exc:
-            after = f" ({end.after(rank)})" if end and end.after(rank) else ""
-            outcomes.append(TaskOutcome(rank, False, error=_first_error_line(str(exc)) + after))
-    if sub.site.scheduler != "slurm" and state is JobState.COMPLETED and not all(o.ok for o in outcomes):
-        state = JobState.FAILED  # submitit's local controller says FINISHED whatever its ranks did
-    return Finished(state, outcomes, end.headline() if end else "")
+    return Finished(state, outcomes(sub, state, end), end.headline() if end else "")
 
 
 def _slurm_ending(sub: Submission) -> Ending:
     """srun's and slurmstepd's lines in the batch log, and Slurm's accounting of the job's steps."""
-    from hpcdist.postmortem import accounting, ending  # only a job that failed is looked into
+    from hpcdist.scheduler.postmortem import accounting, ending  # only a job that failed is looked into
 
     try:
         batch_log = sub.log_paths[1].read_text(errors="replace")
@@ -421,108 +409,3 @@ def _first_error_line(text: str, first: bool = False) -> str:
         if _SLURM_LINE.match(line) and "error" in line.lower():
             return line.strip()
     return lines[-1].strip() if lines else "(no output)"
-
-
-@dataclass(frozen=True)
-class JobStatus:
-    job_id: str
-    name: str
-    state: str
-    exit_code: str
-    elapsed: str
-    nodes: str
-    reason: str = ""  # squeue's %r: why a pending job waits (Resources, Priority, Dependency)
-
-
-_JOB_ID = re.compile(r"\d+(_\d+)?")
-
-
-def _check_ids(job_ids: Sequence[str]) -> None:
-    for job_id in job_ids:
-        if not _JOB_ID.fullmatch(job_id):
-            raise SubmitError(f"job id {job_id!r} is not a Slurm job id (digits, e.g. 1234)")
-
-
-def sacct_rows(job_ids: Sequence[str]) -> list[JobStatus]:
-    """The jobs' records in Slurm's accounting (one row per requeue-visible record, oldest first)."""
-    _check_ids(job_ids)
-    if shutil.which("sacct") is None:
-        raise SubmitError("`sacct` is not on PATH; this needs Slurm's accounting")
-    proc = subprocess.run(
-        ["sacct", "-j", ",".join(job_ids), "-X", "-P", "-n", "-o", "JobID,JobName,State,ExitCode,Elapsed,NodeList"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise SubmitError(f"sacct failed for job {','.join(job_ids)}: {proc.stderr.strip()}")
-    return [JobStatus(*line.split("|")[:6]) for line in proc.stdout.splitlines() if line.strip()]
-
-
-def squeue_rows(job_ids: Sequence[str]) -> dict[str, JobStatus]:
-    """The jobs Slurm still has in its queue (pending, running, completing), by job id; empty when
-    squeue is missing or fails. Elapsed is squeue's %M, nodes %N, reason %r."""
-    _check_ids(job_ids)
-    if not job_ids or shutil.which("squeue") is None:
-        return {}
-    proc = subprocess.run(
-        ["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%j|%T|%M|%N|%r"],
-        capture_output=True, text=True, check=False,
-    )
-    if proc.returncode != 0:
-        return {}
-    rows = {}
-    for line in proc.stdout.splitlines():
-        parts = line.split("|")
-        if len(parts) == 6:
-            rows[parts[0]] = JobStatus(parts[0], parts[1], parts[2], "", parts[3], parts[4], parts[5])
-    return rows
-
-
-def status(job_id: str) -> list[JobStatus]:
-    """The job's state from Slurm's accounting (one row per requeue-visible record)."""
-    rows = sacct_rows([job_id])
-    if not rows:
-        raise SubmitError(f"Slurm knows no job {job_id}; check the id with `sacct` or `squeue`")
-    return rows
-
-
-def slurm_state(job_id: str) -> JobState:
-    """The job's state from sacct, else from squeue (accounting can lag behind a new job);
-    UNKNOWN when neither knows it yet."""
-    try:
-        return JobState.from_slurm(status(job_id)[-1].state)
-    except SubmitError:
-        pass
-    queued = squeue_rows([job_id]).get(job_id)
-    return JobState.from_slurm(queued.state) if queued else JobState.UNKNOWN
-
-
-GONE_AFTER_S = 5.0  # how long a job may be unknown to squeue and sacct before a waiter gives up
-
-
-class Vanished:
-    """One rule for every waiter (``wait``, ``hpcdist logs -f``): a job that neither squeue nor
-    sacct knows, on two reads at least `after_s` apart, has left the queue while accounting is
-    down; its end state will not come, so waiting longer would wait forever."""
-
-    def __init__(self, after_s: float = GONE_AFTER_S) -> None:
-        self.after_s = after_s
-        self.since: float | None = None
-        self.reads = 0
-
-    def gone(self, state: JobState) -> bool:
-        """`state` is the newest read; True once the job counts as gone."""
-        if state is not JobState.UNKNOWN:
-            self.since, self.reads = None, 0
-            return False
-        now = time.monotonic()
-        self.since = now if self.since is None else self.since
-        self.reads += 1
-        return self.reads >= 2 and now - self.since >= self.after_s
-
-    @staticmethod
-    def message(job_id: str, then: str = "") -> str:
-        """The line a waiter ends with; `then` is what to do next (default: read the job's logs)."""
-        return (f"job {job_id} left the queue and Slurm's accounting (sacct) is unavailable, so how it ended "
-                f"is unknown; {then or f'look at `hpcdist logs {job_id}`'}")

@@ -17,7 +17,8 @@ from hpcdist.config.sweep import tasks
 from hpcdist.errors import ConfigError
 from hpcdist.jobs.registry import load_job
 from hpcdist.polling import poll_until
-from hpcdist.submit import JobState, slurm_state
+from hpcdist.scheduler.slurm import read_state
+from hpcdist.scheduler.states import JobState
 from tests import conftest_train as fx
 from tests.conftest import REPO, run_cli, storage_sets
 from tests.conftest_train import train_args
@@ -48,11 +49,11 @@ def scontrol(job: str) -> str:
 def final_states(jobs: list[str], timeout_s: float = 400) -> list[JobState]:
     """Each job's state once all have ended (other helpers' jobs may hold the nodes a while)."""
     def ended() -> list[JobState] | None:
-        states = [slurm_state(j) for j in jobs]
+        states = [read_state(j).state for j in jobs]
         return states if all(s.final for s in states) else None
 
     states = poll_until(ended, timeout_s, 2.0)
-    assert states is not None, f"jobs {jobs} did not end within {timeout_s} s: {[slurm_state(j) for j in jobs]}"
+    assert states is not None, f"jobs {jobs} did not end within {timeout_s} s: {[read_state(j).state for j in jobs]}"
     return states
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from hpcdist import jobindex, progress
 from hpcdist.console import StatusLine
-from hpcdist.lifecycle import hms, slurm_seconds
+from hpcdist.watch import hms, slurm_seconds
 from tests.conftest import Run, run_cli, storage_sets
 from tests.conftest_train import Background, start_now, tokens, train, train_root, wait_for  # noqa: F401 - fixtures
 from tests.test_slurm_spine import job_id
@@ -160,7 +160,7 @@ def test_two_submits_at_once_both_land_in_the_index() -> None:
             result="/r.h5", checkpoints="/c", spec={}, site_model={},
         )
 
-    threads = [threading.Thread(target=jobindex._write, args=(record(i),)) for i in range(16)]
+    threads = [threading.Thread(target=jobindex.write, args=(record(i),)) for i in range(16)]
     for t in threads:
         t.start()
     for t in threads:

@@ -105,6 +105,6 @@ def test_submit_side_imports_no_bootstrap_before_submitting() -> None:
                           capture_output=True, text=True, timeout=120, check=True)
     out = json.loads(proc.stdout)
     modules = out["modules"]
-    bootstrap = ("hpcdist.runtime.", "hpcdist.postmortem", "hpcdist.bench", "hpcdist.train", "hpcdist.infer")
+    bootstrap = ("hpcdist.runtime.", "hpcdist.scheduler.postmortem", "hpcdist.bench", "hpcdist.train", "hpcdist.infer")
     assert [m for m in modules if m.split(".")[0] in HEAVY or m.startswith(bootstrap)] == []
     assert out["pickled"] < 100  # a reference (module and name), not the function's code

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from hpcdist.postmortem import StepRecord, ending, task_ends
-from hpcdist.submit import JobState, _first_error_line
+from hpcdist.scheduler.postmortem import StepRecord, ending, task_ends
+from hpcdist.scheduler.states import JobState
+from hpcdist.submit import _first_error_line
 from tests.conftest import REPO, run_cli, storage_sets
 from tests.conftest_train import Background, wait_for
 from tests.test_slurm_spine import job_id, sacct_state

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import logging
 import signal
-import subprocess
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import FrameType
 from typing import Literal
+
+from hpcdist.scheduler import slurm
+from hpcdist.scheduler.states import JobState
 
 log = logging.getLogger("hpcdist")
 
@@ -118,32 +120,17 @@ class Requeues:
 # ---------------------------------------------------------------- requeueing
 
 
-def job_in_slurm(job_id: str) -> tuple[str, int] | None:
-    """Slurm's state of `job_id` and its restart count (``scontrol show job``), or None if unknown."""
-    try:
-        out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True,
-                             timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
-    try:
-        return fields["JobState"], int(fields.get("Restarts", "0"))
-    except (KeyError, ValueError):
-        return None
-
-
 def slurm_leaves_it(job_id: str, restarts: int) -> str:
     """Why hpcdist must not requeue Slurm job `job_id` itself ("" when it must): Slurm already
     requeued it (its restart count passed ours: a preemption or ``scontrol requeue``), or it is
     ending for good (``scancel``, a time limit), which a requeue would undo."""
-    known = job_in_slurm(job_id)
+    known = slurm.show_job(job_id)
     if known is None:
         return ""
-    state, slurm_restarts = known
-    if slurm_restarts > restarts or state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"):
-        return f"Slurm is requeueing job {job_id} itself ({state}, restart {slurm_restarts})"
-    if state not in ("RUNNING", "SUSPENDED"):
-        return f"job {job_id} is ending in Slurm ({state}): not requeued; resubmit the same spec to resume"
+    if known.restarts > restarts or known.state in (JobState.PENDING, JobState.REQUEUED):
+        return f"Slurm is requeueing job {job_id} itself ({known.word}, restart {known.restarts})"
+    if known.state not in (JobState.RUNNING, JobState.SUSPENDED):
+        return f"job {job_id} is ending in Slurm ({known.word}): not requeued; resubmit the same spec to resume"
     return ""
 
 
@@ -172,7 +159,7 @@ def requeue_for(env: Mapping[str, str]) -> Callable[[], str] | None:
             job._requeue(0)  # Slurm: scontrol requeue; local: sys.exit(144) (the controller restarts us)
         else:
             log.warning("requeueing Slurm job %s", slurm_job)
-            subprocess.run(["scontrol", "requeue", slurm_job], check=True, timeout=60)
+            slurm.requeue(slurm_job)
         return ""
 
     return requeue

@@ -6,15 +6,13 @@ peer"). What did happen is known to Slurm: sacct's steps (State, ExitCode ``code
 DerivedExitCode, NodeList) and the lines srun and slurmstepd write into the batch log
 (``srun: error: n2: task 1: Killed``, ``*** STEP 7.0 ON n1 CANCELLED AT ... DUE TO NODE FAILURE ***``,
 ``Detected 1 oom_kill event``), in the order things happened. The parsers are pure functions of
-that text; ``accounting`` is the one sacct call. Standard library only (the submit side).
+that text; ``accounting`` asks the Slurm client (``scheduler.slurm``). Standard library only.
 """
 
 from __future__ import annotations
 
 import re
-import shutil
 import signal
-import subprocess
 from dataclasses import dataclass
 
 from hpcdist.runtime.hostlist import expand_hostlist
@@ -110,18 +108,10 @@ def job_event(log: str) -> str:
 
 def accounting(job_id: str) -> list[StepRecord]:
     """The job's sacct records, steps included; [] when accounting is not available."""
-    if shutil.which("sacct") is None or not re.fullmatch(r"\d+(_\d+)?", job_id):
-        return []
-    try:
-        proc = subprocess.run(
-            ["sacct", "-j", job_id, "-P", "-n", "-o", "JobID,State,ExitCode,DerivedExitCode,NodeList"],
-            capture_output=True, text=True, check=False, timeout=60,
-        )
-    except subprocess.TimeoutExpired:
-        return []
-    if proc.returncode != 0:
-        return []
-    return [StepRecord(*line.split("|")[:5]) for line in proc.stdout.splitlines() if line.count("|") >= 4]
+    from hpcdist.scheduler.slurm import is_job_id, sacct_steps
+
+    lines = sacct_steps(job_id) if is_job_id(job_id) else None
+    return [StepRecord(*line.split("|")[:5]) for line in lines or []]
 
 
 _JOB_STATES = {  # the allocation's own end, said in words (sacct State's first word)

@@ -1,0 +1,213 @@
+"""A submitted job you can hold: ``JobHandle``, what ``submit`` and ``Executor.submit`` return and
+what ``hpcdist.job(ID)`` re-attaches from the job index in any process.
+
+It is the one owner of a job's life after submit: its state (the scheduler client, or on the
+local site the controller process and the ranks' results), waiting (the status line of
+``submit --wait``), the per-rank outcomes and return values, the log files, and cancelling. The
+command line's ``jobs``, ``logs``, ``wait`` and ``cancel`` are thin layers over it
+(``hpcdist.lifecycle``, ``hpcdist.joblogs``).
+
+On the local site a job's id is its controller's process id, which the system reuses: the index
+keeps the controller's start time beside it, so a handle never reads another run's process.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpcdist.errors import JobError, SubmitError
+from hpcdist.jobindex import JobRecord, find, mark_ended, write
+from hpcdist.polling import poll_until
+from hpcdist.scheduler import slurm
+from hpcdist.scheduler.local import controller_alive
+from hpcdist.scheduler.states import JobState
+
+if TYPE_CHECKING:
+    from hpcdist.submit import Finished, Submission, TaskOutcome
+
+
+@functools.cache
+def _attached_local_class() -> Any:
+    """submitit's LocalJob for a job started by another process: it runs while the controller
+    lives; once gone it ended, cancelled if `hpcdist cancel` says so in the index."""
+    from submitit.local.local import LocalJob
+
+    class AttachedLocalJob(LocalJob):
+        record: JobRecord
+
+        def get_info(self, mode: str = "force") -> dict[str, str]:
+            if self._process is not None:
+                return dict(super().get_info(mode))
+            if controller_alive(str(self.job_id), self.record.started):
+                return {"jobState": "RUNNING"}
+            cancelled = find(str(self.job_id), self.record.site).cancelled
+            return {"jobState": "INTERRUPTED" if cancelled else "FINISHED"}
+
+    return AttachedLocalJob
+
+
+def attach(record: JobRecord) -> Submission:
+    """A Submission for an indexed job, as ``submit`` returned it."""
+    from hpcdist.config.site import Site
+    from hpcdist.config.spec import JobSpec
+    from hpcdist.submit import Submission
+
+    tasks = list(range(record.tasks))
+    if record.scheduler == "slurm":
+        import submitit
+
+        job: Any = submitit.SlurmJob(folder=record.folder, job_id=record.job_id, tasks=tasks)
+    else:
+        job = _attached_local_class()(folder=record.folder, job_id=record.job_id, tasks=tasks)
+        job.record = record
+    spec, site = JobSpec.model_validate(record.spec), Site.model_validate(record.site_model)
+    return Submission(job=job, spec=spec, site=site, script="")
+
+
+class JobFailed(JobError):
+    """A job that did not return on every rank: the first failing rank, its host and its error;
+    ``traceback`` is that rank's traceback (when it raised), ``outcomes`` every rank's."""
+
+    def __init__(self, message: str, outcomes: list[TaskOutcome], traceback: str = "") -> None:
+        super().__init__(message)
+        self.outcomes, self.traceback = outcomes, traceback
+
+
+class JobHandle:
+    """One submitted job: ``job_id``, ``state``, ``wait()``, ``result()``, ``results()``,
+    ``logs(rank)``, ``cancel()``. Made by ``submit`` or re-attached with ``hpcdist.job(ID)``."""
+
+    def __init__(self, record: JobRecord, submission: Submission | None = None) -> None:
+        self.record = record
+        self._submission = submission
+        self._finished: Finished | None = None
+
+    def __repr__(self) -> str:
+        return f"JobHandle({self.job_id!r}, name={self.record.name!r}, site={self.record.site!r})"
+
+    @classmethod
+    def find(cls, job_id: str | int, site: str | None = None) -> JobHandle:
+        return cls(find(str(job_id), site))
+
+    @property
+    def job_id(self) -> str:
+        return self.record.job_id
+
+    @property
+    def submission(self) -> Submission:
+        if self._submission is None:
+            self._submission = attach(self.record)
+        return self._submission
+
+    @property
+    def num_tasks(self) -> int:
+        return self.record.tasks
+
+    @property
+    def state(self) -> JobState:
+        """The scheduler's word on the job now (a finished job's state does not change)."""
+        if self._finished is not None:
+            return self._finished.state
+        if self.record.ended:
+            return JobState(self.record.ended)
+        return self.reading().state
+
+    def reading(self) -> slurm.Reading:
+        from hpcdist.submit import read_state
+
+        return read_state(self.submission)
+
+    def done(self) -> bool:
+        return self.state.final
+
+    def wait(self, timeout_s: float | None = None, show: bool | None = None) -> Finished:
+        """Wait until the job ended; its state and one outcome per rank. `show`: the status line
+        of ``submit --wait`` (default: when standard error is a terminal or a notebook)."""
+        if self._finished is None:
+            from hpcdist import submit
+
+            if show is None:
+                show = sys.stderr.isatty() or "ipykernel" in sys.modules
+            if show:
+                from hpcdist.watch import watch
+
+                finished = watch(self.submission, self.record.submitted, timeout_s=timeout_s)
+            else:
+                finished = submit.wait(self.submission, timeout_s=timeout_s)
+            self._finished = finished
+            self.record = mark_ended(self.record, finished.state.value)
+        return self._finished
+
+    def outcomes(self) -> list[TaskOutcome]:
+        """Every rank's outcome so far (results that are there; the others say why not)."""
+        from hpcdist.submit import outcomes
+
+        return outcomes(self.submission, self.state)
+
+    def results(self, timeout_s: float | None = None) -> list[Any]:
+        """Every rank's return value, in rank order, once the job ended. A job that failed
+        raises ``JobFailed`` naming the first failing rank, its host and its error."""
+        finished = self.wait(timeout_s, show=False)
+        failed = [o for o in finished.outcomes if not o.ok]
+        if failed or not finished.ok:
+            first = failed[0] if failed else None
+            host = f" on {first.summary.get('host')}" if first and first.summary.get("host") else ""
+            what = f"rank {first.rank}{host}: {first.error}" if first else "every rank returned"
+            cause = f"; {finished.cause}" if finished.cause else ""
+            raise JobFailed(f"job {self.job_id} ({self.record.name}) ended {finished.state.value}: {what}{cause}",
+                            finished.outcomes, first.traceback if first else "")
+        return [o.summary.get("returned", o.summary) for o in finished.outcomes]
+
+    def result(self, timeout_s: float | None = None) -> Any:
+        """Rank 0's return value, once the job ended (unlike submitit's ``result()``, which
+        refuses a job of several tasks: ``results()`` has every rank's)."""
+        return self.results(timeout_s)[0]
+
+    def log_paths(self, rank: int = 0) -> tuple[Path, Path]:
+        if not 0 <= rank < self.num_tasks:
+            raise SubmitError(f"job {self.job_id} has ranks 0-{self.num_tasks - 1}; rank {rank} is not one of them")
+        return self.record.log_paths(rank)
+
+    def logs(self, rank: int = 0) -> str:
+        """Rank `rank`'s output so far: its stdout, then its stderr (hpcdist's log lines)."""
+        self.log_paths(rank)
+        return "".join(path.read_text(errors="replace") for _, path in self.record.rank_files(rank))
+
+    def cancel(self, wait_s: float = 15.0) -> str:
+        """Cancel the job (Slurm: scancel; local: its controller, which stops the ranks); what was done."""
+        record = self.record
+        state = self.state
+        if state.final:
+            return f"job {record.job_id} ({record.name}) already ended: {state.value}; nothing to cancel"
+        if record.scheduler == "slurm":
+            slurm.scancel(record.job_id)
+            return f"cancelled job {record.job_id} ({record.name}) on site {record.site}"
+        self.record = record = replace(record, cancelled=_now())
+        write(record)  # first: whoever waits reads CANCELLED, not FAILED, once it is gone
+        if controller_alive(record.job_id, record.started):
+            try:
+                os.kill(int(record.job_id), signal.SIGINT)  # submitit's own cancel: the controller stops its ranks
+            except ProcessLookupError:
+                pass
+        if poll_until(lambda: True if not controller_alive(record.job_id, record.started) else None,
+                      wait_s, 0.2) is None:
+            raise SubmitError(f"job {record.job_id}'s ranks still run {wait_s:g} s after the cancel; "
+                              f"stop them with `kill {record.job_id}`")
+        return f"cancelled job {record.job_id} ({record.name}) on site {record.site}"
+
+
+def _now() -> float:
+    import time
+
+    return time.time()
+
+
+def job(job_id: str | int, site: str | None = None) -> JobHandle:
+    """Re-attach to a submitted job by its id (from the job index), from any process."""
+    return JobHandle.find(job_id, site)

@@ -1,0 +1,289 @@
+"""The one client of Slurm's commands: sbatch, squeue, sacct, scontrol, scancel.
+
+Every call has a timeout and is tried again when it fails or times out (slurmctld restarting, a
+busy controller); what still fails after the last try means *unknown*, never *gone*: only a
+successful answer that does not list a job counts as its absence (``Reading.absent``). Job ids
+are checked once, here, before they reach a command line. ``Watcher`` batches the queries of
+many jobs into one squeue and one sacct call and caches them for a few seconds, as submitit's
+``SlurmInfoWatcher`` does, so a table of fifty jobs or fifty waiters cost two calls, not a hundred.
+
+The limits are settings, not constants spread through the code: ``HPCDIST_SLURM_TIMEOUT_S``
+(default 30 s a call) and ``HPCDIST_SLURM_TRIES`` (default 3). Standard library only: both sides
+import it (the nodes requeue and check claims through it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hpcdist.errors import SubmitError
+from hpcdist.scheduler.states import JobState
+
+JOB_ID = re.compile(r"\d+(_\d+)?")  # a job, or an array task as sacct and submitit name it (ARRAYID_INDEX)
+TIMEOUT_VAR, TRIES_VAR = "HPCDIST_SLURM_TIMEOUT_S", "HPCDIST_SLURM_TRIES"
+# What Slurm says of an id it does not know (forgotten after MinJobAge, or never existed): an answer, not a failure.
+_UNKNOWN_ID = "Invalid job id"
+_TIMEOUT_HINT = f"set {TIMEOUT_VAR} to wait longer"
+
+
+def is_job_id(text: str) -> bool:
+    return bool(JOB_ID.fullmatch(text))
+
+
+def check_job_ids(job_ids: Sequence[str]) -> None:
+    for job_id in job_ids:
+        if not is_job_id(job_id):
+            raise SubmitError(f"job id {job_id!r} is not a Slurm job id (digits: 1234, or 1234_5 for an array task)")
+
+
+def timeout_s() -> float:
+    return float(os.environ.get(TIMEOUT_VAR) or 30.0)
+
+
+def tries() -> int:
+    return max(1, int(os.environ.get(TRIES_VAR) or 3))
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a command said: its output when it succeeded, else why not (after every try)."""
+
+    ok: bool
+    out: str = ""
+    err: str = ""
+    why: str = ""  # "" when ok; else "`squeue` timed out after 30 s (3 tries)", "... exited 1: ..."
+
+
+def run(argv: Sequence[str], *, retry: bool = True, timeout: float | None = None) -> Answer:
+    """`argv` (a Slurm command) with a timeout, tried again on failure unless `retry` is False
+    (commands that must not run twice: sbatch, scontrol requeue). An unknown job id is an answer."""
+    program = argv[0]
+    if shutil.which(program) is None:
+        return Answer(False, why=f"`{program}` is not on PATH (run this on a login node of the cluster)")
+    limit = timeout or timeout_s()
+    attempts = tries() if retry else 1
+    why = ""
+    for attempt in range(attempts):
+        if attempt:
+            time.sleep(min(0.5 * 2.0 ** (attempt - 1), 4.0))
+        try:
+            proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=limit, check=False)
+        except subprocess.TimeoutExpired:
+            why = f"`{program}` did not answer within {limit:g} s ({_TIMEOUT_HINT})"
+            continue
+        except OSError as exc:
+            why = f"`{program}` could not run: {exc}"
+            continue
+        if proc.returncode == 0 or _UNKNOWN_ID in proc.stderr:
+            return Answer(True, proc.stdout, proc.stderr)
+        why = f"`{' '.join(argv[:2])}` exited {proc.returncode}: {proc.stderr.strip()[:300] or '(no message)'}"
+    return Answer(False, why=why + (f" ({attempts} tries)" if attempts > 1 else ""))
+
+
+
+# ---------------------------------------------------------------- the queue and the accounting
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """One job as squeue or sacct shows it."""
+
+    job_id: str
+    name: str
+    state: str
+    exit_code: str
+    elapsed: str
+    nodes: str
+    reason: str = ""  # squeue's %r: why a pending job waits (Resources, Priority, Dependency)
+
+
+def sacct_rows(job_ids: Sequence[str]) -> list[JobStatus]:
+    """The jobs' records in Slurm's accounting (one row per requeue-visible record, oldest
+    first); a SubmitError when accounting cannot be read."""
+    check_job_ids(job_ids)
+    if not job_ids:
+        return []
+    answer = run(["sacct", "-j", ",".join(job_ids), "-X", "-P", "-n", "-o",
+                  "JobID,JobName,State,ExitCode,Elapsed,NodeList"])
+    if not answer.ok:
+        raise SubmitError(f"Slurm's accounting could not be read for job {','.join(job_ids)}: {answer.why}")
+    return [JobStatus(*line.split("|")[:6]) for line in answer.out.splitlines() if line.count("|") >= 5]
+
+
+def sacct_steps(job_id: str) -> list[str] | None:
+    """sacct's lines for the job and its steps (``JobID|State|ExitCode|DerivedExitCode|NodeList``);
+    None when accounting cannot be read."""
+    check_job_ids([job_id])
+    answer = run(["sacct", "-j", job_id, "-P", "-n", "-o", "JobID,State,ExitCode,DerivedExitCode,NodeList"])
+    return [line for line in answer.out.splitlines() if line.count("|") >= 4] if answer.ok else None
+
+
+def squeue_rows(job_ids: Sequence[str]) -> dict[str, JobStatus] | None:
+    """The jobs Slurm still has in its queue (pending, running, completing), by job id; a job
+    not in the dict is not in the queue. None when squeue could not be asked: unknown, not empty."""
+    check_job_ids(job_ids)
+    if not job_ids:
+        return {}
+    answer = run(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%j|%T|%M|%N|%r"])
+    if not answer.ok:
+        return None
+    rows = {}
+    for line in answer.out.splitlines():
+        parts = line.split("|")
+        if len(parts) == 6:
+            rows[parts[0]] = JobStatus(parts[0], parts[1], parts[2], "", parts[3], parts[4], parts[5])
+    return rows
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """``scontrol show job``'s word on a job: its state and how often Slurm restarted it."""
+
+    state: JobState
+    word: str  # Slurm's own word (PENDING, REQUEUE_HOLD, ...)
+    restarts: int
+
+
+def show_job(job_id: str) -> JobInfo | None:
+    """The job as slurmctld has it now, or None when it cannot be asked or has forgotten it."""
+    check_job_ids([job_id])
+    answer = run(["scontrol", "-o", "show", "job", job_id])
+    if not answer.ok or not answer.out.strip():
+        return None
+    fields = dict(f.split("=", 1) for f in answer.out.split() if "=" in f)
+    try:
+        return JobInfo(JobState.from_slurm(fields["JobState"]), fields["JobState"], int(fields.get("Restarts", "0")))
+    except (KeyError, ValueError):
+        return None
+
+
+def scancel(job_id: str) -> None:
+    check_job_ids([job_id])
+    answer = run(["scancel", job_id])
+    if not answer.ok:
+        raise SubmitError(f"could not cancel job {job_id}: {answer.why}")
+
+
+def requeue(job_id: str) -> None:
+    """``scontrol requeue``: once (a second try could requeue the job's next start)."""
+    check_job_ids([job_id])
+    answer = run(["scontrol", "requeue", job_id], retry=False, timeout=max(timeout_s(), 60.0))
+    if not answer.ok:
+        raise SubmitError(f"could not requeue job {job_id}: {answer.why}")
+
+
+class Refused(SubmitError):
+    """sbatch did not queue the job (its own error line, or why it could not be asked)."""
+
+
+def sbatch(script: str | os.PathLike[str]) -> str:
+    """Submit a batch script; Slurm's job id. Once, with the timeout: a retry could queue it twice."""
+    answer = run(["sbatch", "--parsable", os.fspath(script)], retry=False, timeout=max(timeout_s(), 60.0))
+    if not answer.ok:
+        raise Refused(answer.why)
+    job_id = answer.out.strip().split(";")[0]  # --parsable: "ID" or "ID;CLUSTER"
+    if not is_job_id(job_id):
+        raise Refused(f"sbatch answered {answer.out.strip()!r}, not a job id")
+    return job_id
+
+
+# ---------------------------------------------------------------- one job's state
+
+
+@dataclass(frozen=True)
+class Reading:
+    """A job's state at one read, and whether the answer proves the job is gone: squeue answered
+    without it and accounting had nothing (down, or not yet). A failed command is UNKNOWN and
+    not absent."""
+
+    state: JobState
+    row: JobStatus | None = None  # sacct's newest record, else squeue's row
+    absent: bool = False
+
+
+class Watcher:
+    """Reads the states of many jobs with one squeue and one sacct call, cached for `ttl_s`."""
+
+    def __init__(self, ttl_s: float = 2.0) -> None:
+        self.ttl_s = ttl_s
+        self._read: dict[str, tuple[float, Reading]] = {}
+        self.accounting_error = ""  # the last sacct failure, for a note under a table
+
+    def readings(self, job_ids: Sequence[str]) -> dict[str, Reading]:
+        now = time.monotonic()
+        stale = [j for j in dict.fromkeys(job_ids) if j not in self._read or now - self._read[j][0] >= self.ttl_s]
+        if stale:
+            for job_id, reading in self._query(stale).items():
+                self._read[job_id] = (now, reading)
+        return {j: self._read[j][1] for j in job_ids}
+
+    def reading(self, job_id: str) -> Reading:
+        return self.readings([job_id])[job_id]
+
+    def _query(self, job_ids: list[str]) -> dict[str, Reading]:
+        """squeue for every job (the live word on a queued or running one), then sacct for the
+        ones the queue does not list (ended, or squeue could not be asked)."""
+        queue = squeue_rows(job_ids)
+        rest = [j for j in job_ids if queue is None or j not in queue]
+        accounted: dict[str, JobStatus] = {}
+        if rest:
+            try:
+                for row in sacct_rows(rest):
+                    accounted[row.job_id] = row  # the newest record of a requeued job wins
+                self.accounting_error = ""
+            except SubmitError as exc:
+                self.accounting_error = str(exc)
+        out = {}
+        for job_id in job_ids:
+            queued = None if queue is None else queue.get(job_id)
+            if queued is not None:
+                out[job_id] = Reading(JobState.from_slurm(queued.state), queued)
+            elif job_id in accounted:
+                out[job_id] = Reading(JobState.from_slurm(accounted[job_id].state), accounted[job_id])
+            else:
+                out[job_id] = Reading(JobState.UNKNOWN, absent=queue is not None)
+        return out
+
+
+def read_state(job_id: str) -> Reading:
+    """One job's state now (squeue, then sacct; uncached)."""
+    return Watcher(ttl_s=0.0).reading(job_id)
+
+
+GONE_AFTER_S = 5.0  # how long a job may be proven absent before a waiter gives up
+
+
+class Vanished:
+    """One rule for every waiter (``wait``, ``hpcdist logs -f``): a job that squeue answered
+    without and accounting does not know, on two reads at least `after_s` apart, has left the
+    queue while accounting is down; its end state will not come. A read that could not ask
+    (squeue failing or timing out) proves nothing and does not count."""
+
+    def __init__(self, after_s: float = GONE_AFTER_S) -> None:
+        self.after_s = after_s
+        self.since: float | None = None
+        self.reads = 0
+
+    def gone(self, reading: Reading) -> bool:
+        """`reading` is the newest; True once the job counts as gone."""
+        if reading.state is not JobState.UNKNOWN:
+            self.since, self.reads = None, 0
+            return False
+        if not reading.absent:
+            return False
+        now = time.monotonic()
+        self.since = now if self.since is None else self.since
+        self.reads += 1
+        return self.reads >= 2 and now - self.since >= self.after_s
+
+    @staticmethod
+    def message(job_id: str, then: str = "") -> str:
+        """The line a waiter ends with; `then` is what to do next (default: read the job's logs)."""
+        return (f"job {job_id} left the queue and Slurm's accounting (sacct) is unavailable, so how it ended "
+                f"is unknown; {then or f'look at `hpcdist logs {job_id}`'}")

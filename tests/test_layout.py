@@ -1,0 +1,136 @@
+"""The layout follows the flow, read from the source: no import circle, nothing on the nodes
+importing the login side, one owner for Slurm's commands, and modules of a readable size.
+
+Imports are read with ``ast`` from every module of the package, type-only imports (under
+``if TYPE_CHECKING:``) and imports inside functions included: a circle through a function's
+import is still two modules that each need the other.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from tests.conftest import REPO
+
+PACKAGE = REPO / "hpcdist"
+# The login side: what runs before anything is queued, and after (never imported on the nodes).
+LOGIN = ("hpcdist.cli", "hpcdist.render", "hpcdist.submit", "hpcdist.lifecycle", "hpcdist.jobindex",
+         "hpcdist.joblogs", "hpcdist.executor", "hpcdist.jobhandle", "hpcdist.plan")
+NODE = ("hpcdist.runtime", "hpcdist.api", "hpcdist.store", "hpcdist.train", "hpcdist.infer", "hpcdist.bench",
+        "hpcdist.jobs.python_run")
+# Modules over the size limit must say why in their docstring ("over 400 lines: ...").
+MAX_LINES = 400
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package's modules that `name` imports (the longest known prefix of each import)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name and not name.startswith(target + "."):
+                found.add(target)  # a parent package's __init__ is where a child lives, not an import
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {name: imports_of(name, path, known) for name, path in mods.items()}
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle() -> None:
+    assert circles(graph()) == []
+
+
+def test_node_side_never_imports_the_login_side() -> None:
+    wrong = sorted(f"{a} -> {b}" for a, targets in graph().items() if a.startswith(NODE)
+                   for b in targets if b.startswith(LOGIN))
+    assert wrong == []
+
+
+SLURM_COMMAND = re.compile(r"""["'](sbatch|squeue|sacct|scontrol|scancel|sinfo)["']""")
+
+
+def test_only_the_scheduler_runs_slurm_commands() -> None:
+    """A Slurm command named as a program to run appears in hpcdist.scheduler only (shell lines
+    rendered into the batch script are text for the nodes, not calls)."""
+    outside = []
+    for name, path in modules().items():
+        if name.startswith("hpcdist.scheduler"):
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if SLURM_COMMAND.search(line) and ("[" in line or "run(" in line):
+                outside.append(f"{name}:{number}: {line.strip()}")
+    assert outside == []
+
+
+def test_modules_are_of_a_readable_size_or_say_why() -> None:
+    long = []
+    for name, path in modules().items():
+        text = path.read_text()
+        lines = text.count("\n")
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if lines > MAX_LINES and "lines:" not in doc:
+            long.append(f"{name}: {lines} lines")
+    assert long == []
