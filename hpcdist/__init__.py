@@ -4,7 +4,9 @@ The package follows the job's flow: ``config`` (site config, job spec) -> ``rend
 script) -> ``submit`` (submitit) on the login node, then on the nodes ``runtime`` (rank
 bootstrap, process group) -> ``jobs`` (the workloads) -> ``results`` / checkpoints.
 Only ``cli`` imports both sides. ``hpcdist.init()`` (``hpcdist.api``) is the API for the user's
-own code; importing ``hpcdist`` stays light.
+own code on the nodes; ``hpcdist.Executor`` and ``hpcdist.job(ID)`` submit functions and hold
+jobs from Python on the login node. Importing ``hpcdist`` stays light: each name loads its
+module on first use (submitit, torch and cloudpickle only when a job is submitted or run).
 """
 
 from __future__ import annotations
@@ -13,6 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hpcdist.api import Context
+    from hpcdist.executor import Executor
+    from hpcdist.jobhandle import JobFailed, JobHandle
+    from hpcdist.scheduler.states import JobState
+
+__all__ = ["Context", "Executor", "JobFailed", "JobHandle", "JobState", "init", "job"]
+_LAZY = {"Context": "hpcdist.api", "Executor": "hpcdist.executor", "JobFailed": "hpcdist.jobhandle",
+         "JobHandle": "hpcdist.jobhandle", "JobState": "hpcdist.scheduler.states"}
 
 __version__ = "0.1.0"
 
@@ -22,3 +31,18 @@ def init(**kwargs: Any) -> Context:
     from hpcdist.api import init as _init
 
     return _init(**kwargs)
+
+
+def job(job_id: str | int, site: str | None = None) -> JobHandle:
+    """Re-attach to a submitted job by its id, from any process (``hpcdist.jobhandle``)."""
+    from hpcdist.jobhandle import JobHandle as _JobHandle
+
+    return _JobHandle.find(job_id, site)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hpcdist' has no attribute {name!r}")

@@ -206,8 +206,3 @@ def _now() -> float:
     import time
 
     return time.time()
-
-
-def job(job_id: str | int, site: str | None = None) -> JobHandle:
-    """Re-attach to a submitted job by its id (from the job index), from any process."""
-    return JobHandle.find(job_id, site)

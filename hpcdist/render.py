@@ -53,6 +53,7 @@ class Origin:
     after: tuple[str, ...] = ()  # job ids this job waits for (afterok): --after, or a chain's previous link
     sweeps: tuple[str, ...] = ()  # `--sweep KEY=V1,V2`: the job is an array, one task per combination
     max_parallel: int | None = None  # the array's %N
+    tasks: int | None = None  # an array of this many tasks without sweeps (hpcdist.Executor.map_array)
 
     def command(self, verb: str = "submit") -> str:
         parts = ["hpcdist", verb, *([self.job_path] if not self.argv else []), "--site", self.site_ref]
@@ -71,7 +72,7 @@ class Origin:
         """How many tasks the job array has (None: not an array)."""
         from hpcdist.config.sweep import tasks
 
-        return len(tasks(self.sweeps)) or None
+        return len(tasks(self.sweeps)) or self.tasks
 
 
 def check_controls(value: Any, where: str) -> None:

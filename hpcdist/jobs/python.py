@@ -41,6 +41,11 @@ class PythonParams(Frozen):
         default=None, description="a Python file, run as `python FILE ARGS`")
     module: str | None = Field(default=None, description="a module, run as `python -m MODULE ARGS`")
     function: str | None = Field(default=None, description="`package.module:name`, called as name(*args)")
+    call: str | None = Field(default=None, description="a pickled call made by hpcdist.Executor: "
+                             "(function, args, kwargs), its return value each rank's result")
+    call_name: str | None = Field(default=None, description="the called function, `module:qualname`")
+    call_module: str | None = Field(default=None, description="the module the nodes import the function "
+                                    "from (None: shipped by value, from __main__ or a notebook)")
     args: list[StrictStr] = Field(default_factory=list, description="sys.argv[1:] (or the function's arguments)")
     snapshot: Annotated[bool | str, SpecPath()] = Field(
         default=True,
@@ -53,7 +58,7 @@ class PythonParams(Frozen):
 
     @model_validator(mode="after")
     def _one_target(self) -> PythonParams:
-        given = [k for k in ("script", "module", "function") if getattr(self, k)]
+        given = [k for k in ("script", "module", "function", "call") if getattr(self, k)]
         if len(given) != 1:
             raise ValueError(
                 f"give exactly one of script, module or function (given: {', '.join(given) or 'none'})"
@@ -74,6 +79,8 @@ class PythonParams(Frozen):
             return Path(self.script).name if self.code_dir else self.script
         if self.module:
             return f"-m {self.module}"
+        if self.call:
+            return str(self.call_name or "the function")
         return str(self.function)
 
     @property
@@ -81,6 +88,8 @@ class PythonParams(Frozen):
         """The module to import: ``module``, or the module part of ``function``."""
         if self.module:
             return self.module
+        if self.call:
+            return self.call_module
         return self.function.partition(":")[0] if self.function else None
 
 
@@ -110,7 +119,9 @@ def code_root(params: PythonParams) -> tuple[Path, str] | None:
         return Path(params.snapshot).resolve(), ""
     if params.script:
         return Path(params.script).resolve().parent, ""
-    top = (params.module_name or "").split(".")[0]
+    if not params.module_name:  # a call shipped by value: nothing to import on the nodes
+        return None
+    top = params.module_name.split(".")[0]
     with cwd_on_path():
         spec = importlib.util.find_spec(top)
     if spec is None or spec.origin in (None, "built-in", "frozen"):

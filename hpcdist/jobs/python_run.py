@@ -105,7 +105,7 @@ def run(ctx: JobContext, params: PythonParams) -> dict[str, Any]:
         watchdog.fail(str(error))
         raise error
     out: dict[str, Any] = {"host": ctx.info.hostname, "exit_code": 0}
-    if returned is not None:
+    if returned is not None or params.call:
         out["returned"] = returned
     return out
 
@@ -165,6 +165,8 @@ def _run_target(params: PythonParams) -> tuple[int, Any]:
                 runpy.run_path(params.script, run_name="__main__")
             elif params.module:
                 runpy.run_module(params.module, run_name="__main__", alter_sys=True)
+            elif params.call:
+                returned = _call(params)
             else:
                 returned = _function(params)(*params.args)
     except Requeued:
@@ -192,11 +194,53 @@ def _function(params: PythonParams) -> Callable[..., Any]:
     return fn
 
 
+def _call(params: PythonParams) -> Any:
+    """An ``hpcdist.Executor`` call: the pickled function run with its arguments after
+    ``hpcdist.init()`` (the group made), the rank's ``Context`` first when the function's first
+    parameter is annotated so; its return value, which must pickle to travel back."""
+    import cloudpickle
+
+    from hpcdist import api
+
+    with open(str(params.call), "rb") as f:
+        fn, args, kwargs = cloudpickle.load(f)
+    ctx = api.init()
+    if _wants_context(fn):
+        args = (ctx, *args)
+    value = fn(*args, **kwargs)
+    try:
+        cloudpickle.dumps(value)
+    except Exception as exc:
+        raise JobError(f"its return value, a {type(value).__module__}.{type(value).__qualname__}, cannot be "
+                       f"pickled to travel back ({type(exc).__name__}: {_first_line(exc)}); return plain data "
+                       f"(numbers, strings, lists, dicts, tensors, arrays)") from exc
+    return value
+
+
+def _wants_context(fn: Callable[..., Any]) -> bool:
+    """Whether `fn`'s first parameter is annotated ``hpcdist.Context`` (as a class or, under
+    ``from __future__ import annotations``, as its name)."""
+    import inspect
+
+    from hpcdist.api import Context
+
+    try:
+        first = next(iter(inspect.signature(fn).parameters.values()), None)
+    except (TypeError, ValueError):
+        return False
+    if first is None:
+        return False
+    note = first.annotation
+    if isinstance(note, str):
+        return note in ("hpcdist.Context", "Context", "hpcdist.api.Context")
+    return note is Context
+
+
 @contextmanager
 def _argv_and_path(params: PythonParams) -> Iterator[None]:
     """``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` (or ``-m``) would have them."""
     saved_argv = sys.argv[:]
-    first = params.script or params.module or str(params.function)
+    first = params.script or params.module or params.call_name or str(params.function)
     sys.argv = [first, *params.args]
     extra = str(Path(params.script).parent) if params.script else params.code_dir
     try:
