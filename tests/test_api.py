@@ -104,9 +104,9 @@ def test_a_stale_claim_is_taken_over_and_a_requeue_takes_its_own_back(tmp_path: 
     Claim(tmp_path, Holder("local-9", socket.gethostname(), dead.pid, time.time() - 60)).acquire()
     mine = Claim(tmp_path, Holder("local-10", socket.gethostname(), os.getpid(), time.time())).acquire()
     assert mine.took_over is not None and mine.took_over.job_id == "local-9"
-    # The same job id (a requeue) on another pid and host takes it back at once.
-    again = Claim(tmp_path, Holder("local-10", "other-host", 1, time.time())).acquire()
-    assert read(tmp_path) == again.holder
+    # A requeue of the same job (a higher restart count) on another pid and host takes it back at once.
+    again = Claim(tmp_path, Holder("local-10", "other-host", 1, time.time(), restarts=1)).acquire()
+    assert read(tmp_path) == again.holder and again.took_over is None
 
 
 @pytest.mark.slurm

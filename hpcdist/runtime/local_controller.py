@@ -5,7 +5,9 @@
   every job's logs.
 - Every start of the ranks gets a fresh launch id (``LAUNCH_ID_VAR``): the local job id is this
   controller's PID, which the system reuses, and a requeue restarts the ranks under the same
-  PID, so the id alone would let ranks find an older launch's rendezvous file.
+  PID, so the id alone would let ranks find an older launch's rendezvous file. It also counts
+  the starts (``LOCAL_RESTARTS_VAR``), as Slurm's restart count does: the checkpoint claim tells
+  a requeue of the job from a second run of it by that count.
 
 ``hpcdist.submit`` starts it as ``python -m hpcdist.runtime.local_controller FOLDER`` where
 submitit starts ``submitit.local._local``; everything else is submitit's.
@@ -20,14 +22,18 @@ from pathlib import Path
 
 from submitit.local.local import Controller
 
-from hpcdist.config.contract import LAUNCH_ID_VAR
+from hpcdist.config.contract import LAUNCH_ID_VAR, LOCAL_RESTARTS_VAR
 
 
 class JobController(Controller):
+    starts = 0
+
     def start_tasks(self) -> None:
         self.folder = Path(str(self.folder).replace("%j", self.pid))
         self.folder.mkdir(parents=True, exist_ok=True)
         os.environ[LAUNCH_ID_VAR] = uuid.uuid4().hex
+        os.environ[LOCAL_RESTARTS_VAR] = str(self.starts)  # the local requeue's count, as Slurm's SLURM_RESTART_COUNT
+        self.starts += 1
         super().start_tasks()
 
 

@@ -90,9 +90,12 @@ def signal_name(signum: int) -> str:
 
 
 def restart_count(env: Mapping[str, str]) -> int:
-    """How often Slurm has requeued this job (0 on its first start, and outside Slurm)."""
+    """How often Slurm (or the local site's controller) has requeued this job (0 on its first
+    start, and outside a job)."""
+    from hpcdist.config.contract import LOCAL_RESTARTS_VAR
+
     try:
-        return max(0, int(env.get(RESTART_COUNT_VAR, "0") or 0))
+        return max(0, int(env.get(RESTART_COUNT_VAR) or env.get(LOCAL_RESTARTS_VAR) or 0))
     except ValueError:
         return 0
 

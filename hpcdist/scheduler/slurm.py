@@ -141,6 +141,15 @@ def squeue_rows(job_ids: Sequence[str]) -> dict[str, JobStatus] | None:
     return rows
 
 
+def job_steps(job_id: str) -> set[str] | None:
+    """The steps of a job that run now (``0``, ``1``, ``batch``); None when squeue could not be asked."""
+    check_job_ids([job_id])
+    answer = run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"])
+    if not answer.ok:
+        return None
+    return {line.strip().rpartition(".")[2] for line in answer.out.splitlines() if "." in line}
+
+
 @dataclass(frozen=True)
 class JobInfo:
     """``scontrol show job``'s word on a job: its state and how often Slurm restarted it."""

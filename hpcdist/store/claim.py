@@ -1,22 +1,34 @@
 """One writer per directory: a run claims the directory it writes checkpoints into.
 
 The claim is a lock file made with ``O_CREAT | O_EXCL`` (atomic on NFS v3+ and Lustre, where
-flock is not dependable) holding the holder's job id, host, pid and start time. A second run
-fails at once naming the holder and what to do. A claim is *stale*, and taken over, once Slurm
-says the holder's job has ended (``squeue`` no longer lists it), or, for a job without a Slurm
-id on this same host, once its process is gone. A requeue of the same job (same job id) takes
-its own claim back. Standard library only.
+flock is not dependable) holding the holder's job id, job step, restart count, host, pid and
+start time. A second run fails at once naming the holder and what to do.
+
+A claim is taken from its holder only when the holder is proven gone, or by a later start of
+the very same job step:
+
+- a requeue (the same job and step, a higher restart count: Slurm's, or the local controller's)
+  takes its own claim back; another step of the same allocation (a second ``srun``) does not,
+  while that step runs;
+- Slurm saying the holder's job ended (squeue does not list it and sacct has its end state),
+  or, on this host, the holder's process being gone, makes a claim stale;
+- anything else is *unknown*, never dead: squeue answering nothing for a job sacct does not know
+  either (another user's job under ``PrivateData``, another cluster's id), a Slurm command that
+  fails, a claim file that cannot be read (EACCES, ESTALE). The claim is refused with a message
+  that says what to check.
+
+Taking over is atomic: the stale file is renamed to a name of the taker's own and its content
+compared with what was judged stale; a file that changed in between (another taker's new
+claim) is put back. ``check`` lets the holder re-read its claim before each commit.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import socket
-import subprocess
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,9 +36,6 @@ from pathlib import Path
 from hpcdist.errors import CheckpointError
 
 CLAIM_NAME = ".claim"
-# squeue states of a job that may still write (a requeued job comes back as PENDING).
-_ALIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "STOPPED",
-          "SIGNALING", "STAGE_OUT", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD")
 
 
 @dataclass(frozen=True)
@@ -37,43 +46,78 @@ class Holder:
     host: str
     pid: int
     started: float
+    step: str = ""  # Slurm's job step (SLURM_STEP_ID), "" outside a step
+    restarts: int = 0  # how often the job was requeued (Slurm's restart count, or the local controller's)
 
     @classmethod
     def this_process(cls, env: Mapping[str, str] | None = None) -> Holder:
         """This process as a holder: its Slurm job id, else ``local-<id>`` (submitit's local job
         id, which a local requeue keeps, or the pid)."""
+        from hpcdist.runtime.requeue import restart_count
+
         env = os.environ if env is None else env
         job = env.get("SLURM_JOB_ID") or f"local-{env.get('SUBMITIT_LOCAL_JOB_ID') or os.getpid()}"
-        return cls(job, socket.gethostname(), os.getpid(), time.time())
+        step = env.get("SLURM_STEP_ID", "") if env.get("SLURM_JOB_ID") else ""
+        return cls(job, socket.gethostname(), os.getpid(), time.time(), step, restart_count(env))
 
     @property
     def slurm_job(self) -> bool:
-        return bool(re.fullmatch(r"\d+(_\d+)?", self.job_id))
+        from hpcdist.scheduler.slurm import is_job_id
+
+        return is_job_id(self.job_id)
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
-        return f"job {self.job_id} on {self.host} (pid {self.pid}, since {when})"
+        step = f" step {self.step}" if self.step else ""
+        again = f", restart {self.restarts}" if self.restarts else ""
+        return f"job {self.job_id}{step} on {self.host} (pid {self.pid}{again}, since {when})"
 
 
-def holder_alive(holder: Holder) -> bool | None:
-    """Whether the holder may still write: Slurm's word for a Slurm job id, the process table for
-    a local job on this host; None when neither can tell (another host, no Slurm)."""
-    if holder.slurm_job and shutil.which("squeue"):
-        proc = subprocess.run(["squeue", "-h", "-j", holder.job_id, "-o", "%T"],
-                              capture_output=True, text=True, check=False, timeout=30)
-        if proc.returncode == 0:
-            return any(s.startswith(_ALIVE) for s in proc.stdout.split())
-        if "Invalid job id" in proc.stderr:
-            return False  # Slurm has forgotten the job: it ended long ago
-    if holder.host == socket.gethostname():
-        try:
-            os.kill(holder.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
+def _process_gone(holder: Holder) -> bool | None:
+    """On this host: whether the holder's process is gone; None on another host."""
+    if holder.host != socket.gethostname():
+        return None
+    try:
+        os.kill(holder.pid, 0)
+    except ProcessLookupError:
         return True
-    return None
+    except PermissionError:
+        return False
+    return False
+
+
+def verdict(current: Holder, me: Holder) -> tuple[bool, str]:
+    """(may `me` take `current`'s claim, why not / why); see the module's docstring."""
+    from hpcdist.scheduler import slurm
+
+    if current.job_id == me.job_id and current.step == me.step:
+        if me.restarts > current.restarts:
+            return True, "a requeue of the same job takes its own claim back"
+        if _process_gone(current):
+            return True, "the holder's process is gone"
+        return False, "is still running (the same job step started twice?)"
+    gone = _process_gone(current)
+    if current.slurm_job:
+        if current.job_id == me.job_id:  # another step of this allocation
+            steps = slurm.job_steps(current.job_id)
+            if steps is None:
+                return False, "cannot be checked from here (squeue failed)"
+            if current.step in steps:
+                return False, "is still running"
+            return True, f"its step {current.step} ended"
+        reading = slurm.read_state(current.job_id)
+        if reading.state.final:
+            return True, f"Slurm says it ended ({reading.state.value})"
+        if reading.state.may_write:
+            return False, f"is still {reading.state.value.lower()}"
+        if gone:
+            return True, "the holder's process is gone"
+        why = ("Slurm lists no such job and has no record of its end (another user's job, or another cluster's)"
+               if reading.absent else "Slurm could not be asked")
+        return False, f"cannot be checked from here: {why}"
+    if gone is None:
+        return False, f"cannot be checked from here (it ran on {current.host})"
+    return (True, "the holder's process is gone") if gone else (False, "is still running")
 
 
 class Claim:
@@ -91,37 +135,49 @@ class Claim:
     def acquire(self) -> Claim:
         """Claim the directory, or raise a CheckpointError naming the holder and what to do."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        for _ in range(3):  # a takeover races with another taker at most a couple of times
+        for _ in range(5):  # a takeover races with another taker at most a few times
             if self._create():
                 return self
-            current = read(self.directory)
-            if current is None:
-                continue  # released (or half-written and removed) between the two calls
-            if current.pid == -1:
-                time.sleep(0.2)  # another taker is writing its claim right now
+            raw = _read_raw(self.path)
+            if raw is None:
+                continue  # released between the two calls
+            current = _parse(raw, self.path)
+            if current is None:  # being written (O_EXCL made it empty) or damaged
+                if time.time() - _mtime(self.path) < 10:
+                    time.sleep(0.2)
+                    continue
+                self._take(raw)
                 continue
-            if current.job_id == self.holder.job_id:
-                self._write_over()  # a requeue of the same job takes its own claim back
-                return self
-            alive = holder_alive(current)
-            if alive is False:
+            take, why = verdict(current, self.holder)
+            if not take:
+                how = "wait for it to end" + (f" or `scancel {current.job_id}`" if current.slurm_job else "")
+                raise CheckpointError(
+                    f"checkpoint directory {self.directory} is claimed by {current.describe()}, which {why}: "
+                    f"two runs would overwrite and prune each other's checkpoints; {how}, give this run another "
+                    f"job name or checkpoint directory, or remove {self.path} if that job is surely gone"
+                )
+            own = (current.job_id, current.step) == (self.holder.job_id, self.holder.step)
+            if self._take(raw) and not own:  # a requeue taking its own claim back takes over nobody
                 self.took_over = current
-                self.path.unlink(missing_ok=True)
-                continue
-            how = "wait for it to end" + (f" or `scancel {current.job_id}`" if current.slurm_job else "")
-            state = "is still running" if alive else "cannot be checked from here"
-            raise CheckpointError(
-                f"checkpoint directory {self.directory} is claimed by {current.describe()}, which {state}: "
-                f"two runs would overwrite and prune each other's checkpoints; {how}, give this run another "
-                f"job name or checkpoint directory, or remove {self.path} if that job is surely gone"
-            )
         raise CheckpointError(f"could not claim {self.directory}: the claim file kept changing; try again")
+
+    def check(self) -> None:
+        """Raise a CheckpointError unless the claim is still this holder's (before a commit)."""
+        raw = _read_raw(self.path)
+        current = _parse(raw, self.path) if raw is not None else None
+        if current != self.holder:
+            who = current.describe() if current else "nobody (the claim file is gone)"
+            raise CheckpointError(
+                f"the claim on {self.directory} is no longer this run's ({self.holder.describe()}): it is held by "
+                f"{who}; nothing more is committed by this run, whose last committed checkpoint stays; make sure "
+                f"one run writes this directory"
+            )
 
     def release(self) -> None:
         """Drop the claim if it is still ours (a takeover by someone else is left alone)."""
-        current = read(self.directory)
-        if current is not None and (current.job_id, current.pid) == (self.holder.job_id, self.holder.pid):
-            self.path.unlink(missing_ok=True)
+        raw = _read_raw(self.path)
+        if raw is not None and _parse(raw, self.path) == self.holder:
+            self._take(raw)
 
     def __enter__(self) -> Claim:
         return self.acquire()
@@ -140,27 +196,59 @@ class Claim:
             os.fsync(fh.fileno())
         return True
 
-    def _write_over(self) -> None:
-        tmp = self.path.with_name(f"{CLAIM_NAME}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(self.holder)))
-        os.replace(tmp, self.path)
+    def _take(self, judged: str) -> bool:
+        """Remove the claim file if it still holds `judged`, atomically: renamed to a name of our
+        own first, so of two takers only one gets it; a file that changed since it was judged
+        is put back. Whether it was removed."""
+        aside = self.path.with_name(f"{CLAIM_NAME}.taken-{uuid.uuid4().hex[:12]}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False
+        if _read_raw(aside) != judged:
+            try:
+                os.link(aside, self.path)  # put back, unless a new claim is there already
+            except FileExistsError:
+                pass
+            aside.unlink(missing_ok=True)
+            return False
+        aside.unlink(missing_ok=True)
+        return True
+
+
+def _read_raw(path: Path) -> str | None:
+    """The claim file's text; None when there is none. A file that cannot be read is an error:
+    unknown is not unclaimed."""
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot read the checkpoint claim {path} ({type(exc).__name__}: {exc}); another user's run may hold "
+            f"the directory, or the shared file system is failing: check the file's owner and permissions and "
+            f"that the file system is mounted, then try again"
+        ) from exc
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+def _parse(raw: str, path: Path) -> Holder | None:
+    try:
+        data = json.loads(raw)
+        return Holder(str(data["job_id"]), str(data["host"]), int(data["pid"]), float(data["started"]),
+                      str(data.get("step", "")), int(data.get("restarts", 0)))
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def read(directory: Path | str) -> Holder | None:
-    """The holder of `directory`'s claim, or None when it is unclaimed."""
+    """The holder of `directory`'s claim, or None when it is unclaimed (or the file is damaged)."""
     path = Path(directory) / CLAIM_NAME
-    try:
-        data = json.loads(path.read_text())
-        return Holder(str(data["job_id"]), str(data["host"]), int(data["pid"]), float(data["started"]))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError):
-        # Being written right now (O_EXCL made it empty) or damaged: treat an old one as stale.
-        try:
-            age = time.time() - path.stat().st_mtime
-        except FileNotFoundError:
-            return None
-        if age < 10:
-            return Holder("(being written)", "?", -1, time.time())
-        path.unlink(missing_ok=True)
-        return None
+    raw = _read_raw(path)
+    return _parse(raw, path) if raw is not None else None
