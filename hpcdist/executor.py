@@ -27,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpcdist.config.paths import JobPaths
 from hpcdist.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ class Executor:
             raise ConfigError(f"hpcdist.Executor.submit: {fn!r} is a {type(fn).__name__}, not a function")
         module, qualname = _where(fn)
         data = {"name": _job_name(qualname), **self._data}  # the function's name, unless the spec named it
-        folder = self.site.storage.path("logs", data["name"], "calls")
+        folder = JobPaths(self.site.storage, data["name"]).calls
         paths = [_write_call(folder, fn, args, kwargs) for args, kwargs in calls]
         params = [{"call": str(p), "call_name": f"{module}:{qualname}",
                    "call_module": None if module == "__main__" else module} for p in paths]

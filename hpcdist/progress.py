@@ -26,18 +26,8 @@ EVERY_S = 2.0  # the most often rank 0 rewrites the file
 _last_write = 0.0
 
 
-def progress_folder(logs_root: Path, job_name: str, job_id: str) -> Path:
-    """The folder a job's progress lives in, for both sides: ``storage.logs/<name>/<job id>``.
-
-    `job_name` is the task's own name (a sweep task's carries its suffix) and `job_id` the id
-    sacct and submitit use (``ARRAYID_INDEX`` for an array task, ``RankInfo.job_id`` on a node),
-    so the node writes where the waiter of that one task reads. The node's submitit log folder
-    is named after the array's base spec, so it is not where a sweep task's progress is."""
-    return Path(logs_root) / job_name / job_id
-
-
 def progress_file(log_folder: Path) -> Path:
-    """Where a job's progress lives in its `progress_folder`."""
+    """Where a job's progress lives in its folder (``JobPaths.progress``)."""
     return Path(log_folder) / FILE_NAME
 
 

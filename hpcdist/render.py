@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from hpcdist import __version__
 from hpcdist._paths import cache_dir, data_dir
 from hpcdist.config.contract import LAUNCH_TIME_VAR
+from hpcdist.config.paths import log_patterns
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import RenderError
@@ -149,16 +150,7 @@ def _bytecode_cache() -> jinja2.BytecodeCache:
 
 def submitit_folder(spec: JobSpec, site: Site) -> Path:
     """Where submitit keeps this job's pickles and logs (``%j`` is the job id)."""
-    return site.storage.path("logs", spec.name, "%j")
-
-
-def log_paths(folder: Path, array: bool = False) -> tuple[str, str]:
-    """submitit's per-task stdout/stderr patterns (``%j`` job id, ``%t`` task). In a job array
-    submitit names each task ``ARRAYID_INDEX``, which Slurm's patterns spell ``%A_%a``."""
-    out, err = str(folder / "%j_%t_log.out"), str(folder / "%j_%t_log.err")
-    if array:
-        out, err = out.replace("%j", "%A_%a"), err.replace("%j", "%A_%a")
-    return out, err
+    return spec.paths(site).folder
 
 
 def python_for(site: Site) -> str:
@@ -171,7 +163,7 @@ def directives(spec: JobSpec, site: Site, folder: Path, origin: Origin | None = 
     res = spec.resources
     partition, _ = site.partition(res.partition)
     size = origin.array_size if origin else None
-    out_pattern, err_pattern = log_paths(folder, array=size is not None)
+    out_pattern, err_pattern = log_patterns(folder, array=size is not None)
     extra = {**site.sbatch, **spec.sbatch}
     flags: list[tuple[str, Any]] = [
         ("job-name", spec.name),
@@ -223,7 +215,7 @@ def _export(site_value: str, names: tuple[str, ...]) -> str:
 
 def launch_plan(spec: JobSpec, site: Site, folder: Path, array: bool = False) -> LaunchPlan:
     """What the site's launcher needs to write its launch line."""
-    out_pattern, err_pattern = log_paths(folder, array)
+    out_pattern, err_pattern = log_patterns(folder, array)
     return LaunchPlan(
         python=python_for(site),
         folder=folder,

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpcdist import jobindex
 from hpcdist.config.contract import LAUNCH_TIME_VAR
+from hpcdist.config.paths import JobPaths, log_patterns
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import SubmitError
@@ -146,8 +147,13 @@ class Submission:
         return self.job.paths.stdout, self.job.paths.stderr
 
     @property
+    def paths(self) -> JobPaths:
+        """The job's paths (its own name and id; an array task's progress and result are its own)."""
+        return self.spec.paths(self.site, self.job_id)
+
+    @property
     def result_path(self) -> Path:
-        return self.spec.result_path(self.site, self.job_id)
+        return self.paths.result()
 
 
 @dataclass
@@ -235,17 +241,15 @@ def submit_array(base: JobSpec, tasks: list[JobSpec], site: Site, origin: Origin
 
 def make_record(sub: Submission, origin: Origin) -> jobindex.JobRecord:
     """The job index's record of a job just submitted."""
-    from hpcdist.render import log_paths
-
+    paths = sub.paths
     folder = Path(sub.job.paths.folder).absolute()
-    out, err = (p.replace("%j", sub.job_id) for p in log_paths(folder))
+    out, err = (p.replace("%j", sub.job_id) for p in log_patterns(folder))
     return jobindex.JobRecord(
         job_id=sub.job_id, site=sub.site.name, scheduler=sub.site.scheduler, name=sub.spec.name,
         kind=sub.spec.kind, spec_path=origin.job_path or "command line", submitted=time.time(),
         host=socket.gethostname(), tasks=sub.spec.resources.world_size, nodes=sub.spec.resources.nodes,
-        folder=str(folder), stdout=out, stderr=err, result=str(Path(sub.result_path).absolute()),
-        # the runtime's JobContext.checkpoint_dir: stable across requeues of the same job name
-        checkpoints=str((sub.site.storage.checkpoints / sub.spec.name).absolute()),
+        folder=str(folder), stdout=out, stderr=err, result=str(paths.result().absolute()),
+        checkpoints=str(paths.checkpoints.absolute()),
         spec=sub.spec.model_dump(mode="json"), site_model=sub.site.model_dump(mode="json"),
         started=process_started(sub.job_id) if sub.site.scheduler != "slurm" else None,
     )

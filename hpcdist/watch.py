@@ -46,9 +46,7 @@ class _Watcher:
 
         self.sub, self.submitted = sub, submitted
         self.line = StatusLine(every_s)
-        from hpcdist.progress import progress_folder
-
-        self.folder = progress_folder(sub.site.storage.logs, sub.spec.name, sub.job_id)  # where the node writes
+        self.folder = sub.paths.progress  # where the node writes
         self.last_state: JobState | None = None
         self.queue: slurm.JobStatus | None = None
         self.queue_read = float("-inf")

@@ -208,7 +208,7 @@ def test_slurm_durations(text: str, seconds: float | None, shown: str) -> None:
 
 def test_waiting_on_a_slurm_sweep_shows_each_tasks_training_step(slurm_storage: Path, tokens: Path) -> None:  # noqa: F811
     """A sweep task's rank 0 reports under the task's own name and ``ARRAYID_INDEX``, where the
-    waiter of that task reads (``progress.progress_folder``)."""
+    waiter of that task reads (``JobPaths.progress``)."""
     short = ["--set", "params.steps=60", "--set", "params.eval.every=30", "--set", "params.checkpoint.every=30"]
     result = train(slurm_storage, tokens, *short, "--sweep", "params.seed=1,2", "--max-parallel", "1",
                    site="local-slurm", timeout=WAIT)  # one at a time: the second still runs when its wait begins

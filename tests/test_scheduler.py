@@ -31,8 +31,11 @@ def flaky(bin_dir: Path, name: str, fail_every: int = 2) -> None:
     """`name` fails on every `fail_every`-th call (counting from the first), else runs the real one."""
     real = shutil.which(name)
     assert real is not None
-    fake(bin_dir, name, f"""n=$(cat {bin_dir}/{name}.count 2>/dev/null || echo 0); n=$((n+1)); echo $n > {bin_dir}/{name}.count
-if [ $(( (n - 1) % {fail_every} )) -eq 0 ]; then echo "{name}: error: slurm_load_jobs error: Socket timed out" >&2; exit 1; fi
+    count = bin_dir / f"{name}.count"
+    fake(bin_dir, name, f"""n=$(cat {count} 2>/dev/null || echo 0); n=$((n+1)); echo $n > {count}
+if [ $(( (n - 1) % {fail_every} )) -eq 0 ]; then
+  echo "{name}: error: slurm_load_jobs error: Socket timed out" >&2; exit 1
+fi
 exec {real} "$@"
 """)
 

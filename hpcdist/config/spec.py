@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from hpcdist.config.paths import JobPaths
 from hpcdist.config.sbatch import SbatchOptions
 from hpcdist.config.site import EnvMap, EnvNames, Frozen, Site
 
@@ -96,9 +97,13 @@ class JobSpec(Frozen):
     def time_limit_min(self, site: Site) -> int:
         return self.resources.time_min or site.defaults.time_min
 
+    def paths(self, site: Site, job_id: str = "%j", folder_name: str = "") -> JobPaths:
+        """Every path of this job on `site` (``hpcdist.config.paths``)."""
+        return JobPaths(site.storage, self.name, job_id, folder_name)
+
     def result_path(self, site: Site, job_id: str, suffix: str = "") -> Path:
         """``<results root>/<job name>/<job id><suffix>.h5``: where the job's result lands."""
-        return site.storage.path("results", self.name, f"{job_id}{suffix}.h5")
+        return self.paths(site, job_id).result(suffix)
 
 
 def fit_to_site(spec: JobSpec, site: Site) -> list[tuple[str, object, str]]:

@@ -203,7 +203,7 @@ def prepare(job: Job[PythonParams], site: Site) -> dict[str, Any]:
         updates["script"] = str(Path(p.script).resolve())
     if root is not None:
         src, keep = root
-        dest = snapshot.make(src, snapshot.destination(job.spec.name, site), keep, p.snapshot_max_mb)
+        dest = snapshot.make(src, job.spec.paths(site).new_snapshot(), keep, p.snapshot_max_mb)
         updates["code_dir"] = str(dest)
         if p.script:
             updates["script"] = str(dest / Path(p.script).resolve().relative_to(src))

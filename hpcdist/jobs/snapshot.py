@@ -11,15 +11,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpcdist.errors import ConfigError
 
 if TYPE_CHECKING:
-    from hpcdist.config.site import Site
+    pass
 
 _SKIP_DIRS = {"__pycache__", ".git", ".hg", ".svn", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
 
@@ -55,12 +53,6 @@ def measure(src: Path) -> tuple[int, int]:
     """Bytes and number of files a snapshot of `src` would copy."""
     listed = files(src)
     return sum((src / f).stat().st_size for f in listed), len(listed)
-
-
-def destination(job_name: str, site: Site) -> Path:
-    """A new directory beside the job's logs on shared storage: ``<logs>/<name>/code-<time>-<id>``."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return site.storage.path("logs", job_name, f"code-{stamp}-{uuid.uuid4().hex[:6]}")
 
 
 def make(src: Path, dest: Path, keep: str, max_mb: float) -> Path:

@@ -13,6 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpcdist.config.paths import JobPaths
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.runtime.rankinfo import RankInfo
@@ -59,14 +60,19 @@ class JobContext:
     def timeout(self) -> timedelta:
         return timedelta(seconds=self.timeout_s)
 
+    @property
+    def paths(self) -> JobPaths:
+        """Every path of this job (``hpcdist.config.paths``)."""
+        return self.spec.paths(self.site, self.job_id)
+
     def result_path(self, suffix: str = "") -> Path:
         """``<results root>/<job name>/<job id><suffix>.h5`` on shared storage."""
-        return self.spec.result_path(self.site, self.job_id, suffix)
+        return self.paths.result(suffix)
 
     @property
     def checkpoint_dir(self) -> Path:
         """Stable across requeues and resubmissions of the same job name."""
-        return self.site.storage.path("checkpoints", self.spec.name)
+        return self.paths.checkpoints
 
     def run_attrs(self) -> dict[str, Any]:
         """Root attributes for this run's result file."""

@@ -120,7 +120,7 @@ def bootstrap(job: Job[Any], site: Site, env: Mapping[str, str] | None = None) -
     os.environ.update(group.socket_ifname_env(site.network.socket_ifname))
     t = time.perf_counter()
     key = group.rendezvous_key(env, info)
-    rendezvous_dir = site.storage.path("scratch", "rendezvous")
+    rendezvous_dir = job.spec.paths(site).rendezvous
     store, endpoint = group.open_store(
         info,
         timeout,
@@ -189,7 +189,7 @@ def run_job(job: Job[Any], site: Site) -> dict[str, Any]:
     os.umask(site.storage.umask)  # storage.mode for all this rank writes (a direct launch has the shell's umask)
     ctx, store = bootstrap(job, site)
     # what `hpcdist wait` shows, where the waiter of this very task reads it
-    progress.start(progress.progress_folder(site.storage.logs, spec.name, ctx.job_id), ctx.is_main)
+    progress.start(ctx.paths.progress, ctx.is_main)
     import torch.distributed as dist  # already imported by the bootstrap, which times it
 
     try:

@@ -18,7 +18,6 @@ import os
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,64 +35,16 @@ from hpcdist.data.tokens import describe
 from hpcdist.errors import HpcdistError, JobError
 from hpcdist.model.gpt import GPT, GPTConfig
 from hpcdist.runtime.reach import failure_message
-from hpcdist.train.metrics import Metrics, add_rank_log_file, perplexity
-from hpcdist.train.params import Precision, TrainParams, effective_precision, model_config
+from hpcdist.train.metrics import add_rank_log_file, perplexity
+from hpcdist.train.params import TrainParams, effective_precision, model_config
 from hpcdist.train.result import fill_result
 from hpcdist.train.resume import resume, save
+from hpcdist.train.run import Run
 from hpcdist.train.schedule import lr_factor, scaled_lr
 
 if TYPE_CHECKING:
     from hpcdist.api import Context
-    from hpcdist.data.tokenizer import Tokenizer
     from hpcdist.runtime.context import JobContext
-
-
-@dataclass
-class Run:
-    """Everything one rank trains with; step/epoch/position say where the data order stands."""
-
-    ctx: JobContext
-    api: Context  # the public API's handles on the same rank: checkpoints, should_stop, requeue, results
-    params: TrainParams
-    cfg: GPTConfig
-    model: GPT
-    ddp: DDP
-    opt: torch.optim.Optimizer
-    sched: torch.optim.lr_scheduler.LambdaLR
-    scaler: torch.amp.GradScaler
-    order: DistributedOrder
-    train: TokenWindows
-    val: TokenWindows
-    peak_lr: float
-    precision: Precision  # what this run uses: params.precision with "auto" resolved for the device
-    metrics: Metrics = field(default_factory=Metrics)
-    step: int = 0
-    epoch: int = 0
-    position: int = 0
-    tokens_seen: int = 0
-    last_checkpoint: Path | None = None
-    commits_seen: int = 0  # of api.checkpoints.committed, already in the metrics
-    tokenizer: Tokenizer | None = None  # the token file's: recorded in every checkpoint
-
-    @property
-    def requeues(self) -> int:
-        """This job's requeues, counting a stop in progress (the API's count: the bound's input)."""
-        return self.api.counts_if_requeued().requeues
-
-    @property
-    def timeouts(self) -> int:
-        return self.api.counts_if_requeued().timeouts
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.order.global_batch * self.cfg.context
-
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        precision = self.precision
-        if precision == "fp32":
-            return contextlib.nullcontext()
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-        return torch.autocast(device_type=self.ctx.device.type, dtype=dtype)
 
 
 def build(ctx: JobContext, api: Context, params: TrainParams) -> Run:
@@ -185,7 +136,7 @@ def evaluate(run: Run) -> float:
 
 def run(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    log_file = ctx.site.storage.path("logs", ctx.spec.name, ctx.job_id, f"train_rank{ctx.rank}.log")
+    log_file = ctx.paths.rank_log(ctx.rank)
     handler = add_rank_log_file(log_file)
     api = from_job(ctx, None, params.checkpoint.keep_last, log=ctx.log, io_timeout_s=params.checkpoint.io_timeout_s)
     try:

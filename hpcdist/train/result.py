@@ -15,7 +15,7 @@ import torch
 from hpcdist.train.metrics import PEAK_BF16_TFLOPS
 
 if TYPE_CHECKING:
-    from hpcdist.train.loop import Run
+    from hpcdist.train.run import Run
 
 
 def fill_result(r: Run, complete: bool) -> None:

@@ -54,7 +54,7 @@ from hpcdist.train import state as st
 from hpcdist.train.metrics import Metrics
 
 if TYPE_CHECKING:
-    from hpcdist.train.loop import Run
+    from hpcdist.train.run import Run
 
 
 def choose_checkpoint(run: Run) -> dict[str, Any]:

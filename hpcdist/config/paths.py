@@ -1,0 +1,86 @@
+"""Every path of one job, in one value object (submitit's ``utils.JobPaths``, for hpcdist).
+
+Built from the site's storage, the job's name and its id (``%j`` before Slurm gives one; an
+array task's ``ARRAYID_INDEX``), each path through ``under``, so no name or id can leave its
+storage root. Render, submit, the job index, the status line, the nodes' bootstrap, the
+training loop, the code snapshot and the executor ask it; nothing else joins these paths.
+
+A job array's tasks share one submitit folder, named after the array's base spec
+(``folder_name``), while each task's progress and results are under the task's own name.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcdist.config.site import Storage, under
+
+UNSUBMITTED = "%j"  # the job id in a path made before the scheduler gave one (Slurm's pattern)
+
+
+def log_patterns(folder: Path, array: bool = False) -> tuple[str, str]:
+    """submitit's per-task stdout/stderr patterns in `folder` (``%j`` job id, ``%t`` task). In a
+    job array submitit names each task ``ARRAYID_INDEX``, which Slurm's patterns spell ``%A_%a``."""
+    out, err = str(folder / "%j_%t_log.out"), str(folder / "%j_%t_log.err")
+    if array:
+        out, err = out.replace("%j", "%A_%a"), err.replace("%j", "%A_%a")
+    return out, err
+
+
+@dataclass(frozen=True)
+class JobPaths:
+    storage: Storage
+    name: str  # the job's (a sweep task's) own name
+    job_id: str = UNSUBMITTED
+    folder_name: str = ""  # the name the submitit folder is made under, when not `name` (an array's base)
+
+    def with_id(self, job_id: str) -> JobPaths:
+        return JobPaths(self.storage, self.name, job_id, self.folder_name)
+
+    @property
+    def folder(self) -> Path:
+        """submitit's folder for the job: its pickles, results and per-rank logs."""
+        return under(self.storage.logs, self.folder_name or self.name, self.job_id)
+
+    def log_patterns(self, array: bool = False) -> tuple[str, str]:
+        return log_patterns(self.folder, array)
+
+    def rank_logs(self, rank: int) -> tuple[Path, Path]:
+        """Rank `rank`'s stdout and stderr files (the job id known)."""
+        out, err = (p.replace("%j", self.job_id).replace("%t", str(rank)) for p in self.log_patterns())
+        return Path(out), Path(err)
+
+    @property
+    def progress(self) -> Path:
+        """Where rank 0 reports progress and the waiter reads it: ``logs/<name>/<job id>``."""
+        return under(self.storage.logs, self.name, self.job_id)
+
+    def rank_log(self, rank: int, what: str = "train") -> Path:
+        """hpcdist's own log of one rank (``train_rank1.log``), beside the progress."""
+        return self.progress / f"{what}_rank{rank}.log"
+
+    def result(self, suffix: str = "") -> Path:
+        """``<results>/<name>/<job id><suffix>.h5``: where the job's result lands."""
+        return under(self.storage.results, self.name, f"{self.job_id}{suffix}.h5")
+
+    @property
+    def checkpoints(self) -> Path:
+        """Stable across requeues and resubmissions of the same job name."""
+        return under(self.storage.checkpoints, self.name)
+
+    @property
+    def rendezvous(self) -> Path:
+        """Where rank 0 publishes its endpoint (one file per launch, removed after check-in)."""
+        return under(self.storage.scratch, "rendezvous")
+
+    @property
+    def calls(self) -> Path:
+        """Where ``hpcdist.Executor`` puts the pickled calls of this job name."""
+        return under(self.storage.logs, self.name, "calls")
+
+    def new_snapshot(self) -> Path:
+        """A new folder for the code snapshot: ``<logs>/<name>/code-<time>-<random>``."""
+        return under(self.storage.logs, self.name, f"code-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")

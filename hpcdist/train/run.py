@@ -1,0 +1,71 @@
+"""``Run``: everything one rank of ``train_gpt`` trains with, in one object that the loop, the
+checkpoint resume and the result writer take (its own module, so they need not import the loop).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hpcdist.data.dataset import DistributedOrder, TokenWindows
+from hpcdist.model.gpt import GPT, GPTConfig
+from hpcdist.train.metrics import Metrics
+from hpcdist.train.params import Precision, TrainParams
+
+if TYPE_CHECKING:
+    from hpcdist.api import Context
+    from hpcdist.data.tokenizer import Tokenizer
+    from hpcdist.runtime.context import JobContext
+
+
+@dataclass
+class Run:
+    """Everything one rank trains with; step/epoch/position say where the data order stands."""
+
+    ctx: JobContext
+    api: Context  # the public API's handles on the same rank: checkpoints, should_stop, requeue, results
+    params: TrainParams
+    cfg: GPTConfig
+    model: GPT
+    ddp: DDP
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler
+    order: DistributedOrder
+    train: TokenWindows
+    val: TokenWindows
+    peak_lr: float
+    precision: Precision  # what this run uses: params.precision with "auto" resolved for the device
+    metrics: Metrics = field(default_factory=Metrics)
+    step: int = 0
+    epoch: int = 0
+    position: int = 0
+    tokens_seen: int = 0
+    last_checkpoint: Path | None = None
+    commits_seen: int = 0  # of api.checkpoints.committed, already in the metrics
+    tokenizer: Tokenizer | None = None  # the token file's: recorded in every checkpoint
+
+    @property
+    def requeues(self) -> int:
+        """This job's requeues, counting a stop in progress (the API's count: the bound's input)."""
+        return self.api.counts_if_requeued().requeues
+
+    @property
+    def timeouts(self) -> int:
+        return self.api.counts_if_requeued().timeouts
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.order.global_batch * self.cfg.context
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        precision = self.precision
+        if precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        return torch.autocast(device_type=self.ctx.device.type, dtype=dtype)
