@@ -13,7 +13,6 @@ import importlib
 import io
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,13 +34,6 @@ def command(name: str) -> Callable[[Command], Command]:
     return deco
 
 
-def _split_sets(sets: Sequence[str]) -> tuple[list[str], list[str]]:
-    """`--set site.KEY=V` goes to the site config, any other `--set KEY=V` to the job spec."""
-    site = [s.removeprefix("site.") for s in sets if s.startswith("site.")]
-    job = [s for s in sets if not s.startswith("site.")]
-    return site, job
-
-
 def _warn(message: str) -> None:
     print(f"hpcdist: warning: {message}", file=sys.stderr)
 
@@ -50,7 +42,7 @@ PYDANTIC_PLUGINS_VAR = "PYDANTIC_DISABLE_PLUGINS"  # pydantic's documented switc
 
 
 @contextlib.contextmanager
-def _no_pydantic_plugins() -> Iterator[None]:
+def no_pydantic_plugins() -> Iterator[None]:
     """hpcdist's own models (site, job spec, params) validated without pydantic's plugins: the
     search for them reads every installed package's entry points, a few ms of each start, and a
     plugin is for the user's models. Set only while the config loads (unless the user set it),
@@ -65,202 +57,35 @@ def _no_pydantic_plugins() -> Iterator[None]:
         os.environ.pop(PYDANTIC_PLUGINS_VAR, None)
 
 
-def _load_job(args: argparse.Namespace, path: str | None = None, after: Sequence[str] | None = None,
-              made_earlier: Sequence[Path] = ()) -> tuple[Any, Any, Any]:
-    """The site, then the job (its params parsed and checked against the site), and the origin.
-    `path`: another spec than ``args.job`` (a chain's link); `after`: the job ids it waits for;
-    `made_earlier`: inputs an earlier link writes. A missing input is a warning for render."""
-    from hpcdist.config import load_site
-    from hpcdist.jobs.registry import load_job
-    from hpcdist.render import Origin
+def request(args: argparse.Namespace) -> Any:
+    """What the user asked `render` or `submit` for, as plain values (``hpcdist.plan.Request``)."""
+    from hpcdist.plan import Request
 
-    site_sets, job_sets = _split_sets(args.sets)
-    argv = tuple(args.argv or ())
-    path = path or args.job
-    with _no_pydantic_plugins():
-        site = load_site(args.site, site_sets)
-        if argv:
-            job = _command_job(argv, site, job_sets)
-        else:
-            job = load_job(path, site, job_sets, on_missing=_missing_handler(args), made_earlier=made_earlier)
-    limit = getattr(args, "max_parallel", None)
-    if limit is not None and (limit < 1 or not getattr(args, "sweeps", None)):
-        from hpcdist.errors import ConfigError
-
-        raise ConfigError(f"--max-parallel {limit}: give a number of at least 1, with --sweep (it limits an array)")
-    origin = Origin(path or "", args.site or site.name, tuple(args.sets), argv,
-                    after=tuple(getattr(args, "after", ()) if after is None else after),
-                    sweeps=tuple(getattr(args, "sweeps", ())), max_parallel=getattr(args, "max_parallel", None))
-    return job, site, origin
-
-
-def _missing_handler(args: argparse.Namespace) -> Callable[[str], None] | None:
-    """`render` warns of an input that is not here (storage not mounted here); `submit` refuses."""
-    return _warn if args.command == "render" else None
-
-
-def _command_job(argv: tuple[str, ...], site: Any, job_sets: list[str]) -> Any:
-    """`-- train.py ARG...` (or `-- -m pkg.mod ARG...`) as a ``python`` job spec, no YAML."""
-    from hpcdist.config import apply_overrides, validate
-    from hpcdist.config.spec import JobSpec
-    from hpcdist.jobs.registry import resolve
-
-    if argv[0] == "-m":
-        if len(argv) < 2:
-            from hpcdist.errors import ConfigError
-
-            raise ConfigError("-- -m: a module name must follow -m, e.g. -- -m mypkg.train")
-        target, args, name = {"module": argv[1]}, list(argv[2:]), argv[1].rsplit(".", 1)[-1]
-    else:
-        target, args, name = {"script": argv[0]}, list(argv[1:]), Path(argv[0]).stem
-    data = apply_overrides({"name": name or "python", "kind": "python", "params": {**target, "args": args}},
-                           job_sets, "job")
-    return resolve(validate(JobSpec, data, "command line"), site, origin="command line")
-
-
-def _load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """The site, then the job spec with its params parsed and checked against the site."""
-    job, site, origin = _load_job(args)
-    return job.spec, site, origin
+    return Request(args.site, tuple(args.sets), args.job, tuple(args.argv or ()), tuple(getattr(args, "after", ())),
+                   tuple(getattr(args, "sweeps", ())), getattr(args, "max_parallel", None))
 
 
 @command("render")
 def cmd_render(args: argparse.Namespace) -> int:
-    from hpcdist.render import render
+    from hpcdist import plan
 
-    spec, site, origin = _load(args)
-    if origin.sweeps:
-        _sweep_tasks(args, site)  # every combination checked; the array's script is printed
-    sys.stdout.write(render(spec, site, origin))
+    req = request(args)
+    with no_pydantic_plugins():
+        job, site, origin = plan.load(req, on_missing=_warn)  # a missing input is a warning here
+        tasks = [j.spec for j in plan.sweep_jobs(req, site, on_missing=_warn)] if req.sweeps else []
+    if tasks and site.scheduler != "slurm":  # a local site runs a sweep's tasks one at a time: the first
+        tasks, origin = [], dataclasses.replace(origin, sweeps=())
+    sys.stdout.write(plan.make(job.spec, site, origin, tasks).script)
     return 0
 
 
 @command("submit")
 def cmd_submit(args: argparse.Namespace) -> int:
-    from hpcdist import submit as sub
-    from hpcdist.jobs.registry import prepare
+    from hpcdist import lifecycle
 
-    if args.more or args.chain:
-        return _submit_chain(args)
-    if args.sweeps:
-        return _submit_sweep(args)
-    job, site, origin = _load_job(args)
-    spec = prepare(job, site).spec
-    t0 = time.perf_counter()
-    submission = sub.submit(spec, site, origin)
-    took = time.perf_counter() - t0
-    out, err = submission.log_paths
-    print(f"submitted job {submission.job_id} ({spec.name}, kind {spec.kind}) to site {site.name} in {took:.2f} s")
-    print(f"  logs:   {out}")
-    print(f"          {err}")
-    print(f"  result: {submission.result_path}")
-    if not args.wait:
-        return 0
-    from hpcdist.lifecycle import print_finished
-    from hpcdist.watch import watch
-
-    return print_finished(submission.job_id, watch(submission, timeout_s=args.wait_timeout))
-
-
-# ---- several jobs from one `submit`: chains (afterok) and sweeps (one job array)
-
-def _submit_chain(args: argparse.Namespace) -> int:
-    """`submit A.yaml B.yaml C.yaml --chain`: each link waits for the one before (afterok). Every
-    link is loaded and checked before the first is submitted. On Slurm a failed link cancels the
-    rest (kill-on-invalid-dep); on the local site the links run in turn and a failure stops them."""
-    from hpcdist import submit as sub
-    from hpcdist.errors import ConfigError
-    from hpcdist.jobs.registry import prepare
-
-    paths = [p for p in (args.job, *args.more) if p]
-    if not args.chain or args.sweeps or args.argv:
-        raise ConfigError(f"submit {' '.join(paths)}: several job specs run one after another with --chain "
-                          f"(and without --sweep or `-- SCRIPT`); or submit them one by one")
-    links: list[tuple[Any, Any, Any]] = []
-    for path in paths:  # a link may read the checkpoints an earlier link writes
-        made = [link[1].storage.checkpoints / link[0].spec.name for link in links]
-        links.append(_load_job(args, path, after=(), made_earlier=made))
-    site = links[0][1]
-    local = site.scheduler != "slurm"
-    after: list[str] = list(args.after)
-    submissions: list[Any] = []
-    for n, (job, _, origin) in enumerate(links, 1):
-        if local and submissions and not _chain_link_ok(submissions[-1], args, links[n - 1:]):
-            return 1
-        submission = sub.submit(prepare(job, site).spec, site, dataclasses.replace(origin, after=tuple(after)))
-        waits = f" after job {after[0]}" if after else ""
-        print(f"chain {n}/{len(links)}: submitted job {submission.job_id} ({job.spec.name}, kind {job.spec.kind})"
-              f"{waits}; result: {submission.result_path}")
-        after = [] if local else [submission.job_id]  # the local site orders the links by waiting
-        submissions.append(submission)
-    if local:
-        return 0 if _chain_link_ok(submissions[-1], args, []) else 1
-    for n, submission in enumerate(submissions if args.wait else []):
-        if not _chain_link_ok(submission, args, links[n + 1:]):
-            return 1
-    return 0
-
-
-def _chain_link_ok(submission: Any, args: argparse.Namespace, rest: list[Any]) -> bool:
-    """Wait for a chain's link and print how it ended; when it failed, what becomes of `rest`."""
-
-    from hpcdist.lifecycle import print_finished
-    from hpcdist.watch import watch
-
-    finished = watch(submission, timeout_s=args.wait_timeout)
-    print_finished(submission.job_id, finished)
-    if not finished.ok and rest:
-        names = ", ".join(job.spec.name for job, _, _ in rest)
-        print(f"chain stopped at job {submission.job_id} ({submission.spec.name}): " + (
-            f"not run: {names}" if submission.site.scheduler != "slurm" else
-            f"Slurm cancels the rest ({names}): their afterok dependency can no longer be satisfied"))
-    return bool(finished.ok)
-
-
-def _sweep_tasks(args: argparse.Namespace, site: Any) -> list[Any]:
-    """One job per combination of the --sweep values, each checked and named with its suffix."""
-    from hpcdist.config.sweep import task_name, tasks
-    from hpcdist.jobs.registry import load_job
-
-    _, job_sets = _split_sets(args.sets)
-    out = []
-    for task in tasks(args.sweeps):
-        job = load_job(args.job, site, [*job_sets, *task.overrides], on_missing=_missing_handler(args))
-        out.append(dataclasses.replace(job, spec=job.spec.model_copy(
-            update={"name": task_name(job.spec.name, task)})))
-    return out
-
-
-def _submit_sweep(args: argparse.Namespace) -> int:
-    """`submit SPEC --sweep KEY=V1,V2 ...`: one Slurm job array, a task per combination (on the
-    local site the tasks run one at a time)."""
-    from hpcdist import submit as sub
-    from hpcdist.errors import ConfigError
-    from hpcdist.jobs.registry import prepare
-    from hpcdist.lifecycle import print_finished
-    from hpcdist.watch import watch
-
-    if args.argv:
-        raise ConfigError("--sweep needs a job spec YAML; sweep a `-- SCRIPT` job by writing its spec")
-    base, site, origin = _load_job(args)
-    tasks = [prepare(job, site).spec for job in _sweep_tasks(args, site)]
-    if site.scheduler == "slurm":
-        subs = sub.submit_array(base.spec, tasks, site, origin)
-        limit = f", at most {args.max_parallel} at a time" if args.max_parallel else ""
-        print(f"submitted job array {subs[0].job_id.split('_')[0]} ({base.spec.name}, kind {base.spec.kind}, "
-              f"{len(subs)} tasks{limit}) to site {site.name}")
-    else:
-        subs = []
-    failed = 0
-    for i, spec in enumerate(tasks):
-        if site.scheduler != "slurm":
-            subs.append(sub.submit(spec, site, dataclasses.replace(origin, sweeps=())))
-        print(f"  task {subs[i].job_id}: {spec.name}  result: {subs[i].result_path}")
-        if args.wait or site.scheduler != "slurm":
-            finished = watch(subs[i], timeout_s=args.wait_timeout)
-            print_finished(subs[i].job_id, finished)
-            failed += not finished.ok
-    return 1 if failed else 0
+    with no_pydantic_plugins():
+        return lifecycle.submit(request(args), [p for p in (args.job, *args.more) if p], args.chain,
+                                args.wait, args.wait_timeout)
 
 
 @command("status")

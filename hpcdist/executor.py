@@ -88,6 +88,7 @@ class Executor:
         from hpcdist.jobhandle import JobHandle
         from hpcdist.jobindex import find
         from hpcdist.jobs.registry import prepare
+        from hpcdist.plan import make
         from hpcdist.render import Origin
 
         if not callable(fn):
@@ -102,7 +103,7 @@ class Executor:
         origin = Origin(ORIGIN, self.site.name, tuple(f"site.{s}" for s in self._site_sets))
         if array and self.site.scheduler == "slurm" and len(jobs) > 1:
             origin = replace(origin, tasks=len(jobs), max_parallel=max_parallel)
-            subs = sub.submit_array(jobs[0].spec, [j.spec for j in jobs], self.site, origin)
+            subs = sub.schedule(make(jobs[0].spec, self.site, origin, [j.spec for j in jobs]))
         else:
             subs = [sub.submit(j.spec, self.site, origin) for j in jobs]
         return [JobHandle(find(s.job_id, self.site.name), s) for s in subs]

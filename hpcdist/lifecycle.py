@@ -1,5 +1,5 @@
-"""The command line over ``JobHandle`` (``hpcdist.jobhandle``): `jobs`, `wait`, `cancel`, and the
-status line of ``submit --wait``.
+"""The command line over plans and ``JobHandle`` (``hpcdist.plan``, ``hpcdist.jobhandle``):
+`submit` (one job, a chain, a sweep), `jobs`, `wait`, `cancel`.
 
 Every command finds the job through the index and re-attaches a handle, so waiting is the same
 whether the job was submitted by this process or another. States come from the scheduler client
@@ -11,18 +11,22 @@ rank 0's newest progress (``hpcdist.progress``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from hpcdist import plan as plan_
+from hpcdist import submit as sub_
 from hpcdist.jobhandle import JobHandle
 from hpcdist.jobindex import JobRecord, records
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.states import JobState
-from hpcdist.submit import Finished
-from hpcdist.watch import hms, slurm_seconds
+from hpcdist.submit import Finished, Submission
+from hpcdist.watch import hms, slurm_seconds, watch
 
 
 def print_finished(job_id: str, finished: Finished) -> int:
@@ -40,6 +44,102 @@ def print_finished(job_id: str, finished: Finished) -> int:
         else:
             print(f"  rank {o.rank}: FAILED {o.error}")
     return 0 if finished.ok else 1
+
+
+# ---------------------------------------------------------------- submitting
+
+
+def submit(req: plan_.Request, paths: list[str], chain: bool, wait: bool, wait_timeout: float | None) -> int:
+    """`hpcdist submit`: one job, a --chain of specs, or a --sweep; the exit code."""
+    if len(paths) > 1 or chain:
+        return _chain(req, paths, chain, wait, wait_timeout)
+    if req.sweeps:
+        return _sweep(req, wait, wait_timeout)
+    from hpcdist.jobs.registry import prepare
+
+    job, site, origin = plan_.load(req)
+    t0 = time.perf_counter()
+    submission = sub_.schedule(plan_.make(prepare(job, site).spec, site, origin))[0]
+    took = time.perf_counter() - t0
+    out, err = submission.job.paths.stdout, submission.job.paths.stderr
+    spec = submission.spec
+    print(f"submitted job {submission.job_id} ({spec.name}, kind {spec.kind}) to site {site.name} in {took:.2f} s")
+    print(f"  logs:   {out}")
+    print(f"          {err}")
+    print(f"  result: {submission.result_path}")
+    if not wait:
+        return 0
+    return print_finished(submission.job_id, watch(submission, timeout_s=wait_timeout))
+
+
+def _chain(req: plan_.Request, paths: list[str], chain: bool, wait: bool, wait_timeout: float | None) -> int:
+    """`submit A.yaml B.yaml C.yaml --chain`: each link waits for the one before (afterok). Every
+    link is loaded and checked before the first is submitted. On Slurm a failed link cancels the
+    rest (kill-on-invalid-dep); on the local site the links run in turn and a failure stops them."""
+    from hpcdist.errors import ConfigError
+    from hpcdist.jobs.registry import prepare
+
+    if not chain or req.sweeps or req.argv:
+        raise ConfigError(f"submit {' '.join(paths)}: several job specs run one after another with --chain "
+                          f"(and without --sweep or `-- SCRIPT`); or submit them one by one")
+    links = plan_.chain_links(req, paths)
+    site = links[0][1]
+    local = site.scheduler != "slurm"
+    after: list[str] = list(req.after)
+    submissions: list[Submission] = []
+    for n, (job, _, origin) in enumerate(links, 1):
+        if local and submissions and not _link_ok(submissions[-1], wait_timeout, links[n - 1:]):
+            return 1
+        link = plan_.make(prepare(job, site).spec, site, dataclasses.replace(origin, after=tuple(after)))
+        submission = sub_.schedule(link)[0]
+        waits = f" after job {after[0]}" if after else ""
+        print(f"chain {n}/{len(links)}: submitted job {submission.job_id} ({job.spec.name}, kind {job.spec.kind})"
+              f"{waits}; result: {submission.result_path}")
+        after = [] if local else [submission.job_id]  # the local site orders the links by waiting
+        submissions.append(submission)
+    if local:
+        return 0 if _link_ok(submissions[-1], wait_timeout, []) else 1
+    for n, submission in enumerate(submissions if wait else []):
+        if not _link_ok(submission, wait_timeout, links[n + 1:]):
+            return 1
+    return 0
+
+
+def _link_ok(submission: Submission, wait_timeout: float | None, rest: list[Any]) -> bool:
+    """Wait for a chain's link and print how it ended; when it failed, what becomes of `rest`."""
+    finished = watch(submission, timeout_s=wait_timeout)
+    print_finished(submission.job_id, finished)
+    if not finished.ok and rest:
+        names = ", ".join(job.spec.name for job, _, _ in rest)
+        print(f"chain stopped at job {submission.job_id} ({submission.spec.name}): " + (
+            f"not run: {names}" if submission.site.scheduler != "slurm" else
+            f"Slurm cancels the rest ({names}): their afterok dependency can no longer be satisfied"))
+    return bool(finished.ok)
+
+
+def _sweep(req: plan_.Request, wait: bool, wait_timeout: float | None) -> int:
+    """`submit SPEC --sweep KEY=V1,V2 ...`: one Slurm job array, a task per combination (on the
+    local site the tasks run one at a time)."""
+    from hpcdist.jobs.registry import prepare
+
+    base, site, origin = plan_.load(req)
+    tasks = [prepare(job, site).spec for job in plan_.sweep_jobs(req, site)]
+    subs: list[Submission] = []
+    if site.scheduler == "slurm":
+        subs = sub_.schedule(plan_.make(base.spec, site, origin, tasks))
+        limit = f", at most {req.max_parallel} at a time" if req.max_parallel else ""
+        print(f"submitted job array {subs[0].job_id.split('_')[0]} ({base.spec.name}, kind {base.spec.kind}, "
+              f"{len(subs)} tasks{limit}) to site {site.name}")
+    failed = 0
+    for i, spec in enumerate(tasks):
+        if site.scheduler != "slurm":
+            subs.append(sub_.schedule(plan_.make(spec, site, dataclasses.replace(origin, sweeps=())))[0])
+        print(f"  task {subs[i].job_id}: {spec.name}  result: {subs[i].result_path}")
+        if wait or site.scheduler != "slurm":
+            finished = watch(subs[i], timeout_s=wait_timeout)
+            print_finished(subs[i].job_id, finished)
+            failed += not finished.ok
+    return 1 if failed else 0
 
 
 # ---------------------------------------------------------------- listing

@@ -28,7 +28,6 @@ from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import SubmitError
 from hpcdist.polling import poll_until
-from hpcdist.render import Origin, render, submitit_folder
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.local import LOCAL_CONTROLLER, process_started
 from hpcdist.scheduler.slurm import Vanished
@@ -36,6 +35,8 @@ from hpcdist.scheduler.states import JobState
 from hpcdist.store.atomic import storage_umask
 
 if TYPE_CHECKING:
+    from hpcdist.plan import Plan
+    from hpcdist.render import Origin
     from hpcdist.scheduler.postmortem import Ending
 
 
@@ -171,69 +172,56 @@ def _tasks(spec: JobSpec) -> int:
 
 def submit(spec: JobSpec, site: Site, origin: Origin) -> Submission:
     """Submit `spec` to `site`; returns as soon as the scheduler has the job."""
-    return submit_array(spec, [spec], site, origin)[0]
+    from hpcdist.plan import make
+
+    return schedule(make(spec, site, origin))[0]
 
 
-def _executor(spec: JobSpec, site: Site, folder: Path, script: str) -> Any:
-    """submitit's executor for `site`, with the job's resources."""
+def _executor(plan: Plan) -> Any:
+    """submitit's executor for the plan's site, with its parameters."""
     executor: Any
-    if site.scheduler == "slurm":
-        executor = _script_executor_class()(folder, script, _tasks(spec), site.preemption.max_requeues)
-        executor.update_parameters(
-            time=spec.time_limit_min(site),
-            nodes=spec.resources.nodes,
-            ntasks_per_node=spec.resources.tasks_per_node,
-        )
+    if plan.slurm:
+        executor = _script_executor_class()(plan.folder, plan.script, _tasks(plan.base),
+                                            plan.site.preemption.max_requeues)
     else:
-        executor = _local_executor_class()(folder)
-        executor.update_parameters(
-            timeout_min=spec.time_limit_min(site),
-            nodes=1,
-            tasks_per_node=spec.resources.tasks_per_node,
-        )
+        executor = _local_executor_class()(plan.folder)
         os.environ[LAUNCH_TIME_VAR] = repr(time.time())
+    executor.update_parameters(**plan.executor_parameters)
     return executor
 
 
-def submit_array(base: JobSpec, tasks: list[JobSpec], site: Site, origin: Origin) -> list[Submission]:
-    """Submit `base`'s script once, running `tasks` (one spec each, as a Slurm job array when
-    there are several); one Submission per task, in order. On the local site there is no
-    scheduler to hold a job back: ``--after`` is refused, and a sweep's tasks run one at a time
-    (``hpcdist.cli`` waits for each)."""
+def schedule(plan: Plan) -> list[Submission]:
+    """Submit the plan's script once, running its tasks (one spec each, as a Slurm job array when
+    it is one); one Submission per task, in order, each recorded in the job index."""
     from hpcdist.runtime import run_rank  # the callable only; nothing runs here
 
-    if site.scheduler != "slurm" and origin.after:
-        raise SubmitError(f"site {site.name!r} has no scheduler to make a job wait for job {origin.after[0]}; "
-                          f"submit the jobs in one `hpcdist submit A.yaml B.yaml --chain`, which runs them in order")
-    if (origin.array_size or 1) != len(tasks) or (site.scheduler != "slurm" and len(tasks) > 1):
-        raise SubmitError(f"{origin.job_path}: {len(tasks)} tasks for an array of {origin.array_size or 1} on site "
-                          f"{site.name!r}; a local site runs a sweep's tasks one at a time")
+    base, site, script = plan.base, plan.site, plan.script
     unset = [name for name in base.env_passthrough if name not in os.environ]
     if unset:
         raise SubmitError(
             f"env_passthrough: {', '.join(unset)} not set in this shell; the job takes it from the shell you "
             f"submit from: `export {unset[0]}=...` (or read it from a file) before `hpcdist submit`"
         )
-    if site.scheduler == "slurm" and shutil.which("sbatch") is None:
+    if plan.slurm and shutil.which("sbatch") is None:
         raise SubmitError(f"site {site.name!r} uses Slurm but `sbatch` is not on PATH; run on a login node")
-    script = render(base, site, origin)
     try:
         with storage_umask(site.storage.umask), (  # submitit's files, and the job's through sbatch
-                _detached_streams() if site.scheduler != "slurm" else contextlib.nullcontext()):
-            executor = _executor(base, site, submitit_folder(base, site), script)
-            if origin.array_size is None:
-                jobs = [executor.submit(run_rank, tasks[0], site)]
+                _detached_streams() if not plan.slurm else contextlib.nullcontext()):
+            executor = _executor(plan)
+            if not plan.array:
+                jobs = [executor.submit(run_rank, plan.tasks[0], site)]
             else:
                 executor.array = True
                 with executor.batch():
-                    pending = [executor.submit(run_rank, task, site) for task in tasks]
+                    pending = [executor.submit(run_rank, task, site) for task in plan.tasks]
                 jobs = list(pending)
     except slurm.Refused as exc:
         raise SubmitError(f"the scheduler refused job {base.name!r}: {exc}") from exc
     except OSError as exc:
         raise SubmitError(f"could not submit job {base.name!r}: {exc}") from exc
+    origin = plan.origin
     submissions = [Submission(job=job, spec=task, site=site, script=script)
-                   for job, task in zip(jobs, tasks, strict=True)]
+                   for job, task in zip(jobs, plan.tasks, strict=True)]
     for submission in submissions:
         jobindex.add(make_record(submission, origin))  # `hpcdist jobs`, `logs`, `wait`, `cancel`, `hpcdist.job`
     return submissions

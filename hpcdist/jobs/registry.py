@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pydantic import BaseModel
 
-from hpcdist.config import check_fits, read_spec, validate
+from hpcdist.config import apply_overrides, check_fits, read_yaml, validate
 from hpcdist.config.spec import JobSpec, SpecPath
 from hpcdist.errors import ConfigError
 
@@ -156,11 +156,26 @@ def load_job(path: str | Path, site: Site, overrides: list[str] | None = None, *
              on_missing: Warn | None = None, made_earlier: Collection[Path] = ()) -> Job[Any]:
     """A job spec file read, its paths resolved, its params parsed, and checked against `site`:
     what render and submit take (`on_missing`, `made_earlier`: as ``resolve``)."""
-    def rebase(data: dict[str, Any], folder: Path) -> dict[str, Any]:
-        return rebase_paths(data, folder, site)
+    return load_jobs(path, site, overrides, on_missing=on_missing, made_earlier=made_earlier)[0]
 
-    return resolve(read_spec(path, overrides, rebase), site, origin=Path(path), on_missing=on_missing,
-                   made_earlier=made_earlier)
+
+def load_jobs(path: str | Path, site: Site, overrides: list[str] | None = None,
+              variants: Sequence[Sequence[str]] = ((),), *, on_missing: Warn | None = None,
+              made_earlier: Collection[Path] = ()) -> list[Job[Any]]:
+    """One job per variant (a sweep task's own overrides), the file read once: its relative
+    paths resolved against its folder, then the overrides applied (their paths against the
+    current folder), the spec validated, its params parsed and the job checked against `site`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"job spec {str(path)!r} does not exist")
+    data = rebase_paths(read_yaml(path), path.resolve().parent, site)
+    jobs = []
+    for extra in variants:
+        sets = [*(overrides or []), *extra]
+        varied = rebase_paths(apply_overrides(data, sets, "job"), Path.cwd(), site) if sets else data
+        jobs.append(resolve(validate(JobSpec, varied, path), site, origin=path, on_missing=on_missing,
+                            made_earlier=made_earlier))
+    return jobs
 
 
 def path_fields(model: type[BaseModel]) -> dict[str, SpecPath]:
