@@ -131,3 +131,26 @@ def test_a_pruning_error_reaches_every_rank_as_the_same_error(tmp_path: Path) ->
     assert errors[0] == errors[1], errors
     assert errors[0].startswith(f"checkpoint {tmp_path / 'step_00000001.h5'} is committed, but removing older "
                                 f"checkpoints failed: Permission denied ({tmp_path / 'step_00000000.h5'})")
+
+
+def test_a_synchronous_save_waits_for_the_background_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 100 in the background (its write held for 1 s), then step 200 at once: 200 stays the
+    latest, never the older step committed last."""
+    import threading
+
+    from hpcdist.store import checkpoints as module
+
+    write = module.write_tree
+
+    def slow_in_the_thread(*args: object, **kwargs: object) -> object:
+        if threading.current_thread().name.startswith("hpcdist-checkpoint"):
+            time.sleep(1.0)
+        return write(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(module, "write_tree", slow_in_the_thread)
+    store = CheckpointStore(tmp_path)
+    store.save_async(100, {"net": {"w": torch.ones(4)}})
+    store.save(200, {"net": {"w": torch.full((4,), 2.0)}})
+    store.wait()
+    assert store.latest() == store.path(200) and store.steps() == [100, 200]
+    assert np.array_equal(store.load_latest().tree["net"]["w"], np.full(4, 2.0, np.float32))  # type: ignore[union-attr]

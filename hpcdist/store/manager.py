@@ -52,7 +52,16 @@ class CheckpointStore:
     def save(
         self, step: int, state: Mapping[str, Any], *, epoch: int = 0, attrs: Mapping[str, Any] | None = None
     ) -> checkpoints.SaveStats:
-        """Write and commit `state` as step `step`, then keep only the newest `keep_last`."""
+        """Write and commit `state` as step `step`, then keep only the newest `keep_last`.
+
+        An asynchronous save in flight is waited for first, and its error, if it failed, is raised
+        here (this save is then not started): saves commit in the order they were called, so
+        ``latest`` never goes back to an older step.
+        """
+        self.wait()
+        return self._save(step, state, epoch, dict(attrs or {}))
+
+    def _save(self, step: int, state: Mapping[str, Any], epoch: int, attrs: dict[str, Any]) -> checkpoints.SaveStats:
         return checkpoints.save(self.directory, step, state, epoch=epoch, attrs=attrs, keep_last=self.keep_last)
 
     def save_async(
@@ -73,7 +82,7 @@ class CheckpointStore:
         self._pending = self._writer.submit(self._write, step, copied, epoch, dict(attrs or {}))
 
     def _write(self, step: int, state: Tree, epoch: int, attrs: dict[str, Any]) -> checkpoints.SaveStats:
-        stats = self.save(step, state, epoch=epoch, attrs=attrs)
+        stats = self._save(step, state, epoch, attrs)  # not `save`: it waits for this very thread
         self._spare = state
         return stats
 
