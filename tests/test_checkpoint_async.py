@@ -32,7 +32,7 @@ def test_async_save_commits_the_state_as_it_was_at_the_call(tmp_path: Path) -> N
     assert stats is not None and stats.path == store.path(1) and store.latest() == stats.path
     got = store.load(1)
     assert np.array_equal(got.tree["net"]["w"], np.arange(12, dtype=np.float32).reshape(3, 4))
-    assert got.tree["meta"]["lr"] == 0.1 and got.tree["net"]["b"].dtype == np.float32
+    assert got.tree["meta"]["lr"] == 0.1 and got.tree["net"]["b"].dtype == torch.bfloat16
     store.save_async(2, {"net": {"w": w, "b": torch.zeros(3)}, "meta": {"lr": 0.2}})  # reuses step 1's arrays
     store.save_async(3, {"net": {"w": w * 2, "b": torch.zeros(3)}, "meta": {"lr": 0.3}})  # waits for step 2
     assert store.wait() is not None and store.wait() is None

@@ -30,7 +30,7 @@ def test_nested_state_round_trips(tmp_path: Path) -> None:
     got = store.load(3)
     assert got.step == 3 and got.epoch == 1 and got.attrs["note"] == "hello"
     assert np.array_equal(got.tree["net"]["w"], s["net"]["w"].numpy())
-    assert got.tree["net"]["b"].dtype == np.float32  # bfloat16 is stored as float32
+    assert got.tree["net"]["b"].dtype == torch.bfloat16  # its bits and its dtype
     assert got.tree["meta"]["lr"] == 0.5 and got.tree["meta"]["name"] == "run-a"
     assert got.tree["meta"]["tags"] == ["x", "y"] and np.array_equal(got.tree["meta"]["order"], np.arange(5))
 
@@ -149,3 +149,51 @@ def test_a_leaf_hdf5_cannot_store_is_named_and_nothing_is_written(tmp_path: Path
     assert store.wait() is None
     assert store.steps() == [1] and store.latest() == tmp_path / "step_00000001.h5"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001.h5"]
+
+
+# Every dtype a state_dict holds, and the float8 kinds this torch has on the CPU.
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
+          torch.int64, torch.uint8, torch.bool, torch.complex64] + [
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, n)]
+
+
+def sample(dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(len(str(dtype)))
+    if dtype == torch.bool:
+        return torch.rand(5, 3, generator=g) > 0.5
+    if dtype.is_complex:
+        return torch.randn(5, 3, dtype=dtype, generator=g)
+    if dtype.is_floating_point:
+        return (torch.randn(5, 3, generator=g) * 3).abs().to(dtype)  # e8m0 has no sign
+    return torch.randint(-100 if dtype.is_signed else 0, 100, (5, 3), generator=g).to(dtype)
+
+
+def test_every_tensor_dtype_comes_back_with_its_dtype_and_bits(tmp_path: Path) -> None:
+    """bfloat16 and float8 (which NumPy lacks) are stored as bits with their dtype's name; every
+    dtype comes back bit for bit, through the indexed read, through HDF5, after a background
+    save's copy, and through ``ctx.checkpoints``' codec."""
+    import json
+
+    from hpcdist.api import decode, encode
+
+    want = {str(d).removeprefix("torch."): sample(d) for d in DTYPES}
+    store = CheckpointStore(tmp_path)
+    store.save(1, {"net": want, "state": encode(want)})
+    store.save_async(2, {"net": want})
+    store.wait()
+    path = store.path(1)
+    with h5py.File(path, "r") as f:  # a plain HDF5 reader sees the bits and the dtype's name
+        assert f["net/bfloat16"].dtype == np.uint16 and f["net/bfloat16"].attrs["torch_dtype"] == "bfloat16"
+    hdf5_only = tmp_path / "no_index.h5"
+    hdf5_only.write_bytes(path.read_bytes())
+    with h5py.File(hdf5_only, "r+") as f:
+        assert json.loads(f.attrs["index_json"])["dtypes"]["/net/bfloat16"] == "bfloat16"
+        del f.attrs["index_json"]
+    reads = {"indexed": read(path).tree["net"], "background": store.load(2).tree["net"],
+             "hdf5": read(hdf5_only).tree["net"], "codec": decode(read(path).tree["state"])}
+    for how, tree in reads.items():
+        for name, tensor in want.items():
+            got = torch.as_tensor(tree[name])
+            assert got.dtype == tensor.dtype, (how, name, got.dtype)
+            assert torch.equal(got.view(torch.uint8), tensor.view(torch.uint8)), (how, name)
