@@ -86,6 +86,56 @@ def test_background_saves_commit_in_order_and_a_tree_keeps_its_own_layout(tmp_pa
     assert read(ckpts.directory) is None
 
 
+def slow_background_writes(monkeypatch: pytest.MonkeyPatch, fault: str = "") -> None:
+    """The checkpoint thread's writes take 1 s (and then fail with a full disk, with `fault`)."""
+    import errno
+    import threading
+
+    from hpcdist.store import checkpoints as module
+
+    write = module.write_tree
+
+    def slow(*args: object, **kwargs: object) -> object:
+        if threading.current_thread().name.startswith("hpcdist-checkpoint"):
+            time.sleep(1.0)
+            if fault:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return write(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(module, "write_tree", slow)
+
+
+@pytest.mark.parametrize("leave", ["requeue", "release"])
+def test_requeue_and_release_wait_for_the_background_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          leave: str) -> None:
+    from hpcdist.runtime.requeue import Requeued
+
+    slow_background_writes(monkeypatch)
+    ctx = one_rank(tmp_path)
+    ctx._requeue = lambda: ""  # as submitit's requeue, which returns before Slurm's kill
+    ckpts = ctx.checkpoints
+    ckpts.save(5, {"w": torch.ones(4)}, background=True)
+    if leave == "requeue":
+        with pytest.raises(Requeued):
+            ctx.requeue()
+    else:
+        ctx.release()
+        assert read(ckpts.directory) is None  # the claim is dropped, after the write
+    assert ckpts.store.latest() == ckpts.store.path(5)  # committed before the job could be killed
+
+
+def test_requeue_reports_a_background_save_that_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    slow_background_writes(monkeypatch, fault="full disk")
+    ctx = one_rank(tmp_path)
+    ctx._requeue = lambda: ""
+    ctx.checkpoints.save(5, {"w": torch.ones(4)}, background=True)
+    ctx.results.attrs["loss"] = 1.0
+    with pytest.raises(CheckpointError, match="step_00000005.h5 failed: no space left on the device"):
+        ctx.requeue()
+    assert read_attrs(tmp_path / "r.h5")["complete"] is False
+    assert ctx.checkpoints.store.latest() is None
+
+
 # ---------------------------------------------------------------- the directory claim
 
 

@@ -161,9 +161,10 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
 
 
 def _release_at_exit(ctx: Context) -> None:
-    """A script that never called close(): its claim must not outlive it (no collectives here)."""
+    """A script that never called close(): its claim must not outlive it (no collectives here),
+    and a background save in flight ends first (``Context.release``)."""
     if ctx._checkpoints is not None:
-        ctx._checkpoints.release()
+        ctx.release()
 
 
 def _site(ref: str | None) -> Site | None:
