@@ -8,6 +8,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -134,6 +135,27 @@ def test_requeue_reports_a_background_save_that_failed(tmp_path: Path, monkeypat
         ctx.requeue()
     assert read_attrs(tmp_path / "r.h5")["complete"] is False
     assert ctx.checkpoints.store.latest() is None
+
+
+def test_each_run_of_a_script_outside_a_job_has_its_own_result_file(tmp_path: Path) -> None:
+    """No launcher, no job id: two runs of the same script write two result files, each named in
+    the run's log; neither replaces the other."""
+    script = tmp_path / "mine.py"
+    script.write_text("import sys, hpcdist\nctx = hpcdist.init()\nctx.results.attrs['run'] = int(sys.argv[1])\n"
+                      "ctx.close()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC_", "OMPI_",
+                                                                     "PMI", "RANK", "WORLD_SIZE", "HPCDIST_SITE"))}
+    env["PYTHONPATH"] = str(REPO)
+    runs = [subprocess.Popen([sys.executable, str(script), str(n)], cwd=tmp_path, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for n in (1, 2)]
+    logs = [run.communicate(timeout=120)[1] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], logs
+    files = sorted((tmp_path / "hpcdist-out" / "results" / "mine").glob("*.h5"))
+    assert len(files) == 2, (files, logs)
+    assert sorted(read_attrs(f)["run"] for f in files) == [1, 2]
+    for f in files:  # each run's log says where its results are
+        assert f.name.startswith("local-") and sum(f"results in {Path('hpcdist-out/results/mine') / f.name}" in log
+                                                   for log in logs) == 1, logs
 
 
 # ---------------------------------------------------------------- the directory claim

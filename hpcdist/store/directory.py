@@ -7,13 +7,21 @@ leave. Nothing here opens an HDF5 file: the format is ``hpcdist.store.checkpoint
 
 from __future__ import annotations
 
+import os
 import re
+import time
+import uuid
 from pathlib import Path
 
 from hpcdist.store.atomic import atomic_path, is_temporary
 
 POINTER = "latest"
 _NAME = re.compile(r"^step_(\d{8})\.h5$")
+
+
+def new_run_id() -> str:
+    """A new run's id: its UTC start time, pid and random bits (unique across hosts, sorts by start)."""
+    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 def checkpoint_name(step: int) -> str:
