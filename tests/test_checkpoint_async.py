@@ -100,7 +100,7 @@ def _ranks_saving(rank: int, world: int, directory: str, fault: str) -> str:
         write = module.write_tree
         module.write_tree = lambda *a, **k: (_time.sleep(5), write(*a, **k))[1]  # type: ignore[assignment]
     if rank == 0 and fault == "prune":
-        def refuse(directory: Path, keep_last: int) -> tuple[Path, ...]:
+        def refuse(directory: Path, keep_last: int, run_of: object = None) -> tuple[Path, ...]:
             raise PermissionError(13, "Permission denied", str(Path(directory) / "step_00000000.h5"))
 
         module.prune = refuse  # type: ignore[assignment]
