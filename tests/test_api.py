@@ -8,6 +8,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -84,6 +85,77 @@ def test_background_saves_commit_in_order_and_a_tree_keeps_its_own_layout(tmp_pa
     assert np.array_equal(read_back.tree["model"]["w"], np.arange(3.0))  # at the root, as written
     ctx.close()
     assert read(ckpts.directory) is None
+
+
+def slow_background_writes(monkeypatch: pytest.MonkeyPatch, fault: str = "") -> None:
+    """The checkpoint thread's writes take 1 s (and then fail with a full disk, with `fault`)."""
+    import errno
+    import threading
+
+    from hpcdist.store import checkpoints as module
+
+    write = module.write_tree
+
+    def slow(*args: object, **kwargs: object) -> object:
+        if threading.current_thread().name.startswith("hpcdist-checkpoint"):
+            time.sleep(1.0)
+            if fault:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return write(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(module, "write_tree", slow)
+
+
+@pytest.mark.parametrize("leave", ["requeue", "release"])
+def test_requeue_and_release_wait_for_the_background_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          leave: str) -> None:
+    from hpcdist.runtime.requeue import Requeued
+
+    slow_background_writes(monkeypatch)
+    ctx = one_rank(tmp_path)
+    ctx._requeue = lambda: ""  # as submitit's requeue, which returns before Slurm's kill
+    ckpts = ctx.checkpoints
+    ckpts.save(5, {"w": torch.ones(4)}, background=True)
+    if leave == "requeue":
+        with pytest.raises(Requeued):
+            ctx.requeue()
+    else:
+        ctx.release()
+        assert read(ckpts.directory) is None  # the claim is dropped, after the write
+    assert ckpts.store.latest() == ckpts.store.path(5)  # committed before the job could be killed
+
+
+def test_requeue_reports_a_background_save_that_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    slow_background_writes(monkeypatch, fault="full disk")
+    ctx = one_rank(tmp_path)
+    ctx._requeue = lambda: ""
+    ctx.checkpoints.save(5, {"w": torch.ones(4)}, background=True)
+    ctx.results.attrs["loss"] = 1.0
+    with pytest.raises(CheckpointError, match="step_00000005.h5 failed: no space left on the device"):
+        ctx.requeue()
+    assert read_attrs(tmp_path / "r.h5")["complete"] is False
+    assert ctx.checkpoints.store.latest() is None
+
+
+def test_each_run_of_a_script_outside_a_job_has_its_own_result_file(tmp_path: Path) -> None:
+    """No launcher, no job id: two runs of the same script write two result files, each named in
+    the run's log; neither replaces the other."""
+    script = tmp_path / "mine.py"
+    script.write_text("import sys, hpcdist\nctx = hpcdist.init()\nctx.results.attrs['run'] = int(sys.argv[1])\n"
+                      "ctx.close()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC_", "OMPI_",
+                                                                     "PMI", "RANK", "WORLD_SIZE", "HPCDIST_SITE"))}
+    env["PYTHONPATH"] = str(REPO)
+    runs = [subprocess.Popen([sys.executable, str(script), str(n)], cwd=tmp_path, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for n in (1, 2)]
+    logs = [run.communicate(timeout=120)[1] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], logs
+    files = sorted((tmp_path / "hpcdist-out" / "results" / "mine").glob("*.h5"))
+    assert len(files) == 2, (files, logs)
+    assert sorted(read_attrs(f)["run"] for f in files) == [1, 2]
+    for f in files:  # each run's log says where its results are
+        assert f.name.startswith("local-") and sum(f"results in {Path('hpcdist-out/results/mine') / f.name}" in log
+                                                   for log in logs) == 1, logs
 
 
 # ---------------------------------------------------------------- the directory claim

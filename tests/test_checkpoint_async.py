@@ -32,7 +32,7 @@ def test_async_save_commits_the_state_as_it_was_at_the_call(tmp_path: Path) -> N
     assert stats is not None and stats.path == store.path(1) and store.latest() == stats.path
     got = store.load(1)
     assert np.array_equal(got.tree["net"]["w"], np.arange(12, dtype=np.float32).reshape(3, 4))
-    assert got.tree["meta"]["lr"] == 0.1 and got.tree["net"]["b"].dtype == np.float32
+    assert got.tree["meta"]["lr"] == 0.1 and got.tree["net"]["b"].dtype == torch.bfloat16
     store.save_async(2, {"net": {"w": w, "b": torch.zeros(3)}, "meta": {"lr": 0.2}})  # reuses step 1's arrays
     store.save_async(3, {"net": {"w": w * 2, "b": torch.zeros(3)}, "meta": {"lr": 0.3}})  # waits for step 2
     assert store.wait() is not None and store.wait() is None
@@ -100,7 +100,7 @@ def _ranks_saving(rank: int, world: int, directory: str, fault: str) -> str:
         write = module.write_tree
         module.write_tree = lambda *a, **k: (_time.sleep(5), write(*a, **k))[1]  # type: ignore[assignment]
     if rank == 0 and fault == "prune":
-        def refuse(directory: Path, keep_last: int) -> tuple[Path, ...]:
+        def refuse(directory: Path, keep_last: int, run_of: object = None) -> tuple[Path, ...]:
             raise PermissionError(13, "Permission denied", str(Path(directory) / "step_00000000.h5"))
 
         module.prune = refuse  # type: ignore[assignment]
@@ -131,3 +131,26 @@ def test_a_pruning_error_reaches_every_rank_as_the_same_error(tmp_path: Path) ->
     assert errors[0] == errors[1], errors
     assert errors[0].startswith(f"checkpoint {tmp_path / 'step_00000001.h5'} is committed, but removing older "
                                 f"checkpoints failed: Permission denied ({tmp_path / 'step_00000000.h5'})")
+
+
+def test_a_synchronous_save_waits_for_the_background_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 100 in the background (its write held for 1 s), then step 200 at once: 200 stays the
+    latest, never the older step committed last."""
+    import threading
+
+    from hpcdist.store import checkpoints as module
+
+    write = module.write_tree
+
+    def slow_in_the_thread(*args: object, **kwargs: object) -> object:
+        if threading.current_thread().name.startswith("hpcdist-checkpoint"):
+            time.sleep(1.0)
+        return write(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(module, "write_tree", slow_in_the_thread)
+    store = CheckpointStore(tmp_path)
+    store.save_async(100, {"net": {"w": torch.ones(4)}})
+    store.save(200, {"net": {"w": torch.full((4,), 2.0)}})
+    store.wait()
+    assert store.latest() == store.path(200) and store.steps() == [100, 200]
+    assert np.array_equal(store.load_latest().tree["net"]["w"], np.full(4, 2.0, np.float32))  # type: ignore[union-attr]

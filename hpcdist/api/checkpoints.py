@@ -41,7 +41,8 @@ class Checkpoints:
         from hpcdist.store.manager import CheckpointStore
 
         self.ctx = ctx
-        self.store: CheckpointStore = CheckpointStore(directory, keep_last=keep_last)
+        self.store: CheckpointStore = CheckpointStore(directory, keep_last=keep_last, job_id=ctx.job_id,
+                                                      report=ctx.log.warning)
         self.claim: Claim | None = None
         self.committed: list[SaveStats] = []  # rank 0: every save committed so far, oldest first
         error = ""

@@ -55,7 +55,7 @@ def decode(value: Any) -> Any:
     if hasattr(value, "dtype") and hasattr(value, "shape") and not isinstance(value, (int, float)):
         import torch
 
-        return torch.from_numpy(value)
+        return value if isinstance(value, torch.Tensor) else torch.from_numpy(value)  # bfloat16 comes as a tensor
     if isinstance(value, str) and value == _NONE:
         return None
     return value

@@ -151,11 +151,22 @@ class Context:
     def requeue(self) -> None:
         """Requeue the job (after the caller's checkpoint) and leave: every rank calls it.
 
+        A background save in flight is waited for first (a collective), so the stop-time
+        checkpoint is committed before Slurm can kill the job; if it failed, its CheckpointError is
+        raised on every rank (results written as incomplete) and the job is not requeued.
         Refused (a JobError on every rank, results written as incomplete) past the site's
         ``preemption.max_requeues`` time-outs. Where Slurm requeues the job itself (it preempted
         it) or ends it (``scancel``), rank 0 says so and every rank leaves without requeueing."""
         import torch.distributed as dist
 
+        from hpcdist.errors import CheckpointError
+
+        if self._checkpoints is not None:
+            try:
+                self._checkpoints.wait()
+            except CheckpointError:
+                self._write_results(complete=False)
+                raise
         if self._requeue is None:
             raise JobError(f"{self.name}: asked to requeue, but this launch was not started by submitit or Slurm; "
                            f"resubmit the same command to resume from the last checkpoint")
@@ -202,10 +213,20 @@ class Context:
         launch.forget(self)
 
     def release(self) -> None:
-        """After a failure: drop the checkpoint claim, no collectives, nothing written."""
+        """After a failure: drop the checkpoint claim, no collectives, no results written. A
+        background save in flight is waited for first (on rank 0), so the claim is never dropped
+        while a write goes on; its error, if it failed, is logged."""
         self._closed = True
-        if self._checkpoints is not None:
-            self._checkpoints.release()
+        if self._checkpoints is None:
+            return
+        try:
+            stats = self._checkpoints.store.wait()
+        except Exception as exc:  # a failure is being handled already: say so, do not mask it
+            self.log.error("the background checkpoint save in %s failed: %s", self._checkpoints.directory, exc)
+        else:
+            if stats is not None:
+                self.log.info("checkpoint %s committed (the background save was waited for)", stats.path)
+        self._checkpoints.release()
 
     def _write_results(self, complete: bool) -> None:
         if not self.is_main or not (self.results.attrs or self.results.tables):

@@ -143,7 +143,7 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
             group.check_in(store, info, timeout)
             group.forget_endpoint(rendezvous_dir, key, info)
             group.init_process_group(store, info, backend, timeout, device)
-    job_id = info.job_id or env.get("TORCHELASTIC_RUN_ID") or "local"
+    job_id = info.job_id or _launcher_run_id(env) or _new_local_id(info.world_size)
     storage = site.storage if site else None
     ckpt = Path(checkpoint_dir) if checkpoint_dir else under(
         storage.checkpoints if storage else Path("hpcdist-out/checkpoints"), name)
@@ -155,15 +155,35 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
                   site_json=site.model_dump_json() if site else "{}", restarts=restart_count(env),
                   max_requeues=site.preemption.max_requeues if site else None)
     atexit.register(_release_at_exit, ctx)
-    ctx.log.info("hpcdist.init: rank %d/%d on %s via %s, %s on %s", info.rank, info.world_size, info.hostname,
-                 info.launcher, backend, device)
+    ctx.log.info("hpcdist.init: rank %d/%d on %s via %s, %s on %s; job id %s, results in %s", info.rank,
+                 info.world_size, info.hostname, info.launcher, backend, device, job_id, results)
     return ctx
 
 
+def _launcher_run_id(env: dict[str, str]) -> str:
+    """torchrun's run id, unless it is its default "none" (shared by every run without --rdzv-id)."""
+    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    return "" if run_id in ("", "none") else run_id
+
+
+def _new_local_id(world_size: int) -> str:
+    """A job id for a run no launcher names: ``local-<UTC time>-<pid>-<random>``, rank 0's on every
+    rank, so each run of a script has its own result file and a rerun never replaces the last."""
+    import torch.distributed as dist
+
+    from hpcdist.store.directory import new_run_id
+
+    box = [f"local-{new_run_id()}"]
+    if world_size > 1 and dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
 def _release_at_exit(ctx: Context) -> None:
-    """A script that never called close(): its claim must not outlive it (no collectives here)."""
+    """A script that never called close(): its claim must not outlive it (no collectives here),
+    and a background save in flight ends first (``Context.release``)."""
     if ctx._checkpoints is not None:
-        ctx._checkpoints.release()
+        ctx.release()
 
 
 def _site(ref: str | None) -> Site | None:

@@ -9,7 +9,8 @@ they are met). The GPT's own checkpoint knowledge lives in ``hpcdist.model.check
   reading through HDF5 with every sha256 checked;
 - ``rawio``: writing a tree, a checkpoint's arrays by ``os.pwrite``/``os.preadv`` and its index,
   the host-memory snapshot an asynchronous save takes;
-- ``directory``: step names, the ``latest`` pointer, listing, retention, temporaries;
+- ``directory``: step names, the ``latest`` pointer and the run it names, listing, retention,
+  temporaries, setting an earlier run's files aside;
 - ``checkpoints``: the ``hpcdist.checkpoint`` format: save (commit), read and verify, headers;
 - ``discovery``: the newest committed checkpoint that verifies, with reasons for each one skipped;
 - ``manager``: ``CheckpointStore``, one directory as an object (the public checkpoint API);

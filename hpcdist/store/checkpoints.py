@@ -5,12 +5,15 @@ Format ``hpcdist.checkpoint`` version 1 (readable by ``h5dump`` and by plain ``h
 - Files ``<checkpoint dir>/step_<step:08d>.h5``. Each is written under a hidden temporary name in
   the same directory, flushed and fsynced, renamed onto its final name (``hpcdist.store.atomic``),
   and only then *committed* by atomically rewriting the pointer file ``<dir>/latest``, whose
-  whole content is the committed file's name (``step_00000120.h5``). A reader trusts only
-  committed files: the one ``latest`` names, or older ones. Files newer than the pointer (a
-  writer killed between rename and commit) are ignored.
+  last line is the committed file's name (``step_00000120.h5``), after a line ``run <id>`` naming
+  the run that committed it (``hpcdist.store.directory``). A reader trusts only committed files:
+  the one ``latest`` names, or older ones of the same run. Files newer than the pointer (a
+  writer killed between rename and commit) and files of another run are ignored.
 - Root attributes: ``format = "hpcdist.checkpoint"``, ``format_version = 1``, ``step``,
-  ``epoch``, ``created`` (UTC ISO 8601), ``hpcdist_version``, and those the caller adds (the GPT
-  layer adds ``model_config_json``, see ``hpcdist.model.checkpoint``).
+  ``epoch``, ``created`` (UTC ISO 8601), ``hpcdist_version``, ``run_id`` (the run that wrote it;
+  absent from files of earlier builds and of writers that name no run), ``job_id`` (the job that
+  wrote it, when known), and those the caller adds (the GPT layer adds ``model_config_json``,
+  see ``hpcdist.model.checkpoint``).
 - Root attribute ``index_json`` (optional: files of earlier hpcdist 0.1.0 builds lack it):
   the tree's groups, and for each numeric dataset its path, byte offset in the file, dtype,
   shape and sha256 (``hpcdist.store.rawio.TreeIndex``). Such datasets are contiguous and
@@ -48,6 +51,8 @@ from hpcdist.store.tree import DatasetInfo, Tree, attr_value, describe_group, pl
 FORMAT = "hpcdist.checkpoint"
 FORMAT_VERSION = 1
 ROOT_ATTRS = ("format", "format_version", "step", "epoch", "created")
+RUN_ATTR = "run_id"  # root attribute: the run that wrote the file (`hpcdist.store.directory`)
+JOB_ATTR = "job_id"  # root attribute: the job that wrote it (a requeue is the same job)
 INDEX_ATTR = "index_json"  # optional: where each array lies (`TreeIndex`), for the fast read
 # HDF5 gathers object headers in blocks of this size (2 KiB by default), so the arrays' bytes
 # lie in a few long runs that the writer writes with one call each, not one per dataset
@@ -81,12 +86,16 @@ def save(
     epoch: int = 0,
     attrs: Mapping[str, Any] | None = None,
     keep_last: int | None = None,
+    run_id: str = "",
+    job_id: str = "",
 ) -> SaveStats:
-    """Write, fsync, rename and commit `step_<step>.h5`; then drop all but the newest `keep_last`.
+    """Write, fsync, rename and commit `step_<step>.h5`; then drop all but the newest `keep_last`
+    of its run.
 
-    `attrs` are extra root attributes. On any failure (no space left included) the temporary
-    file is removed, the pointer and the previous checkpoints are untouched, and a
-    CheckpointError names the path.
+    `attrs` are extra root attributes; `run_id` (the run the commit belongs to) and `job_id` (the
+    writer's job) are recorded in the file and the run in the pointer. On any failure (no space
+    left included) the temporary file is removed, the pointer and the previous checkpoints are
+    untouched, and a CheckpointError names the path.
     """
     import h5py
 
@@ -106,6 +115,10 @@ def save(
                     f.attrs[key] = attr_value(value)
                 f.attrs["created"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
                 f.attrs["hpcdist_version"] = __version__
+                if run_id:
+                    f.attrs[RUN_ATTR] = run_id
+                if job_id:
+                    f.attrs[JOB_ATTR] = job_id
                 index = write_tree(f, tree, raw=tmp)
                 f.attrs[INDEX_ATTR] = index.to_json()
             except BaseException:
@@ -114,18 +127,34 @@ def save(
                 raise
             f.close()
         nbytes = final.stat().st_size
-        write_pointer(directory, final.name)
+        write_pointer(directory, final.name, run_id)
     except (OSError, RuntimeError) as exc:  # h5py reports a failed flush at close as RuntimeError
         raise CheckpointError(_write_failure(final, exc)) from exc
     seconds = time.perf_counter() - t0
     try:
-        removed = prune(directory, keep_last) if keep_last else ()
+        removed = prune(directory, keep_last, run_of) if keep_last else ()
     except OSError as exc:
         raise CheckpointError(
             f"checkpoint {final} is committed, but removing older checkpoints failed: {exc.strerror or exc} "
             f"({exc.filename or directory}); fix the permissions or space of {directory}"
         ) from exc
     return SaveStats(final, nbytes, seconds, removed)
+
+
+def written_by(path: Path | str) -> tuple[str, str]:
+    """(run id, job id) a checkpoint file records ("" for what it does not), without reading data."""
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            return str(plain(f.attrs.get(RUN_ATTR, ""))), str(plain(f.attrs.get(JOB_ATTR, "")))
+    except (OSError, KeyError, ValueError, RuntimeError) as exc:
+        raise _open_failure(Path(path), exc) from exc
+
+
+def run_of(path: Path | str) -> str:
+    """The run a checkpoint file records ("" for a file of an earlier build)."""
+    return written_by(path)[0]
 
 
 def _write_failure(final: Path, exc: Exception) -> str:

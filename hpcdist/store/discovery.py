@@ -1,9 +1,9 @@
 """Finding the checkpoint to use in a directory: the newest committed one that verifies.
 
 `scan` reports, as data, every file it skipped and why (truncated, flipped byte, written after
-the last commit, dangling or empty pointer, temporaries of killed writers); `find_latest` logs
-the same. `resolve` is the non-verifying lookup for a user-given path: a file, or the file a
-directory's ``latest`` names.
+the last commit, written by another run, dangling or empty pointer, temporaries of killed
+writers); `find_latest` logs the same. `resolve` is the non-verifying lookup for a user-given
+path: a file, or the file a directory's ``latest`` names.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcdist.errors import CheckpointError
-from hpcdist.store.checkpoints import Checkpoint, read
-from hpcdist.store.directory import POINTER, checkpoints_in, read_pointer, step_of, temporaries_in
+from hpcdist.store.checkpoints import RUN_ATTR, Checkpoint, read, run_of
+from hpcdist.store.directory import POINTER, checkpoints_in, read_commit, read_pointer, step_of, temporaries_in
+from hpcdist.store.tree import plain
 
 log = logging.getLogger("hpcdist")
 
@@ -29,6 +30,7 @@ class Scan:
     pointer_problem: str = ""
     temporaries: list[Path] = field(default_factory=list)
     checkpoint: Checkpoint | None = None  # `latest` as read while verifying, when `scan(keep=True)`
+    run_id: str | None = None  # the run `latest` belongs to ("" for a file of an earlier build)
 
     def report(self) -> list[str]:
         lines = []
@@ -50,11 +52,14 @@ def scan(directory: Path | str, *, keep: bool = False) -> Scan:
 
     With `keep`, the verified read of that checkpoint is kept (`Scan.checkpoint`), so a caller
     that loads it next does not read the file twice.
+    Only files of the run the pointer names are candidates (any file when no pointer says which):
+    another run's files are skipped, never resumed.
     """
     directory = Path(directory)
     files = checkpoints_in(directory)
     temporaries = temporaries_in(directory)
-    pointer, problem = read_pointer(directory)
+    commit = read_commit(directory)
+    pointer, problem = commit.path, commit.problem
     if not files:
         has_pointer = (directory / POINTER).exists()
         return Scan(None, pointer_problem=problem if has_pointer else "", temporaries=temporaries)
@@ -69,12 +74,21 @@ def scan(directory: Path | str, *, keep: bool = False) -> Scan:
         candidates = files
     for path in candidates:
         try:
+            if commit.run is not None and (other := run_of(path)) != commit.run:
+                skipped.append((path, f"written by another run ({_run_name(other)}; {POINTER} names "
+                                      f"{_run_name(commit.run)})"))
+                continue
             loaded = read(path, verify=True)
         except CheckpointError as exc:
             skipped.append((path, str(exc).removeprefix(f"{path}: ")))
             continue
-        return Scan(path, skipped, problem, temporaries, loaded if keep else None)
+        run = str(plain(loaded.attrs.get(RUN_ATTR, "")))
+        return Scan(path, skipped, problem, temporaries, loaded if keep else None, run)
     return Scan(None, skipped, problem, temporaries)
+
+
+def _run_name(run: str) -> str:
+    return f"run {run}" if run else "a run of an earlier build, with no run id"
 
 
 def find_latest(directory: Path | str, report: Callable[[str], None] | None = None) -> Path | None:

@@ -11,13 +11,21 @@
     store.wait()                         # the stats of the save in flight, or its error
 
 State is a nested dict (``hpcdist.store.tree``): tensors and arrays are stored with their
-sha256, other values as attributes. The class only binds the module functions of
+sha256, other values as attributes.
+
+A store writes for one *run* (``hpcdist.store.directory``): the run of the checkpoint
+`load_latest` (or `continue_run`) resumed; else, at the first save, the run of the committed
+checkpoint when this same job wrote it (a requeue that does not load), else a new run
+(`start_run`), which first moves the files it finds into ``previous/`` and says so in one line.
+Its saves, `steps` and pruning see only that run's files. The class only binds the module functions of
 ``hpcdist.store.checkpoints``, ``directory`` and ``discovery`` to a directory and a retention;
 ``claim`` takes the directory for one writer (``hpcdist.store.claim``).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -31,13 +39,24 @@ from hpcdist.store.tree import Tree
 if TYPE_CHECKING:
     from hpcdist.store.claim import Claim, Holder
 
+log = logging.getLogger("hpcdist")
+
 
 class CheckpointStore:
     """The checkpoints of one directory: save and commit, load (verified), discover and prune."""
 
-    def __init__(self, path: Path | str, *, keep_last: int | None = None) -> None:
+    def __init__(self, path: Path | str, *, keep_last: int | None = None, job_id: str | None = None,
+                 report: Callable[[str], None] | None = None) -> None:
+        """`job_id`: the writer's job (a requeue keeps it; default: Slurm's or submitit's job id
+        from the environment); `report`: where the line about files set aside goes (the hpcdist
+        log's warnings by default)."""
         self.directory = Path(path)
         self.keep_last = keep_last
+        if job_id is None:
+            job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID") or ""
+        self.job_id = job_id
+        self.report = report or log.warning
+        self.run_id: str | None = None  # the run this store writes for, once known
         self._pending: Future[checkpoints.SaveStats] | None = None
         self._writer: ThreadPoolExecutor | None = None
         self._spare: Tree | None = None  # the last snapshot, once written: its arrays are reused
@@ -52,8 +71,56 @@ class CheckpointStore:
     def save(
         self, step: int, state: Mapping[str, Any], *, epoch: int = 0, attrs: Mapping[str, Any] | None = None
     ) -> checkpoints.SaveStats:
-        """Write and commit `state` as step `step`, then keep only the newest `keep_last`."""
-        return checkpoints.save(self.directory, step, state, epoch=epoch, attrs=attrs, keep_last=self.keep_last)
+        """Write and commit `state` as step `step`, then keep only the newest `keep_last`.
+
+        An asynchronous save in flight is waited for first, and its error, if it failed, is raised
+        here (this save is then not started): saves commit in the order they were called, so
+        ``latest`` never goes back to an older step.
+        """
+        self.wait()
+        return self._save(step, state, epoch, dict(attrs or {}), self._run())
+
+    def _save(self, step: int, state: Mapping[str, Any], epoch: int, attrs: dict[str, Any],
+              run_id: str) -> checkpoints.SaveStats:
+        return checkpoints.save(self.directory, step, state, epoch=epoch, attrs=attrs, keep_last=self.keep_last,
+                                run_id=run_id, job_id=self.job_id)
+
+    def _run(self) -> str:
+        """The run this store writes for: the one it resumed, this job's own, or a new one."""
+        if self.run_id is None:
+            commit = layout.read_commit(self.directory)
+            try:
+                run, job = checkpoints.written_by(commit.path) if commit.path else ("", "")
+            except Exception:
+                run, job = "", ""
+            if commit.path is not None and self.job_id and job == self.job_id and run == commit.run:
+                self.run_id = run  # a requeue of the job that committed it: the same run
+            else:
+                self.start_run()
+        assert self.run_id is not None
+        return self.run_id
+
+    def continue_run(self, run_id: str) -> None:
+        """Write for run `run_id` (that of the checkpoint the caller resumed from)."""
+        self.run_id = run_id
+
+    def start_run(self, why: str = "") -> str:
+        """Begin a new run: the checkpoint files and pointer already here (another run's) move to
+        ``previous/`` (kept, never resumed or pruned by this run), said in one line that begins
+        with `why`; its id."""
+        old = layout.read_commit(self.directory).run
+        self.run_id = layout.new_run_id()
+        dest, moved = layout.set_aside(self.directory, old)
+        if moved:
+            steps = [s for s in (layout.step_of(p) for p in moved) if s is not None]
+            pointer = f" and their {layout.POINTER}" if any(p.name == layout.POINTER for p in moved) else ""
+            self.report(
+                f"{why + ': ' if why else ''}new run {self.run_id} in {self.directory}: moved the {len(steps)} "
+                f"checkpoint(s) already there (steps {', '.join(map(str, sorted(steps))) or 'none'}"
+                f"{f', run {old}' if old else ''}){pointer} to {dest}; they are kept there, "
+                f"and this run never resumes or prunes them"
+            )
+        return self.run_id
 
     def save_async(
         self, step: int, state: Mapping[str, Any], *, epoch: int = 0, attrs: Mapping[str, Any] | None = None
@@ -66,14 +133,15 @@ class CheckpointStore:
         `wait` before the process ends to learn the outcome of the last one.
         """
         self.wait()
+        run_id = self._run()
         copied = snapshot(state, self._spare)
         self._spare = None
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcdist-checkpoint")
-        self._pending = self._writer.submit(self._write, step, copied, epoch, dict(attrs or {}))
+        self._pending = self._writer.submit(self._write, step, copied, epoch, dict(attrs or {}), run_id)
 
-    def _write(self, step: int, state: Tree, epoch: int, attrs: dict[str, Any]) -> checkpoints.SaveStats:
-        stats = self.save(step, state, epoch=epoch, attrs=attrs)
+    def _write(self, step: int, state: Tree, epoch: int, attrs: dict[str, Any], run_id: str) -> checkpoints.SaveStats:
+        stats = self._save(step, state, epoch, attrs, run_id)  # not `save`: it waits for this very thread
         self._spare = state
         return stats
 
@@ -97,16 +165,20 @@ class CheckpointStore:
         return discovery.scan(self.directory)
 
     def load_latest(self, report: Callable[[str], None] | None = None) -> checkpoints.Checkpoint | None:
-        """The newest committed checkpoint that verifies (read once), or None; skipped files are reported."""
-        return discovery.scan(self.directory, keep=True).tell(report).checkpoint
+        """The newest committed checkpoint that verifies (read once), or None; skipped files are
+        reported. The store then writes for that checkpoint's run (`continue_run`)."""
+        found = discovery.scan(self.directory, keep=True).tell(report)
+        if found.checkpoint is not None and found.run_id is not None:
+            self.continue_run(found.run_id)
+        return found.checkpoint
 
     def latest(self) -> Path | None:
         """The committed checkpoint the ``latest`` pointer names (not verified), or None."""
         return layout.read_pointer(self.directory)[0]
 
     def steps(self) -> list[int]:
-        """Steps of the committed checkpoints present, oldest first."""
-        return sorted(layout.step_of(p) or 0 for p in layout.committed_in(self.directory))
+        """Steps of the committed checkpoints present (of the pointer's run), oldest first."""
+        return sorted(layout.step_of(p) or 0 for p in layout.committed_in(self.directory, checkpoints.run_of))
 
     def verify(self, step: int) -> None:
         """Raise a CheckpointError saying why step `step` cannot be trusted."""
@@ -114,7 +186,7 @@ class CheckpointStore:
 
     def prune(self) -> tuple[Path, ...]:
         """Drop committed checkpoints beyond the newest `keep_last` (none when it is unset)."""
-        return layout.prune(self.directory, self.keep_last) if self.keep_last else ()
+        return layout.prune(self.directory, self.keep_last, checkpoints.run_of) if self.keep_last else ()
 
     def claim(self, holder: Holder | None = None) -> Claim:
         """Claim the directory for one writer (this process by default); a second run fails at

@@ -21,7 +21,7 @@ import sys
 import threading
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +29,20 @@ import numpy as np
 
 from hpcdist.errors import CheckpointError
 from hpcdist.store import hostmem
-from hpcdist.store.tree import Check, Tree, check_digests, check_leaf, flatten, hash_threads, plain, sha256_of
+from hpcdist.store.tree import (
+    DTYPE_ATTR,
+    Check,
+    Tree,
+    check_digests,
+    check_leaf,
+    flatten,
+    from_bits,
+    hash_threads,
+    plain,
+    sha256_of,
+    tensor_array,
+    torch_dtype_name,
+)
 
 if TYPE_CHECKING:
     import h5py
@@ -49,7 +62,9 @@ def snapshot(tree: Mapping[str, Any], reuse: Mapping[str, Any] | None = None, pr
 
     Every array or tensor leaf is copied into a NumPy array: into the same-shaped array of
     `reuse` (an earlier snapshot no longer in use, so no fresh pages are faulted in) when there is
-    one, else into a new one. Other leaves are kept (they are immutable values or lists of them).
+    one, else into a new one. A tensor of a dtype NumPy lacks (bfloat16) is copied as its bits
+    and kept as a CPU tensor of its dtype over that copy. Other leaves are kept (they are
+    immutable values or lists of them).
     This is all an asynchronous save blocks for; a leaf HDF5 cannot store raises here, at the
     call, as a CheckpointError naming it (`check_leaf`).
     """
@@ -64,15 +79,18 @@ def snapshot(tree: Mapping[str, Any], reuse: Mapping[str, Any] | None = None, pr
         if src is None:
             out[key] = list(value) if isinstance(value, list) else value
             continue
-        if isinstance(old, np.ndarray) and old.shape == src.shape and old.dtype == src.dtype:
-            np.copyto(old, src)
+        bits = torch_dtype_name(value)  # "" unless the copy is kept as a tensor of that dtype
+        mine = _host_view(old) if old is not None and torch_dtype_name(old) == bits else None
+        if isinstance(mine, np.ndarray) and mine.shape == src.shape and mine.dtype == src.dtype:
+            np.copyto(mine, src)
             out[key] = old
-        elif src is not value and not isinstance(value, np.ndarray) and not _on_cpu(value):
-            out[key] = src  # already a fresh host copy (from a device)
+            continue
+        if src is not value and not isinstance(value, np.ndarray) and not _on_cpu(value):
+            copy = src  # already a fresh host copy (from a device)
         else:
             copy = hostmem.empty(src.shape, src.dtype)  # 4 KiB pages, as a torch copy: see hostmem
             np.copyto(copy, src)
-            out[key] = copy
+        out[key] = from_bits(copy, bits) if bits else copy
     return out
 
 
@@ -85,10 +103,7 @@ def _host_view(value: Any) -> np.ndarray | None:
     if isinstance(value, np.ndarray):
         return value
     if hasattr(value, "detach") and hasattr(value, "numpy"):
-        t = value.detach()
-        if str(t.dtype) == "torch.bfloat16":
-            t = t.float()
-        return np.asarray(t.cpu().numpy())
+        return tensor_array(value)
     return None
 
 
@@ -120,21 +135,27 @@ class TreeIndex:
     placed: list[Placed]
     others: list[str]  # datasets read through HDF5 (empty, strings, non-native)
     nbytes: int = 0
+    dtypes: dict[str, str] = field(default_factory=dict)  # dataset -> torch dtype its bits hold (`DTYPE_ATTR`)
 
     def to_json(self) -> str:
-        return json.dumps({
+        data: dict[str, Any] = {
             "groups": self.groups,
             "datasets": [[p.name, p.offset, p.dtype, list(p.shape), p.sha256] for p in self.placed],
             "others": self.others,
             "bytes": self.nbytes,
-        }, separators=(",", ":"))
+        }
+        if self.dtypes:  # only then: a file without such tensors is the same as before
+            data["dtypes"] = self.dtypes
+        return json.dumps(data, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> TreeIndex:
         data = json.loads(text)
         placed = [Placed(str(n), int(o), str(t), tuple(int(x) for x in shape), str(h))
                   for n, o, t, shape, h in data["datasets"]]
-        return cls([str(g) for g in data["groups"]], placed, [str(o) for o in data["others"]], int(data["bytes"]))
+        dtypes = {str(k): str(v) for k, v in data.get("dtypes", {}).items()}
+        return cls([str(g) for g in data["groups"]], placed, [str(o) for o in data["others"]], int(data["bytes"]),
+                   dtypes)
 
 
 def _raw_layout() -> Any:
@@ -198,9 +219,12 @@ class _Objects:
         return h5py.h5d.create(self.group(parent), leaf.encode(), dtype, space, dcpl=self.dcpl)
 
     def set_sha256(self, dset: Any, digest: str) -> None:
+        self.set_text(dset, b"sha256", digest)
+
+    def set_text(self, dset: Any, name: bytes, value: str) -> None:
         import h5py
 
-        h5py.h5a.create(dset, b"sha256", self.text_type, self.scalar).write(np.array(digest, dtype=self.text))
+        h5py.h5a.create(dset, name, self.text_type, self.scalar).write(np.array(value, dtype=self.text))
 
 
 def _raw_ok(arr: np.ndarray) -> bool:
@@ -338,7 +362,7 @@ def write_tree(f: h5py.Group, tree: Mapping[str, Any], raw: Path | None = None) 
     Batches of BATCH_BYTES go to the writer as soon as their datasets exist; each batch's
     sha256 attributes are set as soon as its hashes are done.
     """
-    arrays, attrs = flatten(tree)
+    arrays, attrs, dtypes = flatten(tree)
     objs = _Objects(f)
     base = f.name.rstrip("/")
     for name, key, value in attrs:
@@ -365,6 +389,8 @@ def write_tree(f: h5py.Group, tree: Mapping[str, Any], raw: Path | None = None) 
                     else:
                         dset = objs.high(parent).create_dataset(leaf, data=arr).id
                         others.append(f"{base}/{name}")
+                    if name in dtypes:
+                        objs.set_text(dset, DTYPE_ATTR.encode(), dtypes[name])
                     dsets.append(dset)
                 if writer is not None:
                     writer.write(parts, last=n == len(batches) - 1)
@@ -385,7 +411,8 @@ def write_tree(f: h5py.Group, tree: Mapping[str, Any], raw: Path | None = None) 
         for i, offset in offsets.items()
     ]
     group_names = sorted((f"{base}/{g}" for g in objs.ids if g), key=lambda g: (g.count("/"), g))
-    return TreeIndex(group_names, placed, others, sum(a.nbytes for _, a in arrays))
+    return TreeIndex(group_names, placed, others, sum(a.nbytes for _, a in arrays),
+                     {f"{base}/{name}": dtype for name, dtype in dtypes.items()})
 
 
 # ---------------------------------------------------------------- reading
@@ -431,7 +458,7 @@ def read_indexed(
             recorded = str(plain(item.attrs.get("sha256", "")))
             checks.append((name, pool.submit(sha256_of, arr) if verify else None, recorded))
             parent, _, leaf = name.rpartition("/")
-            node(parent)[leaf] = arr
+            node(parent)[leaf] = from_bits(arr, index.dtypes[name]) if name in index.dtypes else arr
         fd = os.open(path, os.O_RDONLY)
         try:
             for p in (p for p in index.placed if selected(p.name)):
@@ -441,7 +468,7 @@ def read_indexed(
                 nbytes += arr.nbytes
                 checks.append((p.name, pool.submit(sha256_of, arr) if verify else None, p.sha256))
                 parent, _, leaf = p.name.rpartition("/")
-                node(parent)[leaf] = arr
+                node(parent)[leaf] = from_bits(arr, index.dtypes[p.name]) if p.name in index.dtypes else arr
         finally:
             os.close(fd)
         check_digests(checks, verify=verify, where=where)

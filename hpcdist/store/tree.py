@@ -5,6 +5,11 @@ dataset carrying the attribute ``sha256`` (hex SHA-256 of its C-order bytes), an
 number, a string, a list of strings) becomes an attribute of its group. Reading gives back the
 same shape: groups as dicts, datasets as NumPy arrays, attributes as plain Python values.
 
+A tensor of a dtype NumPy has no type for (``bfloat16``, the ``float8_*`` kinds, ``complex32``)
+is stored as its bits, in the unsigned integer of the same size, with the dataset attribute
+``torch_dtype`` naming its dtype; it is read back as a CPU tensor of that dtype, bit for bit
+(torch is imported then, and only then). Plain HDF5 readers see the unsigned integers.
+
 This module owns that format: the attribute converters (`attr_value` in, `plain` out), the
 flattening of a tree into datasets and attributes, the hashes, reading through HDF5 with every
 sha256 checked (hashing in threads: hashlib releases the GIL) and describing a group without
@@ -31,6 +36,10 @@ if TYPE_CHECKING:
 
 Tree = dict[str, Any]  # nested: dict -> group, array/tensor -> dataset, scalar/str -> attribute
 HASH_THREADS = 8
+DTYPE_ATTR = "torch_dtype"  # a dataset's torch dtype, where NumPy has none: the data are its bits
+# torch dtypes NumPy holds as they are; any other is stored as bits (`torch_bits`)
+_NUMPY_DTYPES = frozenset({"float16", "float32", "float64", "complex64", "complex128", "bool", "int8", "int16",
+                           "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
 STREAM_CHUNK_BYTES = 16 << 20
 
 
@@ -85,15 +94,42 @@ def _string_list(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, str) for v in value)
 
 
+def torch_dtype_name(value: Any) -> str:
+    """The dtype's name of a tensor that NumPy cannot hold ("bfloat16"), else ""."""
+    if not (hasattr(value, "detach") and hasattr(value, "numpy")):
+        return ""
+    name = str(value.dtype).removeprefix("torch.")
+    return "" if name in _NUMPY_DTYPES else name
+
+
+def tensor_array(value: Any) -> np.ndarray:
+    """A tensor's data as a NumPy array, without a copy for a CPU tensor: the bits, as unsigned
+    integers of the same size, for a dtype NumPy has no type for (`torch_dtype_name`)."""
+    t = value.detach()
+    if torch_dtype_name(t):
+        import torch
+
+        t = t.view(getattr(torch, f"uint{8 * t.element_size()}"))
+    return np.asarray(t.cpu().numpy())
+
+
+def from_bits(arr: np.ndarray, name: str) -> Any:
+    """The tensor of dtype `name` whose bits `arr` holds (sharing its memory)."""
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"dataset dtype {name!r} is not a dtype of this torch ({torch.__version__}); "
+                              f"upgrade torch to read it")
+    return torch.from_numpy(np.ascontiguousarray(arr)).view(dtype)
+
+
 def as_array(value: Any) -> np.ndarray | None:
     """A dataset's array for a tree leaf, or None if the leaf is an attribute."""
     if isinstance(value, np.ndarray):
         return np.ascontiguousarray(value)
     if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch.Tensor
-        t = value.detach().cpu()
-        if str(t.dtype) == "torch.bfloat16":  # numpy has no bfloat16
-            t = t.float()
-        return np.ascontiguousarray(t.numpy())
+        return np.ascontiguousarray(tensor_array(value))
     return None
 
 
@@ -123,16 +159,19 @@ def check_leaf(path: str, value: Any, arr: np.ndarray | None) -> None:
 
 def flatten(
     tree: Mapping[str, Any], prefix: str = ""
-) -> tuple[list[tuple[str, np.ndarray]], list[tuple[str, str, Any]]]:
-    """(dataset path, array) and (group path, attribute name, value) for a nested tree; a leaf
-    HDF5 cannot store raises a CheckpointError naming it (`check_leaf`)."""
+) -> tuple[list[tuple[str, np.ndarray]], list[tuple[str, str, Any]], dict[str, str]]:
+    """(dataset path, array), (group path, attribute name, value) and {dataset path: torch dtype
+    stored as bits} for a nested tree; a leaf HDF5 cannot store raises a CheckpointError naming
+    it (`check_leaf`)."""
     arrays: list[tuple[str, np.ndarray]] = []
     attrs: list[tuple[str, str, Any]] = []
+    dtypes: dict[str, str] = {}
     for key, value in tree.items():
         if isinstance(value, Mapping):
-            sub_arrays, sub_attrs = flatten(value, f"{prefix}{key}/")
+            sub_arrays, sub_attrs, sub_dtypes = flatten(value, f"{prefix}{key}/")
             arrays += sub_arrays
             attrs += sub_attrs
+            dtypes |= sub_dtypes
             attrs.append((f"{prefix}{key}", "", None))  # the group exists even when empty
             continue
         arr = as_array(value)
@@ -141,7 +180,9 @@ def flatten(
             attrs.append((prefix.rstrip("/") or "/", key, attr_value(value)))
         else:
             arrays.append((f"{prefix}{key}", arr))
-    return arrays, attrs
+            if name := torch_dtype_name(value):
+                dtypes[f"{prefix}{key}"] = name
+    return arrays, attrs, dtypes
 
 
 # ---------------------------------------------------------------- reading
@@ -172,7 +213,8 @@ def _read_group(group: h5py.Group, pool: ThreadPoolExecutor | None, checks: list
         nbytes += arr.nbytes
         digest = pool.submit(sha256_of, arr) if pool is not None else None
         checks.append((item.name, digest, str(plain(item.attrs.get("sha256", "")))))
-        out[key] = arr
+        dtype = plain(item.attrs.get(DTYPE_ATTR, ""))
+        out[key] = from_bits(arr, str(dtype)) if dtype else arr
     return out, nbytes
 
 

@@ -46,8 +46,8 @@ from hpcdist.model.checkpoint import (
     stored_shapes,
 )
 from hpcdist.runtime.requeue import Requeues
-from hpcdist.store import checkpoints_in, step_of
 from hpcdist.store import read as read_checkpoint
+from hpcdist.store import step_of
 from hpcdist.store.directory import POINTER
 from hpcdist.store.discovery import resolve
 from hpcdist.train import state as st
@@ -63,11 +63,8 @@ def choose_checkpoint(run: Run) -> dict[str, Any]:
     store = run.api.checkpoints.store
     directory = store.directory
     if not cp.resume and _first_start(run):
-        if checkpoints_in(directory):
-            ctx.log.warning(
-                "params.checkpoint.resume is false: starting fresh; the checkpoints already in %s stop being "
-                "trusted once this run commits its first one", directory,
-            )
+        # what is there moves to previous/ (one line): a requeue before this run's first commit cannot resume it
+        store.start_run(why="params.checkpoint.resume is false")
         return {"path": None}
     found = store.scan()
     for line in found.report():
@@ -85,6 +82,7 @@ def choose_checkpoint(run: Run) -> dict[str, Any]:
             }
         if unusable:
             ctx.log.warning("no usable checkpoint in %s: starting fresh (params.checkpoint.if_unusable)", directory)
+        store.start_run()
         return {"path": None}
     try:
         check_shapes(found.latest, parameter_shapes(run.cfg), stored_shapes(found.latest))
@@ -94,6 +92,7 @@ def choose_checkpoint(run: Run) -> dict[str, Any]:
     wrong = mismatch(run.tokenizer, run.params.data, recorded, found.latest) if recorded and run.tokenizer else None
     if wrong:  # a checkpoint from before tokenizers travelled records none: nothing to compare
         return {"error": wrong + " (or use a fresh checkpoint directory)"}
+    store.continue_run(found.run_id or "")  # its run: this run's commits and pruning go on with its files
     return {"path": str(found.latest)}
 
 
