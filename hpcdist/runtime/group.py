@@ -339,23 +339,47 @@ def check_out(store: dist.Store, info: RankInfo, failed: bool = False) -> None:
     _count_in(store, "hpcdist/done", info.world_size)
 
 
+def beat(store: dist.Store, info: RankInfo) -> None:
+    """This rank is alive and working: rank 0's end-of-job wait goes on while its count grows."""
+    store.add(f"hpcdist/beat/{info.rank}", 1)
+
+
 def finish(store: dist.Store, info: RankInfo, timeout: float) -> list[int]:
     """A last check-out so rank 0 (the store's server) leaves only after every rank is done.
 
-    Past the timeout rank 0 leaves anyway, since the job's work is done and only the farewell is
-    late, but says so: a warning names the ranks that never checked out, which are returned.
+    Rank 0 waits in rounds of `timeout`: a rank that is still working (its ``beat`` count grew
+    during the round, as the python job's watchdog makes it) is waited for, however long it
+    takes, up to the job's own time limit, since closing the store would stop it. Past a round
+    in which a missing rank showed no sign of life rank 0 leaves anyway, the job's work being
+    done and only the farewell late, but says so: a warning names the ranks that never checked
+    out, which are returned.
     """
     check_out(store, info)
     if not info.is_main:
         return []
-    try:
-        store.wait(["hpcdist/done/all"], timedelta(seconds=timeout))
-        return []
-    except Exception as exc:  # noqa: BLE001 - timed out (the server is this process)
-        missing = _missing(store, _rank_keys("hpcdist/done", info.world_size)) or []
-        log.warning(
-            "check-out: rank(s) %s of %d did not check out within %g s (%s); rank 0 leaves anyway, "
-            "their store connections close now: see their logs", _ranks(missing) or "?", info.world_size,
-            timeout, cause_text(exc),
-        )
-        return missing
+    beats = _rank_keys("hpcdist/beat", info.world_size)
+    seen = _beats(store, beats)
+    while True:
+        try:
+            store.wait(["hpcdist/done/all"], timedelta(seconds=timeout))
+            return []
+        except Exception as exc:  # noqa: BLE001 - timed out (the server is this process)
+            missing = _missing(store, _rank_keys("hpcdist/done", info.world_size)) or []
+            now = _beats(store, beats)
+            working = [r for r in missing if now[r] > seen[r]]
+            if working:
+                log.info("check-out: rank(s) %s still working after rank 0 finished; waiting for them",
+                         _ranks(working))
+                seen = now
+                continue
+            log.warning(
+                "check-out: rank(s) %s of %d did not check out within %g s (%s); rank 0 leaves anyway, "
+                "their store connections close now: see their logs", _ranks(missing) or "?", info.world_size,
+                timeout, cause_text(exc),
+            )
+            return missing
+
+
+def _beats(store: dist.Store, keys: list[str]) -> list[int]:
+    """Each rank's ``beat`` count (0 for a rank that never beat)."""
+    return [store.add(k, 0) for k in keys]
