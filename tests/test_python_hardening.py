@@ -108,3 +108,15 @@ def test_import_check_runs_outside_the_submitting_process(tmp_path: Path) -> Non
                      "params.script=null", "--", str(RANKS), cwd=tmp_path)
     assert result.code == 2, result.text
     assert "a callable; importing quitter failed: SystemExit: 5" in one_error_line(result.err)
+
+
+def test_another_user_cannot_stop_the_job_through_its_store(tmp_path: Path) -> None:
+    """The store listens on the published address only, and every hpcdist key carries rank 0's nonce."""
+    root = tmp_path / "out"
+    result = run_cli("submit", "--site", "local", "--set", "resources.tasks_per_node=2", *storage_sets(root),
+                     "--wait", "--", str(REPO / "tests" / "scripts" / "intruder.py"), timeout=180)
+    logs = "".join(p.read_text() for p in (root / "logs" / "intruder").glob("*/*_log.out"))
+    assert "intruder set its keys" in logs, result.text + logs
+    assert result.code == 0 and "2/2 ranks succeeded" in result.out, result.text
+    # 127.0.0.1 on a one-node job (/proc/net/tcp's little-endian hex), never 0.0.0.0 or ::
+    assert "store listens on ['0100007F']" in logs, logs
