@@ -108,7 +108,7 @@ class LaunchPlan:
     tasks_per_node: int
     stdout: str  # per-task log patterns (``%j`` job id, ``%t`` task), for srun's own I/O
     stderr: str
-    args: tuple[str, ...] = ()  # the site's launcher.args
+    args: tuple[str, ...] = ()  # the site's launcher.args for this launcher's kind
     cpus_per_task: int = 1
     socket_ifname: str | None = None  # the site's network.socket_ifname
     signal: str = "USR2"  # the site's preemption signal
@@ -275,7 +275,9 @@ class TorchrunLauncher(Launcher):
     """One srun task per node runs torchrun's agent (under ``hpcdist.runtime.agent``, which
     keeps it alive through the preemption signal), which starts the node's ranks; the head
     node's agent serves the c10d rendezvous at the address the batch host (the head node) has on
-    ``network.socket_ifname``, so no node name has to resolve. The step asks for one task per
+    ``network.socket_ifname``, on a port chosen free there for this job, and only that agent
+    serves it (``is_host`` from ``SLURM_NODEID``, ``hpcdist.runtime.agent``), so a port taken
+    meanwhile is an error, never another job's store. The step asks for one task per
     node explicitly: it would otherwise inherit the job's task count, and srun ignores a lone
     ``--ntasks-per-node=1`` that disagrees with it. The shim rewrites Slurm's task variables."""
 
@@ -291,14 +293,16 @@ class TorchrunLauncher(Launcher):
             **_SLURM_BUT_NODE,
         }, priority=10, agent_store=True),
     )
-    RDZV_PORT: ClassVar[int] = 29400
-
     def prelude(self, plan: LaunchPlan) -> list[str]:
+        """The head node's address and a port free on it for this job's c10d store (a fixed port,
+        torchrun's 29400, would put two jobs with the same head node on one store)."""
+        agent = f"{shlex.quote(plan.python)} -m {AGENT}"
         if plan.socket_ifname is None:
             find = 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1'
         else:
-            find = f"{shlex.quote(plan.python)} -m {AGENT} --address {shlex.quote(plan.socket_ifname)}"
-        return [f"HPCDIST_HEAD_ADDR=$({find}) || exit 1", "export HPCDIST_HEAD_ADDR"]
+            find = f"{agent} --address {shlex.quote(plan.socket_ifname)}"
+        return [f"HPCDIST_HEAD_ADDR=$({find}) || exit 1", f"HPCDIST_RDZV_PORT=$({agent} --free-port) || exit 1",
+                "export HPCDIST_HEAD_ADDR HPCDIST_RDZV_PORT"]
 
     def command(self, plan: LaunchPlan) -> str:
         ifname = ["--ifname", shlex.quote(plan.socket_ifname)] if plan.socket_ifname else []
@@ -307,7 +311,7 @@ class TorchrunLauncher(Launcher):
             f"--cpus-per-task={plan.cpus_per_task * plan.tasks_per_node}", shlex.quote(plan.python), f"-m {AGENT}",
             *ifname,
             '--nnodes="$SLURM_JOB_NUM_NODES"', f"--nproc-per-node={plan.tasks_per_node}", "--rdzv-backend=c10d",
-            f'--rdzv-endpoint="$HPCDIST_HEAD_ADDR:{self.RDZV_PORT}"', '--rdzv-id="$SLURM_JOB_ID"', *_q(plan.args),
+            '--rdzv-endpoint="$HPCDIST_HEAD_ADDR:$HPCDIST_RDZV_PORT"', '--rdzv-id="$SLURM_JOB_ID"', *_q(plan.args),
             f"-m {SHIM}", shlex.quote(str(plan.folder)),
         ])
 

@@ -94,7 +94,7 @@ def test_spec_against_site(sets: list[str], message: str) -> None:
 def test_overrides_apply_to_spec_and_site() -> None:
     site = load_site("local-slurm", ["launcher.args=[--mpi=none]", "defaults.timeout_s=5"])
     spec = load_spec(SMOKE, site, ["resources.nodes=2", "params.mpi=true"])
-    assert site.launcher.args == ("--mpi=none",) and spec.timeout(site) == 60
+    assert site.launcher.line_args == ("--mpi=none",) and spec.timeout(site) == 60
     assert spec.resources.nodes == 2 and spec.params == {"mpi": True}
 
 

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from hpcdist._paths import data_dir
-from hpcdist.config.site import REDACTED, Site, looks_secret
+from hpcdist.config.site import REDACTED, Site, looks_secret, pin_launcher_args
 from hpcdist.config.spec import JobSpec, fit_to_site
 from hpcdist.errors import ConfigError
 
@@ -116,7 +116,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], origin: str) -> 
 
 def load_site(name_or_path: str | None = None, overrides: list[str] | None = None) -> Site:
     path = find_site(name_or_path)
-    data = apply_overrides(read_yaml(path), overrides or [], "site")
+    data = apply_overrides(pin_launcher_args(read_yaml(path)), overrides or [], "site")
     return validate(Site, data, path)
 
 

@@ -105,10 +105,24 @@ class Partition(Frozen):
 
 
 class Launcher(Frozen):
-    """How the job script starts one process per rank: a launcher registered in ``hpcdist.launchers``."""
+    """How the job script starts one process per rank: a launcher registered in ``hpcdist.launchers``.
+
+    ``args`` belong to their launcher: ``{srun: [--mpi=pmix], mpirun: [--bind-to, core]}``, and
+    only the entry of ``kind`` reaches the launch line, so switching the kind (``--set
+    site.launcher.kind=mpirun``) never hands srun's options to mpirun or torchrun. A plain list
+    (the older form) is the arguments of the file's own kind (``pin_launcher_args``), or of the
+    kind in effect when it comes from ``--set``.
+    """
 
     kind: str = "srun"
-    args: tuple[str, ...] = ()
+    args: dict[str, tuple[str, ...]] = Field(default_factory=dict, description="arguments per launcher kind")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_list(cls, data: object) -> object:
+        if isinstance(data, dict) and isinstance(data.get("args"), list | tuple):
+            return {**data, "args": {data.get("kind", "srun"): data["args"]}}
+        return data
 
     @field_validator("kind")
     @classmethod
@@ -116,6 +130,33 @@ class Launcher(Frozen):
         if value not in launcher_names():
             raise ValueError(f"unknown launcher; registered launchers: {', '.join(launcher_names())}")
         return value
+
+    @field_validator("args")
+    @classmethod
+    def _known_kinds(cls, value: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+        unknown = sorted(set(value) - set(launcher_names()))
+        if unknown:
+            raise ValueError(
+                f"arguments for unknown launcher(s) {', '.join(unknown)}; give them per launcher kind "
+                f"({', '.join(launcher_names())}), e.g. args: {{srun: [--mpi=pmix]}}"
+            )
+        return value
+
+    @property
+    def line_args(self) -> tuple[str, ...]:
+        """The arguments of the launcher in use: what its launch line gets."""
+        return self.args.get(self.kind, ())
+
+
+def pin_launcher_args(data: dict[str, object]) -> dict[str, object]:
+    """A site file's plain ``launcher.args`` list made the arguments of that file's own kind,
+    before ``--set`` overrides apply (so ``--set site.launcher.kind=torchrun`` does not inherit
+    srun's ``--mpi=pmix``)."""
+    launcher = data.get("launcher")
+    if isinstance(launcher, dict) and isinstance(launcher.get("args"), list | tuple):
+        kind = launcher.get("kind", "srun")
+        return {**data, "launcher": {**launcher, "args": {kind: list(launcher["args"])}}}
+    return data
 
 
 class Baselines(Frozen):

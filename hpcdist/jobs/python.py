@@ -170,6 +170,10 @@ def check(job: Job[PythonParams], site: Site) -> list[Problem]:
 
 
 def _import_problem(p: PythonParams) -> Problem | None:
+    """The target's import, checked in a child process (``hpcdist.jobs.imports``): a module's
+    packages, source and top-level imports; a function's module imported and the name callable."""
+    from hpcdist.jobs import imports
+
     name = p.module_name or ""
     key = "params.module" if p.module else "params.function"
     with cwd_on_path():
@@ -180,16 +184,27 @@ def _import_problem(p: PythonParams) -> Problem | None:
         if found is None:
             return (key, name, f"an importable module from {os.getcwd()} or the installed packages; "
                                f"check the name and that its package has an __init__.py")
-        if not p.function:
-            return None
-        attr = p.function.partition(":")[2]
-        try:
-            obj: Any = getattr(importlib.import_module(name), attr)
-        except Exception as exc:
-            return (key, p.function, f"a callable; importing {name} failed: {type(exc).__name__}: {exc}")
-    if not callable(obj):
-        return (key, p.function, f"a callable, but {attr} is a {type(obj).__name__}")
-    return None
+    report = imports.inspect(module=p.module, function=p.function, path=[os.getcwd()], snapshot=None)
+    if report.error is None:
+        return None
+    if p.function:
+        joint = ", " if report.error.startswith("but ") else "; "
+        return (key, p.function, f"a callable{joint}{report.error}")
+    return (key, name, f"a module that imports; {report.error}")
+
+
+def _warn_live_imports(p: PythonParams, src: Path) -> None:
+    """At submit: say which of the code's imports the job will read live from the submit folder."""
+    from hpcdist.jobs import imports
+
+    path = [str(Path(p.script).resolve().parent)] if p.script else []
+    report = imports.inspect(module=None, function=None, path=[*path, os.getcwd()], snapshot=src)
+    for name, where in sorted(report.outside.items()):
+        print(
+            f"hpcdist: warning: the code imports {name} from {where}, outside the snapshot of {src}: the job "
+            f"reads it there, live (an edit after submit changes the job); point params.snapshot at a folder "
+            f"holding both, or install it", file=sys.stderr,
+        )
 
 
 def prepare(job: Job[PythonParams], site: Site) -> dict[str, Any]:
@@ -203,7 +218,12 @@ def prepare(job: Job[PythonParams], site: Site) -> dict[str, Any]:
         updates["script"] = str(Path(p.script).resolve())
     if root is not None:
         src, keep = root
-        dest = snapshot.make(src, job.spec.paths(site).new_snapshot(), keep, p.snapshot_max_mb)
+        _warn_live_imports(p, src)
+        dest, left_out = snapshot.make(src, job.spec.paths(site).new_snapshot(), keep, p.snapshot_max_mb)
+        if left_out:
+            names = ", ".join(f"{rel} ({why})" for rel, why in sorted(left_out.items()))
+            print(f"hpcdist: warning: the code snapshot of {src} leaves out {names}; the job cannot read "
+                  f"them there (pass secrets with env_passthrough)", file=sys.stderr)
         updates["code_dir"] = str(dest)
         if p.script:
             updates["script"] = str(dest / Path(p.script).resolve().relative_to(src))

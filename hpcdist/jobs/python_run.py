@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpcdist.errors import JobError
 from hpcdist.jobs.python import PythonParams, cwd_on_path
+from hpcdist.runtime import group
 from hpcdist.runtime.reach import peer_named
 from hpcdist.runtime.requeue import Requeued
 
@@ -82,7 +83,7 @@ def run(ctx: JobContext, params: PythonParams) -> dict[str, Any]:
         torch.cuda.set_device(ctx.device)  # as torchrun's users expect: cuda:LOCAL_RANK is this rank's
     api.attach(ctx)
     where = f"rank {ctx.rank} on {ctx.info.hostname}"
-    watchdog = Watchdog(ctx.store, where)
+    watchdog = Watchdog(ctx.store, where, beat=lambda: group.beat(ctx.store, ctx.info))
     watchdog.start()
     ok = False
     try:
@@ -116,19 +117,27 @@ class Watchdog(threading.Thread):
     Without it the surviving ranks would wait in the script's own collectives (or its
     ``init_process_group``) for the dead rank until torch's 30-minute default. The failed rank
     writes one key; every rank polls it (one request per rank per interval) and, when it appears,
-    prints why and exits, naming the rank that failed first.
+    prints why and exits, naming the rank that failed first. Every `beat_every` polls it also
+    calls `beat` (``group.beat``): while this rank's code runs, rank 0, done with its own, keeps
+    the store up for it instead of leaving after ``timeout_s``.
     """
 
     KEY = "hpcdist/failed"
 
-    def __init__(self, store: Any, where: str, interval_s: float = 0.5) -> None:
+    def __init__(self, store: Any, where: str, interval_s: float = 0.5,
+                 beat: Callable[[], None] | None = None, beat_every: int = 2) -> None:
         super().__init__(name="hpcdist-watchdog", daemon=True)
         self.store, self.where, self.interval_s = store, where, interval_s
+        self.beat, self.beat_every = beat, beat_every
         self._done = threading.Event()
 
     def run(self) -> None:
+        polls = 0
         while not self._done.wait(self.interval_s):
+            polls += 1
             try:
+                if self.beat is not None and polls % self.beat_every == 1:
+                    self.beat()
                 if not self.store.check([self.KEY]):
                     continue
                 reason = self.store.get(self.KEY).decode()

@@ -2,72 +2,149 @@
 
 Editing the code after submitting (or before a requeue) then changes nothing in the job. In a
 git checkout only the files git would keep are copied (tracked plus untracked-not-ignored, as
-``git ls-files -co --exclude-standard`` lists them); elsewhere every file but caches. A size
-limit keeps a data directory from being copied by mistake. Standard library only.
+``git ls-files -co --exclude-standard`` lists them), and a git that fails there (not installed,
+"dubious ownership") is an error, never a reason to copy everything; elsewhere every file but
+caches and dot-files. Either way a file whose name looks secret (``.env``, ``credentials.json``,
+``*.pem``, ``id_rsa``, a name with ``secret``, ``token`` or ``password`` in it) or that is a
+link out of the tree is left out, and the caller says which. A copy is never more readable than
+its source (a 0600 file stays 0600 under a 0640 storage mode). A size limit keeps a data
+directory from being copied by mistake. Standard library only.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import stat
 import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from hpcdist.errors import ConfigError
 
-if TYPE_CHECKING:
-    pass
-
 _SKIP_DIRS = {"__pycache__", ".git", ".hg", ".svn", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
+# Names that hold secrets by convention, and the words and suffixes that mark one.
+_SECRET_NAMES = {
+    ".env", ".netrc", "_netrc", ".pgpass", ".pypirc", ".npmrc", ".git-credentials", ".htpasswd", ".dockercfg",
+    "id_rsa", "id_dsa", "id_ecdsa", "id_ed25519", "known_hosts", "authorized_keys",
+}
+_SECRET_DIRS = {".aws", ".ssh", ".gnupg", ".docker", ".kube", ".azure", ".config/gcloud"}
+_SECRET_SUFFIXES = (".pem", ".key", ".p12", ".pfx", ".jks", ".keystore", ".kdbx", ".gpg", ".asc", ".env")
+_SECRET_WORDS = re.compile(r"(^|[^a-z])(secrets?|credentials?|passwords?|passwd|token|api[-_]?keys?|private[-_]?key)"
+                           r"([^a-z]|$)")
 
 
-def files(src: Path) -> list[Path]:
-    """The files of `src` to copy, relative to it: git's view in a checkout, else all but caches."""
+@dataclass
+class Listing:
+    """What a snapshot of one directory copies, and what it leaves out (path -> why)."""
+
+    files: list[Path]
+    left_out: dict[Path, str] = field(default_factory=dict)
+
+
+def secret_reason(rel: Path) -> str | None:
+    """Why the file at `rel` (relative to the code directory) looks like it holds a secret."""
+    name = rel.name.lower()
+    parts = [p.lower() for p in rel.parts]
+    if any(d in parts for d in _SECRET_DIRS) or ".config/gcloud" in "/".join(parts):
+        return "a credentials folder"
+    if name in _SECRET_NAMES or name.startswith(".env.") or name.startswith("id_rsa"):
+        return "a secret-looking name"
+    if name.endswith(_SECRET_SUFFIXES):
+        return "a secret-looking name"
+    word = _SECRET_WORDS.search(name)
+    if word and (not name.endswith(".py") or word.group(0).strip("._-") == name[:-3]):
+        return "a secret-looking name"  # code named for a secret (secret_check.py) stays; secrets.py does not
+    return None
+
+
+def files(src: Path) -> Listing:
+    """The files of `src` to copy, relative to it (git's view in a checkout, else all but caches
+    and dot-files), less secret-looking names and links that leave `src`."""
     listed = _git_files(src)
-    if listed is not None:
-        return listed
-    out = []
-    for dirpath, dirnames, filenames in os.walk(src):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
-        base = Path(dirpath).relative_to(src)
-        out += [base / f for f in sorted(filenames) if not f.endswith(".pyc")]
-    return out
+    left_out: dict[Path, str] = {}
+    if listed is None:
+        listed = []
+        for dirpath, dirnames, filenames in os.walk(src):
+            base = Path(dirpath).relative_to(src)
+            for d in sorted(dirnames):
+                if d.startswith(".") and d not in _SKIP_DIRS:
+                    left_out[base / d] = "a dot-folder"
+            dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
+            for f in sorted(filenames):
+                if f.endswith(".pyc"):
+                    continue
+                if f.startswith(".") and secret_reason(base / f) is None:
+                    left_out[base / f] = "a dot-file"
+                    continue
+                listed.append(base / f)
+    root = src.resolve()
+    kept = []
+    for rel in listed:
+        why = secret_reason(rel)
+        if why is None and not (src / rel).resolve().is_relative_to(root):
+            why = "a link out of the tree"
+        if why is None:
+            kept.append(rel)
+        else:
+            left_out[rel] = why
+    return Listing(kept, left_out)
+
+
+def _checkout(src: Path) -> Path | None:
+    """The git checkout holding `src`, if any (a `.git` folder or file there or above)."""
+    for folder in (src.resolve(), *src.resolve().parents):
+        if (folder / ".git").exists():
+            return folder
+    return None
 
 
 def _git_files(src: Path) -> list[Path] | None:
+    """git's view of `src`; None outside a checkout; inside one, a failing git is an error."""
+    checkout = _checkout(src)
+    if checkout is None:
+        return None
+    fix = (f"fix git there (for \"dubious ownership\": git config --global --add safe.directory {checkout}), "
+           f"or set params.snapshot=false to run the code where it is")
     try:
         proc = subprocess.run(
             ["git", "ls-files", "-co", "--exclude-standard", "-z"],
             cwd=src, capture_output=True, check=False, timeout=60,
         )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ConfigError(f"params.snapshot: {src} is in the git checkout {checkout}, but git could not list its "
+                          f"files ({type(exc).__name__}: {exc}); {fix}") from exc
     if proc.returncode != 0:
-        return None  # not a git checkout (or no git): plain walk
+        said = (proc.stderr.decode(errors="replace").strip().splitlines() or ["no message"])[0]
+        raise ConfigError(f"params.snapshot: {src} is in the git checkout {checkout}, but `git ls-files` failed "
+                          f"there ({said}); {fix}")
     names = [n for n in proc.stdout.decode().split("\0") if n]
     return [Path(n) for n in names if (src / n).is_file()]  # deleted-but-tracked files are skipped
 
 
 def measure(src: Path) -> tuple[int, int]:
     """Bytes and number of files a snapshot of `src` would copy."""
-    listed = files(src)
+    listed = files(src).files
     return sum((src / f).stat().st_size for f in listed), len(listed)
 
 
-def make(src: Path, dest: Path, keep: str, max_mb: float) -> Path:
-    """Copy `src` into `dest` (into ``dest/keep`` when `keep` names a package); returns `dest`."""
-    listed = files(src)
-    size = sum((src / f).stat().st_size for f in listed)
+def make(src: Path, dest: Path, keep: str, max_mb: float) -> tuple[Path, dict[Path, str]]:
+    """Copy `src` into `dest` (into ``dest/keep`` when `keep` names a package); returns `dest` and
+    what was left out (path relative to `src` -> why)."""
+    listing = files(src)
+    size = sum((src / f).stat().st_size for f in listing.files)
     if size > max_mb * 1e6:
         raise ConfigError(
-            f"params.snapshot: {src} holds {size / 1e6:.1f} MB in {len(listed)} files, over "
+            f"params.snapshot: {src} holds {size / 1e6:.1f} MB in {len(listing.files)} files, over "
             f"params.snapshot_max_mb={max_mb:g}; leave data out of the code directory or raise the limit"
         )
     target = dest / keep if keep else dest
     target.mkdir(parents=True, exist_ok=True)
-    for rel in listed:
+    for rel in listing.files:
         out = target / rel
         out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src / rel, out)  # contents only: the mode comes from the site's storage.mode
-    return dest
+        shutil.copyfile(src / rel, out)  # contents only: the mode comes from the site's storage.mode ...
+        made = stat.S_IMODE(out.stat().st_mode)
+        os.chmod(out, made & stat.S_IMODE((src / rel).stat().st_mode))  # ... and is never wider than the source's
+    return dest, listing.left_out

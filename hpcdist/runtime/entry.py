@@ -172,7 +172,7 @@ def _init_mpi(info: RankInfo) -> Any:
         raise BootstrapError(
             f"MPI sees {comm.Get_size()} rank(s) but the launcher ({info.launcher}) started "
             f"{info.world_size}: MPI was not started by the launcher; with srun add --mpi=pmix "
-            f"to launcher.args"
+            f"to launcher.args.srun"
         )
     return comm
 

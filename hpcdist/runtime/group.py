@@ -1,7 +1,8 @@
 """From rank facts to a torch.distributed process group, with no hang and no name lookup.
 
-Rank 0 opens a TCPStore on a free port (so two jobs sharing a node never collide) and
-publishes ``address:port``: over MPI when mpi4py is up (or its error, so no rank waits for an
+Rank 0 opens a TCPStore on a free port (so two jobs sharing a node never collide), listening on
+the published address only, and publishes ``address:port`` with a secret nonce that every key
+of the job carries: over MPI when mpi4py is up (or its error, so no rank waits for an
 endpoint that will never come), else in a file on shared storage, else (no shared directory) on
 the first host of the node list with a port derived from the job id.
 Every rank then checks in: a counter and one blocking wait per rank, so store requests grow
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import socket
 import zlib
 from dataclasses import dataclass
@@ -101,10 +103,35 @@ def forget_endpoint(rendezvous_dir: Path | None, key: str, info: RankInfo) -> No
         endpoint_file(rendezvous_dir, key).unlink(missing_ok=True)
 
 
-def _store(addr: str, port: int, info: RankInfo, timeout: float, is_master: bool) -> dist.TCPStore:
+def _listener(addr: str, port: int) -> int | None:
+    """A socket listening on `addr` only (not every interface, as torch's own server does), handed
+    to the store as an open descriptor; None when `addr` is not an IPv4 address of this host."""
+    try:
+        socket.inet_aton(addr)
+    except OSError:
+        return None
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        if port:  # a fixed port taken: torch's own bind says so in the usual words
+            return None
+        raise
+    return sock.detach()  # the store owns the descriptor from here on
+
+
+def _store(addr: str, port: int, info: RankInfo, timeout: float, is_master: bool,
+           listen_all: bool = False) -> dist.TCPStore:
+    """A client of `addr:port`, or with `is_master` its server, listening on `addr` only (every
+    interface with `listen_all`: the host-list fallback, whose name may resolve to another
+    address here than on the other nodes)."""
     import torch.distributed as dist
 
     try:
+        fd = _listener(addr, port) if is_master and not listen_all else None
         return dist.TCPStore(
             addr,
             port,
@@ -112,6 +139,7 @@ def _store(addr: str, port: int, info: RankInfo, timeout: float, is_master: bool
             is_master,
             timedelta(seconds=timeout),
             wait_for_workers=False,
+            master_listen_fd=fd,
         )
     except Exception as exc:  # torch raises DistNetworkError / RuntimeError variants
         if is_master:
@@ -146,13 +174,15 @@ def open_store(
         if info.is_main:
             addr = own_address(ifname, single_node)
             store = _store(addr, 0, info, timeout, True)
+            nonce = secrets.token_hex(16)
             rendezvous_dir.mkdir(parents=True, exist_ok=True)
             with atomic_path(path, mode=0o600) as tmp:  # the owner's ranks only: it opens the job's store
-                tmp.write_text(json.dumps({"addr": addr, "port": store.port, "host": info.hostname}))
-            return _prefixed(store, key), Endpoint(addr, store.port, "file")
+                tmp.write_text(json.dumps({"addr": addr, "port": store.port, "host": info.hostname, "nonce": nonce}))
+            return _prefixed(store, key, nonce), Endpoint(addr, store.port, "file")
         found = _wait_for_file(path, timeout, info)
         endpoint = Endpoint(found["addr"], int(found["port"]), "file")
-        return _prefixed(_store(endpoint.addr, endpoint.port, info, timeout, False), key), endpoint
+        store = _store(endpoint.addr, endpoint.port, info, timeout, False)
+        return _prefixed(store, key, str(found.get("nonce", ""))), endpoint
     if not info.hosts and not single_node:
         raise BootstrapError(
             "rendezvous: no MPI, no shared rendezvous directory and no node list; "
@@ -160,7 +190,7 @@ def open_store(
         )
     addr = "127.0.0.1" if single_node else _resolve(info.hosts[0])
     port = 20000 + zlib.crc32(key.encode()) % 20000
-    store = _store(addr, port, info, timeout, info.is_main)
+    store = _store(addr, port, info, timeout, info.is_main, listen_all=not single_node)
     return _prefixed(store, key), Endpoint(addr, port, "hostlist")
 
 
@@ -176,15 +206,17 @@ def _mpi_rendezvous(
                 f"({got['error']}); this is rank {info.rank} on {info.hostname}: see rank 0's log"
             )
         endpoint = Endpoint(str(got["addr"]), int(got["port"]), "mpi")
-        return _prefixed(_store(endpoint.addr, endpoint.port, info, timeout, False), key), endpoint
+        store = _store(endpoint.addr, endpoint.port, info, timeout, False)
+        return _prefixed(store, key, str(got.get("nonce", ""))), endpoint
     try:
         addr = own_address(ifname, info.single_host)
         server = _store(addr, 0, info, timeout, True)
     except BaseException as exc:
         _mpi_share(comm, {"error": cause_text(exc)[:500], "host": info.hostname[:100]}, info, timeout)
         raise
-    _mpi_share(comm, {"addr": addr, "port": server.port}, info, timeout)
-    return _prefixed(server, key), Endpoint(addr, server.port, "mpi")
+    nonce = secrets.token_hex(16)
+    _mpi_share(comm, {"addr": addr, "port": server.port, "nonce": nonce}, info, timeout)
+    return _prefixed(server, key, nonce), Endpoint(addr, server.port, "mpi")
 
 
 def _mpi_share(comm: Any, message: dict[str, Any] | None, info: RankInfo, timeout: float) -> dict[str, Any]:
@@ -210,11 +242,17 @@ def _mpi_share(comm: Any, message: dict[str, Any] | None, info: RankInfo, timeou
     return dict(json.loads(bytes(buf).rstrip(b"\0")))
 
 
-def _prefixed(store: dist.Store, key: str) -> dist.Store:
-    """Keys of this launch only: a torchrun restart or a requeue starts on a clean namespace."""
+def _prefixed(store: dist.Store, key: str, nonce: str = "") -> dist.Store:
+    """Keys of this launch only: a torchrun restart or a requeue starts on a clean namespace.
+
+    With a `nonce` (rank 0's secret, sent in the 0600 endpoint file or the MPI message) no one
+    else who reaches the port can name a key of the job: not set its failure key, not rewrite
+    its host table. Under torchrun, env:// and the host-list fallback there is no private channel,
+    and the keys are the launch's only.
+    """
     import torch.distributed as dist
 
-    return dist.PrefixStore(f"hpcdist/{key}", store)
+    return dist.PrefixStore(f"hpcdist/{key}" + (f"/{nonce}" if nonce else ""), store)
 
 
 def _resolve(host: str) -> str:
@@ -339,23 +377,47 @@ def check_out(store: dist.Store, info: RankInfo, failed: bool = False) -> None:
     _count_in(store, "hpcdist/done", info.world_size)
 
 
+def beat(store: dist.Store, info: RankInfo) -> None:
+    """This rank is alive and working: rank 0's end-of-job wait goes on while its count grows."""
+    store.add(f"hpcdist/beat/{info.rank}", 1)
+
+
 def finish(store: dist.Store, info: RankInfo, timeout: float) -> list[int]:
     """A last check-out so rank 0 (the store's server) leaves only after every rank is done.
 
-    Past the timeout rank 0 leaves anyway, since the job's work is done and only the farewell is
-    late, but says so: a warning names the ranks that never checked out, which are returned.
+    Rank 0 waits in rounds of `timeout`: a rank that is still working (its ``beat`` count grew
+    during the round, as the python job's watchdog makes it) is waited for, however long it
+    takes, up to the job's own time limit, since closing the store would stop it. Past a round
+    in which a missing rank showed no sign of life rank 0 leaves anyway, the job's work being
+    done and only the farewell late, but says so: a warning names the ranks that never checked
+    out, which are returned.
     """
     check_out(store, info)
     if not info.is_main:
         return []
-    try:
-        store.wait(["hpcdist/done/all"], timedelta(seconds=timeout))
-        return []
-    except Exception as exc:  # noqa: BLE001 - timed out (the server is this process)
-        missing = _missing(store, _rank_keys("hpcdist/done", info.world_size)) or []
-        log.warning(
-            "check-out: rank(s) %s of %d did not check out within %g s (%s); rank 0 leaves anyway, "
-            "their store connections close now: see their logs", _ranks(missing) or "?", info.world_size,
-            timeout, cause_text(exc),
-        )
-        return missing
+    beats = _rank_keys("hpcdist/beat", info.world_size)
+    seen = _beats(store, beats)
+    while True:
+        try:
+            store.wait(["hpcdist/done/all"], timedelta(seconds=timeout))
+            return []
+        except Exception as exc:  # noqa: BLE001 - timed out (the server is this process)
+            missing = _missing(store, _rank_keys("hpcdist/done", info.world_size)) or []
+            now = _beats(store, beats)
+            working = [r for r in missing if now[r] > seen[r]]
+            if working:
+                log.info("check-out: rank(s) %s still working after rank 0 finished; waiting for them",
+                         _ranks(working))
+                seen = now
+                continue
+            log.warning(
+                "check-out: rank(s) %s of %d did not check out within %g s (%s); rank 0 leaves anyway, "
+                "their store connections close now: see their logs", _ranks(missing) or "?", info.world_size,
+                timeout, cause_text(exc),
+            )
+            return missing
+
+
+def _beats(store: dist.Store, keys: list[str]) -> list[int]:
+    """Each rank's ``beat`` count (0 for a rank that never beat)."""
+    return [store.add(k, 0) for k in keys]

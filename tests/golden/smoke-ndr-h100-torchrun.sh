@@ -32,9 +32,10 @@ export SUBMITIT_PREEMPTION_SIGNAL=USR2
 export UCX_NET_DEVICES=mlx5_0:1
 export SUBMITIT_EXECUTOR=slurm
 HPCDIST_HEAD_ADDR=$(/opt/hpcdist/bin/python -m hpcdist.runtime.agent --address eth0) || exit 1
-export HPCDIST_HEAD_ADDR
+HPCDIST_RDZV_PORT=$(/opt/hpcdist/bin/python -m hpcdist.runtime.agent --free-port) || exit 1
+export HPCDIST_HEAD_ADDR HPCDIST_RDZV_PORT
 
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME
-srun --unbuffered --output /shared/ml-research/hpcdist/logs/smoke/%j/%j_%t_log.out --error /shared/ml-research/hpcdist/logs/smoke/%j/%j_%t_log.err --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=2 /opt/hpcdist/bin/python -m hpcdist.runtime.agent --ifname eth0 --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint="$HPCDIST_HEAD_ADDR:29400" --rdzv-id="$SLURM_JOB_ID" -m hpcdist.runtime.shim /shared/ml-research/hpcdist/logs/smoke/%j
+srun --unbuffered --output /shared/ml-research/hpcdist/logs/smoke/%j/%j_%t_log.out --error /shared/ml-research/hpcdist/logs/smoke/%j/%j_%t_log.err --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=2 /opt/hpcdist/bin/python -m hpcdist.runtime.agent --ifname eth0 --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint="$HPCDIST_HEAD_ADDR:$HPCDIST_RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" -m hpcdist.runtime.shim /shared/ml-research/hpcdist/logs/smoke/%j

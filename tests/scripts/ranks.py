@@ -1,8 +1,9 @@
 """A torchrun-style test script: prints its marker and torchrun's variables, then joins the group.
 
-`ranks.py MARKER [exit RANK CODE | raise RANK | kill RANK | sleep SECONDS]`: rank RANK then exits
-with CODE, or raises, or (once the group is up, so its peers are left in a collective) kills itself
-with SIGKILL; or every rank sleeps SECONDS once the group is up (to be cancelled meanwhile).
+`ranks.py MARKER [exit RANK CODE | raise RANK | kill RANK | sleep SECONDS | late RANK SECONDS]`:
+rank RANK then exits with CODE, or raises, or (once the group is up, so its peers are left in a
+collective) kills itself with SIGKILL; or every rank sleeps SECONDS once the group is up (to be
+cancelled meanwhile); or rank RANK works SECONDS longer than the others after the group is gone.
 """
 
 import os
@@ -32,3 +33,6 @@ t = torch.tensor([float(dist.get_rank())])
 dist.all_reduce(t)
 print(f"sum {t.item():g}", flush=True)
 dist.destroy_process_group()
+if sys.argv[2:3] == ["late"] and rank == int(sys.argv[3]):
+    time.sleep(float(sys.argv[4]))
+    print("late rank done", flush=True)
