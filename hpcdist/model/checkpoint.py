@@ -4,9 +4,9 @@ In a ``hpcdist.checkpoint`` file the GPT adds:
 
 - the root attribute ``model_config_json`` (``GPTConfig.model_dump_json()``);
 - the group ``/model``: one float32, C-order dataset per ``GPT.state_dict()`` key, with the exact
-  key names (each with its ``sha256``, as every store dataset). The head ``lm_head.weight`` is
-  tied to ``transformer.wte.weight`` and stored once: the group attribute ``tied_json`` maps
-  each omitted key to the stored one;
+  key names (each with its ``sha256``, as every store dataset). A tied head ``lm_head.weight``
+  (GPT-2's; an untied one is stored as itself) is ``transformer.wte.weight`` and stored once:
+  the group attribute ``tied_json`` maps each omitted key to the stored one;
 - the group ``/tokenizer`` (``hpcdist.data.tokenizer``): the tokenizer the model reads and
   writes, which inference encodes prompts and decodes outputs with. A checkpoint from before it
   travelled has none: it is taken as bytes when the vocabulary is the byte tokenizer's.
@@ -45,30 +45,36 @@ TIED_ATTR = "tied_json"
 
 
 def parameter_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """The stored tensors of a GPT of shape `cfg`, in ``state_dict()`` order (the tied head left out)."""
+    """The stored tensors of a GPT of shape `cfg`, in ``state_dict()`` order (a tied head left out).
+
+    A LayerNorm has a weight and a bias, an RMSNorm a weight only; a learned-position model has
+    ``wpe``, a rotary one none; biases are there where the config has them; an untied head is
+    ``lm_head.weight``.
+    """
     d, h, v = cfg.d_model, cfg.d_hidden, cfg.vocab_size
+    q, kv = cfg.n_head * cfg.d_head, cfg.n_kv * cfg.d_head
     fc = h * (2 if cfg.mlp == "swiglu" else 1)
-    out: dict[str, tuple[int, ...]] = {"transformer.wte.weight": (v, d), "transformer.wpe.weight": (cfg.context, d)}
+
+    def norm(name: str) -> dict[str, tuple[int, ...]]:
+        return {name + ".weight": (d,), **({name + ".bias": (d,)} if cfg.norm == "layernorm" else {})}
+
+    def linear(name: str, n_out: int, n_in: int, bias: bool) -> dict[str, tuple[int, ...]]:
+        return {name + ".weight": (n_out, n_in), **({name + ".bias": (n_out,)} if bias else {})}
+
+    out: dict[str, tuple[int, ...]] = {"transformer.wte.weight": (v, d)}
+    if cfg.positions == "learned":
+        out["transformer.wpe.weight"] = (cfg.context, d)
     for i in range(cfg.n_layer):
         p = f"transformer.h.{i}."
-        out.update(
-            {
-                p + "ln_1.weight": (d,),
-                p + "ln_1.bias": (d,),
-                p + "attn.c_attn.weight": (3 * d, d),
-                p + "attn.c_attn.bias": (3 * d,),
-                p + "attn.c_proj.weight": (d, d),
-                p + "attn.c_proj.bias": (d,),
-                p + "ln_2.weight": (d,),
-                p + "ln_2.bias": (d,),
-                p + "mlp.c_fc.weight": (fc, d),
-                p + "mlp.c_fc.bias": (fc,),
-                p + "mlp.c_proj.weight": (d, h),
-                p + "mlp.c_proj.bias": (d,),
-            }
-        )
-    out["transformer.ln_f.weight"] = (d,)
-    out["transformer.ln_f.bias"] = (d,)
+        out.update(norm(p + "ln_1"))
+        out.update(linear(p + "attn.c_attn", q + 2 * kv, d, cfg.attention_bias))
+        out.update(linear(p + "attn.c_proj", d, q, cfg.attention_out_bias))
+        out.update(norm(p + "ln_2"))
+        out.update(linear(p + "mlp.c_fc", fc, d, cfg.mlp_bias))
+        out.update(linear(p + "mlp.c_proj", d, h, cfg.mlp_bias))
+    out.update(norm("transformer.ln_f"))
+    if not cfg.tied:
+        out["lm_head.weight"] = (v, d)
     return out
 
 
