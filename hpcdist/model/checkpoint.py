@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 MODEL_GROUP = "model"
 CONFIG_ATTR = "model_config_json"
 TIED_ATTR = "tied_json"
+CHAT_TEMPLATE = "chat_template_utf8"  # in the tokenizer group: the Jinja chat template, UTF-8 bytes
 
 
 def parameter_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -119,14 +120,17 @@ def state_dict_of(group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 def write_checkpoint(
     directory: str | Path, step: int, state: Mapping[str, Any], cfg: GPTConfig, epoch: int = 0,
-    tokenizer: ByteTokenizer | FileTokenizer | None = None,
+    tokenizer: ByteTokenizer | FileTokenizer | None = None, chat_template: str | None = None,
 ) -> Path:
-    """Write `state` (a GPT ``state_dict()``) and its tokenizer as a model-only checkpoint and commit it."""
+    """Write `state` (a GPT ``state_dict()``) and its tokenizer (with its chat template, when it has
+    one) as a model-only checkpoint and commit it."""
     from hpcdist.data.tokenizer import GROUP
 
     tree: dict[str, Any] = {MODEL_GROUP: model_tree(state)}
     if tokenizer is not None:
         tree[GROUP] = tokenizer.to_tree()
+        if chat_template is not None:
+            tree[GROUP][CHAT_TEMPLATE] = np.frombuffer(chat_template.encode("utf-8"), dtype=np.uint8)
     return store.save(Path(directory), step, tree, epoch=epoch, attrs=model_attrs(cfg)).path
 
 
@@ -156,6 +160,15 @@ def checkpoint_tokenizer(path: Path, cfg: GPTConfig) -> ByteTokenizer | FileToke
             f"vocab_size {cfg.vocab_size}; the checkpoint is inconsistent"
         )
     return tok
+
+
+def checkpoint_chat_template(path: Path) -> str | None:
+    """The chat template travelling with the checkpoint's tokenizer; None when it has none."""
+    from hpcdist.data.tokenizer import GROUP
+
+    group = store.read(path, groups=(GROUP,), verify=True).tree.get(GROUP) or {}
+    raw = group.get(CHAT_TEMPLATE)
+    return None if raw is None else np.ascontiguousarray(raw, dtype=np.uint8).tobytes().decode("utf-8")
 
 
 def load_model_state(path: Path, verify: bool = True) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
