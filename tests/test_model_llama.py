@@ -278,3 +278,35 @@ def test_a_sequence_longer_than_the_sliding_window_is_refused(root: Path,
     with pytest.raises(ConfigError, match="sliding_window of 48"):
         generate(tp, [[5] * 40], Sampling(max_new_tokens=10))
     assert len(generate(tp, [[5] * 40], Sampling(max_new_tokens=9)).tokens[0]) == 9  # 48 tokens in all: fine
+
+
+def test_infer_gpt_job_generates_transformers_tokens_from_an_imported_llama(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The existing inference kind on the local site, tp 2 over the GQA model, each rank reading its shard."""
+    import subprocess
+    import sys
+
+    import h5py
+
+    from hpcdist.infer.hf import hf_generate_greedy
+
+    got = imported(root, "llama3-gqa", capsys)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello world\nthe cluster runs jobs\nab\n")
+    repo = Path(__file__).resolve().parents[1]
+    sets = [f"--set=site.storage.{k}={tmp_path / k}" for k in ("results", "checkpoints", "scratch", "logs")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpcdist.cli", "submit", str(repo / "jobs" / "infer_gpt.yaml"), "--site", "local",
+         "--wait", *sets, f"--set=params.prompts={prompts}", f"--set=params.checkpoint={got.checkpoint}",
+         "--set=params.load=shard", "--set=params.max_new_tokens=10"],
+        cwd=repo, env={**__import__("os").environ, "PYTHONPATH": str(repo)}, text=True, capture_output=True,
+        timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (path,) = (tmp_path / "results" / "infer_gpt").glob("*.h5")
+    with h5py.File(path, "r") as f:
+        asked = [list(map(int, p)) for p in f["tokens/prompt_ids"]]
+        outputs = [list(map(int, o)) for o in f["tokens/output_ids"]]
+    assert outputs == hf_generate_greedy(got.model, asked, 10, end_token=1)
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").rglob("*") if p.is_file())
+    assert "1 KV head(s) per rank, KV heads split" in logs
