@@ -310,3 +310,40 @@ def test_infer_gpt_job_generates_transformers_tokens_from_an_imported_llama(
     assert outputs == hf_generate_greedy(got.model, asked, 10, end_token=1)
     logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").rglob("*") if p.is_file())
     assert "1 KV head(s) per rank, KV heads split" in logs
+
+
+def test_finetune_an_imported_llama_with_ddp_then_export_gives_transformers_the_same_logits(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """train_gpt from params.init (2 ranks, DDP, on the local site) moves the weights; the export of its last
+    checkpoint loads in transformers with hpcdist's logits. A rotary model may train on a shorter context."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import run_cli, storage_sets
+    from tests.conftest_train import model_arrays
+
+    got = imported(root, "llama3-gqa", capsys)
+    tokens = tmp_path / "tokens.h5"
+    made = run_cli("data", "prepare", str(write_corpus(tmp_path / "corpus.txt", words=4000)), "-o", str(tokens),
+                   "--tokenizer", str(got.checkpoint))
+    assert made.code == 0, made.text
+    run = run_cli("submit", "jobs/finetune_gpt.yaml", "--site", "local", "--wait", *storage_sets(tmp_path),
+                  "--set", f"params.init={got.checkpoint}", "--set", f"params.data={tokens}",
+                  "--set", "params.model.context=32", "--set", "params.steps=3", "--set", "params.batch.accum=1",
+                  "--set", "params.optim.lr=1e-3", "--set", "params.optim.warmup_steps=0", "--set",
+                  "params.eval.every=0", "--set", "params.checkpoint.every=3", "--set", "timeout_s=120", timeout=300)
+    assert run.code == 0, run.text
+    last = tmp_path / "checkpoints" / "finetune_gpt" / "step_00000003.h5"
+    before, after = model_arrays(got.checkpoint), model_arrays(last)
+    assert set(before) == set(after) and "lm_head.weight" in after  # the untied head trained as itself
+    assert all(float(abs(after[k] - before[k]).max()) > 0 for k in ("lm_head.weight", "transformer.wte.weight"))
+    out = tmp_path / "export"
+    code, _, err = cli(capsys, "model", "export", str(last), "-o", str(out))
+    assert code == 0, err
+    cfg, state = load_model_state(last)
+    ours = GPT(cfg).eval()
+    ours.load_state_dict(state)
+    idx = _ids(16)
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_logits(AutoModelForCausalLM.from_pretrained(str(out)).eval(), idx),
+                                   ours(idx), atol=ATOL, rtol=0)
