@@ -347,3 +347,16 @@ def test_finetune_an_imported_llama_with_ddp_then_export_gives_transformers_the_
     with torch.no_grad():
         torch.testing.assert_close(_hf_logits(AutoModelForCausalLM.from_pretrained(str(out)).eval(), idx),
                                    ours(idx), atol=ATOL, rtol=0)
+
+
+def test_on_paper_figures_of_published_llama_sizes() -> None:
+    """The shapes count the published parameters exactly; at tp 8 the 70B model's 8 KV heads are one per rank."""
+    from hpcdist.infer.sizing import LLAMA_SIZES, tp_costs
+
+    counts = {name: cfg.num_params() for name, cfg in LLAMA_SIZES.items()}
+    assert counts == {"llama-2-7b": 6_738_415_616, "llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496}
+    c = tp_costs(LLAMA_SIZES["llama-3.1-70b"], 8)
+    assert (c.all_reduces, c.all_reduce_bytes, c.kv_heads_per_rank) == (160, 8192 * 2, 1)
+    assert c.kv_cache_bytes_per_token == 2 * 80 * 1 * 128 * 2  # keys and values, 80 layers, one head of 128, bf16
+    assert c.all_reduce_sent_per_rank == 160 * 16384 * 2 * 7 / 8
+    assert tp_costs(LLAMA_SIZES["llama-2-7b"], 4).kv_heads_per_rank == 8  # no GQA: 32 heads split 4 ways
