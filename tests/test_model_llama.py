@@ -40,6 +40,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
                   vocab_size=VOCAB + 3),
     "mistral": dict(family="mistral", num_attention_heads=4, num_key_value_heads=4, head_dim=16,
                     tie_word_embeddings=False, sliding_window=48),
+    # Llama's attention_bias (q, k, v and o) and mlp_bias, on a tied head
+    "llama-bias": dict(family="llama", num_attention_heads=4, num_key_value_heads=1, attention_bias=True,
+                       mlp_bias=True, tie_word_embeddings=True),
 }
 
 
@@ -156,12 +159,16 @@ def test_llama3_scaling_and_gqa_are_read_from_the_old_config_form(root: Path,
 
 def _tp_run(rank: int, world: int, file: str, idx: torch.Tensor, prompts: list[list[int]], new: int) -> dict[str, Any]:
     from hpcdist.infer.generate import Sampling, generate
-    from hpcdist.infer.shard_load import kv_layout, read_shard
+    from hpcdist.infer.shard_load import kv_layout, read_shard, shard_state
     from hpcdist.infer.tp import TPGPT, TPGroup
+    from hpcdist.model.checkpoint import read_full
 
     header = read_header(file)
     model = TPGPT(header.config, TPGroup(rank, world, None))
-    model.load_shard(read_shard(header, rank, world, rank, world).state)
+    shard = read_shard(header, rank, world, rank, world).state
+    in_memory = shard_state(read_full(header), header.config, rank, world)  # what load: broadcast slices
+    assert all((shard[k] == in_memory[k]).all() for k in in_memory)
+    model.load_shard(shard)
     cache = model.new_cache(idx.shape[0], idx.shape[1])
     stepped = torch.cat([model(idx[:, :7], cache=cache)] + [model(idx[:, t : t + 1], cache=cache)
                                                              for t in range(7, idx.shape[1])], dim=1)
@@ -199,7 +206,7 @@ def test_export_loads_with_from_pretrained_with_equal_logits(root: Path, tmp_pat
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     idx = _ids()
-    for variant in ("llama3-gqa", "qwen2"):
+    for variant in ("llama3-gqa", "qwen2", "llama-bias"):
         got = imported(root, variant, capsys)
         out = tmp_path / variant
         code, _, err = cli(capsys, "model", "export", str(got.checkpoint), "-o", str(out))
@@ -360,3 +367,29 @@ def test_on_paper_figures_of_published_llama_sizes() -> None:
     assert c.kv_cache_bytes_per_token == 2 * 80 * 1 * 128 * 2  # keys and values, 80 layers, one head of 128, bf16
     assert c.all_reduce_sent_per_rank == 160 * 16384 * 2 * 7 / 8
     assert tp_costs(LLAMA_SIZES["llama-2-7b"], 4).kv_heads_per_rank == 8  # no GQA: 32 heads split 4 ways
+
+
+def test_jobs_past_the_sliding_window_are_refused_before_launch(root: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """infer_gpt: a prompt plus new tokens past Mistral's window of 48; train_gpt: a context past it."""
+    from hpcdist.config import load_site
+    from hpcdist.jobs.registry import load_job
+    from tests.conftest import run_cli
+
+    got = imported(root, "mistral", capsys)
+    repo = Path(__file__).resolve().parents[1]
+    site = load_site("local", [f"storage.{k}={tmp_path / k}" for k in ("results", "checkpoints", "scratch", "logs")])
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello world\n")
+    sets = [f"params.prompts={prompts}", f"params.checkpoint={got.checkpoint}"]
+    load_job(repo / "jobs" / "infer_gpt.yaml", site, [*sets, "params.max_new_tokens=30"])
+    with pytest.raises(ConfigError, match=r"params.max_new_tokens: 60 .*exceeds the model's sliding_window of 48"):
+        load_job(repo / "jobs" / "infer_gpt.yaml", site, [*sets, "params.max_new_tokens=60"])
+    tokens = tmp_path / "tokens.h5"
+    made = run_cli("data", "prepare", str(write_corpus(tmp_path / "corpus.txt", words=2000)), "-o", str(tokens),
+                   "--tokenizer", str(got.checkpoint))
+    assert made.code == 0, made.text
+    train = [f"params.init={got.checkpoint}", f"params.data={tokens}", "params.eval.every=0"]
+    with pytest.raises(ConfigError, match=r"params.model.context: 128 .*longer than the model's sliding_window of 48"):
+        load_job(repo / "jobs" / "finetune_gpt.yaml", site, train)
+    load_job(repo / "jobs" / "finetune_gpt.yaml", site, [*train, "params.model.context=48"])

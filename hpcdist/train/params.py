@@ -137,8 +137,9 @@ def check(job: Job[TrainParams], site: Site) -> list[Problem]:
         )
     if cfg.sliding_window is not None and cfg.context > cfg.sliding_window:
         problems.append(("params.model.context", cfg.context,
-                         f"is longer than the model's sliding_window of {cfg.sliding_window}, which hpcdist does "
-                         f"not implement; set params.model.context to at most {cfg.sliding_window}"))
+                         f"a training sequence longer than the model's sliding_window of {cfg.sliding_window} needs "
+                         f"sliding-window attention, which hpcdist does not implement; set params.model.context to "
+                         f"at most {cfg.sliding_window}"))
     if params.precision == "fp16" and spec.resources.gpus_per_node == 0:
         problems.append(("params.precision", "fp16", "fp16 with a loss scaler needs GPUs; use bf16 or fp32 on CPUs"))
     samples = (info.lengths["train"] - 1) // cfg.context
