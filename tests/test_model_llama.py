@@ -393,3 +393,24 @@ def test_jobs_past_the_sliding_window_are_refused_before_launch(root: Path, tmp_
     with pytest.raises(ConfigError, match=r"params.model.context: 128 .*longer than the model's sliding_window of 48"):
         load_job(repo / "jobs" / "finetune_gpt.yaml", site, train)
     load_job(repo / "jobs" / "finetune_gpt.yaml", site, [*train, "params.model.context=48"])
+
+
+def test_a_gpt2_checkpoint_written_before_the_family_fields_reads_as_before(tmp_path: Path) -> None:
+    """Its model_config_json has none of the new keys: the defaults are GPT-2's, the tensors and logits the same."""
+    import h5py
+
+    from hpcdist.infer.tp import TPGPT
+    from tests.conftest_infer import TINY, make_checkpoint
+
+    file, model = make_checkpoint(tmp_path)
+    old = {k: v for k, v in json.loads(TINY.model_dump_json()).items()
+           if k in ("vocab_size", "context", "n_layer", "n_head", "d_model", "mlp", "mlp_ratio", "dropout", "ln_eps")}
+    with h5py.File(file, "r+") as f:
+        f.attrs["model_config_json"] = json.dumps(old)
+    header = read_header(file, expect=TINY)
+    assert header.config == TINY and (TINY.family, TINY.norm, TINY.positions, TINY.tied) == (
+        "gpt2", "layernorm", "learned", True)
+    tp = TPGPT(header.config)
+    tp.load_shard(load_model_state(file)[1])
+    idx = _ids(9) % TINY.vocab_size
+    assert torch.equal(tp(idx), model(idx))
