@@ -84,7 +84,10 @@ def gpt_config(raw: Mapping[str, Any], where: Path) -> GPTConfig:
 
 
 def hf_config(cfg: GPTConfig, eot_id: int | None = None) -> Any:
-    """The transformers config of `cfg` (family llama, mistral or qwen2); `eot_id` is eos and pad."""
+    """The transformers config of `cfg` (family llama, mistral or qwen2); `eot_id` is eos and pad.
+
+    Qwen2's window is written for every layer (``max_window_layers`` 0): within the window, the only
+    lengths hpcdist runs, that is the same attention as any split of the layers."""
     family = cfg.family
     want = {"llama": (cfg.attention_bias, cfg.attention_bias, cfg.mlp_bias), "mistral": (False, False, False),
             "qwen2": (True, False, False)}[family]
@@ -106,6 +109,7 @@ def hf_config(cfg: GPTConfig, eot_id: int | None = None) -> Any:
         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv,
         max_position_embeddings=cfg.context, rms_norm_eps=cfg.ln_eps, hidden_act="silu", rope_parameters=rope,
         tie_word_embeddings=cfg.tied, eos_token_id=end, pad_token_id=end, architectures=[CLASSES[family]],
+        bos_token_id=None,  # not kept: the tokenizer's post-processor adds it; no class default (1) that may be wrong
     )
     if family == "llama":
         kwargs.update(head_dim=cfg.d_head, attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias)
