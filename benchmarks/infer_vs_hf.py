@@ -1,4 +1,5 @@
-"""hpcdist KV-cache generation against Hugging Face transformers GPT-2, same weights, same device.
+"""hpcdist KV-cache generation against Hugging Face transformers GPT-2, same weights, same device
+(``compare`` takes any family: ``infer_llama_vs_hf.py`` runs it on a Llama-shaped model).
 
 Both generate greedily for the same left-padded batch of prompts of different lengths, the
 same number of new tokens (no end token), with the same torch thread count; medians of
@@ -44,7 +45,7 @@ def compare(cfg: GPTConfig, batch: int, new: int, repeat: int, device: str = "cp
             p.mul_(4.0)
     state = model.state_dict()
     ours = TPGPT(cfg, device=dev)
-    ours.load_shard({k: v for k, v in state.items() if k != "lm_head.weight"})
+    ours.load_shard(state)  # a tied head's lm_head.weight is not among TPGPT's tensors and is left aside
     hf = to_hf(cfg, state).to(dev)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (16 + 8 * (i % 4),), generator=gen).tolist() for i in range(batch)]

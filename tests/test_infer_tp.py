@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from hpcdist.errors import ConfigError
 from hpcdist.infer.shard_load import check_tp, read_shard, shard_state
 from hpcdist.infer.tp import TPGPT, TPGroup
 from hpcdist.model.checkpoint import read_full, read_header
@@ -101,7 +102,7 @@ def test_tp_degree_must_divide_heads_and_hidden_size() -> None:
     odd_hidden = TINY.model_copy(update={"d_model": 8, "mlp_ratio": 0.75})  # d_hidden 6
     assert "hidden size 6" in check_tp(odd_hidden, 4)[0][2]
     assert check_tp(TINY, 4) == []
-    with pytest.raises(ValueError, match="n_head"):
+    with pytest.raises(ConfigError, match="n_head"):
         TPGPT(TINY, TPGroup(0, 3, None))
 
 

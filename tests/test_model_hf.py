@@ -118,8 +118,8 @@ def _drop_tensor(directory: Path, name: str) -> None:
     ("damage", "message"),
     [
         (lambda d: (d / "config.json").unlink(), r"has no config\.json; give the folder save_pretrained wrote"),
-        (lambda d: _edit_config(d, model_type="llama", architectures=["LlamaForCausalLM"]),
-         r"architecture LlamaForCausalLM is not supported; supported: GPT2LMHeadModel"),
+        (lambda d: _edit_config(d, architectures=["GPT2ForSequenceClassification"]),
+         r"architecture GPT2ForSequenceClassification is not supported; supported: GPT2LMHeadModel, LlamaForCausalLM"),
         (lambda d: _drop_tensor(d, "transformer.h.1.mlp.c_fc.weight"),
          r"do not match config\.json \(1 problem\(s\)\): transformer\.h\.1\.mlp\.c_fc\.weight missing"),
         (lambda d: _edit_config(d, n_inner=64),

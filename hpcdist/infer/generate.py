@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hpcdist.errors import ConfigError
 from hpcdist.infer.tp import TPGPT, additive_mask
 
 
@@ -89,6 +90,9 @@ def generate(
         raise ValueError(
             f"a prompt of {t_max} tokens plus {steps} new tokens exceeds the context {model.cfg.context}"
         )
+    why = model.cfg.check_length(t_max + steps - 1)  # the sliding window, where the model has one
+    if why is not None:
+        raise ConfigError(f"a prompt of {t_max} tokens plus {steps} new tokens: {why}")
     pad = t_max - lens
     ragged = bool((pad > 0).any())
     idx = torch.zeros(b, t_max, dtype=torch.long, device=device)

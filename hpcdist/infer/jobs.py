@@ -146,6 +146,15 @@ def inspect(params: InferParams, site: Site, world_size: int) -> Inspected:
                      f"context of {cfg.context}; use at most {cfg.context - len(ids) + 1} or shorten the prompt")
                 )
                 break
+            window = cfg.sliding_window
+            if window is not None and len(ids) + params.max_new_tokens - 1 > window:
+                problems.append(
+                    ("params.max_new_tokens", params.max_new_tokens,
+                     f"prompt {i + 1} ({len(ids)} tokens) plus {params.max_new_tokens} new tokens exceeds the model's "
+                     f"sliding_window of {window}, which hpcdist does not implement; use at most "
+                     f"{max(0, window - len(ids) + 1)} or shorten the prompt")
+                )
+                break
     return Inspected(header, encoded, problems, tokenizer, end_token)
 
 

@@ -24,7 +24,7 @@ from hpcdist.infer import metrics
 from hpcdist.infer.broadcast import broadcast_state, describe, flat_buffer, in_buffer, iteration_figures
 from hpcdist.infer.generate import Sampling, generate
 from hpcdist.infer.jobs import BroadcastParams, InferParams, inspect, locate_checkpoint, problems_text
-from hpcdist.infer.shard_load import read_shard, shard_state
+from hpcdist.infer.shard_load import kv_layout, read_shard, shard_state
 from hpcdist.infer.tp import TPGPT, TPGroup
 from hpcdist.model.checkpoint import CheckpointHeader, read_full
 from hpcdist.model.checkpoint import parameter_shapes as expected_shapes
@@ -158,6 +158,8 @@ def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
         shard, load = load_shards(ctx, header, tp)
     model = TPGPT(cfg, tp, device=ctx.device)
     model.load_shard(shard)
+    if ctx.rank == 0:
+        ctx.log.info("%s", kv_layout(cfg, tp.size))
     del shard
     load_s = time.perf_counter() - t_load
     ctx.log.info("weights loaded by %s in %.3f s (%s bytes) from %s", load["method"], load_s, load["bytes"],

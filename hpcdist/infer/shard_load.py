@@ -1,14 +1,17 @@
 """What each tensor-parallel rank holds of each checkpoint tensor, and reading just that from the file.
 
-Megatron-style split of a GPT-2 block across ``tp`` ranks:
+Megatron-style split of a block across ``tp`` ranks:
 
-- ``attn.c_attn`` (column-parallel): rank r keeps the rows of its heads in each of q, k and v;
+- ``attn.c_attn`` (column-parallel): rank r keeps the rows of its query heads, and of its KV
+  heads in k and v: its share of them when ``tp`` divides ``n_kv_head``, else (``tp`` a multiple
+  of it) the one KV head its query heads read, replicated on ``tp / n_kv_head`` ranks;
 - ``attn.c_proj`` (row-parallel): rank r keeps the input columns of its heads; the bias stays
   whole (added once, after the all-reduce);
 - ``mlp.c_fc`` (column-parallel): rank r keeps its slice of the hidden units (for SwiGLU, the
   same slice of the gate and of the up projection);
 - ``mlp.c_proj`` (row-parallel): the matching input columns; bias whole;
-- embeddings and layer norms are replicated (the vocab-parallel head slices ``wte`` in memory).
+- embeddings and norms are replicated (the vocab-parallel head slices a tied ``wte`` in memory);
+  an untied ``lm_head`` is split by vocabulary rows.
 
 The same plan slices an in-memory state (after a broadcast) and an HDF5 dataset (shard reads),
 so both paths give the same tensors on each rank.
@@ -31,31 +34,58 @@ Ranges = list[tuple[int, int]]
 def check_tp(cfg: GPTConfig, tp: int) -> list[tuple[str, int, str]]:
     """Why `cfg` cannot be split over `tp` ranks, as (what, value, what to do); empty when it can."""
     problems = []
+    kv = cfg.n_kv
     if tp < 1:
         problems.append(("tp", tp, "must be at least 1"))
     elif cfg.n_head % tp:
         problems.append(("tp", tp, f"must divide the model's n_head={cfg.n_head} (attention is split by heads)"))
+    elif kv % tp and tp % kv:
+        problems.append(("tp", tp, f"must divide the model's n_kv_head={kv} or be a multiple of it (KV heads are "
+                                   f"split, or replicated when there are fewer than ranks); use a tp that does"))
     elif cfg.d_hidden % tp:
         problems.append(("tp", tp, f"must divide the MLP hidden size {cfg.d_hidden} (d_model x mlp_ratio)"))
     return problems
+
+
+def kv_heads_per_rank(cfg: GPTConfig, tp: int) -> int:
+    """How many KV heads each rank holds: its share when `tp` divides them, else one (replicated)."""
+    return max(1, cfg.n_kv // tp)
+
+
+def kv_layout(cfg: GPTConfig, tp: int) -> str:
+    """One line for the log: how attention heads lie on the ranks."""
+    q, kv = cfg.n_head // tp, kv_heads_per_rank(cfg, tp)
+    how = ("split" if tp <= cfg.n_kv else f"replicated on {tp // cfg.n_kv} ranks each, fewer KV heads than ranks")
+    return f"attention over tp={tp}: {q} query and {kv} KV head(s) per rank, KV heads {how}"
+
+
+def vocab_rows(cfg: GPTConfig, tp_rank: int, tp: int) -> tuple[int, int]:
+    """The rows of the vocabulary-parallel head `tp_rank` holds (the vocabulary padded to tp equal parts)."""
+    local = -(-cfg.vocab_size // tp)
+    return min(tp_rank * local, cfg.vocab_size), min((tp_rank + 1) * local, cfg.vocab_size)
 
 
 def shard_plan(key: str, cfg: GPTConfig, tp_rank: int, tp: int) -> tuple[int, Ranges] | None:
     """(dimension, index ranges to concatenate) of `key` held by `tp_rank`; None when replicated."""
     if tp == 1:
         return None
-    d, h = cfg.d_model, cfg.d_hidden
-    dl, hl = d // tp, h // tp
+    hd, h = cfg.d_head, cfg.d_hidden
+    q, kv = cfg.n_head * hd, cfg.n_kv * hd
+    ql, hl = q // tp, h // tp
+    kl = kv_heads_per_rank(cfg, tp) * hd
+    k0 = (tp_rank * kl) if tp <= cfg.n_kv else (tp_rank // (tp // cfg.n_kv)) * hd  # this rank's first KV row
     r = tp_rank
     if key.endswith("attn.c_attn.weight") or key.endswith("attn.c_attn.bias"):
-        return 0, [(j * d + r * dl, j * d + (r + 1) * dl) for j in range(3)]
+        return 0, [(r * ql, (r + 1) * ql), (q + k0, q + k0 + kl), (q + kv + k0, q + kv + k0 + kl)]
     if key.endswith("attn.c_proj.weight"):
-        return 1, [(r * dl, (r + 1) * dl)]
+        return 1, [(r * ql, (r + 1) * ql)]
     if key.endswith("mlp.c_fc.weight") or key.endswith("mlp.c_fc.bias"):
         parts = 2 if cfg.mlp == "swiglu" else 1
         return 0, [(j * h + r * hl, j * h + (r + 1) * hl) for j in range(parts)]
     if key.endswith("mlp.c_proj.weight"):
         return 1, [(r * hl, (r + 1) * hl)]
+    if key == "lm_head.weight":  # an untied head: this rank's vocabulary rows
+        return 0, [vocab_rows(cfg, r, tp)]
     return None
 
 

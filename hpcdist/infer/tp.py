@@ -1,4 +1,5 @@
-"""A tensor-parallel GPT for inference, built from ``hpcdist.model.gpt.GPT``'s weights.
+"""A tensor-parallel GPT for inference, built from ``hpcdist.model.gpt.GPT``'s weights, for every
+family the config expresses (GPT-2, LLaMA, Mistral, Qwen2).
 
 Megatron-style placement (Shoeybi et al. 2019, section 3): in each block the attention's
 ``c_attn`` is column-parallel (each rank computes its own heads, no communication), ``c_proj`` is
@@ -6,8 +7,14 @@ row-parallel (each rank multiplies its heads' slice and an all-reduce sums the p
 outputs, then the bias is added once); the MLP's ``c_fc`` is column-parallel (GELU or SwiGLU
 applied locally to its hidden slice) and its ``c_proj`` row-parallel with one all-reduce. So a
 block costs two all-reduces of (batch, time, d_model). The head is vocab-parallel: rank r
-multiplies by its rows of the tied ``wte`` and an all-gather assembles the logits, so every
-rank of a group holds identical logits (and samples the same token from the same seed).
+multiplies by its rows of the tied ``wte`` (or of an untied ``lm_head``) and an all-gather
+assembles the logits, so every rank of a group holds identical logits (and samples the same
+token from the same seed).
+
+Grouped-query attention: a rank holds its query heads and the KV heads they read, its share of
+them when tp divides ``n_kv_head``, else the one they share (replicated on tp / n_kv_head ranks);
+the KV cache holds those KV heads only. Rotary embeddings are applied on each rank to its own
+heads, from the positions every rank has.
 
 Parameter names equal ``GPT``'s, holding each rank's shard; with ``tp == 1`` no collective runs
 and the model is the plain GPT with a KV cache.
@@ -23,8 +30,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hpcdist.infer.shard_load import check_tp
+from hpcdist.errors import ConfigError
+from hpcdist.infer.shard_load import check_tp, kv_heads_per_rank, vocab_rows
+from hpcdist.model import rope
 from hpcdist.model.config import GPTConfig
+from hpcdist.model.gpt import make_norm
 
 
 @dataclass(frozen=True)
@@ -83,14 +93,14 @@ class ColumnParallelLinear(nn.Linear):
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r A_r^T + b: this rank's input slice, partial products summed by all-reduce."""
 
-    def __init__(self, in_local: int, out_features: int) -> None:
+    def __init__(self, in_local: int, out_features: int, bias: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_local))
-        self.bias = nn.Parameter(torch.empty(out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
 
 class KVCache:
-    """Preallocated keys and values per layer, written in place: (2, batch, local heads, max_len, d_head).
+    """Preallocated keys and values per layer, written in place: (2, batch, local KV heads, max_len, d_head).
 
     Keys and values of a layer share one tensor so a step stores both with one copy.
     """
@@ -113,9 +123,10 @@ class TPAttention(nn.Module):
 
     def __init__(self, cfg: GPTConfig, tp: TPGroup) -> None:
         super().__init__()
-        d_local = cfg.n_head // tp.size * cfg.d_head
-        self.c_attn = ColumnParallelLinear(cfg.d_model, 3 * d_local)
-        self.c_proj = RowParallelLinear(d_local, cfg.d_model)
+        q_local = cfg.n_head // tp.size * cfg.d_head
+        kv_local = kv_heads_per_rank(cfg, tp.size) * cfg.d_head
+        self.c_attn = ColumnParallelLinear(cfg.d_model, q_local + 2 * kv_local, bias=cfg.attention_bias)
+        self.c_proj = RowParallelLinear(q_local, cfg.d_model, bias=cfg.attention_out_bias)
 
 
 class TPMLP(nn.Module):
@@ -124,8 +135,8 @@ class TPMLP(nn.Module):
     def __init__(self, cfg: GPTConfig, tp: TPGroup) -> None:
         super().__init__()
         h_local = cfg.d_hidden // tp.size
-        self.c_fc = ColumnParallelLinear(cfg.d_model, h_local * (2 if cfg.mlp == "swiglu" else 1))
-        self.c_proj = RowParallelLinear(h_local, cfg.d_model)
+        self.c_fc = ColumnParallelLinear(cfg.d_model, h_local * (2 if cfg.mlp == "swiglu" else 1), bias=cfg.mlp_bias)
+        self.c_proj = RowParallelLinear(h_local, cfg.d_model, bias=cfg.mlp_bias)
 
 
 class TPBlock(nn.Module):
@@ -133,36 +144,42 @@ class TPBlock(nn.Module):
 
     def __init__(self, cfg: GPTConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
+        self.ln_1 = make_norm(cfg)
         self.attn = TPAttention(cfg, tp)
-        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
+        self.ln_2 = make_norm(cfg)
         self.mlp = TPMLP(cfg, tp)
 
 
 class _Linear(NamedTuple):
     weight: torch.Tensor
-    bias: torch.Tensor
+    bias: torch.Tensor | None
     packed: torch.Tensor | None
+
+
+Norm = tuple[torch.Tensor, torch.Tensor | None]  # weight, and bias for a LayerNorm
 
 
 class _Layer(NamedTuple):
     """One block's tensors, gathered once: a step then does no module calls or attribute lookups."""
 
-    ln_1: tuple[torch.Tensor, torch.Tensor]
+    ln_1: Norm
     c_attn: _Linear
     c_proj: _Linear
-    ln_2: tuple[torch.Tensor, torch.Tensor]
+    ln_2: Norm
     c_fc: _Linear
     mlp_proj: _Linear
 
 
 def _layer_tensors(block: TPBlock, pack: bool) -> _Layer:
     def lin(m: nn.Module) -> _Linear:
-        w, b = cast(torch.Tensor, m.weight), cast(torch.Tensor, m.bias)
+        w, b = cast(torch.Tensor, m.weight), cast("torch.Tensor | None", m.bias)
         return _Linear(w, b, _prepack(w) if pack else None)
 
-    return _Layer((block.ln_1.weight, block.ln_1.bias), lin(block.attn.c_attn), lin(block.attn.c_proj),
-                  (block.ln_2.weight, block.ln_2.bias), lin(block.mlp.c_fc), lin(block.mlp.c_proj))
+    def norm(m: nn.Module) -> Norm:
+        return cast(torch.Tensor, m.weight), cast("torch.Tensor | None", getattr(m, "bias", None))
+
+    return _Layer(norm(block.ln_1), lin(block.attn.c_attn), lin(block.attn.c_proj),
+                  norm(block.ln_2), lin(block.mlp.c_fc), lin(block.mlp.c_proj))
 
 
 class TPGPT(nn.Module):
@@ -174,24 +191,28 @@ class TPGPT(nn.Module):
         problems = check_tp(cfg, tp.size)
         if problems:
             what, value, todo = problems[0]
-            raise ValueError(f"{what}={value} {todo}")
+            raise ConfigError(f"{what}={value} {todo}")
         self.cfg, self.tp = cfg, tp
         self.vocab_local = -(-cfg.vocab_size // tp.size)  # padded so every rank gathers equal slices
         with torch.device(device):
-            self.transformer = nn.ModuleDict(
-                {
-                    "wte": nn.Embedding(cfg.vocab_size, cfg.d_model),
-                    "wpe": nn.Embedding(cfg.context, cfg.d_model),
-                    "h": nn.ModuleList(TPBlock(cfg, tp) for _ in range(cfg.n_layer)),
-                    "ln_f": nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps),
-                }
-            )
+            layers: dict[str, nn.Module] = {"wte": nn.Embedding(cfg.vocab_size, cfg.d_model)}
+            if cfg.positions == "learned":
+                layers["wpe"] = nn.Embedding(cfg.context, cfg.d_model)
+            layers["h"] = nn.ModuleList(TPBlock(cfg, tp) for _ in range(cfg.n_layer))
+            layers["ln_f"] = make_norm(cfg)
+            self.transformer = nn.ModuleDict(layers)
+            if not cfg.tied:  # this rank's rows of the untied head
+                lo, hi = vocab_rows(cfg, tp.rank, tp.size)
+                self.lm_head = nn.Linear(cfg.d_model, hi - lo, bias=False)
+            if cfg.positions == "rope":
+                self.register_buffer("inv_freq", rope.inv_freq(cfg), persistent=False)
             # this rank's rows of the tied embedding, stored transposed (d_model, vocab): the head is
             # the largest matmul of a decode step, and the plain (NN) layout runs it faster on CPUs
             self.register_buffer("head_t", torch.zeros(cfg.d_model, self.vocab_local), persistent=False)
         self.requires_grad_(False)
         self.eval()
         self.n_local = cfg.n_head // tp.size
+        self.kv_local = kv_heads_per_rank(cfg, tp.size)
         self._layers = self._gather(pack=False)
 
     @property
@@ -214,8 +235,11 @@ class TPGPT(nn.Module):
             if tuple(value.shape) != tuple(param.shape):
                 raise ValueError(f"{key}: shard has shape {tuple(value.shape)}, this rank expects {tuple(param.shape)}")
             param.copy_(value)
-        v0 = self.tp.rank * self.vocab_local
-        rows = self.wte.weight[v0 : v0 + self.vocab_local]
+        if self.cfg.tied:
+            v0 = self.tp.rank * self.vocab_local
+            rows = self.wte.weight[v0 : v0 + self.vocab_local]
+        else:
+            rows = self.lm_head.weight
         head_t = cast(torch.Tensor, self.head_t)
         head_t.zero_()
         head_t[:, : rows.shape[0]] = rows.t()
@@ -226,8 +250,7 @@ class TPGPT(nn.Module):
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.wte.weight
-        return KVCache(self.cfg.n_layer, batch, self.cfg.n_head // self.tp.size, max_len, self.cfg.d_head,
-                       p.device, p.dtype)
+        return KVCache(self.cfg.n_layer, batch, self.kv_local, max_len, self.cfg.d_head, p.device, p.dtype)
 
     @torch.no_grad()
     def forward(
@@ -253,9 +276,10 @@ class TPGPT(nn.Module):
         """
         b, t = idx.shape
         past = cache.length if cache is not None else 0
+        why = self.cfg.check_length(past + t)
+        if why is not None:
+            raise ConfigError(f"a sequence of {why}")
         if positions is None:
-            if past + t > self.cfg.context:
-                raise ValueError(f"sequence of {past + t} tokens is longer than the context {self.cfg.context}")
             positions = torch.arange(past, past + t, device=idx.device).expand(b, t)
         if mask is None and past and t > 1:
             causal = torch.ones(t, past + t, dtype=torch.bool, device=idx.device).tril(past)
@@ -263,13 +287,19 @@ class TPGPT(nn.Module):
         if mask is not None and mask.dtype == torch.bool:  # converted once here, not by every layer's SDPA
             mask = additive_mask(mask, self.wte.weight.dtype)
         d = self.cfg.d_model
-        x = (self.wte(idx) + self.transformer["wpe"](positions)).view(b * t, d)
+        x = self.wte(idx)
+        rot = None
+        if self.cfg.positions == "learned":
+            x = x + self.transformer["wpe"](positions)
+        else:
+            rot = rope.cos_sin(cast(torch.Tensor, self.inv_freq), positions, x.dtype)
+        x = x.view(b * t, d)
         decode = t == 1
         rows = None if real is None or decode else real.reshape(-1).nonzero().squeeze(1)
         if rows is not None:
             x = x.index_select(0, rows)
         for layer, weights in enumerate(self._layers):
-            x = self._block(x, weights, b, t, mask, cache, layer, decode, rows)
+            x = self._block(x, weights, b, t, mask, cache, layer, decode, rows, rot)
         if rows is not None:
             x = x.new_zeros(b * t, d).index_copy_(0, rows, x)
         if cache is not None:
@@ -290,38 +320,50 @@ class TPGPT(nn.Module):
         packed = lin.packed if decode else None
         if not row or self.tp.size == 1:  # no partial sums: the bias joins the product
             return _matmul(x, lin.weight, lin.bias, packed)
-        return self.tp.all_reduce(_matmul(x, lin.weight, None, packed)).add_(lin.bias)
+        y = self.tp.all_reduce(_matmul(x, lin.weight, None, packed))
+        return y if lin.bias is None else y.add_(lin.bias)
+
+    def _norm(self, x: torch.Tensor, w: Norm) -> torch.Tensor:
+        if self.cfg.norm == "rmsnorm":
+            return torch.rms_norm(x, (self.cfg.d_model,), w[0], self.cfg.ln_eps)
+        return torch.layer_norm(x, (self.cfg.d_model,), w[0], w[1], self.cfg.ln_eps)
 
     def _block(self, x: torch.Tensor, w: _Layer, b: int, t: int, mask: torch.Tensor | None,
-               cache: KVCache | None, layer: int, decode: bool, rows: torch.Tensor | None) -> torch.Tensor:
+               cache: KVCache | None, layer: int, decode: bool, rows: torch.Tensor | None,
+               rot: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """One transformer block, Megatron-placed (see the module docstring).
 
         `x` is (b * t, d_model), or only the `rows` of it that are real tokens: attention then runs
         on the padded (b, t) layout with zeros at the padding.
         """
         cfg = self.cfg
-        shape = (cfg.d_model,)
-        h = torch.layer_norm(x, shape, w.ln_1[0], w.ln_1[1], cfg.ln_eps)
-        qkv = self._linear(h, w.c_attn, decode, row=False)
+        hd, nq, nkv = cfg.d_head, self.n_local, self.kv_local
+        qkv = self._linear(self._norm(x, w.ln_1), w.c_attn, decode, row=False)
         if rows is not None:
             qkv = qkv.new_zeros(b * t, qkv.shape[1]).index_copy_(0, rows, qkv)
-        qkv = qkv.view(b, t, 3, self.n_local, cfg.d_head)
-        q = qkv[:, :, 0].transpose(1, 2)  # (b, local heads, t, d_head)
-        if cache is None:
-            k, v = qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2)
-        else:
+        qkv = qkv.view(b, t, nq + 2 * nkv, hd)
+        q = qkv[:, :, :nq].transpose(1, 2)  # (b, local heads, t, d_head)
+        k, v = qkv[:, :, nq : nq + nkv].transpose(1, 2), qkv[:, :, nq + nkv :].transpose(1, 2)
+        if rot is not None:
+            q, k = rope.rotate(q, *rot), rope.rotate(k, *rot)
+        if cache is not None:
             start, kv = cache.length, cache.kv[layer]
-            kv[:, :, :, start : start + t] = qkv[:, :, 1:].permute(2, 0, 3, 1, 4)
+            if rot is None:
+                kv[:, :, :, start : start + t] = qkv[:, :, nq:].view(b, t, 2, nkv, hd).permute(2, 0, 3, 1, 4)
+            else:
+                kv[0, :, :, start : start + t] = k
+                kv[1, :, :, start : start + t] = v
             k, v = kv[0, :, :, : start + t], kv[1, :, :, : start + t]
+        gqa = nkv != nq
         if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=gqa)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(b * t, -1)
         if rows is not None:
             y = y.index_select(0, rows)
         x = self._linear(y, w.c_proj, decode, row=True).add_(x)
-        h = self._linear(torch.layer_norm(x, shape, w.ln_2[0], w.ln_2[1], cfg.ln_eps), w.c_fc, decode, row=False)
+        h = self._linear(self._norm(x, w.ln_2), w.c_fc, decode, row=False)
         if cfg.mlp == "swiglu":
             gate, up = h.chunk(2, dim=-1)  # this rank's gate slice, then the same slice of up
             h = F.silu(gate) * up

@@ -4,9 +4,9 @@ In a ``hpcdist.checkpoint`` file the GPT adds:
 
 - the root attribute ``model_config_json`` (``GPTConfig.model_dump_json()``);
 - the group ``/model``: one float32, C-order dataset per ``GPT.state_dict()`` key, with the exact
-  key names (each with its ``sha256``, as every store dataset). The head ``lm_head.weight`` is
-  tied to ``transformer.wte.weight`` and stored once: the group attribute ``tied_json`` maps
-  each omitted key to the stored one;
+  key names (each with its ``sha256``, as every store dataset). A tied head ``lm_head.weight``
+  (GPT-2's; an untied one is stored as itself) is ``transformer.wte.weight`` and stored once:
+  the group attribute ``tied_json`` maps each omitted key to the stored one;
 - the group ``/tokenizer`` (``hpcdist.data.tokenizer``): the tokenizer the model reads and
   writes, which inference encodes prompts and decodes outputs with. A checkpoint from before it
   travelled has none: it is taken as bytes when the vocabulary is the byte tokenizer's.
@@ -42,33 +42,40 @@ if TYPE_CHECKING:
 MODEL_GROUP = "model"
 CONFIG_ATTR = "model_config_json"
 TIED_ATTR = "tied_json"
+CHAT_TEMPLATE = "chat_template_utf8"  # in the tokenizer group: the Jinja chat template, UTF-8 bytes
 
 
 def parameter_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """The stored tensors of a GPT of shape `cfg`, in ``state_dict()`` order (the tied head left out)."""
+    """The stored tensors of a GPT of shape `cfg`, in ``state_dict()`` order (a tied head left out).
+
+    A LayerNorm has a weight and a bias, an RMSNorm a weight only; a learned-position model has
+    ``wpe``, a rotary one none; biases are there where the config has them; an untied head is
+    ``lm_head.weight``.
+    """
     d, h, v = cfg.d_model, cfg.d_hidden, cfg.vocab_size
+    q, kv = cfg.n_head * cfg.d_head, cfg.n_kv * cfg.d_head
     fc = h * (2 if cfg.mlp == "swiglu" else 1)
-    out: dict[str, tuple[int, ...]] = {"transformer.wte.weight": (v, d), "transformer.wpe.weight": (cfg.context, d)}
+
+    def norm(name: str) -> dict[str, tuple[int, ...]]:
+        return {name + ".weight": (d,), **({name + ".bias": (d,)} if cfg.norm == "layernorm" else {})}
+
+    def linear(name: str, n_out: int, n_in: int, bias: bool) -> dict[str, tuple[int, ...]]:
+        return {name + ".weight": (n_out, n_in), **({name + ".bias": (n_out,)} if bias else {})}
+
+    out: dict[str, tuple[int, ...]] = {"transformer.wte.weight": (v, d)}
+    if cfg.positions == "learned":
+        out["transformer.wpe.weight"] = (cfg.context, d)
     for i in range(cfg.n_layer):
         p = f"transformer.h.{i}."
-        out.update(
-            {
-                p + "ln_1.weight": (d,),
-                p + "ln_1.bias": (d,),
-                p + "attn.c_attn.weight": (3 * d, d),
-                p + "attn.c_attn.bias": (3 * d,),
-                p + "attn.c_proj.weight": (d, d),
-                p + "attn.c_proj.bias": (d,),
-                p + "ln_2.weight": (d,),
-                p + "ln_2.bias": (d,),
-                p + "mlp.c_fc.weight": (fc, d),
-                p + "mlp.c_fc.bias": (fc,),
-                p + "mlp.c_proj.weight": (d, h),
-                p + "mlp.c_proj.bias": (d,),
-            }
-        )
-    out["transformer.ln_f.weight"] = (d,)
-    out["transformer.ln_f.bias"] = (d,)
+        out.update(norm(p + "ln_1"))
+        out.update(linear(p + "attn.c_attn", q + 2 * kv, d, cfg.attention_bias))
+        out.update(linear(p + "attn.c_proj", d, q, cfg.attention_out_bias))
+        out.update(norm(p + "ln_2"))
+        out.update(linear(p + "mlp.c_fc", fc, d, cfg.mlp_bias))
+        out.update(linear(p + "mlp.c_proj", d, h, cfg.mlp_bias))
+    out.update(norm("transformer.ln_f"))
+    if not cfg.tied:
+        out["lm_head.weight"] = (v, d)
     return out
 
 
@@ -113,14 +120,17 @@ def state_dict_of(group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 def write_checkpoint(
     directory: str | Path, step: int, state: Mapping[str, Any], cfg: GPTConfig, epoch: int = 0,
-    tokenizer: ByteTokenizer | FileTokenizer | None = None,
+    tokenizer: ByteTokenizer | FileTokenizer | None = None, chat_template: str | None = None,
 ) -> Path:
-    """Write `state` (a GPT ``state_dict()``) and its tokenizer as a model-only checkpoint and commit it."""
+    """Write `state` (a GPT ``state_dict()``) and its tokenizer (with its chat template, when it has
+    one) as a model-only checkpoint and commit it."""
     from hpcdist.data.tokenizer import GROUP
 
     tree: dict[str, Any] = {MODEL_GROUP: model_tree(state)}
     if tokenizer is not None:
         tree[GROUP] = tokenizer.to_tree()
+        if chat_template is not None:
+            tree[GROUP][CHAT_TEMPLATE] = np.frombuffer(chat_template.encode("utf-8"), dtype=np.uint8)
     return store.save(Path(directory), step, tree, epoch=epoch, attrs=model_attrs(cfg)).path
 
 
@@ -150,6 +160,15 @@ def checkpoint_tokenizer(path: Path, cfg: GPTConfig) -> ByteTokenizer | FileToke
             f"vocab_size {cfg.vocab_size}; the checkpoint is inconsistent"
         )
     return tok
+
+
+def checkpoint_chat_template(path: Path) -> str | None:
+    """The chat template travelling with the checkpoint's tokenizer; None when it has none."""
+    from hpcdist.data.tokenizer import GROUP
+
+    group = store.read(path, groups=(GROUP,), verify=True).tree.get(GROUP) or {}
+    raw = group.get(CHAT_TEMPLATE)
+    return None if raw is None else np.ascontiguousarray(raw, dtype=np.uint8).tobytes().decode("utf-8")
 
 
 def load_model_state(path: Path, verify: bool = True) -> tuple[GPTConfig, dict[str, torch.Tensor]]:

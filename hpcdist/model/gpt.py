@@ -1,8 +1,11 @@
-"""A decoder-only transformer language model (GPT-2 layout), sized from a job spec.
+"""A decoder-only transformer language model, GPT-2 or LLaMA-shaped (``GPTConfig``), sized from a job spec.
 
-Parameter names follow Hugging Face's GPT-2 (``transformer.h.0.attn.c_attn.weight`` ...) so a
-checkpoint maps onto ``transformers.GPT2LMHeadModel`` by transposing the linear weights (GPT-2
-stores them as Conv1D, in x out). The head is tied to the token embedding.
+Parameter names follow Hugging Face's GPT-2 (``transformer.h.0.attn.c_attn.weight`` ...) for every
+family, so one checkpoint layout, one tensor-parallel split and one loader serve them all:
+``c_attn`` holds q, then k, then v (``n_kv_head`` heads each for k and v), ``mlp.c_fc`` holds the
+gate, then the up projection for SwiGLU. ``hpcdist.model.hf`` maps these onto GPT-2 (Conv1D
+weights transposed) and onto LLaMA, Mistral and Qwen2 (q/k/v and gate/up split apart). The head
+is tied to the token embedding unless ``tied`` is false.
 """
 
 from __future__ import annotations
@@ -13,27 +16,42 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpcdist.errors import ConfigError
+from hpcdist.model import rope
 from hpcdist.model.config import GPTConfig
 
-__all__ = ["GPTConfig", "GPT"]
+__all__ = ["GPTConfig", "GPT", "make_norm"]
+
+
+def make_norm(cfg: GPTConfig) -> nn.Module:
+    """The block's and the final norm: LayerNorm (GPT-2) or RMSNorm (LLaMA), weight named ``weight``."""
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.ln_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head, self.d_head = cfg.n_head, cfg.d_head
-        self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.c_proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.n_head, self.n_kv, self.d_head = cfg.n_head, cfg.n_kv, cfg.d_head
+        q, kv = cfg.n_head * cfg.d_head, cfg.n_kv * cfg.d_head
+        self.sizes = (q, kv, kv)
+        self.c_attn = nn.Linear(cfg.d_model, q + 2 * kv, bias=cfg.attention_bias)
+        self.c_proj = nn.Linear(q, cfg.d_model, bias=cfg.attention_out_bias)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.c_attn(x).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, self.d_head).transpose(1, 2) for z in (q, k, v))
+    def forward(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.c_attn(x).split(self.sizes, dim=2)
+        q = q.view(b, t, self.n_head, self.d_head).transpose(1, 2)
+        k, v = (z.view(b, t, self.n_kv, self.d_head).transpose(1, 2) for z in (k, v))
+        if rot is not None:
+            q, k = rope.rotate(q, *rot), rope.rotate(k, *rot)
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.n_kv != self.n_head,
         )
-        return self.c_proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -41,8 +59,8 @@ class MLP(nn.Module):
         super().__init__()
         self.kind = cfg.mlp
         width = cfg.d_hidden * (2 if cfg.mlp == "swiglu" else 1)
-        self.c_fc = nn.Linear(cfg.d_model, width)
-        self.c_proj = nn.Linear(cfg.d_hidden, cfg.d_model)
+        self.c_fc = nn.Linear(cfg.d_model, width, bias=cfg.mlp_bias)
+        self.c_proj = nn.Linear(cfg.d_hidden, cfg.d_model, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.c_fc(x)
@@ -57,13 +75,13 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
+        self.ln_1 = make_norm(cfg)
         self.attn = Attention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
+        self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rot)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -71,19 +89,19 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.transformer = nn.ModuleDict(
-            {
-                "wte": nn.Embedding(cfg.vocab_size, cfg.d_model),
-                "wpe": nn.Embedding(cfg.context, cfg.d_model),
-                "drop": nn.Dropout(cfg.dropout),
-                "h": nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
-                "ln_f": nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps),
-            }
-        )
+        layers: dict[str, nn.Module] = {"wte": nn.Embedding(cfg.vocab_size, cfg.d_model)}
+        if cfg.positions == "learned":
+            layers["wpe"] = nn.Embedding(cfg.context, cfg.d_model)
+        layers.update({"drop": nn.Dropout(cfg.dropout), "h": nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
+                       "ln_f": make_norm(cfg)})
+        self.transformer = nn.ModuleDict(layers)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        wte = self.transformer["wte"]
-        assert isinstance(wte, nn.Embedding)
-        self.lm_head.weight = wte.weight  # tied
+        if cfg.tied:
+            wte = self.transformer["wte"]
+            assert isinstance(wte, nn.Embedding)
+            self.lm_head.weight = wte.weight
+        if cfg.positions == "rope":
+            self.register_buffer("inv_freq", rope.inv_freq(cfg), persistent=False)
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
@@ -100,13 +118,20 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits (batch, time, vocab) for token ids (batch, time)."""
-        _, t = idx.shape
-        if t > self.cfg.context:
-            raise ValueError(f"sequence of {t} tokens is longer than the context {self.cfg.context}")
+        b, t = idx.shape
+        why = self.cfg.check_length(t)
+        if why is not None:
+            raise ConfigError(f"a sequence of {why}")
         pos = torch.arange(t, device=idx.device)
-        x = self.transformer["drop"](self.transformer["wte"](idx) + self.transformer["wpe"](pos))
+        x = self.transformer["wte"](idx)
+        rot = None
+        if self.cfg.positions == "learned":
+            x = x + self.transformer["wpe"](pos)
+        else:
+            rot = rope.cos_sin(self.get_buffer("inv_freq"), pos.expand(b, t), x.dtype)
+        x = self.transformer["drop"](x)
         blocks = self.transformer["h"]
         assert isinstance(blocks, nn.ModuleList)
         for block in blocks:
-            x = block(x)
+            x = block(x, rot)
         return self.lm_head(self.transformer["ln_f"](x))

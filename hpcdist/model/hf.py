@@ -1,5 +1,6 @@
-"""Hugging Face GPT-2 in and out: the one owner of the mapping between hpcdist's GPT and
-``transformers.GPT2LMHeadModel`` (DialoGPT is the same class).
+"""Hugging Face models in and out: GPT-2 here (the one owner of the mapping between hpcdist's GPT and
+``transformers.GPT2LMHeadModel``; DialoGPT is the same class), LLaMA, Mistral and Qwen2 in
+``hpcdist.model.hf_llama``; the folders, weights and tokenizers of all of them here.
 
 The parameter names are GPT-2's already; GPT-2's Conv1D stores its weights as (in, out), the
 transpose of ``nn.Linear``, and its head is tied to the token embedding (stored once by both).
@@ -7,9 +8,11 @@ Only the GELU MLP maps onto GPT-2 (SwiGLU has no GPT-2 counterpart).
 
 - `import_pretrained`: a ``save_pretrained`` folder (config.json, model.safetensors or
   pytorch_model.bin, sharded or not, and its tokenizer files) to an hpcdist checkpoint carrying
-  the tokenizer, written atomically with every tensor's sha256 (``hpcdist model import``);
+  the tokenizer and its chat template, written atomically with every tensor's sha256
+  (``hpcdist model import``);
 - `export_pretrained`: a checkpoint to a folder ``from_pretrained`` loads (``hpcdist model export``);
-- `to_hf`: the same weights as a ``GPT2LMHeadModel``, the reference the inference tests compare with.
+- `to_hf`: the same weights as a transformers model of the config's family, the reference the
+  inference tests compare with.
 
 Weights are read by ``safetensors`` / ``torch.load(weights_only=True)`` and configs and tokenizers
 by ``transformers``; nothing is downloaded. Every bad input is one ``ConfigError`` line.
@@ -34,7 +37,9 @@ if TYPE_CHECKING:
 
     from hpcdist.data.tokenizer import ByteTokenizer, FileTokenizer
 
-SUPPORTED = ("GPT2LMHeadModel",)  # architectures import reads
+GPT2 = ("GPT2LMHeadModel",)
+SUPPORTED = (*GPT2, "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")  # architectures import reads
+LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # the same function, GPT-2's and hpcdist's GELU
 HEAD, WTE = "lm_head.weight", "transformer.wte.weight"
@@ -61,26 +66,45 @@ def _transformers() -> Any:
 
 
 def hf_config(cfg: GPTConfig, eot_id: int | None = None) -> Any:
-    """The ``GPT2Config`` of `cfg`; `eot_id` (default the last id) is bos, eos and pad."""
+    """The transformers config of `cfg` (``GPT2Config`` for GPT-2); `eot_id` (default the last id) is
+    bos, eos and pad."""
+    if cfg.family != "gpt2":
+        from hpcdist.model import hf_llama
+
+        return hf_llama.hf_config(cfg, eot_id)
     if cfg.mlp != "gelu":
         raise ConfigError(f"only the gelu MLP maps onto GPT-2, not params.model.mlp={cfg.mlp!r}")
+    if (cfg.norm, cfg.positions) != ("layernorm", "learned") or cfg.n_kv != cfg.n_head \
+            or not (cfg.tied and cfg.attention_bias and cfg.attention_out_bias and cfg.mlp_bias) \
+            or cfg.d_head * cfg.n_head != cfg.d_model:
+        raise ConfigError(
+            f"this model does not map onto GPT-2 (mlp {cfg.mlp}, norm {cfg.norm}, positions {cfg.positions}, "
+            f"n_kv_head {cfg.n_kv}, tied {cfg.tied}); set params.model.family to the architecture it has"
+        )
     end = cfg.vocab_size - 1 if eot_id is None else eot_id
     return _transformers().GPT2Config(
         vocab_size=cfg.vocab_size, n_positions=cfg.context, n_embd=cfg.d_model, n_layer=cfg.n_layer,
         n_head=cfg.n_head, n_inner=cfg.d_hidden, activation_function="gelu_new", layer_norm_epsilon=cfg.ln_eps,
         resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, tie_word_embeddings=True,
-        bos_token_id=end, eos_token_id=end, pad_token_id=end, architectures=list(SUPPORTED),
+        bos_token_id=end, eos_token_id=end, pad_token_id=end, architectures=list(GPT2),
     )
 
 
 def gpt_config(raw: Mapping[str, Any], where: Path) -> GPTConfig:
     """The GPTConfig of a ``config.json`` (as a dict); a ConfigError naming what does not map."""
     archs = list(raw.get("architectures") or [])
-    if raw.get("model_type") != "gpt2" or any(a not in SUPPORTED for a in archs):
-        found = ", ".join(archs) or f"model_type {raw.get('model_type')!r}"
+    model_type = raw.get("model_type")
+    family_class = GPT2[0] if model_type == "gpt2" else LLAMA_FAMILY.get(str(model_type))
+    if family_class is None or any(a != family_class for a in archs):
+        found = ", ".join(archs) or f"model_type {model_type!r}"
         raise ConfigError(
-            f"{where}: architecture {found} is not supported; supported: {', '.join(SUPPORTED)} (GPT-2, DialoGPT)"
+            f"{where}: architecture {found} is not supported; supported: {', '.join(SUPPORTED)} "
+            f"(GPT-2 and DialoGPT, Llama 2/3, Mistral, Qwen2/2.5)"
         )
+    if model_type != "gpt2":
+        from hpcdist.model import hf_llama
+
+        return hf_llama.gpt_config(raw, where)
     hf = _transformers().GPT2Config.from_dict(dict(raw))
     flags = [
         ("activation_function", hf.activation_function, hf.activation_function in GELU_TANH, " or ".join(GELU_TANH)),
@@ -131,6 +155,11 @@ def from_hf_state(hf_state: Mapping[str, torch.Tensor], cfg: GPTConfig, where: P
 
     from hpcdist.model.checkpoint import parameter_shapes
 
+    if cfg.family != "gpt2":
+        from hpcdist.model import hf_llama
+
+        return hf_llama.from_hf_state(hf_state, cfg, where)
+
     got: dict[str, torch.Tensor] = {}
     for key, value in hf_state.items():
         if key.endswith(BUFFERS):
@@ -162,7 +191,12 @@ def from_hf_state(hf_state: Mapping[str, torch.Tensor], cfg: GPTConfig, where: P
 
 
 def to_hf(cfg: GPTConfig, state: Mapping[str, Any], eot_id: int | None = None) -> Any:
-    """A ``GPT2LMHeadModel`` in eval mode holding `state` (a GPT state dict, tensors or arrays)."""
+    """The transformers model (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ...) of `cfg`'s family in eval
+    mode, holding `state` (a GPT state dict, tensors or arrays)."""
+    if cfg.family != "gpt2":
+        from hpcdist.model import hf_llama
+
+        return hf_llama.to_hf(cfg, state, eot_id)
     transformers = _transformers()
     model = transformers.GPT2LMHeadModel(hf_config(cfg, eot_id))
     missing, unexpected = model.load_state_dict(to_hf_state(state), strict=False)
@@ -208,6 +242,24 @@ class Imported:
     config: GPTConfig
     tokenizer: str
     parameters: int
+    chat_template: bool = False
+
+
+def read_chat_template(directory: Path) -> str | None:
+    """The folder's chat template: chat_template.jinja (transformers 4.43+), else tokenizer_config.json's."""
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    config = directory / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    try:
+        template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{config} cannot be read as JSON: {exc}") from exc
+    if template is None or isinstance(template, str):
+        return template
+    return json.dumps(template)  # named templates (a list of {name, template}), kept as their JSON
 
 
 def read_pretrained(directory: Path) -> tuple[GPTConfig, dict[str, torch.Tensor], ByteTokenizer | FileTokenizer]:
@@ -226,12 +278,19 @@ def read_pretrained(directory: Path) -> tuple[GPTConfig, dict[str, torch.Tensor]
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{config_file} cannot be read as JSON: {exc}") from exc
     cfg = gpt_config(raw, config_file)
+    if (directory / "tokenizer.model").is_file() and not any(
+            (directory / f).is_file() for f in ("tokenizer.json", "vocab.json")):
+        raise ConfigError(
+            f"{directory} has only a SentencePiece tokenizer.model; hpcdist reads tokenizer.json: convert it once "
+            f"with transformers and sentencepiece (AutoTokenizer.from_pretrained(dir).save_pretrained(dir))"
+        )
     state = from_hf_state(read_weights(directory), cfg, directory)
     try:
         tok = from_pretrained_dir(directory)
     except JobError as exc:
         raise ConfigError(str(exc)) from exc
-    if tok.vocab_size != cfg.vocab_size:
+    # LLaMA-family vocabularies may be padded past the tokenizer's (Qwen2: 151936 for 151665 ids)
+    if tok.vocab_size > cfg.vocab_size or (cfg.family == "gpt2" and tok.vocab_size != cfg.vocab_size):
         raise ConfigError(
             f"{directory}: the tokenizer has {tok.vocab_size} ids but the model's vocab_size is {cfg.vocab_size}; "
             f"save the model's own tokenizer into the folder"
@@ -246,26 +305,27 @@ def import_pretrained(directory: Path, out: Path) -> Imported:
     from hpcdist.store.atomic import fsync_path
 
     cfg, state, tok = read_pretrained(Path(directory))
+    template = read_chat_template(Path(directory))
     out = Path(out)
     if out.suffix != ".h5":
-        path = write_checkpoint(out, 0, state, cfg, tokenizer=tok)
+        path = write_checkpoint(out, 0, state, cfg, tokenizer=tok, chat_template=template)
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:  # the store commits step_0.h5 atomically; one rename in the same directory makes it `out`
-            os.replace(write_checkpoint(staging, 0, state, cfg, tokenizer=tok), out)
+            os.replace(write_checkpoint(staging, 0, state, cfg, tokenizer=tok, chat_template=template), out)
             fsync_path(out.parent)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         path = out
-    return Imported(path, cfg, tok.name, cfg.num_params())
+    return Imported(path, cfg, tok.name, cfg.num_params(), template is not None)
 
 
 def export_pretrained(checkpoint: Path, out: Path) -> tuple[Path, ByteTokenizer | FileTokenizer]:
     """A folder `out` that ``from_pretrained`` loads: the checkpoint's weights (safetensors) and
     its tokenizer (a ``tokenizers`` one; the byte tokenizer has no such form and is left out)."""
     from hpcdist.data.tokenizer import FileTokenizer
-    from hpcdist.model.checkpoint import checkpoint_tokenizer, load_model_state
+    from hpcdist.model.checkpoint import checkpoint_chat_template, checkpoint_tokenizer, load_model_state
     from hpcdist.store.discovery import resolve
 
     out = Path(out)
@@ -282,9 +342,10 @@ def export_pretrained(checkpoint: Path, out: Path) -> tuple[Path, ByteTokenizer 
         if isinstance(tok, FileTokenizer):
             import tokenizers
 
+            specials = ({"bos_token": tok.eot_token, "unk_token": tok.eot_token} if cfg.family == "gpt2" else {})
             fast = _transformers().PreTrainedTokenizerFast(
-                tokenizer_object=tokenizers.Tokenizer.from_str(tok.json),
-                bos_token=tok.eot_token, eos_token=tok.eot_token, unk_token=tok.eot_token,
+                tokenizer_object=tokenizers.Tokenizer.from_str(tok.json), eos_token=tok.eot_token,
+                chat_template=checkpoint_chat_template(path), **specials,
             )
             fast.save_pretrained(str(staging))
         if out.exists():

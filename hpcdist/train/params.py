@@ -68,7 +68,8 @@ class TrainParams(Frozen):
     init: Annotated[ExpandedPath | None, SpecPath(hint="make it with `hpcdist model import DIR -o FILE.h5`")] = Field(
         default=None,
         description="start from this checkpoint's weights (a file or directory, e.g. from `hpcdist model import`) "
-        "when there is none to resume; params.model may then set only dropout",
+        "when there is none to resume; params.model may then set only dropout and, for a rotary model, a "
+        "shorter context",
     )
     steps: int = Field(default=100, ge=1, description="optimizer steps of the whole run")
     batch: BatchParams = BatchParams()
@@ -134,6 +135,11 @@ def check(job: Job[TrainParams], site: Site) -> list[Problem]:
         problems.append(
             ("params.model.vocab_size", cfg.vocab_size, f"at least {info.vocab_size}, the vocabulary of {params.data}")
         )
+    if cfg.sliding_window is not None and cfg.context > cfg.sliding_window:
+        problems.append(("params.model.context", cfg.context,
+                         f"a training sequence longer than the model's sliding_window of {cfg.sliding_window} needs "
+                         f"sliding-window attention, which hpcdist does not implement; set params.model.context to "
+                         f"at most {cfg.sliding_window}"))
     if params.precision == "fp16" and spec.resources.gpus_per_node == 0:
         problems.append(("params.precision", "fp16", "fp16 with a loss scaler needs GPUs; use bf16 or fp32 on CPUs"))
     samples = (info.lengths["train"] - 1) // cfg.context
@@ -176,7 +182,8 @@ def effective_precision(requested: str, device_type: str, bf16_supported: bool) 
 
 def model_config(params: TrainParams, vocab_size: int) -> Any:
     """The GPTConfig for `params`: the vocabulary from the token file unless given; with
-    ``params.init``, that checkpoint's model (``params.model`` may change only its dropout)."""
+    ``params.init``, that checkpoint's model (``params.model`` may change only its dropout and,
+    where positions are rotary and so hold no weights, shorten the context: the training sequence)."""
     from hpcdist.model.config import GPTConfig
 
     if params.init is None:
@@ -185,11 +192,15 @@ def model_config(params: TrainParams, vocab_size: int) -> Any:
     from hpcdist.model.checkpoint import read_header
 
     base = read_header(params.init).config
-    changed = {k: v for k, v in params.model.items() if k != "dropout" and getattr(base, k, None) != v}
+    free = ("dropout", "context") if base.positions == "rope" else ("dropout",)
+    changed = {k: v for k, v in params.model.items() if k not in free and getattr(base, k, None) != v}
     if changed:
         raise ConfigError(
             f"params.model {changed} differs from params.init's model {base.model_dump()}; with params.init only "
-            f"dropout may be set"
+            f"{' and '.join(free)} may be set"
         )
+    if "context" in free and int(params.model.get("context", base.context)) > base.context:
+        raise ConfigError(f"params.model.context {params.model['context']} is longer than params.init's context "
+                          f"{base.context}; use at most that")
     return GPTConfig.model_validate({**base.model_dump(), **params.model})
 
