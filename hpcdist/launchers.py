@@ -36,10 +36,21 @@ import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from hpcdist.runtime.rankinfo import RankInfo
+
+class RankInfo(Protocol):
+    """The rank facts a launcher's environment table is written from (``runtime.rankinfo.RankInfo``
+    has them; launchers stand below the runtime and do not import it)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def node_rank(self) -> int: ...
 
 # The module each rank runs: submitit's task runner, or the shim that fixes its variables first.
 SUBMITIT_RUNNER = "submitit.core._submit"

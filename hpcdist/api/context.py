@@ -28,6 +28,15 @@ if TYPE_CHECKING:
     from hpcdist.runtime.rankinfo import RankInfo
 
 
+CURRENT: list[Context] = []  # what ``hpcdist.init()`` returned on this rank, so a second call returns the same
+
+
+def forget(ctx: Context) -> None:
+    """`ctx` is closed: a later ``init`` makes a new one."""
+    if CURRENT and CURRENT[0] is ctx:
+        CURRENT.clear()
+
+
 @dataclass
 class Results:
     """Attributes and tables for the job's HDF5 result file, written by rank 0 on ``close``.
@@ -208,9 +217,7 @@ class Context:
 
                 group.finish(self._store, self.info, self.timeout_s)
             dist.destroy_process_group()
-        from hpcdist.api import launch
-
-        launch.forget(self)
+        forget(self)
 
     def release(self) -> None:
         """After a failure: drop the checkpoint claim, no collectives, no results written. A

@@ -17,7 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpcdist.api.context import Context
+from hpcdist.api.context import CURRENT, Context
 from hpcdist.config.contract import LAUNCH_TIME_VAR
 from hpcdist.runtime.requeue import StopKind, classify, requeue_for, restart_count
 
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from hpcdist.runtime.context import JobContext
 
 _ACTIVE: list[JobContext] = []  # the python job's bootstrap on this rank, when there is one
-_CONTEXT: list[Context] = []  # what init() returned, so a second call returns the same
 DEFAULT_TIMEOUT_S = 120.0
 
 
@@ -38,19 +37,13 @@ def attach(ctx: JobContext) -> None:
 def detach(ok: bool) -> None:
     """End of the python job's code on this rank: close a context it left open (write its
     results) when the code succeeded; after a failure or a requeue only release the claim."""
-    if _CONTEXT:
+    if CURRENT:
         if ok:
-            _CONTEXT[0].close()
+            CURRENT[0].close()
         else:
-            _CONTEXT[0].release()
-            _CONTEXT.clear()
+            CURRENT[0].release()
+            CURRENT.clear()
     _ACTIVE.clear()
-
-
-def forget(ctx: Context) -> None:
-    """`ctx` is closed: a later ``init`` makes a new one."""
-    if _CONTEXT and _CONTEXT[0] is ctx:
-        _CONTEXT.clear()
 
 
 def init(*, site: str | None = None, name: str | None = None, timeout_s: float | None = None,
@@ -63,14 +56,14 @@ def init(*, site: str | None = None, name: str | None = None, timeout_s: float |
     ``<checkpoints>/<name>``; `keep_last` committed checkpoints are kept (None: all);
     `io_timeout_s` is how long ranks wait for rank 0's checkpoint I/O (default 30 minutes).
     """
-    if _CONTEXT:
-        return _CONTEXT[0]
+    if CURRENT:
+        return CURRENT[0]
     if _ACTIVE:
         ctx = from_job(_ACTIVE[0], checkpoint_dir, keep_last, io_timeout_s=io_timeout_s)
     else:
         ctx = _standalone(site, name, timeout_s, checkpoint_dir, keep_last)
         ctx.io_timeout_s = io_timeout_s
-    _CONTEXT.append(ctx)
+    CURRENT.append(ctx)
     return ctx
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpcdist.errors import ConfigError
 from hpcdist.model.config import GPTConfig
+from hpcdist.model.hf_llama import transformers_module
 
 if TYPE_CHECKING:
     import torch
@@ -54,14 +55,6 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 
 
-def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError as exc:
-        raise ConfigError("Hugging Face import and export need transformers: pip install 'hpcdist[hf]'") from exc
-    return transformers
-
-
 # ---------------------------------------------------------------- configs
 
 
@@ -82,7 +75,7 @@ def hf_config(cfg: GPTConfig, eot_id: int | None = None) -> Any:
             f"n_kv_head {cfg.n_kv}, tied {cfg.tied}); set params.model.family to the architecture it has"
         )
     end = cfg.vocab_size - 1 if eot_id is None else eot_id
-    return _transformers().GPT2Config(
+    return transformers_module().GPT2Config(
         vocab_size=cfg.vocab_size, n_positions=cfg.context, n_embd=cfg.d_model, n_layer=cfg.n_layer,
         n_head=cfg.n_head, n_inner=cfg.d_hidden, activation_function="gelu_new", layer_norm_epsilon=cfg.ln_eps,
         resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, tie_word_embeddings=True,
@@ -105,7 +98,7 @@ def gpt_config(raw: Mapping[str, Any], where: Path) -> GPTConfig:
         from hpcdist.model import hf_llama
 
         return hf_llama.gpt_config(raw, where)
-    hf = _transformers().GPT2Config.from_dict(dict(raw))
+    hf = transformers_module().GPT2Config.from_dict(dict(raw))
     flags = [
         ("activation_function", hf.activation_function, hf.activation_function in GELU_TANH, " or ".join(GELU_TANH)),
         ("scale_attn_weights", hf.scale_attn_weights, hf.scale_attn_weights, "true"),
@@ -197,7 +190,7 @@ def to_hf(cfg: GPTConfig, state: Mapping[str, Any], eot_id: int | None = None) -
         from hpcdist.model import hf_llama
 
         return hf_llama.to_hf(cfg, state, eot_id)
-    transformers = _transformers()
+    transformers = transformers_module()
     model = transformers.GPT2LMHeadModel(hf_config(cfg, eot_id))
     missing, unexpected = model.load_state_dict(to_hf_state(state), strict=False)
     real_missing = [k for k in missing if k != HEAD and not k.endswith(BUFFERS)]
@@ -343,7 +336,7 @@ def export_pretrained(checkpoint: Path, out: Path) -> tuple[Path, ByteTokenizer 
             import tokenizers
 
             specials = ({"bos_token": tok.eot_token, "unk_token": tok.eot_token} if cfg.family == "gpt2" else {})
-            fast = _transformers().PreTrainedTokenizerFast(
+            fast = transformers_module().PreTrainedTokenizerFast(
                 tokenizer_object=tokenizers.Tokenizer.from_str(tok.json), eos_token=tok.eot_token,
                 chat_template=checkpoint_chat_template(path), **specials,
             )

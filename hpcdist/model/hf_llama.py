@@ -33,16 +33,19 @@ SKIP = ("rotary_emb.inv_freq",)
 Family = Literal["llama", "mistral", "qwen2"]  # a buffer older files store
 
 
-def _transformers() -> Any:
-    from hpcdist.model.hf import _transformers as load
-
-    return load()
+def transformers_module() -> Any:
+    """transformers, imported on first use (GPT-2's and the LLaMA family's configs and weights)."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ConfigError("Hugging Face import and export need transformers: pip install 'hpcdist[hf]'") from exc
+    return transformers
 
 
 def gpt_config(raw: Mapping[str, Any], where: Path) -> GPTConfig:
     """The GPTConfig of a LLaMA-family ``config.json`` (as a dict); a ConfigError naming what does not map."""
     family = cast(Family, str(raw.get("model_type")))
-    hf = getattr(_transformers(), CONFIGS[family]).from_dict(dict(raw))
+    hf = getattr(transformers_module(), CONFIGS[family]).from_dict(dict(raw))
     if hf.hidden_act != "silu":
         raise ConfigError(f"{where}: hidden_act={hf.hidden_act!r} is not supported; hpcdist's SwiGLU MLP needs silu")
     rp = dict(hf.rope_parameters or {})
@@ -120,7 +123,7 @@ def hf_config(cfg: GPTConfig, eot_id: int | None = None) -> Any:
             raise ConfigError(f"Qwen2 has no head_dim of its own: head_dim {cfg.d_head} must be d_model / n_head")
         kwargs.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
                       max_window_layers=0)
-    return getattr(_transformers(), CONFIGS[family])(**kwargs)
+    return getattr(transformers_module(), CONFIGS[family])(**kwargs)
 
 
 def _parts(cfg: GPTConfig) -> list[tuple[str, list[str]]]:
@@ -204,7 +207,7 @@ def from_hf_state(hf_state: Mapping[str, torch.Tensor], cfg: GPTConfig, where: P
 
 def to_hf(cfg: GPTConfig, state: Mapping[str, Any], eot_id: int | None = None) -> Any:
     """The transformers model of `cfg`'s family in eval mode, holding `state` (a GPT state dict)."""
-    transformers = _transformers()
+    transformers = transformers_module()
     model = getattr(transformers, CLASSES[cfg.family])(hf_config(cfg, eot_id))
     missing, unexpected = model.load_state_dict(to_hf_state(cfg, state), strict=False)
     missing = [k for k in missing if not (cfg.tied and k == HEAD)]
