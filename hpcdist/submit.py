@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -28,7 +27,7 @@ from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import SubmitError
 from hpcdist.polling import poll_until
-from hpcdist.scheduler import slurm
+from hpcdist.scheduler import postmortem, slurm
 from hpcdist.scheduler.local import LOCAL_CONTROLLER, process_started
 from hpcdist.scheduler.slurm import Vanished
 from hpcdist.scheduler.states import JobState
@@ -302,7 +301,7 @@ def outcomes(sub: Submission, state: JobState = JobState.UNKNOWN, end: Ending | 
         try:
             status, value = pickle_load(task.paths.result_pickle)
         except FileNotFoundError:
-            out.append(TaskOutcome(rank, False, error=_no_result(task.paths.stderr, state, rank, end)))
+            out.append(TaskOutcome(rank, False, error=postmortem.no_result(task.paths.stderr, state, rank, end)))
             continue
         except Exception as exc:  # half-written or unreadable: not a result
             out.append(TaskOutcome(rank, False, error=f"its result file is unreadable: {type(exc).__name__}: {exc}"))
@@ -311,7 +310,8 @@ def outcomes(sub: Submission, state: JobState = JobState.UNKNOWN, end: Ending | 
             out.append(TaskOutcome(rank, True, summary=dict(value or {})))
         else:
             after = f" ({end.after(rank)})" if end and end.after(rank) else ""
-            out.append(TaskOutcome(rank, False, error=_first_error_line(str(value)) + after, traceback=str(value)))
+            error = postmortem.first_error_line(str(value)) + after
+            out.append(TaskOutcome(rank, False, error=error, traceback=str(value)))
     return out
 
 
@@ -361,43 +361,3 @@ def _slurm_ending(sub: Submission) -> Ending:
     return ending(batch_log, accounting(sub.job_id))
 
 
-def _no_result(path: Path, state: JobState, rank: int, end: Ending | None) -> str:
-    """Why a rank left no result: how srun saw it end, or the job's cause, or its log's first error."""
-    task = end.tasks.get(rank) if end else None
-    if end is not None and task is not None:
-        first = "the first rank to end" if end.first == task else end.after(rank)
-        if task.how.startswith("exited"):  # its own log says why: keep that, add srun's word
-            return f"{_log_error(path, state)} ({task.how} on {task.host}, {first})"
-        return f"{task.how} on {task.host} ({first}); no result"
-    if end is not None and end.cause:
-        return f"no result; the job ended: {end.cause}"
-    return _log_error(path, state)
-
-
-def _log_error(path: Path, state: JobState) -> str:
-    """The first real error line of a rank's log, or why there is none."""
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return f"no result and no log ({path}); the job ended {state.value} before this rank started"
-    line = _first_error_line(text, first=True)
-    return f"no result; {line}" if line != "(no output)" else f"no result and an empty log ({path})"
-
-
-_ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?(\w*(?:Error|Exception)): (.+)$")
-_SLURM_LINE = re.compile(r"^(?:srun|slurmstepd|mpirun|torchrun)[^:]*: (?:error|error:)?\s*(.+)$", re.IGNORECASE)
-_NOT_THE_CAUSE = {"FailedJobError", "UncompletedJobError", "ChildFailedError"}
-
-
-def _first_error_line(text: str, first: bool = False) -> str:
-    """The last `SomeError: message` line of a traceback (the first one in a log, `first`), else
-    the first line srun or slurmstepd wrote as an error, else the text's last line."""
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    for line in (lines if first else reversed(lines)):
-        match = _ERROR_LINE.match(line)
-        if match and match.group(1) not in _NOT_THE_CAUSE:
-            return f"{match.group(1)}: {match.group(2)}"
-    for line in lines:
-        if _SLURM_LINE.match(line) and "error" in line.lower():
-            return line.strip()
-    return lines[-1].strip() if lines else "(no output)"

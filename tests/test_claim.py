@@ -117,3 +117,18 @@ def test_two_takers_of_one_stale_claim_cannot_both_win(tmp_path: Path) -> None:
     assert sorted(v == "won" for v in results.values()) == [False, True], results
     loser = next(v for v in results.values() if v != "won")
     assert "which is still running" in loser, loser
+
+
+def test_a_holder_whose_claim_was_taken_commits_nothing_more(tmp_path: Path) -> None:
+    import numpy as np
+
+    from hpcdist.store.manager import CheckpointStore
+
+    store = CheckpointStore(tmp_path, keep_last=3)
+    store.claim(here("local-7", restarts=0))
+    store.save(1, {"w": np.zeros(4)})
+    Claim(tmp_path, here("local-7", restarts=1)).acquire()  # a later start of the job took it back
+    with pytest.raises(CheckpointError, match=r"no longer this run's .* held by job local-7 .*restart 1"):
+        store.save(2, {"w": np.ones(4)})
+    assert store.steps() == [1] and store.latest() is not None and store.latest().name.endswith("1.h5")  # type: ignore[union-attr]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["latest", "step_00000001.h5"]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from hpcdist.scheduler.postmortem import StepRecord, ending, task_ends
+from hpcdist.scheduler.postmortem import first_error_line as _first_error_line
 from hpcdist.scheduler.states import JobState
-from hpcdist.submit import _first_error_line
 from tests.conftest import REPO, run_cli, storage_sets
 from tests.conftest_train import Background, wait_for
 from tests.test_slurm_spine import job_id, sacct_state

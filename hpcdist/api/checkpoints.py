@@ -48,7 +48,12 @@ class Checkpoints:
         error = ""
         if ctx.is_main:
             try:
-                self.claim = self.store.claim()
+                from dataclasses import replace
+
+                from hpcdist.store.claim import Holder
+
+                # the context's restart count: a requeue of this job takes its own claim back
+                self.claim = self.store.claim(replace(Holder.this_process(), restarts=ctx.restarts))
                 if self.claim.took_over is not None:
                     ctx.log.warning("took over the stale claim of %s on %s", self.claim.took_over.describe(), directory)
             except CheckpointError as exc:

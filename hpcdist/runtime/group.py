@@ -8,6 +8,10 @@ the first host of the node list with a port derived from the job id.
 Every rank then checks in: a counter and one blocking wait per rank, so store requests grow
 linearly with the ranks; a rank that does not arrive within the timeout is named in the error
 that every other rank raises. Every wait here has the job's finite timeout.
+
+Over 400 lines: the store's opening, its secret, the three ways of publishing the endpoint and
+the check-in are one protocol, whose timeouts and error messages must agree; split across
+modules, each half would need the other's details.
 """
 
 from __future__ import annotations

@@ -14,8 +14,10 @@ from __future__ import annotations
 import re
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 from hpcdist.runtime.hostlist import expand_hostlist
+from hpcdist.scheduler.states import JobState
 
 
 @dataclass(frozen=True)
@@ -169,3 +171,48 @@ def ending(batch_log: str, records: list[StepRecord]) -> Ending:
     accounted, event = job_cause(records), job_event(batch_log)
     cause = "; ".join(c for c in (accounted, event) if c)
     return Ending({t.rank: t for t in tasks}, tasks[0] if tasks else None, cause)
+
+
+# ---------------------------------------------------------------- a rank's own words
+
+
+def no_result(path: Path, state: JobState, rank: int, end: Ending | None) -> str:
+    """Why a rank left no result: how srun saw it end, or the job's cause, or its log's first error."""
+    task = end.tasks.get(rank) if end else None
+    if end is not None and task is not None:
+        first = "the first rank to end" if end.first == task else end.after(rank)
+        if task.how.startswith("exited"):  # its own log says why: keep that, add srun's word
+            return f"{log_error(path, state)} ({task.how} on {task.host}, {first})"
+        return f"{task.how} on {task.host} ({first}); no result"
+    if end is not None and end.cause:
+        return f"no result; the job ended: {end.cause}"
+    return log_error(path, state)
+
+
+def log_error(path: Path, state: JobState) -> str:
+    """The first real error line of a rank's log, or why there is none."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return f"no result and no log ({path}); the job ended {state.value} before this rank started"
+    line = first_error_line(text, first=True)
+    return f"no result; {line}" if line != "(no output)" else f"no result and an empty log ({path})"
+
+
+_ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?(\w*(?:Error|Exception)): (.+)$")
+_SLURM_LINE = re.compile(r"^(?:srun|slurmstepd|mpirun|torchrun)[^:]*: (?:error|error:)?\s*(.+)$", re.IGNORECASE)
+_NOT_THE_CAUSE = {"FailedJobError", "UncompletedJobError", "ChildFailedError"}
+
+
+def first_error_line(text: str, first: bool = False) -> str:
+    """The last `SomeError: message` line of a traceback (the first one in a log, `first`), else
+    the first line srun or slurmstepd wrote as an error, else the text's last line."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    for line in (lines if first else reversed(lines)):
+        match = _ERROR_LINE.match(line)
+        if match and match.group(1) not in _NOT_THE_CAUSE:
+            return f"{match.group(1)}: {match.group(2)}"
+    for line in lines:
+        if _SLURM_LINE.match(line) and "error" in line.lower():
+            return line.strip()
+    return lines[-1].strip() if lines else "(no output)"

@@ -36,7 +36,7 @@ import contextlib
 import datetime as _dt
 import errno
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,12 +88,14 @@ def save(
     keep_last: int | None = None,
     run_id: str = "",
     job_id: str = "",
+    before_commit: Callable[[], None] | None = None,
 ) -> SaveStats:
     """Write, fsync, rename and commit `step_<step>.h5`; then drop all but the newest `keep_last`
     of its run.
 
     `attrs` are extra root attributes; `run_id` (the run the commit belongs to) and `job_id` (the
-    writer's job) are recorded in the file and the run in the pointer. On any failure (no space
+    writer's job) are recorded in the file and the run in the pointer; `before_commit` runs once the
+    bytes are durable, before the rename (the claim's check: it may refuse). On any failure (no space
     left included) the temporary file is removed, the pointer and the previous checkpoints are
     untouched, and a CheckpointError names the path.
     """
@@ -126,6 +128,8 @@ def save(
                     f.close()  # its flush fails too when the disk is full: report what stopped the write
                 raise
             f.close()
+            if before_commit is not None:
+                before_commit()
         nbytes = final.stat().st_size
         write_pointer(directory, final.name, run_id)
     except (OSError, RuntimeError) as exc:  # h5py reports a failed flush at close as RuntimeError

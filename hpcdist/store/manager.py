@@ -60,6 +60,7 @@ class CheckpointStore:
         self._pending: Future[checkpoints.SaveStats] | None = None
         self._writer: ThreadPoolExecutor | None = None
         self._spare: Tree | None = None  # the last snapshot, once written: its arrays are reused
+        self._claim: Claim | None = None  # this store's claim on the directory: checked before each commit
 
     def __repr__(self) -> str:
         return f"CheckpointStore({str(self.directory)!r}, keep_last={self.keep_last})"
@@ -83,7 +84,8 @@ class CheckpointStore:
     def _save(self, step: int, state: Mapping[str, Any], epoch: int, attrs: dict[str, Any],
               run_id: str) -> checkpoints.SaveStats:
         return checkpoints.save(self.directory, step, state, epoch=epoch, attrs=attrs, keep_last=self.keep_last,
-                                run_id=run_id, job_id=self.job_id)
+                                run_id=run_id, job_id=self.job_id,
+                                before_commit=self._claim.check if self._claim is not None else None)
 
     def _run(self) -> str:
         """The run this store writes for: the one it resumed, this job's own, or a new one."""
@@ -190,10 +192,12 @@ class CheckpointStore:
 
     def claim(self, holder: Holder | None = None) -> Claim:
         """Claim the directory for one writer (this process by default); a second run fails at
-        once naming the holder. Release it with ``Claim.release`` when the run ends."""
+        once naming the holder; every later commit checks the claim is still this one. Release it
+        with ``Claim.release`` when the run ends."""
         from hpcdist.store.claim import Claim, Holder
 
-        return Claim(self.directory, holder or Holder.this_process()).acquire()
+        self._claim = Claim(self.directory, holder or Holder.this_process()).acquire()
+        return self._claim
 
     def remove_temporaries(self) -> list[Path]:
         """Remove files left by killed writers; only when no writer of this directory runs."""
