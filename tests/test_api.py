@@ -22,9 +22,9 @@ from hpcdist.runtime.rankinfo import RankInfo
 from hpcdist.store import CheckpointStore
 from hpcdist.store.claim import Claim, Holder, read
 from hpcdist.store.results import read_attrs, read_table
-from tests import conftest_train as fx
-from tests.conftest import REPO, require_slurm, run_cli, storage_sets
-from tests.conftest_train import (
+from tests.support import train as fx
+from tests.support.cli import REPO, require_slurm, run_cli, storage_sets
+from tests.support.train import (
     Background,
     assert_completed_after_one_requeue,
     ckpt_dir,

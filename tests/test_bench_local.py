@@ -16,8 +16,7 @@ import pytest
 
 from hpcdist.bench.measure import ROW_COLUMNS
 from hpcdist.store.results import read_table
-
-from .conftest_bench import run_cli, submit
+from tests.support.bench import cli_process, submit
 
 SETS = [
     "resources.nodes=1", "resources.tasks_per_node=4", "params.paths=[torch]",
@@ -88,7 +87,7 @@ def test_layout_read_back_with_h5dump(result: Path) -> None:
 
 
 def test_report_prints_an_nccl_tests_style_table_and_writes_pngs(result: Path, tmp_path: Path) -> None:
-    proc = run_cli(["report", str(result), "--plot", str(tmp_path / "plots")])
+    proc = cli_process(["report", str(result), "--plot", str(tmp_path / "plots")])
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "# all_reduce on torch/gloo, 4 ranks, float32" in out
@@ -113,7 +112,7 @@ def test_report_compares_two_results(result: Path, tmp_path: Path) -> None:
     shutil.copy(result, other)
     with h5py.File(other, "r+") as f:
         f["bench/all_reduce/torch/busbw_gbps"][...] = f["bench/all_reduce/torch/busbw_gbps"][()] * 2
-    proc = run_cli(["report", str(result), "--compare", str(other)])
+    proc = cli_process(["report", str(result), "--compare", str(other)])
     assert proc.returncode == 0, proc.stderr
     cmp = proc.stdout.split("# A: ", 1)[1]
     block = cmp.split("# all_reduce on torch")[1].split("\n\n")[0]
@@ -122,9 +121,9 @@ def test_report_compares_two_results(result: Path, tmp_path: Path) -> None:
 
 
 def test_report_refuses_a_file_that_is_not_a_benchmark(tmp_path: Path) -> None:
-    missing = run_cli(["report", str(tmp_path / "nope.h5")])
+    missing = cli_process(["report", str(tmp_path / "nope.h5")])
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     with h5py.File(tmp_path / "x.h5", "w") as f:
         f.attrs["format"] = "something"
-    foreign = run_cli(["report", str(tmp_path / "x.h5")])
+    foreign = cli_process(["report", str(tmp_path / "x.h5")])
     assert foreign.returncode == 2 and "is not an hpcdist result file (format 'something')" in foreign.stderr

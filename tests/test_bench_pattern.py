@@ -13,7 +13,7 @@ import pytest
 from hpcdist.bench import pattern
 from hpcdist.bench.base import Prepared, host_timed
 from hpcdist.bench.factors import Counts, counts
-from tests.conftest import require_module
+from tests.support.cli import require_module
 
 N = 3
 AX = pattern.Arrays("numpy")

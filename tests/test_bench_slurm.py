@@ -16,9 +16,8 @@ import pytest
 
 from hpcdist.bench.measure import FAULT_VAR
 from hpcdist.store.results import read_facts, read_table
-
-from .conftest import require_slurm
-from .conftest_bench import JOBS, ROOT, make_shared_dir, run_cli, storage_sets, submit
+from tests.support.bench import JOBS, ROOT, cli_process, make_shared_dir, storage_overrides, submit
+from tests.support.cli import require_slurm
 
 pytestmark = [pytest.mark.slurm]
 
@@ -111,7 +110,7 @@ def test_preflight_inside_an_allocation_sets_the_exit_code(shared_dir: Path) -> 
     base = ["srun", "-N", "2", "--ntasks-per-node=1", "--mpi=pmix", "-t", "5",
             sys.executable, "-m", "hpcdist.runtime.entry", str(JOBS / "bench_preflight.yaml"), "--site", SITE,
             "--set", "params.sizes_bytes=[64K]", "--set", "params.pair_size=64K", "--set", "params.iters=3"]
-    for s in storage_sets(shared_dir):
+    for s in storage_overrides(shared_dir):
         base += ["--set", s]
     ok = subprocess.run(base, capture_output=True, text=True, env=env, timeout=120)
     assert ok.returncode == 0, ok.stdout + ok.stderr
@@ -134,5 +133,5 @@ def test_a_rank_that_dies_mid_sweep_fails_the_job_and_keeps_the_rows(shared_dir:
         assert bool(f.attrs["complete"]) is False
         assert f.attrs["verdict"].startswith("failed at all_reduce at size 4096")
         assert read_table(f["bench/all_reduce/torch"])["size"].tolist() == [8, 64, 512]
-    shown = run_cli(["report", str(path)])
+    shown = cli_process(["report", str(path)])
     assert shown.returncode == 0 and "INCOMPLETE" in shown.stdout and "failed at all_reduce" in shown.stdout

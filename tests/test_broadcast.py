@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest_infer import run_ranks
+from tests.support.infer import run_ranks
 
 
 def _source() -> dict[str, torch.Tensor]:

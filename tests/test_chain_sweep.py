@@ -19,9 +19,9 @@ from hpcdist.jobs.registry import load_job
 from hpcdist.polling import poll_until
 from hpcdist.scheduler.slurm import read_state
 from hpcdist.scheduler.states import JobState
-from tests import conftest_train as fx
-from tests.conftest import REPO, run_cli, storage_sets
-from tests.conftest_train import train_args
+from tests.support import train as fx
+from tests.support.cli import REPO, run_cli, storage_sets
+from tests.support.train import train_args
 
 SMOKE = (REPO / "jobs" / "smoke.yaml").read_text()
 

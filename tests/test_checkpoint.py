@@ -26,7 +26,7 @@ from hpcdist.errors import CheckpointError
 from hpcdist.model import checkpoint as gpt_ckpt
 from hpcdist.model.gpt import GPT, GPTConfig
 from hpcdist.store import directory as layout
-from tests.conftest import REPO
+from tests.support.cli import REPO
 
 CFG = GPTConfig(vocab_size=61, context=16, n_layer=2, n_head=2, d_model=16)
 

@@ -19,8 +19,8 @@ import torch
 from hpcdist.errors import CheckpointError
 from hpcdist.store import CheckpointStore
 from hpcdist.store import directory as layout
-from tests.conftest import REPO
-from tests.conftest_infer import run_ranks
+from tests.support.cli import REPO
+from tests.support.infer import run_ranks
 
 
 def test_async_save_commits_the_state_as_it_was_at_the_call(tmp_path: Path) -> None:

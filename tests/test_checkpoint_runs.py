@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from hpcdist.store import CheckpointStore, read
-from tests import conftest_train as fx
-from tests.conftest_train import ckpt_dir, rank_log, train
+from tests.support import train as fx
+from tests.support.train import ckpt_dir, rank_log, train
 
 train_root, tokens = fx.train_root, fx.tokens  # session fixtures: the token file, made once
 

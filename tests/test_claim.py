@@ -16,7 +16,7 @@ from hpcdist.errors import CheckpointError
 from hpcdist.scheduler import slurm
 from hpcdist.store import claim as claim_mod
 from hpcdist.store.claim import Claim, Holder, read
-from tests.conftest import require_slurm
+from tests.support.cli import require_slurm
 
 
 def here(job: str, pid: int | None = None, **kw: object) -> Holder:

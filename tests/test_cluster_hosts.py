@@ -18,10 +18,8 @@ import h5py
 import pytest
 
 from hpcdist.store.results import read_attrs
-from tests.conftest import run_cli, storage_sets
 from tests.netfault import cut, on_node, restore, slowed
-from tests.test_local_site import result_path
-from tests.test_slurm_spine import job_id, sacct_state
+from tests.support.cli import job_id, result_path, run_cli, sacct_state, storage_sets
 
 NODES = ("n1", "n2")
 TEST_NET = ipaddress.ip_network("10.251.0.0/24")  # cluster/lib.sh NET_PREFIX / NET_BITS

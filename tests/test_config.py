@@ -8,7 +8,7 @@ from hpcdist.config import load_site, load_spec, site_names
 from hpcdist.errors import ConfigError
 from hpcdist.jobs.registry import load_job
 from hpcdist.jobs.smoke import SmokeParams
-from tests.conftest import REPO, run_cli
+from tests.support.cli import REPO, run_cli
 
 SMOKE = REPO / "jobs" / "smoke.yaml"
 

@@ -20,7 +20,7 @@ import pytest
 
 import hpcdist
 from hpcdist.errors import ConfigError
-from tests.conftest import REPO, require_slurm
+from tests.support.cli import REPO, require_slurm
 
 SLURM = {"site.launcher.args": []}  # the suite's usual: srun without --mpi=pmix
 

@@ -15,7 +15,7 @@ from hpcdist.model.checkpoint import parameter_shapes as expected_shapes
 from hpcdist.model.checkpoint import read_full, read_header
 from hpcdist.model.gpt import GPT, GPTConfig
 from hpcdist.store import resolve
-from tests.conftest_infer import TINY, make_checkpoint
+from tests.support.infer import TINY, make_checkpoint
 
 
 @pytest.mark.parametrize("mlp", ["gelu", "swiglu"])

@@ -10,8 +10,8 @@ from hpcdist.data.tokenizer import BYTES
 from hpcdist.infer.generate import Sampling, generate, sample
 from hpcdist.infer.tp import TPGPT
 from hpcdist.model.gpt import GPT, GPTConfig
-from tests.conftest import require_module
-from tests.conftest_infer import TINY, make_model
+from tests.support.cli import require_module
+from tests.support.infer import TINY, make_model
 
 PROMPTS = [BYTES.encode_text(t) for t in ("hello world", "hi", "the quick brown fox jumps", "a")]
 

@@ -20,8 +20,8 @@ from hpcdist.infer.report import render_infer_report
 from hpcdist.jobs.registry import load_job
 from hpcdist.store.directory import checkpoint_name, write_pointer
 from hpcdist.store.results import read_attrs, read_table
-from tests.conftest import require_slurm
-from tests.conftest_infer import TINY, make_checkpoint
+from tests.support.cli import require_slurm
+from tests.support.infer import TINY, make_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "jobs" / "infer_gpt.yaml"

@@ -14,7 +14,7 @@ from hpcdist.infer.shard_load import check_tp, read_shard, shard_state
 from hpcdist.infer.tp import TPGPT, TPGroup
 from hpcdist.model.checkpoint import read_full, read_header
 from hpcdist.model.gpt import GPT
-from tests.conftest_infer import TINY, make_checkpoint, run_ranks
+from tests.support.infer import TINY, make_checkpoint, run_ranks
 
 # float32 sums in a different order (partial products, then all-reduce): a few ulps of the logits.
 ATOL = 1e-5

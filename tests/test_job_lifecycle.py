@@ -16,9 +16,8 @@ import pytest
 from hpcdist import jobindex, progress
 from hpcdist.console import StatusLine
 from hpcdist.watch import hms, slurm_seconds
-from tests.conftest import Run, run_cli, storage_sets
-from tests.conftest_train import Background, start_now, tokens, train, train_root, wait_for  # noqa: F401 - fixtures
-from tests.test_slurm_spine import job_id
+from tests.support.cli import Run, job_id, run_cli, storage_sets
+from tests.support.train import Background, start_now, train, wait_for
 
 SLEEPER = "import time\nprint('sleeping now', flush=True)\ntime.sleep(900)\n"
 WAIT = 300  # other helpers' jobs share the machine and the cluster: generous

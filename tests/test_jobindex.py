@@ -8,7 +8,7 @@ from pathlib import Path
 
 import hpcdist
 from hpcdist import jobindex
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
 
 
 def record(i: int, submitted: float, ended: str | None = None) -> jobindex.JobRecord:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from hpcdist.config import load_site
-from tests.conftest import REPO, run_cli, storage_sets
+from tests.support.cli import REPO, run_cli, storage_sets
 
 
 def launch_line(*sets: str) -> str:

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from hpcdist.store.results import read_attrs
-from tests import conftest_train as fx
-from tests.conftest_train import STEPS, Background, preempt_and_release, rank_log, train_args, wait_for
-from tests.test_local_site import result_path
+from tests.support import train as fx
+from tests.support.cli import result_path
+from tests.support.train import STEPS, Background, preempt_and_release, rank_log, train_args, wait_for
 
 train_root, tokens = fx.train_root, fx.tokens
 

@@ -12,7 +12,7 @@ import ast
 import re
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.support.cli import REPO
 
 PACKAGE = REPO / "hpcdist"
 # The login side: what runs before anything is queued, and after (never imported on the nodes).

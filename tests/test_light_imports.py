@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.cli import REPO
 
 HEAVY = ("torch", "submitit", "numpy", "h5py", "mpi4py", "transformers")
 WORKLOADS = ("hpcdist.bench", "hpcdist.train", "hpcdist.infer", "hpcdist.model", "hpcdist.runtime",

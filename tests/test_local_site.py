@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import h5py
 
 from hpcdist.store.results import read_attrs, read_table
-from tests.conftest import run_cli
-
-
-def result_path(out: str) -> Path:
-    match = re.search(r"result: (\S+)", out)
-    assert match, out
-    return Path(match.group(1))
+from tests.support.cli import result_path, run_cli
 
 
 def test_smoke_on_local_site(local_storage: list[str]) -> None:

@@ -1,6 +1,6 @@
 """Hugging Face GPT-2 in and out (``hpcdist model import/export``), with its tokenizer: logits equal
 transformers' after import, after export and under tensor parallelism; bad folders fail in one line.
-Every model and tokenizer is made here (tests.conftest_hf): nothing is downloaded."""
+Every model and tokenizer is made here (tests.support.hf): nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch
 from hpcdist.model.checkpoint import checkpoint_tokenizer, load_model_state, read_header
 from hpcdist.model.gpt import GPT
 from hpcdist.store import verify
-from tests.conftest import require_module
-from tests.conftest_hf import VOCAB, Pretrained, cli, make_pretrained, pretrained
-from tests.conftest_infer import run_ranks
+from tests.support.cli import require_module
+from tests.support.hf import VOCAB, Pretrained, cli, make_pretrained
+from tests.support.infer import run_ranks
 
 require_module("transformers")
 
@@ -30,7 +30,6 @@ def _ids(n: int = 12, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(seed))
 
 
-__all__ = ["pretrained"]  # the session fixture, imported for pytest
 
 
 @pytest.mark.parametrize("weights", ["safetensors", "bin"])

@@ -13,11 +13,9 @@ import pytest
 
 from hpcdist.data.tokenizer import read_tokenizer
 from hpcdist.store.results import read_attrs
-from tests.conftest import SHARED, Run, require_slurm, run_cli, storage_sets
-from tests.conftest_hf import VOCAB, Pretrained, pretrained
-from tests.conftest_train import model_arrays, write_corpus
-
-__all__ = ["pretrained"]  # the session fixture, imported for pytest
+from tests.support.cli import SHARED, Run, require_slurm, run_cli, storage_sets
+from tests.support.hf import VOCAB, Pretrained
+from tests.support.train import model_arrays, write_corpus
 
 FINETUNE = ["--set", "params.steps=4", "--set", "params.optim.lr=1e-6", "--set", "params.optim.warmup_steps=0",
             "--set", "params.eval.every=0", "--set", "params.checkpoint.every=2", "--set", "timeout_s=120"]

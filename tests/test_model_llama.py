@@ -17,10 +17,10 @@ import torch
 from hpcdist.errors import ConfigError
 from hpcdist.model.checkpoint import checkpoint_tokenizer, load_model_state, read_header
 from hpcdist.model.gpt import GPT
-from tests.conftest import require_module
-from tests.conftest_hf import cli
-from tests.conftest_infer import run_ranks
-from tests.conftest_train import write_corpus
+from tests.support.cli import require_module
+from tests.support.hf import cli
+from tests.support.infer import run_ranks
+from tests.support.train import write_corpus
 
 require_module("transformers")
 
@@ -326,8 +326,8 @@ def test_finetune_an_imported_llama_with_ddp_then_export_gives_transformers_the_
     checkpoint loads in transformers with hpcdist's logits. A rotary model may train on a shorter context."""
     from transformers import AutoModelForCausalLM
 
-    from tests.conftest import run_cli, storage_sets
-    from tests.conftest_train import model_arrays
+    from tests.support.cli import run_cli, storage_sets
+    from tests.support.train import model_arrays
 
     got = imported(root, "llama3-gqa", capsys)
     tokens = tmp_path / "tokens.h5"
@@ -374,7 +374,7 @@ def test_jobs_past_the_sliding_window_are_refused_before_launch(root: Path, tmp_
     """infer_gpt: a prompt plus new tokens past Mistral's window of 48; train_gpt: a context past it."""
     from hpcdist.config import load_site
     from hpcdist.jobs.registry import load_job
-    from tests.conftest import run_cli
+    from tests.support.cli import run_cli
 
     got = imported(root, "mistral", capsys)
     repo = Path(__file__).resolve().parents[1]
@@ -400,7 +400,7 @@ def test_a_gpt2_checkpoint_written_before_the_family_fields_reads_as_before(tmp_
     import h5py
 
     from hpcdist.infer.tp import TPGPT
-    from tests.conftest_infer import TINY, make_checkpoint
+    from tests.support.infer import TINY, make_checkpoint
 
     file, model = make_checkpoint(tmp_path)
     old = {k: v for k, v in json.loads(TINY.model_dump_json()).items()

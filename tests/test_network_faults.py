@@ -17,11 +17,10 @@ from pathlib import Path
 import h5py
 
 from hpcdist.store.results import read_table
-from tests import conftest_train as fx
-from tests.conftest import REPO, run_cli
-from tests.conftest_train import ckpt_dir, rank_log, train_args, wait_for
 from tests.netfault import cut, slowed
-from tests.test_slurm_spine import sacct_state
+from tests.support import train as fx
+from tests.support.cli import REPO, run_cli, sacct_state
+from tests.support.train import ckpt_dir, rank_log, train_args, wait_for
 
 JOBS = REPO / "jobs"
 train_root, tokens = fx.train_root, fx.tokens  # the training tests' session fixtures (token file)

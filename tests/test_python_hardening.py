@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_cli, storage_sets
+from tests.support.cli import REPO, run_cli, storage_sets
 
 RANKS = REPO / "tests" / "scripts" / "ranks.py"
 

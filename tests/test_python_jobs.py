@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_cli, storage_sets
-from tests.conftest_train import Background, wait_for
+from tests.support.cli import REPO, run_cli, storage_sets
+from tests.support.train import Background, wait_for
 
 PLAIN = REPO / "examples" / "ddp_plain.py"
 RANKS = REPO / "tests" / "scripts" / "ranks.py"

@@ -17,7 +17,7 @@ from hpcdist.config import load_site
 from hpcdist.errors import RenderError
 from hpcdist.jobs.registry import load_job
 from hpcdist.render import Origin, first_command_line, render
-from tests.conftest import REPO, run_cli, storage_sets
+from tests.support.cli import REPO, run_cli, storage_sets
 
 GOLDEN = Path(__file__).parent / "golden"
 PYTHON = "/opt/hpcdist/bin/python"  # pinned so golden files do not depend on the venv's path

@@ -18,7 +18,7 @@ import pytest
 from hpcdist.errors import SubmitError
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.states import JobState
-from tests.conftest import require_slurm, run_cli, storage_sets
+from tests.support.cli import require_slurm, run_cli, storage_sets
 
 
 def fake(bin_dir: Path, name: str, body: str) -> None:

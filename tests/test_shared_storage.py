@@ -24,7 +24,7 @@ from hpcdist.config.site import under
 from hpcdist.errors import ConfigError
 from hpcdist.runtime import group
 from hpcdist.store.results import REDACTED, captured_env, read_attrs, result_file, run_attrs
-from tests.conftest import REPO, Run, run_cli, storage_sets
+from tests.support.cli import REPO, Run, run_cli, storage_sets
 from tests.test_group import info
 
 SECRET_CHECK = REPO / "tests" / "scripts" / "secret_check.py"

@@ -10,19 +10,7 @@ from pathlib import Path
 import h5py
 
 from hpcdist.store.results import read_attrs, read_table
-from tests.conftest import run_cli, storage_sets
-from tests.test_local_site import result_path
-
-
-def job_id(out: str) -> str:
-    match = re.search(r"submitted job (\d+)", out)
-    assert match, out
-    return match.group(1)
-
-
-def sacct_state(jid: str) -> str:
-    proc = subprocess.run(["sacct", "-j", jid, "-X", "-n", "-P", "-o", "State"], capture_output=True, text=True)
-    return proc.stdout.strip()
+from tests.support.cli import job_id, result_path, run_cli, sacct_state, storage_sets
 
 
 def test_smoke_two_nodes_two_tasks(slurm_storage: Path) -> None:
@@ -99,7 +87,7 @@ def test_env_shows_what_the_bootstrap_sees_on_a_node(slurm_storage: Path) -> Non
     import os
     import sys
 
-    from tests.conftest import REPO
+    from tests.support.cli import REPO
 
     proc = subprocess.run(
         ["srun", "-N2", "--ntasks-per-node=1", sys.executable, "-m", "hpcdist.cli", "env"],

@@ -14,9 +14,8 @@ import pytest
 from hpcdist.scheduler.postmortem import StepRecord, ending, task_ends
 from hpcdist.scheduler.postmortem import first_error_line as _first_error_line
 from hpcdist.scheduler.states import JobState
-from tests.conftest import REPO, run_cli, storage_sets
-from tests.conftest_train import Background, wait_for
-from tests.test_slurm_spine import job_id, sacct_state
+from tests.support.cli import REPO, job_id, run_cli, sacct_state, storage_sets
+from tests.support.train import Background, wait_for
 
 RANKS = REPO / "tests" / "scripts" / "ranks.py"
 

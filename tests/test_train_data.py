@@ -12,8 +12,8 @@ import pytest
 from hpcdist.data.dataset import DistributedOrder, TokenWindows
 from hpcdist.data.tokenizer import ByteTokenizer
 from hpcdist.errors import JobError
-from tests.conftest import require_module, run_cli
-from tests.conftest_train import write_corpus
+from tests.support.cli import require_module, run_cli
+from tests.support.train import write_corpus
 
 
 def test_prepare_writes_both_splits_of_every_file(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ accumulation gives the update of one large batch. On the real local Slurm cluste
 `scancel --signal=USR2` mid-run, the job checkpoints, requeues itself through submitit
 (`scontrol requeue`), comes back, resumes, and ends bit-identical to the uninterrupted run.
 
-The token file and the uninterrupted reference run are made once per session (conftest_train)."""
+The token file and the uninterrupted reference run are made once per session (tests.support.train)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ import pytest
 
 from hpcdist import store
 from hpcdist.store.results import read_attrs, read_table
-from tests import conftest_train as fx
-from tests.conftest import require_slurm
-from tests.conftest_train import (
+from tests.support import train as fx
+from tests.support.cli import require_slurm, result_path
+from tests.support.train import (
     STEPS,
     Background,
     assert_completed_after_one_requeue,
@@ -38,7 +38,6 @@ from tests.conftest_train import (
     train_args,
     wait_for,
 )
-from tests.test_local_site import result_path
 
 # The session fixtures: the token file and the uninterrupted reference run, made once.
 train_root, tokens, reference = fx.train_root, fx.tokens, fx.reference

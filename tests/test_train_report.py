@@ -9,8 +9,8 @@ from pathlib import Path
 import h5py
 
 from hpcdist.store.results import read_attrs, read_table
-from tests import conftest_train as fx
-from tests.conftest import run_cli
+from tests.support import train as fx
+from tests.support.cli import run_cli
 
 # The session fixtures: the token file and the uninterrupted reference run (400 steps, a
 # checkpoint every 50, validation every 100), made once.

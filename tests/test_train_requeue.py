@@ -22,9 +22,9 @@ from hpcdist.errors import JobError
 from hpcdist.runtime import requeue as rq
 from hpcdist.runtime.rankinfo import RankInfo
 from hpcdist.store.results import read_attrs
-from tests import conftest_train as fx
-from tests.conftest import require_slurm
-from tests.conftest_train import (
+from tests.support import train as fx
+from tests.support.cli import require_slurm, result_path
+from tests.support.train import (
     STEPS,
     Background,
     assert_completed_after_one_requeue,
@@ -37,7 +37,6 @@ from tests.conftest_train import (
     train_args,
     wait_for,
 )
-from tests.test_local_site import result_path
 
 train_root, tokens, reference = fx.train_root, fx.tokens, fx.reference
 TWO_NODES = ["--set", "resources.nodes=2", "--set", "resources.tasks_per_node=1"]

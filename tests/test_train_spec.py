@@ -11,8 +11,8 @@ from hpcdist.errors import ConfigError
 from hpcdist.jobs.registry import load_job
 from hpcdist.train.params import effective_precision
 from hpcdist.train.schedule import lr_factor, scaled_lr
-from tests.conftest import REPO, run_cli, storage_sets
-from tests.conftest_train import write_corpus
+from tests.support.cli import REPO, run_cli, storage_sets
+from tests.support.train import write_corpus
 
 
 @pytest.fixture(scope="module")

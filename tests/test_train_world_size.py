@@ -18,9 +18,9 @@ from hpcdist.data.dataset import DistributedOrder
 from hpcdist.errors import JobError
 from hpcdist.store.results import read_table
 from hpcdist.train.schedule import lr_factor
-from tests import conftest_train as fx
-from tests.conftest_train import final_checkpoint, prepare_tokens, rank_log, train
-from tests.test_local_site import result_path
+from tests.support import train as fx
+from tests.support.cli import result_path
+from tests.support.train import final_checkpoint, prepare_tokens, rank_log, train
 
 train_root = fx.train_root
 LR, WARMUP, CONTEXT, MICRO = 3.0e-3, 20, 32, 4  # jobs/train_gpt.yaml's lr and warm-up, TINY's shape

@@ -1,6 +1,6 @@
 """Helpers for the benchmark tests: submit a bench job through the CLI and find its result file.
 
-Imported by the tests/test_bench_*.py files (the shared tests/conftest.py is the lead's).
+Imported by the tests/test_bench_*.py files.
 """
 
 from __future__ import annotations
@@ -14,16 +14,17 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.cli import REPO, SHARED
+
+ROOT = REPO
 JOBS = ROOT / "jobs"
-SHARED = Path("/var/tmp/hpcdist-shared")
 
 
-def storage_sets(root: Path) -> list[str]:
+def storage_overrides(root: Path) -> list[str]:
     return [f"site.storage.{k}={root / k}" for k in ("results", "checkpoints", "scratch", "logs")]
 
 
-def run_cli(
+def cli_process(
     args: list[str], env_extra: dict[str, str] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
@@ -37,9 +38,9 @@ def submit(job: str, site: str, root: Path, sets: list[str], env_extra: dict[str
            timeout: float = 120) -> tuple[subprocess.CompletedProcess[str], Path | None]:
     """`hpcdist submit JOB --site SITE --wait` with storage under `root`; returns the process and result path."""
     args = ["submit", str(JOBS / f"{job}.yaml"), "--site", site, "--wait", "--wait-timeout", str(timeout)]
-    for s in [*sets, *storage_sets(root)]:
+    for s in [*sets, *storage_overrides(root)]:
         args += ["--set", s]
-    proc = run_cli(args, env_extra, timeout=timeout + 30)
+    proc = cli_process(args, env_extra, timeout=timeout + 30)
     match = re.search(r"result: (\S+\.h5)", proc.stdout)
     return proc, Path(match.group(1)) if match else None
 

@@ -19,7 +19,7 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, SHARED, Run, run_cli, storage_sets
+from tests.support.cli import REPO, SHARED, Run, run_cli, storage_sets
 
 STEPS = 400
 # A 1-layer GPT of ~25k parameters: 400 steps take a few seconds on one core per rank.

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import require_module, run_cli
-from tests.conftest_train import write_corpus
+from tests.support.cli import require_module, run_cli
+from tests.support.train import write_corpus
 
 VOCAB = 317  # BPE vocabulary of the test tokenizer, end-of-text included; odd like GPT-2's 50257 (TP pads it)
 

@@ -1,0 +1,97 @@
+"""The suite's helpers: the CLI as a user runs it, the shared storage, the local Slurm cluster,
+and reading what a submit printed. Plain functions; the fixtures are in ``tests.support.fixtures``."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = Path("/var/tmp/hpcdist-shared")
+
+
+@dataclass
+class Run:
+    code: int
+    out: str
+    err: str
+
+    @property
+    def text(self) -> str:
+        return self.out + self.err
+
+
+def run_cli(*args: str, cwd: Path = REPO, timeout: float = 240, env: dict[str, str] | None = None) -> Run:
+    """`hpcdist ARGS...` in a subprocess, as a user would type it."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpcdist.cli", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return Run(proc.returncode, proc.stdout, proc.stderr)
+
+
+def storage_sets(root: Path) -> list[str]:
+    """`--set` arguments that move every storage root of a site under `root`."""
+    out = []
+    for key in ("results", "checkpoints", "scratch", "logs"):
+        out += ["--set", f"site.storage.{key}={root / key}"]
+    return out
+
+
+def slurm_up() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    proc = subprocess.run(["sinfo", "-h", "-o", "%T", "-p", "cpu"], capture_output=True, text=True, check=False)
+    states = proc.stdout.split()
+    # "completing": a node up and finishing a job (someone else's, or the last test's)
+    up = ("idle", "mix", "alloc", "comp")
+    return proc.returncode == 0 and bool(states) and all(s.startswith(up) for s in states)
+
+
+def require_slurm() -> None:
+    """Fail (under `make test`, HPCDIST_REQUIRE_SLURM=1) or skip (elsewhere) when the cluster is down."""
+    if not slurm_up():
+        if os.environ.get("HPCDIST_REQUIRE_SLURM") == "1":
+            pytest.fail("the local Slurm cluster is not up (make cluster-up)")
+        pytest.skip("the local Slurm cluster is not up (make cluster-up)")
+
+
+def require_module(name: str) -> Any:
+    """`name` imported; when it is missing, fail under `make test` (HPCDIST_REQUIRE_SLURM=1: the
+    dev extra installs it) and skip elsewhere, like ``require_slurm``."""
+    if os.environ.get("HPCDIST_REQUIRE_SLURM") == "1":
+        return importlib.import_module(name)
+    return pytest.importorskip(name)
+
+
+def result_path(out: str) -> Path:
+    """The result file a submit printed."""
+    match = re.search(r"result: (\S+)", out)
+    assert match, out
+    return Path(match.group(1))
+
+
+def job_id(out: str) -> str:
+    """The job id a submit printed."""
+    match = re.search(r"submitted job (\d+)", out)
+    assert match, out
+    return match.group(1)
+
+
+def sacct_state(jid: str) -> str:
+    proc = subprocess.run(["sacct", "-j", jid, "-X", "-n", "-P", "-o", "State"], capture_output=True, text=True)
+    return proc.stdout.strip()

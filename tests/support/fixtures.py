@@ -1,0 +1,75 @@
+"""The suite's fixtures, registered once as a plugin (``tests/conftest.py``'s ``pytest_plugins``)
+so a session fixture is made once per session, not once per module that imports it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.cli import SHARED, require_slurm, storage_sets
+
+
+@pytest.fixture(autouse=True)
+def job_index(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's own job index (hpcdist.jobindex): a test never writes to the user's state folder."""
+    state = tmp_path_factory.mktemp("state")
+    monkeypatch.setenv("HPCDIST_STATE", str(state))
+    return state
+
+
+@pytest.fixture(autouse=True, scope="session")
+def user_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The session's own cache folder (compiled templates, ``hpcdist._paths.cache_dir``): a test
+    never writes to the user's. One per session: the process keeps its template environment."""
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(cache))
+        yield cache
+
+
+@pytest.fixture
+def local_storage(tmp_path: Path) -> list[str]:
+    return storage_sets(tmp_path / "out")
+
+
+def _shared_dir() -> Iterator[Path]:
+    require_slurm()
+    root = SHARED / f"t-{uuid.uuid4().hex[:10]}"
+    root.mkdir(parents=True)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def slurm_storage() -> Iterator[Path]:
+    """A fresh directory on the cluster's shared storage, removed after the test."""
+    yield from _shared_dir()
+
+
+@pytest.fixture(scope="module")
+def slurm_storage_module() -> Iterator[Path]:
+    """slurm_storage shared by a module's tests: one job whose traces several tests check."""
+    yield from _shared_dir()
+
+
+@pytest.fixture
+def separate_hosts(slurm_storage: Path) -> Path:
+    """slurm_storage on a cluster whose nodes are separate hosts (cluster/up.sh's netns mode).
+
+    Where cluster/up.sh fell back to single-host mode this fails under HPCDIST_REQUIRE_SLURM=1
+    (`make test`) with up.sh's reason, and skips otherwise, as slurm_storage does.
+    """
+    from tests.netfault import cluster_mode
+
+    mode = cluster_mode()
+    if mode != "netns":
+        message = f"the local Slurm cluster's nodes are not separate hosts: {mode}"
+        if os.environ.get("HPCDIST_REQUIRE_SLURM") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return slurm_storage
