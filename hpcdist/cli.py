@@ -312,6 +312,7 @@ def _lifecycle_parsers(subs: Any) -> None:
     p.add_argument("--site", default=None, help="the job's site, when two sites have a job of that id")
     p = subs.add_parser("jobs", help="the jobs submitted from here: state, elapsed time, nodes, result")
     p.add_argument("--last", type=int, default=20, metavar="N", help="the newest N jobs (default 20; 0: all)")
+    p.add_argument("--json", action="store_true", help="the rows as JSON (state, paths), for scripts")
     for name, what in (("wait", "wait for a job and print its per-rank summary (as submit --wait)"),
                        ("cancel", "cancel a job (scancel; on the local site, its ranks' processes)")):
         p = subs.add_parser(name, help=what)

@@ -195,10 +195,18 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     recs = records()
     if args.last:
         recs = recs[-args.last:]
-    if not recs:
+    if not recs and not args.json:
         print("no jobs in the job index yet; `hpcdist submit` records each job it submits")
         return 0
     rows, note = job_rows(recs)
+    if args.json:  # for scripts and tests: one object per job, the index's paths whole
+        print(json.dumps([{"job_id": r.record.job_id, "name": r.record.name, "kind": r.record.kind,
+                           "site": r.record.site, "state": r.state, "elapsed": r.elapsed, "nodes": r.nodes,
+                           "result": r.record.result, "checkpoints": r.record.checkpoints,
+                           "logs": r.record.folder} for r in rows], indent=1))
+        if note:
+            print(note, file=sys.stderr)
+        return 0
     grid = table("job", "name", "kind", "site", "state", "elapsed", "nodes", "result",
                  left=("job", "name", "kind", "site", "state", "nodes", "result"))
     for row in rows:

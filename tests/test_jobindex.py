@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -35,7 +36,8 @@ def test_a_local_job_whose_files_were_deleted_shows_what_it_ended_as(tmp_path: P
     job = hpcdist.Executor(site="local", tasks_per_node=1, time_min=5, set=storage).submit(abs, -3)
     assert job.result(timeout_s=180) == 3
     shutil.rmtree(job.record.folder)  # the user cleans up the logs and results
-    listed = run_cli("jobs")
-    row = next(line for line in listed.out.splitlines() if line.startswith(job.job_id))
-    assert row.split()[4] == "COMPLETED", listed.out  # before: FAILED (no result files left to read)
+    listed = json.loads(run_cli("jobs", "--json").out)
+    row = next(r for r in listed if r["job_id"] == job.job_id)
+    assert row["state"] == "COMPLETED", row  # before: FAILED (no result files left to read)
+    assert row["logs"] == job.record.folder and row["result"] == str(job.submission.paths.result())
     assert hpcdist.job(job.job_id).state is hpcdist.JobState.COMPLETED
