@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -258,14 +256,7 @@ class Context:
 
 
 def _logger(info: RankInfo) -> logging.Logger:
-    """``hpcdist.user``: records prefixed with the rank and host, to stderr."""
-    log = logging.getLogger("hpcdist.user")
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        host = info.hostname or socket.gethostname()
-        handler.setFormatter(logging.Formatter(
-            f"%(asctime)s [rank {info.rank}/{info.world_size} {host}] %(levelname)s %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(os.environ.get("HPCDIST_LOG_LEVEL", "INFO"))
-        log.propagate = False
-    return log
+    """``hpcdist.user``: records prefixed with the rank and host, to stderr (kept when set up already)."""
+    from hpcdist.runtime.ranklog import rank_logger
+
+    return rank_logger("hpcdist.user", info, os.environ, replace=False)

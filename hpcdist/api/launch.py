@@ -105,6 +105,7 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
     import torch
     import torch.distributed as dist
 
+    from hpcdist.config.paths import JobPaths
     from hpcdist.config.site import under
     from hpcdist.runtime import group
     from hpcdist.runtime.device import cuda_index
@@ -127,14 +128,9 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
         if info.world_size == 1:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
-            key = group.rendezvous_key(env, info)
-            rendezvous_dir = site.storage.path("scratch", "rendezvous") if site else None
-            store, _ = group.open_store(
-                info, timeout, key=key, rendezvous_dir=rendezvous_dir,
-                ifname=site.network.socket_ifname if site else None,
-            )
-            group.check_in(store, info, timeout)
-            group.forget_endpoint(rendezvous_dir, key, info)
+            rendezvous_dir = JobPaths(site.storage, name).rendezvous if site else None
+            store, _, _ = group.rendezvous(info, timeout, env, rendezvous_dir,
+                                           site.network.socket_ifname if site else None)
             group.init_process_group(store, info, backend, timeout, device)
     job_id = info.job_id or _launcher_run_id(env) or _new_local_id(info.world_size)
     storage = site.storage if site else None

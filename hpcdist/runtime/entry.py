@@ -26,20 +26,9 @@ from hpcdist.runtime import group, requeue
 from hpcdist.runtime.context import JobContext
 from hpcdist.runtime.device import cuda_index, visible_entries
 from hpcdist.runtime.rankinfo import RankInfo
+from hpcdist.runtime.ranklog import rank_logger
 
 log = logging.getLogger("hpcdist")
-
-
-def _setup_logging(info: RankInfo, env: Mapping[str, str]) -> None:
-    fmt = f"%(asctime)s [rank {info.rank}/{info.world_size} {info.hostname}] %(levelname)s %(message)s"
-    root = logging.getLogger("hpcdist")
-    for h in list(root.handlers):
-        root.removeHandler(h)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(fmt))
-    root.addHandler(handler)
-    root.setLevel(env.get("HPCDIST_LOG_LEVEL", "INFO"))
-    root.propagate = False
 
 
 def choose_backend(spec: JobSpec, info: RankInfo, env: Mapping[str, str]) -> tuple[str, Any]:
@@ -91,7 +80,7 @@ def bootstrap(job: Job[Any], site: Site, env: Mapping[str, str] | None = None) -
     spec = job.spec
     t_entry = time.time()
     info = RankInfo.from_env(env)
-    _setup_logging(info, env)
+    rank_logger("hpcdist", info, env)
     # SIGTERM (which submitit's handler ignores) sets the stop flag from now on, so one that comes
     # during the bootstrap is not lost; the site's signal stays submitit's until a Context takes it.
     requeue.watch(("TERM",))
@@ -119,18 +108,8 @@ def bootstrap(job: Job[Any], site: Site, env: Mapping[str, str] | None = None) -
 
     os.environ.update(group.socket_ifname_env(site.network.socket_ifname))
     t = time.perf_counter()
-    key = group.rendezvous_key(env, info)
-    rendezvous_dir = job.spec.paths(site).rendezvous
-    store, endpoint = group.open_store(
-        info,
-        timeout,
-        rendezvous_dir=rendezvous_dir,
-        key=key,
-        mpi_comm=mpi_comm,
-        ifname=site.network.socket_ifname,
-    )
-    hosts_by_rank = group.check_in(store, info, timeout)
-    group.forget_endpoint(rendezvous_dir, key, info)
+    store, endpoint, hosts_by_rank = group.rendezvous(
+        info, timeout, env, job.spec.paths(site).rendezvous, site.network.socket_ifname, mpi_comm)
     info = info.placed(hosts_by_rank)  # the node index from every rank's host (Open MPI names none)
     timings["rendezvous"] = time.perf_counter() - t
     if job.makes_group:

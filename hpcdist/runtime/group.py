@@ -22,6 +22,7 @@ import os
 import secrets
 import socket
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -349,6 +350,19 @@ def _missing(store: dist.Store, keys: list[str]) -> list[int] | None:
 
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks)
+
+
+def rendezvous(info: RankInfo, timeout: float, env: Mapping[str, str], rendezvous_dir: Path | None,
+               ifname: str | None, mpi_comm: Any = None) -> tuple[dist.Store, Endpoint, dict[int, str]]:
+    """The whole rendezvous, the one sequence every bootstrap runs (a job's, and ``hpcdist.init()``
+    outside one): rank 0's store opened and published, every rank checked in, the endpoint file
+    removed; the store, its endpoint and every rank's host."""
+    key = rendezvous_key(dict(env), info)
+    store, endpoint = open_store(info, timeout, rendezvous_dir=rendezvous_dir, key=key, mpi_comm=mpi_comm,
+                                 ifname=ifname)
+    hosts_by_rank = check_in(store, info, timeout)
+    forget_endpoint(rendezvous_dir, key, info)
+    return store, endpoint, hosts_by_rank
 
 
 def init_process_group(
