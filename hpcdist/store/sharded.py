@@ -390,6 +390,8 @@ def error_of(exc: BaseException) -> CheckpointError:
             if isinstance(inner, CheckpointError):
                 return inner
             text = str(inner).strip().splitlines()[-1] if str(inner).strip() else type(inner).__name__
+            if "global metadata read failed: " in text:  # DCP's words for an index read_metadata refused
+                return CheckpointError(text.split("global metadata read failed: ", 1)[1])
             return CheckpointError(f"rank {rank}: {type(inner).__name__}: {text}")
     return _failure(exc, "sharded checkpoint")
 
@@ -399,27 +401,60 @@ def save(directory: Path | str, step: int, state: dict[str, Any], *, process_gro
          epoch: int = 0) -> checkpoints.SaveStats | None:
     """Every rank of `process_group` saves its part of `state`; committed once. The coordinator's
     SaveStats (None on other ranks)."""
+    writer = ShardedWriter(directory, step, epoch=epoch, attrs=attrs, keep_last=keep_last)
+    save_with(state, writer, process_group)
+    return writer.stats
+
+
+def _no_dist() -> bool:
     import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def save_with(state: dict[str, Any], writer: ShardedWriter, process_group: Any = None) -> None:
+    """`save` through a given writer: every rank returns once committed, or raises the same error."""
     import torch.distributed.checkpoint as dcp
 
-    writer = ShardedWriter(directory, step, epoch=epoch, attrs=attrs, keep_last=keep_last)
     try:
-        dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not dist.is_initialized())
+        dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=_no_dist())
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
         raise error_of(exc) from exc
-    return writer.stats
+
+
+def save_async(state: dict[str, Any], writer: ShardedWriter, process_group: Any = None) -> Any:
+    """`save_with` in the background: returns once this rank's shards are copied to host memory;
+    `wait` on the returned future gives the outcome (the same on every rank). The group's
+    collectives then run in a thread: nothing else may use `process_group` until `wait` returned."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        return dcp.async_save(state, storage_writer=writer, process_group=process_group, no_dist=_no_dist())
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        raise error_of(exc) from exc
+
+
+def wait(future: Any) -> None:
+    """The outcome of `save_async`: returns once committed, or raises its CheckpointError."""
+    try:
+        future.result()
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        raise error_of(exc) from exc
 
 
 def load(index: Path | str, state: dict[str, Any], *, process_group: Any = None) -> dict[str, Any]:
     """Fill `state` (any layout) in place from the sharded checkpoint `index`; its root attributes."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     reader = ShardedReader(index)
     try:
-        dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=not dist.is_initialized())
+        dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=_no_dist())
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
@@ -482,4 +517,4 @@ def export_dcp(index: Path | str, target: Path | str) -> None:
 
 
 __all__ = ["Chunk", "ShardedReader", "ShardedWriter", "checkpoints_in", "export_dcp", "import_dcp", "is_sharded",
-           "load", "load_latest", "read_full", "save", "shards_dir"]
+           "load", "load_latest", "read_full", "save", "save_async", "save_with", "shards_dir", "wait"]
