@@ -69,7 +69,8 @@ def full(m: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
 
 def state_of(m: torch.nn.Module, opt: torch.optim.Optimizer, position: int) -> dict[str, Any]:
     msd, osd = get_state_dict(m, opt)  # optimizer state keyed by parameter name: it reshards
-    return {"model": msd, "optim": osd, "sampler": {"position": position}}
+    replicated = {f"t{i}": torch.full((64 * (i + 1),), float(position + i)) for i in range(4)}  # same on all ranks
+    return {"model": msd, "optim": osd, "sampler": {"position": position}, "replicated": replicated}
 
 
 def _quiet() -> None:
@@ -78,7 +79,8 @@ def _quiet() -> None:
 
 
 def train_and_save(rank: int, world: int, port: int, root: Path) -> None:
-    """3 AdamW steps at `world` ranks; step 2 saved in the background, step 3 in the foreground."""
+    """3 AdamW steps at `world` ranks; steps 2 and 3 saved in the background (the second into the
+    first one's host buffers), step 3 committed by `close`."""
     _quiet()
     ctx = context(rank, world, port, root)
     m, opt = sharded_model(world)
@@ -91,7 +93,7 @@ def train_and_save(rank: int, world: int, port: int, root: Path) -> None:
         if rank == 0:
             torch.save(whole, root / f"ref{step}.pt")
         if step >= 2:
-            ctx.checkpoints.save(step, state_of(m, opt, 100 * step), background=step == 2)
+            ctx.checkpoints.save(step, state_of(m, opt, 100 * step), background=True)
     ctx.close()
     dist.destroy_process_group()
 
@@ -155,7 +157,8 @@ def equal(a: Any, b: Any, where: str = "") -> list[str]:
     if isinstance(a, list):
         return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in equal(x, y, f"{where}/{i}")]
     if isinstance(a, torch.Tensor):
-        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        bits = [t.reshape(-1).view(torch.uint8) for t in (a, b)]
+        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(*bits)
         return [] if same else [where]
     return [] if a == b else [f"{where}: {a!r} != {b!r}"]
 
@@ -185,6 +188,9 @@ def test_fsdp_state_saved_at_2_ranks_loads_bit_identical_at_4_ranks(saved: Path)
     assert ref["optim"]["state"]["0.weight"]["exp_avg"].abs().sum() > 0  # the optimizer state is real
     files = sorted(p.name.split("-")[0] for p in sharded.shards_dir(saved / "ckpt", 3).iterdir())
     assert files == ["r00000", "r00001"]  # one file per saving rank
+    md = sharded.ShardedReader(saved / "ckpt" / "step_00000003.h5").read_metadata()
+    writers = [i.fqn for i in md.storage_data if i.fqn.startswith("replicated.")]
+    assert sorted(writers) == [f"replicated.t{i}" for i in range(4)]  # each replicated tensor written once
 
 
 def test_fsdp_state_loads_bit_identical_in_one_process(saved: Path) -> None:
@@ -224,6 +230,22 @@ def test_a_rank_killed_mid_save_leaves_the_previous_commit_latest(tmp_path: Path
     step, whole, position = one_process_load(directory)
     assert (step, position) == (1, 1)
     assert equal(torch.load(tmp_path / "ref1.pt"), whole) == []
+
+
+def test_retention_removes_shard_folders_and_load_latest_without_into_gives_the_whole_state(tmp_path: Path) -> None:
+    from hpcdist.api.checkpoints import Checkpoints
+
+    ctx = context(0, 1, 0, tmp_path)
+    ckpts: Checkpoints = ctx.checkpoints  # keep_last=3
+    for step in range(1, 6):
+        ckpts.save(step, {"w": torch.full((8,), float(step)), "pos": step}, sharded=True)
+    assert ckpts.store.steps() == [3, 4, 5]
+    assert sorted(p.name for p in ckpts.directory.glob("*.shards")) == [
+        "step_00000003.shards", "step_00000004.shards", "step_00000005.shards"]
+    loaded = ckpts.load_latest()
+    assert loaded is not None and loaded[0] == 5 and loaded[1]["pos"] == 5
+    assert torch.equal(loaded[1]["w"], torch.full((8,), 5.0))
+    ctx.close()
 
 
 def test_dcp_loads_ours_and_a_dcp_folder_imports_and_exports(saved: Path, tmp_path: Path) -> None:

@@ -63,6 +63,7 @@ class Checkpoints:
         self.io_timeout_s = ctx.io_timeout_s or DEFAULT_IO_TIMEOUT_S
         self._io_group: Any = None
         self._sharded_pending: tuple[Any, Any] | None = None  # (ShardedWriter, Future) of a background save
+        self._stager: Any = None  # host buffers of background sharded saves, reused
         import torch.distributed as dist
 
         if dist.is_initialized() and ctx.world_size > 1:  # every rank makes it, here, in the same order
@@ -126,7 +127,9 @@ class Checkpoints:
         writer = sharded.ShardedWriter(self.directory, step, attrs=self._commit_attrs(attrs),
                                        keep_last=self.store.keep_last)
         if background:
-            self._sharded_pending = (writer, sharded.save_async(state, writer, self._io_group))
+            if self._stager is None:
+                self._stager = sharded.Stager()
+            self._sharded_pending = (writer, sharded.save_async(state, writer, self._io_group, self._stager))
         else:
             sharded.save_with(state, writer, self._io_group)
             self._record(writer.stats)

@@ -30,8 +30,9 @@ import json
 import os
 import shutil
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -55,12 +57,13 @@ from hpcdist.store import checkpoints
 from hpcdist.store.atomic import atomic_path
 from hpcdist.store.directory import checkpoint_name, checkpoints_in, committed_in, step_of
 from hpcdist.store.rawio import write_tree
-from hpcdist.store.tree import sha256_of
+from hpcdist.store.tree import hash_threads, sha256_of
 
 LAYOUT_ATTR = "layout"  # root attribute of the index: "sharded"
 LAYOUT = "sharded"
 SHARD_FORMAT = "hpcdist.checkpoint.shard"
 SUFFIX = ".shards"
+WINDOW_BYTES = 64 << 20  # chunks read ahead of their hashing, at most (or one chunk)
 # torch dtypes NumPy has; others (bfloat16, float8) are stored as their bytes (uint8, one more axis)
 _NUMPY_OK = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
              torch.uint8, torch.bool, torch.complex64, torch.complex128}
@@ -309,35 +312,56 @@ class ShardedReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        from torch.distributed.checkpoint.planner import LoadItemType
-
         md = self.read_metadata()
         storage: dict[MetadataIndex, Chunk] = md.storage_data
         by_chunk: dict[MetadataIndex, list[Any]] = defaultdict(list)
         for req in plan.items:
             by_chunk[req.storage_index].append(req)
-        for index, reqs in by_chunk.items():
-            chunk = storage[index]
-            arr = self._read_chunk(chunk, index.fqn)
-            for req in reqs:
-                if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(arr.tobytes()))
-                    continue
-                meta = md.state_dict_metadata[index.fqn]
-                sizes = next(c.sizes for c in meta.chunks if c.offsets == index.offset)  # type: ignore[union-attr]
-                tensor = _as_tensor(arr, chunk, sizes)
-                for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
-                    if start != 0 or length != tensor.size(dim):
-                        tensor = tensor.narrow(dim, start, length)
-                target = planner.resolve_tensor(req).detach()
-                if target.size() != tensor.size():
-                    raise CheckpointError(f"{self.folder / chunk.file}: tensor {index.fqn} chunk has size "
-                                          f"{tuple(tensor.size())}, the state wants {tuple(target.size())}")
-                target.copy_(tensor)
-                planner.commit_tensor(req, target)
+        # Read chunk k+1.. while chunk k is hashed (hashlib and preadv release the GIL); a chunk is
+        # used only once its sha256 holds. At most WINDOW_BYTES (or one chunk) wait in memory.
+        window: deque[tuple[MetadataIndex, Any, np.ndarray]] = deque()
+        held = 0
+        with ThreadPoolExecutor(max_workers=hash_threads()) as pool:
+            for index in by_chunk:
+                arr = self._read_chunk(storage[index], index.fqn)
+                window.append((index, pool.submit(sha256_of, arr), arr))
+                held += arr.nbytes
+                while window and (held > WINDOW_BYTES or len(window) > hash_threads()):
+                    held -= self._use(*window.popleft(), by_chunk, planner)
+            while window:
+                self._use(*window.popleft(), by_chunk, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _use(self, index: MetadataIndex, digest: Any, arr: np.ndarray, by_chunk: dict[MetadataIndex, list[Any]],
+             planner: LoadPlanner) -> int:
+        """Check one chunk's sha256, then copy it into every target that wants part of it."""
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        md = self.read_metadata()
+        chunk: Chunk = md.storage_data[index]
+        if digest.result() != chunk.sha256:
+            raise CheckpointError(
+                f"{self.folder / chunk.file}: tensor {index.fqn} (dataset {chunk.dataset}, written by rank "
+                f"{chunk.rank}) does not match its sha256; read by rank {_rank()}: the file is corrupt")
+        for req in by_chunk[index]:
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(arr.tobytes()))
+                continue
+            meta = md.state_dict_metadata[index.fqn]
+            sizes = next(c.sizes for c in meta.chunks if c.offsets == index.offset)  # type: ignore[union-attr]
+            tensor = _as_tensor(arr, chunk, sizes)
+            for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+                if start != 0 or length != tensor.size(dim):
+                    tensor = tensor.narrow(dim, start, length)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise CheckpointError(f"{self.folder / chunk.file}: tensor {index.fqn} chunk has size "
+                                      f"{tuple(tensor.size())}, the state wants {tuple(target.size())}")
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
+        return arr.nbytes
 
     def _read_chunk(self, chunk: Chunk, fqn: str) -> np.ndarray:
         path = self.folder / chunk.file
@@ -361,10 +385,6 @@ class ShardedReader(StorageReader):
             raise CheckpointError(f"{path}: cannot read tensor {fqn} (written by rank {chunk.rank}): "
                                   f"{exc.strerror or exc} (read by rank {_rank()})") from exc
         self.bytes_read += arr.nbytes
-        if sha256_of(arr) != chunk.sha256:
-            raise CheckpointError(
-                f"{path}: tensor {fqn} (dataset {chunk.dataset}, written by rank {chunk.rank}) does not match its "
-                f"sha256; read by rank {_rank()}: the file is corrupt")
         return arr
 
     @classmethod
@@ -424,14 +444,54 @@ def save_with(state: dict[str, Any], writer: ShardedWriter, process_group: Any =
         raise error_of(exc) from exc
 
 
-def save_async(state: dict[str, Any], writer: ShardedWriter, process_group: Any = None) -> Any:
+class Stager(AsyncStager):
+    """The host copy a background save blocks for, made into the previous save's buffers when the
+    state has the same layout (no fresh pages to fault in, as `rawio.snapshot`'s `reuse`). Use one
+    per run and wait for a save before staging the next: the buffers are the save's source."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._cache: Any = None
+        self._layout: Any = None
+
+    def synchronize_staging(self) -> None:  # staging is done when `stage` returns
+        return None
+
+    def close(self) -> None:
+        self._cache = self._layout = None
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        layout = _layout(state_dict)
+        if self._cache is None or layout != self._layout:
+            self._cache, self._layout = _create_cpu_state_dict(state_dict), layout
+        return _copy_state_dict(state_dict, self._cache)
+
+
+def _layout(value: Any) -> Any:
+    """What must match for a staged copy to be reused: keys, and each tensor's local shape and dtype."""
+    if isinstance(value, Mapping):
+        return tuple((k, _layout(v)) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return tuple(_layout(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        local = value.to_local() if hasattr(value, "to_local") else value
+        return (type(value).__name__, tuple(local.shape), local.dtype, tuple(value.shape))
+    return type(value).__name__
+
+
+def save_async(state: dict[str, Any], writer: ShardedWriter, process_group: Any = None,
+               stager: Stager | None = None) -> Any:
     """`save_with` in the background: returns once this rank's shards are copied to host memory;
     `wait` on the returned future gives the outcome (the same on every rank). The group's
     collectives then run in a thread: nothing else may use `process_group` until `wait` returned."""
     import torch.distributed.checkpoint as dcp
 
     try:
-        return dcp.async_save(state, storage_writer=writer, process_group=process_group, no_dist=_no_dist())
+        return dcp.async_save(state, storage_writer=writer, process_group=process_group, no_dist=_no_dist(),
+                              async_stager=stager)
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
@@ -517,4 +577,4 @@ def export_dcp(index: Path | str, target: Path | str) -> None:
 
 
 __all__ = ["Chunk", "ShardedReader", "ShardedWriter", "checkpoints_in", "export_dcp", "import_dcp", "is_sharded",
-           "load", "load_latest", "read_full", "save", "save_async", "save_with", "shards_dir", "wait"]
+           "load", "load_latest", "read_full", "save", "Stager", "save_async", "save_with", "shards_dir", "wait"]
