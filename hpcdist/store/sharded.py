@@ -318,13 +318,18 @@ class ShardedReader(StorageReader):
         for req in plan.items:
             by_chunk[req.storage_index].append(req)
         # Read chunk k+1.. while chunk k is hashed (hashlib and preadv release the GIL); a chunk is
-        # used only once its sha256 holds. At most WINDOW_BYTES (or one chunk) wait in memory.
-        window: deque[tuple[MetadataIndex, Any, np.ndarray]] = deque()
+        # committed only once its sha256 holds. At most WINDOW_BYTES (or one chunk) wait in memory.
+        # A chunk that is exactly one target's tensor is read straight into it (no second copy): a
+        # mismatch then leaves the state part-loaded, as any failed load does, and raises.
+        window: deque[tuple[MetadataIndex, Any, np.ndarray, torch.Tensor | None]] = deque()
         held = 0
         with ThreadPoolExecutor(max_workers=hash_threads()) as pool:
-            for index in by_chunk:
-                arr = self._read_chunk(storage[index], index.fqn)
-                window.append((index, pool.submit(sha256_of, arr), arr))
+            for index, reqs in by_chunk.items():
+                chunk = storage[index]
+                target = self._whole_target(chunk, reqs, planner)
+                into = None if target is None else target.reshape(-1).view(torch.uint8).numpy()
+                arr = self._read_chunk(chunk, index.fqn, into)
+                window.append((index, pool.submit(sha256_of, arr), arr, target))
                 held += arr.nbytes
                 while window and (held > WINDOW_BYTES or len(window) > hash_threads()):
                     held -= self._use(*window.popleft(), by_chunk, planner)
@@ -334,8 +339,24 @@ class ShardedReader(StorageReader):
         done.set_result(None)
         return done
 
-    def _use(self, index: MetadataIndex, digest: Any, arr: np.ndarray, by_chunk: dict[MetadataIndex, list[Any]],
-             planner: LoadPlanner) -> int:
+    @staticmethod
+    def _whole_target(chunk: Chunk, reqs: list[Any], planner: LoadPlanner) -> torch.Tensor | None:
+        """The one target tensor that is exactly this chunk (same bytes, contiguous, in host memory)."""
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        if len(reqs) != 1 or reqs[0].type == LoadItemType.BYTE_IO or chunk.offset < 0 or not chunk.torch_dtype:
+            return None
+        req = reqs[0]
+        if any(req.storage_offsets):
+            return None
+        target = planner.resolve_tensor(req).detach()
+        ok = (target.device.type == "cpu" and target.is_contiguous() and str(target.dtype) == chunk.torch_dtype
+              and tuple(target.shape) == tuple(req.lengths)  # no offset and all the bytes: the whole chunk
+              and target.nbytes == int(np.prod(chunk.shape)) * np.dtype(chunk.dtype).itemsize)
+        return target if ok else None
+
+    def _use(self, index: MetadataIndex, digest: Any, arr: np.ndarray, whole: torch.Tensor | None,
+             by_chunk: dict[MetadataIndex, list[Any]], planner: LoadPlanner) -> int:
         """Check one chunk's sha256, then copy it into every target that wants part of it."""
         from torch.distributed.checkpoint.planner import LoadItemType
 
@@ -345,6 +366,9 @@ class ShardedReader(StorageReader):
             raise CheckpointError(
                 f"{self.folder / chunk.file}: tensor {index.fqn} (dataset {chunk.dataset}, written by rank "
                 f"{chunk.rank}) does not match its sha256; read by rank {_rank()}: the file is corrupt")
+        if whole is not None:  # already in place
+            planner.commit_tensor(by_chunk[index][0], whole)
+            return arr.nbytes
         for req in by_chunk[index]:
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(arr.tobytes()))
@@ -363,11 +387,12 @@ class ShardedReader(StorageReader):
             planner.commit_tensor(req, target)
         return arr.nbytes
 
-    def _read_chunk(self, chunk: Chunk, fqn: str) -> np.ndarray:
+    def _read_chunk(self, chunk: Chunk, fqn: str, into: np.ndarray | None = None) -> np.ndarray:
+        """One chunk's bytes (into `into`, a byte view of its target, when given), not yet verified."""
         path = self.folder / chunk.file
         try:
             if chunk.offset >= 0:
-                arr = np.empty(chunk.shape, dtype=np.dtype(chunk.dtype))
+                arr = into if into is not None else np.empty(chunk.shape, dtype=np.dtype(chunk.dtype))
                 fd = os.open(path, os.O_RDONLY)
                 try:
                     got = os.preadv(fd, [arr.reshape(-1).view(np.uint8).data], chunk.offset) if arr.nbytes else 0
