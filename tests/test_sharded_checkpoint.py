@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from hpcdist.api.context import Context
+from hpcdist.errors import CheckpointError
 from hpcdist.runtime.rankinfo import RankInfo
 from hpcdist.store import CheckpointStore, sharded
 
@@ -245,6 +246,11 @@ def test_retention_removes_shard_folders_and_load_latest_without_into_gives_the_
     loaded = ckpts.load_latest()
     assert loaded is not None and loaded[0] == 5 and loaded[1]["pos"] == 5
     assert torch.equal(loaded[1]["w"], torch.full((8,), 5.0))
+    into = {"w": torch.zeros(8), "pos": 0}
+    assert ckpts.load_latest(into=into) == (5, into) and into["pos"] == 5
+    ckpts.save(6, {"w": torch.zeros(8)})  # unsharded: never skipped for an older sharded step
+    with pytest.raises(CheckpointError, match="step_00000006.h5 was saved unsharded"):
+        ckpts.load_latest(into=into)
     ctx.close()
 
 

@@ -222,11 +222,21 @@ class Checkpoints:
         from hpcdist.store import sharded
 
         self.wait()  # a background save in flight uses the I/O group too
-        steps: list[int] = []
+        steps: list[tuple[int, bool]] = []  # committed steps, newest first, and whether each is sharded
         if self.ctx.is_main:
-            steps = list(reversed(self.store.steps()))
+            from hpcdist.store.checkpoints import read_header
+
+            for step in reversed(self.store.steps()):
+                try:
+                    steps.append((step, sharded.is_sharded(read_header(self.store.path(step), "sharded").attrs)))
+                except CheckpointError:
+                    steps.append((step, True))  # unreadable: the load below reports it and goes on
         steps = self.share(steps, "its list of committed checkpoints")
-        for step in steps:
+        for step, is_sharded in steps:
+            if not is_sharded:  # never skip a newer unsharded step for an older sharded one
+                raise CheckpointError(
+                    f"checkpoint {self.store.path(step)} was saved unsharded: load it with load_latest() "
+                    "without into= and load_state_dict, or save sharded (save(..., sharded=True))")
             try:
                 attrs = sharded.load(self.store.path(step), into, process_group=self._io_group)
             except CheckpointError as exc:

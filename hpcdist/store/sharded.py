@@ -210,8 +210,8 @@ class ShardedWriter(StorageWriter):
         attrs = {**self.attrs, LAYOUT_ATTR: LAYOUT}
         self.stats = checkpoints.save(self.directory, self.step, tree, epoch=self.epoch, attrs=attrs,
                                       keep_last=self.keep_last)
-        for stray in self.folder.iterdir():  # earlier failed attempts at this step
-            if stray.name not in files and not stray.name.startswith("."):
+        for stray in self.folder.iterdir():  # earlier failed attempts at this step, and their temporaries
+            if stray.name not in files:
                 stray.unlink(missing_ok=True)
         remove_orphans(self.directory, self.step)
 
