@@ -117,6 +117,21 @@ def load_and_gather(rank: int, world: int, port: int, root: Path) -> None:
     dist.destroy_process_group()
 
 
+def load_flipped(rank: int, world: int, port: int, root: Path) -> None:
+    _quiet()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    m, opt = sharded_model(world)
+    state = state_of(m, opt, 0)
+    skipped: list[str] = []
+    step = sharded.load_latest(root / "ckpt", state, report=skipped.append)
+    set_state_dict(m, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    whole = full(m, opt)
+    torch.save({"step": step, "skipped": skipped, "whole": whole, "replicated": state["replicated"]},
+               root / f"flipped{rank}.pt")
+    dist.destroy_process_group()
+
+
 class DieAfterWrite(sharded.ShardedWriter):
     """A writer whose rank `victim` is SIGKILLed once its own shard is durable, before the commit."""
 
@@ -218,6 +233,27 @@ def test_a_flipped_byte_is_named_and_the_previous_step_is_used(saved: Path, tmp_
     assert equal(torch.load(saved / "ref2.pt"), whole) == []
     assert len(skipped) == 1
     assert str(path) in skipped[0] and f"tensor {fqn} " in skipped[0] and "written by rank 1" in skipped[0]
+
+
+def test_a_flipped_byte_in_a_replicated_tensor_fails_every_rank_that_reads_it(saved: Path, tmp_path: Path) -> None:
+    """At 2 ranks both read the replicated tensors and only one hashes each: the other must still
+    learn of the mismatch and load the previous step with it."""
+    shutil.copytree(saved / "ckpt", tmp_path / "ckpt")
+    md = sharded.ShardedReader(tmp_path / "ckpt" / "step_00000003.h5").read_metadata()
+    chunk = next(c for i, c in md.storage_data.items() if i.fqn == "replicated.t3")
+    path = sharded.shards_dir(tmp_path / "ckpt", 3) / chunk.file
+    with open(path, "r+b") as f:
+        f.seek(chunk.offset)
+        byte = f.read(1)
+        f.seek(chunk.offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+    spawn(load_flipped, 2, tmp_path)
+    ref = torch.load(saved / "ref2.pt")
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"flipped{rank}.pt")
+        assert got["step"] == 2 and (rank or equal(ref, got["whole"]) == [])  # gathered on rank 0
+        assert torch.equal(got["replicated"]["t3"], torch.full((256,), 203.0))
+        assert len(got["skipped"]) == 1 and str(path) in got["skipped"][0] and "replicated.t3" in got["skipped"][0]
 
 
 @pytest.mark.parametrize("victim", [0, 1])

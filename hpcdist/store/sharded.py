@@ -274,10 +274,17 @@ def metadata_from_json(text: str) -> Metadata:
 
 class ShardedReader(StorageReader):
     """Reads the committed sharded checkpoint `index` (a ``step_*.h5`` index file), each chunk
-    verified against its sha256 before any of it is used."""
+    verified against its sha256 before any of it is used.
 
-    def __init__(self, index: Path | str) -> None:
+    With `process_group` (the group ``dcp.load`` is given: it must be the same), a chunk several
+    ranks read (a replicated tensor) is hashed by one of them only, the ranks sharing the work by
+    bytes, and the verdicts are exchanged before the load returns: a mismatch found by any rank
+    fails the load on every rank. Without, every rank verifies everything it reads.
+    """
+
+    def __init__(self, index: Path | str, process_group: Any = None, *, split: bool = False) -> None:
         super().__init__()
+        self.group, self.split = process_group, split
         self.index = Path(index)
         self.folder = self.index.with_name(self.index.name.removesuffix(".h5") + SUFFIX)
         self.attrs: dict[str, Any] = {}
@@ -286,7 +293,7 @@ class ShardedReader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.__init__(Path(checkpoint_id))  # type: ignore[misc]
+            self.__init__(Path(checkpoint_id), self.group, split=self.split)  # type: ignore[misc]
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
@@ -309,11 +316,46 @@ class ShardedReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """With `split`: each chunk's verifier, one of the ranks that read it, fewest bytes first."""
+        if not self.split:
+            return plans
+        from dataclasses import replace
+
+        storage: dict[MetadataIndex, Chunk] = self.read_metadata().storage_data
+        readers: dict[MetadataIndex, list[int]] = defaultdict(list)
+        for rank, plan in enumerate(plans):
+            for index in dict.fromkeys(req.storage_index for req in plan.items):
+                readers[index].append(rank)
+        load = [0] * len(plans)
+        mine: list[set[MetadataIndex]] = [set() for _ in plans]
+        for index in sorted(readers, key=lambda i: -_nbytes(storage[i])):
+            rank = min(readers[index], key=lambda r: load[r])
+            load[rank] += _nbytes(storage[index])
+            mine[rank].add(index)
+        return [replace(plan, storage_data=mine[rank]) for rank, plan in enumerate(plans)]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        error = ""
+        try:
+            self._read_all(plan, planner)
+        except CheckpointError as exc:
+            error = str(exc)
+        if self.split:  # every rank reaches this exchange, failed or not
+            import torch.distributed as dist
+
+            errors: list[Any] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(errors, error, group=self.group)
+            error = next((e for e in errors if e), "")
+        if error:
+            raise CheckpointError(error)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         md = self.read_metadata()
         storage: dict[MetadataIndex, Chunk] = md.storage_data
+        verify: set[MetadataIndex] | None = plan.storage_data if self.split else None  # None: all
         by_chunk: dict[MetadataIndex, list[Any]] = defaultdict(list)
         for req in plan.items:
             by_chunk[req.storage_index].append(req)
@@ -329,15 +371,13 @@ class ShardedReader(StorageReader):
                 target = self._whole_target(chunk, reqs, planner)
                 into = None if target is None else target.reshape(-1).view(torch.uint8).numpy()
                 arr = self._read_chunk(chunk, index.fqn, into)
-                window.append((index, pool.submit(sha256_of, arr), arr, target))
+                checked = verify is None or index in verify  # else another rank hashes its own read
+                window.append((index, pool.submit(sha256_of, arr) if checked else None, arr, target))
                 held += arr.nbytes
                 while window and (held > WINDOW_BYTES or len(window) > hash_threads()):
                     held -= self._use(*window.popleft(), by_chunk, planner)
             while window:
                 self._use(*window.popleft(), by_chunk, planner)
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
 
     @staticmethod
     def _whole_target(chunk: Chunk, reqs: list[Any], planner: LoadPlanner) -> torch.Tensor | None:
@@ -362,7 +402,7 @@ class ShardedReader(StorageReader):
 
         md = self.read_metadata()
         chunk: Chunk = md.storage_data[index]
-        if digest.result() != chunk.sha256:
+        if digest is not None and digest.result() != chunk.sha256:
             raise CheckpointError(
                 f"{self.folder / chunk.file}: tensor {index.fqn} (dataset {chunk.dataset}, written by rank "
                 f"{chunk.rank}) does not match its sha256; read by rank {_rank()}: the file is corrupt")
@@ -415,6 +455,10 @@ class ShardedReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
+
+
+def _nbytes(chunk: Chunk) -> int:
+    return int(np.prod(chunk.shape)) * np.dtype(chunk.dtype).itemsize
 
 
 def _rank() -> int:
@@ -537,7 +581,7 @@ def load(index: Path | str, state: dict[str, Any], *, process_group: Any = None)
     """Fill `state` (any layout) in place from the sharded checkpoint `index`; its root attributes."""
     import torch.distributed.checkpoint as dcp
 
-    reader = ShardedReader(index)
+    reader = ShardedReader(index, process_group, split=not _no_dist())
     try:
         dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=_no_dist())
     except BaseException as exc:
