@@ -4,6 +4,7 @@ process bit for bit; a rank killed mid-save; a flipped byte; DCP's own format in
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import signal
@@ -74,6 +75,22 @@ def state_of(m: torch.nn.Module, opt: torch.optim.Optimizer, position: int) -> d
     return {"model": msd, "optim": osd, "sampler": {"position": position}, "replicated": replicated}
 
 
+def leave(ctx: Context | None = None) -> None:
+    """End a rank with no collective in flight. A gloo worker thread drops a finished collective's
+    Work (and its tensors, which Python owns) just after the waiter wakes; when the interpreter is
+    already finalizing by then, taking the GIL ends that thread inside a destructor and
+    std::terminate aborts the rank (SIGABRT, about 1 run in 20 here; a core showed
+    ~AsyncAllgatherCoalescedWork in ProcessGroupGloo::runLoop while the main thread was in
+    Py_FinalizeEx). gloo's barrier waits for every earlier work of its group, so a barrier on each
+    group, then destroying them, lets the interpreter finalize with the workers idle."""
+    if ctx is not None:
+        ctx.close()
+        dist.barrier(group=ctx.checkpoints._io_group)
+    gc.collect()  # FSDP modules hold their groups in reference cycles
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _quiet() -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)  # 2-4 ranks on a few cores
@@ -95,8 +112,7 @@ def train_and_save(rank: int, world: int, port: int, root: Path) -> None:
             torch.save(whole, root / f"ref{step}.pt")
         if step >= 2:
             ctx.checkpoints.save(step, state_of(m, opt, 100 * step), background=True)
-    ctx.close()
-    dist.destroy_process_group()
+    leave(ctx)
 
 
 def load_and_gather(rank: int, world: int, port: int, root: Path) -> None:
@@ -113,8 +129,7 @@ def load_and_gather(rank: int, world: int, port: int, root: Path) -> None:
     whole = full(m, opt)
     if rank == 0:
         torch.save({"whole": whole, "position": state["sampler"]["position"]}, root / f"got{world}.pt")
-    ctx.close()
-    dist.destroy_process_group()
+    leave(ctx)
 
 
 def load_flipped(rank: int, world: int, port: int, root: Path) -> None:
@@ -129,7 +144,7 @@ def load_flipped(rank: int, world: int, port: int, root: Path) -> None:
     whole = full(m, opt)
     torch.save({"step": step, "skipped": skipped, "whole": whole, "replicated": state["replicated"]},
                root / f"flipped{rank}.pt")
-    dist.destroy_process_group()
+    leave()
 
 
 class DieAfterWrite(sharded.ShardedWriter):
