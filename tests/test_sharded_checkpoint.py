@@ -299,6 +299,13 @@ def test_retention_removes_shard_folders_and_load_latest_without_into_gives_the_
     assert torch.equal(loaded[1]["w"], torch.full((8,), 5.0))
     into = {"w": torch.zeros(8), "pos": 0}
     assert ckpts.load_latest(into=into) == (5, into) and into["pos"] == 5
+    (ckpts.directory / "step_00000006.shards").write_text("in the way")  # the write of step 6 fails
+    ckpts.save(6, {"w": torch.zeros(8), "pos": 6}, sharded=True, background=True)  # returns once copied
+    with pytest.raises(CheckpointError, match="rank 0 writing its shard .*step_00000006.shards"):
+        ckpts.wait()  # the background save's error, once
+    ckpts.wait()
+    assert ckpts.store.steps() == [3, 4, 5]
+    (ckpts.directory / "step_00000006.shards").unlink()
     ckpts.save(6, {"w": torch.zeros(8)})  # unsharded: never skipped for an older sharded step
     with pytest.raises(CheckpointError, match="step_00000006.h5 was saved unsharded"):
         ckpts.load_latest(into=into)
