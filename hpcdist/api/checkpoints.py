@@ -10,6 +10,11 @@ every rank, which all raise the same one-line error.
 the file's root, for a layout another reader already knows (the GPT's ``/model`` that
 ``infer_gpt`` reads). Either may run in the background: the caller waits only for the copy to
 host memory, and the next save, ``wait`` or ``Context.close`` learns how it ended.
+
+Sharded state (DTensors of FSDP2 or tensor parallelism, or any state with ``sharded=True``) takes
+the other path, ``hpcdist.store.sharded``: every rank writes its own shards and rank 0 commits
+the one index, all through DCP on the checkpoint I/O group; ``load_latest(into=state)`` fills a
+state of any layout in place.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ class Checkpoints:
             raise CheckpointError(error)
         self.io_timeout_s = ctx.io_timeout_s or DEFAULT_IO_TIMEOUT_S
         self._io_group: Any = None
+        self._sharded_pending: tuple[Any, Any] | None = None  # (ShardedWriter, Future) of a background save
+        self._stager: Any = None  # host buffers of background sharded saves, reused
         import torch.distributed as dist
 
         if dist.is_initialized() and ctx.world_size > 1:  # every rank makes it, here, in the same order
@@ -92,10 +99,18 @@ class Checkpoints:
         return self.store.directory
 
     def save(self, step: int, state: Mapping[str, Any], *, attrs: Mapping[str, Any] | None = None,
-             background: bool = False) -> Path:
+             background: bool = False, sharded: bool | None = None) -> Path:
         """Commit `state` (a nested dict of tensors, arrays and plain values) as `step` on rank 0;
         every rank returns once it is committed (once it is copied, with `background`), or raises
-        the same error. Returns where the checkpoint is (or will be once committed)."""
+        the same error. Returns where the checkpoint is (or will be once committed).
+
+        A state holding DTensors (or any state, with `sharded=True`) is saved sharded: each rank
+        writes its own part, replicated tensors once, and rank 0 commits (``hpcdist.store.sharded``).
+        """
+        if sharded is None:
+            sharded = _has_dtensor(state)
+        if sharded:
+            return self._save_sharded(step, dict(state), attrs, background)
         return self._commit(step, lambda: {"state": encode(state)}, 0, attrs, background)
 
     def save_tree(self, step: int, tree: Mapping[str, Any], *, epoch: int = 0,
@@ -104,11 +119,31 @@ class Checkpoints:
         encoded) written as it is at the file's root, for a layout another reader knows."""
         return self._commit(step, lambda: tree, epoch, attrs, background)
 
+    def _commit_attrs(self, attrs: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The root attributes every commit records (the hook for a commit's run identity)."""
+        counts = self.ctx.counts_if_requeued()  # restored by load_latest: the bound survives the requeue
+        return {**(attrs or {}), COUNT_ATTR: json.dumps(
+            {"job_id": self.ctx.job_id, "requeues": counts.requeues, "timeouts": counts.timeouts})}
+
+    def _save_sharded(self, step: int, state: dict[str, Any], attrs: Mapping[str, Any] | None,
+                      background: bool) -> Path:
+        from hpcdist.store import sharded
+
+        self.wait()  # the save before this one (either kind), and its error, on every rank
+        writer = sharded.ShardedWriter(self.directory, step, attrs=self._commit_attrs(attrs),
+                                       keep_last=self.store.keep_last)
+        if background:
+            if self._stager is None:
+                self._stager = sharded.Stager()
+            self._sharded_pending = (writer, sharded.save_async(state, writer, self._io_group, self._stager))
+        else:
+            sharded.save_with(state, writer, self._io_group)
+            self._record(writer.stats)
+        return self.store.path(step)
+
     def _commit(self, step: int, make: Callable[[], Mapping[str, Any]], epoch: int,
                 attrs: Mapping[str, Any] | None, background: bool) -> Path:
-        counts = self.ctx.counts_if_requeued()  # restored by load_latest: the bound survives the requeue
-        attrs = {**(attrs or {}), COUNT_ATTR: json.dumps(
-            {"job_id": self.ctx.job_id, "requeues": counts.requeues, "timeouts": counts.timeouts})}
+        attrs = self._commit_attrs(attrs)
         error = ""
         if self.ctx.is_main:
             try:
@@ -128,6 +163,12 @@ class Checkpoints:
 
     def wait(self) -> None:
         """Every rank returns once a background save in flight is committed, or raises its error."""
+        pending, self._sharded_pending = self._sharded_pending, None
+        if pending is not None:  # every rank holds one; DCP gives all of them the same outcome
+            from hpcdist.store import sharded
+
+            sharded.wait(pending[1])
+            self._record(pending[0].stats)
         error = ""
         if self.ctx.is_main:
             try:
@@ -148,9 +189,17 @@ class Checkpoints:
             stats.seconds, stats.mb_per_s, f"; removed {len(stats.removed)} older" if stats.removed else "",
         )
 
-    def load_latest(self) -> tuple[int, dict[str, Any]] | None:
+    def load_latest(self, into: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]] | None:
         """(step, state) of the newest committed checkpoint that verifies, or None: rank 0 picks
-        the step, every rank loads that one (never a newer one a concurrent writer commits)."""
+        the step, every rank loads that one (never a newer one a concurrent writer commits).
+
+        With `into`, a state of any layout (DTensors of another mesh or world size, plain tensors
+        in one process) is filled in place from a sharded checkpoint, each rank reading and
+        verifying only the chunks it needs; a step that fails on any rank is reported and the
+        next older one tried, on every rank alike. Returns (step, into).
+        """
+        if into is not None:
+            return self._load_sharded(into)
         latest, error = None, ""
         if self.ctx.is_main:
             try:
@@ -163,13 +212,60 @@ class Checkpoints:
         if step is None:
             return None
         loaded = latest or self.store.load(step)
-        count = json.loads(str(loaded.attrs.get(COUNT_ATTR, "{}")))
+        self._restore_counts(loaded.attrs)
+        from hpcdist.store import sharded
+
+        if sharded.is_sharded(loaded.attrs):  # the whole state on every rank: for states that fit
+            return step, sharded.read_full(loaded.path)
+        return step, decode(loaded.tree["state"])
+
+    def _restore_counts(self, attrs: Mapping[str, Any]) -> None:
+        count = json.loads(str(attrs.get(COUNT_ATTR, "{}")))
         if count:
             self.ctx.restore_requeues(Requeues(int(count["requeues"]), int(count["timeouts"])), str(count["job_id"]))
-        return step, decode(loaded.tree["state"])
+
+    def _load_sharded(self, into: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+        from hpcdist.store import sharded
+
+        self.wait()  # a background save in flight uses the I/O group too
+        steps: list[tuple[int, bool]] = []  # committed steps, newest first, and whether each is sharded
+        if self.ctx.is_main:
+            from hpcdist.store.checkpoints import read_header
+
+            for step in reversed(self.store.steps()):
+                try:
+                    steps.append((step, sharded.is_sharded(read_header(self.store.path(step), "sharded").attrs)))
+                except CheckpointError:
+                    steps.append((step, True))  # unreadable: the load below reports it and goes on
+        steps = self.share(steps, "its list of committed checkpoints")
+        for step, is_sharded in steps:
+            if not is_sharded:  # never skip a newer unsharded step for an older sharded one
+                raise CheckpointError(
+                    f"checkpoint {self.store.path(step)} was saved unsharded: load it with load_latest() "
+                    "without into= and load_state_dict, or save sharded (save(..., sharded=True))")
+            try:
+                attrs = sharded.load(self.store.path(step), into, process_group=self._io_group)
+            except CheckpointError as exc:
+                self.ctx.log.warning("checkpoint step %d not loaded: %s", step, exc)
+                continue
+            self._restore_counts(attrs)
+            return step, into
+        return None
 
     def release(self) -> None:
         """Drop rank 0's claim (no collective: safe at exit and after a failure)."""
         if self.claim is not None:
             self.claim.release()
             self.claim = None
+
+
+def _has_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_has_dtensor(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_has_dtensor(v) for v in value)
+    return False

@@ -14,6 +14,7 @@ they are met). The GPT's own checkpoint knowledge lives in ``hpcdist.model.check
 - ``checkpoints``: the ``hpcdist.checkpoint`` format: save (commit), read and verify, headers;
 - ``discovery``: the newest committed checkpoint that verifies, with reasons for each one skipped;
 - ``manager``: ``CheckpointStore``, one directory as an object (the public checkpoint API);
+- ``sharded`` (with ``sharded_storage``, ``sharded_layout``): sharded state through DCP's storage layer;
 - ``results``: the versioned ``hpcdist.result`` files.
 """
 

@@ -1,0 +1,156 @@
+"""Sharded checkpoints against PyTorch DCP in the same run: 2 ranks (forked, gloo), the same state.
+
+States: "replicated" (a model and two AdamW moments as plain tensors, the same on every rank:
+DCP's planner writes each once) and "fsdp" (an MLP under FSDP2 ``fully_shard`` with its AdamW
+state, keyed by name through ``get_state_dict``). For each, alternating in every repeat:
+
+- save: ``dcp.save`` with ``FileSystemWriter`` (fsync on) vs ``hpcdist.store.sharded.save``
+  (fsync, sha256 per chunk, one commit);
+- load: ``dcp.load`` (no checksum) vs ``hpcdist.store.sharded.load`` (every chunk verified);
+- blocked: time until ``dcp.async_save`` returns vs until ``sharded.save_async`` returns (the
+  rest of the write goes on in a thread; both are waited for before the next step).
+
+Each figure is the median over --repeat of the slowest rank's time, printed as DCP's time divided
+by hpcdist's (above 1: hpcdist is faster), with the load average and each rank's peak memory.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/ckpt_sharded.py --dir /var/tmp/hpcdist-bench --mb 200 --repeat 3
+"""
+
+# ruff: noqa: B023  (each round's lambdas run within that round)
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import statistics
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from benchmarks._ranks import run_ranks
+
+
+def replicated_state(mb: int) -> dict[str, Any]:
+    import torch
+
+    torch.manual_seed(0)
+    rows = max(1, mb * (1 << 20) // 3 // 16 // 4096)  # 16 tensors of rows x 1024 fp32 per part
+    return {part: {f"layer{i}.weight": torch.randn(rows, 1024) for i in range(16)}
+            for part in ("model", "exp_avg", "exp_avg_sq")}
+
+
+def fsdp_state(mb: int, world: int) -> tuple[dict[str, Any], Any]:
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    width = 1024
+    layers = max(1, mb * (1 << 20) // 3 // 4 // (width * width))
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(layers)))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd, "sampler": {"position": 1234}}, model
+
+
+def timed(fn: Any) -> float:
+    """The slowest rank's time for `fn` (every rank starts together), timed on the default group:
+    a background save's collectives run on their own group meanwhile, as in ``ctx.checkpoints``."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    t = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def bench(rank: int, world: int, kind: str, mb: int, repeat: int, root: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from hpcdist.store import sharded
+
+    warnings.simplefilter("ignore")
+    group = dist.new_group(backend="gloo")  # the checkpoint I/O group (ctx.checkpoints has one too)
+    state = replicated_state(mb) if kind == "replicated" else fsdp_state(mb, world)[0]
+    base = Path(root) / kind
+    times: dict[str, list[float]] = {k: [] for k in ("save_dcp", "save_ours", "load_dcp", "load_ours",
+                                                     "blocked_dcp", "blocked_ours")}
+    stager = sharded.Stager()  # as ctx.checkpoints keeps one
+    for r in range(repeat):
+        dcp_dir, ours = base / f"dcp{r}", base / "ours"
+        index = ours / f"step_{r:08d}.h5"
+        pairs = [("dcp", lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(str(dcp_dir)),
+                                          process_group=group)),
+                 ("ours", lambda: sharded.save(ours, r, state, process_group=group, keep_last=1))]
+        for name, fn in pairs if r % 2 == 0 else pairs[::-1]:
+            times[f"save_{name}"].append(timed(fn))
+        loads = [("dcp", lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(str(dcp_dir)),
+                                          process_group=group)),
+                 ("ours", lambda: sharded.load(index, state, process_group=group))]
+        for name, fn in loads if r % 2 == 0 else loads[::-1]:
+            times[f"load_{name}"].append(timed(fn))
+        futures: dict[str, Any] = {}
+        starts = [("dcp", lambda: futures.update(dcp=dcp.async_save(
+                      state, storage_writer=dcp.FileSystemWriter(str(dcp_dir) + "a"), process_group=group))),
+                  ("ours", lambda: futures.update(ours=sharded.save_async(
+                      state, sharded.ShardedWriter(ours, 1000 + r, keep_last=1), group, stager)))]
+        for name, fn in starts if r % 2 == 0 else starts[::-1]:
+            times[f"blocked_{name}"].append(timed(fn))
+            sharded.wait(futures[name]) if name == "ours" else futures[name].result()
+        dist.barrier(group)
+        if rank == 0:
+            for d in (dcp_dir, Path(str(dcp_dir) + "a")):
+                shutil.rmtree(d, ignore_errors=True)
+    dist.barrier(group)
+    if rank == 0:
+        shutil.rmtree(base, ignore_errors=True)
+    return {"times": times, "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default="/var/tmp/hpcdist-bench")
+    parser.add_argument("--mb", type=int, default=200)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--kinds", default="replicated,fsdp")
+    args = parser.parse_args()
+    import h5py
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    root = Path(args.dir) / f"ckpt_sharded-{os.getpid()}"
+    table = Table(title=f"DCP time / hpcdist time, 2 ranks, {args.mb} MB, medians of {args.repeat} "
+                        "(above 1: hpcdist faster)")
+    for col in ("state", "save", "verified load", "blocked (async)", "hpcdist save / load / blocked s",
+                "peak RSS MB"):
+        table.add_column(col)
+    for kind in args.kinds.split(","):
+        out = run_ranks(2, bench, kind, args.mb, args.repeat, str(root))
+        t = out[0]["times"]
+        med = {k: statistics.median(v) for k, v in t.items()}
+        ratio = {op: med[f"{op}_dcp"] / med[f"{op}_ours"] for op in ("save", "load", "blocked")}
+        table.add_row(kind, f"{ratio['save']:.2f}", f"{ratio['load']:.2f}", f"{ratio['blocked']:.2f}",
+                      f"{med['save_ours']:.2f} / {med['load_ours']:.2f} / {med['blocked_ours']:.3f}",
+                      " / ".join(f"{o['maxrss_mb']:.0f}" for o in out))
+    shutil.rmtree(root, ignore_errors=True)
+    Console().print(table)
+    print(f"load average {os.getloadavg()[0]:.1f}; torch {torch.__version__}, h5py {h5py.__version__}, "
+          f"{os.cpu_count()} CPUs")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""Sharded checkpoints: ``torch.distributed.checkpoint``'s storage layer, writing hpcdist's HDF5.
+
+`ShardedWriter` and `ShardedReader` implement DCP's ``StorageWriter`` / ``StorageReader``, so
+DCP's planner decides what each rank writes (each replicated tensor once, by one rank) and
+reads (only the chunks its own layout needs, at any mesh or world size). Layout of step 120:
+
+- ``step_00000120.shards/r<rank:05d>-<attempt>.h5``: one HDF5 file per rank, written under a
+  temporary name, fdatasynced, renamed (``hpcdist.store.atomic``). Its ``/tensors/<fqn>/<offsets>``
+  datasets are the tensor chunks that rank saved (``<offsets>`` joined by ``_``), its
+  ``/bytes/<fqn>`` the other values (DCP's ``torch.save`` bytes); each carries its ``sha256``.
+  ``<attempt>`` is new at every save, so a save that dies never touches a committed file.
+- ``step_00000120.h5``: the index, an ordinary ``hpcdist.checkpoint`` file (root attribute
+  ``layout = "sharded"``) whose group ``/sharded`` holds ``metadata_json`` (every tensor's
+  dtype, size and chunks, and for each chunk its file, dataset, byte offset and sha256) with its
+  own ``metadata_sha256``, and ``files``. The coordinator writes it in ``finish``, after every
+  rank's file is durable, through ``hpcdist.store.checkpoints.save``: the ``latest`` pointer,
+  retention and discovery are the same as for unsharded checkpoints, and a crash of any rank
+  before that leaves the previous commit the latest.
+
+A reader reads each chunk it needs with one ``os.preadv`` and checks its sha256 first; a
+mismatch is one CheckpointError naming the file, the tensor, the rank that wrote it and the
+rank reading. The metadata is JSON, not a pickle, so ``h5dump`` shows all of it.
+
+This module holds the calls (save, load, background save, import and export of DCP folders);
+the storage layer is ``sharded_storage``, the names and the index's JSON ``sharded_layout``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.staging import AsyncStager
+
+from hpcdist.errors import CheckpointError
+from hpcdist.store import checkpoints
+from hpcdist.store.directory import checkpoint_name, checkpoints_in, committed_in, step_of
+from hpcdist.store.sharded_layout import (
+    Chunk,
+    _failure,
+    is_sharded,
+    shards_dir,
+)
+from hpcdist.store.sharded_storage import ShardedReader, ShardedWriter
+
+# ---------------------------------------------------------------- whole-checkpoint calls
+
+
+def error_of(exc: BaseException) -> CheckpointError:
+    """One CheckpointError from DCP's CheckpointException: the first rank's own message."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException):
+        for rank, (inner, _) in sorted(exc.failures.items()):
+            if isinstance(inner, CheckpointError):
+                return inner
+            text = str(inner).strip().splitlines()[-1] if str(inner).strip() else type(inner).__name__
+            if "global metadata read failed: " in text:  # DCP's words for an index read_metadata refused
+                return CheckpointError(text.split("global metadata read failed: ", 1)[1])
+            return CheckpointError(f"rank {rank}: {type(inner).__name__}: {text}")
+    return _failure(exc, "sharded checkpoint")
+
+
+def save(directory: Path | str, step: int, state: dict[str, Any], *, process_group: Any = None,
+         attrs: Mapping[str, Any] | None = None, keep_last: int | None = None,
+         epoch: int = 0) -> checkpoints.SaveStats | None:
+    """Every rank of `process_group` saves its part of `state`; committed once. The coordinator's
+    SaveStats (None on other ranks)."""
+    writer = ShardedWriter(directory, step, epoch=epoch, attrs=attrs, keep_last=keep_last)
+    save_with(state, writer, process_group)
+    return writer.stats
+
+
+def _no_dist() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def save_with(state: dict[str, Any], writer: ShardedWriter, process_group: Any = None) -> None:
+    """`save` through a given writer: every rank returns once committed, or raises the same error."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=_no_dist())
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        raise error_of(exc) from exc
+
+
+class Stager(AsyncStager):
+    """The host copy a background save blocks for, made into the previous save's buffers when the
+    state has the same layout (no fresh pages to fault in, as `rawio.snapshot`'s `reuse`). Use one
+    per run and wait for a save before staging the next: the buffers are the save's source."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._cache: Any = None
+        self._layout: Any = None
+
+    def synchronize_staging(self) -> None:  # staging is done when `stage` returns
+        return None
+
+    def close(self) -> None:
+        self._cache = self._layout = None
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        layout = _layout(state_dict)
+        if self._cache is None or layout != self._layout:
+            self._cache, self._layout = _create_cpu_state_dict(state_dict), layout
+        return _copy_state_dict(state_dict, self._cache)
+
+
+def _layout(value: Any) -> Any:
+    """What must match for a staged copy to be reused: keys, and each tensor's local shape and dtype."""
+    if isinstance(value, Mapping):
+        return tuple((k, _layout(v)) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return tuple(_layout(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        local = value.to_local() if hasattr(value, "to_local") else value
+        return (type(value).__name__, tuple(local.shape), local.dtype, tuple(value.shape))
+    return type(value).__name__
+
+
+def save_async(state: dict[str, Any], writer: ShardedWriter, process_group: Any = None,
+               stager: Stager | None = None) -> Any:
+    """`save_with` in the background: returns once this rank's shards are copied to host memory;
+    `wait` on the returned future gives the outcome (the same on every rank). The group's
+    collectives then run in a thread: nothing else may use `process_group` until `wait` returned."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        return dcp.async_save(state, storage_writer=writer, process_group=process_group, no_dist=_no_dist(),
+                              async_stager=stager)
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        raise error_of(exc) from exc
+
+
+def wait(future: Any) -> None:
+    """The outcome of `save_async`: returns once committed, or raises its CheckpointError."""
+    try:
+        future.result()
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        raise error_of(exc) from exc
+
+
+def load(index: Path | str, state: dict[str, Any], *, process_group: Any = None) -> dict[str, Any]:
+    """Fill `state` (any layout) in place from the sharded checkpoint `index`; its root attributes."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = ShardedReader(index, process_group, split=not _no_dist())
+    try:
+        dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=_no_dist())
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        raise error_of(exc) from exc
+    reader.read_metadata()
+    return reader.attrs
+
+
+def read_full(index: Path | str) -> dict[str, Any]:
+    """The whole state of a sharded checkpoint in this process (every tensor full, no process group)."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(state, ShardedReader(index), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        raise error_of(exc) from exc
+    return state
+
+
+def load_latest(directory: Path | str, state: dict[str, Any], *, steps: list[int] | None = None,
+                process_group: Any = None, report: Callable[[str], None] | None = None) -> int | None:
+    """Fill `state` from the newest of `steps` (by default the committed ones) that loads and
+    verifies; its step, or None. Every rank must pass the same `steps`: a failure on one rank
+    reaches all through DCP's collectives, so all move on to the same older step."""
+    directory = Path(directory)
+    if steps is None:
+        steps = [step_of(p) or 0 for p in committed_in(directory)]
+    for step in steps:
+        try:
+            load(directory / checkpoint_name(step), state, process_group=process_group)
+            return step
+        except CheckpointError as exc:
+            if report is not None:
+                report(f"skipped step {step}: {exc}")
+    return None
+
+
+def import_dcp(source: Path | str, directory: Path | str, step: int, **kw: Any) -> checkpoints.SaveStats | None:
+    """A ``dcp.save`` folder (``FileSystemWriter``) as step `step` of hpcdist checkpoint `directory`
+    (in one process: the whole state passes through its memory)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, FileSystemReader(str(source)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return save(directory, step, state, **kw)
+
+
+def export_dcp(index: Path | str, target: Path | str) -> None:
+    """A sharded checkpoint written as a ``dcp.save`` folder (``FileSystemWriter``), for DCP's users."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    dcp.save(read_full(index), storage_writer=FileSystemWriter(str(target)), no_dist=True)
+
+
+__all__ = ["Chunk", "ShardedReader", "ShardedWriter", "checkpoints_in", "export_dcp", "import_dcp", "is_sharded",
+           "load", "load_latest", "read_full", "save", "Stager", "save_async", "save_with", "shards_dir", "wait"]
+

@@ -1,0 +1,145 @@
+"""The layout of a sharded checkpoint (``hpcdist.store.sharded``): names, the per-chunk record
+(`Chunk`), dtypes as stored, the index's metadata as JSON (never a pickle), and retention of shard folders."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from hpcdist.errors import CheckpointError
+from hpcdist.store.directory import checkpoint_name, step_of
+
+LAYOUT_ATTR = "layout"  # root attribute of the index: "sharded"
+LAYOUT = "sharded"
+SHARD_FORMAT = "hpcdist.checkpoint.shard"
+SUFFIX = ".shards"
+WINDOW_BYTES = 64 << 20  # chunks read ahead of their hashing, at most (or one chunk)
+# torch dtypes NumPy has; others (bfloat16, float8) are stored as their bytes (uint8, one more axis)
+_NUMPY_OK = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+             torch.uint8, torch.bool, torch.complex64, torch.complex128}
+
+
+def shards_dir(directory: Path, step: int) -> Path:
+    """The folder of step `step`'s shard files, beside its index."""
+    return Path(directory) / (checkpoint_name(step).removesuffix(".h5") + SUFFIX)
+
+
+def is_sharded(attrs: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint's root attributes are those of a sharded checkpoint's index."""
+    return attrs.get(LAYOUT_ATTR) == LAYOUT
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Where one saved chunk lies: what the index records per chunk (DCP's storage_data)."""
+
+    file: str  # shard file name inside the step's folder
+    rank: int  # the rank that wrote it
+    dataset: str  # HDF5 path in that file
+    offset: int  # byte offset of its contiguous data; -1: read it through HDF5
+    dtype: str  # NumPy dtype as stored
+    shape: tuple[int, ...]  # shape as stored
+    torch_dtype: str  # "" for bytes
+    sha256: str
+
+
+def _key(index: MetadataIndex) -> str:
+    return index.fqn.replace("%", "%25").replace("/", "%2F")
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.dtype in _NUMPY_OK:
+        return t.numpy()
+    return t.view(torch.uint8).numpy() if t.dim() else t.reshape(1).view(torch.uint8).numpy()
+
+
+def _as_tensor(arr: np.ndarray, chunk: Chunk, size: torch.Size) -> torch.Tensor:
+    t = torch.from_numpy(arr)
+    dtype = getattr(torch, chunk.torch_dtype.removeprefix("torch."))
+    if t.dtype != dtype:
+        t = t.reshape(-1).view(dtype)
+    return t.reshape(size)
+
+
+def _failure(exc: BaseException, what: str) -> CheckpointError:
+    return exc if isinstance(exc, CheckpointError) else CheckpointError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+def remove_orphans(directory: Path, below: int) -> list[Path]:
+    """Shard folders of steps older than `below` whose index is gone (pruned, or never committed)."""
+    gone = []
+    for folder in Path(directory).glob(f"step_*{SUFFIX}"):
+        step = step_of(folder.with_name(folder.name.removesuffix(SUFFIX) + ".h5"))
+        if step is not None and step < below and not folder.with_name(checkpoint_name(step)).exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            gone.append(folder)
+    return gone
+
+
+# ---------------------------------------------------------------- the index as JSON
+
+
+def metadata_to_json(md: Metadata) -> str:
+    tensors, plain = {}, []
+    for fqn, meta in md.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            tensors[fqn] = {"dtype": str(meta.properties.dtype), "size": list(meta.size),
+                            "chunks": [[list(c.offsets), list(c.sizes)] for c in meta.chunks]}
+        else:
+            plain.append(fqn)
+    storage = [[i.fqn, None if i.offset is None else list(i.offset), i.index, asdict(c)]
+               for i, c in md.storage_data.items()]
+    try:
+        return json.dumps({"version": md.version, "tensors": tensors, "bytes": plain, "chunks": storage,
+                           "planner_data": md.planner_data}, separators=(",", ":"))
+    except TypeError as exc:
+        raise CheckpointError(
+            f"the planner's data of this checkpoint is not JSON ({exc}); use DCP's default planner") from exc
+
+
+def metadata_from_json(text: str) -> Metadata:
+    data = json.loads(text)
+    sd: dict[str, Any] = {
+        fqn: TensorStorageMetadata(TensorProperties(dtype=getattr(torch, t["dtype"].removeprefix("torch."))),
+                                   torch.Size(t["size"]),
+                                   [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in t["chunks"]])
+        for fqn, t in data["tensors"].items()
+    }
+    sd.update({fqn: BytesStorageMetadata() for fqn in data["bytes"]})
+    storage = {MetadataIndex(fqn, offset, index): Chunk(**{**c, "shape": tuple(c["shape"])})
+               for fqn, offset, index, c in data["chunks"]}
+    planner = data["planner_data"]
+    if isinstance(planner, dict):
+        planner = {k: tuple(v) if isinstance(v, list) else v for k, v in planner.items()}
+    return Metadata(sd, planner_data=planner, storage_data=storage, version=data["version"])
+
+
+def _nbytes(chunk: Chunk) -> int:
+    return int(np.prod(chunk.shape)) * np.dtype(chunk.dtype).itemsize
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+

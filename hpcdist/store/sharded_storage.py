@@ -1,0 +1,338 @@
+"""DCP's ``StorageWriter`` / ``StorageReader`` for hpcdist's sharded checkpoints (``hpcdist.store.sharded``):
+each rank writes its own HDF5 file, the coordinator commits the index; reads verify each chunk."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import uuid
+from collections import defaultdict, deque
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from hpcdist.errors import CheckpointError
+from hpcdist.store import checkpoints
+from hpcdist.store.atomic import atomic_path
+from hpcdist.store.rawio import write_tree
+from hpcdist.store.sharded_layout import (
+    LAYOUT,
+    LAYOUT_ATTR,
+    SHARD_FORMAT,
+    SUFFIX,
+    WINDOW_BYTES,
+    Chunk,
+    _as_numpy,
+    _as_tensor,
+    _key,
+    _nbytes,
+    _rank,
+    is_sharded,
+    metadata_from_json,
+    metadata_to_json,
+    remove_orphans,
+    shards_dir,
+)
+from hpcdist.store.tree import hash_threads, sha256_of
+
+# ---------------------------------------------------------------- writing
+
+
+class ShardedWriter(StorageWriter):
+    """Each rank writes its own HDF5 file of `directory`'s step `step`; the coordinator commits.
+
+    `attrs` become root attributes of the index (the commit's metadata: the requeue count, a run
+    identity), `keep_last` the retention applied once committed. `stats` is the coordinator's
+    `SaveStats` once `finish` committed.
+    """
+
+    def __init__(self, directory: Path | str, step: int, *, epoch: int = 0, attrs: Mapping[str, Any] | None = None,
+                 keep_last: int | None = None) -> None:
+        super().__init__()
+        self.directory, self.step, self.epoch = Path(directory), int(step), int(epoch)
+        self.attrs, self.keep_last = dict(attrs or {}), keep_last
+        self.folder = shards_dir(self.directory, self.step)
+        self.is_coordinator = False
+        self.stats: checkpoints.SaveStats | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.stats = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        from dataclasses import replace
+
+        attempt = uuid.uuid4().hex[:8]  # one per save: a failed save never overwrites a committed file
+        return [replace(plan, storage_data=(attempt, i)) for i, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        import h5py
+
+        attempt, rank = plan.storage_data
+        name = f"r{rank:05d}-{attempt}.h5"
+        final = self.folder / name
+        tree: dict[str, dict[str, Any]] = {"tensors": {}, "bytes": {}}
+        where: list[tuple[Any, str, np.ndarray, str]] = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if isinstance(data, io.BytesIO):  # WriteItemType.BYTE_IO: a value DCP pickled
+                arr = np.frombuffer(data.getbuffer(), dtype=np.uint8)
+                tree["bytes"][_key(item.index)] = arr
+                where.append((item.index, f"/bytes/{_key(item.index)}", arr, ""))
+            else:
+                arr = _as_numpy(data)
+                offsets = "_".join(str(o) for o in item.index.offset or ()) or "0"
+                tree["tensors"].setdefault(_key(item.index), {})[offsets] = arr
+                where.append((item.index, f"/tensors/{_key(item.index)}/{offsets}", arr, str(data.dtype)))
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with atomic_path(final) as tmp:
+                f = h5py.File(tmp, "w", libver=checkpoints.LIBVER, meta_block_size=checkpoints.META_BLOCK_BYTES)
+                try:
+                    f.attrs.update({"format": SHARD_FORMAT, "step": self.step, "rank": rank, "attempt": attempt})
+                    index = write_tree(f, tree, raw=tmp)
+                finally:
+                    f.close()
+        except Exception as exc:
+            raise CheckpointError(
+                f"rank {rank} writing its shard {final} of step {self.step} failed: {type(exc).__name__}: {exc}; "
+                "nothing of this save is committed and the previous checkpoint stays the latest") from exc
+        placed = {p.name: p for p in index.placed}  # the rest (empty arrays) is read through HDF5
+
+        def chunk(path: str, arr: np.ndarray, torch_dtype: str) -> Chunk:
+            p = placed.get(path)
+            return Chunk(name, rank, path, p.offset if p else -1, arr.dtype.str, tuple(arr.shape), torch_dtype,
+                         p.sha256 if p else sha256_of(arr))
+
+        results = [WriteResult(index=idx, size_in_bytes=arr.nbytes, storage_data=chunk(path, arr, tdt))
+                   for idx, path, arr, tdt in where]
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Commit: the index written last, atomically, then retention; stray shard files removed."""
+        chunks = {r.index: r.storage_data for rs in results for r in rs}
+        metadata.storage_data = chunks
+        text = metadata_to_json(metadata)
+        files = sorted({c.file for c in chunks.values()})
+        tree = {"sharded": {"metadata_json": text, "metadata_sha256": hashlib.sha256(text.encode()).hexdigest(),
+                            "files": files, "folder": self.folder.name}}
+        attrs = {**self.attrs, LAYOUT_ATTR: LAYOUT}
+        self.stats = checkpoints.save(self.directory, self.step, tree, epoch=self.epoch, attrs=attrs,
+                                      keep_last=self.keep_last)
+        for stray in self.folder.iterdir():  # earlier failed attempts at this step, and their temporaries
+            if stray.name not in files:
+                stray.unlink(missing_ok=True)
+        remove_orphans(self.directory, self.step)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+
+# ---------------------------------------------------------------- reading
+
+
+class ShardedReader(StorageReader):
+    """Reads the committed sharded checkpoint `index` (a ``step_*.h5`` index file), each chunk
+    verified against its sha256 before any of it is used.
+
+    With `process_group` (the group ``dcp.load`` is given: it must be the same), a chunk several
+    ranks read (a replicated tensor) is hashed by one of them only, the ranks sharing the work by
+    bytes, and the verdicts are exchanged before the load returns: a mismatch found by any rank
+    fails the load on every rank. Without, every rank verifies everything it reads.
+    """
+
+    def __init__(self, index: Path | str, process_group: Any = None, *, split: bool = False) -> None:
+        super().__init__()
+        self.group, self.split = process_group, split
+        self.index = Path(index)
+        self.folder = self.index.with_name(self.index.name.removesuffix(".h5") + SUFFIX)
+        self.attrs: dict[str, Any] = {}
+        self._metadata: Metadata | None = None
+        self.bytes_read = 0
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.__init__(Path(checkpoint_id), self.group, split=self.split)  # type: ignore[misc]
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            loaded = checkpoints.read(self.index)  # format and version checked
+            if not is_sharded(loaded.attrs):
+                raise CheckpointError(f"{self.index}: not a sharded checkpoint (no {LAYOUT_ATTR} = {LAYOUT!r}); "
+                                      "read it with hpcdist.store.read")
+            group = loaded.tree.get("sharded", {})
+            text = str(group.get("metadata_json", ""))
+            if hashlib.sha256(text.encode()).hexdigest() != group.get("metadata_sha256"):
+                raise CheckpointError(f"{self.index}: its metadata_json does not match its metadata_sha256; corrupt")
+            self.attrs = loaded.attrs
+            self._metadata = metadata_from_json(text)
+        return self._metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._metadata = metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """With `split`: each chunk's verifier, one of the ranks that read it, fewest bytes first."""
+        if not self.split:
+            return plans
+        from dataclasses import replace
+
+        storage: dict[MetadataIndex, Chunk] = self.read_metadata().storage_data
+        readers: dict[MetadataIndex, list[int]] = defaultdict(list)
+        for rank, plan in enumerate(plans):
+            for index in dict.fromkeys(req.storage_index for req in plan.items):
+                readers[index].append(rank)
+        load = [0] * len(plans)
+        mine: list[set[MetadataIndex]] = [set() for _ in plans]
+        for index in sorted(readers, key=lambda i: -_nbytes(storage[i])):
+            rank = min(readers[index], key=lambda r: load[r])
+            load[rank] += _nbytes(storage[index])
+            mine[rank].add(index)
+        return [replace(plan, storage_data=mine[rank]) for rank, plan in enumerate(plans)]
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        error = ""
+        try:
+            self._read_all(plan, planner)
+        except CheckpointError as exc:
+            error = str(exc)
+        if self.split:  # every rank reaches this exchange, failed or not
+            import torch.distributed as dist
+
+            errors: list[Any] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(errors, error, group=self.group)
+            error = next((e for e in errors if e), "")
+        if error:
+            raise CheckpointError(error)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        md = self.read_metadata()
+        storage: dict[MetadataIndex, Chunk] = md.storage_data
+        verify: set[MetadataIndex] | None = plan.storage_data if self.split else None  # None: all
+        by_chunk: dict[MetadataIndex, list[Any]] = defaultdict(list)
+        for req in plan.items:
+            by_chunk[req.storage_index].append(req)
+        # Read chunk k+1.. while chunk k is hashed (hashlib and preadv release the GIL); a chunk is
+        # committed only once its sha256 holds. At most WINDOW_BYTES (or one chunk) wait in memory.
+        # A chunk that is exactly one target's tensor is read straight into it (no second copy): a
+        # mismatch then leaves the state part-loaded, as any failed load does, and raises.
+        window: deque[tuple[MetadataIndex, Any, np.ndarray, torch.Tensor | None]] = deque()
+        held = 0
+        with ThreadPoolExecutor(max_workers=hash_threads()) as pool:
+            for index, reqs in by_chunk.items():
+                chunk = storage[index]
+                target = self._whole_target(chunk, reqs, planner)
+                into = None if target is None else target.reshape(-1).view(torch.uint8).numpy()
+                arr = self._read_chunk(chunk, index.fqn, into)
+                checked = verify is None or index in verify  # else another rank hashes its own read
+                window.append((index, pool.submit(sha256_of, arr) if checked else None, arr, target))
+                held += arr.nbytes
+                while window and (held > WINDOW_BYTES or len(window) > hash_threads()):
+                    held -= self._use(*window.popleft(), by_chunk, planner)
+            while window:
+                self._use(*window.popleft(), by_chunk, planner)
+
+    @staticmethod
+    def _whole_target(chunk: Chunk, reqs: list[Any], planner: LoadPlanner) -> torch.Tensor | None:
+        """The one target tensor that is exactly this chunk (same bytes, contiguous, in host memory)."""
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        if len(reqs) != 1 or reqs[0].type == LoadItemType.BYTE_IO or chunk.offset < 0 or not chunk.torch_dtype:
+            return None
+        req = reqs[0]
+        if any(req.storage_offsets):
+            return None
+        target = planner.resolve_tensor(req).detach()
+        ok = (target.device.type == "cpu" and target.is_contiguous() and str(target.dtype) == chunk.torch_dtype
+              and tuple(target.shape) == tuple(req.lengths)  # no offset and all the bytes: the whole chunk
+              and target.nbytes == int(np.prod(chunk.shape)) * np.dtype(chunk.dtype).itemsize)
+        return target if ok else None
+
+    def _use(self, index: MetadataIndex, digest: Any, arr: np.ndarray, whole: torch.Tensor | None,
+             by_chunk: dict[MetadataIndex, list[Any]], planner: LoadPlanner) -> int:
+        """Check one chunk's sha256, then copy it into every target that wants part of it."""
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        md = self.read_metadata()
+        chunk: Chunk = md.storage_data[index]
+        if digest is not None and digest.result() != chunk.sha256:
+            raise CheckpointError(
+                f"{self.folder / chunk.file}: tensor {index.fqn} (dataset {chunk.dataset}, written by rank "
+                f"{chunk.rank}) does not match its sha256; read by rank {_rank()}: the file is corrupt")
+        if whole is not None:  # already in place
+            planner.commit_tensor(by_chunk[index][0], whole)
+            return arr.nbytes
+        for req in by_chunk[index]:
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(arr.tobytes()))
+                continue
+            meta = md.state_dict_metadata[index.fqn]
+            sizes = next(c.sizes for c in meta.chunks if c.offsets == index.offset)  # type: ignore[union-attr]
+            tensor = _as_tensor(arr, chunk, sizes)
+            for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+                if start != 0 or length != tensor.size(dim):
+                    tensor = tensor.narrow(dim, start, length)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise CheckpointError(f"{self.folder / chunk.file}: tensor {index.fqn} chunk has size "
+                                      f"{tuple(tensor.size())}, the state wants {tuple(target.size())}")
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
+        return arr.nbytes
+
+    def _read_chunk(self, chunk: Chunk, fqn: str, into: np.ndarray | None = None) -> np.ndarray:
+        """One chunk's bytes (into `into`, a byte view of its target, when given), not yet verified."""
+        path = self.folder / chunk.file
+        try:
+            if chunk.offset >= 0:
+                arr = into if into is not None else np.empty(chunk.shape, dtype=np.dtype(chunk.dtype))
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    got = os.preadv(fd, [arr.reshape(-1).view(np.uint8).data], chunk.offset) if arr.nbytes else 0
+                finally:
+                    os.close(fd)
+                if got != arr.nbytes:
+                    raise CheckpointError(f"{path}: tensor {fqn} (written by rank {chunk.rank}) lies past the end "
+                                          f"of the file; truncated (read by rank {_rank()})")
+            else:
+                import h5py
+
+                with h5py.File(path, "r") as f:
+                    arr = np.asarray(f[chunk.dataset][()])
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read tensor {fqn} (written by rank {chunk.rank}): "
+                                  f"{exc.strerror or exc} (read by rank {_rank()})") from exc
+        self.bytes_read += arr.nbytes
+        return arr
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+

@@ -1,0 +1,331 @@
+"""Sharded checkpoints (``hpcdist.store.sharded``, ``ctx.checkpoints`` with DTensors): FSDP2 on CPU
+with gloo, real processes, real HDF5 files. Saved at 2 ranks, loaded at 4 ranks and in one
+process bit for bit; a rank killed mid-save; a flipped byte; DCP's own format in and out."""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import signal
+import socket
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from hpcdist.api.context import Context
+from hpcdist.errors import CheckpointError
+from hpcdist.runtime.rankinfo import RankInfo
+from hpcdist.store import CheckpointStore, sharded
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)  # the same start on every rank; 30 rows: uneven shards at 4 ranks
+    return torch.nn.Sequential(torch.nn.Linear(16, 30), torch.nn.ReLU(), torch.nn.Linear(30, 8))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def context(rank: int, world: int, port: int, root: Path) -> Context:
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+    info = RankInfo("local", rank, world, rank, world, 0, 1, job_id=None)
+    return Context(info=info, device=torch.device("cpu"), backend="gloo", timeout_s=60, name="t", job_id="local",
+                   checkpoint_dir=root / "ckpt", result_path=root / f"r{rank}.h5", keep_last=3, requeue=None,
+                   own_group=False, store=None, stop_signals=(), io_timeout_s=60)
+
+
+def sharded_model(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    m = model()
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in (m[0], m[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    return m, torch.optim.AdamW(m.parameters(), lr=0.01)
+
+
+def full(m: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Every tensor of model and optimizer whole (gathered), keyed by parameter name."""
+    msd, osd = get_state_dict(m, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": msd, "optim": osd}
+
+
+def state_of(m: torch.nn.Module, opt: torch.optim.Optimizer, position: int) -> dict[str, Any]:
+    msd, osd = get_state_dict(m, opt)  # optimizer state keyed by parameter name: it reshards
+    replicated = {f"t{i}": torch.full((64 * (i + 1),), float(position + i)) for i in range(4)}  # same on all ranks
+    return {"model": msd, "optim": osd, "sampler": {"position": position}, "replicated": replicated}
+
+
+def leave(ctx: Context | None = None) -> None:
+    """End a rank with no collective in flight. A gloo worker thread drops a finished collective's
+    Work (and its tensors, which Python owns) just after the waiter wakes; when the interpreter is
+    already finalizing by then, taking the GIL ends that thread inside a destructor and
+    std::terminate aborts the rank (SIGABRT, about 1 run in 20 here; a core showed
+    ~AsyncAllgatherCoalescedWork in ProcessGroupGloo::runLoop while the main thread was in
+    Py_FinalizeEx). gloo's barrier waits for every earlier work of its group, so a barrier on each
+    group, then destroying them, lets the interpreter finalize with the workers idle."""
+    if ctx is not None:
+        ctx.close()
+        dist.barrier(group=ctx.checkpoints._io_group)
+    gc.collect()  # FSDP modules hold their groups in reference cycles
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _quiet() -> None:
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)  # 2-4 ranks on a few cores
+
+
+def train_and_save(rank: int, world: int, port: int, root: Path) -> None:
+    """3 AdamW steps at `world` ranks; steps 2 and 3 saved in the background (the second into the
+    first one's host buffers), step 3 committed by `close`."""
+    _quiet()
+    ctx = context(rank, world, port, root)
+    m, opt = sharded_model(world)
+    torch.manual_seed(100 + rank)
+    for step in (1, 2, 3):
+        m(torch.randn(4, 16)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        whole = full(m, opt)
+        if rank == 0:
+            torch.save(whole, root / f"ref{step}.pt")
+        if step >= 2:
+            ctx.checkpoints.save(step, state_of(m, opt, 100 * step), background=True)
+    leave(ctx)
+
+
+def load_and_gather(rank: int, world: int, port: int, root: Path) -> None:
+    _quiet()
+    ctx = context(rank, world, port, root)
+    torch.manual_seed(7)
+    m, opt = sharded_model(world)
+    for p in m.parameters():  # nothing of the saved values by chance
+        torch.nn.init.normal_(p)
+    state = state_of(m, opt, 0)
+    loaded = ctx.checkpoints.load_latest(into=state)
+    assert loaded is not None and loaded[0] == 3
+    set_state_dict(m, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    whole = full(m, opt)
+    if rank == 0:
+        torch.save({"whole": whole, "position": state["sampler"]["position"]}, root / f"got{world}.pt")
+    leave(ctx)
+
+
+def load_flipped(rank: int, world: int, port: int, root: Path) -> None:
+    _quiet()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    m, opt = sharded_model(world)
+    state = state_of(m, opt, 0)
+    skipped: list[str] = []
+    step = sharded.load_latest(root / "ckpt", state, report=skipped.append)
+    set_state_dict(m, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    whole = full(m, opt)
+    torch.save({"step": step, "skipped": skipped, "whole": whole, "replicated": state["replicated"]},
+               root / f"flipped{rank}.pt")
+    leave()
+
+
+class DieAfterWrite(sharded.ShardedWriter):
+    """A writer whose rank `victim` is SIGKILLed once its own shard is durable, before the commit."""
+
+    victim = 0
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        done = super().write_data(plan, planner)
+        if dist.get_rank() == self.victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return done
+
+
+def save_then_die(rank: int, world: int, port: int, root: Path, victim: int) -> None:
+    _quiet()
+    ctx = context(rank, world, port, root)
+    m, opt = sharded_model(world)
+    ctx.checkpoints.save(1, state_of(m, opt, 1))
+    if rank == 0:
+        torch.save(full(m, opt), root / "ref1.pt")
+    else:
+        full(m, opt)
+    for p in m.parameters():
+        p.data.add_(1.0)
+    writer = DieAfterWrite(ctx.checkpoints.directory, 2)
+    writer.victim = victim
+    sharded.save_with(state_of(m, opt, 2), writer, ctx.checkpoints._io_group)
+
+
+def spawn(fn: Any, world: int, *args: Any) -> None:
+    mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=True, start_method="spawn")
+
+
+def equal(a: Any, b: Any, where: str = "") -> list[str]:
+    """Paths where the nested values `a` and `b` differ (tensors bit for bit)."""
+    if isinstance(a, dict):
+        if set(a) != set(b):
+            return [f"{where}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"]
+        return [d for k in a for d in equal(a[k], b[k], f"{where}/{k}")]
+    if isinstance(a, list):
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in equal(x, y, f"{where}/{i}")]
+    if isinstance(a, torch.Tensor):
+        bits = [t.reshape(-1).view(torch.uint8) for t in (a, b)]
+        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(*bits)
+        return [] if same else [where]
+    return [] if a == b else [f"{where}: {a!r} != {b!r}"]
+
+
+def one_process_load(directory: Path, report: Any = None) -> tuple[int | None, dict[str, Any], int]:
+    """Load into a plain model and optimizer in this process; (step, whole state, sampler position)."""
+    m, opt = sharded_model(1)
+    state = state_of(m, opt, 0)
+    step = sharded.load_latest(directory, state, report=report)
+    set_state_dict(m, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return step, full(m, opt), state["sampler"]["position"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("fsdp")
+    spawn(train_and_save, 2, root)
+    return root
+
+
+def test_fsdp_state_saved_at_2_ranks_loads_bit_identical_at_4_ranks(saved: Path) -> None:
+    spawn(load_and_gather, 4, saved)
+    got = torch.load(saved / "got4.pt")
+    ref = torch.load(saved / "ref3.pt")
+    assert equal(ref, got["whole"]) == []
+    assert got["position"] == 300
+    assert ref["optim"]["state"]["0.weight"]["exp_avg"].abs().sum() > 0  # the optimizer state is real
+    files = sorted(p.name.split("-")[0] for p in sharded.shards_dir(saved / "ckpt", 3).iterdir())
+    assert files == ["r00000", "r00001"]  # one file per saving rank
+    md = sharded.ShardedReader(saved / "ckpt" / "step_00000003.h5").read_metadata()
+    writers = [i.fqn for i in md.storage_data if i.fqn.startswith("replicated.")]
+    assert sorted(writers) == [f"replicated.t{i}" for i in range(4)]  # each replicated tensor written once
+
+
+def test_fsdp_state_loads_bit_identical_in_one_process(saved: Path) -> None:
+    step, whole, position = one_process_load(saved / "ckpt")
+    assert (step, position) == (3, 300)
+    assert equal(torch.load(saved / "ref3.pt"), whole) == []
+
+
+def test_a_flipped_byte_is_named_and_the_previous_step_is_used(saved: Path, tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    shutil.copytree(saved / "ckpt", directory)
+    md = sharded.ShardedReader(directory / "step_00000003.h5").read_metadata()
+    fqn, chunk = next((i.fqn, c) for i, c in md.storage_data.items()
+                      if c.rank == 1 and c.torch_dtype and c.offset >= 0 and "exp_avg" in i.fqn)
+    path = sharded.shards_dir(directory, 3) / chunk.file
+    with open(path, "r+b") as f:
+        f.seek(chunk.offset + 5)
+        byte = f.read(1)
+        f.seek(chunk.offset + 5)
+        f.write(bytes([byte[0] ^ 0x10]))
+    skipped: list[str] = []
+    step, whole, position = one_process_load(directory, skipped.append)
+    assert (step, position) == (2, 200)
+    assert equal(torch.load(saved / "ref2.pt"), whole) == []
+    assert len(skipped) == 1
+    assert str(path) in skipped[0] and f"tensor {fqn} " in skipped[0] and "written by rank 1" in skipped[0]
+
+
+def test_a_flipped_byte_in_a_replicated_tensor_fails_every_rank_that_reads_it(saved: Path, tmp_path: Path) -> None:
+    """At 2 ranks both read the replicated tensors and only one hashes each: the other must still
+    learn of the mismatch and load the previous step with it."""
+    shutil.copytree(saved / "ckpt", tmp_path / "ckpt")
+    md = sharded.ShardedReader(tmp_path / "ckpt" / "step_00000003.h5").read_metadata()
+    chunk = next(c for i, c in md.storage_data.items() if i.fqn == "replicated.t3")
+    path = sharded.shards_dir(tmp_path / "ckpt", 3) / chunk.file
+    with open(path, "r+b") as f:
+        f.seek(chunk.offset)
+        byte = f.read(1)
+        f.seek(chunk.offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+    spawn(load_flipped, 2, tmp_path)
+    ref = torch.load(saved / "ref2.pt")
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"flipped{rank}.pt")
+        assert got["step"] == 2 and (rank or equal(ref, got["whole"]) == [])  # gathered on rank 0
+        assert torch.equal(got["replicated"]["t3"], torch.full((256,), 203.0))
+        assert len(got["skipped"]) == 1 and str(path) in got["skipped"][0] and "replicated.t3" in got["skipped"][0]
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_rank_killed_mid_save_leaves_the_previous_commit_latest(tmp_path: Path, victim: int) -> None:
+    with pytest.raises(mp.ProcessExitedException):
+        spawn(save_then_die, 2, tmp_path, victim)
+    directory = tmp_path / "ckpt"
+    store = CheckpointStore(directory)
+    assert store.steps() == [1] and store.latest() == directory / "step_00000001.h5"
+    assert any(sharded.shards_dir(directory, 2).iterdir())  # a shard was written, never committed
+    step, whole, position = one_process_load(directory)
+    assert (step, position) == (1, 1)
+    assert equal(torch.load(tmp_path / "ref1.pt"), whole) == []
+
+
+def test_retention_removes_shard_folders_and_load_latest_without_into_gives_the_whole_state(tmp_path: Path) -> None:
+    from hpcdist.api.checkpoints import Checkpoints
+
+    ctx = context(0, 1, 0, tmp_path)
+    ckpts: Checkpoints = ctx.checkpoints  # keep_last=3
+    for step in range(1, 6):
+        ckpts.save(step, {"w": torch.full((8,), float(step)), "pos": step}, sharded=True)
+    assert ckpts.store.steps() == [3, 4, 5]
+    assert sorted(p.name for p in ckpts.directory.glob("*.shards")) == [
+        "step_00000003.shards", "step_00000004.shards", "step_00000005.shards"]
+    loaded = ckpts.load_latest()
+    assert loaded is not None and loaded[0] == 5 and loaded[1]["pos"] == 5
+    assert torch.equal(loaded[1]["w"], torch.full((8,), 5.0))
+    into = {"w": torch.zeros(8), "pos": 0}
+    assert ckpts.load_latest(into=into) == (5, into) and into["pos"] == 5
+    (ckpts.directory / "step_00000006.shards").write_text("in the way")  # the write of step 6 fails
+    ckpts.save(6, {"w": torch.zeros(8), "pos": 6}, sharded=True, background=True)  # returns once copied
+    with pytest.raises(CheckpointError, match="rank 0 writing its shard .*step_00000006.shards"):
+        ckpts.wait()  # the background save's error, once
+    ckpts.wait()
+    assert ckpts.store.steps() == [3, 4, 5]
+    (ckpts.directory / "step_00000006.shards").unlink()
+    ckpts.save(6, {"w": torch.zeros(8)})  # unsharded: never skipped for an older sharded step
+    with pytest.raises(CheckpointError, match="step_00000006.h5 was saved unsharded"):
+        ckpts.load_latest(into=into)
+    ctx.close()
+
+
+def test_dcp_loads_ours_and_a_dcp_folder_imports_and_exports(saved: Path, tmp_path: Path) -> None:
+    index = saved / "ckpt" / "step_00000003.h5"
+    m, opt = sharded_model(1)
+    state = state_of(m, opt, 0)
+    dcp.load(state, storage_reader=sharded.ShardedReader(index))  # DCP's own call, our storage
+    assert state["sampler"]["position"] == 300
+    set_state_dict(m, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert equal(torch.load(saved / "ref3.pt"), full(m, opt)) == []
+
+    sharded.export_dcp(index, tmp_path / "dcp")  # out to DCP's format and back in through an import
+    sharded.import_dcp(tmp_path / "dcp", tmp_path / "ours", 3)
+    m2, opt2 = sharded_model(1)
+    back = state_of(m2, opt2, 0)
+    dcp.load(back, storage_reader=dcp.FileSystemReader(str(tmp_path / "dcp")))
+    assert equal(state, back) == []
+    again = sharded.read_full(tmp_path / "ours" / "step_00000003.h5")
+    assert equal(sharded.read_full(index), again) == []
