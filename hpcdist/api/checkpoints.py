@@ -22,17 +22,39 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hpcdist.api.codec import decode, encode
 from hpcdist.errors import CheckpointError
 from hpcdist.runtime.requeue import Requeues
 
 if TYPE_CHECKING:
-    from hpcdist.api.context import Context
+    import logging
+
     from hpcdist.store.checkpoints import SaveStats
     from hpcdist.store.claim import Claim
     from hpcdist.store.manager import CheckpointStore
+
+
+class Owner(Protocol):
+    """What the checkpoints of a rank use of its context (``hpcdist.api.Context`` is one; this
+    module stands below the context and does not import it)."""
+
+    log: logging.Logger
+    io_timeout_s: float | None
+    restarts: int
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def is_main(self) -> bool: ...
+    @property
+    def job_id(self) -> str: ...
+    def broadcast(self, value: Any) -> Any: ...
+    def counts_if_requeued(self) -> Requeues: ...
+    def restore_requeues(self, counts: Requeues, job_id: str) -> None: ...
 
 
 DEFAULT_IO_TIMEOUT_S = 1800.0  # a checkpoint's write, hash and commit: 1 TB at 0.6 GB/s
@@ -42,7 +64,7 @@ COUNT_ATTR = "requeue_count_json"  # root attribute: the job id and its requeue 
 class Checkpoints:
     """The job's ``CheckpointStore`` as every rank uses it: rank 0 claims and writes, all load."""
 
-    def __init__(self, ctx: Context, directory: Path, keep_last: int | None) -> None:
+    def __init__(self, ctx: Owner, directory: Path, keep_last: int | None) -> None:
         from hpcdist.store.manager import CheckpointStore
 
         self.ctx = ctx
@@ -131,7 +153,8 @@ class Checkpoints:
 
         self.wait()  # the save before this one (either kind), and its error, on every rank
         writer = sharded.ShardedWriter(self.directory, step, attrs=self._commit_attrs(attrs),
-                                       keep_last=self.store.keep_last)
+                                       keep_last=self.store.keep_last,
+                                       identity=self.store.commit_identity if self.ctx.is_main else None)
         if background:
             if self._stager is None:
                 self._stager = sharded.Stager()

@@ -84,8 +84,14 @@ class CheckpointStore:
     def _save(self, step: int, state: Mapping[str, Any], epoch: int, attrs: dict[str, Any],
               run_id: str) -> checkpoints.SaveStats:
         return checkpoints.save(self.directory, step, state, epoch=epoch, attrs=attrs, keep_last=self.keep_last,
-                                run_id=run_id, job_id=self.job_id,
-                                before_commit=self._claim.check if self._claim is not None else None)
+                                **self.commit_identity(run_id))
+
+    def commit_identity(self, run_id: str | None = None) -> dict[str, Any]:
+        """What every commit of this store records and checks (``checkpoints.save``'s keywords):
+        the run (this store's, `run_id` when known), the writer's job, and the claim's check
+        before the rename. A sharded save's coordinator commits with it too."""
+        return {"run_id": run_id or self._run(), "job_id": self.job_id,
+                "before_commit": self._claim.check if self._claim is not None else None}
 
     def _run(self) -> str:
         """The run this store writes for: the one it resumed, this job's own, or a new one."""

@@ -8,7 +8,7 @@ import io
 import os
 import uuid
 from collections import defaultdict, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -59,10 +59,14 @@ class ShardedWriter(StorageWriter):
     """
 
     def __init__(self, directory: Path | str, step: int, *, epoch: int = 0, attrs: Mapping[str, Any] | None = None,
-                 keep_last: int | None = None) -> None:
+                 keep_last: int | None = None, identity: Callable[[], Mapping[str, Any]] | None = None) -> None:
+        """`identity`: the coordinator's commit identity (``CheckpointStore.commit_identity``: the run,
+        the writer's job, the claim's check), asked for in ``finish`` so a failure there reaches every
+        rank through DCP."""
         super().__init__()
         self.directory, self.step, self.epoch = Path(directory), int(step), int(epoch)
         self.attrs, self.keep_last = dict(attrs or {}), keep_last
+        self.identity = identity
         self.folder = shards_dir(self.directory, self.step)
         self.is_coordinator = False
         self.stats: checkpoints.SaveStats | None = None
@@ -136,8 +140,9 @@ class ShardedWriter(StorageWriter):
         tree = {"sharded": {"metadata_json": text, "metadata_sha256": hashlib.sha256(text.encode()).hexdigest(),
                             "files": files, "folder": self.folder.name}}
         attrs = {**self.attrs, LAYOUT_ATTR: LAYOUT}
+        identity = dict(self.identity()) if self.identity is not None else {}
         self.stats = checkpoints.save(self.directory, self.step, tree, epoch=self.epoch, attrs=attrs,
-                                      keep_last=self.keep_last)
+                                      keep_last=self.keep_last, **identity)
         for stray in self.folder.iterdir():  # earlier failed attempts at this step, and their temporaries
             if stray.name not in files:
                 stray.unlink(missing_ok=True)
