@@ -24,6 +24,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -130,9 +131,11 @@ def _spec_data(base: Mapping[str, Any], keys: Mapping[str, Any], sets: Mapping[s
                 f"({', '.join(sorted(resources))}), a job spec key ({', '.join(sorted(top))}), "
                 f"or a deeper key as set={{'{key}.…': value}}"
             )
+    from hpcdist.config import set_key
+
     for key, value in sets.items():
         if not key.startswith("site."):
-            _set_path(data, key, value)
+            set_key(data, key, value, partial(_not_a_mapping, key))
     return data
 
 
@@ -162,16 +165,8 @@ def _base(spec: str | Path | Mapping[str, Any] | None) -> dict[str, Any]:
     return data
 
 
-def _set_path(data: dict[str, Any], key: str, value: Any) -> None:
-    """``data[a][b] = value`` for ``key`` ``a.b``; one error when a step is not a mapping."""
-    node = data
-    parts = key.split(".")
-    for part in parts[:-1]:
-        nxt = node.setdefault(part, {})
-        if not isinstance(nxt, dict):
-            raise ConfigError(f"hpcdist.Executor: set={{{key!r}: ...}}: {part!r} is not a mapping")
-        node = nxt
-    node[parts[-1]] = value
+def _not_a_mapping(key: str, part: str) -> str:
+    return f"hpcdist.Executor: set={{{key!r}: ...}}: {part!r} is not a mapping"
 
 
 def _where(fn: Callable[..., Any]) -> tuple[str, str]:

@@ -6,6 +6,7 @@ what is allowed, so a user fixes the file without reading a traceback.
 
 from __future__ import annotations
 
+import functools
 import os
 import typing
 from pathlib import Path
@@ -103,15 +104,21 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], origin: str) -> 
             value = safe_load(raw) if raw else ""
         except yaml.YAMLError as exc:
             raise ConfigError(f"--set {item!r}: value is not valid YAML") from exc
-        node = out
-        parts = key.split(".")
-        for part in parts[:-1]:
-            nxt = node.setdefault(part, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"--set {item!r}: {origin} key {part!r} is not a mapping")
-            node = nxt
-        node[parts[-1]] = value
+        set_key(out, key, value, functools.partial("--set {!r}: {} key {!r} is not a mapping".format, item, origin))
     return out
+
+
+def set_key(data: dict[str, Any], key: str, value: Any, not_a_mapping: typing.Callable[[str], str]) -> None:
+    """``data[a][b] = value`` for the key path ``a.b``, making the mappings on the way; a step
+    that holds something else is one ConfigError, worded by `not_a_mapping(step)`."""
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(not_a_mapping(part))
+        node = nxt
+    node[parts[-1]] = value
 
 
 def load_site(name_or_path: str | None = None, overrides: list[str] | None = None) -> Site:

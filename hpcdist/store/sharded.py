@@ -27,7 +27,8 @@ the storage layer is ``sharded_storage``, the names and the index's JSON ``shard
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,16 +80,24 @@ def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
-def save_with(state: dict[str, Any], writer: ShardedWriter, process_group: Any = None) -> None:
-    """`save` through a given writer: every rank returns once committed, or raises the same error."""
-    import torch.distributed.checkpoint as dcp
-
+@contextlib.contextmanager
+def one_error() -> Iterator[None]:
+    """DCP's exceptions (its ``CheckpointException`` gathers every rank's) as one ``CheckpointError``
+    (``error_of``); an interrupt stays what it is."""
     try:
-        dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=_no_dist())
+        yield
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
         raise error_of(exc) from exc
+
+
+def save_with(state: dict[str, Any], writer: ShardedWriter, process_group: Any = None) -> None:
+    """`save` through a given writer: every rank returns once committed, or raises the same error."""
+    import torch.distributed.checkpoint as dcp
+
+    with one_error():
+        dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=_no_dist())
 
 
 class Stager(AsyncStager):
@@ -136,23 +145,15 @@ def save_async(state: dict[str, Any], writer: ShardedWriter, process_group: Any 
     collectives then run in a thread: nothing else may use `process_group` until `wait` returned."""
     import torch.distributed.checkpoint as dcp
 
-    try:
+    with one_error():
         return dcp.async_save(state, storage_writer=writer, process_group=process_group, no_dist=_no_dist(),
                               async_stager=stager)
-    except BaseException as exc:
-        if isinstance(exc, KeyboardInterrupt | SystemExit):
-            raise
-        raise error_of(exc) from exc
 
 
 def wait(future: Any) -> None:
     """The outcome of `save_async`: returns once committed, or raises its CheckpointError."""
-    try:
+    with one_error():
         future.result()
-    except BaseException as exc:
-        if isinstance(exc, KeyboardInterrupt | SystemExit):
-            raise
-        raise error_of(exc) from exc
 
 
 def load(index: Path | str, state: dict[str, Any], *, process_group: Any = None) -> dict[str, Any]:
@@ -160,12 +161,8 @@ def load(index: Path | str, state: dict[str, Any], *, process_group: Any = None)
     import torch.distributed.checkpoint as dcp
 
     reader = ShardedReader(index, process_group, split=not _no_dist())
-    try:
+    with one_error():
         dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=_no_dist())
-    except BaseException as exc:
-        if isinstance(exc, KeyboardInterrupt | SystemExit):
-            raise
-        raise error_of(exc) from exc
     reader.read_metadata()
     return reader.attrs
 
@@ -176,12 +173,8 @@ def read_full(index: Path | str) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
-    try:
+    with one_error():
         _load_state_dict(state, ShardedReader(index), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    except BaseException as exc:
-        if isinstance(exc, KeyboardInterrupt | SystemExit):
-            raise
-        raise error_of(exc) from exc
     return state
 
 
