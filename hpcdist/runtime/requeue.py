@@ -154,12 +154,18 @@ def requeue_for(env: Mapping[str, str]) -> Callable[[], str] | None:
                 return why
         for handler in logging.getLogger("hpcdist").handlers:
             handler.flush()
-        if executor in ("slurm", "local"):
+        if executor == "local":
             from submitit.core.job_environment import JobEnvironment
 
             job = JobEnvironment()
             log.warning("requeueing job %s through submitit (%s)", job.job_id, executor)
-            job._requeue(0)  # Slurm: scontrol requeue; local: sys.exit(144) (the controller restarts us)
+            job._requeue(0)  # sys.exit(144): the local controller restarts the ranks
+        elif executor == "slurm":
+            from submitit.core.job_environment import JobEnvironment
+
+            job_id = JobEnvironment().job_id  # ARRAYID_INDEX for an array task, as submitit requeues it
+            log.warning("requeueing job %s through the scheduler client (submitit's Slurm job)", job_id)
+            slurm.requeue(job_id)
         else:
             log.warning("requeueing Slurm job %s", slurm_job)
             slurm.requeue(slurm_job)
