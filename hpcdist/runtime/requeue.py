@@ -164,7 +164,7 @@ def requeue_for(env: Mapping[str, str]) -> Callable[[], str] | None:
             from submitit.core.job_environment import JobEnvironment
 
             job_id = JobEnvironment().job_id  # ARRAYID_INDEX for an array task, as submitit requeues it
-            log.warning("requeueing job %s through the scheduler client (submitit's Slurm job)", job_id)
+            log.warning("requeueing job %s (slurm) through the scheduler client", job_id)
             slurm.requeue(job_id)
         else:
             log.warning("requeueing Slurm job %s", slurm_job)
