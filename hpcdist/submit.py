@@ -27,7 +27,7 @@ from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import SubmitError
 from hpcdist.polling import poll_until
-from hpcdist.scheduler import postmortem, slurm
+from hpcdist.scheduler import slurm
 from hpcdist.scheduler.local import LOCAL_CONTROLLER, process_started
 from hpcdist.scheduler.slurm import Vanished
 from hpcdist.scheduler.states import JobState
@@ -301,7 +301,9 @@ def outcomes(sub: Submission, state: JobState = JobState.UNKNOWN, end: Ending | 
         try:
             status, value = pickle_load(task.paths.result_pickle)
         except FileNotFoundError:
-            out.append(TaskOutcome(rank, False, error=postmortem.no_result(task.paths.stderr, state, rank, end)))
+            from hpcdist.scheduler.postmortem import no_result  # only a rank that failed is looked into
+
+            out.append(TaskOutcome(rank, False, error=no_result(task.paths.stderr, state, rank, end)))
             continue
         except Exception as exc:  # half-written or unreadable: not a result
             out.append(TaskOutcome(rank, False, error=f"its result file is unreadable: {type(exc).__name__}: {exc}"))
@@ -310,7 +312,9 @@ def outcomes(sub: Submission, state: JobState = JobState.UNKNOWN, end: Ending | 
             out.append(TaskOutcome(rank, True, summary=dict(value or {})))
         else:
             after = f" ({end.after(rank)})" if end and end.after(rank) else ""
-            error = postmortem.first_error_line(str(value)) + after
+            from hpcdist.scheduler.postmortem import first_error_line
+
+            error = first_error_line(str(value)) + after
             out.append(TaskOutcome(rank, False, error=error, traceback=str(value)))
     return out
 
