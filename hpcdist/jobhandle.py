@@ -17,6 +17,7 @@ import functools
 import os
 import signal
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -188,7 +189,7 @@ class JobHandle:
         if record.scheduler == "slurm":
             slurm.scancel(record.job_id)
             return f"cancelled job {record.job_id} ({record.name}) on site {record.site}"
-        self.record = record = replace(record, cancelled=_now())
+        self.record = record = replace(record, cancelled=time.time())
         write(record)  # first: whoever waits reads CANCELLED, not FAILED, once it is gone
         if controller_alive(record.job_id, record.started):
             try:
@@ -202,7 +203,3 @@ class JobHandle:
         return f"cancelled job {record.job_id} ({record.name}) on site {record.site}"
 
 
-def _now() -> float:
-    import time
-
-    return time.time()
