@@ -201,5 +201,3 @@ class JobHandle:
             raise SubmitError(f"job {record.job_id}'s ranks still run {wait_s:g} s after the cancel; "
                               f"stop them with `kill {record.job_id}`")
         return f"cancelled job {record.job_id} ({record.name}) on site {record.site}"
-
-
