@@ -38,6 +38,16 @@ case $action in
     tc qdisc del dev "$veth" root 2>/dev/null || true
     in_netns "$node" tc qdisc del dev "$NODE_IFNAME" root 2>/dev/null || true
     ip link set "$veth" up
+    # Back only once it carries traffic: the node's end has its carrier again (that follows the
+    # host end's "up" asynchronously), and the neighbour entries made while it was cut (still
+    # resolving, or failed) are forgotten: a connection made at once would otherwise get
+    # "No route to host" when the resolution started during the cut gives up.
+    for _ in $(seq 50); do
+      in_netns "$node" ip -br link show dev "$NODE_IFNAME" | grep -q LOWER_UP && break
+      sleep 0.1
+    done
+    in_netns "$node" ip neigh flush dev "$NODE_IFNAME" 2>/dev/null || true
+    ip neigh flush dev "$BRIDGE" nud failed nud incomplete 2>/dev/null || true
     ;;
   show)
     ip -br link show "$veth"
