@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpcdist.config.paths import JobPaths
 from hpcdist.errors import ConfigError, SubmitError
 from hpcdist.render import Origin, render
 
@@ -49,9 +48,6 @@ class Plan:
     def folder(self) -> Path:
         """submitit's folder (``%j`` for the job id): named after the base spec."""
         return self.base.paths(self.site).folder
-
-    def task_paths(self, job_id: str = "%j") -> list[JobPaths]:
-        return [t.paths(self.site, job_id, folder_name=self.base.name) for t in self.tasks]
 
     @property
     def executor_parameters(self) -> dict[str, Any]:

@@ -37,9 +37,6 @@ class JobPaths:
     job_id: str = UNSUBMITTED
     folder_name: str = ""  # the name the submitit folder is made under, when not `name` (an array's base)
 
-    def with_id(self, job_id: str) -> JobPaths:
-        return JobPaths(self.storage, self.name, job_id, self.folder_name)
-
     @property
     def folder(self) -> Path:
         """submitit's folder for the job: its pickles, results and per-rank logs."""
@@ -47,11 +44,6 @@ class JobPaths:
 
     def log_patterns(self, array: bool = False) -> tuple[str, str]:
         return log_patterns(self.folder, array)
-
-    def rank_logs(self, rank: int) -> tuple[Path, Path]:
-        """Rank `rank`'s stdout and stderr files (the job id known)."""
-        out, err = (p.replace("%j", self.job_id).replace("%t", str(rank)) for p in self.log_patterns())
-        return Path(out), Path(err)
 
     @property
     def progress(self) -> Path:
