@@ -59,7 +59,8 @@ def submit(req: plan_.Request, paths: list[str], chain: bool, wait: bool, wait_t
 
     job, site, origin = plan_.load(req)
     t0 = time.perf_counter()
-    submission = sub_.schedule(plan_.make(prepare(job, site).spec, site, origin))[0]
+    made = plan_.make(prepare(job, site).spec, site, origin)
+    submission = sub_.schedule(made)[0]
     took = time.perf_counter() - t0
     out, err = submission.job.paths.stdout, submission.job.paths.stderr
     spec = submission.spec
@@ -67,9 +68,16 @@ def submit(req: plan_.Request, paths: list[str], chain: bool, wait: bool, wait_t
     print(f"  logs:   {out}")
     print(f"          {err}")
     print(f"  result: {submission.result_path}")
+    _print_excluded(made)
     if not wait:
         return 0
     return print_finished(submission.job_id, watch(submission, timeout_s=wait_timeout))
+
+
+def _print_excluded(made: plan_.Plan) -> None:
+    """The nodes the site's health record kept the job from, and why (as the script's comments)."""
+    for line in made.excluded.lines():
+        print(f"  node health: {line}")
 
 
 def _chain(req: plan_.Request, paths: list[str], chain: bool, wait: bool, wait_timeout: float | None) -> int:
@@ -95,6 +103,7 @@ def _chain(req: plan_.Request, paths: list[str], chain: bool, wait: bool, wait_t
         waits = f" after job {after[0]}" if after else ""
         print(f"chain {n}/{len(links)}: submitted job {submission.job_id} ({job.spec.name}, kind {job.spec.kind})"
               f"{waits}; result: {submission.result_path}")
+        _print_excluded(link)
         after = [] if local else [submission.job_id]  # the local site orders the links by waiting
         submissions.append(submission)
     if local:
@@ -126,10 +135,12 @@ def _sweep(req: plan_.Request, wait: bool, wait_timeout: float | None) -> int:
     tasks = [prepare(job, site).spec for job in plan_.sweep_jobs(req, site)]
     subs: list[Submission] = []
     if site.scheduler == "slurm":
-        subs = sub_.schedule(plan_.make(base.spec, site, origin, tasks))
+        made = plan_.make(base.spec, site, origin, tasks)
+        subs = sub_.schedule(made)
         limit = f", at most {req.max_parallel} at a time" if req.max_parallel else ""
         print(f"submitted job array {subs[0].job_id.split('_')[0]} ({base.spec.name}, kind {base.spec.kind}, "
               f"{len(subs)} tasks{limit}) to site {site.name}")
+        _print_excluded(made)
     failed = 0
     for i, spec in enumerate(tasks):
         if site.scheduler != "slurm":

@@ -6,18 +6,20 @@ before anything is queued, and what ``render`` prints.
 asked for it (``Origin``). ``make`` turns a job (or a sweep's tasks) into a ``Plan``: the script
 exactly as it will be submitted, submitit's executor parameters, and the tasks with their
 paths. ``hpcdist.submit.schedule`` consumes a plan; a chain is a list of plans whose links are
-made to wait for the one before when they are scheduled. Pure but for reading the spec files.
+made to wait for the one before when they are scheduled. Pure but for reading the spec files
+and the site's node health record (``hpcdist.exclusions``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcdist.errors import ConfigError, SubmitError
+from hpcdist.exclusions import Exclusions, for_job
 from hpcdist.render import Origin, render
 
 if TYPE_CHECKING:
@@ -35,6 +37,7 @@ class Plan:
     site: Site
     origin: Origin
     script: str
+    excluded: Exclusions = field(default_factory=Exclusions)  # the site's health record's say
 
     @property
     def slurm(self) -> bool:
@@ -67,7 +70,8 @@ def make(base: JobSpec, site: Site, origin: Origin, tasks: Sequence[JobSpec] = (
     if (origin.array_size or 1) != len(tasks) or (site.scheduler != "slurm" and len(tasks) > 1):
         raise SubmitError(f"{origin.job_path}: {len(tasks)} tasks for an array of {origin.array_size or 1} on site "
                           f"{site.name!r}; a local site runs a sweep's tasks one at a time")
-    return Plan(base, tasks, site, origin, render(base, site, origin))
+    excluded = for_job(base, site)  # the one read of the site's health record for this plan
+    return Plan(base, tasks, site, origin, render(base, site, origin, excluded), excluded)
 
 
 # ---------------------------------------------------------------- loading, in one pass

@@ -33,6 +33,8 @@ from hpcdist.launchers import LaunchPlan, get_launcher
 if TYPE_CHECKING:
     import jinja2
 
+    from hpcdist.exclusions import Exclusions
+
 TEMPLATE = "sbatch.sh.j2"
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -157,14 +159,19 @@ def python_for(site: Site) -> str:
     return site.python or sys.executable
 
 
-def directives(spec: JobSpec, site: Site, folder: Path, origin: Origin | None = None) -> list[tuple[str, Any]]:
+def directives(spec: JobSpec, site: Site, folder: Path, origin: Origin | None = None,
+               excluded: Exclusions | None = None) -> list[tuple[str, Any]]:
     """The #SBATCH flags, in a fixed order; then the array and dependency `origin` asks for;
-    site extras and the job's own ``sbatch:`` options (the job's win) last, sorted."""
+    site extras and the job's own ``sbatch:`` options (the job's win) last, sorted, with the
+    nodes the site's health record keeps the job from added to its ``exclude`` (`excluded`)."""
     res = spec.resources
     partition, _ = site.partition(res.partition)
     size = origin.array_size if origin else None
     out_pattern, err_pattern = log_patterns(folder, array=size is not None)
     extra = {**site.sbatch, **spec.sbatch}
+    merged = excluded.flag() if excluded is not None else None
+    if merged:
+        extra["exclude"] = merged
     flags: list[tuple[str, Any]] = [
         ("job-name", spec.name),
         ("partition", partition),
@@ -229,8 +236,8 @@ def launch_plan(spec: JobSpec, site: Site, folder: Path, array: bool = False) ->
     )
 
 
-def render_script(spec: JobSpec, site: Site, origin: Origin) -> str:
-    """The sbatch script text for `spec` on a Slurm `site`."""
+def render_script(spec: JobSpec, site: Site, origin: Origin, excluded: Exclusions | None = None) -> str:
+    """The sbatch script text for `spec` on a Slurm `site`, kept off the `excluded` nodes."""
     if site.scheduler != "slurm":
         raise RenderError(f"site {site.name!r} is not a Slurm site; it runs jobs without a script")
     check_controls(spec.model_dump(mode="json"), "job")
@@ -246,7 +253,9 @@ def render_script(spec: JobSpec, site: Site, origin: Origin) -> str:
         "job_name": spec.name,
         "job_kind": spec.kind,
         "reproduce": Shell(origin.command()),
-        "directives": [(Shell(f), v if v is not True else True) for f, v in directives(spec, site, folder, origin)],
+        "directives": [(Shell(f), v if v is not True else True)
+                       for f, v in directives(spec, site, folder, origin, excluded)],
+        "notes": [Shell(line) for line in (excluded.lines() if excluded else [])],
         "modules": list(site.modules),
         "setup": [Shell(line) for line in site.setup],
         "env": sorted(env.items()),
@@ -280,10 +289,11 @@ def render_local_plan(spec: JobSpec, site: Site, origin: Origin) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(spec: JobSpec, site: Site, origin: Origin) -> str:
-    """What `hpcdist render` prints and `hpcdist submit` submits."""
+def render(spec: JobSpec, site: Site, origin: Origin, excluded: Exclusions | None = None) -> str:
+    """What `hpcdist render` prints and `hpcdist submit` submits (`excluded`: ``plan.make``'s
+    reading of the site's health record)."""
     if site.scheduler == "slurm":
-        return render_script(spec, site, origin)
+        return render_script(spec, site, origin, excluded)
     return render_local_plan(spec, site, origin)
 
 

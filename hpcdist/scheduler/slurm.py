@@ -1,4 +1,4 @@
-"""The one client of Slurm's commands: sbatch, squeue, sacct, scontrol, scancel.
+"""The one client of Slurm's commands: sbatch, squeue, sacct, scontrol, scancel, sinfo.
 
 Every call has a timeout and is tried again when it fails or times out (slurmctld restarting, a
 busy controller); what still fails after the last try means *unknown*, never *gone*: only a
@@ -200,6 +200,37 @@ def sbatch(script: str | os.PathLike[str]) -> str:
     if not is_job_id(job_id):
         raise Refused(f"sbatch answered {answer.out.strip()!r}, not a job id")
     return job_id
+
+
+# ---------------------------------------------------------------- the nodes
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """One node as sinfo shows it: its partitions, Slurm's state and the reason an admin or
+    slurmctld gave for it (``Not responding``, ``Kill task failed``; "" when none)."""
+
+    node: str
+    partitions: tuple[str, ...]
+    state: str  # sinfo's long form: idle, mixed, allocated, down*, drained, ...
+    reason: str = ""
+
+
+def node_states() -> dict[str, NodeStatus] | None:
+    """Every node Slurm knows, by name; None when sinfo could not be asked (unknown, not none)."""
+    answer = run(["sinfo", "-N", "-h", "-o", "%N|%P|%T|%E"])
+    if not answer.ok:
+        return None
+    nodes: dict[str, NodeStatus] = {}
+    for line in answer.out.splitlines():
+        parts = line.split("|", 3)
+        if len(parts) != 4:
+            continue
+        name, partition, state, reason = (p.strip() for p in parts)
+        seen = nodes.get(name)
+        partitions = (*(seen.partitions if seen else ()), partition.rstrip("*"))
+        nodes[name] = NodeStatus(name, partitions, state, "" if reason == "none" else reason)
+    return nodes
 
 
 # ---------------------------------------------------------------- one job's state

@@ -1,0 +1,107 @@
+"""Which nodes a submission keeps away from, and why: the site's health record on top of the
+job's own ``sbatch: {exclude: ...}``.
+
+``plan.make`` asks ``for_job`` once per plan, so ``hpcdist render`` shows exactly the
+``--exclude`` that ``submit`` submits, with a comment line per node saying why. The user's own
+exclude list is kept as written and the marked nodes are added to it (merged, never replaced); a
+node the job names in its own ``nodelist`` is not excluded (Slurm would refuse the job), and the
+script says so. Excluding is refused, in one line naming the marks and ``hpcdist nodes --clear``,
+when it would leave the partition fewer nodes than the job asks for: a record that keeps every
+job pending forever would be worse than none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hpcdist.errors import ConfigError, SubmitError
+from hpcdist.runtime.hostlist import expand_hostlist
+
+if TYPE_CHECKING:
+    from hpcdist.config.site import Site
+    from hpcdist.config.spec import JobSpec
+    from hpcdist.store.health import Mark
+
+
+@dataclass(frozen=True)
+class Exclusions:
+    """The nodes a job is kept from: the marks that add to ``--exclude``, the marks the job's own
+    nodelist overrides, and the user's own exclude value (as written)."""
+
+    marked: tuple[Mark, ...] = ()
+    overridden: tuple[Mark, ...] = ()
+    user: str = ""
+    within_h: float = 0.0
+
+    def flag(self) -> str | None:
+        """``--exclude``'s value: the user's list, then each marked node it does not already hold."""
+        listed = set(_hosts(self.user, "sbatch.exclude")) if self.user else set()
+        added = [m.node for m in self.marked if m.node not in listed]
+        value = ",".join([*([self.user] if self.user else []), *added])
+        return value or None
+
+    def lines(self) -> list[str]:
+        """One line per node the record had something to say about (the script's comments and
+        the submit output)."""
+        hours = f"{self.within_h:g} h"
+        return ([f"excluded {m.describe()} (marked bad within the site's health.exclude_for_h={hours}; "
+                 f"`hpcdist nodes --clear {m.node}` forgets it)" for m in self.marked]
+                + [f"not excluded, named in the job's nodelist: {m.describe()}" for m in self.overridden])
+
+
+def _hosts(text: str, key: str) -> list[str]:
+    try:
+        return expand_hostlist(text)
+    except ValueError as exc:
+        raise ConfigError(f"{key}={text!r} is not a Slurm host list ({exc}); write e.g. n3 or n[3-4],gpu07") from exc
+
+
+def for_job(spec: JobSpec, site: Site) -> Exclusions:
+    """The exclusions of `spec` on a Slurm `site`: its own ``exclude`` plus the nodes marked bad
+    within ``health.exclude_for_h``; a SubmitError when they leave too few nodes for the job."""
+    if site.scheduler != "slurm":
+        return Exclusions()
+    extra = {**site.sbatch, **{k: str(v) for k, v in spec.sbatch.items()}}
+    user = str(extra.get("exclude", ""))
+    within_h = site.health.exclude_for_h
+    if within_h <= 0:
+        return Exclusions(user=user)
+    from hpcdist.store import health
+
+    marks = health.bad_nodes(site, within_h * 3600.0)
+    if not marks:
+        return Exclusions(user=user, within_h=within_h)
+    pinned = set(_hosts(str(extra["nodelist"]), "sbatch.nodelist")) if "nodelist" in extra else set()
+    found = Exclusions(tuple(m for m in marks if m.node not in pinned), tuple(m for m in marks if m.node in pinned),
+                       user, within_h)
+    _check_enough(found, spec, site)
+    return found
+
+
+def _check_enough(found: Exclusions, spec: JobSpec, site: Site) -> None:
+    """Refuse exclusions that leave the job's partition fewer nodes than it asks for (the
+    partition's nodes from sinfo; where sinfo cannot be asked, the site's count, every excluded
+    node counted as one of them)."""
+    if not found.marked:
+        return
+    from hpcdist.scheduler.slurm import node_states
+
+    name, partition = site.partition(spec.resources.partition)
+    excluded = set(_hosts(found.flag() or "", "sbatch.exclude"))
+    states = node_states()
+    members = [n for n, s in (states or {}).items() if name in s.partitions]
+    if members:
+        total, left = len(members), len(set(members) - excluded)
+    else:
+        total = partition.nodes
+        left = total - len(excluded)
+    wanted = spec.resources.nodes
+    if left >= wanted:
+        return
+    marks = "; ".join(m.describe() for m in found.marked)
+    raise SubmitError(
+        f"excluding the nodes marked bad would leave {max(left, 0)} of partition {name}'s {total} nodes for a job "
+        f"of {wanted}: {marks}; if a node is fine again run `hpcdist nodes --clear NODE` (or `--clear all`), "
+        f"or set site health.exclude_for_h=0 to submit without the record"
+    )
