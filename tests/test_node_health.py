@@ -6,9 +6,15 @@ from __future__ import annotations
 import json
 import multiprocessing
 import stat
+import subprocess
 from pathlib import Path
+from typing import Any
 
 from hpcdist.store import health
+from tests.netfault import slowed
+from tests.support.cli import REPO, job_id, run_cli, storage_sets
+
+JOBS = REPO / "jobs"
 
 WRITERS, MARKS_EACH = 6, 25
 
@@ -38,3 +44,54 @@ def test_concurrent_marks_from_several_processes_are_all_kept_and_whole(tmp_path
     assert bad[0].reason == f"slow link, mark {MARKS_EACH - 1}" and bad[0].job_id == "1000"
     assert health.clear(folder, "n0") == MARKS_EACH
     assert "n0" not in [m.node for m in health.bad_nodes(folder, within_s=3600)]
+
+
+# ---------------------------------------------------------------- on the Slurm cluster
+
+SITE = ["--site", "local-slurm", "--set", "site.partitions.cpu.nodes=4"]
+SLOW = ["--set", "site.baselines.min_p2p_gbps=0.02", "--set", "params.sizes_bytes=[64K]",
+        "--set", "params.pair_size=256K", "--set", "params.iters=3", "--set", "params.warmup=1"]
+
+
+def nodes_json(root: Path) -> dict[str, dict[str, Any]]:
+    shown = run_cli("nodes", *SITE, *storage_sets(root), "--json")
+    assert shown.code == 0, shown.text
+    return {row["node"]: row for row in json.loads(shown.out)["nodes"]}
+
+
+def test_preflight_marks_slowed_n2_and_later_submits_exclude_it(separate_hosts: Path) -> None:
+    root, store = separate_hosts, storage_sets(separate_hosts)
+    with slowed("n2", rate="20mbit"):  # three nodes pinned, n2 among them: only n2 has every link slow
+        pre = run_cli("submit", str(JOBS / "bench_preflight.yaml"), *SITE, *store, *SLOW, "--wait",
+                      "--wait-timeout", "240", "--set", "resources.nodes=3", "--set", "sbatch.nodelist=n[1-3]")
+    assert pre.code == 1 and "finished: FAILED" in pre.out, pre.text
+    assert "marked n2 bad in the site's node health record" in pre.out and "runs without it" in pre.out, pre.out
+    pre_id = job_id(pre.out)
+
+    row = nodes_json(root)["n2"]  # the mark, beside Slurm's own word on n2
+    assert row["excluded"] and [(m["source"], m["job_id"]) for m in row["marks"]] == [("preflight", pre_id)]
+    assert "every link of n2" in row["marks"][0]["reason"] and row["slurm"]["state"] in ("idle", "mixed", "allocated")
+
+    # the next submit keeps off n2, merged with the user's own exclude, and says why
+    job = run_cli("submit", str(JOBS / "smoke.yaml"), *SITE, *store, "--set", "resources.nodes=2",
+                  "--set", "resources.tasks_per_node=1", "--set", "sbatch.exclude=n4", "--wait",
+                  "--wait-timeout", "120")
+    assert job.code == 0, job.text
+    assert f"node health: excluded n2: preflight, job {pre_id}" in job.out, job.out
+    ran_on = subprocess.run(["sacct", "-j", job_id(job.out), "-X", "-n", "-o", "NodeList"], capture_output=True,
+                            text=True, check=True).stdout.split()
+    assert ran_on == ["n[1,3]"]
+
+    # excluding would leave too few nodes: one line naming the mark and the way out
+    short = run_cli("render", str(JOBS / "smoke.yaml"), *SITE, *store, "--set", "resources.nodes=2",
+                    "--set", "sbatch.exclude=n[3-4]")
+    assert short.code == 2 and len(short.err.strip().splitlines()) == 1, short.text
+    assert "would leave 1 of partition cpu's 4 nodes for a job of 2" in short.err
+    assert f"n2: preflight, job {pre_id}" in short.err and "hpcdist nodes --clear NODE" in short.err
+
+    cleared = run_cli("nodes", *SITE, *store, "--clear", "n2")
+    assert cleared.code == 0 and "forgot 1 mark of n2" in cleared.out, cleared.text
+    assert "n2" not in nodes_json(root)
+    again = run_cli("render", str(JOBS / "smoke.yaml"), *SITE, *store, "--set", "resources.nodes=2",
+                    "--set", "sbatch.exclude=n[3-4]")
+    assert again.code == 0 and "#SBATCH --exclude='n[3-4]'\n" in again.out and "Node health" not in again.out

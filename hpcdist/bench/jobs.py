@@ -114,6 +114,9 @@ class PreflightParams(_Params):
     warmup: int = Field(default=2, ge=0)
     dtype: DType = "float32"
     check: bool = True
+    on_slow: Literal["stop", "continue"] = Field(
+        default="stop", description="below a minimum: stop the job (resubmit: the marked nodes are excluded), or go on"
+    )
 
     @model_validator(mode="after")
     def _positive(self) -> Any:

@@ -127,6 +127,30 @@ def pair_shortfalls(m: Matrix, min_gbps: float | None, max_latency_us: float | N
     ]
 
 
+def culprits(m: Matrix, min_gbps: float | None, max_latency_us: float | None) -> dict[str, str]:
+    """The nodes every one of whose links fell short (either way), each with why: the node, not
+    a link or the baseline. None on two nodes (a slow link cannot be pinned on either end), and
+    none when every node is in that state (the baseline, or the whole fabric, is the cause)."""
+    n = len(m.nodes)
+    if n < 3:
+        return {}
+
+    def short(i: int, j: int) -> str:
+        why = [f"{m.nodes[a]}->{m.nodes[b]} {m.bandwidth[a, b]:.3g} GB/s" for a, b in ((i, j), (j, i))
+               if min_gbps is not None and not m.bandwidth[a, b] >= min_gbps]
+        if max_latency_us is not None and not m.latency[min(i, j), max(i, j)] <= max_latency_us:
+            why.append(f"{m.nodes[i]}<->{m.nodes[j]} latency {m.latency[min(i, j), max(i, j)]:.1f} us")
+        return ", ".join(why)
+
+    found = {}
+    for i in range(n):
+        links = [short(i, j) for j in range(n) if j != i]
+        if all(links):
+            found[m.nodes[i]] = (f"every link of {m.nodes[i]} on {m.attrs['label']} short of the site's baselines: "
+                                 + ", ".join(links))
+    return {} if len(found) == n else found
+
+
 def sweep_pairs(s: Session, params: Any) -> list[str]:
     """The node-pair matrix on every path, each kept in the result as soon as it is measured;
     returns what fell short of the site's baselines."""

@@ -126,7 +126,8 @@ class Session:
             raise
         except Exception as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            gone = roll_call(self.rank, self.node_of_rank)  # names the node that stopped answering
+            gone = roll_call(self.rank, self.node_of_rank, site=self.ctx.site, job_id=self.ctx.job_id,
+                             what=what)  # names (and marks) the node that stopped answering
             where = f"; {gone}" if gone else ""
             if self.record is not None:
                 self.record.flush(complete=False, verdict=f"failed at {what}: {first}{where}")

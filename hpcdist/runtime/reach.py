@@ -6,6 +6,11 @@ failure answers a short roll call over the rendezvous store (a separate TCP conn
 never answered; a rank that cannot reach the store at all names rank 0's node, which serves it.
 A transport error that quotes a peer's address ("Connection closed by peer [10.0.0.12]:4711")
 also gets the rank(s) and node behind that address.
+
+Given the site, the roll call also marks in the site's node health record
+(``hpcdist.store.health``, source ``timeout``) each node none of whose ranks answered, once: by
+the lowest rank that did answer, on the store's side of the break. A rank that cannot reach the
+store marks nothing: cut off itself, it cannot tell its own node from rank 0's.
 """
 
 from __future__ import annotations
@@ -15,9 +20,12 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hpcdist.errors import cause_text
+from hpcdist.errors import HpcdistError, cause_text
+
+if TYPE_CHECKING:
+    from hpcdist.config.site import Site
 
 ROLL_CALL_S = 5.0
 
@@ -31,8 +39,10 @@ def _default_store() -> Any:
         return None
 
 
-def roll_call(rank: int, host_of_rank: Sequence[str], wait_s: float = ROLL_CALL_S, store: Any = None) -> str:
-    """A phrase naming the nodes whose ranks did not answer within `wait_s`, or "" if all did."""
+def roll_call(rank: int, host_of_rank: Sequence[str], wait_s: float = ROLL_CALL_S, store: Any = None,
+              site: Site | None = None, job_id: str = "", what: str = "a collective") -> str:
+    """A phrase naming the nodes whose ranks did not answer within `wait_s`, or "" if all did;
+    with `site`, those nodes are marked in its health record (after `what` failed in `job_id`)."""
     store = store if store is not None else _default_store()
     if store is None:
         return ""
@@ -63,9 +73,27 @@ def roll_call(rank: int, host_of_rank: Sequence[str], wait_s: float = ROLL_CALL_
     by_node: dict[str, list[int]] = {}
     for r in missing:
         by_node.setdefault(host_of_rank[r], []).append(r)
+    answered = [r for r in range(world) if r not in missing]
+    if site is not None and answered and rank == answered[0]:
+        silent = [n for n, rs in by_node.items() if len(rs) == host_of_rank.count(n)]  # every rank there
+        _mark(site, silent, job_id, f"no rank answered the roll call within {wait_s:g} s after {what} failed")
     named = ", ".join(f"{node} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})"
                       for node, rs in by_node.items())
     return f"no answer within {wait_s:g} s from {named}: the link to {', '.join(by_node)} is down or its ranks are gone"
+
+
+def _mark(site: Site, nodes: Sequence[str], job_id: str, reason: str) -> None:
+    """Mark `nodes` in the site's health record; a record that cannot be written is logged, not
+    raised: the failure being reported matters more."""
+    import logging
+
+    from hpcdist.store import health
+
+    for node in nodes:
+        try:
+            health.mark(site, node, reason, job_id=job_id, source="timeout")
+        except (OSError, HpcdistError) as exc:
+            logging.getLogger("hpcdist").warning("could not mark %s in the node health record: %s", node, exc)
 
 
 _PEER = re.compile(r"\[?\b(\d{1,3}(?:\.\d{1,3}){3})\]?:\d+")
@@ -95,10 +123,11 @@ def peer_named(text: str, host_of_rank: Sequence[str]) -> str:
     return "; ".join(named)
 
 
-def failure_message(what: str, rank: int, host_of_rank: Sequence[str], exc: BaseException) -> str:
+def failure_message(what: str, rank: int, host_of_rank: Sequence[str], exc: BaseException,
+                    site: Site | None = None, job_id: str = "") -> str:
     """`what` failed on this rank: the cause's first line, the peer it names, and the nodes that
-    stopped answering."""
+    stopped answering (marked in `site`'s node health record, when given)."""
     peer = peer_named(str(exc), host_of_rank)
-    gone = roll_call(rank, host_of_rank)
+    gone = roll_call(rank, host_of_rank, site=site, job_id=job_id, what=what)
     return (f"{what} failed on rank {rank} ({host_of_rank[rank]}): {cause_text(exc)}"
             + (f"; {peer}" if peer else "") + (f"; {gone}" if gone else ""))

@@ -138,6 +138,16 @@ def job_cause(records: list[StepRecord]) -> str:
     return ""
 
 
+def node_failure_suspects(records: list[StepRecord]) -> list[str]:
+    """The nodes of the records Slurm ended with NODE_FAIL: the dead node is among them (sacct
+    names the whole allocation; which one died is what Slurm's node states say now)."""
+    nodes: list[str] = []
+    for rec in records:
+        if rec.state.split(" ")[0].rstrip("+").upper() == "NODE_FAIL" and rec.nodes:
+            nodes += [n for n in expand_hostlist(rec.nodes) if n not in nodes]
+    return nodes
+
+
 @dataclass(frozen=True)
 class Ending:
     """What went first, for the per-rank summary: the first task srun saw end, and the job's cause."""

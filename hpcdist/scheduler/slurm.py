@@ -215,6 +215,11 @@ class NodeStatus:
     state: str  # sinfo's long form: idle, mixed, allocated, down*, drained, ...
     reason: str = ""
 
+    @property
+    def failed(self) -> bool:
+        """Not responding (sinfo's ``*``), down or failing: what a node that died looks like."""
+        return self.state.endswith("*") or self.state.startswith(("down", "fail"))
+
 
 def node_states() -> dict[str, NodeStatus] | None:
     """Every node Slurm knows, by name; None when sinfo could not be asked (unknown, not none)."""

@@ -95,7 +95,8 @@ def _make_folder(path: Path) -> None:
 
 
 def mark(where: Where, node: str, reason: str, job_id: str = "", source: Source = "user") -> Mark:
-    """Record `node` as bad for `reason`, found by `source` in job `job_id`; its own new file.
+    """Record `node` as bad for `reason`, found by `source` in job `job_id`; its own new file
+    (none when that job already marked that node from that source: the mark it made is returned).
 
     Raises ConfigError for a node name or source hpcdist cannot record, OSError when the shared
     storage cannot be written (a caller on a failure path reports that and goes on).
@@ -103,6 +104,10 @@ def mark(where: Where, node: str, reason: str, job_id: str = "", source: Source 
     check_node(node)
     if source not in SOURCES:
         raise ConfigError(f"mark source {source!r} is not one of {', '.join(SOURCES)}")
+    if job_id:  # once per node, job and source: the ranks of one job, or two waiters, do not repeat it
+        same = [m for m in marks(where) if (m.node, m.job_id, m.source) == (node, job_id, source)]
+        if same:
+            return same[-1]
     try:
         user = getpass.getuser()
     except (KeyError, OSError):

@@ -258,7 +258,7 @@ def _named(r: Run, what: str) -> Iterator[None]:
     except Exception as exc:
         committed = _newest_commit(r)
         kept = f"; resubmit to resume from {committed}" if committed else "; no checkpoint yet"
-        raise JobError(failure_message(what, r.ctx.rank, r.ctx.hosts, exc) + kept) from exc
+        raise JobError(failure_message(what, r.ctx.rank, r.ctx.hosts, exc, r.ctx.site, r.ctx.job_id) + kept) from exc
 
 
 def _finish(r: Run, complete: bool) -> Path | None:
