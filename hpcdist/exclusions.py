@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hpcdist.errors import ConfigError, SubmitError
-from hpcdist.runtime.hostlist import expand_hostlist
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
@@ -51,6 +50,8 @@ class Exclusions:
 
 
 def _hosts(text: str, key: str) -> list[str]:
+    from hpcdist.runtime.hostlist import expand_hostlist  # pure; only a job with an exclude or a mark needs it
+
     try:
         return expand_hostlist(text)
     except ValueError as exc:

@@ -21,7 +21,7 @@ WRITERS, MARKS_EACH = 6, 25
 
 def _write_marks(folder: str, writer: int) -> None:
     for i in range(MARKS_EACH):
-        health.mark(Path(folder), f"n{writer}", f"slow link, mark {i}", job_id=str(1000 + writer), source="preflight")
+        health.mark(Path(folder), f"n{writer}", f"slow link, mark {i}", f"{100 + writer}_{i}", "preflight")
 
 
 def test_concurrent_marks_from_several_processes_are_all_kept_and_whole(tmp_path: Path) -> None:
@@ -41,7 +41,7 @@ def test_concurrent_marks_from_several_processes_are_all_kept_and_whole(tmp_path
     assert stat.S_IMODE(folder.stat().st_mode) == 0o775
     bad = health.bad_nodes(folder, within_s=3600)
     assert [m.node for m in bad] == [f"n{w}" for w in range(WRITERS)]
-    assert bad[0].reason == f"slow link, mark {MARKS_EACH - 1}" and bad[0].job_id == "1000"
+    assert bad[0].reason == f"slow link, mark {MARKS_EACH - 1}" and bad[0].job_id == f"100_{MARKS_EACH - 1}"
     assert health.clear(folder, "n0") == MARKS_EACH
     assert "n0" not in [m.node for m in health.bad_nodes(folder, within_s=3600)]
 
