@@ -10,6 +10,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from hpcdist.runtime.hostlist import expand_hostlist
+from hpcdist.scheduler.slurm import node_states
 from hpcdist.store import health
 from tests.netfault import slowed
 from tests.support.cli import REPO, job_id, run_cli, storage_sets
@@ -59,11 +61,24 @@ def nodes_json(root: Path) -> dict[str, dict[str, Any]]:
     return {row["node"]: row for row in json.loads(shown.out)["nodes"]}
 
 
+def cluster_nodes() -> tuple[list[str], list[str]]:
+    """The cpu partition's nodes, and those of them that respond (other tests kill nodes)."""
+    states = node_states()
+    assert states is not None, "sinfo could not be asked"
+    members = [n for n, st in sorted(states.items()) if "cpu" in st.partitions]
+    return members, [n for n in members if not states[n].failed]
+
+
 def test_preflight_marks_slowed_n2_and_later_submits_exclude_it(separate_hosts: Path) -> None:
     root, store = separate_hosts, storage_sets(separate_hosts)
+    members, up = cluster_nodes()
+    others = [n for n in up if n != "n2"][:2]
+    assert "n2" in up and len(others) == 2, f"this test needs n2 and two more responding nodes; Slurm has {up}"
+    pinned = sorted(["n2", *others])
+    rest = [n for n in members if n not in pinned]
     with slowed("n2", rate="20mbit"):  # three nodes pinned, n2 among them: only n2 has every link slow
-        pre = run_cli("submit", str(JOBS / "bench_preflight.yaml"), *SITE, *store, *SLOW, "--wait",
-                      "--wait-timeout", "240", "--set", "resources.nodes=3", "--set", "sbatch.nodelist=n[1-3]")
+        pre = run_cli("submit", str(JOBS / "bench_preflight.yaml"), *SITE, *store, *SLOW, "--wait", "--wait-timeout",
+                      "240", "--set", "resources.nodes=3", "--set", f"sbatch.nodelist={','.join(pinned)}")
     assert pre.code == 1 and "finished: FAILED" in pre.out, pre.text
     assert "marked n2 bad in the site's node health record" in pre.out and "runs without it" in pre.out, pre.out
     pre_id = job_id(pre.out)
@@ -72,26 +87,27 @@ def test_preflight_marks_slowed_n2_and_later_submits_exclude_it(separate_hosts: 
     assert row["excluded"] and [(m["source"], m["job_id"]) for m in row["marks"]] == [("preflight", pre_id)]
     assert "every link of n2" in row["marks"][0]["reason"] and row["slurm"]["state"] in ("idle", "mixed", "allocated")
 
-    # the next submit keeps off n2, merged with the user's own exclude, and says why
+    # the next submit keeps off n2, merged with the user's own exclude (the nodes not pinned), and says why
+    own = ["--set", f"sbatch.exclude={','.join(rest)}"] if rest else []
     job = run_cli("submit", str(JOBS / "smoke.yaml"), *SITE, *store, "--set", "resources.nodes=2",
-                  "--set", "resources.tasks_per_node=1", "--set", "sbatch.exclude=n4", "--wait",
-                  "--wait-timeout", "120")
+                  "--set", "resources.tasks_per_node=1", *own, "--wait", "--wait-timeout", "120")
     assert job.code == 0, job.text
     assert f"node health: excluded n2: preflight, job {pre_id}" in job.out, job.out
     ran_on = subprocess.run(["sacct", "-j", job_id(job.out), "-X", "-n", "-o", "NodeList"], capture_output=True,
                             text=True, check=True).stdout.split()
-    assert ran_on == ["n[1,3]"]
+    assert expand_hostlist(ran_on[-1]) == others
 
     # excluding would leave too few nodes: one line naming the mark and the way out
+    too_many = ",".join([*rest, others[0]])
     short = run_cli("render", str(JOBS / "smoke.yaml"), *SITE, *store, "--set", "resources.nodes=2",
-                    "--set", "sbatch.exclude=n[3-4]")
+                    "--set", f"sbatch.exclude={too_many}")
     assert short.code == 2 and len(short.err.strip().splitlines()) == 1, short.text
-    assert "would leave 1 of partition cpu's 4 nodes for a job of 2" in short.err
+    assert f"would leave 1 of partition cpu's {len(members)} nodes for a job of 2" in short.err
     assert f"n2: preflight, job {pre_id}" in short.err and "hpcdist nodes --clear NODE" in short.err
 
     cleared = run_cli("nodes", *SITE, *store, "--clear", "n2")
     assert cleared.code == 0 and "forgot 1 mark of n2" in cleared.out, cleared.text
     assert "n2" not in nodes_json(root)
     again = run_cli("render", str(JOBS / "smoke.yaml"), *SITE, *store, "--set", "resources.nodes=2",
-                    "--set", "sbatch.exclude=n[3-4]")
-    assert again.code == 0 and "#SBATCH --exclude='n[3-4]'\n" in again.out and "Node health" not in again.out
+                    "--set", f"sbatch.exclude={too_many}")
+    assert again.code == 0 and f"#SBATCH --exclude={too_many}\n" in again.out and "Node health" not in again.out
