@@ -16,6 +16,8 @@ from pathlib import Path
 
 import h5py
 
+from hpcdist.config import load_site
+from hpcdist.store import health
 from hpcdist.store.results import read_table
 from tests.netfault import cut, slowed
 from tests.support import train as fx
@@ -93,6 +95,9 @@ def test_cut_link_during_all_reduce_sweep(separate_hosts: Path) -> None:
         assert not bool(f.attrs["complete"]) and f.attrs["verdict"].startswith("failed at all_reduce")
         assert "no answer within 5 s from n2 (rank 1)" in f.attrs["verdict"]
     assert rows(path, table) >= 3
+    # n2 goes into the site's node health record, once, from rank 0 (n2 cannot tell its own cut from n1's)
+    site = load_site("local-slurm", [s.removeprefix("--set=site.") for s in storage(separate_hosts)])
+    assert [(m.node, m.source) for m in health.marks(site)] == [("n2", "timeout")]
 
 
 def both_failed(logs: str, error: str) -> bool:

@@ -10,6 +10,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from hpcdist.bench.pairs import culprits
+from hpcdist.bench.record import Matrix
 from hpcdist.runtime.hostlist import expand_hostlist
 from hpcdist.scheduler.slurm import node_states
 from hpcdist.store import health
@@ -46,6 +50,22 @@ def test_concurrent_marks_from_several_processes_are_all_kept_and_whole(tmp_path
     assert bad[0].reason == f"slow link, mark {MARKS_EACH - 1}" and bad[0].job_id == f"100_{MARKS_EACH - 1}"
     assert health.clear(folder, "n0") == MARKS_EACH
     assert "n0" not in [m.node for m in health.bad_nodes(folder, within_s=3600)]
+
+
+def matrix(nodes: list[str], slow: set[str]) -> Matrix:
+    """A node-pair matrix where every link touching a node in `slow` moves 0.002 GB/s, others 1."""
+    n = len(nodes)
+    bw = np.array([[np.nan if i == j else (0.002 if {nodes[i], nodes[j]} & slow else 1.0) for j in range(n)]
+                   for i in range(n)])
+    return Matrix(nodes, bw, np.ones((n, n)), bw, {"label": "torch/gloo"})
+
+
+def test_the_preflight_blames_a_node_only_when_every_link_of_it_is_slow() -> None:
+    four = ["n1", "n2", "n3", "n4"]
+    assert list(culprits(matrix(four, {"n2"}), 0.02, None)) == ["n2"]
+    assert culprits(matrix(four, set(four)), 0.02, None) == {}  # every link slow: the baseline, not a node
+    assert culprits(matrix(["n1", "n2"], {"n2"}), 0.02, None) == {}  # one link: either end could be the cause
+    assert culprits(matrix(four, {"n2"}), None, None) == {}  # the site sets no minimum
 
 
 # ---------------------------------------------------------------- on the Slurm cluster

@@ -15,7 +15,7 @@ from hpcdist.bench.base import CommPath
 from hpcdist.bench.measure import Watchdog, maybe_fault
 from hpcdist.bench.record import BenchRecord, rank_layout
 from hpcdist.errors import BenchmarkError, HpcdistError
-from hpcdist.runtime.reach import roll_call
+from hpcdist.runtime.reach import roll_call, timed_out
 
 if TYPE_CHECKING:
     from hpcdist.runtime.context import JobContext
@@ -126,8 +126,8 @@ class Session:
             raise
         except Exception as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            gone = roll_call(self.rank, self.node_of_rank, site=self.ctx.site, job_id=self.ctx.job_id,
-                             what=what)  # names (and marks) the node that stopped answering
+            site = self.ctx.site if timed_out(exc) else None  # a time-out: a dead node or link, marked
+            gone = roll_call(self.rank, self.node_of_rank, site=site, job_id=self.ctx.job_id, what=what)
             where = f"; {gone}" if gone else ""
             if self.record is not None:
                 self.record.flush(complete=False, verdict=f"failed at {what}: {first}{where}")

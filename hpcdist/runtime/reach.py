@@ -7,7 +7,8 @@ never answered; a rank that cannot reach the store at all names rank 0's node, w
 A transport error that quotes a peer's address ("Connection closed by peer [10.0.0.12]:4711")
 also gets the rank(s) and node behind that address.
 
-Given the site, the roll call also marks in the site's node health record
+After a time-out (not a closed connection: a peer's kernel that resets the connection is alive,
+only its process died), the roll call also marks in the site's node health record
 (``hpcdist.store.health``, source ``timeout``) each node none of whose ranks answered, once: by
 the lowest rank that did answer, on the store's side of the break. A rank that cannot reach the
 store marks nothing: cut off itself, it cannot tell its own node from rank 0's.
@@ -123,11 +124,18 @@ def peer_named(text: str, host_of_rank: Sequence[str]) -> str:
     return "; ".join(named)
 
 
+def timed_out(exc: BaseException) -> bool:
+    """The failure was a wait that ran out (gloo's "Timed out", NCCL's watchdog, a TimeoutError),
+    which is what a dead node or a cut link gives; a closed or reset connection is not."""
+    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
+
+
 def failure_message(what: str, rank: int, host_of_rank: Sequence[str], exc: BaseException,
                     site: Site | None = None, job_id: str = "") -> str:
     """`what` failed on this rank: the cause's first line, the peer it names, and the nodes that
-    stopped answering (marked in `site`'s node health record, when given)."""
+    stopped answering (after a time-out, marked in `site`'s node health record, when given)."""
     peer = peer_named(str(exc), host_of_rank)
-    gone = roll_call(rank, host_of_rank, site=site, job_id=job_id, what=what)
+    gone = roll_call(rank, host_of_rank, site=site if timed_out(exc) else None, job_id=job_id, what=what)
     return (f"{what} failed on rank {rank} ({host_of_rank[rank]}): {cause_text(exc)}"
             + (f"; {peer}" if peer else "") + (f"; {gone}" if gone else ""))
