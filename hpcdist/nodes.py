@@ -95,7 +95,8 @@ def _show(site: Any, as_json: bool) -> int:
     from hpcdist.console import table, text
 
     if not rows:
-        print(f"no node is marked bad in {health.folder(site)}, and Slurm gives no node a reason")
+        print(f"no node is marked bad in {health.folder(site)}"
+              + (", and Slurm gives no node a reason" if site.scheduler == "slurm" else ""))
     else:
         grid = table("node", "excluded until", "marks", "newest mark", "slurm state", "slurm reason", left=6)
         for row in rows:
