@@ -32,7 +32,7 @@ def _write_marks(folder: str, writer: int) -> None:
 
 def test_concurrent_marks_from_several_processes_are_all_kept_and_whole(tmp_path: Path) -> None:
     folder = tmp_path / "node-health"
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("fork")  # real processes, without importing hpcdist again in each
     procs = [ctx.Process(target=_write_marks, args=(str(folder), w)) for w in range(WRITERS)]
     for p in procs:
         p.start()
