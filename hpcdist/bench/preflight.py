@@ -20,6 +20,7 @@ from hpcdist.bench.base import IN_PLACE, OUT_OF_PLACE
 from hpcdist.bench.collectives import sweep_collectives
 from hpcdist.bench.pairs import culprits, sweep_pairs
 from hpcdist.bench.session import Session
+from hpcdist.errors import HpcdistError
 
 if TYPE_CHECKING:
     from hpcdist.bench.jobs import PreflightParams
@@ -72,14 +73,14 @@ def _mark_slow_nodes(s: Session) -> list[str]:
         try:
             health.mark(s.ctx.site, node, why, job_id=s.ctx.job_id, source="preflight")
             marked.append(node)
-        except OSError as exc:
+        except (OSError, HpcdistError) as exc:  # the verdict says so; the figures matter more
             failed.append(f"{node} ({exc})")
     hours = s.ctx.site.health.exclude_for_h
     said = []
     it = "them" if len(marked) > 1 else "it"
     if marked:
         then = (f"submissions exclude {it} for {hours:g} h, so a resubmission runs without {it}" if hours > 0 else
-                "the site's health.exclude_for_h is 0, so submissions do not exclude it")
+                f"the site's health.exclude_for_h is 0, so submissions do not exclude {it}")
         said.append(f"marked {', '.join(marked)} bad in the site's node health record ({health.folder(s.ctx.site)}): "
                     f"{then} (`hpcdist nodes` lists the marks)")
     if failed:
