@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import stat
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,16 @@ def test_concurrent_marks_from_several_processes_are_all_kept_and_whole(tmp_path
     assert bad[0].reason == f"slow link, mark {MARKS_EACH - 1}" and bad[0].job_id == f"100_{MARKS_EACH - 1}"
     assert health.clear(folder, "n0") == MARKS_EACH
     assert "n0" not in [m.node for m in health.bad_nodes(folder, within_s=3600)]
+
+
+def test_marks_expire_by_age_and_a_job_marks_a_node_once(tmp_path: Path) -> None:
+    first = health.mark(tmp_path, "n3", "NODE_FAIL", "41", "node_failure")
+    assert health.mark(tmp_path, "n3", "NODE_FAIL again", "41", "node_failure") == first  # a second waiter
+    time.sleep(0.3)
+    health.mark(tmp_path, "n4", "slow", "42", "preflight")
+    assert [m.node for m in health.bad_nodes(tmp_path, within_s=0.2)] == ["n4"]  # n3's mark is older
+    assert health.bad_nodes(tmp_path, within_s=0) == []  # health.exclude_for_h: 0 turns exclusion off
+    assert health.prune(tmp_path, older_than_s=0.2) == 1 and [m.node for m in health.marks(tmp_path)] == ["n4"]
 
 
 def matrix(nodes: list[str], slow: set[str]) -> Matrix:

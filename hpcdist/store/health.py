@@ -105,9 +105,9 @@ def mark(where: Where, node: str, reason: str, job_id: str = "", source: Source 
     if source not in SOURCES:
         raise ConfigError(f"mark source {source!r} is not one of {', '.join(SOURCES)}")
     if job_id:  # once per node, job and source: the ranks of one job, or two waiters, do not repeat it
-        same = [m for m in marks(where) if (m.node, m.job_id, m.source) == (node, job_id, source)]
-        if same:
-            return same[-1]
+        for m in map(_read, _files(folder(where), node)):
+            if m is not None and (m.node, m.job_id, m.source) == (node, job_id, source):
+                return m
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
@@ -131,9 +131,11 @@ def _read(path: Path) -> Mark | None:
         return None  # removed meanwhile, or not a mark: nothing to trust
 
 
-def _files(path: Path) -> list[Path]:
+def _files(path: Path, node: str = "") -> list[Path]:
+    """The committed mark files (of `node`'s name prefix, when given: read them to be sure)."""
     try:
-        return [p for p in path.iterdir() if p.name.endswith(_SUFFIX) and not is_temporary(p)]
+        return [p for p in path.iterdir()
+                if p.name.endswith(_SUFFIX) and not is_temporary(p) and p.name.startswith(f"{node}." if node else "")]
     except FileNotFoundError:
         return []
 
@@ -176,14 +178,14 @@ def clear(where: Where, node: str | None) -> int:
 
 
 def prune(where: Where, older_than_s: float) -> int:
-    """Remove the marks older than `older_than_s` (that this user may remove); how many."""
+    """Remove the marks older than `older_than_s` (that this user may remove); how many. Their
+    files' times say it (written once, at the mark), so nothing is read."""
     removed, now = 0, time.time()
     for path in _files(folder(where)):
-        m = _read(path)
-        if m is not None and now - m.when > older_than_s:
-            try:
+        try:
+            if now - path.stat().st_mtime > older_than_s:
                 path.unlink()
                 removed += 1
-            except OSError:
-                pass  # gone already, or another user's and the folder is not the group's
+        except OSError:
+            pass  # gone already, or another user's and the folder is not the group's
     return removed
