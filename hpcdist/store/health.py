@@ -124,11 +124,17 @@ def mark(where: Where, node: str, reason: str, job_id: str = "", source: Source 
 
 
 def _read(path: Path) -> Mark | None:
+    """A mark as its writer made it, or None: removed meanwhile, or not a mark hpcdist wrote (the
+    folder is the group's: a file put there by hand is checked like a mark being made, so no
+    newline reaches a job script and no odd node name reaches ``--exclude``)."""
     try:
         data = json.loads(path.read_text())
-        return Mark(**{k: data[k] for k in ("node", "reason", "when", "job_id", "source", "user", "host")})
+        m = Mark(str(data["node"]), _one_line(str(data["reason"])), float(data["when"]),
+                 _one_line(str(data["job_id"]), 40), str(data["source"]), _one_line(str(data["user"]), 64),
+                 _one_line(str(data["host"]), 128))
     except (OSError, ValueError, KeyError, TypeError):
-        return None  # removed meanwhile, or not a mark: nothing to trust
+        return None
+    return m if _NODE.fullmatch(m.node) and m.source in SOURCES else None
 
 
 def _files(path: Path, node: str = "") -> list[Path]:
