@@ -22,7 +22,7 @@ from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import BootstrapError, HpcdistError
 from hpcdist.jobs.registry import Job, resolve
-from hpcdist.runtime import group, requeue
+from hpcdist.runtime import group, requeue, stacks
 from hpcdist.runtime.context import JobContext
 from hpcdist.runtime.device import cuda_index, visible_entries
 from hpcdist.runtime.rankinfo import RankInfo
@@ -81,6 +81,8 @@ def bootstrap(job: Job[Any], site: Site, env: Mapping[str, str] | None = None) -
     t_entry = time.time()
     info = RankInfo.from_env(env)
     rank_logger("hpcdist", info, env)
+    # `hpcdist stacks` and a timeout's summary: answered from now on, the rendezvous included
+    stacks.start(spec.paths(site, info.job_id or "local"), info.rank, info.world_size, info.hostname)
     # SIGTERM (which submitit's handler ignores) sets the stop flag from now on, so one that comes
     # during the bootstrap is not lost; the site's signal stays submitit's until a Context takes it.
     requeue.watch(("TERM",))
@@ -166,7 +168,11 @@ def run_job(job: Job[Any], site: Site) -> dict[str, Any]:
     spec = job.spec
     os.environ.update({**site.env, **spec.env})
     os.umask(site.storage.umask)  # storage.mode for all this rank writes (a direct launch has the shell's umask)
-    ctx, store = bootstrap(job, site)
+    try:
+        ctx, store = bootstrap(job, site)
+    except BaseException as exc:
+        stacks.on_failure(exc)  # a rendezvous that timed out: every rank's stack first
+        raise
     # what `hpcdist wait` shows, where the waiter of this very task reads it
     progress.start(ctx.paths.progress, ctx.is_main)
     import torch.distributed as dist  # already imported by the bootstrap, which times it
@@ -174,11 +180,13 @@ def run_job(job: Job[Any], site: Site) -> dict[str, Any]:
     try:
         try:
             out = job.kind.load_runner()(ctx, job.params) or {}
-        except BaseException:
+        except BaseException as exc:
+            stacks.on_failure(exc)  # a collective that timed out: every rank's stack, before the others stop
             _check_out_failed(store, ctx)
             raise
         group.finish(store, ctx.info, ctx.timeout_s)
     finally:
+        stacks.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
     return {"rank": ctx.rank, "host": ctx.info.hostname, "timings": ctx.timings, **out}
