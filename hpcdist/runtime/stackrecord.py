@@ -58,10 +58,12 @@ class Collectives:
     last_completed: int
     last_name: str
 
-    def text(self) -> str:
+    def text(self, timed_out: bool = False) -> str:
+        """``last collective #5 all_reduce, not completed``; at a timeout the recorder counts the
+        collective that failed as completed, so it says ``timed out``."""
         state = "completed" if self.last_completed >= self.last_enqueued else "not completed"
         name = self.last_name.split(":")[-1] or "?"
-        return f"last collective #{self.last_enqueued} {name}, {state}"
+        return f"last collective #{self.last_enqueued} {name}, {'timed out' if timed_out else state}"
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,11 @@ class RankStack:
     threads: tuple[ThreadStack, ...]
     collectives: Collectives | None = None
     recorder: str = ""  # why there are no collectives, when there are none
+
+    @property
+    def timed_out(self) -> bool:
+        """Taken by a rank at its own timeout (not in answer to a request)."""
+        return self.why.startswith(TIMEOUT_REQUEST)
 
     @property
     def main(self) -> tuple[Frame, ...]:
@@ -146,13 +153,13 @@ def where(frames: tuple[Frame, ...]) -> tuple[Frame | None, str]:
 
 
 def say_where(frames: tuple[Frame, ...]) -> str:
-    """``all_reduce, called at train.py:88`` or ``train.py:80 (main)``."""
+    """``all_reduce, called at train.py:88`` or ``train.py:80 in main: time.sleep(60)``."""
     frame, call = where(frames)
     if frame is None:
         return "no Python frame in the job's thread"
     if call:
         return f"{call}, called at {frame.short()}"
-    return f"{frame.short()} ({frame.function})"
+    return f"{frame.short()} in {frame.function}" + (f": {frame.code}" if frame.code else "")
 
 
 def ranks_text(ranks: list[int]) -> str:
@@ -197,7 +204,7 @@ def group(stacks: dict[int, RankStack]) -> list[Group]:
     groups = []
     for ranks in by_key.values():
         frames = stacks[ranks[0]].main
-        coll = {r: c.text() for r in ranks if (c := stacks[r].collectives) is not None}
+        coll = {r: c.text(stacks[r].timed_out) for r in ranks if (c := stacks[r].collectives) is not None}
         groups.append(Group(ranks, frames, say_where(frames), coll))
     return sorted(groups, key=lambda g: (-len(g.ranks), g.ranks[0]))
 

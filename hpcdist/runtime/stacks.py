@@ -49,6 +49,7 @@ log = logging.getLogger("hpcdist")
 
 INTERVAL_S = 1.0  # how often a rank reads the request file
 ANSWER_WAIT_S = 3.0  # how long a rank that timed out waits for the others' answers
+WATCHER_NAME = "hpcdist-stacks"  # left out of the stacks it takes
 FR_VAR, FR_ENTRIES = "TORCH_FR_BUFFER_SIZE", "200"  # torch's flight recorder: on, with a small ring
 
 _HPCDIST = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,15 +78,15 @@ def _frames(summary: traceback.StackSummary) -> tuple[Frame, ...]:
 
 
 def capture(rank: int, host: str, why: str, exc: BaseException | None = None) -> RankStack:
-    """Every thread's stack now; the calling thread's at the raise of `exc` when given (it is
-    handling `exc`), else the calling thread left out (the watcher asking)."""
+    """Every thread's stack now but the watcher's; the calling thread's at the raise of `exc`
+    when given (it is handling `exc`)."""
     me, main = threading.get_ident(), threading.main_thread().ident
     names = {t.ident: t.name for t in threading.enumerate()}
     threads = []
     for ident, frame in sys._current_frames().items():
-        if ident == me:
-            if exc is None or exc.__traceback__ is None:
-                continue
+        if names.get(ident) == WATCHER_NAME:
+            continue
+        if ident == me and exc is not None and exc.__traceback__ is not None:
             tb = exc.__traceback__
             outer = tb.tb_frame.f_back
             summary = traceback.StackSummary.from_list(
@@ -136,7 +137,7 @@ class Watcher(threading.Thread):
 
     def __init__(self, paths: JobPaths, rank: int, world_size: int, host: str,
                  interval_s: float = INTERVAL_S) -> None:
-        super().__init__(name="hpcdist-stacks", daemon=True)
+        super().__init__(name=WATCHER_NAME, daemon=True)
         self.paths, self.rank, self.world_size, self.host = paths, rank, world_size, host
         self.interval_s = interval_s
         self._done = threading.Event()

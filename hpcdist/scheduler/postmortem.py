@@ -179,7 +179,7 @@ def timeout_stacks(files: dict[int, Path], world_size: int, verbose: bool = Fals
     `hpcdist stacks` groups them (``stackrecord.describe``); [] when no rank timed out. Only the
     answers of the last minute before the newest timeout count: an earlier run's are not this one's."""
     got = read_stacks(files)
-    timed = [s.written for s in got.values() if s.why.startswith("timeout")]
+    timed = [s.written for s in got.values() if s.timed_out]
     if not timed:
         return []
     return describe({r: s for r, s in got.items() if s.written >= max(timed) - 60.0}, world_size, verbose)
