@@ -21,7 +21,7 @@ from hpcdist.runtime.stacks import capture, is_timeout
 from tests.support.cli import REPO, job_id, run_cli, storage_sets
 
 HANG = REPO / "tests" / "scripts" / "hang.py"
-COLLECTIVE_TIMEOUT_S = 15  # long enough to ask twice while it hangs, short enough for the suite
+COLLECTIVE_TIMEOUT_S = 12  # long enough to ask while it hangs, short enough for the suite
 
 
 def line_of(path: Path, text: str) -> int:
@@ -84,11 +84,12 @@ def _stacks_json(jid: str) -> dict[str, Any] | None:
     return json.loads(result.out) if result.code == 0 else None
 
 
-@pytest.mark.slurm
-def test_stacks_of_a_hung_job_and_its_summary_name_the_rank_that_was_elsewhere(slurm_storage: Path) -> None:
+def hang_and_check(site: str, root: Path, world: int, sets: list[str]) -> str:
+    """Submit hang.py on `world` ranks, check what `hpcdist stacks` says while it hangs and what
+    the summary says after the timeout; the job id."""
     sleep_at, reduce_at = line_of(HANG, "time.sleep("), line_of(HANG, "dist.all_reduce(")
-    submitted = run_cli("submit", "--site", "local-slurm", "--set", "resources.nodes=2",
-                        "--set", "resources.tasks_per_node=2", "--set", "timeout_s=60", *storage_sets(slurm_storage),
+    last, others = ranks_text([world - 1]), ranks_text(list(range(world - 1)))
+    submitted = run_cli("submit", "--site", site, "--set", "timeout_s=60", *sets, *storage_sets(root),
                         "--", str(HANG), str(COLLECTIVE_TIMEOUT_S))
     assert submitted.code == 0, submitted.text
     jid = job_id(submitted.out)
@@ -101,16 +102,32 @@ def test_stacks_of_a_hung_job_and_its_summary_name_the_rank_that_was_elsewhere(s
         time.sleep(1)
     assert seen is not None and seen["missing"] == [], seen
     groups = [(g["ranks"], g["where"]) for g in seen["groups"]]
-    assert groups == [([0, 1, 2], f"all_reduce, called at hang.py:{reduce_at}"),
-                      ([3], f"hang.py:{sleep_at} in <module>: time.sleep(600)  # the straggler")], groups
-    assert len({rank["host"] for rank in seen["ranks"].values()}) == 2, seen["ranks"]
+    assert groups == [(list(range(world - 1)), f"all_reduce, called at hang.py:{reduce_at}"),
+                      ([world - 1], f"hang.py:{sleep_at} in <module>: time.sleep(600)  # the straggler")], groups
     coll = seen["groups"][0]["collectives"]
-    assert coll == {str(r): "last collective #2 all_reduce, not completed" for r in range(3)}, coll
+    assert coll == {str(r): "last collective #2 all_reduce, not completed" for r in range(world - 1)}, coll
 
     waited = run_cli("wait", jid, timeout=120)
     assert waited.code == 1, waited.text
     assert re.search(r"Timed out waiting \d+ms", waited.out), waited.out
-    assert f"    ranks 0-2: all_reduce, called at hang.py:{reduce_at}" in waited.out, waited.out
-    assert f"elsewhere: rank 3 at hang.py:{sleep_at} in <module>: time.sleep(600)" in waited.out, waited.out
-    logs = (slurm_storage / "logs" / "hang" / jid / f"{jid}_3_log.err").read_text()
-    assert "another rank timed out and asked for every stack" in logs and "time.sleep(600)" in logs, logs
+    assert f"    {others}: all_reduce, called at hang.py:{reduce_at} [last collective #2 all_reduce, timed out]" \
+        in waited.out, waited.out
+    assert f"    {last}: hang.py:{sleep_at} in <module>: time.sleep(600)" in waited.out, waited.out
+    if world > 2:  # one rank against many: named as the one elsewhere
+        assert f"elsewhere: {last} at hang.py:{sleep_at} in <module>: time.sleep(600)" in waited.out, waited.out
+    return jid
+
+
+@pytest.mark.slurm
+def test_stacks_of_a_hung_job_and_its_summary_name_the_rank_that_was_elsewhere(slurm_storage: Path) -> None:
+    jid = hang_and_check("local-slurm", slurm_storage, 4, ["--set", "resources.nodes=2",
+                                                           "--set", "resources.tasks_per_node=2"])
+    folder = slurm_storage / "logs" / "hang" / jid
+    answers = [json.loads((folder / f"stack_rank{r}.json").read_text()) for r in range(4)]
+    assert len({a["host"] for a in answers}) == 2, answers  # two nodes answered through the shared folder
+    log = (folder / f"{jid}_3_log.err").read_text()
+    assert "another rank timed out and asked for every stack" in log and "time.sleep(600)" in log, log
+
+
+def test_stacks_of_a_hung_job_on_the_local_site(tmp_path: Path) -> None:
+    hang_and_check("local", tmp_path / "out", 2, ["--set", "resources.tasks_per_node=2"])
