@@ -185,7 +185,7 @@ class Watcher(threading.Thread):
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             self._failed = capture(self.rank, self.host, f"timeout: {first[:300]}", exc)
             self._write(self._failed)
-        log.error("timed out; this rank's stack at the timeout:\n%s", text(self._failed))
+        log.error("%s; this rank's stack at the timeout:\n%s", self._failed.why, text(self._failed))
         try:
             _, asked = ask(self.paths, f"{TIMEOUT_REQUEST} rank{self.rank}")
         except OSError as exc_ask:
