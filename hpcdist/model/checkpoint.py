@@ -3,8 +3,11 @@
 In a ``hpcdist.checkpoint`` file the GPT adds:
 
 - the root attribute ``model_config_json`` (``GPTConfig.model_dump_json()``);
-- the group ``/model``: one float32, C-order dataset per ``GPT.state_dict()`` key, with the exact
-  key names (each with its ``sha256``, as every store dataset). A tied head ``lm_head.weight``
+- the group ``/model``: one C-order dataset per ``GPT.state_dict()`` key, with the exact key names
+  (each with its ``sha256``, as every store dataset), in the tensor's own dtype: float32 as
+  training writes it, bfloat16 or float16 as an imported model has it (bf16 stays bf16; the store
+  keeps a dtype NumPy lacks as its bits with the dataset attribute ``torch_dtype``, see
+  ``hpcdist.store.tree``); every reader computes in float32. A tied head ``lm_head.weight``
   (GPT-2's; an untied one is stored as itself) is ``transformer.wte.weight`` and stored once:
   the group attribute ``tied_json`` maps each omitted key to the stored one;
 - the group ``/tokenizer`` (``hpcdist.data.tokenizer``): the tokenizer the model reads and
@@ -32,7 +35,7 @@ from hpcdist.errors import CheckpointError
 from hpcdist.model.config import GPTConfig
 from hpcdist.store import checkpoints as store
 from hpcdist.store.discovery import resolve
-from hpcdist.store.tree import ChecksumError, Tree, sha256_of_dataset
+from hpcdist.store.tree import ChecksumError, Tree, as_tensor, sha256_of_dataset
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +46,7 @@ MODEL_GROUP = "model"
 CONFIG_ATTR = "model_config_json"
 TIED_ATTR = "tied_json"
 CHAT_TEMPLATE = "chat_template_utf8"  # in the tokenizer group: the Jinja chat template, UTF-8 bytes
+DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the dtypes a model tensor is stored in, and their sizes
 
 
 def parameter_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -85,7 +89,8 @@ def model_attrs(cfg: GPTConfig) -> dict[str, str]:
 
 
 def model_tree(state_dict: Mapping[str, Any]) -> Tree:
-    """`/model` for a state dict: float32 arrays, tied tensors stored once (``tied_json``)."""
+    """`/model` for a state dict: each tensor in its dtype when it is one of `DTYPES` (else as
+    float32), tied tensors stored once (``tied_json``)."""
     out: Tree = {}
     seen: dict[tuple[int, tuple[int, ...]], str] = {}
     tied: dict[str, str] = {}
@@ -96,23 +101,24 @@ def model_tree(state_dict: Mapping[str, Any]) -> Tree:
             continue
         if ident is not None:
             seen[ident] = key
-        t = value.detach().cpu().float() if hasattr(value, "detach") else value
-        arr = t.numpy() if hasattr(t, "numpy") else np.asarray(t, dtype=np.float32)
-        out[key] = np.ascontiguousarray(arr, dtype=np.float32)
+        if hasattr(value, "detach"):
+            t = value.detach().cpu()
+            out[key] = (t if str(t.dtype).removeprefix("torch.") in DTYPES else t.float()).contiguous()
+        else:
+            out[key] = np.ascontiguousarray(value, dtype=np.float32)
     out[TIED_ATTR] = json.dumps(tied)
     return out
 
 
 def state_dict_of(group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """A state dict for ``GPT.load_state_dict`` (strict) from a `/model` tree as the store reads it.
+    """A state dict for ``GPT.load_state_dict`` (strict) from a `/model` tree as the store reads it,
+    each tensor in its stored dtype (``load_state_dict`` copies it into the model's float32).
 
     Tied keys omitted in the file (``lm_head.weight``) are restored as the same tensor as the
     key they are tied to.
     """
-    import torch
-
     tied = json.loads(group.get(TIED_ATTR, "{}") or "{}")
-    state = {k: torch.from_numpy(np.array(v)) for k, v in group.items() if isinstance(v, np.ndarray)}
+    state = {k: as_tensor(v) for k, v in group.items() if hasattr(v, "shape")}
     for key, source in tied.items():
         state[key] = state[source]
     return state
@@ -216,10 +222,11 @@ class CheckpointHeader:
     config: GPTConfig
     shapes: dict[str, tuple[int, ...]]
     sha256: dict[str, str]
+    dtypes: dict[str, str]  # each tensor's stored dtype, one of `DTYPES` ("bfloat16")
 
     @property
     def nbytes(self) -> int:
-        return sum(int(np.prod(s)) * 4 for s in self.shapes.values())
+        return sum(int(np.prod(s)) * DTYPES[self.dtypes[k]] for k, s in self.shapes.items())
 
 
 def _config_differences(expect: GPTConfig, cfg: GPTConfig) -> str:
@@ -250,7 +257,8 @@ def read_header(path: str | Path, expect: GPTConfig | None = None) -> Checkpoint
         ("has tensors the model does not", [k for k in found if k not in want]),
         ("has tensors of the wrong shape",
          [f"{k} {found[k].shape} (expected {s})" for k, s in want.items() if k in found and found[k].shape != s]),
-        ("has tensors that are not float32", [k for k, d in found.items() if d.dtype != np.float32]),
+        (f"has tensors not in {', '.join(DTYPES)}",
+         [f"{k} ({d.dtype_name})" for k, d in found.items() if d.dtype_name not in DTYPES]),
         ("has tensors without a sha256", [k for k, d in found.items() if len(d.sha256) != 64]),
     ):
         if items:
@@ -266,11 +274,12 @@ def read_header(path: str | Path, expect: GPTConfig | None = None) -> Checkpoint
         config=cfg,
         shapes={k: found[k].shape for k in want},
         sha256={k: found[k].sha256 for k in want},
+        dtypes={k: found[k].dtype_name for k in want},
     )
 
 
-def read_full(header: CheckpointHeader, verify: bool = True) -> dict[str, np.ndarray]:
-    """Every tensor of the checkpoint, each checked against its sha256 when `verify`."""
+def read_full(header: CheckpointHeader, verify: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint in its stored dtype, each checked against its sha256 when `verify`."""
     try:
         group = store.read(header.path, groups=(MODEL_GROUP,), verify=verify).tree[MODEL_GROUP]
     except ChecksumError as exc:
@@ -278,7 +287,7 @@ def read_full(header: CheckpointHeader, verify: bool = True) -> dict[str, np.nda
         raise CheckpointError(
             f"checkpoint {header.path}: tensor {key} does not match its sha256; the file is corrupt"
         ) from exc
-    return {key: group[key] for key in header.shapes}
+    return {key: as_tensor(group[key]) for key in header.shapes}
 
 
 def verify_streaming(header: CheckpointHeader, key: str) -> bool:

@@ -10,12 +10,14 @@ Only the GELU MLP maps onto GPT-2 (SwiGLU has no GPT-2 counterpart).
   pytorch_model.bin, sharded or not, and its tokenizer files) to an hpcdist checkpoint carrying
   the tokenizer and its chat template, written atomically with every tensor's sha256
   (``hpcdist model import``);
-- `export_pretrained`: a checkpoint to a folder ``from_pretrained`` loads (``hpcdist model export``);
+- `export_pretrained`: a checkpoint to a folder ``from_pretrained`` loads (``hpcdist model export``),
+  each tensor in the dtype the checkpoint keeps it in (a bf16 import exports as bf16, bit for bit);
 - `to_hf`: the same weights as a transformers model of the config's family, the reference the
   inference tests compare with.
 
 Weights are read by ``safetensors`` / ``torch.load(weights_only=True)`` and configs and tokenizers
-by ``transformers``; nothing is downloaded. Every bad input is one ``ConfigError`` line.
+by ``transformers``; nothing is downloaded. Weights keep their dtype (bf16 stays bf16 in the
+checkpoint); models compute in float32. Every bad input is one ``ConfigError`` line.
 """
 
 from __future__ import annotations
@@ -129,21 +131,22 @@ def gpt_config(raw: Mapping[str, Any], where: Path) -> GPTConfig:
 
 
 def to_hf_state(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """GPT-2 tensors for a GPT state dict: Conv1D weights transposed, the tied head left out."""
+    """GPT-2 tensors for a GPT state dict, each in its dtype: Conv1D weights transposed, the tied head left out."""
     import torch
 
     out = {}
     for key, value in state.items():
         if key == HEAD:
             continue
-        t = torch.as_tensor(value).detach().float()
+        t = torch.as_tensor(value).detach()
         out[key] = t.t().contiguous() if key.endswith(CONV1D) else t.clone()
     return out
 
 
 def from_hf_state(hf_state: Mapping[str, torch.Tensor], cfg: GPTConfig, where: Path) -> dict[str, torch.Tensor]:
-    """A GPT state dict (``lm_head.weight`` the same tensor as the embedding) from GPT-2's tensors;
-    a ConfigError listing every missing, unexpected or wrongly shaped tensor."""
+    """A GPT state dict (``lm_head.weight`` the same tensor as the embedding) from GPT-2's tensors,
+    each in the dtype the file has; a ConfigError listing every missing, unexpected or wrongly
+    shaped tensor."""
     import torch
 
     from hpcdist.model.checkpoint import parameter_shapes
@@ -175,9 +178,9 @@ def from_hf_state(hf_state: Mapping[str, torch.Tensor], cfg: GPTConfig, where: P
         )
     state = {}
     for key in want:
-        t = got[key].detach().to(torch.float32)
+        t = got[key].detach()
         state[key] = (t.t() if key.endswith(CONV1D) else t).contiguous()
-    if HEAD in got and not torch.equal(got[HEAD].to(torch.float32), state[WTE]):
+    if HEAD in got and not torch.equal(got[HEAD].to(state[WTE].dtype), state[WTE]):
         raise ConfigError(f"{where}: lm_head.weight differs from the token embedding; an untied head is not supported")
     state[HEAD] = state[WTE]
     return state
@@ -198,6 +201,21 @@ def to_hf(cfg: GPTConfig, state: Mapping[str, Any], eot_id: int | None = None) -
         raise ConfigError(f"weights do not map onto GPT-2: missing {real_missing[:3]}, unexpected {unexpected[:3]}")
     model.tie_weights()
     return model.eval()
+
+
+def as_stored(model: Any, cfg: GPTConfig, state: Mapping[str, Any]) -> Any:
+    """`model` (`to_hf`'s, float32) with each parameter in the dtype `state` holds it in, so an imported
+    bf16 model exports as bf16, bit for bit (bf16 to float32 and back is exact)."""
+    if cfg.family != "gpt2":
+        from hpcdist.model import hf_llama
+
+        stored = hf_llama.to_hf_state(cfg, state)
+    else:
+        stored = to_hf_state(state)
+    for name, param in model.named_parameters():
+        if name in stored and stored[name].dtype != param.dtype:
+            param.data = param.data.to(stored[name].dtype)
+    return model
 
 
 # ---------------------------------------------------------------- folders
@@ -327,7 +345,7 @@ def export_pretrained(checkpoint: Path, out: Path) -> tuple[Path, ByteTokenizer 
     path = resolve(checkpoint)
     cfg, state = load_model_state(path)
     tok = checkpoint_tokenizer(path, cfg)
-    model = to_hf(cfg, state, tok.eot_id)
+    model = as_stored(to_hf(cfg, state, tok.eot_id), cfg, state)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
