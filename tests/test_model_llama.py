@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hpcdist.errors import ConfigError
-from hpcdist.model.checkpoint import checkpoint_tokenizer, load_model_state, read_header
+from hpcdist.model.checkpoint import checkpoint_chat_template, checkpoint_tokenizer, load_model_state, read_header
 from hpcdist.model.gpt import GPT
 from tests.support.cli import require_module
 from tests.support.hf import cli
@@ -172,7 +172,7 @@ def test_other_rope_types_are_refused_in_one_line(tmp_path: Path, capsys: pytest
     assert f"rope_type '{rope_type}' is not supported (supported: default, llama3)" in err
 
 
-def test_other_architectures_and_sentencepiece_only_folders_are_refused(tmp_path: Path,
+def test_other_architectures_are_refused_in_one_line(tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     folder = tmp_path / "gemma"
     folder.mkdir()
@@ -181,12 +181,48 @@ def test_other_architectures_and_sentencepiece_only_folders_are_refused(tmp_path
     assert code != 0 and len(err.strip().splitlines()) == 1
     assert "GemmaForCausalLM is not supported; supported: GPT2LMHeadModel, LlamaForCausalLM, " \
            "MistralForCausalLM, Qwen2ForCausalLM" in err
+
+
+def test_a_sentencepiece_only_folder_is_converted_else_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mistral with Llama 2's kind of tokenizer.model and no tokenizer.json: the sentencepiece extra converts it
+    (ids as SentencePiece's own, the BOS its tokenizer_config.json asks for); a file SentencePiece cannot read,
+    or no sentencepiece installed, is one line."""
+    import sys
+
+    import sentencepiece
+
+    from hpcdist.data.tokenizer import SPM_PROBE
+
     spm = tmp_path / "spm"
     make_llama(spm, "mistral")
     (spm / "tokenizer.json").unlink()
-    (spm / "tokenizer.model").write_bytes(b"\x0a\x00")  # stands for a SentencePiece model
-    code, _, err = cli(capsys, "model", "import", str(spm), "-o", str(tmp_path / "y.h5"))
-    assert code != 0 and "has only a SentencePiece tokenizer.model" in err and len(err.strip().splitlines()) == 1
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(write_corpus(tmp_path / "corpus.txt", words=3000)), model_prefix=str(tmp_path / "sp"),
+        vocab_size=VOCAB, model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1, byte_fallback=True,
+        split_digits=True, normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2)
+    (spm / "tokenizer.model").write_bytes((tmp_path / "sp.model").read_bytes())
+    (spm / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+         "add_bos_token": True, "add_eos_token": False, "chat_template": TEMPLATE}))
+    (spm / "chat_template.jinja").unlink()  # the template from tokenizer_config.json, as older folders keep it
+    code, text, err = cli(capsys, "model", "import", str(spm), "-o", str(tmp_path / "y.h5"))
+    assert code == 0, err
+    assert "chat template" in text
+    cfg = read_header(tmp_path / "y.h5").config
+    tok = checkpoint_tokenizer(tmp_path / "y.h5", cfg)
+    want = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "sp.model")).encode(SPM_PROBE)
+    assert tok.encode_text(SPM_PROBE) == [1, *want] and tok.eot_token == "</s>"
+    assert checkpoint_chat_template(tmp_path / "y.h5") == TEMPLATE
+    (spm / "tokenizer.model").write_bytes(b"\x0a\x00")  # not a SentencePiece model
+    code, _, err = cli(capsys, "model", "import", str(spm), "-o", str(tmp_path / "z.h5"))
+    assert code != 0 and len(err.strip().splitlines()) == 1
+    assert "tokenizer.model cannot be converted as a SentencePiece model" in err
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)  # as where the extra is not installed
+    code, _, err = cli(capsys, "model", "import", str(spm), "-o", str(tmp_path / "z.h5"))
+    assert code != 0 and len(err.strip().splitlines()) == 1
+    assert "has only a SentencePiece tokenizer.model; install the sentencepiece extra" in err
 
 
 def test_tp_degree_that_neither_divides_nor_is_a_multiple_of_the_kv_heads_is_refused() -> None:

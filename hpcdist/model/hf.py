@@ -289,17 +289,11 @@ def read_pretrained(directory: Path) -> tuple[GPTConfig, dict[str, torch.Tensor]
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{config_file} cannot be read as JSON: {exc}") from exc
     cfg = gpt_config(raw, config_file)
-    if (directory / "tokenizer.model").is_file() and not any(
-            (directory / f).is_file() for f in ("tokenizer.json", "vocab.json")):
-        raise ConfigError(
-            f"{directory} has only a SentencePiece tokenizer.model; hpcdist reads tokenizer.json: convert it once "
-            f"with transformers and sentencepiece (AutoTokenizer.from_pretrained(dir).save_pretrained(dir))"
-        )
-    state = from_hf_state(read_weights(directory), cfg, directory)
-    try:
+    try:  # before the weights: a tokenizer that cannot be read fails at once
         tok = from_pretrained_dir(directory)
     except JobError as exc:
         raise ConfigError(str(exc)) from exc
+    state = from_hf_state(read_weights(directory), cfg, directory)
     # LLaMA-family vocabularies may be padded past the tokenizer's (Qwen2: 151936 for 151665 ids)
     if tok.vocab_size > cfg.vocab_size or (cfg.family == "gpt2" and tok.vocab_size != cfg.vocab_size):
         raise ConfigError(
