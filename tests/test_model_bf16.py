@@ -30,14 +30,14 @@ PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [250, 8], [12, 13, 14, 15, 16]]  # ragged
 @pytest.fixture(scope="module")
 def bf16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, Any]]:
     """(folder, imported checkpoint, transformers model in bf16) of a GQA Llama with an untied head and a tied
-    Qwen2, both saved in bfloat16 and imported through the CLI."""
-    from hpcdist.cli import main
+    Qwen2, both saved in bfloat16 and imported as `hpcdist model import` does."""
+    from hpcdist.model.hf import import_pretrained
 
     root = tmp_path_factory.mktemp("bf16")
     out = {}
     for variant in ("llama3-gqa", "qwen2"):
         model = make_llama(root / variant, variant, dtype=torch.bfloat16)
-        assert main(["model", "import", str(root / variant), "-o", str(root / f"{variant}.h5")]) == 0
+        assert import_pretrained(root / variant, root / f"{variant}.h5").dtype == "bfloat16"  # what the CLI prints
         out[variant] = (root / variant, root / f"{variant}.h5", model)
     return out
 

@@ -254,6 +254,7 @@ class Imported:
     tokenizer: str
     parameters: int
     chat_template: bool = False
+    dtype: str = "float32"  # the dtype(s) the weights are stored in, as the folder had them
 
 
 def read_chat_template(directory: Path) -> str | None:
@@ -323,7 +324,8 @@ def import_pretrained(directory: Path, out: Path) -> Imported:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         path = out
-    return Imported(path, cfg, tok.name, cfg.num_params(), template is not None)
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in state.values()})
+    return Imported(path, cfg, tok.name, cfg.num_params(), template is not None, "/".join(dtypes))
 
 
 def export_pretrained(checkpoint: Path, out: Path) -> tuple[Path, ByteTokenizer | FileTokenizer]:
