@@ -35,7 +35,7 @@ from hpcdist.errors import CheckpointError
 from hpcdist.model.config import GPTConfig
 from hpcdist.store import checkpoints as store
 from hpcdist.store.discovery import resolve
-from hpcdist.store.tree import ChecksumError, Tree, as_tensor, sha256_of_dataset
+from hpcdist.store.tree import ChecksumError, Tree, as_tensor, is_bits, sha256_of_dataset
 
 if TYPE_CHECKING:
     import torch
@@ -90,7 +90,7 @@ def model_attrs(cfg: GPTConfig) -> dict[str, str]:
 
 def model_tree(state_dict: Mapping[str, Any]) -> Tree:
     """`/model` for a state dict: each tensor in its dtype when it is one of `DTYPES` (else as
-    float32), tied tensors stored once (``tied_json``)."""
+    float32), a NumPy array where NumPy has the dtype, tied tensors stored once (``tied_json``)."""
     out: Tree = {}
     seen: dict[tuple[int, tuple[int, ...]], str] = {}
     tied: dict[str, str] = {}
@@ -101,11 +101,15 @@ def model_tree(state_dict: Mapping[str, Any]) -> Tree:
             continue
         if ident is not None:
             seen[ident] = key
-        if hasattr(value, "detach"):
-            t = value.detach().cpu()
-            out[key] = (t if str(t.dtype).removeprefix("torch.") in DTYPES else t.float()).contiguous()
-        else:
+        if not hasattr(value, "detach"):
             out[key] = np.ascontiguousarray(value, dtype=np.float32)
+            continue
+        t = value.detach().cpu()
+        name = str(t.dtype).removeprefix("torch.")
+        if name not in DTYPES:
+            t, name = t.float(), "float32"
+        # an array where NumPy has the dtype, as before; a bfloat16 tensor the store keeps as its bits
+        out[key] = t.contiguous() if is_bits(name) else np.ascontiguousarray(t.numpy())
     out[TIED_ATTR] = json.dumps(tied)
     return out
 
