@@ -135,3 +135,30 @@ def test_infer_gpt_broadcasts_a_bf16_checkpoint_as_bf16_and_generates_transforme
     assert outputs == hf_generate_greedy(reference, asked, 10, end_token=1)
     logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").rglob("*") if p.is_file())
     assert "weights loaded by broadcast" in logs and f"({read_header(checkpoint).nbytes} bytes)" in logs
+
+
+def test_finetune_from_a_bf16_checkpoint_trains_float32_weights_from_the_same_values(
+    bf16: dict[str, tuple[Path, Path, Any]], tmp_path: Path
+) -> None:
+    """train_gpt with `params.init` of the bf16 import (2 ranks, DDP, local site): it starts from the bf16 values
+    widened and writes the float32 master weights it trains."""
+    from tests.support.cli import run_cli, storage_sets
+    from tests.support.train import write_corpus
+
+    _, checkpoint, _ = bf16["qwen2"]
+    tokens = tmp_path / "tokens.h5"
+    made = run_cli("data", "prepare", str(write_corpus(tmp_path / "corpus.txt", words=3000)), "-o", str(tokens),
+                   "--tokenizer", str(checkpoint))
+    assert made.code == 0, made.text
+    run = run_cli("submit", "jobs/finetune_gpt.yaml", "--site", "local", "--wait", *storage_sets(tmp_path),
+                  "--set", f"params.init={checkpoint}", "--set", f"params.data={tokens}",
+                  "--set", "params.model.context=32", "--set", "params.steps=2", "--set", "params.batch.accum=1",
+                  "--set", "params.optim.warmup_steps=0", "--set", "params.eval.every=0",
+                  "--set", "params.checkpoint.every=2", "--set", "timeout_s=120", timeout=300)
+    assert run.code == 0, run.text
+    header = read_header(tmp_path / "checkpoints" / "finetune_gpt" / "step_00000002.h5")
+    assert set(header.dtypes.values()) == {"float32"}
+    _, before = load_model_state(checkpoint)
+    _, after = load_model_state(header.path)
+    deltas = [float((after[k] - before[k].float()).abs().max()) for k in after]
+    assert 0 < max(deltas) < 0.1  # moved a little from the bf16 values, not from anywhere else
