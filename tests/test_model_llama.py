@@ -25,6 +25,7 @@ from tests.support.train import write_corpus
 
 require_module("transformers")
 
+TOOLS = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}<tools>"  # a named template
 ATOL = 2e-5  # the issue's bound: float32 sums in another order (GQA, rotary, all-reduced partial sums)
 
 
@@ -155,6 +156,26 @@ def test_export_loads_with_from_pretrained_with_equal_logits(root: Path, tmp_pat
             "input_ids"]
 
 
+def test_named_chat_templates_travel_from_import_to_export(root: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers 5's form: chat_template.jinja and additional_chat_templates/tool_use.jinja."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "named"
+    shutil.copytree(imported(root, "qwen2", capsys).directory, folder)
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text(TOOLS)
+    code, _, err = cli(capsys, "model", "import", str(folder), "-o", str(tmp_path / "named.h5"))
+    assert code == 0, err
+    assert checkpoint_chat_template(tmp_path / "named.h5") == {"default": TEMPLATE, "tool_use": TOOLS}
+    code, _, err = cli(capsys, "model", "export", str(tmp_path / "named.h5"), "-o", str(tmp_path / "out"))
+    assert code == 0, err
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "out")).chat_template == {"default": TEMPLATE,
+                                                                                   "tool_use": TOOLS}
+
+
 @pytest.mark.parametrize("rope_type", ["linear", "dynamic", "yarn", "longrope"])
 def test_other_rope_types_are_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                   rope_type: str) -> None:
@@ -205,8 +226,9 @@ def test_a_sentencepiece_only_folder_is_converted_else_refused_in_one_line(
     (spm / "tokenizer.model").write_bytes((tmp_path / "sp.model").read_bytes())
     (spm / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-         "add_bos_token": True, "add_eos_token": False, "chat_template": TEMPLATE}))
-    (spm / "chat_template.jinja").unlink()  # the template from tokenizer_config.json, as older folders keep it
+         "add_bos_token": True, "add_eos_token": False,
+         "chat_template": [{"name": "default", "template": TEMPLATE}, {"name": "tool_use", "template": TOOLS}]}))
+    (spm / "chat_template.jinja").unlink()  # named templates in tokenizer_config.json, as transformers 4.4x kept them
     code, text, err = cli(capsys, "model", "import", str(spm), "-o", str(tmp_path / "y.h5"))
     assert code == 0, err
     assert "chat template" in text
@@ -214,7 +236,7 @@ def test_a_sentencepiece_only_folder_is_converted_else_refused_in_one_line(
     tok = checkpoint_tokenizer(tmp_path / "y.h5", cfg)
     want = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "sp.model")).encode(SPM_PROBE)
     assert tok.encode_text(SPM_PROBE) == [1, *want] and tok.eot_token == "</s>"
-    assert checkpoint_chat_template(tmp_path / "y.h5") == TEMPLATE
+    assert checkpoint_chat_template(tmp_path / "y.h5") == {"default": TEMPLATE, "tool_use": TOOLS}
     (spm / "tokenizer.model").write_bytes(b"\x0a\x00")  # not a SentencePiece model
     code, _, err = cli(capsys, "model", "import", str(spm), "-o", str(tmp_path / "z.h5"))
     assert code != 0 and len(err.strip().splitlines()) == 1

@@ -12,7 +12,9 @@ In a ``hpcdist.checkpoint`` file the GPT adds:
   the group attribute ``tied_json`` maps each omitted key to the stored one;
 - the group ``/tokenizer`` (``hpcdist.data.tokenizer``): the tokenizer the model reads and
   writes, which inference encodes prompts and decodes outputs with. A checkpoint from before it
-  travelled has none: it is taken as bytes when the vocabulary is the byte tokenizer's.
+  travelled has none: it is taken as bytes when the vocabulary is the byte tokenizer's. An
+  imported model's chat template travels in it too: ``chat_template_utf8`` (one Jinja template)
+  or ``chat_templates_json_utf8`` (named ones, ``{"default": ..., "tool_use": ...}``), UTF-8 bytes.
 
 Here: the parameter shapes of a config (`parameter_shapes`), the `/model` tree of a state dict
 and the state dict of a `/model` tree (the one tied-weight restore), the shape check training
@@ -46,6 +48,8 @@ MODEL_GROUP = "model"
 CONFIG_ATTR = "model_config_json"
 TIED_ATTR = "tied_json"
 CHAT_TEMPLATE = "chat_template_utf8"  # in the tokenizer group: the Jinja chat template, UTF-8 bytes
+CHAT_TEMPLATES = "chat_templates_json_utf8"  # or named ones ({"default": ..., "tool_use": ...}), as UTF-8 JSON
+ChatTemplate = str | dict[str, str]  # one Jinja template, or templates by name
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the dtypes a model tensor is stored in, and their sizes
 
 
@@ -130,7 +134,7 @@ def state_dict_of(group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 def write_checkpoint(
     directory: str | Path, step: int, state: Mapping[str, Any], cfg: GPTConfig, epoch: int = 0,
-    tokenizer: ByteTokenizer | FileTokenizer | None = None, chat_template: str | None = None,
+    tokenizer: ByteTokenizer | FileTokenizer | None = None, chat_template: ChatTemplate | None = None,
 ) -> Path:
     """Write `state` (a GPT ``state_dict()``) and its tokenizer (with its chat template, when it has
     one) as a model-only checkpoint and commit it."""
@@ -140,7 +144,9 @@ def write_checkpoint(
     if tokenizer is not None:
         tree[GROUP] = tokenizer.to_tree()
         if chat_template is not None:
-            tree[GROUP][CHAT_TEMPLATE] = np.frombuffer(chat_template.encode("utf-8"), dtype=np.uint8)
+            name, text = ((CHAT_TEMPLATE, chat_template) if isinstance(chat_template, str)
+                          else (CHAT_TEMPLATES, json.dumps(chat_template)))
+            tree[GROUP][name] = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
     return store.save(Path(directory), step, tree, epoch=epoch, attrs=model_attrs(cfg)).path
 
 
@@ -172,13 +178,16 @@ def checkpoint_tokenizer(path: Path, cfg: GPTConfig) -> ByteTokenizer | FileToke
     return tok
 
 
-def checkpoint_chat_template(path: Path) -> str | None:
-    """The chat template travelling with the checkpoint's tokenizer; None when it has none."""
+def checkpoint_chat_template(path: Path) -> ChatTemplate | None:
+    """The chat template (or named templates) travelling with the checkpoint's tokenizer; None when it has none."""
     from hpcdist.data.tokenizer import GROUP
 
     group = store.read(path, groups=(GROUP,), verify=True).tree.get(GROUP) or {}
-    raw = group.get(CHAT_TEMPLATE)
-    return None if raw is None else np.ascontiguousarray(raw, dtype=np.uint8).tobytes().decode("utf-8")
+    for name in (CHAT_TEMPLATE, CHAT_TEMPLATES):
+        if (raw := group.get(name)) is not None:
+            text = np.ascontiguousarray(raw, dtype=np.uint8).tobytes().decode("utf-8")
+            return text if name == CHAT_TEMPLATE else dict(json.loads(text))
+    return None
 
 
 def load_model_state(path: Path, verify: bool = True) -> tuple[GPTConfig, dict[str, torch.Tensor]]:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     import torch
 
     from hpcdist.data.tokenizer import ByteTokenizer, FileTokenizer
+    from hpcdist.model.checkpoint import ChatTemplate
 
 GPT2 = ("GPT2LMHeadModel",)
 SUPPORTED = (*GPT2, "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")  # architectures import reads
@@ -257,21 +258,31 @@ class Imported:
     dtype: str = "float32"  # the dtype(s) the weights are stored in, as the folder had them
 
 
-def read_chat_template(directory: Path) -> str | None:
-    """The folder's chat template: chat_template.jinja (transformers 4.43+), else tokenizer_config.json's."""
+def read_chat_template(directory: Path) -> ChatTemplate | None:
+    """The folder's chat template as transformers reads it: chat_template.jinja with named ones in
+    additional_chat_templates/ (transformers 4.5x and 5), else tokenizer_config.json's, one template
+    or named ones (a list of {name, template}); named templates come as {name: template}."""
     jinja = directory / "chat_template.jinja"
+    named = {p.stem: p.read_text(encoding="utf-8")
+             for p in sorted((directory / "additional_chat_templates").glob("*.jinja"))}
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+        default = jinja.read_text(encoding="utf-8")
+        return {"default": default, **named} if named else default
     config = directory / "tokenizer_config.json"
     if not config.is_file():
-        return None
+        return named or None
     try:
         template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{config} cannot be read as JSON: {exc}") from exc
     if template is None or isinstance(template, str):
         return template
-    return json.dumps(template)  # named templates (a list of {name, template}), kept as their JSON
+    try:
+        pairs = template.items() if isinstance(template, dict) else ((t["name"], t["template"]) for t in template)
+        return {str(name): str(text) for name, text in pairs}
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"{config}: chat_template is neither a template nor a list of {{name, template}}; "
+                          f"save the tokenizer again with save_pretrained") from exc
 
 
 def read_pretrained(directory: Path) -> tuple[GPTConfig, dict[str, torch.Tensor], ByteTokenizer | FileTokenizer]:
