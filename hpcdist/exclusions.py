@@ -1,5 +1,6 @@
-"""Which nodes a submission keeps away from, and why: the site's health record on top of the
-job's own ``sbatch: {exclude: ...}``.
+"""The login side of the site's node health record: which nodes a submission keeps away from,
+and why (the record on top of the job's own ``sbatch: {exclude: ...}``), and the marks a failed
+job's post-mortem adds (``mark_failed_nodes``: Slurm's NODE_FAIL).
 
 ``plan.make`` asks ``for_job`` once per plan, so ``hpcdist render`` shows exactly the
 ``--exclude`` that ``submit`` submits, with a comment line per node saying why. The user's own
@@ -15,11 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hpcdist.errors import ConfigError, SubmitError
+from hpcdist.errors import ConfigError, HpcdistError, SubmitError
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
     from hpcdist.config.spec import JobSpec
+    from hpcdist.scheduler.postmortem import StepRecord
     from hpcdist.store.health import Mark
 
 
@@ -106,3 +108,28 @@ def _check_enough(found: Exclusions, spec: JobSpec, site: Site) -> None:
         f"of {wanted}: {marks}; if a node is fine again run `hpcdist nodes --clear NODE` (or `--clear all`), "
         f"or set site health.exclude_for_h=0 to submit without the record"
     )
+
+
+def mark_failed_nodes(site: Site, job_id: str, records: list[StepRecord]) -> str:
+    """Slurm ended the job with NODE_FAIL: mark the nodes of its allocation that Slurm now says
+    are not responding or down in the site's health record (once per job); what was marked, for
+    the failure summary ("" when nothing was). sacct names the whole allocation, so a node that
+    came back before this read is not marked: which one died is no longer known."""
+    from hpcdist.scheduler.postmortem import node_failure_suspects
+    from hpcdist.scheduler.slurm import node_states
+    from hpcdist.store import health
+
+    suspects = node_failure_suspects(records)
+    states = node_states() if suspects else None
+    dead = [states[n] for n in suspects if states and n in states and states[n].failed]
+    marked = []
+    for node in dead:
+        why = f"Slurm ended job {job_id} with NODE_FAIL; the node was {node.state}" + (
+            f" ({node.reason})" if node.reason else "")
+        try:
+            health.mark(site, node.node, why, job_id=job_id, source="node_failure")
+            marked.append(node.node)
+        except (OSError, HpcdistError) as exc:
+            return f"could not mark {node.node} in the site's node health record: {exc}"
+    return (f"marked {', '.join(marked)} bad in the site's node health record: later submissions exclude "
+            f"{'them' if len(marked) > 1 else 'it'} (`hpcdist nodes`)") if marked else ""

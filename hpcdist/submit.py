@@ -26,7 +26,7 @@ from hpcdist.config.contract import LAUNCH_TIME_VAR
 from hpcdist.config.paths import JobPaths, log_patterns
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
-from hpcdist.errors import HpcdistError, SubmitError
+from hpcdist.errors import SubmitError
 from hpcdist.polling import poll_until
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.local import LOCAL_CONTROLLER, process_started
@@ -365,6 +365,7 @@ def wait(
 
 def _slurm_ending(sub: Submission) -> Ending:
     """srun's and slurmstepd's lines in the batch log, and Slurm's accounting of the job's steps."""
+    from hpcdist.exclusions import mark_failed_nodes
     from hpcdist.scheduler.postmortem import accounting, ending  # only a job that failed is looked into
 
     try:
@@ -373,29 +374,8 @@ def _slurm_ending(sub: Submission) -> Ending:
         batch_log = ""
     records = accounting(sub.job_id)
     end = ending(batch_log, records)
-    marked = _mark_failed_nodes(sub, records)
+    marked = mark_failed_nodes(sub.site, sub.job_id, records)
     return dataclasses.replace(end, cause="; ".join(c for c in (end.cause, marked) if c))
 
-
-def _mark_failed_nodes(sub: Submission, records: list[Any]) -> str:
-    """Slurm ended the job with NODE_FAIL: mark the nodes of its allocation that Slurm now says
-    are not responding or down in the site's health record (once per job); what was marked."""
-    from hpcdist.scheduler.postmortem import node_failure_suspects
-    from hpcdist.store import health
-
-    suspects = node_failure_suspects(records)
-    states = slurm.node_states() if suspects else None
-    dead = [states[n] for n in suspects if states and n in states and states[n].failed]
-    marked = []
-    for node in dead:
-        why = f"Slurm ended job {sub.job_id} with NODE_FAIL; the node was {node.state}" + (
-            f" ({node.reason})" if node.reason else "")
-        try:
-            health.mark(sub.site, node.node, why, job_id=sub.job_id, source="node_failure")
-            marked.append(node.node)
-        except (OSError, HpcdistError) as exc:
-            return f"could not mark {node.node} in the site's node health record: {exc}"
-    return (f"marked {', '.join(marked)} bad in the site's node health record: later submissions exclude "
-            f"{'them' if len(marked) > 1 else 'it'} (`hpcdist nodes`)") if marked else ""
 
 
