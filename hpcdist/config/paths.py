@@ -76,3 +76,9 @@ class JobPaths:
     def new_snapshot(self) -> Path:
         """A new folder for the code snapshot: ``<logs>/<name>/code-<time>-<random>``."""
         return under(self.storage.logs, self.name, f"code-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
+
+
+def node_health(storage: Storage) -> Path:
+    """The site's node health record (``hpcdist.store.health``): one folder for every user of the
+    site, on shared storage beside the rendezvous files: ``<scratch>/node-health``."""
+    return under(storage.scratch, "node-health")

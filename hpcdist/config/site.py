@@ -274,6 +274,14 @@ class Preemption(Frozen):
     max_requeues: int = Field(default=3, ge=0)
 
 
+class Health(Frozen):
+    """What the site's node health record (``hpcdist.store.health``) does to later submissions."""
+
+    exclude_for_h: float = Field(
+        default=24.0, ge=0, description="hours a node marked bad is excluded from every submit; 0: never"
+    )
+
+
 class Defaults(Frozen):
     """Per-job defaults a job spec may override."""
 
@@ -298,6 +306,7 @@ class Site(Frozen):
     network: Network = Field(default_factory=Network)
     storage: Storage
     preemption: Preemption = Field(default_factory=Preemption)
+    health: Health = Field(default_factory=Health)
     defaults: Defaults = Field(default_factory=Defaults)
     baselines: Baselines = Field(default_factory=Baselines)
     python: str | None = Field(default=None, description="interpreter on the nodes")

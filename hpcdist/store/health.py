@@ -1,0 +1,184 @@
+"""The site's node health record: which node was found bad, why, when, and by which job.
+
+A preflight that finds a slow or unreachable node, and a job that ends naming a dead node, mark
+it here; every later submission excludes the nodes marked within the site's
+``health.exclude_for_h``, and ``hpcdist nodes`` lists and clears the marks. The record lives on
+the site's shared storage (``hpcdist.config.paths.node_health``), written by the jobs and login
+shells of every user of the site at once, so each mark is its own small JSON file written with
+the store's atomic write (``hpcdist.store.atomic``): two writers never touch the same file, none
+is lost and a reader never finds one half-written. Files are 0664 and the folder 0775, readable
+(and clearable) by the group; a mark holds a node name, a reason, a time, a job id and who wrote
+it, nothing secret. A mark older than ``KEEP_S`` is removed by the next writer; a reader
+ignores marks older than what it asks for. Both sides import this module (the nodes mark from
+the preflight, the login node from the post-mortem and the ``nodes`` command).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import re
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, get_args
+
+from hpcdist.config.paths import node_health
+from hpcdist.config.site import Site, Storage
+from hpcdist.errors import ConfigError
+from hpcdist.store.atomic import atomic_path, is_temporary
+
+Source = Literal["preflight", "node_failure", "timeout", "user"]
+SOURCES: tuple[str, ...] = get_args(Source)
+FILE_MODE, FOLDER_MODE = 0o664, 0o775
+KEEP_S = 30 * 24 * 3600.0  # a mark older than this is removed by the next writer
+_NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_SUFFIX = ".mark.json"
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One node found bad once: by whom (`source`, `job_id`, `user`, `host`), when and why."""
+
+    node: str
+    reason: str
+    when: float  # seconds since the epoch
+    job_id: str
+    source: str
+    user: str = ""
+    host: str = ""
+
+    def age_s(self, now: float | None = None) -> float:
+        return max(0.0, (time.time() if now is None else now) - self.when)
+
+    def describe(self) -> str:
+        """``n2: preflight, job 812, 2026-11-24 02:40 UTC: all_reduce busbw 0.1 GB/s below ...``"""
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.when))
+        job = f", job {self.job_id}" if self.job_id else ""
+        return f"{self.node}: {self.source}{job}, {stamp}: {self.reason}"
+
+
+Where = Site | Storage | Path
+
+
+def folder(where: Where) -> Path:
+    """The record's folder: a site's or storage's ``node_health`` path, or a folder given as is."""
+    if isinstance(where, Site):
+        where = where.storage
+    return node_health(where) if isinstance(where, Storage) else Path(where)
+
+
+def check_node(node: str) -> str:
+    if not _NODE.fullmatch(node):
+        raise ConfigError(
+            f"{node!r} is not a node name: one host name as Slurm lists it (letters, digits, '.', '_', '-'), e.g. n3"
+        )
+    return node
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    flat = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _make_folder(path: Path) -> None:
+    if path.is_dir():
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        os.chmod(path, FOLDER_MODE)  # the umask may have taken the group's bits
+    except PermissionError:
+        pass  # made at the same moment by another user, who owns it
+
+
+def mark(where: Where, node: str, reason: str, job_id: str = "", source: Source = "user") -> Mark:
+    """Record `node` as bad for `reason`, found by `source` in job `job_id`; its own new file.
+
+    Raises ConfigError for a node name or source hpcdist cannot record, OSError when the shared
+    storage cannot be written (a caller on a failure path reports that and goes on).
+    """
+    check_node(node)
+    if source not in SOURCES:
+        raise ConfigError(f"mark source {source!r} is not one of {', '.join(SOURCES)}")
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    entry = Mark(node, _one_line(reason), time.time(), _one_line(job_id, 40), source, user, socket.gethostname())
+    path = folder(where)
+    _make_folder(path)
+    name = f"{node}.{time.time_ns()}-{os.getpid()}-{uuid.uuid4().hex[:8]}{_SUFFIX}"
+    with atomic_path(path / name, mode=FILE_MODE) as tmp:
+        with open(tmp, "w") as fh:
+            json.dump(asdict(entry), fh)
+    prune(path, KEEP_S)
+    return entry
+
+
+def _read(path: Path) -> Mark | None:
+    try:
+        data = json.loads(path.read_text())
+        return Mark(**{k: data[k] for k in ("node", "reason", "when", "job_id", "source", "user", "host")})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # removed meanwhile, or not a mark: nothing to trust
+
+
+def _files(path: Path) -> list[Path]:
+    try:
+        return [p for p in path.iterdir() if p.name.endswith(_SUFFIX) and not is_temporary(p)]
+    except FileNotFoundError:
+        return []
+
+
+def marks(where: Where, within_s: float | None = None) -> list[Mark]:
+    """Every mark (of the last `within_s` seconds, when given), oldest first."""
+    now = time.time()
+    found = [m for m in map(_read, _files(folder(where))) if m is not None]
+    if within_s is not None:
+        found = [m for m in found if now - m.when <= within_s]
+    return sorted(found, key=lambda m: (m.when, m.node))
+
+
+def bad_nodes(where: Where, within_s: float) -> list[Mark]:
+    """The nodes marked bad within the last `within_s` seconds: each node's newest mark, by node
+    name; none when `within_s` is 0 (the site turned exclusion off)."""
+    if within_s <= 0:
+        return []
+    newest: dict[str, Mark] = {}
+    for m in marks(where, within_s):
+        newest[m.node] = m
+    return [newest[n] for n in sorted(newest)]
+
+
+def clear(where: Where, node: str | None) -> int:
+    """Forget every mark of `node` (every mark when None); how many were removed. A mark another
+    user wrote is removed too where the folder lets the group (0775); else PermissionError."""
+    if node is not None:
+        check_node(node)
+    removed = 0
+    for path in _files(folder(where)):
+        m = _read(path)
+        if node is None or (m is not None and m.node == node):
+            try:
+                path.unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def prune(where: Where, older_than_s: float) -> int:
+    """Remove the marks older than `older_than_s` (that this user may remove); how many."""
+    removed, now = 0, time.time()
+    for path in _files(folder(where)):
+        m = _read(path)
+        if m is not None and now - m.when > older_than_s:
+            try:
+                path.unlink()
+                removed += 1
+            except OSError:
+                pass  # gone already, or another user's and the folder is not the group's
+    return removed
