@@ -152,11 +152,14 @@ def job_steps(job_id: str) -> set[str] | None:
 
 @dataclass(frozen=True)
 class JobInfo:
-    """``scontrol show job``'s word on a job: its state and how often Slurm restarted it."""
+    """``scontrol show job``'s word on a job: its state, how often Slurm restarted it, the nodes
+    it must not run on and how many it asks for."""
 
     state: JobState
     word: str  # Slurm's own word (PENDING, REQUEUE_HOLD, ...)
     restarts: int
+    excluded: str = ""  # ExcNodeList as Slurm writes it (n[3-4]), "" for none
+    num_nodes: str = ""  # NumNodes: "4", or "3-4" while a job that may shrink is pending
 
 
 def show_job(job_id: str) -> JobInfo | None:
@@ -167,9 +170,55 @@ def show_job(job_id: str) -> JobInfo | None:
         return None
     fields = dict(f.split("=", 1) for f in answer.out.split() if "=" in f)
     try:
-        return JobInfo(JobState.from_slurm(fields["JobState"]), fields["JobState"], int(fields.get("Restarts", "0")))
+        excluded = fields.get("ExcNodeList", "")
+        return JobInfo(JobState.from_slurm(fields["JobState"]), fields["JobState"], int(fields.get("Restarts", "0")),
+                       "" if excluded == "(null)" else excluded, fields.get("NumNodes", ""))
     except (KeyError, ValueError):
         return None
+
+
+def update_job(job_id: str, **fields: str) -> None:
+    """``scontrol update JobId=ID Key=Value...`` (``ExcNodeList``, ``NumNodes``, ``StartTime``);
+    the same update twice does no harm, so it is tried again like a query."""
+    check_job_ids([job_id])
+    for key, value in fields.items():
+        if not re.fullmatch(r"[A-Za-z]+", key) or not re.fullmatch(r"[A-Za-z0-9_.,\[\]:-]*", value):
+            raise SubmitError(f"scontrol update {key}={value!r}: not a field and value hpcdist writes")
+    answer = run(["scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items())])
+    if not answer.ok:
+        raise SubmitError(f"could not update job {job_id} ({', '.join(fields)}): {answer.why}")
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One run of a job in Slurm's accounting (``sacct --duplicates``: a requeued job has one per
+    start): how it ended, on which nodes, and when (``2026-11-24T02:30:25``, the cluster's time)."""
+
+    state: str
+    nodes: str
+    end: str
+
+
+def attempts(job_id: str) -> list[Attempt] | None:
+    """Every run of the job, oldest first; None when accounting cannot be read."""
+    check_job_ids([job_id])
+    answer = run(["sacct", "-j", job_id, "--duplicates", "-X", "-P", "-n", "-o", "State,NodeList,End"])
+    if not answer.ok:
+        return None
+    return [Attempt(*line.split("|")[:3]) for line in answer.out.splitlines() if line.count("|") >= 2]
+
+
+def node_states(nodes: str = "", partition: str = "") -> dict[str, str] | None:
+    """Slurm's state of each node in the host list `nodes`, or of `partition` (``down*``,
+    ``idle``; a ``*`` means not responding); None when sinfo cannot be asked."""
+    for value in (nodes, partition):
+        if value and not re.fullmatch(r"[A-Za-z0-9_.,\[\]-]+", value):
+            raise SubmitError(f"{value!r} is not a Slurm host list or partition (n[1-4], n1,n3, cpu)")
+    where = ["-n", nodes] if nodes else ["-p", partition] if partition else []
+    answer = run(["sinfo", "-h", "-N", *where, "-o", "%N|%T"])
+    if not answer.ok:
+        return None
+    return dict(line.split("|", 1) for line in answer.out.splitlines() if line.count("|") == 1)
 
 
 def scancel(job_id: str) -> None:
