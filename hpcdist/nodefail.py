@@ -43,12 +43,13 @@ from hpcdist.store.node_failures import NodeFailure
 log = logging.getLogger("hpcdist")
 
 CHECK_EVERY_S = 2.0  # how often a pending, requeued job is looked at (one scontrol call)
-_DEAD = ("down", "fail", "drain", "no_respond")
+_DEAD = ("down", "fail", "drain")
 
 
 def dead(state: str) -> bool:
-    """A node Slurm gave up on: down, failing, drained, or not responding (``idle*``)."""
-    return state.endswith("*") or state.lower().startswith(_DEAD)
+    """A node Slurm gave up on: down, failing or drained. Not one merely slow to answer a ping
+    (``mixed*``): a busy node is flagged so for seconds, and is not dead."""
+    return state.lower().startswith(_DEAD)
 
 
 class NodeFailures:
@@ -62,6 +63,7 @@ class NodeFailures:
         self.handled = {f.run for f in node_failures.read(self.record)}
         self.ran = False
         self.cause = ""
+        self.live_seen = ""
         self._checked = float("-inf")
 
     def poll(self, state: JobState) -> None:
@@ -111,29 +113,35 @@ class NodeFailures:
             excluded = list(dict.fromkeys([*expand_hostlist(info.excluded), *_user_excludes(self.spec, self.site),
                                            *(f.node for f in found)]))
             update = {"ExcNodeList": ",".join(excluded)}
-            nodes = self._nodes_left(excluded)
+            required = expand_hostlist(info.required)
+            if set(required) & set(excluded):  # the user's nodelist named the dead node: not any more
+                update["ReqNodeList"] = ",".join(n for n in required if n not in excluded)
+            nodes = self._nodes_left(excluded, required)
             if nodes is not None:
                 res = self.spec.resources
                 update.update(NumNodes=str(nodes), NumTasks=str(nodes * res.tasks_per_node),
                               NumCPUs=str(nodes * res.tasks_per_node * res.cpus_per_task))
-                shrink = f", on {nodes} of its {res.nodes} nodes"
+                shrink = f", on {nodes} of its {res.nodes} nodes ({self.live_seen})"
             slurm.update_job(self.job_id, **update)
             node_failures.add(self.record, found)
             _mark_bad(self.site, found, self.job_id)
         self.handled.update(n for n, _ in new)
         log.warning("job %s: node %s died (%s); it runs again without it%s", self.job_id, names, run_words, shrink)
 
-    def _nodes_left(self, excluded: list[str]) -> int | None:
+    def _nodes_left(self, excluded: list[str], required: list[str]) -> int | None:
         """How many nodes the job runs on next when it may shrink (``resources.min_nodes``): all it
-        asked for while the partition has that many live nodes it may use, else those, but never
-        fewer than ``min_nodes`` (it then waits for a node to come back). None: no change."""
+        asked for while there are that many live nodes it may use (of its nodelist, when it gave
+        one, else of its partition), else those, but never fewer than ``min_nodes`` (it then waits
+        for a node to come back). None: no change."""
         res = self.spec.resources
         if res.min_nodes is None:
             return None
-        states = slurm.node_states(partition=self.site.partition(res.partition)[0])
+        states = slurm.node_states(nodes=",".join(required)) if required else slurm.node_states(
+            partition=self.site.partition(res.partition)[0])
         if states is None:
             return None
         usable = [n for n, state in states.items() if not dead(state) and n not in excluded]
+        self.live_seen = f"live and not excluded: {', '.join(usable) or 'none'}"
         nodes = max(res.min_nodes, min(res.nodes, len(usable)))
         return nodes if nodes < res.nodes else None
 

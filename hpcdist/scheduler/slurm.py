@@ -159,6 +159,7 @@ class JobInfo:
     word: str  # Slurm's own word (PENDING, REQUEUE_HOLD, ...)
     restarts: int
     excluded: str = ""  # ExcNodeList as Slurm writes it (n[3-4]), "" for none
+    required: str = ""  # ReqNodeList (the user's --nodelist), "" for none
     num_nodes: str = ""  # NumNodes: "4", or "3-4" while a job that may shrink is pending
 
 
@@ -170,9 +171,9 @@ def show_job(job_id: str) -> JobInfo | None:
         return None
     fields = dict(f.split("=", 1) for f in answer.out.split() if "=" in f)
     try:
-        excluded = fields.get("ExcNodeList", "")
+        excluded, required = (fields.get(k, "").replace("(null)", "") for k in ("ExcNodeList", "ReqNodeList"))
         return JobInfo(JobState.from_slurm(fields["JobState"]), fields["JobState"], int(fields.get("Restarts", "0")),
-                       "" if excluded == "(null)" else excluded, fields.get("NumNodes", ""))
+                       excluded=excluded, required=required, num_nodes=fields.get("NumNodes", ""))
     except (KeyError, ValueError):
         return None
 
