@@ -30,7 +30,7 @@ import torch
 from hpcdist.store.results import read_attrs, read_table
 from tests.netfault import killed, revive
 from tests.support import train as fx
-from tests.support.cli import REPO, Run, result_path, storage_sets
+from tests.support.cli import REPO, Run, result_path, run_cli, storage_sets
 from tests.support.train import (
     Background,
     ckpt_dir,
@@ -192,3 +192,19 @@ def test_the_job_goes_on_when_its_head_node_dies(four_nodes: Path) -> None:
                                         "--set", "resources.min_nodes=1", "--set", "sbatch.nodelist=n3,n4")
     assert_ran_again_without("n3", jid, result, ["n4"])
     assert_resumed_like_uninterrupted(result, committed, 40, 1)
+
+
+def test_the_spec_keys_are_checked_and_rendered() -> None:
+    """min_nodes above nodes, or an unknown on_node_failure, is one line naming the value; a job
+    that may shrink asks Slurm for its full size and takes its task count from the run's nodes."""
+    base = ("render", "jobs/smoke.yaml", "--site", "local-slurm", "--set", "resources.nodes=4")
+    too_few = run_cli(*base, "--set", "resources.min_nodes=5")
+    assert too_few.code == 2 and "min_nodes 5 is more than nodes 4; set min_nodes to at most 4" in too_few.err
+    assert len(too_few.err.strip().splitlines()) == 1, too_few.err
+    unknown = run_cli(*base, "--set", "on_node_failure=retry")
+    assert unknown.code == 2 and "on_node_failure" in unknown.err and "'retry'" in unknown.err, unknown.err
+    script = run_cli(*base, "--set", "resources.min_nodes=2", "--set", "resources.tasks_per_node=2")
+    assert script.code == 0, script.text
+    assert "#SBATCH --nodes=4\n" in script.out and "#SBATCH --requeue\n" in script.out
+    assert "export SLURM_NTASKS=$((SLURM_JOB_NUM_NODES * 2))" in script.out
+    assert "SLURM_NTASKS=" not in run_cli(*base).out  # a job of fixed size is rendered as before
