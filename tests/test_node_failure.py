@@ -14,6 +14,7 @@ may run on n1 and n2), and they are revived after each test, even one that fails
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shutil
@@ -98,6 +99,8 @@ def assert_ran_again_without(node: str, jid: str, result: Run, hosts: list[str])
     assert history(jid) == ["NODE_FAIL", "COMPLETED"]
     attrs = read_attrs(result_path(result.out))
     assert attrs["excluded_nodes"] == node and attrs["hosts"] == hosts and attrs["world_size"] == ranks
+    listed = json.loads(run_cli("jobs", "--json").out)
+    assert next(j for j in listed if j["job_id"] == jid)["excluded"].startswith(f"{node} (died in run 1")
     return attrs
 
 

@@ -32,7 +32,7 @@ def test_smoke_two_nodes_two_tasks(slurm_storage: Path) -> None:
     assert (boot["launch_to_ready_s"] > 0).all()
     # the submitted script is the rendered one
     rendered = run_cli("render", "jobs/smoke.yaml", "--site", "local-slurm", "--set", "resources.nodes=2",
-                       *storage_sets(slurm_storage))
+                       "--set", "sbatch.nodelist=n1,n2", *storage_sets(slurm_storage))
     submitted = (slurm_storage / "logs" / "smoke" / jid / f"{jid}_submission.sh").read_text()
     assert submitted == rendered.out
     status = run_cli("status", jid)
