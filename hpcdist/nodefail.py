@@ -106,8 +106,8 @@ class NodeFailures:
                              f"was cancelled (set on_node_failure: requeue to run again without it)")
         limit = self.site.preemption.max_requeues
         if len(failed) > limit:
-            return self._end(f"node {names} died ({run_words}): the job has run again after a node failure "
-                             f"{len(failed) - 1} times, the site's preemption.max_requeues={limit}; not again")
+            return self._end(f"node {names} died ({run_words}): {len(failed)} node failures of this job, more "
+                             f"than the site's preemption.max_requeues={limit}, so Slurm's requeue was cancelled")
         shrink = ""
         if found:
             excluded = list(dict.fromkeys([*expand_hostlist(info.excluded), *_user_excludes(self.spec, self.site),

@@ -64,6 +64,16 @@ def job_of(job: Background) -> str:
                     "the job id")
 
 
+def committed_step(job: Background, path: Path) -> None:
+    """Wait until the checkpoint `path` is committed; the job's output if it ends before."""
+    def there() -> bool:
+        if job.proc.poll() is not None:
+            raise AssertionError(f"the job ended before {path.name}: {job.finish(10).text}")
+        return path.exists()
+
+    wait_for(there, 120, f"the checkpoint {path.name}")
+
+
 def excluded(jid: str) -> str:
     out = subprocess.run(["scontrol", "-o", "show", "job", jid], capture_output=True, text=True).stdout
     match = re.search(r"ExcNodeList=(\S+)", out)
@@ -113,7 +123,7 @@ def test_train_gpt_goes_on_without_a_dead_node(four_nodes: Path, train_root: Pat
                                 site="local-slurm"))
     try:
         jid = job_of(job)
-        wait_for((ckpt_dir(root) / "step_00000020.h5").exists, 120, "the second checkpoint")
+        committed_step(job, ckpt_dir(root) / "step_00000020.h5")
         result, committed, _ = kill_and_rerun("n3", jid, ckpt_dir(root), job)
     finally:
         job.kill()
@@ -165,7 +175,7 @@ def run_script(root: Path, node: str, *sets: str, steps: int = 40) -> tuple[str,
     ckpts = root / "checkpoints" / "elastic_sgd"
     try:
         jid = job_of(job)
-        wait_for((ckpts / "step_00000010.h5").exists, 120, "the checkpoint of step 10")
+        committed_step(job, ckpts / "step_00000010.h5")
         result, committed, _ = kill_and_rerun(node, jid, ckpts, job)
     finally:
         job.kill()
