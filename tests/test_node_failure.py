@@ -221,3 +221,23 @@ def test_the_spec_keys_are_checked_and_rendered() -> None:
     assert "#SBATCH --nodes=4\n" in script.out and "#SBATCH --requeue\n" in script.out
     assert "export SLURM_NTASKS=$((SLURM_JOB_NUM_NODES * 2))" in script.out
     assert "SLURM_NTASKS=" not in run_cli(*base).out  # a job of fixed size is rendered as before
+
+
+def test_a_job_that_asks_to_fail_is_not_run_again(four_nodes: Path) -> None:
+    """The python kind's default, on_node_failure: fail: Slurm's requeue is cancelled, and the
+    summary says which node died and why the job did not run again."""
+    job = Background(["submit", "--site", "local-slurm", "--wait", *storage_sets(four_nodes), "--set", "timeout_s=10",
+                      "--set", "resources.nodes=2", "--set", "sbatch.nodelist=n3,n4",
+                      "--", str(SCRIPT), "--steps", "400", "--every", "2", "--step-s", "0.25"])
+    try:
+        jid = job_of(job)
+        committed_step(job, four_nodes / "checkpoints" / "elastic_sgd" / "step_00000004.h5")
+        with killed("n4"):
+            result = job.finish(REQUEUED_WITHIN_S + 60)
+    finally:
+        job.kill()
+    assert result.code == 1, result.text
+    assert f"job {jid} finished: NODE_FAIL" in result.out, result.out
+    assert re.search(r"cause: node n4 died \(run 1 ended NODE_FAIL at \S+\); on_node_failure is fail, so Slurm's "
+                     r"requeue was cancelled", result.out), result.out
+    assert history(jid)[0] == "NODE_FAIL" and queue_state(jid) in ("", "CANCELLED None")  # not run again
