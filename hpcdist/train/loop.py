@@ -75,7 +75,7 @@ def build(ctx: JobContext, api: Context, params: TrainParams) -> Run:
     random.seed(params.seed + 1 + ctx.rank)
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     ddp = DDP(model, device_ids=device_ids)
-    return Run(ctx, api, params, cfg, model, ddp, opt, sched, scaler, order, train, val, peak, precision,
+    return Run(api, params, cfg, model, ddp, opt, sched, scaler, order, train, val, peak, precision,
                tokenizer=info.load_tokenizer())
 
 

@@ -27,8 +27,7 @@ if TYPE_CHECKING:
 class Run:
     """Everything one rank trains with; step/epoch/position say where the data order stands."""
 
-    ctx: JobContext
-    api: Context  # the public API's handles on the same rank: checkpoints, should_stop, requeue, results
+    api: Context  # the rank's context: checkpoints, should_stop, requeue, results; ``ctx`` is its job's facts
     params: TrainParams
     cfg: GPTConfig
     model: GPT
@@ -49,6 +48,11 @@ class Run:
     last_checkpoint: Path | None = None
     commits_seen: int = 0  # of api.checkpoints.committed, already in the metrics
     tokenizer: Tokenizer | None = None  # the token file's: recorded in every checkpoint
+
+    @property
+    def ctx(self) -> JobContext:
+        """The bootstrap's context of this rank (spec, site, device, timings), the one ``api`` is built on."""
+        return self.api.job
 
     @property
     def requeues(self) -> int:
