@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Prove the local cluster works end to end: two-node srun, a GPU request, PMIx + mpi4py
-# across both nodes, and sacct reporting a finished batch job as COMPLETED.
+# Prove the local cluster works end to end: srun on every node, a GPU request, PMIx + mpi4py
+# across every node, and sacct reporting a finished batch job as COMPLETED.
 # Python for the MPI check: $HPCDIST_PYTHON, default /work/main/.venv/bin/python
 # (skipped when it cannot import mpi4py).
 set -euo pipefail
@@ -17,33 +17,35 @@ run() { timeout 60 "$@" 2>&1; }
 
 echo "[check] mode: $(cat "$MODE_FILE" 2>/dev/null || echo 'unknown (no mode file)')"
 
+N=$NODE_COUNT
+all_nodes="${NODES[*]} "
 # 1. One task on each node.
-out=$(run srun -N2 -n2 -t 1 hostname) || true
-[[ $(wc -l <<<"$out") == 2 ]] && pass "srun -N2 -n2 hostname: $(tr '\n' ' ' <<<"$out")" ||
-  bad "srun -N2 -n2 hostname: $out"
-out=$(run srun -N2 -n2 -t 1 printenv SLURMD_NODENAME | sort | tr '\n' ' ') || true
-[[ $out == "n1 n2 " ]] && pass "tasks ran on nodes: $out" || bad "SLURMD_NODENAME: $out"
+out=$(run srun -N"$N" -n"$N" -t 1 hostname | sort -V) || true
+[[ $(tr '\n' ' ' <<<"$out") == "$all_nodes" ]] && pass "srun -N$N -n$N hostname: $(tr '\n' ' ' <<<"$out")" ||
+  bad "srun -N$N -n$N hostname: $out"
+out=$(run srun -N"$N" -n"$N" -t 1 printenv SLURMD_NODENAME | sort -V | tr '\n' ' ') || true
+[[ $out == "$all_nodes" ]] && pass "tasks ran on nodes: $out" || bad "SLURMD_NODENAME: $out"
 
-# 2. The scheduler accepts two nodes x 4 GPUs x 4 tasks, and tasks see the GPUs.
-out=$(run sbatch --test-only -p gpu -N2 --gpus-per-node=4 --ntasks-per-node=4 --wrap true) || true
-grep -q 'to start at' <<<"$out" && pass "sbatch --test-only 2x4 GPUs: ${out#sbatch: }" ||
-  bad "sbatch --test-only 2x4 GPUs: $out"
-out=$(run srun -p gpu -N2 --gpus-per-node=4 --ntasks-per-node=4 -t 1 printenv CUDA_VISIBLE_DEVICES | sort | uniq -c | xargs) || true
-[[ $out == "8 0,1,2,3" ]] && pass "8 ranks see CUDA_VISIBLE_DEVICES=0,1,2,3" || bad "CUDA_VISIBLE_DEVICES: $out"
+# 2. The scheduler accepts every node x 4 GPUs x 4 tasks, and tasks see the GPUs.
+out=$(run sbatch --test-only -p gpu -N"$N" --gpus-per-node=4 --ntasks-per-node=4 --wrap true) || true
+grep -q 'to start at' <<<"$out" && pass "sbatch --test-only ${N}x4 GPUs: ${out#sbatch: }" ||
+  bad "sbatch --test-only ${N}x4 GPUs: $out"
+out=$(run srun -p gpu -N"$N" --gpus-per-node=4 --ntasks-per-node=4 -t 1 printenv CUDA_VISIBLE_DEVICES | sort | uniq -c | xargs) || true
+[[ $out == "$((4 * N)) 0,1,2,3" ]] && pass "$((4 * N)) ranks see CUDA_VISIBLE_DEVICES=0,1,2,3" || bad "CUDA_VISIBLE_DEVICES: $out"
 
-# 3. PMIx wire-up with mpi4py across both nodes.
+# 3. PMIx wire-up with mpi4py across every node.
 if [[ -x $PY ]] && "$PY" -c 'import mpi4py' 2>/dev/null; then
-  out=$(run srun --mpi=pmix -N2 -n2 -t 1 "$PY" -c \
+  out=$(run srun --mpi=pmix -N"$N" -n"$N" -t 1 "$PY" -c \
     'import os; from mpi4py import MPI; print(MPI.COMM_WORLD.allreduce(1), os.environ["SLURMD_NODENAME"])' |
-    sort | tr '\n' ' ') || true
-  [[ $out == "2 n1 2 n2 " ]] && pass "srun --mpi=pmix mpi4py allreduce: $out" || bad "mpi4py allreduce: $out"
+    sort -V | tr '\n' ' ') || true
+  [[ $out == "$(for n in "${NODES[@]}"; do printf '%s %s ' "$N" "$n"; done)" ]] && pass "srun --mpi=pmix mpi4py allreduce: $out" || bad "mpi4py allreduce: $out"
 else
   echo "[check] skip mpi4py allreduce: $PY cannot import mpi4py"
 fi
 
 # 4. A batch job reaches COMPLETED in accounting.
 mkdir -p "$STATE/check"
-jobid=$(sbatch --parsable -N2 -t 1 -o "$STATE/check/%j.out" --wrap 'srun hostname') || true
+jobid=$(sbatch --parsable -N"$N" -t 1 -o "$STATE/check/%j.out" --wrap 'srun hostname') || true
 state=
 if [[ $jobid =~ ^[0-9]+$ ]]; then
   for _ in $(seq 60); do

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Stop the local Slurm cluster started by up.sh: slurmd x2, slurmctld, slurmdbd, MariaDB,
-# munged, in that order; then remove the nodes' namespaces, veths, bridge and /etc/hosts block.
+# Stop the local Slurm cluster started by up.sh: every slurmd (whatever HPCDIST_NODES it was
+# started with), slurmctld, slurmdbd, MariaDB, munged, in that order; then remove the nodes'
+# namespaces, veths, bridge and /etc/hosts block.
 # Idempotent: fine when nothing runs. State and logs are kept.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -11,7 +12,7 @@ source "$HERE/net.sh"
 
 ((EUID == 0)) || { log "down.sh must run as root"; exit 1; }
 
-for n in "${NODES[@]}"; do stop_pidfile "$STATE/run/slurmd-$n.pid" slurmd; done
+for n in $(known_nodes); do stop_pidfile "$STATE/run/slurmd-$n.pid" slurmd; done
 stop_pidfile "$STATE/run/slurmctld.pid" slurmctld
 stop_pidfile "$STATE/run/slurmdbd.pid" slurmdbd
 

@@ -4,7 +4,20 @@
 # Everything the cluster writes (state, logs, spool, pid files, fake GPU devices) lives here.
 STATE=${HPCDIST_SLURM_STATE:-/var/tmp/hpcdist-slurm}
 CLUSTER_NAME=hpcdist
-NODES=(n1 n2)
+# The emulated nodes n1..nN: HPCDIST_NODES of them (2..8, default 4). The test suite's 2-node jobs
+# run on any two; the node-failure tests need four (a node killed, the job going on on the rest).
+NODE_COUNT=${HPCDIST_NODES:-4}
+if [[ ! $NODE_COUNT =~ ^[2-8]$ ]]; then
+  echo "[cluster] HPCDIST_NODES must be a number of nodes from 2 to 8, not '$NODE_COUNT'" >&2
+  exit 2
+fi
+NODES=()
+for ((i = 1; i <= NODE_COUNT; i++)); do NODES+=("n$i"); done
+unset i
+# Slurm declares a node that stops answering DOWN after this many seconds (slurm.conf
+# SlurmdTimeout; Slurm's default is 300). Short here, so a killed node's job is requeued within
+# half a minute; longer than a link cut the network tests make (about the job's 10 s timeout).
+SLURMD_TIMEOUT=20
 SLURM_ETC=/etc/slurm
 
 # Accounting database (local socket only; the password never leaves this machine).
@@ -28,6 +41,18 @@ HOSTS_BEGIN="# >>> hpcdist local cluster (cluster/up.sh; removed by cluster/down
 HOSTS_END="# <<< hpcdist local cluster <<<"
 
 node_index() { echo "${1#n}"; }                          # n2 -> 2
+is_node() { [[ " ${NODES[*]} " == *" $1 "* ]]; }         # one of this cluster's nodes
+# known_nodes: every node a pid file or a namespace says ran here, configured now or not (a
+# cluster started with more nodes than HPCDIST_NODES now asks for).
+known_nodes() {
+  local f names=()
+  for f in "$STATE"/run/slurmd-n*.pid /run/netns/hpn*; do
+    [[ -e $f ]] || continue
+    f=${f##*/}; f=${f#slurmd-}; f=${f%.pid}; f=${f#hp}
+    [[ $f =~ ^n[0-9]+$ ]] && names+=("$f")
+  done
+  printf '%s\n' "${NODES[@]}" "${names[@]}" | sort -u -V
+}
 node_addr() { echo "$NET_PREFIX.$((10 + ${1#n}))"; }     # n2 -> 10.251.0.12
 node_netns() { echo "hp$1"; }                            # n2 -> hpn2
 node_veth() { echo "hpv-$1"; }                           # n2 -> hpv-n2 (host end, on the bridge)
@@ -86,3 +111,12 @@ mariadb_ok() { mysqladmin --protocol=socket ping >/dev/null 2>&1; }
 slurmdbd_ok() { pid_alive "$STATE/run/slurmdbd.pid" slurmdbd && sacctmgr -n show cluster >/dev/null 2>&1; }
 slurmctld_ok() { pid_alive "$STATE/run/slurmctld.pid" slurmctld && scontrol ping 2>/dev/null | grep -q 'is UP'; }
 slurmd_ok() { pid_alive "$STATE/run/slurmd-$1.pid" slurmd; }
+
+# start_slurmd NODE: slurmd -N NODE in the node's network namespace under its hostname (netns
+# mode); returns once its pid file names it. Not `ip netns exec`: that remounts /sys, and slurmd
+# then finds no cgroup filesystem.
+start_slurmd() {
+  nsenter --net="/run/netns/$(node_netns "$1")" unshare --uts sh -c "hostname $1; exec slurmd -N $1" || return 1
+  # The forked daemon writes its pid file a moment later; the next node's check needs it.
+  wait_for 10 slurmd_ok "$1"
+}

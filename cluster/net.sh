@@ -51,15 +51,25 @@ net_up() {
   done
 }
 
-# net_down: remove every namespace, veth and the bridge that net_up made.
+# net_node_down NODE: remove the node's veth and namespace.
+net_node_down() {
+  local ns veth
+  ns=$(node_netns "$1") veth=$(node_veth "$1")
+  ip link del "$veth" 2>/dev/null && log "removed veth $veth" || true
+  [[ -e /run/netns/$ns ]] && ip netns del "$ns" && log "removed network namespace $ns" || true
+}
+
+# net_down: remove every namespace, veth and the bridge that net_up made (for any node count).
 net_down() {
-  local n ns veth
-  for n in "${NODES[@]}"; do
-    ns=$(node_netns "$n") veth=$(node_veth "$n")
-    ip link del "$veth" 2>/dev/null && log "removed veth $veth" || true
-    [[ -e /run/netns/$ns ]] && ip netns del "$ns" && log "removed network namespace $ns" || true
-  done
+  local n
+  for n in $(known_nodes); do net_node_down "$n"; done
   ip link del "$BRIDGE" 2>/dev/null && log "removed bridge $BRIDGE" || true
+}
+
+# net_down_extra: remove the namespaces of nodes no longer configured (HPCDIST_NODES went down).
+net_down_extra() {
+  local n
+  for n in $(known_nodes); do is_node "$n" || net_node_down "$n"; done
 }
 
 # netns_matches PID NODE: true when PID runs in NODE's network namespace.

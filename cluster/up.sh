@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Start a real two-node Slurm cluster on this machine: munged, MariaDB, slurmdbd and slurmctld on
-# the host, and two slurmd daemons emulating nodes n1 and n2, each in its own network namespace
-# with its own hostname and address (see README.md). Where namespaces cannot be made (or with
-# HPCDIST_CLUSTER_NET=single-host) it says so in one line and runs both slurmd on the host, on
-# loopback; $STATE/mode records which. Idempotent: what already runs with the current
+# Start a real Slurm cluster on this machine: munged, MariaDB, slurmdbd and slurmctld on the host,
+# and HPCDIST_NODES (2..8, default 4) slurmd daemons emulating nodes n1..nN, each in its own
+# network namespace with its own hostname and address (see README.md). Where namespaces cannot be
+# made (or with HPCDIST_CLUSTER_NET=single-host) it says so in one line and runs every slurmd on
+# the host, on loopback; $STATE/mode records which. A cluster started with another node count is
+# brought to this one (nodes added, or the extra ones stopped and their namespaces removed). Idempotent: what already runs with the current
 # configuration is left alone, so a second run takes about a second. State and logs live under
 # $HPCDIST_SLURM_STATE (default /var/tmp/hpcdist-slurm); configs go to /etc/slurm so clients need
 # no SLURM_CONF.
@@ -71,7 +72,7 @@ if [[ -z $why ]]; then
   echo netns >"$MODE_FILE"
 else
   NET_MODE=single-host
-  log "network namespaces unavailable ($why): single-host mode, n1 and n2 both on 127.0.0.1"
+  log "network namespaces unavailable ($why): single-host mode, ${NODES[*]} all on 127.0.0.1"
   hosts_set "127.0.0.1 ${NODES[*]}"
   install -m 755 "$HERE/single-host-task-prolog.sh" "$STATE/single-host-task-prolog.sh"
   echo "single-host: $why" >"$MODE_FILE"
@@ -96,7 +97,7 @@ SlurmctldPort=6817
 StateSaveLocation=$STATE/ctld
 SlurmctldPidFile=$STATE/run/slurmctld.pid
 SlurmctldLogFile=$STATE/log/slurmctld.log
-# %n is the node name, so the two slurmd on this host keep apart.
+# %n is the node name, so the slurmd on this host keep apart.
 SlurmdPidFile=$STATE/run/slurmd-%n.pid
 SlurmdLogFile=$STATE/log/slurmd-%n.log
 SlurmdSpoolDir=$STATE/spool/%n
@@ -121,6 +122,9 @@ JobCompType=jobcomp/none
 MailProg=/bin/true
 JobRequeue=1
 ReturnToService=2
+# A node that stops answering is DOWN after this many seconds, and its jobs end NODE_FAIL (and are
+# requeued): Slurm's default is 300 s; short here so the node-failure tests take seconds.
+SlurmdTimeout=$SLURMD_TIMEOUT
 # Keep finished jobs visible to squeue/scontrol for 5 minutes; quick kills for quick tests.
 MinJobAge=300
 InactiveLimit=0
@@ -128,7 +132,7 @@ KillWait=5
 SlurmctldDebug=info
 SlurmdDebug=info
 EOF
-  # Single-host only: n1 and n2 share memory without knowing it, and Open MPI's shared-memory
+  # Single-host only: the nodes share memory without knowing it, and Open MPI's shared-memory
   # transport crashes between them, so every task gets TCP (unless it chose a transport).
   [[ $NET_MODE == netns ]] || echo "TaskProlog=$STATE/single-host-task-prolog.sh"
   echo
@@ -137,11 +141,11 @@ EOF
       echo "NodeName=$n NodeHostname=$n NodeAddr=$(node_addr "$n") CPUs=8 RealMemory=10000 Gres=gpu:4 State=UNKNOWN"
     done
   else
-    echo "NodeName=n[1-2] NodeHostname=$HOST NodeAddr=127.0.0.1 Port=[17001-17002] CPUs=8 RealMemory=10000 Gres=gpu:4 State=UNKNOWN"
+    echo "NodeName=n[1-$NODE_COUNT] NodeHostname=$HOST NodeAddr=127.0.0.1 Port=[17001-$((17000 + NODE_COUNT))] CPUs=8 RealMemory=10000 Gres=gpu:4 State=UNKNOWN"
   fi
   cat <<EOF
-PartitionName=cpu Nodes=n[1-2] Default=YES MaxTime=60 State=UP
-PartitionName=gpu Nodes=n[1-2] MaxTime=60 State=UP
+PartitionName=cpu Nodes=n[1-$NODE_COUNT] Default=YES MaxTime=60 State=UP
+PartitionName=gpu Nodes=n[1-$NODE_COUNT] MaxTime=60 State=UP
 EOF
 }
 
@@ -249,9 +253,10 @@ if ! sacctmgr -n -P show cluster format=cluster | grep -qx "$CLUSTER_NAME"; then
 fi
 
 # ---------------------------------------------------------------------------------------
-# slurmctld and the two slurmd; a changed slurm.conf/gres.conf restarts all three.
+# slurmctld and the slurmd; a changed slurm.conf/gres.conf restarts them all (running jobs live
+# on in their slurmstepd). Nodes beyond the count asked for are stopped.
 if stale slurm.conf gres.conf; then
-  for n in "${NODES[@]}"; do stop_pidfile "$STATE/run/slurmd-$n.pid" slurmd; done
+  for n in $(known_nodes); do stop_pidfile "$STATE/run/slurmd-$n.pid" slurmd; done
   stop_pidfile "$STATE/run/slurmctld.pid" slurmctld
 fi
 if ! slurmctld_ok; then
@@ -281,10 +286,7 @@ for n in "${NODES[@]}"; do
     log "starting slurmd -N $n ($NET_MODE)"
     started_at[$n]=$(date +%s)
     if [[ $NET_MODE == netns ]]; then
-      # Its own network (nsenter) and hostname (unshare --uts). Not `ip netns exec`: that
-      # remounts /sys, and slurmd then finds no cgroup filesystem.
-      nsenter --net="/run/netns/$(node_netns "$n")" unshare --uts sh -c "hostname $n; exec slurmd -N $n" ||
-        fail "slurmd -N $n did not start" "$STATE/log/slurmd-$n.log"
+      start_slurmd "$n" || fail "slurmd -N $n did not start" "$STATE/log/slurmd-$n.log"
     else
       slurmd -N "$n" || fail "slurmd -N $n did not start" "$STATE/log/slurmd-$n.log"
     fi
@@ -293,8 +295,9 @@ for n in "${NODES[@]}"; do
   fi
 done
 mark_active slurm.conf gres.conf
-# Namespaces left by an earlier netns run, now that no slurmd runs in them.
-[[ $NET_MODE == netns ]] || net_down
+# Namespaces left by an earlier netns run, or by nodes no longer configured, now that no slurmd
+# runs in them.
+if [[ $NET_MODE == netns ]]; then net_down_extra; else net_down; fi
 
 # ---------------------------------------------------------------------------------------
 # Wait until both nodes take jobs and accounting answers. Nodes left DOWN or DRAINED by an
@@ -328,6 +331,8 @@ resume_bad_nodes() {
     esac
   done < <(node_states)
 }
+node_logs=()
+for n in "${NODES[@]}"; do node_logs+=("$STATE/log/slurmd-$n.log"); done
 deadline=$((SECONDS + 60))
 next_resume=$SECONDS
 until ready; do
@@ -339,7 +344,7 @@ until ready; do
   ((SECONDS < deadline)) || {
     log "node states: $(node_reasons)"
     fail "nodes not idle or sacct not working after 60 s" \
-      "$STATE/log/slurmctld.log" "$STATE/log/slurmd-n1.log" "$STATE/log/slurmd-n2.log" "$STATE/log/slurmdbd.log"
+      "$STATE/log/slurmctld.log" "${node_logs[@]}" "$STATE/log/slurmdbd.log"
   }
   if ((SECONDS >= next_resume)); then
     resume_bad_nodes

@@ -23,20 +23,24 @@ from hpcdist import plan as plan_
 from hpcdist import submit as sub_
 from hpcdist.jobhandle import JobHandle
 from hpcdist.jobindex import JobRecord, records
+from hpcdist.nodefail import describe
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.states import JobState
 from hpcdist.submit import Finished, Submission
 from hpcdist.watch import hms, slurm_seconds, watch
 
 
-def print_finished(job_id: str, finished: Finished) -> int:
-    """The per-rank summary `submit --wait` and `wait` end with; the exit code (0: success)."""
+def print_finished(job_id: str, finished: Finished, excluded: list[str] | None = None) -> int:
+    """The per-rank summary `submit --wait` and `wait` end with; the exit code (0: success).
+    `excluded`: the nodes that died under the job and that it ran again without."""
     outcomes = finished.outcomes
     failed = [o for o in outcomes if not o.ok]
     print(f"job {job_id} finished: {finished.state.value}; "
           f"{len(outcomes) - len(failed)}/{len(outcomes)} ranks succeeded")
     if finished.cause:
         print(f"  cause: {finished.cause}")
+    for line in excluded or []:
+        print(f"  ran again without node {line}")
     for o in outcomes:
         if o.ok:
             shown = {k: v for k, v in o.summary.items() if k not in ("rank", "timings")}
@@ -75,7 +79,8 @@ def submit(req: plan_.Request, paths: list[str], chain: bool, wait: bool, wait_t
     _print_excluded(made)
     if not wait:
         return 0
-    return print_finished(submission.job_id, watch(submission, timeout_s=wait_timeout))
+    finished = watch(submission, timeout_s=wait_timeout)
+    return print_finished(submission.job_id, finished, describe(submission.paths))
 
 
 def _print_excluded(made: plan_.Plan) -> None:
@@ -166,6 +171,7 @@ class JobRow:
     state: str  # the state, with the queue reason while pending
     elapsed: str
     nodes: str
+    excluded: str = ""  # nodes that died under the job, which it ran again without: "n3 (died in run 1, ...)"
 
 
 def job_rows(recs: list[JobRecord]) -> tuple[list[JobRow], str]:
@@ -191,8 +197,18 @@ def job_rows(recs: list[JobRecord]) -> tuple[list[JobRow], str]:
         state_text = reading.state.value
         if reading.state is JobState.PENDING and row.reason not in ("", "None"):
             state_text += f" ({row.reason})"
-        rows.append(JobRow(r, state_text, hms(slurm_seconds(row.elapsed)), row.nodes or "-"))
+        rows.append(JobRow(r, state_text, hms(slurm_seconds(row.elapsed)), row.nodes or "-", _excluded(r)))
     return rows, note
+
+
+def _excluded(record: JobRecord) -> str:
+    """The job's node failures (``hpcdist.store.node_failures``), one phrase each."""
+    from hpcdist.config.paths import node_failure_record
+    from hpcdist.store import node_failures
+
+    if not record.result:
+        return ""
+    return "; ".join(f.describe() for f in node_failures.read(node_failure_record(Path(record.result))))
 
 
 def _last_write(record: JobRecord) -> float:
@@ -217,6 +233,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if args.json:  # for scripts and tests: one object per job, the index's paths whole
         print(json.dumps([{"job_id": r.record.job_id, "name": r.record.name, "kind": r.record.kind,
                            "site": r.record.site, "state": r.state, "elapsed": r.elapsed, "nodes": r.nodes,
+                           "excluded": r.excluded,
                            "result": r.record.result, "checkpoints": r.record.checkpoints,
                            "logs": r.record.folder} for r in rows], indent=1))
         if note:
@@ -226,7 +243,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
                  left=("job", "name", "kind", "site", "state", "nodes", "result"))
     for row in rows:
         r = row.record
-        grid.add_row(r.job_id, r.name, r.kind, r.site, row.state, row.elapsed, row.nodes, r.result)
+        nodes = f"{row.nodes} (ran again without {row.excluded})" if row.excluded else row.nodes
+        grid.add_row(r.job_id, r.name, r.kind, r.site, row.state, row.elapsed, nodes, r.result)
     sys.stdout.write(text(grid))
     if note:
         print(note, file=sys.stderr)
@@ -235,7 +253,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 def cmd_wait(args: argparse.Namespace) -> int:
     handle = JobHandle.find(args.job_id, args.site)
-    return print_finished(handle.job_id, handle.wait(timeout_s=args.timeout, show=True))
+    finished = handle.wait(timeout_s=args.timeout, show=True)
+    return print_finished(handle.job_id, finished, describe(handle.submission.paths))
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:

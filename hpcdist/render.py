@@ -261,6 +261,9 @@ def render_script(spec: JobSpec, site: Site, origin: Origin, excluded: Exclusion
         "env": sorted(env.items()),
         "prelude": [Shell(line) for line in launcher.prelude(plan)],
         "launch_time_var": Shell(LAUNCH_TIME_VAR),
+        # A job that may run again on fewer nodes (hpcdist.nodefail shrinks it while it is pending):
+        # Slurm keeps the submission's task count in SLURM_NTASKS, which srun and mpirun read.
+        "tasks_per_node": spec.resources.tasks_per_node if spec.resources.min_nodes else 0,
         "launch": [Shell(line) for line in launcher.command(plan).splitlines()],
     }
     import jinja2

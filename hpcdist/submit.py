@@ -291,6 +291,19 @@ def job_state(sub: Submission) -> JobState:
     return read_state(sub).state
 
 
+def ranks_ran(sub: Submission) -> int:
+    """How many ranks the job's last run had: the spec's world size, or fewer when it ran again
+    without a node that died (``hpcdist.nodefail``; submitit fixed its task count at submission)."""
+    from hpcdist.runtime.hostlist import expand_hostlist
+    from hpcdist.store import node_failures
+
+    if sub.site.scheduler != "slurm" or not node_failures.read(sub.paths.node_failures):
+        return _tasks(sub.spec)
+    row = slurm.read_state(sub.job_id).row
+    nodes = expand_hostlist(row.nodes) if row is not None and row.nodes not in ("", "None assigned") else []
+    return len(nodes) * sub.spec.resources.tasks_per_node if nodes else _tasks(sub.spec)
+
+
 def outcomes(sub: Submission, state: JobState = JobState.UNKNOWN, end: Ending | None = None) -> list[TaskOutcome]:
     """One outcome per rank, from submitit's result files (read directly: asking submitit's job
     would call sacct behind the scheduler client's back). A rank without a result is summarised
@@ -298,7 +311,7 @@ def outcomes(sub: Submission, state: JobState = JobState.UNKNOWN, end: Ending | 
     from submitit.core.utils import pickle_load
 
     out = []
-    for rank in range(_tasks(sub.spec)):
+    for rank in range(ranks_ran(sub)):
         task = sub.job.task(rank)
         try:
             status, value = pickle_load(task.paths.result_pickle)
@@ -335,10 +348,15 @@ def wait(
     proven absent from the queue while accounting is down ends the wait with a `SubmitError`
     (``Vanished``). `on_poll` sees each state read (the live status line).
     """
+    from hpcdist.nodefail import NodeFailures
+
     vanished = Vanished()
+    failures = NodeFailures(sub.job_id, sub.spec, sub.site, sub.paths) if sub.site.scheduler == "slurm" else None
 
     def ended() -> JobState | None:
         reading = read_state(sub)
+        if failures is not None:
+            failures.poll(reading.state)  # a requeue after a node failure: exclude the node, or end
         if on_poll is not None:
             on_poll(reading.state)
         if reading.state.final:
@@ -352,6 +370,8 @@ def wait(
         raise SubmitError(
             f"job {sub.job_id} did not finish within {timeout_s:g} s; it is still {job_state(sub).value}"
         )
+    if failures is not None and failures.cause:  # ended by on_node_failure: fail, or the bound
+        return Finished(JobState.NODE_FAIL, outcomes(sub, JobState.NODE_FAIL), failures.cause)
     end = _slurm_ending(sub) if sub.site.scheduler == "slurm" and state is not JobState.COMPLETED else None
     done = outcomes(sub, state, end)
     stacks: list[str] = []
@@ -376,6 +396,3 @@ def _slurm_ending(sub: Submission) -> Ending:
     end = ending(batch_log, records)
     marked = mark_failed_nodes(sub.site, sub.job_id, records)
     return dataclasses.replace(end, cause="; ".join(c for c in (end.cause, marked) if c))
-
-
-

@@ -1,8 +1,10 @@
-"""Network faults on one node of the local Slurm cluster, for tests: a slowed link, a cut link.
+"""Network and node faults on one node of the local Slurm cluster, for tests: a slowed link, a
+cut link, a dead node.
 
-Both are context managers that always restore the link on the way out, even when the test
-fails inside. They drive cluster/netfault.sh, which owns the names of the nodes' namespaces and
-veths; they need the cluster in netns mode (`cluster_mode()` says which mode it runs in).
+All are context managers that always restore the node on the way out, even when the test fails
+inside. They drive cluster/netfault.sh and cluster/nodefault.sh, which own the names of the
+nodes' namespaces and veths; they need the cluster in netns mode (`cluster_mode()` says which
+mode it runs in).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 NETFAULT = REPO / "cluster" / "netfault.sh"
+NODEFAULT = REPO / "cluster" / "nodefault.sh"
 STATE = Path(os.environ.get("HPCDIST_SLURM_STATE", "/var/tmp/hpcdist-slurm"))
 
 
@@ -26,10 +29,10 @@ def cluster_mode() -> str:
         return "down (no mode file; run make cluster-up)"
 
 
-def _netfault(*args: str) -> None:
-    proc = subprocess.run([str(NETFAULT), *args], capture_output=True, text=True, timeout=30, check=False)
+def _netfault(*args: str, script: Path = NETFAULT) -> None:
+    proc = subprocess.run([str(script), *args], capture_output=True, text=True, timeout=60, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"cluster/netfault.sh {' '.join(args)} failed: {proc.stderr.strip()}")
+        raise RuntimeError(f"cluster/{script.name} {' '.join(args)} failed: {proc.stderr.strip()}")
 
 
 def restore(node: str) -> None:
@@ -60,3 +63,19 @@ def cut(node: str) -> Iterator[None]:
 def on_node(node: str, argv: Sequence[str], **kwargs: object) -> subprocess.Popen[str]:
     """Start ARGV in the node's network namespace (outside Slurm), e.g. to measure its link."""
     return subprocess.Popen([str(NETFAULT), "exec", node, *argv], text=True, **kwargs)  # type: ignore[call-overload]
+
+
+def revive(node: str) -> None:
+    """The node back in service (link up, slurmd started, resumed in Slurm; idle once it returns)."""
+    _netfault("revive", node, script=NODEFAULT)
+
+
+@contextmanager
+def killed(node: str) -> Iterator[None]:
+    """The node dead inside the block, as hardware dies: link cut, slurmd and every process in it
+    killed; Slurm declares it DOWN after SlurmdTimeout. Revived on the way out."""
+    try:
+        _netfault("kill", node, script=NODEFAULT)
+        yield
+    finally:
+        revive(node)

@@ -16,7 +16,8 @@ import pytest
 
 from hpcdist.bench.measure import FAULT_VAR
 from hpcdist.store.results import read_facts, read_table
-from tests.support.bench import JOBS, ROOT, cli_process, make_shared_dir, storage_overrides, submit
+from tests.support import bench
+from tests.support.bench import JOBS, ROOT, cli_process, make_shared_dir, storage_overrides
 from tests.support.cli import require_slurm
 
 pytestmark = [pytest.mark.slurm]
@@ -28,6 +29,12 @@ def _cluster() -> None:
     require_slurm()
 
 SITE = "local-slurm"
+
+
+def submit(job: str, site: str, root: Path, sets: list[str],
+           **kwargs: object) -> tuple[subprocess.CompletedProcess[str], Path | None]:
+    """`bench.submit` on n1 and n2, the nodes these tests name (the cluster has more)."""
+    return bench.submit(job, site, root, ["sbatch.nodelist=n1,n2", *sets], **kwargs)  # type: ignore[arg-type]
 
 
 @pytest.fixture

@@ -26,8 +26,10 @@ TEST_NET = ipaddress.ip_network("10.251.0.0/24")  # cluster/lib.sh NET_PREFIX / 
 
 
 def srun(*argv: str, timeout: float = 60) -> list[str]:
-    """One task on each node; the output lines sorted (so n1's come first)."""
-    proc = subprocess.run(["srun", "-N2", "-n2", "-t", "1", *argv], capture_output=True, text=True, timeout=timeout)
+    """One task on each of n1 and n2 (the nodes these tests name, cut and slow); the output lines
+    sorted (so n1's come first)."""
+    proc = subprocess.run(["srun", "-N2", "-n2", "-w", ",".join(NODES), "-t", "1", *argv], capture_output=True,
+                          text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return sorted(proc.stdout.splitlines())
 
@@ -140,7 +142,8 @@ def test_smoke_spans_both_hosts(separate_hosts: Path, launcher: str) -> None:
     env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     result = run_cli(
         "submit", "jobs/smoke.yaml", "--site", "local-slurm", "--wait",
-        "--set", "resources.nodes=2", "--set", "resources.tasks_per_node=2", "--set", f"params.mpi={str(mpi).lower()}",
+        "--set", "resources.nodes=2", "--set", "sbatch.nodelist=n1,n2", "--set", "resources.tasks_per_node=2",
+        "--set", f"params.mpi={str(mpi).lower()}",
         *overrides, *storage_sets(separate_hosts), env=env,
     )
     assert result.code == 0, result.text

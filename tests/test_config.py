@@ -77,7 +77,7 @@ def test_malicious_yaml_is_refused(tmp_path: Path) -> None:
          r"resources\.gpus_per_node: 8 is not possible.*at most 4 on partition 'gpu'"),
         (["resources.partition=gpu", "resources.gpus_per_node=4", "resources.tasks_per_node=2"],
          r"resources\.tasks_per_node: 2 is not possible.*4 \(one rank per GPU"),
-        (["resources.nodes=3"], r"resources\.nodes: 3 is not possible.*at most 2"),
+        (["resources.nodes=9"], r"resources\.nodes: 9 is not possible.*at most [2-8]"),
         (["resources.time_min=999"], r"resources\.time_min: 999 .*at most 60 min"),
         (["kind=smok"], r"kind: unknown job kind 'smok'; known kinds: .*smoke"),
         (["params.mpii=true"], r"params\.mpii: unknown key; allowed keys: label, mpi"),
@@ -105,10 +105,10 @@ def test_job_params_are_parsed_once_into_the_kinds_model() -> None:
 
 
 def test_cli_error_is_one_line_without_traceback(tmp_path: Path) -> None:
-    result = run_cli("render", str(SMOKE), "--site", "local-slurm", "--set", "resources.nodes=3")
+    result = run_cli("render", str(SMOKE), "--site", "local-slurm", "--set", "resources.nodes=9")
     assert result.code == 2
     lines = result.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("hpcdist: error: ") and "resources.nodes: 3" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("hpcdist: error: ") and "resources.nodes: 9" in lines[0]
     assert "Traceback" not in result.text
-    debug = run_cli("--debug", "render", str(SMOKE), "--site", "local-slurm", "--set", "resources.nodes=3")
+    debug = run_cli("--debug", "render", str(SMOKE), "--site", "local-slurm", "--set", "resources.nodes=9")
     assert "Traceback" in debug.err and debug.code != 0

@@ -58,7 +58,7 @@ def unpicklable() -> Any:
 
 def test_a_function_of_this_module_runs_on_two_nodes_and_returns_every_rank(slurm_storage: Path) -> None:
     ex = hpcdist.Executor(site="local-slurm", nodes=2, tasks_per_node=2, time_min=5,
-                          set={**SLURM, **storage(slurm_storage)})
+                          set={**SLURM, **storage(slurm_storage), "sbatch.nodelist": "n1,n2"})
     job = ex.submit(all_reduce_rank, 4, offset=2)
     assert job.job_id.isdigit()
     values = job.results()

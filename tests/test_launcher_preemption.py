@@ -32,7 +32,7 @@ def test_preemption_requeues_and_resumes_under(launcher: str, separate_hosts: Pa
     monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT", "1")  # the cluster runs jobs as root; sbatch passes these on
     monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     job = Background(train_args(root, tokens, "--set", "resources.nodes=2", "--set", "resources.tasks_per_node=1",
-                                *LAUNCHERS[launcher], site="local-slurm"))
+                                "--set", "sbatch.nodelist=n1,n2", *LAUNCHERS[launcher], site="local-slurm"))
     try:
         wait_for(lambda: "step 20/400" in rank_log(root), 120, "step 20 in rank 0's log")
         jid = next(p.name for p in (root / "logs" / "train_gpt").iterdir() if p.name.isdigit())

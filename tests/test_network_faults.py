@@ -27,6 +27,7 @@ from tests.support.train import ckpt_dir, rank_log, train_args, wait_for
 JOBS = REPO / "jobs"
 train_root, tokens = fx.train_root, fx.tokens  # the training tests' session fixtures (token file)
 TIMEOUT_S = 10  # the job's collective timeout: a cut is noticed within it
+PINNED = "sbatch.nodelist=n1,n2"  # the job must hold n2, the node these tests cut or slow (of 4)
 
 
 def storage(root: Path) -> list[str]:
@@ -36,7 +37,7 @@ def storage(root: Path) -> list[str]:
 def start(job: str, root: Path, *sets: str) -> subprocess.Popen[str]:
     """`hpcdist submit JOB --wait` in the background; its output is read once it ends."""
     args = [sys.executable, "-m", "hpcdist.cli", "submit", str(JOBS / f"{job}.yaml"), "--site", "local-slurm",
-            "--wait", "--wait-timeout", "240", *storage(root), *(f"--set={s}" for s in sets)]
+            "--wait", "--wait-timeout", "240", *storage(root), f"--set={PINNED}", *(f"--set={s}" for s in sets)]
     return subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -158,7 +159,8 @@ def test_cut_link_during_training_keeps_the_checkpoint_and_resumes(separate_host
                                                                    tokens: Path) -> None:
     root = separate_hosts
     args = train_args(root, tokens, "--set", "resources.nodes=2", "--set", "resources.tasks_per_node=1",
-                      "--set", "params.steps=5000", "--set", f"timeout_s={TIMEOUT_S}", site="local-slurm")
+                      "--set", PINNED, "--set", "params.steps=5000", "--set", f"timeout_s={TIMEOUT_S}",
+                      site="local-slurm")
     job = subprocess.Popen([sys.executable, "-m", "hpcdist.cli", *args], cwd=REPO, text=True,
                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out = cut_n2_until_both_fail(job, (ckpt_dir(root) / "step_00000050.h5").exists, "the first committed checkpoint",

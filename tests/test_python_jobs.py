@@ -140,7 +140,7 @@ def test_render_shows_the_command_form() -> None:
     ["--set", "site.launcher.kind=torchrun", "--set", "site.launcher.args=[]"],  # one agent per node
 ], ids=["srun", "srun-pmix", "mpirun", "torchrun"])
 def test_plain_ddp_script_on_two_nodes(slurm_storage: Path, launcher: list[str]) -> None:
-    result = run_cli("submit", "--site", "local-slurm", "--set", "resources.nodes=2",
+    result = run_cli("submit", "--site", "local-slurm", "--set", "resources.nodes=2", "--set", "sbatch.nodelist=n1,n2",
                      "--set", "resources.tasks_per_node=2", *launcher, *storage_sets(slurm_storage),
                      "--wait", "--", str(PLAIN), "--steps", "20", timeout=240)
     assert result.code == 0, result.text

@@ -16,7 +16,7 @@ from tests.support.cli import job_id, result_path, run_cli, sacct_state, storage
 def test_smoke_two_nodes_two_tasks(slurm_storage: Path) -> None:
     result = run_cli(
         "submit", "jobs/smoke.yaml", "--site", "local-slurm", "--wait",
-        "--set", "resources.nodes=2", *storage_sets(slurm_storage),
+        "--set", "resources.nodes=2", "--set", "sbatch.nodelist=n1,n2", *storage_sets(slurm_storage),
     )
     assert result.code == 0, result.text
     jid = job_id(result.out)
@@ -32,7 +32,7 @@ def test_smoke_two_nodes_two_tasks(slurm_storage: Path) -> None:
     assert (boot["launch_to_ready_s"] > 0).all()
     # the submitted script is the rendered one
     rendered = run_cli("render", "jobs/smoke.yaml", "--site", "local-slurm", "--set", "resources.nodes=2",
-                       *storage_sets(slurm_storage))
+                       "--set", "sbatch.nodelist=n1,n2", *storage_sets(slurm_storage))
     submitted = (slurm_storage / "logs" / "smoke" / jid / f"{jid}_submission.sh").read_text()
     assert submitted == rendered.out
     status = run_cli("status", jid)
@@ -90,7 +90,7 @@ def test_env_shows_what_the_bootstrap_sees_on_a_node(slurm_storage: Path) -> Non
     from tests.support.cli import REPO
 
     proc = subprocess.run(
-        ["srun", "-N2", "--ntasks-per-node=1", sys.executable, "-m", "hpcdist.cli", "env"],
+        ["srun", "-N2", "-w", "n1,n2", "--ntasks-per-node=1", sys.executable, "-m", "hpcdist.cli", "env"],
         capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert proc.returncode == 0, proc.stderr

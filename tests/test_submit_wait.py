@@ -112,6 +112,7 @@ def test_a_rank_killed_by_sigkill_is_named_with_its_host(slurm_storage: Path) ->
     error names the peer behind the closed connection."""
     result = run_cli(
         "submit", "--site", "local-slurm", "--set", "resources.nodes=2", "--set", "resources.tasks_per_node=1",
+        "--set", "sbatch.nodelist=n1,n2",  # the nodes the summary names (the cluster has more)
         "--set", "timeout_s=60", *storage_sets(slurm_storage), "--wait", "--", str(RANKS), "m", "kill", "1",
         timeout=240,
     )

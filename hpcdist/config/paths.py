@@ -69,6 +69,12 @@ class JobPaths:
         return under(self.storage.results, self.name, f"{self.job_id}{suffix}.h5")
 
     @property
+    def node_failures(self) -> Path:
+        """Which nodes died under the job and were excluded when it ran again (``hpcdist.nodefail``
+        writes it, the result file and ``hpcdist jobs`` read it): beside the result."""
+        return node_failure_record(self.result())
+
+    @property
     def checkpoints(self) -> Path:
         """Stable across requeues and resubmissions of the same job name."""
         return under(self.storage.checkpoints, self.name)
@@ -86,6 +92,11 @@ class JobPaths:
     def new_snapshot(self) -> Path:
         """A new folder for the code snapshot: ``<logs>/<name>/code-<time>-<random>``."""
         return under(self.storage.logs, self.name, f"code-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
+
+
+def node_failure_record(result: Path) -> Path:
+    """The node-failure record of the job whose result is `result`: ``<job id>.node_failures.json``."""
+    return result.with_name(f"{result.stem}.node_failures.json")
 
 
 def node_health(storage: Storage) -> Path:

@@ -8,6 +8,7 @@ back to a default.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -93,10 +94,22 @@ class Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
 
+_FROM_ENV = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*):-(?P<default>\d+)\}")
+
+
+def _count_from_env(value: object) -> object:
+    """A count written as ``${NAME:-DEFAULT}``: the variable's value when set, else DEFAULT (the
+    local cluster's node count follows ``HPCDIST_NODES``, as cluster/up.sh does)."""
+    if isinstance(value, str) and (m := _FROM_ENV.fullmatch(value.strip())):
+        return os.environ.get(m["name"]) or m["default"]
+    return value
+
+
 class Partition(Frozen):
     """One Slurm partition (or the single 'partition' of the local site)."""
 
-    nodes: int = Field(ge=1, description="nodes in the partition")
+    nodes: Annotated[int, BeforeValidator(_count_from_env)] = Field(
+        ge=1, description="nodes in the partition (or ${VAR:-DEFAULT}: from the environment)")
     cpus_per_node: int = Field(ge=1)
     mem_gb: float | None = Field(default=None, gt=0)
     gpus_per_node: int = Field(default=0, ge=0)

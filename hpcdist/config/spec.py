@@ -42,11 +42,21 @@ class Resources(Frozen):
 
     partition: str | None = None
     nodes: int = Field(default=1, ge=1)
+    # How far a job may shrink when it runs again after a node failure and no spare node is free
+    # (``hpcdist.nodefail`` updates the pending job's node count). None: exactly `nodes`.
+    min_nodes: int | None = Field(default=None, ge=1)
     tasks_per_node: int = Field(default=1, ge=1)
     gpus_per_node: int = Field(default=0, ge=0)
     cpus_per_task: int = Field(default=1, ge=1)
     mem_gb: float | None = Field(default=None, gt=0)
     time_min: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _min_within_nodes(self) -> Resources:
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ValueError(f"min_nodes {self.min_nodes} is more than nodes {self.nodes}; set min_nodes to at most "
+                             f"{self.nodes} (how many nodes the job may shrink to when a node fails)")
+        return self
 
     @property
     def world_size(self) -> int:
@@ -71,6 +81,9 @@ class JobSpec(Frozen):
     )
     params: dict[str, Any] = Field(default_factory=dict)
     sbatch: SbatchOptions = Field(default_factory=dict, description="extra #SBATCH options for this job")
+    on_node_failure: Literal["requeue", "fail"] | None = Field(
+        default=None, description="when a node dies: run again without it (requeue) or end (fail); "
+        "None: the kind's default (requeue for train_gpt, fail for the others)")
 
     @field_validator("name")
     @classmethod

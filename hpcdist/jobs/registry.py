@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel
 
@@ -49,6 +49,9 @@ class JobKind:
     check: str | None = None
     # At submit only (never render): prepare(job, site) -> params updates (e.g. a code snapshot).
     prepare: str | None = None
+    # When a node dies, what a spec without `on_node_failure` asks for: a run that resumes from
+    # its checkpoints at another world size can go on without the node; others end.
+    on_node_failure: Literal["requeue", "fail"] = "fail"
 
     def params_model(self) -> type[BaseModel]:
         model: type[BaseModel] = _load(self.params)
@@ -99,6 +102,13 @@ def get_kind(name: str) -> JobKind:
 
 def kind_names() -> list[str]:
     return sorted(_KINDS)
+
+
+def on_node_failure(spec: JobSpec) -> Literal["requeue", "fail"]:
+    """What the job does when one of its nodes dies: the spec's word, else its kind's default."""
+    if spec.on_node_failure is not None:
+        return spec.on_node_failure
+    return _KINDS[spec.kind].on_node_failure if spec.kind in _KINDS else "fail"
 
 
 Warn = Callable[[str], None]
@@ -234,7 +244,7 @@ for _kind in (
             check="hpcdist.bench.jobs:check_preflight"),
     JobKind("train_gpt", "hpcdist.train.params:TrainParams", "hpcdist.train.loop:run",
             "data-parallel GPT training with HDF5 checkpoints that survive preemption",
-            check="hpcdist.train.params:check"),
+            check="hpcdist.train.params:check", on_node_failure="requeue"),
     JobKind("infer_gpt", "hpcdist.infer.jobs:InferParams", "hpcdist.infer.run:run_infer",
             "load a GPT checkpoint (broadcast or TP shards), generate for a prompt file, time it",
             check="hpcdist.infer.jobs:check_infer"),

@@ -152,11 +152,15 @@ def job_steps(job_id: str) -> set[str] | None:
 
 @dataclass(frozen=True)
 class JobInfo:
-    """``scontrol show job``'s word on a job: its state and how often Slurm restarted it."""
+    """``scontrol show job``'s word on a job: its state, how often Slurm restarted it, the nodes
+    it must not run on and how many it asks for."""
 
     state: JobState
     word: str  # Slurm's own word (PENDING, REQUEUE_HOLD, ...)
     restarts: int
+    excluded: str = ""  # ExcNodeList as Slurm writes it (n[3-4]), "" for none
+    required: str = ""  # ReqNodeList (the user's --nodelist), "" for none
+    num_nodes: str = ""  # NumNodes: "4", or "3-4" while a job that may shrink is pending
 
 
 def show_job(job_id: str) -> JobInfo | None:
@@ -167,9 +171,42 @@ def show_job(job_id: str) -> JobInfo | None:
         return None
     fields = dict(f.split("=", 1) for f in answer.out.split() if "=" in f)
     try:
-        return JobInfo(JobState.from_slurm(fields["JobState"]), fields["JobState"], int(fields.get("Restarts", "0")))
+        excluded, required = (fields.get(k, "").replace("(null)", "") for k in ("ExcNodeList", "ReqNodeList"))
+        return JobInfo(JobState.from_slurm(fields["JobState"]), fields["JobState"], int(fields.get("Restarts", "0")),
+                       excluded=excluded, required=required, num_nodes=fields.get("NumNodes", ""))
     except (KeyError, ValueError):
         return None
+
+
+def update_job(job_id: str, **fields: str) -> None:
+    """``scontrol update JobId=ID Key=Value...`` (``ExcNodeList``, ``NumNodes``, ``StartTime``);
+    the same update twice does no harm, so it is tried again like a query."""
+    check_job_ids([job_id])
+    for key, value in fields.items():
+        if not re.fullmatch(r"[A-Za-z]+", key) or not re.fullmatch(r"[A-Za-z0-9_.,\[\]:-]*", value):
+            raise SubmitError(f"scontrol update {key}={value!r}: not a field and value hpcdist writes")
+    answer = run(["scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items())])
+    if not answer.ok:
+        raise SubmitError(f"could not update job {job_id} ({', '.join(fields)}): {answer.why}")
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One run of a job in Slurm's accounting (``sacct --duplicates``: a requeued job has one per
+    start): how it ended, on which nodes, and when (``2026-11-24T02:30:25``, the cluster's time)."""
+
+    state: str
+    nodes: str
+    end: str
+
+
+def attempts(job_id: str) -> list[Attempt] | None:
+    """Every run of the job, oldest first; None when accounting cannot be read."""
+    check_job_ids([job_id])
+    answer = run(["sacct", "-j", job_id, "--duplicates", "-X", "-P", "-n", "-o", "State,NodeList,End"])
+    if not answer.ok:
+        return None
+    return [Attempt(*line.split("|")[:3]) for line in answer.out.splitlines() if line.count("|") >= 2]
 
 
 def scancel(job_id: str) -> None:
@@ -220,22 +257,33 @@ class NodeStatus:
         """Not responding (sinfo's ``*``), down or failing: what a node that died looks like."""
         return self.state.endswith("*") or self.state.startswith(("down", "fail"))
 
+    @property
+    def dead(self) -> bool:
+        """Slurm gave up on it: down, failing or drained. Not one merely slow to answer a ping
+        (``mixed*``): a busy node is flagged so for seconds, and is not dead."""
+        return self.state.lower().startswith(("down", "drain", "fail"))
 
-def node_states() -> dict[str, NodeStatus] | None:
-    """Every node Slurm knows, by name; None when sinfo could not be asked (unknown, not none)."""
-    answer = run(["sinfo", "-N", "-h", "-o", "%N|%P|%T|%E"])
+
+def node_states(nodes: str = "", partition: str = "") -> dict[str, NodeStatus] | None:
+    """Every node Slurm knows (or those of the host list `nodes`, or of `partition`), by name;
+    None when sinfo could not be asked (unknown, not none)."""
+    for value in (nodes, partition):
+        if value and not re.fullmatch(r"[A-Za-z0-9_.,\[\]-]+", value):
+            raise SubmitError(f"{value!r} is not a Slurm host list or partition (n[1-4], n1,n3, cpu)")
+    where = ["-n", nodes] if nodes else ["-p", partition] if partition else []
+    answer = run(["sinfo", "-N", "-h", *where, "-o", "%N|%P|%T|%E"])
     if not answer.ok:
         return None
-    nodes: dict[str, NodeStatus] = {}
+    found: dict[str, NodeStatus] = {}
     for line in answer.out.splitlines():
         parts = line.split("|", 3)
         if len(parts) != 4:
             continue
-        name, partition, state, reason = (p.strip() for p in parts)
-        seen = nodes.get(name)
-        partitions = (*(seen.partitions if seen else ()), partition.rstrip("*"))
-        nodes[name] = NodeStatus(name, partitions, state, "" if reason == "none" else reason)
-    return nodes
+        name, part, state, reason = (p.strip() for p in parts)
+        seen = found.get(name)
+        partitions = (*(seen.partitions if seen else ()), part.rstrip("*"))
+        found[name] = NodeStatus(name, partitions, state, "" if reason == "none" else reason)
+    return found
 
 
 # ---------------------------------------------------------------- one job's state

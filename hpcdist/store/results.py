@@ -5,7 +5,8 @@ Layout (format ``hpcdist.result`` version 2), readable by ``h5dump`` as well as 
 - root attributes: ``format``, ``format_version``, ``kind``, ``job_name``, ``job_id``, ``site``,
   ``world_size``, ``num_nodes``, ``created`` (UTC ISO 8601),
   ``complete`` (False while a run that died left partial rows), ``spec_json``, ``site_json``,
-  ``version_*`` (hpcdist, python, torch, numpy, h5py, mpi, nccl);
+  ``version_*`` (hpcdist, python, torch, numpy, h5py, mpi, nccl); after a node failure
+  ``excluded_nodes`` and ``node_failures`` (``hpcdist.store.node_failures``);
 - root datasets of strings, one entry per rank or per node (``LIST_FACTS``): ``/hosts`` (each
   rank's host), and for benchmarks ``/nodes`` and ``/rank_nodes``. They are datasets, not
   attributes, because HDF5 keeps attributes in a 64 KiB object header: about 4,000 host names;
@@ -34,7 +35,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcdist import __version__
+from hpcdist.config.paths import node_failure_record
 from hpcdist.config.site import REDACTED, looks_secret
+from hpcdist.store import node_failures
 from hpcdist.store.atomic import atomic_path
 from hpcdist.store.tree import attr_value, plain
 
@@ -119,6 +122,7 @@ def result_file(path: Path, attrs: Mapping[str, Any]) -> Iterator[h5py.File]:
     """An HDF5 file open for writing that appears at `path` only once it is complete."""
     import h5py
 
+    attrs = {**node_failures.attrs(node_failure_record(path)), **attrs}  # nodes the job ran again without
     with atomic_path(path) as tmp:
         with h5py.File(tmp, "w") as f:
             for key, value in attrs.items():

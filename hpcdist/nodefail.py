@@ -1,0 +1,164 @@
+"""A dead node: the job runs again without it, or ends (``on_node_failure: requeue | fail``).
+
+One path. When a node stops answering, Slurm declares it DOWN after ``SlurmdTimeout`` and, as the
+site's ``JobRequeue`` and hpcdist's ``--requeue`` ask, requeues the job under the same id: the
+only actor left when the dead node was the head (the batch script, rank 0 and its store) is
+Slurm. hpcdist never resubmits a job for a node failure. A requeued job is held pending for about
+two minutes (Slurm's job credentials must expire: ``BeginTime``), and in that window the waiter
+(``submit --wait``, ``hpcdist wait``, ``JobHandle.wait``) acts on it once per failed run:
+
+- ``requeue``: the dead node (in the failed run's node list and, to Slurm, down or not
+  responding) is added to the pending job's ``ExcNodeList``, merged with what it excluded
+  already (the user's ``sbatch: {exclude: ...}`` among it). A job with ``resources.min_nodes``
+  that would not find as many live nodes as it asked for has its node and task counts lowered
+  (``NumNodes``, ``NumTasks``, ``NumCPUs``; its script exports the new task count): it runs on
+  the nodes that remain, at a smaller world size; with a spare free, or without ``min_nodes``,
+  at its own size (waiting for a node if need be). Not ``--nodes=MIN-MAX`` at submission: Slurm
+  sizes such a job's tasks by its minimum and may start it on the minimum at once. The failure is
+  recorded beside the result (``hpcdist.store.node_failures``) and in the site's node health
+  record (``hpcdist.store.health``).
+- ``fail``, or a job that has run again after node failures more often than the site's
+  ``preemption.max_requeues``: the pending job is cancelled, and the waiter says why.
+
+Without a waiter, Slurm's requeue still runs the job again, on nodes other than the DOWN one,
+but nothing is excluded, recorded or bounded by hpcdist.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from hpcdist.config.paths import JobPaths
+from hpcdist.config.site import Site
+from hpcdist.config.spec import JobSpec
+from hpcdist.errors import HpcdistError
+from hpcdist.jobs.registry import on_node_failure
+from hpcdist.runtime.hostlist import expand_hostlist
+from hpcdist.scheduler import slurm
+from hpcdist.scheduler.states import JobState
+from hpcdist.store import node_failures
+from hpcdist.store.node_failures import NodeFailure
+
+log = logging.getLogger("hpcdist")
+
+CHECK_EVERY_S = 2.0  # how often a pending, requeued job is looked at (one scontrol call)
+class NodeFailures:
+    """One Slurm job watched by its waiter for a requeue after a node failure (``poll`` at every
+    state read). ``cause`` says why, once this ended the job."""
+
+    def __init__(self, job_id: str, spec: JobSpec, site: Site, paths: JobPaths) -> None:
+        self.job_id, self.spec, self.site = job_id, spec, site
+        self.policy = on_node_failure(spec)
+        self.record = paths.node_failures
+        self.handled = {f.run for f in node_failures.read(self.record)}
+        self.ran = False
+        self.cause = ""
+        self.live_seen = ""
+        self._checked = float("-inf")
+
+    def poll(self, state: JobState) -> None:
+        if state in (JobState.RUNNING, JobState.COMPLETING):
+            self.ran = True
+            return
+        now = time.monotonic()
+        if self.cause or not self.ran or state not in (JobState.PENDING, JobState.REQUEUED):
+            return
+        if now - self._checked < CHECK_EVERY_S:
+            return
+        self._checked = now
+        try:
+            self._check()
+        except HpcdistError as exc:  # Slurm could not be asked or updated: try again at the next poll
+            log.warning("job %s: could not act on its requeue: %s", self.job_id, exc)
+
+    def _check(self) -> None:
+        info = slurm.show_job(self.job_id)
+        if info is None or info.restarts == 0:
+            return
+        runs = slurm.attempts(self.job_id)
+        if runs is None:
+            return
+        failed = [(n, run) for n, run in enumerate(runs, 1) if run.state == "NODE_FAIL"]
+        new = [(n, run) for n, run in failed if n not in self.handled]
+        if not new:
+            return
+        found: list[NodeFailure] = []
+        for n, run in new:
+            states = slurm.node_states(run.nodes)
+            if states is None:
+                return  # unknown: look again at the next poll
+            for node in sorted(k for k, v in states.items() if v.dead):
+                found.append(NodeFailure(node, run.end, n, time.time()))
+        names = ", ".join(dict.fromkeys(f.node for f in found)) or "a node (it answers again)"
+        run_words = ", ".join(f"run {n} ended NODE_FAIL at {run.end}" for n, run in new)
+        if self.policy == "fail":
+            return self._end(f"node {names} died ({run_words}); on_node_failure is fail, so Slurm's requeue "
+                             f"was cancelled (set on_node_failure: requeue to run again without it)")
+        limit = self.site.preemption.max_requeues
+        if len(failed) > limit:
+            return self._end(f"node {names} died ({run_words}): {len(failed)} node failures of this job, more "
+                             f"than the site's preemption.max_requeues={limit}, so Slurm's requeue was cancelled")
+        shrink = ""
+        if found:
+            excluded = list(dict.fromkeys([*expand_hostlist(info.excluded), *_user_excludes(self.spec, self.site),
+                                           *(f.node for f in found)]))
+            update = {"ExcNodeList": ",".join(excluded)}
+            required = expand_hostlist(info.required)
+            if set(required) & set(excluded):  # the user's nodelist named the dead node: not any more
+                update["ReqNodeList"] = ",".join(n for n in required if n not in excluded)
+            nodes = self._nodes_left(excluded, required)
+            if nodes is not None:
+                res = self.spec.resources
+                update.update(NumNodes=str(nodes), NumTasks=str(nodes * res.tasks_per_node),
+                              NumCPUs=str(nodes * res.tasks_per_node * res.cpus_per_task))
+                shrink = f", on {nodes} of its {res.nodes} nodes ({self.live_seen})"
+            slurm.update_job(self.job_id, **update)
+            node_failures.add(self.record, found)
+            _mark_bad(self.site, found, self.job_id)
+        self.handled.update(n for n, _ in new)
+        log.warning("job %s: node %s died (%s); it runs again without it%s", self.job_id, names, run_words, shrink)
+
+    def _nodes_left(self, excluded: list[str], required: list[str]) -> int | None:
+        """How many nodes the job runs on next when it may shrink (``resources.min_nodes``): all it
+        asked for while there are that many live nodes it may use (of its nodelist, when it gave
+        one, else of its partition), else those, but never fewer than ``min_nodes`` (it then waits
+        for a node to come back). None: no change."""
+        res = self.spec.resources
+        if res.min_nodes is None:
+            return None
+        states = slurm.node_states(nodes=",".join(required)) if required else slurm.node_states(
+            partition=self.site.partition(res.partition)[0])
+        if states is None:
+            return None
+        usable = [n for n, state in states.items() if not state.dead and n not in excluded]
+        self.live_seen = f"live and not excluded: {', '.join(usable) or 'none'}"
+        nodes = max(res.min_nodes, min(res.nodes, len(usable)))
+        return nodes if nodes < res.nodes else None
+
+    def _end(self, cause: str) -> None:
+        self.cause = cause
+        slurm.scancel(self.job_id)
+
+
+def _user_excludes(spec: JobSpec, site: Site) -> list[str]:
+    """The nodes the job's (or the site's) ``sbatch: {exclude: ...}`` keeps it off."""
+    value = {**site.sbatch, **spec.sbatch}.get("exclude")
+    return expand_hostlist(str(value)) if isinstance(value, str) and value else []
+
+
+def _mark_bad(site: Site, found: list[NodeFailure], job_id: str) -> None:
+    """Into the site's node health record, so later submissions keep off the node too."""
+    from hpcdist.store import health
+
+    for f in found:
+        try:
+            health.mark(site, f.node, f"died under job {job_id} (run {f.run} ended NODE_FAIL at {f.when})",
+                        job_id, source="node_failure")
+        except (OSError, HpcdistError) as exc:
+            log.warning("could not mark %s in the node health record: %s", f.node, exc)
+
+
+def describe(paths: JobPaths) -> list[str]:
+    """One line per node the job ran again without (for ``submit --wait`` and ``hpcdist jobs``)."""
+    return [f.describe() for f in node_failures.read(paths.node_failures)]

@@ -1,0 +1,58 @@
+"""A user script on ``hpcdist.init()`` that resumes at any world size: linear regression by SGD on
+a global batch of 12 samples a step (fixed by the step number), split across the ranks; the
+gradient is summed over the ranks and divided by the global batch, so a run at 4, 3 or 1 ranks
+takes the same steps up to float rounding. Checkpoints every `--every` steps, sleeps `--step-s`
+a step (to leave a test time to kill a node), and records every step's loss in its result."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+
+import hpcdist
+
+BATCH, FEATURES = 12, 6  # 12 divides among 1, 2, 3, 4 and 6 ranks
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(BATCH, FEATURES, generator=g, dtype=torch.float64)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--every", type=int, default=2)
+    parser.add_argument("--step-s", type=float, default=0.0)
+    args = parser.parse_args()
+    ctx = hpcdist.init()
+    w = torch.zeros(FEATURES, 1, dtype=torch.float64)
+    start, losses = 0, []
+    latest = ctx.checkpoints.load_latest()
+    if latest is not None:
+        start, state = latest
+        w, losses = state["w"].clone(), state["losses"].tolist()
+        ctx.log.info("resumed from step %d at world size %d", start, ctx.world_size)
+    for step in range(start + 1, args.steps + 1):
+        x, y = batch(step)
+        x, y = x[ctx.rank::ctx.world_size], y[ctx.rank::ctx.world_size]
+        err = x @ w - y
+        both = torch.cat([(2 * x.T @ err).flatten(), (err**2).sum().reshape(1)]) / BATCH
+        dist.all_reduce(both)  # summed over the ranks: the global batch's mean gradient and loss
+        w -= 0.1 * both[:-1].reshape(FEATURES, 1)
+        losses.append(float(both[-1]))
+        if step % args.every == 0 or step == args.steps:
+            ctx.checkpoints.save(step, {"w": w, "losses": torch.tensor(losses, dtype=torch.float64)})
+        time.sleep(args.step_s)
+    ctx.results.attrs.update(steps=args.steps, final_loss=losses[-1], resumed_from=start,
+                             ran_with=ctx.world_size)
+    ctx.results.table("loss", {"step": list(range(1, len(losses) + 1)), "loss": losses})
+    ctx.close()
+
+
+if __name__ == "__main__":
+    main()
