@@ -4,7 +4,6 @@ process bit for bit; a rank killed mid-save; a flipped byte; DCP's own format in
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import signal
@@ -23,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from hpcdist.api.context import Context
 from hpcdist.errors import CheckpointError
+from hpcdist.runtime import teardown
 from hpcdist.runtime.rankinfo import RankInfo
 from hpcdist.store import CheckpointStore, sharded
 
@@ -76,19 +76,12 @@ def state_of(m: torch.nn.Module, opt: torch.optim.Optimizer, position: int) -> d
 
 
 def leave(ctx: Context | None = None) -> None:
-    """End a rank with no collective in flight. A gloo worker thread drops a finished collective's
-    Work (and its tensors, which Python owns) just after the waiter wakes; when the interpreter is
-    already finalizing by then, taking the GIL ends that thread inside a destructor and
-    std::terminate aborts the rank (SIGABRT, about 1 run in 20 here; a core showed
-    ~AsyncAllgatherCoalescedWork in ProcessGroupGloo::runLoop while the main thread was in
-    Py_FinalizeEx). gloo's barrier waits for every earlier work of its group, so a barrier on each
-    group, then destroying them, lets the interpreter finalize with the workers idle."""
+    """End a rank as a job's rank ends: the context closed, then ``teardown.leave`` (a barrier on
+    every group, so no gloo worker frees a collective's tensors while the interpreter finalizes,
+    which aborted ranks with SIGABRT)."""
     if ctx is not None:
         ctx.close()
-        dist.barrier(group=ctx.checkpoints._io_group)
-    gc.collect()  # FSDP modules hold their groups in reference cycles
-    dist.barrier()
-    dist.destroy_process_group()
+    teardown.leave()
 
 
 def _quiet() -> None:

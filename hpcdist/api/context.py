@@ -213,8 +213,11 @@ class Context:
             if self._store is not None:
                 from hpcdist.runtime import group
 
-                group.finish(self._store, self.info, self.timeout_s)
-            dist.destroy_process_group()
+                if group.finish(self._store, self.info, self.timeout_s):
+                    dist.destroy_process_group()  # a rank is gone: no last barrier
+            from hpcdist.runtime import teardown
+
+            teardown.leave()
         forget(self)
 
     def release(self) -> None:

@@ -22,7 +22,7 @@ from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import BootstrapError, HpcdistError
 from hpcdist.jobs.registry import Job, resolve
-from hpcdist.runtime import group, requeue
+from hpcdist.runtime import group, requeue, teardown
 from hpcdist.runtime.context import JobContext
 from hpcdist.runtime.device import cuda_index, visible_entries
 from hpcdist.runtime.rankinfo import RankInfo
@@ -177,7 +177,8 @@ def run_job(job: Job[Any], site: Site) -> dict[str, Any]:
         except BaseException:
             _check_out_failed(store, ctx)
             raise
-        group.finish(store, ctx.info, ctx.timeout_s)
+        if not group.finish(store, ctx.info, ctx.timeout_s):
+            teardown.leave()  # every gloo worker idle before the interpreter finalizes (SIGABRT otherwise)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
