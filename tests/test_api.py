@@ -18,12 +18,12 @@ import torch
 
 from hpcdist.api import Context, decode, encode
 from hpcdist.errors import CheckpointError
-from hpcdist.runtime.rankinfo import RankInfo
 from hpcdist.store import CheckpointStore
 from hpcdist.store.claim import Claim, Holder, read
 from hpcdist.store.results import read_attrs, read_table
 from tests.support import train as fx
 from tests.support.cli import REPO, require_slurm, run_cli, storage_sets
+from tests.support.rankctx import rank_context
 from tests.support.train import (
     Background,
     assert_completed_after_one_requeue,
@@ -63,10 +63,7 @@ def test_model_optimizer_and_rng_state_round_trip(tmp_path: Path) -> None:
 
 def one_rank(tmp_path: Path) -> Context:
     """A single-rank Context with no process group (every collective is then a no-op)."""
-    info = RankInfo("local", 0, 1, 0, 1, 0, 1, job_id=None)
-    return Context(info=info, device=torch.device("cpu"), backend="gloo", timeout_s=10, name="t", job_id="local",
-                   checkpoint_dir=tmp_path / "ckpt", result_path=tmp_path / "r.h5", keep_last=2, requeue=None,
-                   own_group=False, store=None, stop_signals=())
+    return rank_context(tmp_path, keep_last=2)
 
 
 def test_background_saves_commit_in_order_and_a_tree_keeps_its_own_layout(tmp_path: Path) -> None:
@@ -127,13 +124,12 @@ def test_requeue_and_release_wait_for_the_background_save(tmp_path: Path, monkey
 
 def test_requeue_reports_a_background_save_that_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     slow_background_writes(monkeypatch, fault="full disk")
-    ctx = one_rank(tmp_path)
-    ctx._requeue = lambda: ""
+    ctx = rank_context(tmp_path, requeue=lambda: "")
     ctx.checkpoints.save(5, {"w": torch.ones(4)}, background=True)
     ctx.results.attrs["loss"] = 1.0
     with pytest.raises(CheckpointError, match="step_00000005.h5 failed: no space left on the device"):
         ctx.requeue()
-    assert read_attrs(tmp_path / "r.h5")["complete"] is False
+    assert read_attrs(ctx.results.path)["complete"] is False
     assert ctx.checkpoints.store.latest() is None
 
 
@@ -153,9 +149,8 @@ def test_each_run_of_a_script_outside_a_job_has_its_own_result_file(tmp_path: Pa
     files = sorted((tmp_path / "hpcdist-out" / "results" / "mine").glob("*.h5"))
     assert len(files) == 2, (files, logs)
     assert sorted(read_attrs(f)["run"] for f in files) == [1, 2]
-    for f in files:  # each run's log says where its results are
-        assert f.name.startswith("local-") and sum(f"results in {Path('hpcdist-out/results/mine') / f.name}" in log
-                                                   for log in logs) == 1, logs
+    for f in files:  # each run's log says where its results are (the local site's storage, under the cwd)
+        assert f.name.startswith("local-") and sum(f"results in {f}" in log for log in logs) == 1, logs
 
 
 # ---------------------------------------------------------------- the directory claim

@@ -21,6 +21,7 @@ from hpcdist.store import CheckpointStore
 from hpcdist.store import directory as layout
 from tests.support.cli import REPO
 from tests.support.infer import run_ranks
+from tests.support.rankctx import rank_context
 
 
 def test_async_save_commits_the_state_as_it_was_at_the_call(tmp_path: Path) -> None:
@@ -92,8 +93,6 @@ def _ranks_saving(rank: int, world: int, directory: str, fault: str) -> str:
     out after 2 s; rank 0's write is slowed (`slow`) or its pruning fails (`prune`)."""
     import time as _time
 
-    from hpcdist.api import Context
-    from hpcdist.runtime.rankinfo import RankInfo
     from hpcdist.store import checkpoints as module
 
     if rank == 0 and fault == "slow":
@@ -104,10 +103,8 @@ def _ranks_saving(rank: int, world: int, directory: str, fault: str) -> str:
             raise PermissionError(13, "Permission denied", str(Path(directory) / "step_00000000.h5"))
 
         module.prune = refuse  # type: ignore[assignment]
-    info = RankInfo("env", rank, world, rank, world, 0, 1, job_id="9")
-    ctx = Context(info=info, device=torch.device("cpu"), backend="gloo", timeout_s=2, name="io", job_id="9",
-                  checkpoint_dir=Path(directory), result_path=Path(directory) / "r.h5", keep_last=1,
-                  requeue=None, own_group=False, store=None, stop_signals=(), io_timeout_s=60)
+    ctx = rank_context(Path(directory), rank=rank, world=world, job_id="9", name="io", timeout_s=2, keep_last=1,
+                       io_timeout_s=60, checkpoint_dir=Path(directory))
     try:
         ctx.checkpoints.save(1, {"w": torch.ones(4)})
         ctx.checkpoints.save(2, {"w": torch.ones(4)})

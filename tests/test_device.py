@@ -11,7 +11,7 @@ import torch
 
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import BootstrapError
-from hpcdist.runtime import entry, group
+from hpcdist.runtime import bootstrap, group
 from hpcdist.runtime.device import cuda_index
 from hpcdist.runtime.rankinfo import RankInfo
 from tests.test_rankinfo import SRUN_RANK5
@@ -61,7 +61,7 @@ def test_the_bound_device_is_the_chosen_one(fake_cuda: dict[str, Any], env: dict
     spec = JobSpec.model_validate({"name": "t", "kind": "smoke", "backend": "nccl",
                                    "resources": {"nodes": 2, "tasks_per_node": 4, "gpus_per_node": 4}})
     info = RankInfo.from_env(env, hostname="gpu08")
-    backend, device = entry.choose_backend(spec, info, env)
+    backend, device = bootstrap.choose_backend(spec, info, env)
     assert (backend, str(device)) == ("nccl", want)
     group.init_process_group(torch.distributed.HashStore(), info, backend, 5.0, device)
     assert str(fake_cuda["bound"]) == want and str(fake_cuda["device_id"]) == want
@@ -72,4 +72,4 @@ def test_ranks_beyond_the_shared_gpus_are_refused(fake_cuda: dict[str, Any]) -> 
     spec = JobSpec.model_validate({"name": "t", "kind": "smoke", "backend": "nccl",
                                    "resources": {"nodes": 2, "tasks_per_node": 4, "gpus_per_node": 2}})
     with pytest.raises(BootstrapError, match=r"4 ranks on gpu08 but only 2 GPUs visible"):
-        entry.choose_backend(spec, RankInfo.from_env(SRUN_RANK5, hostname="gpu08"), SRUN_RANK5)
+        bootstrap.choose_backend(spec, RankInfo.from_env(SRUN_RANK5, hostname="gpu08"), SRUN_RANK5)

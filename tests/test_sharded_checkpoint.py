@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from hpcdist.api.context import Context
 from hpcdist.errors import CheckpointError
 from hpcdist.runtime import teardown
-from hpcdist.runtime.rankinfo import RankInfo
 from hpcdist.store import CheckpointStore, sharded
+from tests.support.rankctx import rank_context
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -44,10 +44,7 @@ def context(rank: int, world: int, port: int, root: Path) -> Context:
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
-    info = RankInfo("local", rank, world, rank, world, 0, 1, job_id=None)
-    return Context(info=info, device=torch.device("cpu"), backend="gloo", timeout_s=60, name="t", job_id="local",
-                   checkpoint_dir=root / "ckpt", result_path=root / f"r{rank}.h5", keep_last=3, requeue=None,
-                   own_group=False, store=None, stop_signals=(), io_timeout_s=60)
+    return rank_context(root, rank=rank, world=world, timeout_s=60, io_timeout_s=60)
 
 
 def sharded_model(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,12 +19,13 @@ import pytest
 import torch
 
 from hpcdist.api import Context
+from hpcdist.config.contract import LAUNCH_TIME_VAR
 from hpcdist.errors import JobError
 from hpcdist.runtime import requeue as rq
-from hpcdist.runtime.rankinfo import RankInfo
 from hpcdist.store.results import read_attrs
 from tests.support import train as fx
 from tests.support.cli import require_slurm, result_path
+from tests.support.rankctx import rank_context
 from tests.support.train import (
     STEPS,
     Background,
@@ -65,21 +67,22 @@ def stop_flag_reset() -> Iterator[None]:
         signal.signal(sig, handler)
 
 
-def api_context(tmp_path: Path, restarts: int, kind: rq.StopKind = "timeout") -> Context:
-    """One rank of a job that Slurm restarted `restarts` times, with 3 time-outs allowed."""
-    info = RankInfo("local", 0, 1, 0, 1, 0, 1, job_id="77")
-    return Context(info=info, device=torch.device("cpu"), backend="gloo", timeout_s=10, name="t", job_id="77",
-                   checkpoint_dir=tmp_path / "ckpt", result_path=tmp_path / "r.h5", keep_last=2,
-                   requeue=lambda: "", own_group=False, store=None, stop_signals=("USR2", "TERM"),
-                   restarts=restarts, max_requeues=3, classify_stop=lambda: kind)
+def api_context(tmp_path: Path, restarts: int, monkeypatch: pytest.MonkeyPatch) -> Context:
+    """One rank of a job that Slurm restarted `restarts` times, with 3 time-outs allowed, at the
+    end of its 60 minutes (a stop now is a time-out)."""
+    monkeypatch.setenv("SLURM_RESTART_COUNT", str(restarts))
+    monkeypatch.setenv(LAUNCH_TIME_VAR, str(time.time() - 60 * 60))
+    return rank_context(tmp_path, job_id="77", keep_last=2, requeue=lambda: "",
+                        site_sets=["preemption.max_requeues=3", "preemption.signal=USR2"])
 
 
-def test_slurms_restart_count_bounds_a_job_that_lost_its_checkpoints(tmp_path: Path) -> None:
+def test_slurms_restart_count_bounds_a_job_that_lost_its_checkpoints(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A run that starts afresh on every requeue (resume: false, start_fresh, a script that never
     loads) still stops after max_requeues time-outs: Slurm's count is the floor, and a restart
     that is not on record counts as a time-out."""
     assert rq.restart_count({"SLURM_RESTART_COUNT": "3"}) == 3 and rq.restart_count({}) == 0
-    ctx = api_context(tmp_path, restarts=3)
+    ctx = api_context(tmp_path, restarts=3, monkeypatch=monkeypatch)
     assert ctx.requeue_count == rq.Requeues(3, 3)
     os.kill(os.getpid(), signal.SIGUSR2)
     assert ctx.should_stop() and (ctx.stop_signal, ctx.stop_kind) == ("USR2", "timeout")
@@ -87,10 +90,10 @@ def test_slurms_restart_count_bounds_a_job_that_lost_its_checkpoints(tmp_path: P
         ctx.requeue()
 
 
-def test_a_checkpoints_record_tells_preemptions_from_time_outs(tmp_path: Path) -> None:
+def test_a_checkpoints_record_tells_preemptions_from_time_outs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The count a checkpoint of the same job recorded wins over the floor: 3 preemptions and a
     time-out may requeue again; the record of another job (a resubmission) is not this job's."""
-    ctx = api_context(tmp_path, restarts=3)
+    ctx = api_context(tmp_path, restarts=3, monkeypatch=monkeypatch)
     ctx.restore_requeues(rq.Requeues(3, 0), job_id="76")
     assert ctx.requeue_count == rq.Requeues(3, 3)
     ctx.restore_requeues(rq.Requeues(3, 0), job_id="77")
@@ -103,7 +106,8 @@ def test_a_checkpoints_record_tells_preemptions_from_time_outs(tmp_path: Path) -
         ctx.requeue()
     assert ctx.requeue_count == rq.Requeues(4, 1)
     rq._received.clear()
-    again = api_context(tmp_path, restarts=4)  # the requeued job: its count comes back with the checkpoint
+    # the requeued job: its count comes back with the checkpoint
+    again = api_context(tmp_path, restarts=4, monkeypatch=monkeypatch)
     loaded = again.checkpoints.load_latest()
     assert loaded is not None and again.requeue_count == rq.Requeues(4, 1)
     again.close()

@@ -9,10 +9,11 @@
         ctx.checkpoints.save(step, state); ctx.requeue()
     ctx.results.attrs["final_loss"] = loss; ctx.close()
 
-It works under every launcher hpcdist knows, inside an hpcdist job or not: in a ``python`` job
-it builds on that rank's bootstrap (``attach``); under plain torchrun, srun, mpirun or a single
-process it does hpcdist's own rendezvous (finite timeouts, missing ranks named) unless the
-default group already exists. Checkpoints are the model-agnostic ``CheckpointStore`` with the
+It works under every launcher hpcdist knows, inside an hpcdist job or not: the context is the
+handles on the one context hpcdist's bootstrap returns on the rank (in a ``python`` job, the
+job's; under plain torchrun, srun, mpirun or a single process, the same bootstrap run by
+``init``: finite timeouts, missing ranks named, a default group that already exists used as it is).
+Checkpoints are the model-agnostic ``CheckpointStore`` with the
 directory claimed by rank 0 for the context's lifetime; rank 0 writes, every rank loads the one
 step rank 0 resolved. ``train_gpt`` is built on this API. ``import hpcdist`` stays light: torch is imported by ``init``.
 

@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcdist.api.checkpoints import Checkpoints
+from hpcdist.config.contract import LAUNCH_TIME_VAR
 from hpcdist.errors import JobError
 from hpcdist.runtime import requeue as rq
 
 if TYPE_CHECKING:
-    import torch
 
+    from hpcdist.runtime.context import JobContext
     from hpcdist.runtime.rankinfo import RankInfo
 
 
@@ -53,31 +55,42 @@ class Results:
 class Context:
     """One rank's handles: facts, device, group, logger, results, checkpoints, preemption."""
 
-    def __init__(self, *, info: RankInfo, device: torch.device, backend: str, timeout_s: float, name: str,
-                 job_id: str, checkpoint_dir: Path, result_path: Path, keep_last: int | None,
-                 requeue: Callable[[], str] | None, own_group: bool, store: Any, stop_signals: tuple[str, ...],
-                 site_name: str = "", spec_json: str = "{}", site_json: str = "{}", kind: str = "python",
-                 hosts: Sequence[str] = (), log: logging.Logger | None = None, restarts: int = 0,
-                 max_requeues: int | None = None, classify_stop: Callable[[], rq.StopKind] | None = None,
-                 io_timeout_s: float | None = None):
-        self.site_name, self._spec_json, self._site_json = site_name, spec_json, site_json
-        self.info, self.device, self.backend, self.timeout_s = info, device, backend, timeout_s
-        self.name, self.job_id, self.kind = name, job_id, kind
-        self.hosts = tuple(hosts) or (info.hostname,)
-        self.log = log or _logger(info)
-        self.results = Results(result_path)
-        self._checkpoint_dir, self._keep_last = checkpoint_dir, keep_last
+    def __init__(self, job: JobContext, *, checkpoint_dir: str | Path | None = None, keep_last: int | None = 3,
+                 own_group: bool = False, log: logging.Logger | None = None, io_timeout_s: float | None = None):
+        """The handles on `job`, the rank's one context from the bootstrap (``hpcdist.runtime.bootstrap``):
+        its facts are read from there, never copied. `own_group`: ``close`` leaves the default
+        group (and, outside a job, finishes the store); `log`: a built-in kind's logger."""
+        self.job = job
+        spec, site = job.spec, job.site
+        self.info, self.device, self.backend, self.timeout_s = job.info, job.device, job.backend, job.timeout_s
+        self.name, self.job_id, self.kind, self.site_name = spec.name, job.job_id, spec.kind, site.name
+        self.hosts = job.hosts or (job.info.hostname,)
+        self.log = log or _logger(job.info)
+        self.results = Results(job.paths.result())
+        self._checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else job.checkpoint_dir
+        self._keep_last = keep_last
         self.io_timeout_s = io_timeout_s  # how long ranks wait for rank 0's checkpoint I/O (None: the default)
         self._checkpoints: Checkpoints | None = None
-        self._requeue, self._own_group, self._store = requeue, own_group, store
+        self._requeue, self._own_group = job.requeue, own_group
         self._closed = False
         # The requeue count: Slurm's own count as a floor, the checkpoint's when one is restored.
-        self.restarts, self.max_requeues, self._classify = restarts, max_requeues, classify_stop
-        self.requeue_count = rq.Requeues().at_least(restarts)
+        self.restarts, self.max_requeues = rq.restart_count(os.environ), site.preemption.max_requeues
+        self.requeue_count = rq.Requeues().at_least(self.restarts)
         self.stop_kind: rq.StopKind | None = None  # once should_stop() said True: time-out or preemption
         self.stop_signal = ""  # the signal that stopped the job (TERM, USR2), once should_stop() said True
-        for name_ in rq.watch(stop_signals):
+        for name_ in rq.watch((site.preemption.signal, "TERM")):
             self.log.warning("cannot handle SIG%s outside the main thread; should_stop() will not see it", name_)
+
+    def _classify(self) -> rq.StopKind:
+        """A stop now: a time-out if it came within the warning time of the job's time limit (a
+        preemption outside a job, whose time limit hpcdist does not know)."""
+        if self.job.standalone:
+            return "preemption"
+        launch = float(os.environ.get(LAUNCH_TIME_VAR, "nan"))
+        now = time.time()
+        site = self.job.site
+        return rq.classify(now, now if launch != launch else launch, self.job.spec.time_limit_min(site) * 60.0,
+                           site.preemption.seconds_before_end)
 
     rank = property(lambda self: self.info.rank)
     world_size = property(lambda self: self.info.world_size)
@@ -113,7 +126,7 @@ class Context:
         if flag.item() == 0:
             return False
         self.stop_signal = rq.signal_name(int(flag.item()))
-        kind = (self._classify() if self._classify else "preemption") if self.is_main else None
+        kind = self._classify() if self.is_main else None
         self.stop_kind = self.broadcast(kind)
         return True
 
@@ -210,14 +223,14 @@ class Context:
         import torch.distributed as dist
 
         if self._own_group and dist.is_initialized():
-            if self._store is not None:
+            if self.job.standalone and self.job.store is not None:  # a job's store is finished by the job
                 from hpcdist.runtime import group
 
-                if group.finish(self._store, self.info, self.timeout_s):
+                if group.finish(self.job.store, self.info, self.timeout_s):
                     dist.destroy_process_group()  # a rank is gone: no last barrier
             from hpcdist.runtime import teardown
 
-            teardown.leave()
+            teardown.leave()  # every gloo worker idle before the interpreter finalizes (SIGABRT otherwise)
         forget(self)
 
     def release(self) -> None:
@@ -241,9 +254,11 @@ class Context:
             return
         from hpcdist.store.results import result_file, run_attrs, write_table
 
+        job = self.job
         attrs = run_attrs(kind=self.kind, job_name=self.name, job_id=self.job_id, site=self.site_name,
                           hosts=list(self.hosts), num_nodes=self.info.num_nodes,
-                          spec_json=self._spec_json, site_json=self._site_json)
+                          spec_json="{}" if job.standalone else job.spec.model_dump_json(),
+                          site_json=job.site.model_dump_json())
         attrs.update(world_size=self.world_size, complete=complete)
         attrs.update(self.results.attrs)  # the caller's own figures win, `complete` included
         self.results.path.parent.mkdir(parents=True, exist_ok=True)

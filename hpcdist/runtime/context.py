@@ -39,6 +39,8 @@ class JobContext:
     requeue: Callable[[], str] | None = None  # requeues, or says why Slurm does it (runtime.requeue)
     endpoint: Any = None  # group.Endpoint: where the job's TCPStore listens (the python kind's MASTER_ADDR)
     store: Any = None  # the job's store (rank 0 serves it)
+    standalone: bool = False  # hpcdist.init() outside any hpcdist job: the spec and site are init()'s own
+    run_id: str = ""  # the job id where the launcher names none (hpcdist.init() outside a job)
 
     @property
     def rank(self) -> int:
@@ -54,7 +56,7 @@ class JobContext:
 
     @property
     def job_id(self) -> str:
-        return self.info.job_id or "local"
+        return self.run_id or self.info.job_id or "local"
 
     @property
     def timeout(self) -> timedelta:

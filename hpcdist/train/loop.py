@@ -74,7 +74,7 @@ def build(ctx: JobContext, api: Context, params: TrainParams) -> Run:
     torch.manual_seed(params.seed + 1 + ctx.rank)
     np.random.seed(params.seed + 1 + ctx.rank)
     random.seed(params.seed + 1 + ctx.rank)
-    return Run(ctx, api, params, cfg, model, net, opt, sched, scaler, order, train, val, peak, precision,
+    return Run(api, params, cfg, model, net, opt, sched, scaler, order, train, val, peak, precision,
                mixed=parallel.mixed_precision(ctx, params.parallel, precision), tokenizer=info.load_tokenizer())
 
 

@@ -27,8 +27,7 @@ if TYPE_CHECKING:
 class Run:
     """Everything one rank trains with; step/epoch/position say where the data order stands."""
 
-    ctx: JobContext
-    api: Context  # the public API's handles on the same rank: checkpoints, should_stop, requeue, results
+    api: Context  # the rank's context: checkpoints, should_stop, requeue, results; ``ctx`` is its job's facts
     params: TrainParams
     cfg: GPTConfig
     model: GPT
@@ -55,6 +54,11 @@ class Run:
     def sharded(self) -> bool:
         """Whether the model is sharded (FSDP2): its checkpoints are then sharded too."""
         return self.params.parallel.fsdp
+
+    @property
+    def ctx(self) -> JobContext:
+        """The bootstrap's context of this rank (spec, site, device, timings), the one ``api`` is built on."""
+        return self.api.job
 
     @property
     def requeues(self) -> int:
