@@ -3,7 +3,8 @@
 The first user of the public API (``hpcdist.api``): the run's ``Context`` claims the checkpoint
 directory, saves (in the background between the final ones), tells when to stop and requeues.
 Every rank builds the same model from the seed, rank 0 picks the checkpoint to resume from
-(the newest committed one that verifies) and tells the others, then all ranks train under DDP.
+(the newest committed one that verifies) and tells the others, then all ranks train under DDP or
+FSDP2 (``params.parallel``, ``hpcdist.train.parallel``).
 At each step boundary the ranks agree on ``should_stop()`` (the site's signal or SIGTERM); when
 it is set they write a checkpoint and the job requeues, up to ``preemption.max_requeues`` times
 for time-outs. Rank 0's ``results`` hold the metrics, written when the run ends.
@@ -181,7 +182,8 @@ def loop(r: Run) -> dict[str, Any]:
         while r.step < params.steps:
             t0 = time.perf_counter()
             lr = float(r.opt.param_groups[0]["lr"])  # what this step uses: the metric is the optimizer's, not a formula
-            with _named(r, f"training step {r.step + 1} (gradient all_reduce)"):
+            comm = "FSDP all-gather/reduce-scatter" if r.sharded else "gradient all_reduce"
+            with _named(r, f"training step {r.step + 1} ({comm})"):
                 loss, grad_norm = train_step(r)
             if r.ctx.device.type == "cuda":
                 torch.cuda.synchronize(r.ctx.device)
@@ -224,7 +226,8 @@ def loop(r: Run) -> dict[str, Any]:
             if stop == "preempted":
                 _count_preemption(r)
             if stop or r.step % params.checkpoint.every == 0 or r.step == params.steps:
-                with _named(r, f"training step {r.step} (checkpoint gather to rank 0)"):
+                how = "sharded checkpoint save" if r.sharded else "checkpoint gather to rank 0"
+                with _named(r, f"training step {r.step} ({how})"):
                     save(r, final=bool(stop) or r.step == params.steps)
             if stop:
                 break
