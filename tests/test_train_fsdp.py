@@ -131,3 +131,28 @@ def test_fsdp_preempted_and_resumed_at_2_then_4_then_1_ranks(train_root: Path, t
                                              for s in range(1, STEPS + 1)]
     for s, got in zip(steps["step"].tolist(), steps["lr"].tolist(), strict=True):
         assert math.isclose(got, LR * lr_factor(s - 1, warmup=WARMUP, total=STEPS, min_ratio=0.1), rel_tol=1e-12)
+
+
+def test_a_flipped_byte_in_a_shard_resumes_from_the_step_before(train_root: Path, tokens: Path) -> None:
+    """On the local site: a byte flipped in rank 1's shard of the newest checkpoint is named (file,
+    tensor) when a 1-rank run resumes, and the step before is used."""
+    root = train_root / "fsdp-flipped"
+    sets = [*FSDP, "--set", "params.steps=6", "--set", "params.optim.warmup_steps=2"]
+    first = train(root, tokens, *sets)
+    assert first.code == 0, first.text
+    index = ckpt_dir(root) / "step_00000006.h5"
+    md = sharded.ShardedReader(index).read_metadata()
+    fqn, chunk = next((i.fqn, c) for i, c in md.storage_data.items()
+                      if c.rank == 1 and c.torch_dtype and c.offset >= 0 and i.fqn.startswith("model."))
+    shard = sharded.shards_dir(ckpt_dir(root), 6) / chunk.file
+    with open(shard, "r+b") as f:
+        f.seek(chunk.offset)
+        byte = f.read(1)
+        f.seek(chunk.offset)
+        f.write(bytes([byte[0] ^ 0x04]))
+    second = train(root, tokens, *nodes(1, 1), *sets, "--set", "params.steps=8")
+    assert second.code == 0, second.text
+    log = rank_log(root)
+    assert f"checkpoint {index} not loaded: " in log and str(shard) in log and f"tensor {fqn} " in log
+    assert f"resumed from {ckpt_dir(root) / 'step_00000004.h5'}: step 4" in log
+    assert stopped(second.out) == 8

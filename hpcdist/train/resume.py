@@ -107,7 +107,9 @@ def choose_checkpoint(run: Run) -> dict[str, Any]:
     if wrong:  # a checkpoint from before tokenizers travelled records none: nothing to compare
         return {"error": wrong + " (or use a fresh checkpoint directory)"}
     store.continue_run(found.run_id or "")  # its run: this run's commits and pruning go on with its files
-    return {"path": str(found.latest)}
+    # a sharded checkpoint's shards are verified as they are read: the older ones of its run, should they not
+    older = [str(store.path(s)) for s in reversed(store.steps()) if store.path(s) != found.latest]
+    return {"path": str(found.latest), "older": older if written_sharded else []}
 
 
 def start_from_init(run: Run) -> None:
@@ -163,13 +165,11 @@ def resume(run: Run) -> None:
             start_from_init(run)
         return
     path = Path(choice["path"])
+    if run.sharded:
+        path = _load_shards(run, [path, *map(Path, choice["older"])])
     loaded = read_checkpoint(path, verify=True)  # a sharded checkpoint's index: every group but the shards
     tree = loaded.tree
-    if run.sharded:  # each rank reads and verifies the chunks of its own shard, at any world size
-        state = parallel.checkpoint_state(run.model, run.opt, run.cfg.tied)
-        run.api.checkpoints.load_sharded(path, state)
-        parallel.load_checkpoint_state(run.model, run.opt, state, run.cfg.tied)
-    else:
+    if not run.sharded:
         run.model.load_state_dict(state_dict_of(tree[MODEL_GROUP]))
         st.load_optimizer(run.model, run.opt, tree["optimizer"])
     st.load_json_state(run.sched, tree["scheduler"])
@@ -204,6 +204,25 @@ def resume(run: Run) -> None:
         "resumed from %s: step %d, epoch %d, read %.1f MB at %.0f MB/s (checksums verified)",
         path, run.step, run.epoch, loaded.bytes / 1e6, loaded.mb_per_s,
     )
+
+
+def _load_shards(run: Run, paths: list[Path]) -> Path:
+    """The model and optimizer from the first of `paths` (sharded, newest first) whose shards
+    verify; which one. Each rank reads and verifies the chunks of its own shard, at any world size;
+    a chunk that fails its sha256 fails the load on every rank alike (DCP gathers the outcome), so
+    all go on to the same older step, naming what failed."""
+    state = parallel.checkpoint_state(run.model, run.opt, run.cfg.tied)
+    for i, path in enumerate(paths):
+        try:
+            run.api.checkpoints.load_sharded(path, state)
+        except CheckpointError as exc:
+            if i == len(paths) - 1:
+                raise
+            run.ctx.log.warning("checkpoint %s not loaded: %s; trying %s", path, exc, paths[i + 1])
+            continue
+        parallel.load_checkpoint_state(run.model, run.opt, state, run.cfg.tied)
+        return path
+    raise AssertionError("no path given")
 
 
 def _realign(run: Run, written_batch: int) -> None:
