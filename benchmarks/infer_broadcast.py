@@ -66,7 +66,7 @@ def _rank(rank: int, world: int, cfg: GPTConfig, bucket: int, iters: int, checkp
     if checkpoint is not None and rank == 0:
         from hpcdist.model.checkpoint import read_full, read_header
 
-        state = {k: torch.from_numpy(v) for k, v in read_full(read_header(checkpoint)).items()}
+        state = read_full(read_header(checkpoint))
     meta = describe({k: torch.empty(s) for k, s in shapes.items()})
     nbytes = sum(torch.Size(s).numel() * 4 for s in shapes.values())
     flat = torch.zeros(nbytes // 4)

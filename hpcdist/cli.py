@@ -284,6 +284,7 @@ def _module_subcommand(name: str, module: str) -> None:
 
 _module_subcommand("data", "hpcdist.data.cli")
 _module_subcommand("model", "hpcdist.model.cli")
+_module_subcommand("stacks", "hpcdist.stacks")
 _module_subcommand("ckpt", "hpcdist.store.cli")
 
 

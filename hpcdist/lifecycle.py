@@ -43,6 +43,10 @@ def print_finished(job_id: str, finished: Finished) -> int:
             print(f"  rank {o.rank}: ok {json.dumps(shown, default=str)}")
         else:
             print(f"  rank {o.rank}: FAILED {o.error}")
+    if finished.stacks:
+        print("  stacks at the timeout (`hpcdist stacks` groups them the same way):")
+        for line in finished.stacks:
+            print(f"    {line}")
     return 0 if finished.ok else 1
 
 

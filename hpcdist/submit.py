@@ -269,6 +269,7 @@ class Finished:
     state: JobState
     outcomes: list[TaskOutcome]
     cause: str = ""  # which rank and host went first and how, and Slurm's cause (cancelled, ...)
+    stacks: tuple[str, ...] = ()  # every rank's stack when a collective or the rendezvous timed out, grouped
 
     @property
     def ok(self) -> bool:
@@ -351,7 +352,14 @@ def wait(
             f"job {sub.job_id} did not finish within {timeout_s:g} s; it is still {job_state(sub).value}"
         )
     end = _slurm_ending(sub) if sub.site.scheduler == "slurm" and state is not JobState.COMPLETED else None
-    return Finished(state, outcomes(sub, state, end), end.headline() if end else "")
+    done = outcomes(sub, state, end)
+    stacks: list[str] = []
+    if not (state is JobState.COMPLETED and all(o.ok for o in done)):
+        from hpcdist.runtime.stackrecord import stack_files
+        from hpcdist.scheduler.postmortem import timeout_stacks  # only a job that failed is looked into
+
+        stacks = timeout_stacks(stack_files(sub.paths, _tasks(sub.spec)), _tasks(sub.spec))
+    return Finished(state, done, end.headline() if end else "", tuple(stacks))
 
 
 def _slurm_ending(sub: Submission) -> Ending:

@@ -30,7 +30,7 @@ def _tp_logits(rank: int, world: int, file: str, idx: torch.Tensor, how: str) ->
     else:
         from hpcdist.infer.broadcast import broadcast_state
 
-        src = {k: torch.from_numpy(v) for k, v in read_full(header).items()} if rank == 0 else None
+        src = read_full(header) if rank == 0 else None
         full, _ = broadcast_state(src, torch.device("cpu"), bucket_bytes=1 << 14)
         state = shard_state(full, header.config, rank, world)
     model = TPGPT(header.config, tp)
@@ -64,7 +64,7 @@ def _received(rank: int, world: int, file: str, bucket_bytes: int) -> tuple[dict
     from hpcdist.infer.broadcast import broadcast_state
 
     header = read_header(file)
-    src = {k: torch.from_numpy(v) for k, v in read_full(header).items()} if rank == 0 else None
+    src = read_full(header) if rank == 0 else None
     full, stats = broadcast_state(src, torch.device("cpu"), bucket_bytes=bucket_bytes)
     return {k: v.clone() for k, v in full.items()}, stats.buckets
 

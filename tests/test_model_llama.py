@@ -15,82 +15,18 @@ import pytest
 import torch
 
 from hpcdist.errors import ConfigError
-from hpcdist.model.checkpoint import checkpoint_tokenizer, load_model_state, read_header
+from hpcdist.model.checkpoint import checkpoint_chat_template, checkpoint_tokenizer, load_model_state, read_header
 from hpcdist.model.gpt import GPT
 from tests.support.cli import require_module
 from tests.support.hf import cli
 from tests.support.infer import run_ranks
+from tests.support.llama import TEMPLATE, VARIANTS, VOCAB, make_llama
 from tests.support.train import write_corpus
 
 require_module("transformers")
 
+TOOLS = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}<tools>"  # a named template
 ATOL = 2e-5  # the issue's bound: float32 sums in another order (GQA, rotary, all-reduced partial sums)
-VOCAB = 317
-TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-
-# the shapes people run, small: GQA with Llama 3's rope scaling, a head_dim that is not d_model / heads and
-# an untied head; Qwen2's q/k/v biases on a tied head; Mistral with a sliding window
-VARIANTS: dict[str, dict[str, Any]] = {
-    "llama3-gqa": dict(family="llama", num_attention_heads=8, num_key_value_heads=2, head_dim=16,
-                       tie_word_embeddings=False, rope_theta=500000.0,
-                       rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                         original_max_position_embeddings=64)),
-    # Qwen2's vocabulary padded past the tokenizer's, as the published ones are
-    "qwen2": dict(family="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                  vocab_size=VOCAB + 3),
-    "mistral": dict(family="mistral", num_attention_heads=4, num_key_value_heads=4, head_dim=16,
-                    tie_word_embeddings=False, sliding_window=48),
-    # Llama's attention_bias (q, k, v and o) and mlp_bias, on a tied head
-    "llama-bias": dict(family="llama", num_attention_heads=4, num_key_value_heads=1, attention_bias=True,
-                       mlp_bias=True, tie_word_embeddings=True),
-}
-
-
-def _tokenizer(directory: Path) -> None:
-    """A byte-level BPE with LLaMA's special tokens and a chat template, saved as save_pretrained does."""
-    import tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    corpus = write_corpus(directory.parent / f"{directory.name}-corpus.txt", words=3000)
-    bpe = tokenizers.ByteLevelBPETokenizer()
-    bpe.train([str(corpus)], vocab_size=VOCAB, min_frequency=1, special_tokens=["<s>", "</s>", "<|endoftext|>"],
-              show_progress=False)
-    assert bpe.get_vocab_size() == VOCAB
-    fast = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<s>", eos_token="</s>",
-                                   chat_template=TEMPLATE)
-    fast.save_pretrained(str(directory))
-
-
-def make_llama(directory: Path, variant: str, *, seed: int = 0, old_config: bool = False,
-               shard: bool = False) -> Any:
-    """A save_pretrained folder of `variant` (random weights, spread so greedy choices are clear); the model."""
-    import transformers
-
-    spec = dict(VARIANTS[variant])
-    family = spec.pop("family")
-    rope = {"rope_type": "default", "rope_theta": spec.pop("rope_theta", 10000.0)}
-    rope.update(spec.pop("rope_scaling", {}))
-    cls = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[family]
-    spec.setdefault("vocab_size", VOCAB)
-    config = getattr(transformers, f"{cls}Config")(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=128,
-        rms_norm_eps=1e-6, rope_parameters=rope, bos_token_id=0, eos_token_id=1, initializer_range=0.1, **spec)
-    torch.manual_seed(seed)
-    model = getattr(transformers, f"{cls}ForCausalLM")(config).eval()
-    with torch.no_grad():  # norms and biases away from 1 and 0, so a wrong mapping of any tensor shows
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("bias"):
-                p.normal_(0, 0.1).add_(1.0 if name.endswith("weight") else 0.0)
-    directory.mkdir(parents=True)
-    model.save_pretrained(str(directory), max_shard_size="100KB" if shard else "5GB")
-    _tokenizer(directory)
-    if old_config:  # as transformers before version 5 wrote it: rope_theta and rope_scaling
-        raw = json.loads((directory / "config.json").read_text())
-        params = raw.pop("rope_parameters")
-        raw["rope_theta"] = params.pop("rope_theta")
-        raw["rope_scaling"] = params if params["rope_type"] != "default" else None
-        (directory / "config.json").write_text(json.dumps(raw))
-    return model
 
 
 @dataclass(frozen=True)
@@ -220,6 +156,26 @@ def test_export_loads_with_from_pretrained_with_equal_logits(root: Path, tmp_pat
             "input_ids"]
 
 
+def test_named_chat_templates_travel_from_import_to_export(root: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers 5's form: chat_template.jinja and additional_chat_templates/tool_use.jinja."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "named"
+    shutil.copytree(imported(root, "qwen2", capsys).directory, folder)
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text(TOOLS)
+    code, _, err = cli(capsys, "model", "import", str(folder), "-o", str(tmp_path / "named.h5"))
+    assert code == 0, err
+    assert checkpoint_chat_template(tmp_path / "named.h5") == {"default": TEMPLATE, "tool_use": TOOLS}
+    code, _, err = cli(capsys, "model", "export", str(tmp_path / "named.h5"), "-o", str(tmp_path / "out"))
+    assert code == 0, err
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "out")).chat_template == {"default": TEMPLATE,
+                                                                                   "tool_use": TOOLS}
+
+
 @pytest.mark.parametrize("rope_type", ["linear", "dynamic", "yarn", "longrope"])
 def test_other_rope_types_are_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                   rope_type: str) -> None:
@@ -237,7 +193,7 @@ def test_other_rope_types_are_refused_in_one_line(tmp_path: Path, capsys: pytest
     assert f"rope_type '{rope_type}' is not supported (supported: default, llama3)" in err
 
 
-def test_other_architectures_and_sentencepiece_only_folders_are_refused(tmp_path: Path,
+def test_other_architectures_are_refused_in_one_line(tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     folder = tmp_path / "gemma"
     folder.mkdir()
@@ -246,12 +202,49 @@ def test_other_architectures_and_sentencepiece_only_folders_are_refused(tmp_path
     assert code != 0 and len(err.strip().splitlines()) == 1
     assert "GemmaForCausalLM is not supported; supported: GPT2LMHeadModel, LlamaForCausalLM, " \
            "MistralForCausalLM, Qwen2ForCausalLM" in err
+
+
+def test_a_sentencepiece_only_folder_is_converted_else_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mistral with Llama 2's kind of tokenizer.model and no tokenizer.json: the sentencepiece extra converts it
+    (ids as SentencePiece's own, the BOS its tokenizer_config.json asks for); a file SentencePiece cannot read,
+    or no sentencepiece installed, is one line."""
+    import sys
+
+    import sentencepiece
+
+    from hpcdist.data.tokenizer import SPM_PROBE
+
     spm = tmp_path / "spm"
     make_llama(spm, "mistral")
     (spm / "tokenizer.json").unlink()
-    (spm / "tokenizer.model").write_bytes(b"\x0a\x00")  # stands for a SentencePiece model
-    code, _, err = cli(capsys, "model", "import", str(spm), "-o", str(tmp_path / "y.h5"))
-    assert code != 0 and "has only a SentencePiece tokenizer.model" in err and len(err.strip().splitlines()) == 1
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(write_corpus(tmp_path / "corpus.txt", words=3000)), model_prefix=str(tmp_path / "sp"),
+        vocab_size=VOCAB, model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1, byte_fallback=True,
+        split_digits=True, normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2)
+    (spm / "tokenizer.model").write_bytes((tmp_path / "sp.model").read_bytes())
+    (spm / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+         "add_bos_token": True, "add_eos_token": False,
+         "chat_template": [{"name": "default", "template": TEMPLATE}, {"name": "tool_use", "template": TOOLS}]}))
+    (spm / "chat_template.jinja").unlink()  # named templates in tokenizer_config.json, as transformers 4.4x kept them
+    code, text, err = cli(capsys, "model", "import", str(spm), "-o", str(tmp_path / "y.h5"))
+    assert code == 0, err
+    assert "chat template" in text
+    cfg = read_header(tmp_path / "y.h5").config
+    tok = checkpoint_tokenizer(tmp_path / "y.h5", cfg)
+    want = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "sp.model")).encode(SPM_PROBE)
+    assert tok.encode_text(SPM_PROBE) == [1, *want] and tok.eot_token == "</s>"
+    assert checkpoint_chat_template(tmp_path / "y.h5") == {"default": TEMPLATE, "tool_use": TOOLS}
+    (spm / "tokenizer.model").write_bytes(b"\x0a\x00")  # not a SentencePiece model
+    code, _, err = cli(capsys, "model", "import", str(spm), "-o", str(tmp_path / "z.h5"))
+    assert code != 0 and len(err.strip().splitlines()) == 1
+    assert "tokenizer.model cannot be converted as a SentencePiece model" in err
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)  # as where the extra is not installed
+    code, _, err = cli(capsys, "model", "import", str(spm), "-o", str(tmp_path / "z.h5"))
+    assert code != 0 and len(err.strip().splitlines()) == 1
+    assert "has only a SentencePiece tokenizer.model; install the sentencepiece extra" in err
 
 
 def test_tp_degree_that_neither_divides_nor_is_a_multiple_of_the_kv_heads_is_refused() -> None:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hpcdist.errors import CheckpointError
+from hpcdist.store.tree import as_tensor
 
 _NONE = "__none__"
 _INT = "__int__"
@@ -53,9 +54,7 @@ def decode(value: Any) -> Any:
             return tuple(items) if value[_SEQ] == "tuple" else items
         return {int(k[len(_INT):]) if k.startswith(_INT) else k: decode(v) for k, v in value.items()}
     if hasattr(value, "dtype") and hasattr(value, "shape") and not isinstance(value, (int, float)):
-        import torch
-
-        return value if isinstance(value, torch.Tensor) else torch.from_numpy(value)  # bfloat16 comes as a tensor
+        return as_tensor(value)  # bfloat16 comes as a tensor already
     if isinstance(value, str) and value == _NONE:
         return None
     return value

@@ -54,6 +54,16 @@ class JobPaths:
         """hpcdist's own log of one rank (``train_rank1.log``), beside the progress."""
         return self.progress / f"{what}_rank{rank}.log"
 
+    @property
+    def stacks_request(self) -> Path:
+        """What `hpcdist stacks` (or a rank whose collective timed out) writes to ask every rank
+        for its stack; each rank's watcher reads it (``hpcdist.runtime.stacks``)."""
+        return self.progress / "stacks.request"
+
+    def stack_file(self, rank: int) -> Path:
+        """One rank's answer: its threads' stacks as JSON (``hpcdist.runtime.stackrecord``)."""
+        return self.progress / f"stack_rank{rank}.json"
+
     def result(self, suffix: str = "") -> Path:
         """``<results>/<name>/<job id><suffix>.h5``: where the job's result lands."""
         return under(self.storage.results, self.name, f"{self.job_id}{suffix}.h5")

@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 END_OF_TEXT = 256  # the byte tokenizer's end-of-text id
 EOT_TOKEN = "<|endoftext|>"  # GPT-2's end-of-text token, the default of a `tokenizers` file
 GROUP = "tokenizer"  # where token files and checkpoints keep the tree
+SENTENCEPIECE = "tokenizer.model"  # a SentencePiece model, as Llama 2 and Mistral folders have
+# what a SentencePiece conversion must encode as SentencePiece does: words, digits, punctuation,
+# repeated spaces, newlines, accents and characters outside the vocabulary (byte fallback)
+SPM_PROBE = "The cluster ran 12 jobs overnight.  Two spaces,\nthen a new line: naïve café, 3.14 ✓ 東京"
 
 
 class Tokenizer(Protocol):
@@ -155,10 +159,13 @@ def from_tree(tree: Mapping[str, Any], where: str) -> ByteTokenizer | FileTokeni
 
 
 def from_pretrained_dir(directory: Path) -> FileTokenizer:
-    """The tokenizer of a ``save_pretrained`` folder (tokenizer.json, or vocab.json with merges.txt),
-    read by ``transformers`` so its special tokens come with it. Nothing is downloaded."""
+    """The tokenizer of a ``save_pretrained`` folder (tokenizer.json, or vocab.json with merges.txt,
+    or only a SentencePiece tokenizer.model: `from_sentencepiece`), read by ``transformers`` so its
+    special tokens come with it. Nothing is downloaded."""
     directory = Path(directory)
     if not any((directory / f).is_file() for f in ("tokenizer.json", "vocab.json")):
+        if (directory / SENTENCEPIECE).is_file():
+            return from_sentencepiece(directory)
         raise JobError(
             f"{directory} has no tokenizer: expected tokenizer.json, or vocab.json with merges.txt "
             f"(save the tokenizer with save_pretrained into the same folder)"
@@ -172,6 +179,42 @@ def from_pretrained_dir(directory: Path) -> FileTokenizer:
         text = hf.backend_tokenizer.to_str()
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for a bad folder
         raise JobError(f"the tokenizer in {directory} cannot be read by transformers: {exc}") from exc
+    return FileTokenizer(text, f"tokenizers:{directory.name}", str(hf.eos_token or EOT_TOKEN))
+
+
+def from_sentencepiece(directory: Path) -> FileTokenizer:
+    """The ``tokenizers`` form of a folder whose only tokenizer is a SentencePiece ``tokenizer.model``
+    (Llama 2's and Mistral's), converted by transformers' ``LlamaTokenizer`` with the folder's
+    tokenizer_config.json, as ``AutoTokenizer.from_pretrained(dir).save_pretrained(dir)`` would; it
+    needs the ``sentencepiece`` extra. The conversion is checked: `SPM_PROBE` must encode to the ids
+    SentencePiece itself gives, else it is refused rather than approximated."""
+    model = directory / SENTENCEPIECE
+    try:
+        import google.protobuf  # noqa: F401 - transformers' converter reads the model through protobuf
+        import sentencepiece
+    except ImportError as exc:
+        raise JobError(
+            f"{directory} has only a SentencePiece {SENTENCEPIECE}; install the sentencepiece extra to convert "
+            f"it on import (pip install 'hpcdist[sentencepiece]'), or convert it once with transformers and "
+            f"sentencepiece (AutoTokenizer.from_pretrained(dir).save_pretrained(dir) writes tokenizer.json)"
+        ) from exc
+    try:
+        from transformers import LlamaTokenizer
+    except ImportError as exc:
+        raise JobError("converting a SentencePiece tokenizer needs transformers: pip install 'hpcdist[hf]'") from exc
+    try:
+        theirs = sentencepiece.SentencePieceProcessor(model_file=str(model)).encode(SPM_PROBE)
+        hf = LlamaTokenizer.from_pretrained(str(directory), local_files_only=True)
+        ours = hf(SPM_PROBE, add_special_tokens=False)["input_ids"]
+        text = hf.backend_tokenizer.to_str()
+    except Exception as exc:  # noqa: BLE001 - sentencepiece and transformers raise many kinds for a bad file
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise JobError(f"{model} cannot be converted as a SentencePiece model: {first}") from exc
+    if ours != theirs:
+        raise JobError(
+            f"{model}: its tokenizers form encodes text differently from SentencePiece (ids {ours[:8]} vs "
+            f"{theirs[:8]}); hpcdist refuses rather than approximates it: give the model's tokenizer.json"
+        )
     return FileTokenizer(text, f"tokenizers:{directory.name}", str(hf.eos_token or EOT_TOKEN))
 
 

@@ -30,7 +30,7 @@ from hpcdist.model.checkpoint import CheckpointHeader, read_full
 from hpcdist.model.checkpoint import parameter_shapes as expected_shapes
 from hpcdist.progress import report_progress
 from hpcdist.store.discovery import resolve
-from hpcdist.store.tree import sha256_of
+from hpcdist.store.tree import sha256_of, tensor_array
 
 if TYPE_CHECKING:
     from hpcdist.runtime.context import JobContext
@@ -81,7 +81,7 @@ def load_broadcast(
     fault its pages in while rank 0 reads: a fresh buffer's page faults, paid during the
     transfer, would cost about half of it on a virtual machine (`benchmarks/infer_broadcast.py`).
     """
-    meta = [(name, tuple(shape), "float32") for name, shape in header.shapes.items()]  # read_header checks float32
+    meta = [(name, tuple(shape), header.dtypes[name]) for name, shape in header.shapes.items()]  # as stored
     buffer = None
     if not ctx.is_main:
         buffer = flat_buffer(meta, ctx.device)
@@ -92,7 +92,7 @@ def load_broadcast(
     error = None
     if ctx.is_main:
         try:
-            state = {k: torch.from_numpy(v) for k, v in read_full(header, verify=True).items()}
+            state = read_full(header, verify=True)
         except CheckpointError as exc:
             error = str(exc)
     read_s = time.perf_counter() - t0
@@ -104,7 +104,7 @@ def load_broadcast(
                                   buffer=buffer)
     wrong = 0
     if params.verify_received:
-        wrong = sum(sha256_of(full[k].cpu().numpy()) != header.sha256[k] for k in header.shapes)
+        wrong = sum(sha256_of(tensor_array(full[k])) != header.sha256[k] for k in header.shapes)
         flag = torch.tensor([float(wrong)], device=ctx.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() > 0:
@@ -115,7 +115,7 @@ def load_broadcast(
 
 def load_shards(
     ctx: JobContext, header: CheckpointHeader, tp: TPGroup
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Each rank reads its own shard; checksums verified as `read_shard` explains; ranks agree."""
     dist.barrier()
     t0 = time.perf_counter()

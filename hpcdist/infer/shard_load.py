@@ -14,7 +14,8 @@ Megatron-style split of a block across ``tp`` ranks:
   an untied ``lm_head`` is split by vocabulary rows.
 
 The same plan slices an in-memory state (after a broadcast) and an HDF5 dataset (shard reads),
-so both paths give the same tensors on each rank.
+so both paths give the same tensors on each rank, in the checkpoint's dtype (bfloat16 read as
+its bits and viewed as bfloat16, as the store does: `hpcdist.store.tree.typed`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 
 from hpcdist.model.checkpoint import MODEL_GROUP, CheckpointHeader, verify_streaming
 from hpcdist.model.config import GPTConfig
-from hpcdist.store.tree import sha256_of
+from hpcdist.store.tree import as_tensor, sha256_of, typed
 
 Ranges = list[tuple[int, int]]
 
@@ -117,9 +118,10 @@ def shard_state(full: dict[str, Any], cfg: GPTConfig, tp_rank: int, tp: int) -> 
 
 @dataclass
 class ShardRead:
-    """One rank's shard read: its tensors, the checkpoint tensors it verified, and what failed."""
+    """One rank's shard read: its tensors (torch, in the stored dtype), the checkpoint tensors it
+    verified, and what failed."""
 
-    state: dict[str, np.ndarray]
+    state: dict[str, Any]
     bytes_read: int
     verified: list[str]
     bad: list[str]
@@ -136,7 +138,7 @@ def read_shard(header: CheckpointHeader, tp_rank: int, tp: int, rank: int, world
     """
     import h5py
 
-    state: dict[str, np.ndarray] = {}
+    state: dict[str, Any] = {}
     verified: list[str] = []
     bad: list[str] = []
     nbytes = 0
@@ -144,9 +146,9 @@ def read_shard(header: CheckpointHeader, tp_rank: int, tp: int, rank: int, world
         group = f[MODEL_GROUP]
         for i, key in enumerate(header.shapes):
             plan = shard_plan(key, header.config, tp_rank, tp)
-            arr = take(group[key], plan)
+            arr = take(group[key], plan)  # as HDF5 holds it: bfloat16 as its bits, which the sha256 covers
             nbytes += arr.nbytes
-            state[key] = arr
+            state[key] = as_tensor(typed(arr, header.dtypes[key]))
             if plan is None:
                 verified.append(key)
                 if sha256_of(arr) != header.sha256[key]:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpcdist.errors import JobError
 from hpcdist.jobs.python import PythonParams, cwd_on_path
-from hpcdist.runtime import group
+from hpcdist.runtime import group, stacks
 from hpcdist.runtime.reach import peer_named
 from hpcdist.runtime.requeue import Requeued
 
@@ -92,6 +92,7 @@ def run(ctx: JobContext, params: PythonParams) -> dict[str, Any]:
     except (Requeued, KeyboardInterrupt):
         raise
     except Exception as exc:
+        stacks.on_failure(exc)  # a timeout: every rank's stack, before the watchdog stops the others
         traceback.print_exc()
         peer = peer_named(str(exc), ctx.hosts)
         error = JobError(f"{where}: {params.target} raised {type(exc).__name__}: {_first_line(exc)}"

@@ -3,13 +3,18 @@
 In a ``hpcdist.checkpoint`` file the GPT adds:
 
 - the root attribute ``model_config_json`` (``GPTConfig.model_dump_json()``);
-- the group ``/model``: one float32, C-order dataset per ``GPT.state_dict()`` key, with the exact
-  key names (each with its ``sha256``, as every store dataset). A tied head ``lm_head.weight``
+- the group ``/model``: one C-order dataset per ``GPT.state_dict()`` key, with the exact key names
+  (each with its ``sha256``, as every store dataset), in the tensor's own dtype: float32 as
+  training writes it, bfloat16 or float16 as an imported model has it (bf16 stays bf16; the store
+  keeps a dtype NumPy lacks as its bits with the dataset attribute ``torch_dtype``, see
+  ``hpcdist.store.tree``); every reader computes in float32. A tied head ``lm_head.weight``
   (GPT-2's; an untied one is stored as itself) is ``transformer.wte.weight`` and stored once:
   the group attribute ``tied_json`` maps each omitted key to the stored one;
 - the group ``/tokenizer`` (``hpcdist.data.tokenizer``): the tokenizer the model reads and
   writes, which inference encodes prompts and decodes outputs with. A checkpoint from before it
-  travelled has none: it is taken as bytes when the vocabulary is the byte tokenizer's.
+  travelled has none: it is taken as bytes when the vocabulary is the byte tokenizer's. An
+  imported model's chat template travels in it too: ``chat_template_utf8`` (one Jinja template)
+  or ``chat_templates_json_utf8`` (named ones, ``{"default": ..., "tool_use": ...}``), UTF-8 bytes.
 
 Here: the parameter shapes of a config (`parameter_shapes`), the `/model` tree of a state dict
 and the state dict of a `/model` tree (the one tied-weight restore), the shape check training
@@ -32,7 +37,7 @@ from hpcdist.errors import CheckpointError
 from hpcdist.model.config import GPTConfig
 from hpcdist.store import checkpoints as store
 from hpcdist.store.discovery import resolve
-from hpcdist.store.tree import ChecksumError, Tree, sha256_of_dataset
+from hpcdist.store.tree import ChecksumError, Tree, as_tensor, is_bits, sha256_of_dataset
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +48,9 @@ MODEL_GROUP = "model"
 CONFIG_ATTR = "model_config_json"
 TIED_ATTR = "tied_json"
 CHAT_TEMPLATE = "chat_template_utf8"  # in the tokenizer group: the Jinja chat template, UTF-8 bytes
+CHAT_TEMPLATES = "chat_templates_json_utf8"  # or named ones ({"default": ..., "tool_use": ...}), as UTF-8 JSON
+ChatTemplate = str | dict[str, str]  # one Jinja template, or templates by name
+DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the dtypes a model tensor is stored in, and their sizes
 
 
 def parameter_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -91,7 +99,8 @@ def model_attrs(cfg: GPTConfig) -> dict[str, str]:
 
 
 def model_tree(state_dict: Mapping[str, Any]) -> Tree:
-    """`/model` for a state dict: float32 arrays, tied tensors stored once (``tied_json``)."""
+    """`/model` for a state dict: each tensor in its dtype when it is one of `DTYPES` (else as
+    float32), a NumPy array where NumPy has the dtype, tied tensors stored once (``tied_json``)."""
     out: Tree = {}
     seen: dict[tuple[int, tuple[int, ...]], str] = {}
     tied: dict[str, str] = {}
@@ -102,23 +111,28 @@ def model_tree(state_dict: Mapping[str, Any]) -> Tree:
             continue
         if ident is not None:
             seen[ident] = key
-        t = value.detach().cpu().float() if hasattr(value, "detach") else value
-        arr = t.numpy() if hasattr(t, "numpy") else np.asarray(t, dtype=np.float32)
-        out[key] = np.ascontiguousarray(arr, dtype=np.float32)
+        if not hasattr(value, "detach"):
+            out[key] = np.ascontiguousarray(value, dtype=np.float32)
+            continue
+        t = value.detach().cpu()
+        name = str(t.dtype).removeprefix("torch.")
+        if name not in DTYPES:
+            t, name = t.float(), "float32"
+        # an array where NumPy has the dtype, as before; a bfloat16 tensor the store keeps as its bits
+        out[key] = t.contiguous() if is_bits(name) else np.ascontiguousarray(t.numpy())
     out[TIED_ATTR] = json.dumps(tied)
     return out
 
 
 def state_dict_of(group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """A state dict for ``GPT.load_state_dict`` (strict) from a `/model` tree as the store reads it.
+    """A state dict for ``GPT.load_state_dict`` (strict) from a `/model` tree as the store reads it,
+    each tensor in its stored dtype (``load_state_dict`` copies it into the model's float32).
 
     Tied keys omitted in the file (``lm_head.weight``) are restored as the same tensor as the
     key they are tied to.
     """
-    import torch
-
     tied = json.loads(group.get(TIED_ATTR, "{}") or "{}")
-    state = {k: torch.from_numpy(np.array(v)) for k, v in group.items() if isinstance(v, np.ndarray)}
+    state = {k: as_tensor(v) for k, v in group.items() if hasattr(v, "shape")}
     for key, source in tied.items():
         state[key] = state[source]
     return state
@@ -126,7 +140,7 @@ def state_dict_of(group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 def write_checkpoint(
     directory: str | Path, step: int, state: Mapping[str, Any], cfg: GPTConfig, epoch: int = 0,
-    tokenizer: ByteTokenizer | FileTokenizer | None = None, chat_template: str | None = None,
+    tokenizer: ByteTokenizer | FileTokenizer | None = None, chat_template: ChatTemplate | None = None,
 ) -> Path:
     """Write `state` (a GPT ``state_dict()``) and its tokenizer (with its chat template, when it has
     one) as a model-only checkpoint and commit it."""
@@ -136,7 +150,9 @@ def write_checkpoint(
     if tokenizer is not None:
         tree[GROUP] = tokenizer.to_tree()
         if chat_template is not None:
-            tree[GROUP][CHAT_TEMPLATE] = np.frombuffer(chat_template.encode("utf-8"), dtype=np.uint8)
+            name, text = ((CHAT_TEMPLATE, chat_template) if isinstance(chat_template, str)
+                          else (CHAT_TEMPLATES, json.dumps(chat_template)))
+            tree[GROUP][name] = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
     return store.save(Path(directory), step, tree, epoch=epoch, attrs=model_attrs(cfg)).path
 
 
@@ -168,13 +184,16 @@ def checkpoint_tokenizer(path: Path, cfg: GPTConfig) -> ByteTokenizer | FileToke
     return tok
 
 
-def checkpoint_chat_template(path: Path) -> str | None:
-    """The chat template travelling with the checkpoint's tokenizer; None when it has none."""
+def checkpoint_chat_template(path: Path) -> ChatTemplate | None:
+    """The chat template (or named templates) travelling with the checkpoint's tokenizer; None when it has none."""
     from hpcdist.data.tokenizer import GROUP
 
     group = store.read(path, groups=(GROUP,), verify=True).tree.get(GROUP) or {}
-    raw = group.get(CHAT_TEMPLATE)
-    return None if raw is None else np.ascontiguousarray(raw, dtype=np.uint8).tobytes().decode("utf-8")
+    for name in (CHAT_TEMPLATE, CHAT_TEMPLATES):
+        if (raw := group.get(name)) is not None:
+            text = np.ascontiguousarray(raw, dtype=np.uint8).tobytes().decode("utf-8")
+            return text if name == CHAT_TEMPLATE else dict(json.loads(text))
+    return None
 
 
 def load_model_state(path: Path, verify: bool = True) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
@@ -250,10 +269,11 @@ class CheckpointHeader:
     config: GPTConfig
     shapes: dict[str, tuple[int, ...]]
     sha256: dict[str, str]
+    dtypes: dict[str, str]  # each tensor's stored dtype, one of `DTYPES` ("bfloat16")
 
     @property
     def nbytes(self) -> int:
-        return sum(int(np.prod(s)) * 4 for s in self.shapes.values())
+        return sum(int(np.prod(s)) * DTYPES[self.dtypes[k]] for k, s in self.shapes.items())
 
 
 def _config_differences(expect: GPTConfig, cfg: GPTConfig) -> str:
@@ -289,7 +309,8 @@ def read_header(path: str | Path, expect: GPTConfig | None = None) -> Checkpoint
         ("has tensors the model does not", [k for k in found if k not in want]),
         ("has tensors of the wrong shape",
          [f"{k} {found[k].shape} (expected {s})" for k, s in want.items() if k in found and found[k].shape != s]),
-        ("has tensors that are not float32", [k for k, d in found.items() if d.dtype != np.float32]),
+        (f"has tensors not in {', '.join(DTYPES)}",
+         [f"{k} ({d.dtype_name})" for k, d in found.items() if d.dtype_name not in DTYPES]),
         ("has tensors without a sha256", [k for k, d in found.items() if len(d.sha256) != 64]),
     ):
         if items:
@@ -305,11 +326,12 @@ def read_header(path: str | Path, expect: GPTConfig | None = None) -> Checkpoint
         config=cfg,
         shapes={k: found[k].shape for k in want},
         sha256={k: found[k].sha256 for k in want},
+        dtypes={k: found[k].dtype_name for k in want},
     )
 
 
-def read_full(header: CheckpointHeader, verify: bool = True) -> dict[str, np.ndarray]:
-    """Every tensor of the checkpoint, each checked against its sha256 when `verify`."""
+def read_full(header: CheckpointHeader, verify: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint in its stored dtype, each checked against its sha256 when `verify`."""
     try:
         group = store.read(header.path, groups=(MODEL_GROUP,), verify=verify).tree[MODEL_GROUP]
     except ChecksumError as exc:
@@ -317,7 +339,7 @@ def read_full(header: CheckpointHeader, verify: bool = True) -> dict[str, np.nda
         raise CheckpointError(
             f"checkpoint {header.path}: tensor {key} does not match its sha256; the file is corrupt"
         ) from exc
-    return {key: group[key] for key in header.shapes}
+    return {key: as_tensor(group[key]) for key in header.shapes}
 
 
 def verify_streaming(header: CheckpointHeader, key: str) -> bool:

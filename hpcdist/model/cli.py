@@ -34,7 +34,7 @@ def cmd_model(args: argparse.Namespace) -> int:
         heads = f"{c.n_head} heads" + (f" ({c.n_kv} KV)" if c.n_kv != c.n_head else "")
         print(
             f"wrote {done.path}: {name} of {done.parameters:,} parameters ({c.n_layer} layers, d_model "
-            f"{c.d_model}, {heads}, context {c.context}, vocabulary {c.vocab_size}), "
+            f"{c.d_model}, {heads}, context {c.context}, vocabulary {c.vocab_size}, {done.dtype}), "
             f"tokenizer {done.tokenizer}{', chat template' if done.chat_template else ''}"
         )
         return 0

@@ -10,12 +10,14 @@ Only the GELU MLP maps onto GPT-2 (SwiGLU has no GPT-2 counterpart).
   pytorch_model.bin, sharded or not, and its tokenizer files) to an hpcdist checkpoint carrying
   the tokenizer and its chat template, written atomically with every tensor's sha256
   (``hpcdist model import``);
-- `export_pretrained`: a checkpoint to a folder ``from_pretrained`` loads (``hpcdist model export``);
+- `export_pretrained`: a checkpoint to a folder ``from_pretrained`` loads (``hpcdist model export``),
+  each tensor in the dtype the checkpoint keeps it in (a bf16 import exports as bf16, bit for bit);
 - `to_hf`: the same weights as a transformers model of the config's family, the reference the
   inference tests compare with.
 
 Weights are read by ``safetensors`` / ``torch.load(weights_only=True)`` and configs and tokenizers
-by ``transformers``; nothing is downloaded. Every bad input is one ``ConfigError`` line.
+by ``transformers``; nothing is downloaded. Weights keep their dtype (bf16 stays bf16 in the
+checkpoint); models compute in float32. Every bad input is one ``ConfigError`` line.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     import torch
 
     from hpcdist.data.tokenizer import ByteTokenizer, FileTokenizer
+    from hpcdist.model.checkpoint import ChatTemplate
 
 GPT2 = ("GPT2LMHeadModel",)
 SUPPORTED = (*GPT2, "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")  # architectures import reads
@@ -129,21 +132,22 @@ def gpt_config(raw: Mapping[str, Any], where: Path) -> GPTConfig:
 
 
 def to_hf_state(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """GPT-2 tensors for a GPT state dict: Conv1D weights transposed, the tied head left out."""
+    """GPT-2 tensors for a GPT state dict, each in its dtype: Conv1D weights transposed, the tied head left out."""
     import torch
 
     out = {}
     for key, value in state.items():
         if key == HEAD:
             continue
-        t = torch.as_tensor(value).detach().float()
+        t = torch.as_tensor(value).detach()
         out[key] = t.t().contiguous() if key.endswith(CONV1D) else t.clone()
     return out
 
 
 def from_hf_state(hf_state: Mapping[str, torch.Tensor], cfg: GPTConfig, where: Path) -> dict[str, torch.Tensor]:
-    """A GPT state dict (``lm_head.weight`` the same tensor as the embedding) from GPT-2's tensors;
-    a ConfigError listing every missing, unexpected or wrongly shaped tensor."""
+    """A GPT state dict (``lm_head.weight`` the same tensor as the embedding) from GPT-2's tensors,
+    each in the dtype the file has; a ConfigError listing every missing, unexpected or wrongly
+    shaped tensor."""
     import torch
 
     from hpcdist.model.checkpoint import parameter_shapes
@@ -175,9 +179,9 @@ def from_hf_state(hf_state: Mapping[str, torch.Tensor], cfg: GPTConfig, where: P
         )
     state = {}
     for key in want:
-        t = got[key].detach().to(torch.float32)
+        t = got[key].detach()
         state[key] = (t.t() if key.endswith(CONV1D) else t).contiguous()
-    if HEAD in got and not torch.equal(got[HEAD].to(torch.float32), state[WTE]):
+    if HEAD in got and not torch.equal(got[HEAD].to(state[WTE].dtype), state[WTE]):
         raise ConfigError(f"{where}: lm_head.weight differs from the token embedding; an untied head is not supported")
     state[HEAD] = state[WTE]
     return state
@@ -198,6 +202,21 @@ def to_hf(cfg: GPTConfig, state: Mapping[str, Any], eot_id: int | None = None) -
         raise ConfigError(f"weights do not map onto GPT-2: missing {real_missing[:3]}, unexpected {unexpected[:3]}")
     model.tie_weights()
     return model.eval()
+
+
+def as_stored(model: Any, cfg: GPTConfig, state: Mapping[str, Any]) -> Any:
+    """`model` (`to_hf`'s, float32) with each parameter in the dtype `state` holds it in, so an imported
+    bf16 model exports as bf16, bit for bit (bf16 to float32 and back is exact)."""
+    if cfg.family != "gpt2":
+        from hpcdist.model import hf_llama
+
+        stored = hf_llama.to_hf_state(cfg, state)
+    else:
+        stored = to_hf_state(state)
+    for name, param in model.named_parameters():
+        if name in stored and stored[name].dtype != param.dtype:
+            param.data = param.data.to(stored[name].dtype)
+    return model
 
 
 # ---------------------------------------------------------------- folders
@@ -236,23 +255,34 @@ class Imported:
     tokenizer: str
     parameters: int
     chat_template: bool = False
+    dtype: str = "float32"  # the dtype(s) the weights are stored in, as the folder had them
 
 
-def read_chat_template(directory: Path) -> str | None:
-    """The folder's chat template: chat_template.jinja (transformers 4.43+), else tokenizer_config.json's."""
+def read_chat_template(directory: Path) -> ChatTemplate | None:
+    """The folder's chat template as transformers reads it: chat_template.jinja with named ones in
+    additional_chat_templates/ (transformers 4.5x and 5), else tokenizer_config.json's, one template
+    or named ones (a list of {name, template}); named templates come as {name: template}."""
     jinja = directory / "chat_template.jinja"
+    named = {p.stem: p.read_text(encoding="utf-8")
+             for p in sorted((directory / "additional_chat_templates").glob("*.jinja"))}
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+        default = jinja.read_text(encoding="utf-8")
+        return {"default": default, **named} if named else default
     config = directory / "tokenizer_config.json"
     if not config.is_file():
-        return None
+        return named or None
     try:
         template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{config} cannot be read as JSON: {exc}") from exc
     if template is None or isinstance(template, str):
         return template
-    return json.dumps(template)  # named templates (a list of {name, template}), kept as their JSON
+    try:
+        pairs = template.items() if isinstance(template, dict) else ((t["name"], t["template"]) for t in template)
+        return {str(name): str(text) for name, text in pairs}
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"{config}: chat_template is neither a template nor a list of {{name, template}}; "
+                          f"save the tokenizer again with save_pretrained") from exc
 
 
 def read_pretrained(directory: Path) -> tuple[GPTConfig, dict[str, torch.Tensor], ByteTokenizer | FileTokenizer]:
@@ -271,17 +301,11 @@ def read_pretrained(directory: Path) -> tuple[GPTConfig, dict[str, torch.Tensor]
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{config_file} cannot be read as JSON: {exc}") from exc
     cfg = gpt_config(raw, config_file)
-    if (directory / "tokenizer.model").is_file() and not any(
-            (directory / f).is_file() for f in ("tokenizer.json", "vocab.json")):
-        raise ConfigError(
-            f"{directory} has only a SentencePiece tokenizer.model; hpcdist reads tokenizer.json: convert it once "
-            f"with transformers and sentencepiece (AutoTokenizer.from_pretrained(dir).save_pretrained(dir))"
-        )
-    state = from_hf_state(read_weights(directory), cfg, directory)
-    try:
+    try:  # before the weights: a tokenizer that cannot be read fails at once
         tok = from_pretrained_dir(directory)
     except JobError as exc:
         raise ConfigError(str(exc)) from exc
+    state = from_hf_state(read_weights(directory), cfg, directory)
     # LLaMA-family vocabularies may be padded past the tokenizer's (Qwen2: 151936 for 151665 ids)
     if tok.vocab_size > cfg.vocab_size or (cfg.family == "gpt2" and tok.vocab_size != cfg.vocab_size):
         raise ConfigError(
@@ -311,7 +335,8 @@ def import_pretrained(directory: Path, out: Path) -> Imported:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         path = out
-    return Imported(path, cfg, tok.name, cfg.num_params(), template is not None)
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in state.values()})
+    return Imported(path, cfg, tok.name, cfg.num_params(), template is not None, "/".join(dtypes))
 
 
 def export_pretrained(checkpoint: Path, out: Path) -> tuple[Path, ByteTokenizer | FileTokenizer]:
@@ -327,7 +352,7 @@ def export_pretrained(checkpoint: Path, out: Path) -> tuple[Path, ByteTokenizer 
     path = resolve(checkpoint)
     cfg, state = load_model_state(path)
     tok = checkpoint_tokenizer(path, cfg)
-    model = to_hf(cfg, state, tok.eot_id)
+    model = as_stored(to_hf(cfg, state, tok.eot_id), cfg, state)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

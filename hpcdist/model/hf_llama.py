@@ -159,12 +159,12 @@ def _split_sizes(key: str, cfg: GPTConfig) -> list[int]:
 
 
 def to_hf_state(cfg: GPTConfig, state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """transformers' tensors for a GPT state dict: c_attn and c_fc split apart, float32."""
+    """transformers' tensors for a GPT state dict: c_attn and c_fc split apart, each in its dtype."""
     import torch
 
     out: dict[str, torch.Tensor] = {}
     for key, names in _parts(cfg):
-        t = torch.as_tensor(state[key]).detach().float()
+        t = torch.as_tensor(state[key]).detach()
         pieces = t.split(_split_sizes(key, cfg), dim=0) if len(names) > 1 else (t,)
         out.update({n: p.clone().contiguous() for n, p in zip(names, pieces, strict=True)})
     if cfg.tied:
@@ -173,8 +173,9 @@ def to_hf_state(cfg: GPTConfig, state: Mapping[str, Any]) -> dict[str, torch.Ten
 
 
 def from_hf_state(hf_state: Mapping[str, torch.Tensor], cfg: GPTConfig, where: Path) -> dict[str, torch.Tensor]:
-    """A GPT state dict from transformers' tensors (float32, for CPU compute); a ConfigError listing
-    every missing, unexpected or wrongly shaped tensor."""
+    """A GPT state dict from transformers' tensors, each in the dtype the file has (bf16 stays bf16;
+    the model computes in float32); a ConfigError listing every missing, unexpected or wrongly
+    shaped tensor."""
     import torch
 
     from hpcdist.model.checkpoint import parameter_shapes
@@ -188,7 +189,7 @@ def from_hf_state(hf_state: Mapping[str, torch.Tensor], cfg: GPTConfig, where: P
     state: dict[str, torch.Tensor] = {}
     if not problems:
         for key, names in parts:
-            t = torch.cat([got[n].detach().to(torch.float32) for n in names], dim=0).contiguous()
+            t = torch.cat([got[n].detach() for n in names], dim=0).contiguous()
             if tuple(t.shape) != want[key]:
                 problems.append(f"{' + '.join(names)} has shape {list(t.shape)}, config.json says {list(want[key])}")
             state[key] = t
@@ -199,7 +200,7 @@ def from_hf_state(hf_state: Mapping[str, torch.Tensor], cfg: GPTConfig, where: P
             f"{'; '.join(problems[:8])}{more}; save the model again with save_pretrained"
         )
     if cfg.tied:
-        if HEAD in got and not torch.equal(got[HEAD].to(torch.float32), state[WTE]):
+        if HEAD in got and not torch.equal(got[HEAD].to(state[WTE].dtype), state[WTE]):
             raise ConfigError(f"{where}: tie_word_embeddings is true but lm_head.weight differs from the embedding")
         state[HEAD] = state[WTE]
     return state

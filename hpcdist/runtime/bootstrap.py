@@ -18,7 +18,7 @@ from hpcdist.config.contract import FAULT_EXIT_VAR, LAUNCH_TIME_VAR
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import BootstrapError
-from hpcdist.runtime import group, requeue
+from hpcdist.runtime import group, requeue, stacks
 from hpcdist.runtime.context import JobContext
 from hpcdist.runtime.device import cuda_index, visible_entries
 from hpcdist.runtime.rankinfo import RankInfo
@@ -83,6 +83,8 @@ def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *
     t_entry = time.time()
     info = RankInfo.from_env(env)
     rank_logger("hpcdist", info, env)
+    if not standalone:  # `hpcdist stacks` and a timeout's summary: answered from now on, the rendezvous included
+        stacks.start(spec.paths(site, info.job_id or "local"), info.rank, info.world_size, info.hostname)
     # SIGTERM (which submitit's handler ignores) sets the stop flag from now on, so one that comes
     # during the bootstrap is not lost; the site's signal stays submitit's until a Context takes it.
     requeue.watch(("TERM",))

@@ -19,7 +19,7 @@ from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import HpcdistError
 from hpcdist.jobs.registry import Job, resolve
-from hpcdist.runtime import group, teardown
+from hpcdist.runtime import group, stacks, teardown
 from hpcdist.runtime.bootstrap import bootstrap
 from hpcdist.runtime.context import JobContext
 
@@ -36,7 +36,11 @@ def run_job(job: Job[Any], site: Site) -> dict[str, Any]:
     spec = job.spec
     os.environ.update({**site.env, **spec.env})
     os.umask(site.storage.umask)  # storage.mode for all this rank writes (a direct launch has the shell's umask)
-    ctx = bootstrap(spec, site, uses_mpi=job.uses_mpi, makes_group=job.makes_group)
+    try:
+        ctx = bootstrap(spec, site, uses_mpi=job.uses_mpi, makes_group=job.makes_group)
+    except BaseException as exc:
+        stacks.on_failure(exc)  # a rendezvous that timed out: every rank's stack first
+        raise
     store = ctx.store
     # what `hpcdist wait` shows, where the waiter of this very task reads it
     progress.start(ctx.paths.progress, ctx.is_main)
@@ -45,12 +49,14 @@ def run_job(job: Job[Any], site: Site) -> dict[str, Any]:
     try:
         try:
             out = job.kind.load_runner()(ctx, job.params) or {}
-        except BaseException:
+        except BaseException as exc:
+            stacks.on_failure(exc)  # a collective that timed out: every rank's stack, before the others stop
             _check_out_failed(store, ctx)
             raise
         if not group.finish(store, ctx.info, ctx.timeout_s):
             teardown.leave()  # every gloo worker idle before the interpreter finalizes (SIGABRT otherwise)
     finally:
+        stacks.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
     return {"rank": ctx.rank, "host": ctx.info.hostname, "timings": ctx.timings, **out}

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcdist.runtime.hostlist import expand_hostlist
+from hpcdist.runtime.stackrecord import describe, read_stacks
 from hpcdist.scheduler.states import JobState
 
 
@@ -171,6 +172,17 @@ def ending(batch_log: str, records: list[StepRecord]) -> Ending:
     accounted, event = job_cause(records), job_event(batch_log)
     cause = "; ".join(c for c in (accounted, event) if c)
     return Ending({t.rank: t for t in tasks}, tasks[0] if tasks else None, cause)
+
+
+def timeout_stacks(files: dict[int, Path], world_size: int, verbose: bool = False) -> list[str]:
+    """The ranks' stacks written when a collective or the rendezvous timed out, grouped as
+    `hpcdist stacks` groups them (``stackrecord.describe``); [] when no rank timed out. Only the
+    answers of the last minute before the newest timeout count: an earlier run's are not this one's."""
+    got = read_stacks(files)
+    timed = [s.written for s in got.values() if s.timed_out]
+    if not timed:
+        return []
+    return describe({r: s for r, s in got.items() if s.written >= max(timed) - 60.0}, world_size, verbose)
 
 
 # ---------------------------------------------------------------- a rank's own words

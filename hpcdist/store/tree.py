@@ -124,6 +124,28 @@ def from_bits(arr: np.ndarray, name: str) -> Any:
     return torch.from_numpy(np.ascontiguousarray(arr)).view(dtype)
 
 
+def is_bits(name: str) -> bool:
+    """Whether a tensor of dtype `name` ("bfloat16") is stored as its bits, NumPy having no type for it."""
+    return name not in _NUMPY_DTYPES
+
+
+def typed(arr: np.ndarray, name: str) -> Any:
+    """The leaf a dataset of torch dtype `name` reads as, from `arr` as HDF5 holds it: a tensor of
+    that dtype over its bits (`from_bits`) where NumPy has no type for it, else `arr` itself."""
+    return from_bits(arr, name) if is_bits(name) else arr
+
+
+def as_tensor(value: Any) -> Any:
+    """A dataset leaf as read (a NumPy array, or a tensor of a dtype NumPy lacks) as a CPU torch
+    tensor of its dtype, sharing its memory (a read-only or strided array is copied first)."""
+    if hasattr(value, "detach"):
+        return value
+    import torch
+
+    arr = np.asarray(value)
+    return torch.from_numpy(arr if arr.flags.writeable and arr.flags.c_contiguous else arr.copy())
+
+
 def as_array(value: Any) -> np.ndarray | None:
     """A dataset's array for a tree leaf, or None if the leaf is an attribute."""
     if isinstance(value, np.ndarray):
@@ -214,7 +236,7 @@ def _read_group(group: h5py.Group, pool: ThreadPoolExecutor | None, checks: list
         digest = pool.submit(sha256_of, arr) if pool is not None else None
         checks.append((item.name, digest, str(plain(item.attrs.get("sha256", "")))))
         dtype = plain(item.attrs.get(DTYPE_ATTR, ""))
-        out[key] = from_bits(arr, str(dtype)) if dtype else arr
+        out[key] = typed(arr, str(dtype)) if dtype else arr
     return out, nbytes
 
 
@@ -249,8 +271,14 @@ class DatasetInfo:
     """A dataset described without reading its data."""
 
     shape: tuple[int, ...]
-    dtype: np.dtype[Any]
+    dtype: np.dtype[Any]  # as HDF5 holds it: the unsigned integer of the bits for a `torch_dtype`
     sha256: str
+    torch_dtype: str = ""  # the torch dtype its bits hold, where NumPy has none ("bfloat16"), else ""
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype of the data: "bfloat16" for bits, else NumPy's name ("float32")."""
+        return self.torch_dtype or self.dtype.name
 
 
 def describe_group(group: h5py.Group) -> dict[str, DatasetInfo]:
@@ -258,7 +286,8 @@ def describe_group(group: h5py.Group) -> dict[str, DatasetInfo]:
     import h5py
 
     return {
-        k: DatasetInfo(tuple(int(n) for n in d.shape), d.dtype, str(plain(d.attrs.get("sha256", ""))))
+        k: DatasetInfo(tuple(int(n) for n in d.shape), d.dtype, str(plain(d.attrs.get("sha256", ""))),
+                       str(plain(d.attrs.get(DTYPE_ATTR, ""))))
         for k, d in group.items()
         if isinstance(d, h5py.Dataset)
     }

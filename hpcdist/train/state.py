@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hpcdist.errors import CheckpointError
-from hpcdist.store.tree import Tree
+from hpcdist.store.tree import Tree, as_tensor
 
 
 def _names_by_index(model: nn.Module, opt: torch.optim.Optimizer) -> list[str]:
@@ -47,7 +47,7 @@ def load_optimizer(model: nn.Module, opt: torch.optim.Optimizer, tree: Tree) -> 
     except KeyError as exc:
         raise CheckpointError(f"optimizer state names parameter {exc} that the model does not have") from None
     state = {
-        index[name]: {k: torch.from_numpy(np.array(v)) for k, v in entry.items() if isinstance(v, np.ndarray)}
+        index[name]: {k: as_tensor(v) for k, v in entry.items() if hasattr(v, "shape")}  # bf16 comes as a tensor
         for name, entry in tree.get("state", {}).items()
     }
     opt.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,133 @@
+"""A hang, seen: `hpcdist stacks` names where every rank of a running job stands, grouped, and
+when the collective times out the job's summary names the rank that was elsewhere, and where.
+
+The job is a plain torch script (``tests/scripts/hang.py``) on 2 nodes x 2 tasks whose last rank
+sleeps while the others wait for it in an all_reduce with a short timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpcdist.runtime.stackrecord import DIST, LIB, USER, Frame, RankStack, ThreadStack, describe, group, ranks_text
+from hpcdist.runtime.stacks import capture, is_timeout
+from tests.support.cli import REPO, job_id, run_cli, storage_sets
+
+HANG = REPO / "tests" / "scripts" / "hang.py"
+COLLECTIVE_TIMEOUT_S = 12  # long enough to ask while it hangs, short enough for the suite
+
+
+def line_of(path: Path, text: str) -> int:
+    return next(n for n, line in enumerate(path.read_text().splitlines(), 1) if text in line)
+
+
+def record(rank: int, *frames: Frame, why: str = "asked") -> RankStack:
+    return RankStack(rank, "n1", 100 + rank, "asked x", time.time(), why, (ThreadStack("MainThread", True, frames),))
+
+
+RUNPY = Frame("<frozen runpy>", 88, "_run_code")
+ENTRY = Frame("/x/hpcdist/runtime/entry.py", 182, "run_job")
+
+
+def test_ranks_at_the_same_frames_are_one_group_named_by_the_users_line_and_the_collective() -> None:
+    wait = (ENTRY, RUNPY, Frame("/job/train.py", 88, "<module>", "dist.all_reduce(t)", USER),
+            Frame("/t/torch/distributed/c10d_logger.py", 81, "wrapper", kind=DIST),
+            Frame("/t/torch/distributed/distributed_c10d.py", 2950, "all_reduce", kind=DIST))
+    late = (ENTRY, RUNPY, Frame("/job/train.py", 80, "<module>", "time.sleep(600)", USER))
+    stacks = {0: record(0, *wait), 1: record(1, *wait), 2: record(2, *wait), 4: record(4, *late)}
+
+    groups = group(stacks)
+    assert [(g.ranks, g.where) for g in groups] == [
+        ([0, 1, 2], "all_reduce, called at train.py:88"), ([4], "train.py:80 in <module>: time.sleep(600)")]
+    lines = describe(stacks, world_size=6)
+    assert lines == [
+        "ranks 0-2: all_reduce, called at train.py:88",
+        "rank 4: train.py:80 in <module>: time.sleep(600)",
+        "ranks 0-2 wait in all_reduce, called at train.py:88; elsewhere: rank 4 at train.py:80 in <module>: "
+        "time.sleep(600)",
+        "ranks 3,5: no answer (not started, ended, or holding Python's lock in native code)",
+    ]
+    assert "    /job/train.py:88 in <module>: dist.all_reduce(t)" in describe(stacks, 6, verbose=True)
+    assert [ranks_text(r) for r in ([3], [0, 1, 2, 5, 7, 8])] == ["rank 3", "ranks 0-2,5,7-8"]
+
+
+def test_a_rank_records_every_thread_and_where_a_timeout_was_raised() -> None:
+    """Real frames: a thread blocked in this file, and the main thread's stack at a raise."""
+    release = threading.Event()
+    worker = threading.Thread(target=release.wait, name="blocked", daemon=True)
+    worker.start()
+    try:
+        try:
+            raise RuntimeError("Timed out waiting 5000ms for recv operation to complete")  # gloo's words
+        except RuntimeError as exc:
+            assert is_timeout(exc) and not is_timeout(ValueError("bad shape"))
+            taken = capture(3, "n2", "timeout", exc)
+    finally:
+        release.set()
+    threads = {t.name: t for t in taken.threads}
+    assert taken.threads[0].main and threads["blocked"].frames[-1].kind == LIB  # threading.py's wait
+    raised = taken.main[-1]
+    assert (Path(raised.file).name, raised.kind) == ("test_stacks.py", USER), raised
+    assert raised.code.startswith('raise RuntimeError("Timed out waiting'), raised
+    assert RankStack.from_json(taken.to_json()) == taken
+
+
+def _stacks_json(jid: str) -> dict[str, Any] | None:
+    result = run_cli("stacks", jid, "--json", timeout=60)
+    return json.loads(result.out) if result.code == 0 else None
+
+
+def hang_and_check(site: str, root: Path, world: int, sets: list[str]) -> str:
+    """Submit hang.py on `world` ranks, check what `hpcdist stacks` says while it hangs and what
+    the summary says after the timeout; the job id."""
+    sleep_at, reduce_at = line_of(HANG, "time.sleep("), line_of(HANG, "dist.all_reduce(")
+    last, others = ranks_text([world - 1]), ranks_text(list(range(world - 1)))
+    submitted = run_cli("submit", "--site", site, "--set", "timeout_s=60", *sets, *storage_sets(root),
+                        "--", str(HANG), str(COLLECTIVE_TIMEOUT_S))
+    assert submitted.code == 0, submitted.text
+    jid = job_id(submitted.out)
+    seen: dict[str, Any] | None = None
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:  # until every rank stands where the script hangs
+        seen = _stacks_json(jid)
+        if seen and len(seen["groups"]) == 2 and seen["groups"][0]["where"].startswith("all_reduce"):
+            break
+        time.sleep(1)
+    assert seen is not None and seen["missing"] == [], seen
+    groups = [(g["ranks"], g["where"]) for g in seen["groups"]]
+    assert groups == [(list(range(world - 1)), f"all_reduce, called at hang.py:{reduce_at}"),
+                      ([world - 1], f"hang.py:{sleep_at} in <module>: time.sleep(600)  # the straggler")], groups
+    coll = seen["groups"][0]["collectives"]
+    assert coll == {str(r): "last collective #2 all_reduce, not completed" for r in range(world - 1)}, coll
+
+    waited = run_cli("wait", jid, timeout=120)
+    assert waited.code == 1, waited.text
+    assert re.search(r"Timed out waiting \d+ms", waited.out), waited.out
+    assert f"    {others}: all_reduce, called at hang.py:{reduce_at} [last collective #2 all_reduce, timed out]" \
+        in waited.out, waited.out
+    assert f"    {last}: hang.py:{sleep_at} in <module>: time.sleep(600)" in waited.out, waited.out
+    if world > 2:  # one rank against many: named as the one elsewhere
+        assert f"elsewhere: {last} at hang.py:{sleep_at} in <module>: time.sleep(600)" in waited.out, waited.out
+    return jid
+
+
+@pytest.mark.slurm
+def test_stacks_of_a_hung_job_and_its_summary_name_the_rank_that_was_elsewhere(slurm_storage: Path) -> None:
+    jid = hang_and_check("local-slurm", slurm_storage, 4, ["--set", "resources.nodes=2",
+                                                           "--set", "resources.tasks_per_node=2"])
+    folder = slurm_storage / "logs" / "hang" / jid
+    answers = [json.loads((folder / f"stack_rank{r}.json").read_text()) for r in range(4)]
+    assert len({a["host"] for a in answers}) == 2, answers  # two nodes answered through the shared folder
+    log = (folder / f"{jid}_3_log.err").read_text()
+    assert "another rank timed out and asked for every stack" in log and "time.sleep(600)" in log, log
+
+
+def test_stacks_of_a_hung_job_on_the_local_site(tmp_path: Path) -> None:
+    hang_and_check("local", tmp_path / "out", 2, ["--set", "resources.tasks_per_node=2"])
