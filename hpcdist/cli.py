@@ -271,7 +271,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def _module_subcommand(name: str, module: str) -> None:
     """`hpcdist NAME ...` owned by `module` (its ``add_parser(subs)`` and ``cmd_NAME(args)``),
-    imported only when the parser is built or the command runs: ``data``, ``model``."""
+    imported only when the parser is built or the command runs: ``data``, ``model``, ``ckpt``."""
     def run(args: argparse.Namespace) -> int:
         return int(getattr(importlib.import_module(module), f"cmd_{name}")(args))
 
@@ -286,6 +286,7 @@ _module_subcommand("data", "hpcdist.data.cli")
 _module_subcommand("model", "hpcdist.model.cli")
 _module_subcommand("nodes", "hpcdist.nodes")
 _module_subcommand("stacks", "hpcdist.stacks")
+_module_subcommand("ckpt", "hpcdist.store.cli")
 
 
 def _lifecycle(name: str) -> Command:

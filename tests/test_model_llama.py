@@ -312,15 +312,20 @@ def test_infer_gpt_job_generates_transformers_tokens_from_an_imported_llama(
     assert "1 KV head(s) per rank, KV heads split" in logs
 
 
-def test_finetune_an_imported_llama_with_ddp_then_export_gives_transformers_the_same_logits(
-    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_finetune_an_imported_llama_then_export_gives_transformers_the_same_logits(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], parallel: str
 ) -> None:
-    """train_gpt from params.init (2 ranks, DDP, on the local site) moves the weights; the export of its last
-    checkpoint loads in transformers with hpcdist's logits. A rotary model may train on a shorter context."""
+    """train_gpt from params.init (2 ranks, DDP or FSDP2, on the local site) moves the weights; the export of
+    its last checkpoint (under FSDP a sharded one) loads in transformers with hpcdist's logits. A rotary model
+    may train on a shorter context."""
     from transformers import AutoModelForCausalLM
 
+    from hpcdist.store import sharded
     from tests.support.cli import run_cli, storage_sets
-    from tests.support.train import model_arrays
+
+    def model_arrays(path: Path) -> dict[str, Any]:
+        return {k: v.numpy() for k, v in load_model_state(path)[1].items()}
 
     got = imported(root, "llama3-gqa", capsys)
     tokens = tmp_path / "tokens.h5"
@@ -331,9 +336,11 @@ def test_finetune_an_imported_llama_with_ddp_then_export_gives_transformers_the_
                   "--set", f"params.init={got.checkpoint}", "--set", f"params.data={tokens}",
                   "--set", "params.model.context=32", "--set", "params.steps=3", "--set", "params.batch.accum=1",
                   "--set", "params.optim.lr=1e-3", "--set", "params.optim.warmup_steps=0", "--set",
-                  "params.eval.every=0", "--set", "params.checkpoint.every=3", "--set", "timeout_s=120", timeout=300)
+                  "params.eval.every=0", "--set", "params.checkpoint.every=3", "--set", "timeout_s=120",
+                  "--set", f"params.parallel={parallel}", timeout=300)
     assert run.code == 0, run.text
     last = tmp_path / "checkpoints" / "finetune_gpt" / "step_00000003.h5"
+    assert sharded.shards_dir(last.parent, 3).is_dir() == (parallel == "fsdp")
     before, after = model_arrays(got.checkpoint), model_arrays(last)
     assert set(before) == set(after) and "lm_head.weight" in after  # the untied head trained as itself
     assert all(float(abs(after[k] - before[k]).max()) > 0 for k in ("lm_head.weight", "transformer.wte.weight"))

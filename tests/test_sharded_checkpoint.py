@@ -4,7 +4,6 @@ process bit for bit; a rank killed mid-save; a flipped byte; DCP's own format in
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import signal
@@ -23,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from hpcdist.api.context import Context
 from hpcdist.errors import CheckpointError
+from hpcdist.runtime import teardown
 from hpcdist.store import CheckpointStore, sharded
 from tests.support.rankctx import rank_context
 
@@ -73,19 +73,12 @@ def state_of(m: torch.nn.Module, opt: torch.optim.Optimizer, position: int) -> d
 
 
 def leave(ctx: Context | None = None) -> None:
-    """End a rank with no collective in flight. A gloo worker thread drops a finished collective's
-    Work (and its tensors, which Python owns) just after the waiter wakes; when the interpreter is
-    already finalizing by then, taking the GIL ends that thread inside a destructor and
-    std::terminate aborts the rank (SIGABRT, about 1 run in 20 here; a core showed
-    ~AsyncAllgatherCoalescedWork in ProcessGroupGloo::runLoop while the main thread was in
-    Py_FinalizeEx). gloo's barrier waits for every earlier work of its group, so a barrier on each
-    group, then destroying them, lets the interpreter finalize with the workers idle."""
+    """End a rank as a job's rank ends: the context closed, then ``teardown.leave`` (a barrier on
+    every group, so no gloo worker frees a collective's tensors while the interpreter finalizes,
+    which aborted ranks with SIGABRT)."""
     if ctx is not None:
         ctx.close()
-        dist.barrier(group=ctx.checkpoints._io_group)
-    gc.collect()  # FSDP modules hold their groups in reference cycles
-    dist.barrier()
-    dist.destroy_process_group()
+    teardown.leave()
 
 
 def _quiet() -> None:
@@ -326,3 +319,30 @@ def test_dcp_loads_ours_and_a_dcp_folder_imports_and_exports(saved: Path, tmp_pa
     assert equal(state, back) == []
     again = sharded.read_full(tmp_path / "ours" / "step_00000003.h5")
     assert equal(sharded.read_full(index), again) == []
+
+
+def test_ckpt_commands_export_to_dcp_and_import_from_a_dcp_save_folder(saved: Path, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """`hpcdist ckpt export-dcp` (a checkpoint directory's latest) gives a folder `dcp.load` reads, equal to
+    what was saved; `hpcdist ckpt import-dcp` commits a `dcp.save` folder as a sharded step."""
+    from tests.support.hf import cli
+
+    code, out, err = cli(capsys, "ckpt", "export-dcp", str(saved / "ckpt"), str(tmp_path / "dcp"))
+    assert code == 0, err
+    assert f"of {saved / 'ckpt' / 'step_00000003.h5'}" in out
+    m, opt = sharded_model(1)
+    state = state_of(m, opt, 0)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(tmp_path / "dcp")))
+    set_state_dict(m, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert equal(torch.load(saved / "ref3.pt"), full(m, opt)) == [] and state["sampler"]["position"] == 300
+
+    mine = {"w": torch.arange(12.0).reshape(3, 4), "nested": {"b": torch.ones(5, dtype=torch.bfloat16)}, "n": 7}
+    dcp.save(mine, storage_writer=dcp.FileSystemWriter(str(tmp_path / "theirs")), no_dist=True)
+    code, out, err = cli(capsys, "ckpt", "import-dcp", str(tmp_path / "theirs"), "-o", str(tmp_path / "ours"),
+                         "--step", "5")
+    assert code == 0, err
+    assert CheckpointStore(tmp_path / "ours").steps() == [5]
+    assert equal(mine, sharded.read_full(tmp_path / "ours" / "step_00000005.h5")) == []
+    code, _, err = cli(capsys, "ckpt", "import-dcp", str(tmp_path), "-o", str(tmp_path / "ours"))
+    assert code != 0 and f"{tmp_path} is not a dcp.save folder (it has no .metadata)" in err
+    assert err.count("\n") == 1

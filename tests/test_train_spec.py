@@ -37,6 +37,14 @@ def small_tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["params.optim.lr_scaling=cube"], "params.optim.lr_scaling: Input should be 'none', 'linear' or 'sqrt'"),
         (["params.checkpoint.if_unusable=maybe"], "params.checkpoint.if_unusable"),
         (["params.steps=60", "params.optim.warmup_steps=500"], "warmup_steps 500 is more than steps 60"),
+        (["params.parallel={dp_replicate: 2, dp_shard: 2}"],
+         "params.parallel: {'dp_replicate': 2, 'dp_shard': 2} cannot run on site 'local'; dp_replicate 2 x dp_shard 2 "
+         "does not make the world size 2 (nodes x tasks per node); set one of them to -1 or make their product 2"),
+        (["params.parallel={dp_replicate: -1, dp_shard: 3}"], "dp_replicate -1 x dp_shard 3 does not make the world "
+         "size 2"),
+        (["params.parallel=zero3"], "parallel 'zero3' is not a known form; use ddp, fsdp, or a block"),
+        (["params.parallel={dp_replicate: -1, dp_shard: -1}"], "at most one may take the rest of the ranks"),
+        (["params.parallel=fsdp", "params.precision=fp16"], "FSDP runs without a loss scaler; use bf16"),
     ],
 )
 def test_bad_params_are_named(small_tokens: Path, tmp_path: Path, sets: list[str], expected: str) -> None:

@@ -121,18 +121,23 @@ class Checkpoints:
         return self.store.directory
 
     def save(self, step: int, state: Mapping[str, Any], *, attrs: Mapping[str, Any] | None = None,
-             background: bool = False, sharded: bool | None = None) -> Path:
+             background: bool = False, sharded: bool | None = None, index: Mapping[str, Any] | None = None
+             ) -> Path:
         """Commit `state` (a nested dict of tensors, arrays and plain values) as `step` on rank 0;
         every rank returns once it is committed (once it is copied, with `background`), or raises
         the same error. Returns where the checkpoint is (or will be once committed).
 
         A state holding DTensors (or any state, with `sharded=True`) is saved sharded: each rank
-        writes its own part, replicated tensors once, and rank 0 commits (``hpcdist.store.sharded``).
+        writes its own part, replicated tensors once, and rank 0 commits (``hpcdist.store.sharded``);
+        rank 0's `index`, a store tree of small values, is written into the index file beside the
+        shards' list, where ``hpcdist.store.read(path, groups=...)`` reads it without the shards.
         """
         if sharded is None:
             sharded = _has_dtensor(state)
         if sharded:
-            return self._save_sharded(step, dict(state), attrs, background)
+            return self._save_sharded(step, dict(state), attrs, background, index)
+        if index is not None:
+            raise ValueError("index= is for sharded saves; put the values into the state")
         return self._commit(step, lambda: {"state": encode(state)}, 0, attrs, background)
 
     def save_tree(self, step: int, tree: Mapping[str, Any], *, epoch: int = 0,
@@ -148,13 +153,14 @@ class Checkpoints:
             {"job_id": self.ctx.job_id, "requeues": counts.requeues, "timeouts": counts.timeouts})}
 
     def _save_sharded(self, step: int, state: dict[str, Any], attrs: Mapping[str, Any] | None,
-                      background: bool) -> Path:
+                      background: bool, index: Mapping[str, Any] | None = None) -> Path:
         from hpcdist.store import sharded
 
         self.wait()  # the save before this one (either kind), and its error, on every rank
         writer = sharded.ShardedWriter(self.directory, step, attrs=self._commit_attrs(attrs),
                                        keep_last=self.store.keep_last,
-                                       identity=self.store.commit_identity if self.ctx.is_main else None)
+                                       identity=self.store.commit_identity if self.ctx.is_main else None,
+                                       tree=index if self.ctx.is_main else None)
         if background:
             if self._stager is None:
                 self._stager = sharded.Stager()
@@ -241,6 +247,15 @@ class Checkpoints:
         if sharded.is_sharded(loaded.attrs):  # the whole state on every rank: for states that fit
             return step, sharded.read_full(loaded.path)
         return step, decode(loaded.tree["state"])
+
+    def load_sharded(self, path: Path, into: dict[str, Any]) -> dict[str, Any]:
+        """Fill `into` (any layout) in place from the committed sharded checkpoint `path`, one
+        that rank 0 chose and every rank was told; its root attributes. Every rank reads and
+        verifies only the chunks it needs; a failure on any rank is the same CheckpointError on all."""
+        from hpcdist.store import sharded
+
+        self.wait()  # a background save in flight uses the I/O group too
+        return sharded.load(path, into, process_group=self._io_group)
 
     def _restore_counts(self, attrs: Mapping[str, Any]) -> None:
         count = json.loads(str(attrs.get(COUNT_ATTR, "{}")))

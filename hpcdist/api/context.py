@@ -226,8 +226,11 @@ class Context:
             if self.job.standalone and self.job.store is not None:  # a job's store is finished by the job
                 from hpcdist.runtime import group
 
-                group.finish(self.job.store, self.info, self.timeout_s)
-            dist.destroy_process_group()
+                if group.finish(self.job.store, self.info, self.timeout_s):
+                    dist.destroy_process_group()  # a rank is gone: no last barrier
+            from hpcdist.runtime import teardown
+
+            teardown.leave()  # every gloo worker idle before the interpreter finalizes (SIGABRT otherwise)
         forget(self)
 
     def release(self) -> None:

@@ -87,6 +87,12 @@ def parameter_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def is_sharded(attrs: Mapping[str, Any]) -> bool:
+    """Whether root `attrs` are a sharded checkpoint's index (``hpcdist.store.sharded_layout``'s
+    test, without its torch import: the login node reads headers)."""
+    return attrs.get("layout") == "sharded"
+
+
 def model_attrs(cfg: GPTConfig) -> dict[str, str]:
     """The root attributes the GPT adds to a checkpoint."""
     return {CONFIG_ATTR: cfg.model_dump_json()}
@@ -191,17 +197,45 @@ def checkpoint_chat_template(path: Path) -> ChatTemplate | None:
 
 
 def load_model_state(path: Path, verify: bool = True) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """The model config and a state dict ready for ``GPT.load_state_dict`` (strict)."""
+    """The model config and a state dict ready for ``GPT.load_state_dict`` (strict); from a sharded
+    checkpoint (FSDP's, ``hpcdist.store.sharded``) its ``model`` tensors whole, always verified."""
+    header = store.read_header(path, MODEL_GROUP)
+    if is_sharded(header.attrs):
+        return _sharded_model_state(path, header.attrs)
     ckpt = store.read(path, groups=(MODEL_GROUP,), verify=verify)
     if MODEL_GROUP not in ckpt.tree:
         raise CheckpointError(f"{path}: has no /{MODEL_GROUP} group")
     return GPTConfig.model_validate_json(ckpt.attrs[CONFIG_ATTR]), state_dict_of(ckpt.tree[MODEL_GROUP])
 
 
+def _sharded_model_state(path: Path, attrs: Mapping[str, Any]) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """`load_model_state` of a sharded checkpoint: its ``model`` entries only are read; a tied head,
+    saved once as the embedding, is restored as it."""
+    from hpcdist.store.sharded import read_full
+
+    cfg = GPTConfig.model_validate_json(str(attrs[CONFIG_ATTR]))
+    state = read_full(path, keys=[MODEL_GROUP]).get(MODEL_GROUP)
+    if not state:
+        raise CheckpointError(f"{path}: the sharded checkpoint has no {MODEL_GROUP} entries")
+    if cfg.tied:
+        state["lm_head.weight"] = state["transformer.wte.weight"]
+    return cfg, state
+
+
 def stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """The shape of each tensor in the checkpoint's `/model` group, read without its data."""
-    datasets = store.read_header(path, MODEL_GROUP).datasets
-    return {k: d.shape for k, d in (datasets or {}).items()}
+    """The shape of each tensor in the checkpoint's `/model` group (or a sharded checkpoint's
+    ``model`` entries), read without its data."""
+    header = store.read_header(path, MODEL_GROUP)
+    if is_sharded(header.attrs):
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from hpcdist.store.sharded import ShardedReader
+
+        prefix = MODEL_GROUP + "."
+        entries = ShardedReader(path).read_metadata().state_dict_metadata.items()
+        return {k.removeprefix(prefix): tuple(m.size) for k, m in entries
+                if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    return {k: d.shape for k, d in (header.datasets or {}).items()}
 
 
 def check_shapes(path: Path, expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tuple[int, ...]]) -> None:
@@ -252,6 +286,11 @@ def read_header(path: str | Path, expect: GPTConfig | None = None) -> Checkpoint
     format, version, names, shapes, dtypes, checksums present and, when given, the model `expect`."""
     header = store.read_header(resolve(path), MODEL_GROUP)
     file = header.path
+    if is_sharded(header.attrs):
+        raise CheckpointError(
+            f"{file} is a sharded checkpoint (FSDP): here a whole one is needed; make one with `hpcdist model "
+            f"export {file} -o DIR` then `hpcdist model import DIR -o FILE.h5`"
+        )
     try:
         cfg = GPTConfig.model_validate_json(str(header.attrs[CONFIG_ATTR]))
     except Exception as exc:  # noqa: BLE001 - any parse failure is a damaged header

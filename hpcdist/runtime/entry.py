@@ -19,7 +19,7 @@ from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import HpcdistError
 from hpcdist.jobs.registry import Job, resolve
-from hpcdist.runtime import group, stacks
+from hpcdist.runtime import group, stacks, teardown
 from hpcdist.runtime.bootstrap import bootstrap
 from hpcdist.runtime.context import JobContext
 
@@ -53,7 +53,8 @@ def run_job(job: Job[Any], site: Site) -> dict[str, Any]:
             stacks.on_failure(exc)  # a collective that timed out: every rank's stack, before the others stop
             _check_out_failed(store, ctx)
             raise
-        group.finish(store, ctx.info, ctx.timeout_s)
+        if not group.finish(store, ctx.info, ctx.timeout_s):
+            teardown.leave()  # every gloo worker idle before the interpreter finalizes (SIGABRT otherwise)
     finally:
         stacks.stop()
         if dist.is_initialized():

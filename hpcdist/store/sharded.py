@@ -167,14 +167,16 @@ def load(index: Path | str, state: dict[str, Any], *, process_group: Any = None)
     return reader.attrs
 
 
-def read_full(index: Path | str) -> dict[str, Any]:
-    """The whole state of a sharded checkpoint in this process (every tensor full, no process group)."""
+def read_full(index: Path | str, keys: list[str] | None = None) -> dict[str, Any]:
+    """The whole state of a sharded checkpoint in this process (every tensor full, no process group);
+    with `keys`, only those entries (top-level names such as ``model``, or flattened ones), the
+    only bytes read."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
     with one_error():
-        _load_state_dict(state, ShardedReader(index), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        _load_state_dict(state, ShardedReader(index), planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
     return state
 
 

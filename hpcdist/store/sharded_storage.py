@@ -59,13 +59,18 @@ class ShardedWriter(StorageWriter):
     """
 
     def __init__(self, directory: Path | str, step: int, *, epoch: int = 0, attrs: Mapping[str, Any] | None = None,
-                 keep_last: int | None = None, identity: Callable[[], Mapping[str, Any]] | None = None) -> None:
+                 keep_last: int | None = None, identity: Callable[[], Mapping[str, Any]] | None = None,
+                 tree: Mapping[str, Any] | None = None) -> None:
         """`identity`: the coordinator's commit identity (``CheckpointStore.commit_identity``: the run,
         the writer's job, the claim's check), asked for in ``finish`` so a failure there reaches every
-        rank through DCP."""
+        rank through DCP. `tree`: groups the coordinator writes into the index beside ``/sharded`` (a
+        store tree of small values a reader wants without the shards: a trainer's sampler, tokenizer)."""
         super().__init__()
         self.directory, self.step, self.epoch = Path(directory), int(step), int(epoch)
         self.attrs, self.keep_last = dict(attrs or {}), keep_last
+        self.tree = dict(tree or {})
+        if "sharded" in self.tree:
+            raise ValueError("the index's extra tree may not have a group named sharded: the index's own")
         self.identity = identity
         self.folder = shards_dir(self.directory, self.step)
         self.is_coordinator = False
@@ -137,8 +142,9 @@ class ShardedWriter(StorageWriter):
         metadata.storage_data = chunks
         text = metadata_to_json(metadata)
         files = sorted({c.file for c in chunks.values()})
-        tree = {"sharded": {"metadata_json": text, "metadata_sha256": hashlib.sha256(text.encode()).hexdigest(),
-                            "files": files, "folder": self.folder.name}}
+        tree = {**self.tree, "sharded": {
+            "metadata_json": text, "metadata_sha256": hashlib.sha256(text.encode()).hexdigest(), "files": files,
+            "folder": self.folder.name}}
         attrs = {**self.attrs, LAYOUT_ATTR: LAYOUT}
         identity = dict(self.identity()) if self.identity is not None else {}
         self.stats = checkpoints.save(self.directory, self.step, tree, epoch=self.epoch, attrs=attrs,

@@ -3,7 +3,8 @@
 The first user of the public API (``hpcdist.api``): the run's ``Context`` claims the checkpoint
 directory, saves (in the background between the final ones), tells when to stop and requeues.
 Every rank builds the same model from the seed, rank 0 picks the checkpoint to resume from
-(the newest committed one that verifies) and tells the others, then all ranks train under DDP.
+(the newest committed one that verifies) and tells the others, then all ranks train under DDP or
+FSDP2 (``params.parallel``, ``hpcdist.train.parallel``).
 At each step boundary the ranks agree on ``should_stop()`` (the site's signal or SIGTERM); when
 it is set they write a checkpoint and the job requeues, up to ``preemption.max_requeues`` times
 for time-outs. Rank 0's ``results`` hold the metrics, written when the run ends.
@@ -26,7 +27,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpcdist.api.launch import from_job
 from hpcdist.console import Progress
@@ -35,6 +35,7 @@ from hpcdist.data.tokens import describe
 from hpcdist.errors import HpcdistError, JobError
 from hpcdist.model.gpt import GPT, GPTConfig
 from hpcdist.runtime.reach import failure_message
+from hpcdist.train import parallel
 from hpcdist.train.metrics import add_rank_log_file, perplexity
 from hpcdist.train.params import TrainParams, effective_precision, model_config
 from hpcdist.train.result import fill_result
@@ -52,6 +53,9 @@ def build(ctx: JobContext, api: Context, params: TrainParams) -> Run:
     cfg: GPTConfig = model_config(params, info.vocab_size)
     torch.manual_seed(params.seed)  # the same initial weights on every rank
     model = GPT(cfg).to(ctx.device)
+    bf16_ok = ctx.device.type == "cuda" and torch.cuda.is_bf16_supported()
+    precision = effective_precision(params.precision, ctx.device.type, bf16_ok)
+    net = parallel.wrap(model, ctx, params.parallel, precision)  # FSDP2 shards the parameters in place
     decay = [p for _, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for _, p in model.named_parameters() if p.dim() < 2]
     o = params.optim
@@ -66,17 +70,13 @@ def build(ctx: JobContext, api: Context, params: TrainParams) -> Run:
     )
     factor = partial(lr_factor, warmup=o.warmup_steps, total=params.steps, min_ratio=o.min_lr_ratio)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-    bf16_ok = ctx.device.type == "cuda" and torch.cuda.is_bf16_supported()
-    precision = effective_precision(params.precision, ctx.device.type, bf16_ok)
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=precision == "fp16")
     # Each rank's own generators (dropout): seeded per rank, saved and restored per rank.
     torch.manual_seed(params.seed + 1 + ctx.rank)
     np.random.seed(params.seed + 1 + ctx.rank)
     random.seed(params.seed + 1 + ctx.rank)
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    ddp = DDP(model, device_ids=device_ids)
-    return Run(api, params, cfg, model, ddp, opt, sched, scaler, order, train, val, peak, precision,
-               tokenizer=info.load_tokenizer())
+    return Run(api, params, cfg, model, net, opt, sched, scaler, order, train, val, peak, precision,
+               mixed=parallel.mixed_precision(ctx, params.parallel, precision), tokenizer=info.load_tokenizer())
 
 
 # ---------------------------------------------------------------- steps
@@ -84,24 +84,26 @@ def build(ctx: JobContext, api: Context, params: TrainParams) -> Run:
 
 def train_step(run: Run) -> tuple[float, float]:
     """One optimizer step over `accum` micro-batches; returns the mean loss over ranks and grad norm."""
-    run.ddp.train()
+    run.net.train()
     micro = run.order.step_samples(run.epoch, run.position)
     device = run.ctx.device
     total = torch.zeros((), device=device)
     last = len(micro) - 1
     for m, idx in enumerate(micro):
         x, y = (t.to(device, non_blocking=True) for t in run.train.batch(idx))
-        # All-reduce only on the last micro-batch: the others accumulate locally.
-        sync = contextlib.nullcontext() if m == last else run.ddp.no_sync()
-        with sync:
+        # Reduce only on the last micro-batch: the others accumulate locally.
+        with parallel.gradient_sync(run.net, m == last):
             with run.autocast():
-                logits = run.ddp(x)
+                logits = run.net(x)
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
             run.scaler.scale(loss / len(micro)).backward()
         total += loss.detach()
     run.scaler.unscale_(run.opt)
     clip = run.params.optim.grad_clip
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip if clip is not None else float("inf"))
+    if run.sharded:  # the norm over every rank's shard
+        grad_norm = parallel.clip_gradients(list(run.model.parameters()), clip)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip if clip is not None else float("inf"))
     run.scaler.step(run.opt)
     run.scaler.update()
     run.opt.zero_grad(set_to_none=True)
@@ -180,7 +182,8 @@ def loop(r: Run) -> dict[str, Any]:
         while r.step < params.steps:
             t0 = time.perf_counter()
             lr = float(r.opt.param_groups[0]["lr"])  # what this step uses: the metric is the optimizer's, not a formula
-            with _named(r, f"training step {r.step + 1} (gradient all_reduce)"):
+            comm = "FSDP all-gather/reduce-scatter" if r.sharded else "gradient all_reduce"
+            with _named(r, f"training step {r.step + 1} ({comm})"):
                 loss, grad_norm = train_step(r)
             if r.ctx.device.type == "cuda":
                 torch.cuda.synchronize(r.ctx.device)
@@ -223,7 +226,8 @@ def loop(r: Run) -> dict[str, Any]:
             if stop == "preempted":
                 _count_preemption(r)
             if stop or r.step % params.checkpoint.every == 0 or r.step == params.steps:
-                with _named(r, f"training step {r.step} (checkpoint gather to rank 0)"):
+                how = "sharded checkpoint save" if r.sharded else "checkpoint gather to rank 0"
+                with _named(r, f"training step {r.step} ({how})"):
                     save(r, final=bool(stop) or r.step == params.steps)
             if stop:
                 break

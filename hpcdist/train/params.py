@@ -61,6 +61,56 @@ class CheckpointParams(Frozen):
     )
 
 
+class ParallelParams(Frozen):
+    """How the ranks split the model, in torchtitan's terms: ``dp_replicate`` copies of the model,
+    each sharded over ``dp_shard`` ranks (FSDP2). -1 is what the world size leaves. The default,
+    every rank a whole copy, is DDP; ``dp_shard`` other than 1 is FSDP (HSDP with both above 1)."""
+
+    dp_replicate: int = Field(default=-1, description="data-parallel copies of the model (-1: the rest)")
+    dp_shard: int = Field(default=1, description="ranks each copy is sharded over by FSDP2 (-1: the rest)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _short_form(cls, value: Any) -> Any:
+        """``parallel: fsdp`` (every rank a shard of one copy) and ``parallel: ddp``."""
+        if isinstance(value, str):
+            forms = {"ddp": {}, "fsdp": {"dp_replicate": 1, "dp_shard": -1}}
+            if value not in forms:
+                raise ValueError(f"parallel {value!r} is not a known form; use ddp, fsdp, or a block "
+                                 f"{{dp_replicate: N, dp_shard: M}}")
+            return forms[value]
+        return value
+
+    @model_validator(mode="after")
+    def _sizes(self) -> ParallelParams:
+        for key in ("dp_replicate", "dp_shard"):
+            if getattr(self, key) == 0 or getattr(self, key) < -1:
+                raise ValueError(f"{key} {getattr(self, key)} is not a size; use a positive number or -1 (the rest)")
+        if self.dp_replicate == self.dp_shard == -1:
+            raise ValueError("dp_replicate and dp_shard are both -1; at most one may take the rest of the ranks")
+        return self
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether the model is sharded (FSDP2), at any world size: checkpoints are then sharded too."""
+        return self.dp_shard != 1
+
+    def sizes(self, world_size: int) -> tuple[int, int]:
+        """(dp_replicate, dp_shard) at `world_size`, -1 resolved; a ValueError saying what to set
+        when they do not multiply to it."""
+        rep, shard = self.dp_replicate, self.dp_shard
+        if rep == -1 and world_size % shard == 0:
+            rep = world_size // shard
+        elif shard == -1 and world_size % rep == 0:
+            shard = world_size // rep
+        if rep < 1 or shard < 1 or rep * shard != world_size:
+            raise ValueError(
+                f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} does not make the world size "
+                f"{world_size} (nodes x tasks per node); set one of them to -1 or make their product {world_size}"
+            )
+        return rep, shard
+
+
 class TrainParams(Frozen):
     data: Annotated[ExpandedPath, SpecPath(hint="make it with `hpcdist data prepare TEXT... -o FILE`")] = Field(
         description="token file from `hpcdist data prepare`")
@@ -78,6 +128,10 @@ class TrainParams(Frozen):
         default="auto",
         description="auto: bf16 autocast on GPUs that support it, else fp32 (bf16 autocast on a CPU is several "
         "times slower than fp32); fp16 uses a loss scaler and needs GPUs",
+    )
+    parallel: ParallelParams = Field(
+        default=ParallelParams(),
+        description="DDP (the default, or `ddp`) or FSDP2 (`fsdp`, or {dp_replicate, dp_shard}): see ParallelParams",
     )
     seed: int = Field(default=1234, ge=0)
     eval: EvalParams = EvalParams()
@@ -140,6 +194,13 @@ def check(job: Job[TrainParams], site: Site) -> list[Problem]:
                          f"a training sequence longer than the model's sliding_window of {cfg.sliding_window} needs "
                          f"sliding-window attention, which hpcdist does not implement; set params.model.context to "
                          f"at most {cfg.sliding_window}"))
+    try:
+        params.parallel.sizes(spec.resources.world_size)
+    except ValueError as exc:
+        problems.append(("params.parallel", params.parallel.model_dump(), str(exc)))
+    if params.precision == "fp16" and params.parallel.fsdp:
+        problems.append(("params.precision", "fp16", "FSDP runs without a loss scaler; use bf16 (its mixed "
+                         "precision policy on GPUs) or fp32"))
     if params.precision == "fp16" and spec.resources.gpus_per_node == 0:
         problems.append(("params.precision", "fp16", "fp16 with a loss scaler needs GPUs; use bf16 or fp32 on CPUs"))
     samples = (info.lengths["train"] - 1) // cfg.context

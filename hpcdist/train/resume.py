@@ -22,6 +22,12 @@ and the trainer's groups:
 - ``/train`` (attributes ``tokens_seen``, ``requeues``, ``timeouts``, ``world_size``, ``job_id``,
   ``params_json``) and ``/metrics/<table>`` (``steps``, ``val``, ``checkpoints``: the run's
   metrics so far, one dataset per column, column order in the attribute ``columns_json``).
+
+Under FSDP (``params.parallel``) the model and optimizer are sharded and so is the checkpoint
+(``hpcdist.store.sharded``): every rank writes its own shards of ``model.<param name>`` and
+``optimizer.state.<param name>.<key>`` (DCP's ``get_state_dict``, a tied head saved once as the
+embedding), and the index file holds every group above but ``/model`` and ``/optimizer``, as
+plain values rank 0 writes. A resume at any world size reads only each rank's new shard.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from hpcdist.errors import CheckpointError
 from hpcdist.model.checkpoint import (
     MODEL_GROUP,
     check_shapes,
+    is_sharded,
     load_model_state,
     model_attrs,
     model_tree,
@@ -48,8 +55,10 @@ from hpcdist.model.checkpoint import (
 from hpcdist.runtime.requeue import Requeues
 from hpcdist.store import read as read_checkpoint
 from hpcdist.store import step_of
+from hpcdist.store.checkpoints import read_header
 from hpcdist.store.directory import POINTER
 from hpcdist.store.discovery import resolve
+from hpcdist.train import parallel
 from hpcdist.train import state as st
 from hpcdist.train.metrics import Metrics
 
@@ -88,12 +97,19 @@ def choose_checkpoint(run: Run) -> dict[str, Any]:
         check_shapes(found.latest, parameter_shapes(run.cfg), stored_shapes(found.latest))
     except CheckpointError as exc:
         return {"error": str(exc)}
+    written_sharded = is_sharded(read_header(found.latest, MODEL_GROUP).attrs)
+    if written_sharded != run.sharded:
+        kinds = ("FSDP (sharded)", "DDP (whole)") if written_sharded else ("DDP (whole)", "FSDP (sharded)")
+        return {"error": f"{found.latest} was written by a {kinds[0]} run and this run is {kinds[1]}: resume with "
+                f"the params.parallel that wrote it (any world size), or use a fresh checkpoint directory"}
     recorded = read_checkpoint(found.latest, groups=(TOKENIZER,)).tree.get(TOKENIZER)
     wrong = mismatch(run.tokenizer, run.params.data, recorded, found.latest) if recorded and run.tokenizer else None
     if wrong:  # a checkpoint from before tokenizers travelled records none: nothing to compare
         return {"error": wrong + " (or use a fresh checkpoint directory)"}
     store.continue_run(found.run_id or "")  # its run: this run's commits and pruning go on with its files
-    return {"path": str(found.latest)}
+    # a sharded checkpoint's shards are verified as they are read: the older ones of its run, should they not
+    older = [str(store.path(s)) for s in reversed(store.steps()) if store.path(s) != found.latest]
+    return {"path": str(found.latest), "older": older if written_sharded else []}
 
 
 def start_from_init(run: Run) -> None:
@@ -101,7 +117,10 @@ def start_from_init(run: Run) -> None:
     assert run.params.init is not None
     path = resolve(run.params.init)
     _, state = load_model_state(path)
-    run.model.load_state_dict(state)
+    if run.sharded:
+        parallel.load_full_model(run.model, state)  # each rank keeps its shard
+    else:
+        run.model.load_state_dict(state)
     run.ctx.log.info("starting from the weights of %s (params.init)", path)
 
 
@@ -146,17 +165,20 @@ def resume(run: Run) -> None:
             start_from_init(run)
         return
     path = Path(choice["path"])
-    loaded = read_checkpoint(path, verify=True)
+    if run.sharded:
+        path = _load_shards(run, [path, *map(Path, choice["older"])])
+    loaded = read_checkpoint(path, verify=True)  # a sharded checkpoint's index: every group but the shards
     tree = loaded.tree
-    run.model.load_state_dict(state_dict_of(tree[MODEL_GROUP]))
-    st.load_optimizer(run.model, run.opt, tree["optimizer"])
+    if not run.sharded:
+        run.model.load_state_dict(state_dict_of(tree[MODEL_GROUP]))
+        st.load_optimizer(run.model, run.opt, tree["optimizer"])
     st.load_json_state(run.sched, tree["scheduler"])
     st.rebase_schedule(run.sched, run.peak_lr)
     scaler_state = json.loads(tree["scaler"]["state_json"])
     if scaler_state and run.scaler.is_enabled():
         run.scaler.load_state_dict(scaler_state)
     sampler = tree["sampler"]
-    run.step, run.epoch = loaded.step, loaded.epoch
+    run.step, run.epoch = loaded.step, int(sampler["epoch"])
     run.position = int(sampler["position"])
     train = tree["train"]
     run.tokens_seen = int(train["tokens_seen"])
@@ -182,6 +204,25 @@ def resume(run: Run) -> None:
         "resumed from %s: step %d, epoch %d, read %.1f MB at %.0f MB/s (checksums verified)",
         path, run.step, run.epoch, loaded.bytes / 1e6, loaded.mb_per_s,
     )
+
+
+def _load_shards(run: Run, paths: list[Path]) -> Path:
+    """The model and optimizer from the first of `paths` (sharded, newest first) whose shards
+    verify; which one. Each rank reads and verifies the chunks of its own shard, at any world size;
+    a chunk that fails its sha256 fails the load on every rank alike (DCP gathers the outcome), so
+    all go on to the same older step, naming what failed."""
+    state = parallel.checkpoint_state(run.model, run.opt, run.cfg.tied)
+    for i, path in enumerate(paths):
+        try:
+            run.api.checkpoints.load_sharded(path, state)
+        except CheckpointError as exc:
+            if i == len(paths) - 1:
+                raise
+            run.ctx.log.warning("checkpoint %s not loaded: %s; trying %s", path, exc, paths[i + 1])
+            continue
+        parallel.load_checkpoint_state(run.model, run.opt, state, run.cfg.tied)
+        return path
+    raise AssertionError("no path given")
 
 
 def _realign(run: Run, written_batch: int) -> None:
@@ -214,9 +255,9 @@ def save(run: Run, *, final: bool = True) -> Path | None:
     tree: dict[str, Any] = {}
     if ctx.is_main:
         assert rngs is not None
-        tree = {
-            MODEL_GROUP: model_tree(run.model.state_dict()),
-            "optimizer": st.optimizer_tree(run.model, run.opt),
+        if not run.sharded:
+            tree = {MODEL_GROUP: model_tree(run.model.state_dict()), "optimizer": st.optimizer_tree(run.model, run.opt)}
+        tree |= {
             "scheduler": st.json_state(run.sched),
             "scaler": {"state_json": json.dumps(run.scaler.state_dict() if run.scaler.is_enabled() else {})},
             "sampler": {
@@ -234,7 +275,13 @@ def save(run: Run, *, final: bool = True) -> Path | None:
             tree[TOKENIZER] = run.tokenizer.to_tree()
     background = run.params.checkpoint.background and not final
     checkpoints = run.api.checkpoints
-    path = checkpoints.save_tree(run.step, tree, epoch=run.epoch, attrs=model_attrs(run.cfg), background=background)
+    if run.sharded:  # every rank writes its shards; rank 0's small groups go into the index
+        state = parallel.checkpoint_state(run.model, run.opt, run.cfg.tied)
+        path = checkpoints.save(run.step, state, attrs=model_attrs(run.cfg), background=background, sharded=True,
+                                index=tree if ctx.is_main else None)
+    else:
+        path = checkpoints.save_tree(run.step, tree, epoch=run.epoch, attrs=model_attrs(run.cfg),
+                                     background=background)
     for stats in checkpoints.committed[run.commits_seen:]:  # rank 0's commits since the last save
         run.metrics.add(
             "checkpoints", step=step_of(stats.path) or 0, op="write", bytes=stats.bytes, seconds=stats.seconds,

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch import nn
 
 from hpcdist.data.dataset import DistributedOrder, TokenWindows
 from hpcdist.model.gpt import GPT, GPTConfig
@@ -31,7 +31,7 @@ class Run:
     params: TrainParams
     cfg: GPTConfig
     model: GPT
-    ddp: DDP
+    net: nn.Module  # what the steps run: DDP around the model, or the model sharded by FSDP2 (params.parallel)
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler
@@ -40,6 +40,7 @@ class Run:
     val: TokenWindows
     peak_lr: float
     precision: Precision  # what this run uses: params.precision with "auto" resolved for the device
+    mixed: bool = False  # FSDP's mixed precision policy casts in place of autocast
     metrics: Metrics = field(default_factory=Metrics)
     step: int = 0
     epoch: int = 0
@@ -48,6 +49,11 @@ class Run:
     last_checkpoint: Path | None = None
     commits_seen: int = 0  # of api.checkpoints.committed, already in the metrics
     tokenizer: Tokenizer | None = None  # the token file's: recorded in every checkpoint
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded (FSDP2): its checkpoints are then sharded too."""
+        return self.params.parallel.fsdp
 
     @property
     def ctx(self) -> JobContext:
@@ -69,7 +75,7 @@ class Run:
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         precision = self.precision
-        if precision == "fp32":
+        if precision == "fp32" or self.mixed:
             return contextlib.nullcontext()
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
         return torch.autocast(device_type=self.ctx.device.type, dtype=dtype)

@@ -1,0 +1,117 @@
+"""How ``train_gpt`` spreads the model over its ranks (``params.parallel``): DDP, every rank a
+whole copy, or FSDP2, each copy's parameters, gradients and optimizer state sharded.
+
+FSDP2 (``fully_shard``) shards every transformer block, then the root (embeddings, final norm,
+head), over a device mesh of ``dp_shard`` ranks, or of ``dp_replicate`` x ``dp_shard`` (HSDP:
+sharded within a copy, all-reduced across copies), as torchtitan does. On GPUs a bf16 run uses
+FSDP's ``MixedPrecisionPolicy`` (parameters all-gathered in bf16, gradients reduced in fp32) in
+place of autocast; on CPUs compute stays fp32 (bf16 there costs more than it saves).
+
+The checkpoint state of a sharded model is DCP's (``get_state_dict``): the model's DTensors and
+the optimizer state keyed by parameter name, saved sharded by ``ctx.checkpoints`` and loaded
+into a state of this run's layout, so it reshards to any world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+if TYPE_CHECKING:
+    from hpcdist.runtime.context import JobContext
+    from hpcdist.train.params import ParallelParams, Precision
+
+
+def wrap(model: nn.Module, ctx: JobContext, parallel: ParallelParams, precision: Precision) -> nn.Module:
+    """The module the steps run: DDP around `model`, or `model` itself sharded in place by FSDP2."""
+    if not parallel.fsdp:
+        return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    replicate, shard = parallel.sizes(ctx.world_size)
+    if replicate > 1:
+        mesh = init_device_mesh(ctx.device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    else:
+        mesh = init_device_mesh(ctx.device.type, (shard,), mesh_dim_names=("dp_shard",))
+    policy = MixedPrecisionPolicy()
+    if mixed_precision(ctx, parallel, precision):
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    blocks = model.get_submodule("transformer.h")
+    assert isinstance(blocks, nn.ModuleList)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    if ctx.is_main:
+        ctx.log.info("FSDP2: %d block(s) and the root sharded over %d rank(s)%s%s", len(blocks), shard,
+                     f", {replicate} replicas (HSDP)" if replicate > 1 else "",
+                     ", bf16 parameters with fp32 reduction" if policy.param_dtype is not None else "")
+    return model
+
+
+def mixed_precision(ctx: JobContext, parallel: ParallelParams, precision: Precision) -> bool:
+    """Whether FSDP's mixed precision policy replaces autocast: bf16 on GPUs under FSDP."""
+    return parallel.fsdp and ctx.device.type == "cuda" and precision == "bf16"
+
+
+@contextlib.contextmanager
+def gradient_sync(net: nn.Module, sync: bool) -> Iterator[None]:
+    """Reduce gradients in this backward (`sync`), or only accumulate them locally."""
+    if sync:
+        yield
+    elif isinstance(net, DDP):
+        with net.no_sync():
+            yield
+    else:  # FSDP2: the flag holds until set again, so the last micro-batch turns it back on
+        net.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            net.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def clip_gradients(params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """The global gradient norm (over every rank's shard), clipped to `max_norm` when given."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+    if isinstance(total, DTensor):  # each rank's partial norm: the whole one
+        total = total.full_tensor()
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total
+
+
+TIED_HEAD = "lm_head.weight"  # a tied head is the embedding: saved once, as the unsharded /model does
+
+
+def checkpoint_state(model: nn.Module, opt: torch.optim.Optimizer, tied: bool) -> dict[str, Any]:
+    """This rank's part of the model and optimizer state (DTensors, optimizer keyed by parameter name)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    if tied:
+        msd.pop(TIED_HEAD, None)
+    return {"model": msd, "optimizer": osd}
+
+
+def load_checkpoint_state(model: nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any], tied: bool) -> None:
+    """`state` (of `checkpoint_state`'s form, filled from a checkpoint) into the model and optimizer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(strict=not tied))
+
+
+def load_full_model(model: nn.Module, state: dict[str, Any]) -> None:
+    """A whole state dict (every rank holds all of it, e.g. ``params.init``'s) into `model`,
+    sharded or not: each rank keeps its own part."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True))
