@@ -16,7 +16,18 @@ from typing import Any
 
 import pytest
 
-from hpcdist.runtime.stackrecord import DIST, LIB, USER, Frame, RankStack, ThreadStack, describe, group, ranks_text
+from hpcdist.runtime.stackrecord import (
+    DIST,
+    LIB,
+    USER,
+    Frame,
+    RankStack,
+    ThreadStack,
+    describe,
+    group,
+    ranks_text,
+    wait_answers,
+)
 from hpcdist.runtime.stacks import capture, is_timeout
 from tests.support.cli import REPO, job_id, run_cli, storage_sets
 
@@ -57,6 +68,24 @@ def test_ranks_at_the_same_frames_are_one_group_named_by_the_users_line_and_the_
     assert "    /job/train.py:88 in <module>: dist.all_reduce(t)" in describe(stacks, 6, verbose=True)
     assert [ranks_text(r) for r in ([3], [0, 1, 2, 5, 7, 8])] == ["rank 3", "ranks 0-2,5,7-8"]
 
+
+
+def test_a_rank_that_timed_out_and_left_has_answered_already(tmp_path: Path) -> None:
+    """The second rank to time out does not wait for the first, which took its stack at its own
+    timeout and left: that stack is its answer (a stack of an earlier run is not)."""
+    started = time.time()
+    files = {0: tmp_path / "stack_rank0.json", 1: tmp_path / "stack_rank1.json"}
+    files[0].write_text(record(0, ENTRY, why="timeout: all_reduce failed").to_json())
+    old = record(1, ENTRY, why="timeout: an earlier run")
+    files[1].write_text(RankStack(**{**old.__dict__, "written": started - 60}).to_json())
+    t0 = time.monotonic()
+    got = wait_answers(files, time.time() + 1, 1.0, timeouts_since=started)
+    assert sorted(got) == [0] and time.monotonic() - t0 >= 1.0  # rank 1's old stack is not waited past
+    files[1].write_text(record(1, ENTRY, why="timeout: all_reduce failed").to_json())
+    t0 = time.monotonic()
+    assert sorted(wait_answers(files, time.time() + 1, 3.0, timeouts_since=started)) == [0, 1]
+    assert time.monotonic() - t0 < 1.0
+    assert wait_answers(files, time.time() + 1, 0.3) == {}  # without: only answers to this request count
 
 def test_a_rank_records_every_thread_and_where_a_timeout_was_raised() -> None:
     """Real frames: a thread blocked in this file, and the main thread's stack at a raise."""

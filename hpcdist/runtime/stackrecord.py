@@ -115,12 +115,16 @@ def stack_files(paths: JobPaths, world_size: int) -> dict[int, Path]:
 
 
 def wait_answers(files: dict[int, Path], since: float, timeout_s: float, request: str = "",
-                 poll_s: float = 0.2) -> dict[int, RankStack]:
+                 poll_s: float = 0.2, timeouts_since: float | None = None) -> dict[int, RankStack]:
     """The answers written at `since` or later (to `request`, when given), once every rank of
-    `files` answered or after `timeout_s`."""
+    `files` answered or after `timeout_s`. With `timeouts_since`, a rank's stack taken at its own
+    timeout at that time or later also answers: that rank may have failed and left already."""
     deadline = time.monotonic() + timeout_s
+    oldest = since if timeouts_since is None else min(since, timeouts_since)
     while True:
-        got = {r: s for r, s in read_stacks(files, since).items() if not request or s.request == request}
+        got = {r: s for r, s in read_stacks(files, oldest).items()
+               if (s.written >= since and (not request or s.request == request)) or (
+                   timeouts_since is not None and s.timed_out)}
         if len(got) == len(files) or time.monotonic() >= deadline:
             return got
         time.sleep(poll_s)

@@ -143,6 +143,7 @@ class Watcher(threading.Thread):
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._failed: RankStack | None = None  # this rank's stack when it timed out
+        self.started = time.time()  # a stack taken at another rank's timeout since then is of this run
         self._logged = False  # its stack logged once for the timeouts of other ranks
 
     def _request(self) -> str:
@@ -192,7 +193,7 @@ class Watcher(threading.Thread):
             log.warning("could not ask the other ranks for their stacks: %s", exc_ask)
             return
         files = {r: self.paths.stack_file(r) for r in range(self.world_size) if r != self.rank}
-        wait_answers(files, asked, ANSWER_WAIT_S)
+        wait_answers(files, asked, ANSWER_WAIT_S, timeouts_since=self.started)
 
     def stop(self) -> None:
         self._done.set()
