@@ -43,6 +43,8 @@ from hpcdist.store.node_failures import NodeFailure
 log = logging.getLogger("hpcdist")
 
 CHECK_EVERY_S = 2.0  # how often a pending, requeued job is looked at (one scontrol call)
+
+
 class NodeFailures:
     """One Slurm job watched by its waiter for a requeue after a node failure (``poll`` at every
     state read). ``cause`` says why, once this ended the job."""
