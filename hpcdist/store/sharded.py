@@ -220,5 +220,6 @@ def export_dcp(index: Path | str, target: Path | str) -> None:
 
 
 __all__ = ["Chunk", "ShardedReader", "ShardedWriter", "checkpoints_in", "export_dcp", "import_dcp", "is_sharded",
-           "load", "load_latest", "purge_wait", "read_full", "save", "Stager", "save_async", "save_with", "shards_dir", "wait"]
+           "load", "load_latest", "purge_wait", "read_full", "save", "Stager", "save_async", "save_with", "shards_dir",
+           "wait"]
 
