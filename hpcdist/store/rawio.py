@@ -400,8 +400,7 @@ def write_tree(f: h5py.Group, tree: Mapping[str, Any], raw: Path | None = None) 
                 dsets.append(dset)
             if writer is not None:
                 writer.write(parts, last=n == len(batches) - 1)
-        if writer is not None and not batches:
-            writer.write([], last=True)
+        # No arrays (an index file): nothing to sync early; the caller's fsync at commit covers the file.
         hashes: list[str] = []
         for batch, digest in zip(batches, digests, strict=True):
             for i, hex_digest in zip(batch, digest.result(), strict=True):
