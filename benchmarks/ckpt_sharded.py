@@ -114,10 +114,14 @@ def bench(rank: int, world: int, kind: str, mb: int, repeat: int, root: str) -> 
         if rank == 0:
             for d in (dcp_dir, Path(str(dcp_dir) + "a")):
                 shutil.rmtree(d, ignore_errors=True)
+    last = base / "ours" / f"step_{1000 + repeat - 1:08d}.h5"  # the background save's, the newest
+    reader = sharded.ShardedReader(last, group, split=True)  # as sharded.load's, untimed: what it hashes
+    dcp.load(state, storage_reader=reader, process_group=group)
     dist.barrier(group)
     if rank == 0:
         shutil.rmtree(base, ignore_errors=True)
-    return {"times": times, "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {"times": times, "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "hashed_mb": reader.bytes_hashed / 1e6}
 
 
 def main() -> None:
@@ -136,7 +140,7 @@ def main() -> None:
     table = Table(title=f"DCP time / hpcdist time, 2 ranks, {args.mb} MB, medians of {args.repeat} "
                         "(above 1: hpcdist faster)")
     for col in ("state", "save", "verified load", "blocked (async)", "hpcdist save / load / blocked s",
-                "peak RSS MB"):
+                "DCP save / load / blocked s", "verified MB per rank", "peak RSS MB"):
         table.add_column(col)
     for kind in args.kinds.split(","):
         out = run_ranks(2, bench, kind, args.mb, args.repeat, str(root))
@@ -145,11 +149,29 @@ def main() -> None:
         ratio = {op: med[f"{op}_dcp"] / med[f"{op}_ours"] for op in ("save", "load", "blocked")}
         table.add_row(kind, f"{ratio['save']:.2f}", f"{ratio['load']:.2f}", f"{ratio['blocked']:.2f}",
                       f"{med['save_ours']:.2f} / {med['load_ours']:.2f} / {med['blocked_ours']:.3f}",
+                      f"{med['save_dcp']:.2f} / {med['load_dcp']:.2f} / {med['blocked_dcp']:.3f}",
+                      " / ".join(f"{o['hashed_mb']:.0f}" for o in out),
                       " / ".join(f"{o['maxrss_mb']:.0f}" for o in out))
     shutil.rmtree(root, ignore_errors=True)
-    Console().print(table)
+    Console(width=200).print(table)
     print(f"load average {os.getloadavg()[0]:.1f}; torch {torch.__version__}, h5py {h5py.__version__}, "
-          f"{os.cpu_count()} CPUs")
+          f"{os.cpu_count()} CPUs; sha256 {sha256_rate():.2f} GB/s on one core (the floor of a verified load: "
+          "its MB per rank at that rate)")
+
+
+def sha256_rate() -> float:
+    """hashlib's sha256 on this CPU, GB/s, best of 3 over 64 MiB."""
+    import hashlib
+
+    import numpy as np
+
+    data = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8)
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        hashlib.sha256(data.data).hexdigest()
+        best = max(best, data.nbytes / 1e9 / (time.perf_counter() - t0))
+    return best
 
 
 if __name__ == "__main__":

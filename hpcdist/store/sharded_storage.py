@@ -179,7 +179,7 @@ class ShardedReader(StorageReader):
         self.folder = self.index.with_name(self.index.name.removesuffix(".h5") + SUFFIX)
         self.attrs: dict[str, Any] = {}
         self._metadata: Metadata | None = None
-        self.bytes_read = 0
+        self.bytes_read = self.bytes_hashed = 0  # by this rank
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -254,6 +254,7 @@ class ShardedReader(StorageReader):
                 into = None if target is None else target.reshape(-1).view(torch.uint8).numpy()
                 arr = self._read_chunk(chunk, index.fqn, into)
                 checked = verify is None or index in verify  # else another rank hashes its own read
+                self.bytes_hashed += arr.nbytes if checked else 0
                 window.append((index, hashing.submit(sha256_of, arr) if checked else None, arr, target))
                 held += arr.nbytes
                 while window and (held > WINDOW_BYTES or len(window) > hash_threads()):
