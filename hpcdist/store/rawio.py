@@ -375,14 +375,16 @@ def write_tree(f: h5py.Group, tree: Mapping[str, Any], raw: Path | None = None) 
         objs.group(name)  # a group exists even when empty
         if key:
             objs.high(name).attrs[key] = value
-    writer = _RawWriter(raw) if raw is not None else None
     offsets: dict[int, int] = {}  # index in `arrays` -> where its bytes lie
     others: list[str] = []
     dsets: list[Any] = []
     hashing = pool("hash-low", hash_threads(), initializer=_yield_cpu)
     batches = _batches([a.nbytes for _, a in arrays])
-    digests = [hashing.submit(_sha256_batch, [arrays[i][1] for i in batch]) for batch in batches]
+    digests: list[Future[list[str]]] = []
+    writer = None
     try:
+        digests += [hashing.submit(_sha256_batch, [arrays[i][1] for i in batch]) for batch in batches]
+        writer = _RawWriter(raw) if raw is not None else None
         for n, batch in enumerate(batches):
             parts: list[tuple[int, np.ndarray]] = []
             for i in batch:
