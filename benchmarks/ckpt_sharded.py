@@ -10,6 +10,10 @@ state, keyed by name through ``get_state_dict``). For each, alternating in every
 - blocked: time until ``dcp.async_save`` returns vs until ``sharded.save_async`` returns (the
   rest of the write goes on in a thread; both are waited for before the next step).
 
+Deleting old checkpoints is outside every timing on both sides: rank 0 removes DCP's folders
+between rounds, and hpcdist's retention (``keep_last=1``) deletes pruned shard folders in a
+background thread, waited for (``sharded.purge_wait``) before the next measurement.
+
 Each figure is the median over --repeat of the slowest rank's time, printed as DCP's time divided
 by hpcdist's (above 1: hpcdist is faster), with the load average and each rank's peak memory.
 
@@ -97,6 +101,7 @@ def bench(rank: int, world: int, kind: str, mb: int, repeat: int, root: str) -> 
                  ("ours", lambda: sharded.save(ours, r, state, process_group=group, keep_last=1))]
         for name, fn in pairs if r % 2 == 0 else pairs[::-1]:
             times[f"save_{name}"].append(timed(fn))
+        sharded.purge_wait()  # the pruned step's deletion, untimed as rank 0's rmtree of DCP's folders
         loads = [("dcp", lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(str(dcp_dir)),
                                           process_group=group)),
                  ("ours", lambda: sharded.load(index, state, process_group=group))]
@@ -110,6 +115,7 @@ def bench(rank: int, world: int, kind: str, mb: int, repeat: int, root: str) -> 
         for name, fn in starts if r % 2 == 0 else starts[::-1]:
             times[f"blocked_{name}"].append(timed(fn))
             sharded.wait(futures[name]) if name == "ours" else futures[name].result()
+            sharded.purge_wait()
         dist.barrier(group)
         if rank == 0:
             for d in (dcp_dir, Path(str(dcp_dir) + "a")):
