@@ -10,6 +10,10 @@ state, keyed by name through ``get_state_dict``). For each, alternating in every
 - blocked: time until ``dcp.async_save`` returns vs until ``sharded.save_async`` returns (the
   rest of the write goes on in a thread; both are waited for before the next step).
 
+Deleting old checkpoints is outside every timing on both sides: rank 0 removes DCP's folders
+between rounds, and hpcdist's retention (``keep_last=1``) deletes pruned shard folders in a
+background thread, waited for (``sharded.purge_wait``) before the next measurement.
+
 Each figure is the median over --repeat of the slowest rank's time, printed as DCP's time divided
 by hpcdist's (above 1: hpcdist is faster), with the load average and each rank's peak memory.
 
@@ -97,6 +101,7 @@ def bench(rank: int, world: int, kind: str, mb: int, repeat: int, root: str) -> 
                  ("ours", lambda: sharded.save(ours, r, state, process_group=group, keep_last=1))]
         for name, fn in pairs if r % 2 == 0 else pairs[::-1]:
             times[f"save_{name}"].append(timed(fn))
+        sharded.purge_wait()  # the pruned step's deletion, untimed as rank 0's rmtree of DCP's folders
         loads = [("dcp", lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(str(dcp_dir)),
                                           process_group=group)),
                  ("ours", lambda: sharded.load(index, state, process_group=group))]
@@ -110,14 +115,19 @@ def bench(rank: int, world: int, kind: str, mb: int, repeat: int, root: str) -> 
         for name, fn in starts if r % 2 == 0 else starts[::-1]:
             times[f"blocked_{name}"].append(timed(fn))
             sharded.wait(futures[name]) if name == "ours" else futures[name].result()
+            sharded.purge_wait()
         dist.barrier(group)
         if rank == 0:
             for d in (dcp_dir, Path(str(dcp_dir) + "a")):
                 shutil.rmtree(d, ignore_errors=True)
+    last = base / "ours" / f"step_{1000 + repeat - 1:08d}.h5"  # the background save's, the newest
+    reader = sharded.ShardedReader(last, group, split=True)  # as sharded.load's, untimed: what it hashes
+    dcp.load(state, storage_reader=reader, process_group=group)
     dist.barrier(group)
     if rank == 0:
         shutil.rmtree(base, ignore_errors=True)
-    return {"times": times, "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {"times": times, "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "hashed_mb": reader.bytes_hashed / 1e6}
 
 
 def main() -> None:
@@ -136,7 +146,7 @@ def main() -> None:
     table = Table(title=f"DCP time / hpcdist time, 2 ranks, {args.mb} MB, medians of {args.repeat} "
                         "(above 1: hpcdist faster)")
     for col in ("state", "save", "verified load", "blocked (async)", "hpcdist save / load / blocked s",
-                "peak RSS MB"):
+                "DCP save / load / blocked s", "verified MB per rank", "peak RSS MB"):
         table.add_column(col)
     for kind in args.kinds.split(","):
         out = run_ranks(2, bench, kind, args.mb, args.repeat, str(root))
@@ -145,11 +155,29 @@ def main() -> None:
         ratio = {op: med[f"{op}_dcp"] / med[f"{op}_ours"] for op in ("save", "load", "blocked")}
         table.add_row(kind, f"{ratio['save']:.2f}", f"{ratio['load']:.2f}", f"{ratio['blocked']:.2f}",
                       f"{med['save_ours']:.2f} / {med['load_ours']:.2f} / {med['blocked_ours']:.3f}",
+                      f"{med['save_dcp']:.2f} / {med['load_dcp']:.2f} / {med['blocked_dcp']:.3f}",
+                      " / ".join(f"{o['hashed_mb']:.0f}" for o in out),
                       " / ".join(f"{o['maxrss_mb']:.0f}" for o in out))
     shutil.rmtree(root, ignore_errors=True)
-    Console().print(table)
+    Console(width=200).print(table)
     print(f"load average {os.getloadavg()[0]:.1f}; torch {torch.__version__}, h5py {h5py.__version__}, "
-          f"{os.cpu_count()} CPUs")
+          f"{os.cpu_count()} CPUs; sha256 {sha256_rate():.2f} GB/s on one core (the floor of a verified load: "
+          "its MB per rank at that rate)")
+
+
+def sha256_rate() -> float:
+    """hashlib's sha256 on this CPU, GB/s, best of 3 over 64 MiB."""
+    import hashlib
+
+    import numpy as np
+
+    data = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8)
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        hashlib.sha256(data.data).hexdigest()
+        best = max(best, data.nbytes / 1e9 / (time.perf_counter() - t0))
+    return best
 
 
 if __name__ == "__main__":

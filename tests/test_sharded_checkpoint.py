@@ -279,11 +279,16 @@ def test_retention_removes_shard_folders_and_load_latest_without_into_gives_the_
 
     ctx = context(0, 1, 0, tmp_path)
     ckpts: Checkpoints = ctx.checkpoints  # keep_last=3
+    left = ckpts.directory / ".purge-step_00000000.shards-0dead000"  # a killed process's deletion
+    (left / "r00000-x.h5").parent.mkdir(parents=True)
+    (left / "r00000-x.h5").write_bytes(b"x" * 1000)
     for step in range(1, 6):
         ckpts.save(step, {"w": torch.full((8,), float(step)), "pos": step}, sharded=True)
     assert ckpts.store.steps() == [3, 4, 5]
     assert sorted(p.name for p in ckpts.directory.glob("*.shards")) == [
         "step_00000003.shards", "step_00000004.shards", "step_00000005.shards"]
+    sharded.purge_wait()  # the pruned folders' bytes are deleted in the background
+    assert list(ckpts.directory.glob(".purge-*")) == []
     loaded = ckpts.load_latest()
     assert loaded is not None and loaded[0] == 5 and loaded[1]["pos"] == 5
     assert torch.equal(loaded[1]["w"], torch.full((8,), 5.0))

@@ -24,7 +24,8 @@ import os
 import sys
 import threading
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,7 @@ from hpcdist.store.tree import (
     from_bits,
     hash_threads,
     plain,
+    pool,
     sha256_of,
     tensor_array,
     torch_dtype_name,
@@ -298,7 +300,7 @@ class _RawWriter:
 
     def __init__(self, path: Path) -> None:
         self.fd = os.open(path, os.O_WRONLY)
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcdist-write")
+        self.pool = pool("write", 1)  # one writer thread per process: every file's runs in order
         self.jobs: list[Future[None]] = []
 
     def write(self, parts: list[tuple[int, np.ndarray]], last: bool = False) -> None:
@@ -321,7 +323,7 @@ class _RawWriter:
         try:
             self.wait()
         finally:
-            self.pool.shutdown(wait=True)
+            futures.wait(self.jobs)  # none still writing to the descriptor, failed or not
             os.close(self.fd)
 
 
@@ -373,41 +375,43 @@ def write_tree(f: h5py.Group, tree: Mapping[str, Any], raw: Path | None = None) 
         objs.group(name)  # a group exists even when empty
         if key:
             objs.high(name).attrs[key] = value
-    writer = _RawWriter(raw) if raw is not None else None
     offsets: dict[int, int] = {}  # index in `arrays` -> where its bytes lie
     others: list[str] = []
     dsets: list[Any] = []
+    hashing = pool("hash-low", hash_threads(), initializer=_yield_cpu)
+    batches = _batches([a.nbytes for _, a in arrays])
+    digests: list[Future[list[str]]] = []
+    writer = None
     try:
-        with ThreadPoolExecutor(max_workers=hash_threads(), initializer=_yield_cpu) as pool:
-            batches = _batches([a.nbytes for _, a in arrays])
-            digests = [pool.submit(_sha256_batch, [arrays[i][1] for i in batch]) for batch in batches]
-            for n, batch in enumerate(batches):
-                parts: list[tuple[int, np.ndarray]] = []
-                for i in batch:
-                    name, arr = arrays[i]
-                    parent, _, leaf = name.rpartition("/")
-                    if writer is not None and _raw_ok(arr):
-                        dset = objs.raw_dataset(parent, leaf, arr)
-                        offsets[i] = int(dset.get_offset())
-                        parts.append((offsets[i], arr))
-                    else:
-                        dset = objs.high(parent).create_dataset(leaf, data=arr).id
-                        others.append(f"{base}/{name}")
-                    if name in dtypes:
-                        objs.set_text(dset, DTYPE_ATTR.encode(), dtypes[name])
-                    dsets.append(dset)
-                if writer is not None:
-                    writer.write(parts, last=n == len(batches) - 1)
-            if writer is not None and not batches:
-                writer.write([], last=True)
-            hashes: list[str] = []
-            for batch, digest in zip(batches, digests, strict=True):
-                for i, hex_digest in zip(batch, digest.result(), strict=True):
-                    objs.set_sha256(dsets[i], hex_digest)
-                    hashes.append(hex_digest)
+        digests += [hashing.submit(_sha256_batch, [arrays[i][1] for i in batch]) for batch in batches]
+        writer = _RawWriter(raw) if raw is not None else None
+        for n, batch in enumerate(batches):
+            parts: list[tuple[int, np.ndarray]] = []
+            for i in batch:
+                name, arr = arrays[i]
+                parent, _, leaf = name.rpartition("/")
+                if writer is not None and _raw_ok(arr):
+                    dset = objs.raw_dataset(parent, leaf, arr)
+                    offsets[i] = int(dset.get_offset())
+                    parts.append((offsets[i], arr))
+                else:
+                    dset = objs.high(parent).create_dataset(leaf, data=arr).id
+                    others.append(f"{base}/{name}")
+                if name in dtypes:
+                    objs.set_text(dset, DTYPE_ATTR.encode(), dtypes[name])
+                dsets.append(dset)
+            if writer is not None:
+                writer.write(parts, last=n == len(batches) - 1)
+        # No arrays (an index file): nothing to sync early; the caller's fsync at commit covers the file.
+        hashes: list[str] = []
+        for batch, digest in zip(batches, digests, strict=True):
+            for i, hex_digest in zip(batch, digest.result(), strict=True):
+                objs.set_sha256(dsets[i], hex_digest)
+                hashes.append(hex_digest)
         if writer is not None:
             writer.wait()
     finally:
+        futures.wait(digests)  # nothing of this call still hashing when it returns, failed or not
         if writer is not None:
             writer.close()
     placed = [
@@ -454,13 +458,14 @@ def read_indexed(
         node(g).update({k: plain(v) for k, v in group.attrs.items()})
     checks: list[Check] = []
     nbytes = 0
-    with ThreadPoolExecutor(max_workers=hash_threads()) as pool:
+    hashing = pool("hash", hash_threads())
+    try:
         for name in (o for o in index.others if selected(o)):
             item = f[name]
             arr = np.asarray(item[()])
             nbytes += arr.nbytes
             recorded = str(plain(item.attrs.get("sha256", "")))
-            checks.append((name, pool.submit(sha256_of, arr) if verify else None, recorded))
+            checks.append((name, hashing.submit(sha256_of, arr) if verify else None, recorded))
             parent, _, leaf = name.rpartition("/")
             node(parent)[leaf] = from_bits(arr, index.dtypes[name]) if name in index.dtypes else arr
         fd = os.open(path, os.O_RDONLY)
@@ -470,11 +475,13 @@ def read_indexed(
                 if arr.nbytes and os.preadv(fd, [arr.reshape(-1).view(np.uint8).data], p.offset) != arr.nbytes:
                     raise CheckpointError(f"{where}: dataset {p.name} lies past the end of the file; truncated")
                 nbytes += arr.nbytes
-                checks.append((p.name, pool.submit(sha256_of, arr) if verify else None, p.sha256))
+                checks.append((p.name, hashing.submit(sha256_of, arr) if verify else None, p.sha256))
                 parent, _, leaf = p.name.rpartition("/")
                 node(parent)[leaf] = from_bits(arr, index.dtypes[p.name]) if p.name in index.dtypes else arr
         finally:
             os.close(fd)
         check_digests(checks, verify=verify, where=where)
+    finally:  # nothing of this call still hashing when it returns, failed or not
+        futures.wait([digest for _, digest, _ in checks if digest is not None])
     return {n: tree.get(n, {}) for n in names}, nbytes
 

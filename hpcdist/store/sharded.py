@@ -42,6 +42,7 @@ from hpcdist.store.sharded_layout import (
     Chunk,
     _failure,
     is_sharded,
+    purge_wait,
     shards_dir,
 )
 from hpcdist.store.sharded_storage import ShardedReader, ShardedWriter
@@ -219,5 +220,6 @@ def export_dcp(index: Path | str, target: Path | str) -> None:
 
 
 __all__ = ["Chunk", "ShardedReader", "ShardedWriter", "checkpoints_in", "export_dcp", "import_dcp", "is_sharded",
-           "load", "load_latest", "read_full", "save", "Stager", "save_async", "save_with", "shards_dir", "wait"]
+           "load", "load_latest", "purge_wait", "read_full", "save", "Stager", "save_async", "save_with", "shards_dir",
+           "wait"]
 

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,11 +25,13 @@ from torch.distributed.checkpoint.metadata import (
 
 from hpcdist.errors import CheckpointError
 from hpcdist.store.directory import checkpoint_name, step_of
+from hpcdist.store.tree import pool
 
 LAYOUT_ATTR = "layout"  # root attribute of the index: "sharded"
 LAYOUT = "sharded"
 SHARD_FORMAT = "hpcdist.checkpoint.shard"
 SUFFIX = ".shards"
+PURGE_MARK = ".purge-"  # a shard folder renamed for deletion in the background (`remove_orphans`)
 WINDOW_BYTES = 64 << 20  # chunks read ahead of their hashing, at most (or one chunk)
 # torch dtypes NumPy has; others (bfloat16, float8) are stored as their bytes (uint8, one more axis)
 _NUMPY_OK = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
@@ -85,14 +89,41 @@ def _failure(exc: BaseException, what: str) -> CheckpointError:
 
 
 def remove_orphans(directory: Path, below: int) -> list[Path]:
-    """Shard folders of steps older than `below` whose index is gone (pruned, or never committed)."""
-    gone = []
-    for folder in Path(directory).glob(f"step_*{SUFFIX}"):
+    """Shard folders of steps older than `below` whose index is gone (pruned, or never committed).
+
+    Each is renamed at once to a hidden name (``.purge-<name>-<hex>``) that no reader or listing
+    looks at, and deleted by one background thread (`purge_wait` waits for it): freeing a large
+    file's blocks takes about 0.25 ms per MB on this ext4 (200 ms for 800 MB), which was on every
+    save's path; torchtitan's ``CheckpointManager`` purges old checkpoints in a thread too. At exit
+    the interpreter joins that thread after its queued deletions (concurrent.futures' exit hook);
+    what a process killed first left is deleted by the next call.
+    """
+    directory = Path(directory)
+    gone, trash = [], []
+    for folder in directory.glob(f"step_*{SUFFIX}"):
         step = step_of(folder.with_name(folder.name.removesuffix(SUFFIX) + ".h5"))
         if step is not None and step < below and not folder.with_name(checkpoint_name(step)).exists():
-            shutil.rmtree(folder, ignore_errors=True)
+            hidden = folder.with_name(f"{PURGE_MARK}{folder.name}-{uuid.uuid4().hex[:8]}")
+            try:
+                os.rename(folder, hidden)
+            except OSError:
+                continue  # gone already (another call), or not ours to move: left for the next save
+            trash.append(hidden)
             gone.append(folder)
+    trash += [p for p in directory.glob(f"{PURGE_MARK}*") if p not in trash]
+    if trash:
+        pool("purge", 1).submit(_remove_all, trash)
     return gone
+
+
+def _remove_all(folders: list[Path]) -> None:
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def purge_wait() -> None:
+    """Return once every folder `remove_orphans` handed to the background is deleted."""
+    pool("purge", 1).submit(lambda: None).result()
 
 
 # ---------------------------------------------------------------- the index as JSON

@@ -9,7 +9,7 @@ import os
 import uuid
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ from hpcdist.store.sharded_layout import (
     remove_orphans,
     shards_dir,
 )
-from hpcdist.store.tree import hash_threads, sha256_of
+from hpcdist.store.tree import hash_threads, pool, sha256_of
 
 # ---------------------------------------------------------------- writing
 
@@ -168,8 +168,8 @@ class ShardedReader(StorageReader):
 
     With `process_group` (the group ``dcp.load`` is given: it must be the same), a chunk several
     ranks read (a replicated tensor) is hashed by one of them only, the ranks sharing the work by
-    bytes, and the verdicts are exchanged before the load returns: a mismatch found by any rank
-    fails the load on every rank. Without, every rank verifies everything it reads.
+    bytes; a mismatch found by any rank fails the load on every rank, through DCP's gathering of
+    every rank's ``read_data`` outcome (see `read_data`). Without, every rank verifies all it reads.
     """
 
     def __init__(self, index: Path | str, process_group: Any = None, *, split: bool = False) -> None:
@@ -179,7 +179,7 @@ class ShardedReader(StorageReader):
         self.folder = self.index.with_name(self.index.name.removesuffix(".h5") + SUFFIX)
         self.attrs: dict[str, Any] = {}
         self._metadata: Metadata | None = None
-        self.bytes_read = 0
+        self.bytes_read = self.bytes_hashed = 0  # by this rank
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -225,19 +225,10 @@ class ShardedReader(StorageReader):
         return [replace(plan, storage_data=mine[rank]) for rank, plan in enumerate(plans)]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        error = ""
-        try:
-            self._read_all(plan, planner)
-        except CheckpointError as exc:
-            error = str(exc)
-        if self.split:  # every rank reaches this exchange, failed or not
-            import torch.distributed as dist
-
-            errors: list[Any] = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(errors, error, group=self.group)
-            error = next((e for e in errors if e), "")
-        if error:
-            raise CheckpointError(error)
+        """Read and verify this rank's chunks. With `split`, a mismatch another rank finds in a chunk
+        this rank also read fails this rank's load too: DCP gathers every rank's ``read_data``
+        outcome (``_DistWrapper.all_gather("read", ...)``) and raises the failures on all of them."""
+        self._read_all(plan, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
@@ -255,19 +246,23 @@ class ShardedReader(StorageReader):
         # mismatch then leaves the state part-loaded, as any failed load does, and raises.
         window: deque[tuple[MetadataIndex, Any, np.ndarray, torch.Tensor | None]] = deque()
         held = 0
-        with ThreadPoolExecutor(max_workers=hash_threads()) as pool:
+        hashing = pool("hash", hash_threads())
+        try:
             for index, reqs in by_chunk.items():
                 chunk = storage[index]
                 target = self._whole_target(chunk, reqs, planner)
                 into = None if target is None else target.reshape(-1).view(torch.uint8).numpy()
                 arr = self._read_chunk(chunk, index.fqn, into)
                 checked = verify is None or index in verify  # else another rank hashes its own read
-                window.append((index, pool.submit(sha256_of, arr) if checked else None, arr, target))
+                self.bytes_hashed += arr.nbytes if checked else 0
+                window.append((index, hashing.submit(sha256_of, arr) if checked else None, arr, target))
                 held += arr.nbytes
                 while window and (held > WINDOW_BYTES or len(window) > hash_threads()):
                     held -= self._use(*window.popleft(), by_chunk, planner)
             while window:
                 self._use(*window.popleft(), by_chunk, planner)
+        finally:  # nothing of this load still hashing when it returns, failed or not
+            futures.wait([w[1] for w in window if w[1] is not None])
 
     @staticmethod
     def _whole_target(chunk: Chunk, reqs: list[Any], planner: LoadPlanner) -> torch.Tensor | None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -45,6 +45,25 @@ STREAM_CHUNK_BYTES = 16 << 20
 
 def hash_threads() -> int:
     return max(1, min(HASH_THREADS, os.cpu_count() or 1))
+
+
+_POOLS: dict[str, ThreadPoolExecutor] = {}
+
+
+def pool(name: str, workers: int, initializer: Callable[[], None] | None = None) -> ThreadPoolExecutor:
+    """The process's thread pool `name`, made at first use and kept: starting threads at every save
+    and load cost 2-8 ms each on 2 busy cores (a new thread waits for a time slice before
+    ``start`` returns), several per save. Its tasks never wait on the same pool; callers wait
+    for every future they submitted, errors included, before they return."""
+    found = _POOLS.get(name)
+    if found is None:
+        found = _POOLS[name] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"hpcdist-{name}",
+                                                  initializer=initializer)
+    return found
+
+
+# A forked child has the parent's executors but not their threads: it makes its own.
+os.register_at_fork(after_in_child=_POOLS.clear)
 
 
 def sha256_of(arr: np.ndarray) -> str:
