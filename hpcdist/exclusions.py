@@ -60,13 +60,18 @@ def _hosts(text: str, key: str) -> list[str]:
         raise ConfigError(f"{key}={text!r} is not a Slurm host list ({exc}); write e.g. n3 or n[3-4],gpu07") from exc
 
 
+def user_exclude(spec: JobSpec, site: Site) -> str:
+    """The job's (or the site's) own ``sbatch: {exclude: ...}``, as written ("" when none)."""
+    return str({**site.sbatch, **spec.sbatch}.get("exclude", "") or "")
+
+
 def for_job(spec: JobSpec, site: Site) -> Exclusions:
     """The exclusions of `spec` on a Slurm `site`: its own ``exclude`` plus the nodes marked bad
     within ``health.exclude_for_h``; a SubmitError when they leave too few nodes for the job."""
     if site.scheduler != "slurm":
         return Exclusions()
     extra = {**site.sbatch, **{k: str(v) for k, v in spec.sbatch.items()}}
-    user = str(extra.get("exclude", ""))
+    user = user_exclude(spec, site)
     within_h = site.health.exclude_for_h
     if within_h <= 0:
         return Exclusions(user=user)

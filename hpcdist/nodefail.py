@@ -33,6 +33,7 @@ from hpcdist.config.paths import JobPaths
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import HpcdistError
+from hpcdist.exclusions import user_exclude
 from hpcdist.jobs.registry import on_node_failure
 from hpcdist.runtime.hostlist import expand_hostlist
 from hpcdist.scheduler import slurm
@@ -103,8 +104,8 @@ class NodeFailures:
                              f"than the site's preemption.max_requeues={limit}, so Slurm's requeue was cancelled")
         shrink = ""
         if found:
-            excluded = list(dict.fromkeys([*expand_hostlist(info.excluded), *_user_excludes(self.spec, self.site),
-                                           *(f.node for f in found)]))
+            user = expand_hostlist(user_exclude(self.spec, self.site))
+            excluded = list(dict.fromkeys([*expand_hostlist(info.excluded), *user, *(f.node for f in found)]))
             update = {"ExcNodeList": ",".join(excluded)}
             required = expand_hostlist(info.required)
             if set(required) & set(excluded):  # the user's nodelist named the dead node: not any more
@@ -141,12 +142,6 @@ class NodeFailures:
     def _end(self, cause: str) -> None:
         self.cause = cause
         slurm.scancel(self.job_id)
-
-
-def _user_excludes(spec: JobSpec, site: Site) -> list[str]:
-    """The nodes the job's (or the site's) ``sbatch: {exclude: ...}`` keeps it off."""
-    value = {**site.sbatch, **spec.sbatch}.get("exclude")
-    return expand_hostlist(str(value)) if isinstance(value, str) and value else []
 
 
 def _mark_bad(site: Site, found: list[NodeFailure], job_id: str) -> None:
