@@ -116,7 +116,7 @@ slurmd_ok() { pid_alive "$STATE/run/slurmd-$1.pid" slurmd; }
 # mode); returns once its pid file names it. Not `ip netns exec`: that remounts /sys, and slurmd
 # then finds no cgroup filesystem.
 start_slurmd() {
-  nsenter --net="/run/netns/$(node_netns "$1")" unshare --uts setsid sh -c "hostname $1; $(supervised_slurmd "$1")" \
+  nsenter --net="/run/netns/$(node_netns "$1")" unshare --uts setsid bash -c "hostname $1; $(supervised_slurmd "$1")" \
     </dev/null >/dev/null 2>&1 &
   # The daemon writes its pid file a moment later; the next node's check needs it.
   wait_for 10 slurmd_ok "$1"
@@ -127,9 +127,12 @@ start_slurmd() {
 # Slurm 22.05.8's slurmd aborted here once with heap corruption ("malloc(): unaligned fastbin
 # chunk", in unpack_msg) while launching two array tasks at once, and a node left down fails
 # every later test. A slurmd killed (nodefault.sh kill: SIGKILL) or stopped (down.sh: SIGTERM)
-# stays down, and the loop ends with it.
+# stays down, and the loop ends with it. For bash, which first closes every descriptor it was
+# given beyond 0-2: the loop lives as long as the node, and must not hold a caller's open file
+# (a `flock` lock taken around cluster-up would never be released).
 supervised_slurmd() {
   local log="$STATE/log/slurmd-$1.log"
-  echo "while :; do slurmd -D -N $1; rc=\$?; case \$rc in 134|135|136|139) ;; *) exit \$rc;; esac;" \
+  echo "for fd in /proc/\$\$/fd/*; do fd=\${fd##*/}; ((fd > 2)) && eval \"exec \$fd>&-\" 2>/dev/null; done;" \
+       "while :; do slurmd -D -N $1; rc=\$?; case \$rc in 134|135|136|139) ;; *) exit \$rc;; esac;" \
        "echo \"[cluster] \$(date -Is) slurmd -N $1 crashed (exit \$rc); started again\" >> $log; sleep 1; done"
 }
