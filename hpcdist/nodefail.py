@@ -34,12 +34,11 @@ from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import HpcdistError
 from hpcdist.exclusions import user_exclude
-from hpcdist.jobs.registry import on_node_failure
+from hpcdist.runtime import node_failure
 from hpcdist.runtime.hostlist import expand_hostlist
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.states import JobState
 from hpcdist.store import node_failures
-from hpcdist.store.node_failures import NodeFailure
 
 log = logging.getLogger("hpcdist")
 
@@ -52,10 +51,10 @@ class NodeFailures:
 
     def __init__(self, job_id: str, spec: JobSpec, site: Site, paths: JobPaths) -> None:
         self.job_id, self.spec, self.site = job_id, spec, site
-        self.policy = on_node_failure(spec)
-        self.record = paths.node_failures
-        self.handled = {f.run for f in node_failures.read(self.record)}
+        self.paths = paths
+        self.handled = node_failure.handled(paths)
         self.ran = False
+        self.late = True  # not seen running yet: Slurm's restart count says whether it ran before
         self.cause = ""
         self.live_seen = ""
         self._checked = float("-inf")
@@ -65,7 +64,7 @@ class NodeFailures:
             self.ran = True
             return
         now = time.monotonic()
-        if self.cause or not self.ran or state not in (JobState.PENDING, JobState.REQUEUED):
+        if self.cause or not (self.ran or self.late) or state not in (JobState.PENDING, JobState.REQUEUED):
             return
         if now - self._checked < CHECK_EVERY_S:
             return
@@ -77,35 +76,21 @@ class NodeFailures:
 
     def _check(self) -> None:
         info = slurm.show_job(self.job_id)
-        if info is None or info.restarts == 0:
+        if info is None:
             return
-        runs = slurm.attempts(self.job_id)
-        if runs is None:
+        if info.restarts == 0:
+            self.late = False  # pending for its first run: nothing to do until it has run
             return
-        failed = [(n, run) for n, run in enumerate(runs, 1) if run.state == "NODE_FAIL"]
-        new = [(n, run) for n, run in failed if n not in self.handled]
-        if not new:
+        verdict = node_failure.assess(self.job_id, self.spec, self.site, self.handled)
+        if verdict is None or not verdict.runs:
             return
-        found: list[NodeFailure] = []
-        for n, run in new:
-            states = slurm.node_states(run.nodes)
-            if states is None:
-                return  # unknown: look again at the next poll
-            for node in sorted(k for k, v in states.items() if v.dead):
-                found.append(NodeFailure(node, run.end, n, time.time()))
-        names = ", ".join(dict.fromkeys(f.node for f in found)) or "a node (it answers again)"
-        run_words = ", ".join(f"run {n} ended NODE_FAIL at {run.end}" for n, run in new)
-        if self.policy == "fail":
-            return self._end(f"node {names} died ({run_words}); on_node_failure is fail, so Slurm's requeue "
-                             f"was cancelled (set on_node_failure: requeue to run again without it)")
-        limit = self.site.preemption.max_requeues
-        if len(failed) > limit:
-            return self._end(f"node {names} died ({run_words}): {len(failed)} node failures of this job, more "
-                             f"than the site's preemption.max_requeues={limit}, so Slurm's requeue was cancelled")
+        if verdict.stop:
+            self._record(verdict)
+            return self._end(verdict.stop_line("so Slurm's requeue was cancelled"))
         shrink = ""
-        if found:
+        if verdict.found:
             user = expand_hostlist(user_exclude(self.spec, self.site))
-            excluded = list(dict.fromkeys([*expand_hostlist(info.excluded), *user, *(f.node for f in found)]))
+            excluded = list(dict.fromkeys([*expand_hostlist(info.excluded), *user, *verdict.nodes]))
             update = {"ExcNodeList": ",".join(excluded)}
             required = expand_hostlist(info.required)
             if set(required) & set(excluded):  # the user's nodelist named the dead node: not any more
@@ -117,10 +102,9 @@ class NodeFailures:
                               NumCPUs=str(nodes * res.tasks_per_node * res.cpus_per_task))
                 shrink = f", on {nodes} of its {res.nodes} nodes ({self.live_seen})"
             slurm.update_job(self.job_id, **update)
-            node_failures.add(self.record, found)
-            _mark_bad(self.site, found, self.job_id)
-        self.handled.update(n for n, _ in new)
-        log.warning("job %s: node %s died (%s); it runs again without it%s", self.job_id, names, run_words, shrink)
+        self._record(verdict)
+        self.handled.update(verdict.runs)
+        log.warning("job %s: %s; it runs again without it%s", self.job_id, verdict.why, shrink)
 
     def _nodes_left(self, excluded: list[str], required: list[str]) -> int | None:
         """How many nodes the job runs on next when it may shrink (``resources.min_nodes``): all it
@@ -139,21 +123,13 @@ class NodeFailures:
         nodes = max(res.min_nodes, min(res.nodes, len(usable)))
         return nodes if nodes < res.nodes else None
 
+    def _record(self, verdict: node_failure.Verdict) -> None:
+        for problem in node_failure.record(verdict, self.job_id, self.site, self.paths):
+            log.warning("job %s: %s", self.job_id, problem)
+
     def _end(self, cause: str) -> None:
         self.cause = cause
         slurm.scancel(self.job_id)
-
-
-def _mark_bad(site: Site, found: list[NodeFailure], job_id: str) -> None:
-    """Into the site's node health record, so later submissions keep off the node too."""
-    from hpcdist.store import health
-
-    for f in found:
-        try:
-            health.mark(site, f.node, f"died under job {job_id} (run {f.run} ended NODE_FAIL at {f.when})",
-                        job_id, source="node_failure")
-        except (OSError, HpcdistError) as exc:
-            log.warning("could not mark %s in the node health record: %s", f.node, exc)
 
 
 def describe(paths: JobPaths) -> list[str]:

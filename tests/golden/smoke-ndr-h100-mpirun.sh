@@ -32,6 +32,11 @@ export SUBMITIT_PREEMPTION_SIGNAL=USR2
 export UCX_NET_DEVICES=mlx5_0:1
 export SUBMITIT_EXECUTOR=slurm
 
+# ---- a run Slurm requeued: its node failures recorded and bounded here, before any rank starts
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
+  /opt/hpcdist/bin/python -m hpcdist.runtime.node_failure /shared/ml-research/hpcdist/logs/smoke/%j || exit $?
+fi
+
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME

@@ -35,6 +35,11 @@ HPCDIST_HEAD_ADDR=$(/opt/hpcdist/bin/python -m hpcdist.runtime.agent --address e
 HPCDIST_RDZV_PORT=$(/opt/hpcdist/bin/python -m hpcdist.runtime.agent --free-port) || exit 1
 export HPCDIST_HEAD_ADDR HPCDIST_RDZV_PORT
 
+# ---- a run Slurm requeued: its node failures recorded and bounded here, before any rank starts
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
+  /opt/hpcdist/bin/python -m hpcdist.runtime.node_failure /shared/ml-research/hpcdist/logs/smoke/%j || exit $?
+fi
+
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME
