@@ -25,6 +25,7 @@ check never stops a job on a failure of its own).
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections.abc import Mapping
@@ -35,6 +36,7 @@ from hpcdist.config.paths import JobPaths
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import HpcdistError
+from hpcdist.runtime.hostlist import expand_hostlist
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.postmortem import STOPPED
 from hpcdist.store import node_failures
@@ -69,18 +71,53 @@ def handled(paths: JobPaths) -> set[int]:
     return {f.run for f in node_failures.read(paths.node_failures)}
 
 
-def assess(job_id: str, spec: JobSpec, site: Site, done: set[int], restarts: int = 0) -> Verdict | None:
+RUN_LINE = re.compile(r"^hpcdist: run (\d+) on (\S+) at (\S+)$")  # the batch script's line at each run's start
+
+
+def runs_from_output(text: str, restarts: int, requeued_at: str = "") -> list[slurm.Attempt] | None:
+    """The job's earlier runs as its batch output tells them (``RUN_LINE``, one per start), for a
+    node that cannot read Slurm's accounting: a run counts as ended by a node failure when a node
+    it ran on is dead now (Slurm's requeue put the job back in the queue; a preemption or a
+    time-out leaves every node alive). Each run ended when the next started, the last one at
+    `requeued_at` (slurmctld's SubmitTime of a requeued job) where known. None: no line for one
+    of the `restarts` earlier runs, or Slurm's node states unknown."""
+    starts: dict[int, tuple[str, str]] = {}
+    for line in text.splitlines():
+        match = RUN_LINE.match(line.strip())
+        if match:
+            starts[int(match.group(1))] = (match.group(2), match.group(3))
+    if any(n not in starts for n in range(1, restarts + 1)):
+        return None
+    states = slurm.node_states()
+    if states is None:
+        return None
+    out = []
+    for n in range(1, restarts + 1):
+        nodes, _ = starts[n]
+        end = (requeued_at if n == restarts else "") or (starts[n + 1][1] if n + 1 in starts else "unknown")
+        dead = any(states[h].dead for h in expand_hostlist(nodes) if h in states)
+        out.append(slurm.Attempt("NODE_FAIL" if dead else "REQUEUED", nodes, end))
+    return out
+
+
+def assess(job_id: str, spec: JobSpec, site: Site, done: set[int], restarts: int = 0,
+           output: Path | None = None) -> Verdict | None:
     """The verdict on job `job_id`'s NODE_FAIL runs not in `done`; an empty one (no ``runs``) when
     there are none, None when Slurm could not be asked (unknown: ask again later). `restarts`:
     how often Slurm has requeued the job; accounting that does not list as many earlier runs yet
-    is read again for up to ``ACCOUNTING_WAIT_S`` (slurmdbd records a job's end a moment late)."""
+    is read again for up to ``ACCOUNTING_WAIT_S`` (slurmdbd records a job's end a moment late).
+    Where accounting cannot be read at all, the job's batch `output` tells its runs
+    (``runs_from_output``)."""
     from hpcdist.jobs.registry import on_node_failure
 
     deadline = time.monotonic() + ACCOUNTING_WAIT_S
     while True:
         runs = slurm.attempts(job_id)
         if runs is None:
-            return None
+            runs = _runs_from_file(job_id, output, restarts) if output is not None and restarts else None
+            if runs is None:
+                return None
+            break
         ended = [r for r in runs if r.state not in ("RUNNING", "PENDING")]  # REQUEUED ended a run
         if len(ended) >= restarts or time.monotonic() >= deadline:
             break
@@ -107,6 +144,15 @@ def assess(job_id: str, spec: JobSpec, site: Site, done: set[int], restarts: int
     return Verdict(tuple(n for n, _ in new), tuple(found), why, stop, hint)
 
 
+def _runs_from_file(job_id: str, output: Path, restarts: int) -> list[slurm.Attempt] | None:
+    try:
+        text = output.read_text(errors="replace")
+    except OSError:
+        return None
+    info = slurm.show_job(job_id)
+    return runs_from_output(text, restarts, info.submitted if info is not None else "")
+
+
 def record(verdict: Verdict, job_id: str, site: Site, paths: JobPaths) -> list[str]:
     """The verdict's dead nodes into the site's health record, and, when the job goes on without
     them, into the job's own record; a warning per write that failed (the caller logs them)."""
@@ -130,11 +176,13 @@ def record(verdict: Verdict, job_id: str, site: Site, paths: JobPaths) -> list[s
 # ---------------------------------------------------------------- the requeued run's own start
 
 
-def check_run(job_id: str, spec: JobSpec, site: Site, restarts: int, folder: Path | None = None) -> str:
+def check_run(job_id: str, spec: JobSpec, site: Site, restarts: int, folder: Path | None = None,
+              output: Path | None = None) -> str:
     """This run of job `job_id` (Slurm's `restarts`-th requeue) after its node failures: records
-    and marks them; the line to end the run with, or "" when it goes on (or nothing is known)."""
+    and marks them; the line to end the run with, or "" when it goes on (or nothing is known).
+    `output`: the job's batch output, read where accounting cannot be."""
     paths = spec.paths(site, job_id)
-    verdict = assess(job_id, spec, site, handled(paths), restarts)
+    verdict = assess(job_id, spec, site, handled(paths), restarts, output)
     if verdict is None or not verdict.runs:
         return ""
     for problem in record(verdict, job_id, site, paths):
@@ -164,10 +212,13 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     if restarts == 0 or len(args) != 1:
         return 0
     try:
-        job_id, spec, site, folder = _submitted(args[0], env)
+        job_id, spec, site, folder, output = _submitted(args[0], env)
         if site.scheduler != "slurm":
             return 0
-        line = check_run(job_id, spec, site, restarts, folder)
+        # a run waits on this check: one short try a command (a node may not reach slurmdbd at all)
+        os.environ.setdefault(slurm.TRIES_VAR, "1")
+        os.environ.setdefault(slurm.TIMEOUT_VAR, "10")
+        line = check_run(job_id, spec, site, restarts, folder, output)
     except Exception as exc:  # noqa: BLE001 - the check must never be what stops a job
         _say(f"warning: the node failure check of this requeued run could not decide, the run goes on: "
              f"{type(exc).__name__}: {exc}")
@@ -178,8 +229,9 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     return STOP_EXIT
 
 
-def _submitted(folder: str, env: Mapping[str, str]) -> tuple[str, JobSpec, Site, Path]:
-    """The job's id, spec and site, as submitit's pickle gives them to its ranks."""
+def _submitted(folder: str, env: Mapping[str, str]) -> tuple[str, JobSpec, Site, Path, Path]:
+    """The job's id, spec and site, as submitit's pickle gives them to its ranks; its folder and
+    batch output (rank 0's stdout)."""
     from submitit.core.utils import DelayedSubmission
     from submitit.core.utils import JobPaths as SubmititPaths
 
@@ -188,7 +240,7 @@ def _submitted(folder: str, env: Mapping[str, str]) -> tuple[str, JobSpec, Site,
     paths = SubmititPaths(folder, job_id=job_id)
     delayed = DelayedSubmission.load(paths.submitted_pickle)
     spec, site = delayed.args[:2]
-    return job_id, spec, site, paths.folder
+    return job_id, spec, site, paths.folder, SubmititPaths(folder, job_id=job_id, task_id=0).stdout
 
 
 if __name__ == "__main__":
