@@ -3,25 +3,40 @@
 One path. When a node stops answering, Slurm declares it DOWN after ``SlurmdTimeout`` and, as the
 site's ``JobRequeue`` and hpcdist's ``--requeue`` ask, requeues the job under the same id: the
 only actor left when the dead node was the head (the batch script, rank 0 and its store) is
-Slurm. hpcdist never resubmits a job for a node failure. A requeued job is held pending for about
-two minutes (Slurm's job credentials must expire: ``BeginTime``), and in that window the waiter
-(``submit --wait``, ``hpcdist wait``, ``JobHandle.wait``) acts on it once per failed run:
+Slurm. hpcdist never resubmits a job for a node failure. What a failure means (which node died,
+the policy, the bound ``preemption.max_requeues``, the records) is decided in one place,
+``hpcdist.runtime.node_failure``, for the two that act on it:
 
-- ``requeue``: the dead node (in the failed run's node list and, to Slurm, down or not
-  responding) is added to the pending job's ``ExcNodeList``, merged with what it excluded
-  already (the user's ``sbatch: {exclude: ...}`` among it). A job with ``resources.min_nodes``
-  that would not find as many live nodes as it asked for has its node and task counts lowered
-  (``NumNodes``, ``NumTasks``, ``NumCPUs``; its script exports the new task count): it runs on
-  the nodes that remain, at a smaller world size; with a spare free, or without ``min_nodes``,
-  at its own size (waiting for a node if need be). Not ``--nodes=MIN-MAX`` at submission: Slurm
-  sizes such a job's tasks by its minimum and may start it on the minimum at once. The failure is
-  recorded beside the result (``hpcdist.store.node_failures``) and in the site's node health
-  record (``hpcdist.store.health``).
-- ``fail``, or a job that has run again after node failures more often than the site's
-  ``preemption.max_requeues``: the pending job is cancelled, and the waiter says why.
+- **The waiter** (``submit --wait``, ``hpcdist wait``, ``JobHandle.wait``; this module), while
+  Slurm holds the requeued job pending (about two minutes: ``BeginTime``, until the old run's
+  job credentials expire), once per failed run. With ``requeue`` the dead node (in the failed
+  run's node list and, to Slurm, down or not responding) is added to the pending job's
+  ``ExcNodeList``, merged with what it excluded already (the user's ``sbatch: {exclude: ...}``
+  among it). A job with ``resources.min_nodes`` that would not find as many live nodes as it
+  asked for has its node and task counts lowered (``NumNodes``, ``NumTasks``, ``NumCPUs``; its
+  script exports the new task count): it runs on the nodes that remain, at a smaller world size;
+  with a spare free, or without ``min_nodes``, at its own size (waiting for a node if need be).
+  Not ``--nodes=MIN-MAX`` at submission: Slurm sizes such a job's tasks by its minimum and may
+  start it on the minimum at once. With ``fail``, or past the bound, the pending job is cancelled
+  and the waiter says why. A waiter started late (``hpcdist wait`` after the node died) acts the
+  same: Slurm's restart count, not having seen the job run, is its evidence.
+- **The requeued run itself**, on its head node before any rank starts (the batch script runs
+  ``python -m hpcdist.runtime.node_failure`` when ``SLURM_RESTART_COUNT`` is above 0): it records
+  the failure and marks the node, and ends the run with one line (``hpcdist: not run again:
+  ...``, the job's cause in ``hpcdist wait`` and ``hpcdist jobs``) under ``fail`` or past the
+  bound. A run a waiter already handled finds it recorded (the record is keyed by run number).
 
-Without a waiter, Slurm's requeue still runs the job again, on nodes other than the DOWN one,
-but nothing is excluded, recorded or bounded by hpcdist.
+Either way the failure goes into the job's record beside its result
+(``hpcdist.store.node_failures``; only when it runs again without the node) and the site's node
+health record (``hpcdist.store.health``), so later submissions keep off the node.
+
+**Shrinking needs a waiter.** Without one nothing lowers a pending job's node count: the run
+cannot start to do it, Slurm has no setting that shrinks a requeued job by itself, and
+``--nodes=MIN-MAX`` is not usable (above). A job with ``min_nodes`` and no spare free then waits
+in the queue (reason ``Resources``) until the node is back or another frees, at its own size;
+``hpcdist wait JOBID`` started at any time while it waits shrinks it. hpcdist starts no daemon
+for this: a process left behind on a login node outlives the user's session only where the site
+allows it, and a second waiter beside the user's own would act on the job twice.
 """
 
 from __future__ import annotations

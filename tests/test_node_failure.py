@@ -8,7 +8,9 @@ checkpoint on the nodes that remain. What a user checks: every step done, the de
 excluded in the summary and the result file, the ranks of the last run reported, and the same
 final loss as an uninterrupted continuation at the smaller world size. Slurm holds a requeued job
 for about two minutes (BeginTime); the tests start it once the node is excluded, as
-tests/support/train.py's preemption tests do. Only n3 and n4 are ever killed here (other tests
+tests/support/train.py's preemption tests do. Without a waiter, the requeued run's own start
+records and bounds the failure (and a late `hpcdist wait` acts as an early one would); those
+two tests kill one node for two checks each. Only n3 and n4 are ever killed here (other tests
 may run on n1 and n2), and they are revived after each test, even one that fails.
 """
 
