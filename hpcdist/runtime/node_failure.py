@@ -132,8 +132,9 @@ def assess(job_id: str, spec: JobSpec, site: Site, done: set[int], restarts: int
         if states is None:
             return None
         found += [NodeFailure(node, run.end, n, time.time()) for node in sorted(k for k, v in states.items() if v.dead)]
-    names = ", ".join(dict.fromkeys(f.node for f in found)) or "a node (it answers again)"
-    why = f"node {names} died ({', '.join(f'run {n} ended NODE_FAIL at {run.end}' for n, run in new)})"
+    names = ", ".join(dict.fromkeys(f.node for f in found))
+    ended = ", ".join(f"run {n} ended NODE_FAIL at {run.end}" for n, run in new)
+    why = f"node {names} died ({ended})" if names else f"a node died ({ended}; every node of it answers again)"
     limit = site.preemption.max_requeues
     stop = hint = ""
     if on_node_failure(spec) == "fail":
