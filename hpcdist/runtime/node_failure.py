@@ -133,8 +133,8 @@ def assess(job_id: str, spec: JobSpec, site: Site, done: set[int], restarts: int
             return None
         found += [NodeFailure(node, run.end, n, time.time()) for node in sorted(k for k, v in states.items() if v.dead)]
     names = ", ".join(dict.fromkeys(f.node for f in found))
-    ended = ", ".join(f"run {n} ended NODE_FAIL at {run.end}" for n, run in new)
-    why = f"node {names} died ({ended})" if names else f"a node died ({ended}; every node of it answers again)"
+    runs_said = ", ".join(f"run {n} ended NODE_FAIL at {run.end}" for n, run in new)
+    why = f"node {names} died ({runs_said})" if names else f"a node died ({runs_said}; every node of it answers again)"
     limit = site.preemption.max_requeues
     stop = hint = ""
     if on_node_failure(spec) == "fail":
