@@ -4,7 +4,7 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hpcdist-installed
-PYTEST ?= -q --durations=15
+PYTEST ?= -q --durations=15 -n 2 --dist loadgroup
 
 .PHONY: demo test install system-deps cluster-up cluster-down lint clean gpu-check
 

@@ -116,7 +116,20 @@ slurmd_ok() { pid_alive "$STATE/run/slurmd-$1.pid" slurmd; }
 # mode); returns once its pid file names it. Not `ip netns exec`: that remounts /sys, and slurmd
 # then finds no cgroup filesystem.
 start_slurmd() {
-  nsenter --net="/run/netns/$(node_netns "$1")" unshare --uts sh -c "hostname $1; exec slurmd -N $1" || return 1
-  # The forked daemon writes its pid file a moment later; the next node's check needs it.
+  nsenter --net="/run/netns/$(node_netns "$1")" unshare --uts setsid sh -c "hostname $1; $(supervised_slurmd "$1")" \
+    </dev/null >/dev/null 2>&1 &
+  # The daemon writes its pid file a moment later; the next node's check needs it.
   wait_for 10 slurmd_ok "$1"
+}
+
+# supervised_slurmd NODE: the shell loop that runs slurmd -N NODE in the foreground and starts it
+# again when it crashes (SIGABRT, SIGSEGV, SIGBUS, SIGFPE), as a node's service manager would:
+# Slurm 22.05.8's slurmd aborted here once with heap corruption ("malloc(): unaligned fastbin
+# chunk", in unpack_msg) while launching two array tasks at once, and a node left down fails
+# every later test. A slurmd killed (nodefault.sh kill: SIGKILL) or stopped (down.sh: SIGTERM)
+# stays down, and the loop ends with it.
+supervised_slurmd() {
+  local log="$STATE/log/slurmd-$1.log"
+  echo "while :; do slurmd -D -N $1; rc=\$?; case \$rc in 134|135|136|139) ;; *) exit \$rc;; esac;" \
+       "echo \"[cluster] \$(date -Is) slurmd -N $1 crashed (exit \$rc); started again\" >> $log; sleep 1; done"
 }

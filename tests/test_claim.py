@@ -38,6 +38,7 @@ def wait_step(job: str, step: str, timeout_s: float = 60) -> None:
     raise AssertionError(f"step {step} of job {job} never ran")
 
 
+@pytest.mark.slurm
 def test_a_second_step_of_the_same_allocation_does_not_take_a_live_claim(tmp_path: Path) -> None:
     job = running_job("srun -n1 sleep 60")
     try:
@@ -55,6 +56,7 @@ def test_a_second_step_of_the_same_allocation_does_not_take_a_live_claim(tmp_pat
         slurm.scancel(job)
 
 
+@pytest.mark.slurm
 def test_a_step_that_ended_leaves_its_claim_to_the_next_step(tmp_path: Path) -> None:
     job = running_job("srun -n1 true; srun -n1 sleep 60")
     try:
@@ -66,6 +68,7 @@ def test_a_step_that_ended_leaves_its_claim_to_the_next_step(tmp_path: Path) -> 
         slurm.scancel(job)
 
 
+@pytest.mark.slurm
 def test_silence_is_not_death(tmp_path: Path) -> None:
     require_slurm()
     # A job id Slurm has never heard of (another cluster's, or hidden by PrivateData): squeue

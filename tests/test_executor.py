@@ -20,7 +20,7 @@ import pytest
 
 import hpcdist
 from hpcdist.errors import ConfigError
-from tests.support.cli import REPO, require_slurm
+from tests.support.cli import REPO
 
 SLURM = {"site.launcher.args": []}  # the suite's usual: srun without --mpi=pmix
 
@@ -182,7 +182,6 @@ def test_local_job_ids_are_not_confused_with_a_later_process(tmp_path: Path) -> 
     from hpcdist.jobhandle import JobHandle
     from hpcdist.jobindex import find
 
-    require_slurm()  # keeps this module's cluster tests together; the job itself runs locally
     ex = hpcdist.Executor(site="local", tasks_per_node=1, time_min=5, set=storage(tmp_path))
     job = ex.submit(square, 5)
     assert job.result(timeout_s=180) == 25

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import threading
 from pathlib import Path
@@ -23,7 +24,7 @@ SLEEPER = "import time\nprint('sleeping now', flush=True)\ntime.sleep(900)\n"
 WAIT = 300  # other helpers' jobs share the machine and the cluster: generous
 
 
-@pytest.fixture(params=["local", "local-slurm"])
+@pytest.fixture(params=["local", pytest.param("local-slurm", marks=pytest.mark.slurm)])
 def place(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, Path]:
     """The site and a storage root its nodes see (the cluster's shared storage for Slurm)."""
     if request.param == "local-slurm":
@@ -224,10 +225,16 @@ def test_waiting_on_a_slurm_sweep_shows_each_tasks_training_step(slurm_storage: 
 
 def test_waiting_ends_when_the_job_left_the_queue_while_accounting_is_down(
         slurm_storage: Path, tmp_path: Path) -> None:
+    """Accounting down, and the job gone from the controller too (as once its MinJobAge has
+    passed: here squeue's rows of ended jobs are dropped)."""
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "sacct").write_text("#!/bin/sh\necho 'sacct: error: slurmdbd: connection refused' >&2\nexit 1\n")
-    (fake / "sacct").chmod(0o755)
+    ended = "|".join(("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL"))
+    (fake / "squeue").write_text(f"#!/bin/sh\nout=$({shutil.which('squeue')} \"$@\") || exit $?\n"
+                                 f"printf '%s\\n' \"$out\" | grep -Ev '\\|({ended})\\|'\nexit 0\n")
+    for name in ("sacct", "squeue"):
+        (fake / name).chmod(0o755)
     down = {"PATH": f"{fake}:{os.environ['PATH']}"}
     result = cli("submit", "jobs/smoke.yaml", "--site", "local-slurm", "--wait", *storage_sets(slurm_storage), env=down)
     jid = job_id(result.out)

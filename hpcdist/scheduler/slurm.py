@@ -125,12 +125,15 @@ def sacct_steps(job_id: str) -> list[str] | None:
 
 
 def squeue_rows(job_ids: Sequence[str]) -> dict[str, JobStatus] | None:
-    """The jobs Slurm still has in its queue (pending, running, completing), by job id; a job
-    not in the dict is not in the queue. None when squeue could not be asked: unknown, not empty."""
+    """The jobs slurmctld still holds, by job id: queued, running, and those that ended within its
+    ``MinJobAge`` (300 s by default) with their final state (``--states=all``), the controller's
+    own word while accounting may still be a step behind (a job just ended that sacct still
+    shows PENDING). A job not in the dict has left the controller. None when squeue could not be
+    asked: unknown, not empty."""
     check_job_ids(job_ids)
     if not job_ids:
         return {}
-    answer = run(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%j|%T|%M|%N|%r"])
+    answer = run(["squeue", "-h", "--states=all", "-j", ",".join(job_ids), "-o", "%i|%j|%T|%M|%N|%r"])
     if not answer.ok:
         return None
     rows = {}
@@ -322,8 +325,8 @@ class Watcher:
         return self.readings([job_id])[job_id]
 
     def _query(self, job_ids: list[str]) -> dict[str, Reading]:
-        """squeue for every job (the live word on a queued or running one), then sacct for the
-        ones the queue does not list (ended, or squeue could not be asked)."""
+        """squeue for every job (the controller's word on a queued, running or just ended one),
+        then sacct for the ones it no longer holds (or when squeue could not be asked)."""
         queue = squeue_rows(job_ids)
         rest = [j for j in job_ids if queue is None or j not in queue]
         accounted: dict[str, JobStatus] = {}

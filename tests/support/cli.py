@@ -65,8 +65,26 @@ def slurm_up() -> bool:
     return proc.returncode == 0 and all(states.get(n, "").startswith(up) for n in ("n1", "n2"))
 
 
+# The tests that use the cluster (marked ``slurm``, or using a fixture of SLURM_FIXTURES), filled at
+# collection (tests.support.fixtures): `make test` runs them one at a time in one group while the
+# rest run beside them, so one test's dead or cut node never hits another test's job.
+CLUSTER_TESTS: set[str] = set()
+SLURM_FIXTURES = ("slurm_storage", "slurm_storage_module", "separate_hosts")
+
+
 def require_slurm() -> None:
-    """Fail (under `make test`, HPCDIST_REQUIRE_SLURM=1) or skip (elsewhere) when the cluster is down."""
+    """Fail (under `make test`, HPCDIST_REQUIRE_SLURM=1) or skip (elsewhere) when the cluster is down.
+
+    A test that asks for the cluster must say so (``@pytest.mark.slurm`` or a fixture of
+    SLURM_FIXTURES): otherwise the parallel suite would run it beside the node-fault tests."""
+    running = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    current = running.split("@", 1)[0]
+    if current and current not in CLUSTER_TESTS:
+        pytest.fail(f"{current} uses the Slurm cluster but is not marked: add @pytest.mark.slurm "
+                    f"(tests.support.fixtures runs marked tests one at a time in the suite's cluster group)")
+    if current and os.environ.get("PYTEST_XDIST_WORKER") and not running.endswith("@cluster"):
+        pytest.fail(f"{current} runs beside other tests: pytest-xdist's --dist loadgroup did not group it "
+                    f"(pytest-xdist issue 1386, pytest 9.2 and later); install the dev extra's pytest<9.2")
     if not slurm_up():
         if os.environ.get("HPCDIST_REQUIRE_SLURM") == "1":
             pytest.fail("the local Slurm cluster is not up (make cluster-up)")

@@ -11,7 +11,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli import SHARED, require_slurm, storage_sets
+from tests.support.cli import CLUSTER_TESTS, SHARED, SLURM_FIXTURES, require_slurm, storage_sets
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that uses the Slurm cluster goes into one xdist group, ``cluster``: with `make
+    test`'s ``-n 2 --dist loadgroup`` they run one after another on one worker (a node killed or a
+    link cut by one test never hits another's job, and the 2-node tests keep n1 and n2 to
+    themselves), while the tests that need no cluster run on the other worker beside them."""
+    for item in items:
+        if item.get_closest_marker("slurm") is None and set(SLURM_FIXTURES) & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slurm)
+        if item.get_closest_marker("slurm") is not None:
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+            CLUSTER_TESTS.add(item.nodeid)
 
 
 @pytest.fixture(autouse=True)
