@@ -103,14 +103,16 @@ def history(jid: str) -> list[str]:
                           capture_output=True, text=True).stdout.split()
 
 
-def assert_ran_again_without(node: str, jid: str, result: Run, hosts: list[str]) -> dict[str, object]:
-    """COMPLETED on `hosts` after one NODE_FAIL, with `node` named as excluded; the result's attrs."""
+def assert_ran_again_without(node: str, jid: str, result: Run, hosts: list[str],
+                              file: Path | None = None) -> dict[str, object]:
+    """COMPLETED on `hosts` after one NODE_FAIL, with `node` named as excluded; the result's attrs
+    (the result `file` the submit printed, unless given)."""
     assert result.code == 0, result.text
     ranks = len(hosts)
     assert f"job {jid} finished: COMPLETED; {ranks}/{ranks} ranks succeeded" in result.out, result.out
     assert re.search(rf"ran again without node {node} \(died in run 1, ended \S+; excluded at ", result.out)
     assert history(jid) == ["NODE_FAIL", "COMPLETED"]
-    attrs = read_attrs(result_path(result.out))
+    attrs = read_attrs(file or result_path(result.out))
     assert attrs["excluded_nodes"] == node and attrs["hosts"] == hosts and attrs["world_size"] == ranks
     listed = json.loads(run_cli("jobs", "--json").out)
     assert next(j for j in listed if j["job_id"] == jid)["excluded"].startswith(f"{node} (died in run 1")
@@ -185,11 +187,13 @@ def run_script(root: Path, node: str, *sets: str, steps: int = 40) -> tuple[str,
     return jid, result, committed
 
 
-def assert_resumed_like_uninterrupted(result: Run, committed: str, steps: int, ranks: int) -> None:
-    attrs = read_attrs(result_path(result.out))
+def assert_resumed_like_uninterrupted(result: Run, committed: str, steps: int, ranks: int,
+                                      file: Path | None = None) -> None:
+    file = file or result_path(result.out)
+    attrs = read_attrs(file)
     step = int(committed.removeprefix("step_").removesuffix(".h5"))
     assert 10 <= step < steps and attrs["resumed_from"] == step and attrs["ran_with"] == ranks, (committed, attrs)
-    with h5py.File(result_path(result.out)) as f:
+    with h5py.File(file) as f:
         losses = read_table(f["loss"])["loss"].tolist()
     want = uninterrupted_losses(steps)
     assert len(losses) == steps and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(losses, want, strict=True))
@@ -284,8 +288,9 @@ def test_without_a_waiter_the_requeued_run_records_bounds_and_ends(four_nodes: P
     for root in roots.values():
         assert [(m.node, m.source) for m in health.marks(root / "scratch" / "node-health")] == [(dead, "node_failure")]
     result = run_cli("wait", goes_on, timeout=60)  # a waiter after the end: it only reads
-    assert_ran_again_without(dead, goes_on, result, ["n3" if dead == "n4" else "n4"])
-    assert_resumed_like_uninterrupted(result, committed, 40, 1)
+    file = roots["requeue"] / "results" / "elastic_sgd" / f"{goes_on}.h5"
+    assert_ran_again_without(dead, goes_on, result, ["n3" if dead == "n4" else "n4"], file)
+    assert_resumed_like_uninterrupted(result, committed, 40, 1, file)
     stopped = run_cli("wait", ends, timeout=60)
     assert stopped.code == 1 and f"job {ends} finished: FAILED" in stopped.out, stopped.text
     assert re.search(rf"cause: node {dead} died \(run 1 ended NODE_FAIL at \S+\); on_node_failure is fail, so this "
