@@ -33,8 +33,9 @@ health record (``hpcdist.store.health``), so later submissions keep off the node
 **Shrinking needs a waiter.** Without one nothing lowers a pending job's node count: the run
 cannot start to do it, Slurm has no setting that shrinks a requeued job by itself, and
 ``--nodes=MIN-MAX`` is not usable (above). A job with ``min_nodes`` and no spare free then waits
-in the queue (reason ``Resources``) until the node is back or another frees, at its own size;
-``hpcdist wait JOBID`` started at any time while it waits shrinks it. hpcdist starts no daemon
+in the queue at its own size (measured: ``ReqNodeNotAvail, UnavailableNodes:n3``, Slurm's hold
+released) until the node is back or another frees; ``hpcdist wait JOBID`` started at any time
+while it waits shrinks it (it ran again 3 s after such a late waiter started). hpcdist starts no daemon
 for this: a process left behind on a login node outlives the user's session only where the site
 allows it, and a second waiter beside the user's own would act on the job twice.
 """
