@@ -6,7 +6,10 @@ script runs when ``SLURM_RESTART_COUNT`` is above 0).
 - **What counts**: a run of the job that Slurm's accounting ended ``NODE_FAIL`` (``sacct
   --duplicates``: one record per start), and, of its nodes, those Slurm now says are down,
   drained or failing (``NodeStatus.dead``): sacct names the whole allocation, not the node that
-  died. A run is handled once: the job's record (``hpcdist.store.node_failures``) is keyed by run
+  died. A node that cannot reach slurmdbd (the local cluster's: ``AccountingStorageHost`` is
+  localhost; some sites' compute nodes) reads the earlier runs from the line the batch script
+  writes at each start into its output (``runs_from_output``): there a run with a node that is
+  dead now counts. A run is handled once: the job's record (``hpcdist.store.node_failures``) is keyed by run
   number, so a waiter and the run that both see the same failure record it once.
 - **The policy and the bound**: the spec's ``on_node_failure`` (``fail`` ends the job), and no more
   node-failure restarts than the site's ``preemption.max_requeues``.
@@ -18,8 +21,8 @@ Without a waiter nobody can exclude the node from the pending job or lower its n
 Slurm's requeue starts it on nodes that are not DOWN, at its own size, and this run's start
 records, marks and bounds it, or ends the run (``on_node_failure: fail``, or past the bound) with
 one line in the batch log (the log of rank 0), which the post-mortem reads back as the job's
-cause (``hpcdist.scheduler.postmortem.STOPPED``). Runs only on a Slurm site; a run that cannot ask Slurm goes on (the
-check never stops a job on a failure of its own).
+cause (``hpcdist.scheduler.postmortem.STOPPED``). Runs only on a Slurm site; a run that cannot
+ask Slurm goes on (the check never stops a job on a failure of its own).
 """
 
 from __future__ import annotations
