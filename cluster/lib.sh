@@ -116,8 +116,10 @@ slurmd_ok() { pid_alive "$STATE/run/slurmd-$1.pid" slurmd; }
 # mode); returns once its pid file names it. Not `ip netns exec`: that remounts /sys, and slurmd
 # then finds no cgroup filesystem.
 start_slurmd() {
+  # fds 3-9 closed: a caller under `flock /tmp/cluster.lock` holds the lock on one of them, and a
+  # daemon that inherits it keeps the lock held for as long as the node lives (every helper waits).
   nsenter --net="/run/netns/$(node_netns "$1")" unshare --uts setsid sh -c "hostname $1; $(supervised_slurmd "$1")" \
-    </dev/null >/dev/null 2>&1 &
+    </dev/null >/dev/null 2>&1 3>&- 4>&- 5>&- 6>&- 7>&- 8>&- 9>&- &
   # The daemon writes its pid file a moment later; the next node's check needs it.
   wait_for 10 slurmd_ok "$1"
 }

@@ -288,7 +288,7 @@ for n in "${NODES[@]}"; do
     if [[ $NET_MODE == netns ]]; then
       start_slurmd "$n" || fail "slurmd -N $n did not start" "$STATE/log/slurmd-$n.log"
     else
-      setsid sh -c "$(supervised_slurmd "$n")" </dev/null >/dev/null 2>&1 &
+      setsid sh -c "$(supervised_slurmd "$n")" </dev/null >/dev/null 2>&1 3>&- 4>&- 5>&- 6>&- 7>&- 8>&- 9>&- &
     fi
     # The forked daemon writes its pid file a moment later; the next node's check needs it.
     wait_for 10 slurmd_ok "$n" || fail "slurmd -N $n did not start" "$STATE/log/slurmd-$n.log"
