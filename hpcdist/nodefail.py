@@ -3,25 +3,41 @@
 One path. When a node stops answering, Slurm declares it DOWN after ``SlurmdTimeout`` and, as the
 site's ``JobRequeue`` and hpcdist's ``--requeue`` ask, requeues the job under the same id: the
 only actor left when the dead node was the head (the batch script, rank 0 and its store) is
-Slurm. hpcdist never resubmits a job for a node failure. A requeued job is held pending for about
-two minutes (Slurm's job credentials must expire: ``BeginTime``), and in that window the waiter
-(``submit --wait``, ``hpcdist wait``, ``JobHandle.wait``) acts on it once per failed run:
+Slurm. hpcdist never resubmits a job for a node failure. What a failure means (which node died,
+the policy, the bound ``preemption.max_requeues``, the records) is decided in one place,
+``hpcdist.runtime.node_failure``, for the two that act on it:
 
-- ``requeue``: the dead node (in the failed run's node list and, to Slurm, down or not
-  responding) is added to the pending job's ``ExcNodeList``, merged with what it excluded
-  already (the user's ``sbatch: {exclude: ...}`` among it). A job with ``resources.min_nodes``
-  that would not find as many live nodes as it asked for has its node and task counts lowered
-  (``NumNodes``, ``NumTasks``, ``NumCPUs``; its script exports the new task count): it runs on
-  the nodes that remain, at a smaller world size; with a spare free, or without ``min_nodes``,
-  at its own size (waiting for a node if need be). Not ``--nodes=MIN-MAX`` at submission: Slurm
-  sizes such a job's tasks by its minimum and may start it on the minimum at once. The failure is
-  recorded beside the result (``hpcdist.store.node_failures``) and in the site's node health
-  record (``hpcdist.store.health``).
-- ``fail``, or a job that has run again after node failures more often than the site's
-  ``preemption.max_requeues``: the pending job is cancelled, and the waiter says why.
+- **The waiter** (``submit --wait``, ``hpcdist wait``, ``JobHandle.wait``; this module), while
+  Slurm holds the requeued job pending (about two minutes: ``BeginTime``, until the old run's
+  job credentials expire), once per failed run. With ``requeue`` the dead node (in the failed
+  run's node list and, to Slurm, down or not responding) is added to the pending job's
+  ``ExcNodeList``, merged with what it excluded already (the user's ``sbatch: {exclude: ...}``
+  among it). A job with ``resources.min_nodes`` that would not find as many live nodes as it
+  asked for has its node and task counts lowered (``NumNodes``, ``NumTasks``, ``NumCPUs``; its
+  script exports the new task count): it runs on the nodes that remain, at a smaller world size;
+  with a spare free, or without ``min_nodes``, at its own size (waiting for a node if need be).
+  Not ``--nodes=MIN-MAX`` at submission: Slurm sizes such a job's tasks by its minimum and may
+  start it on the minimum at once. With ``fail``, or past the bound, the pending job is cancelled
+  and the waiter says why. A waiter started late (``hpcdist wait`` after the node died) acts the
+  same: Slurm's restart count, not having seen the job run, is its evidence.
+- **The requeued run itself**, on its head node before any rank starts (the batch script runs
+  ``python -m hpcdist.runtime.node_failure`` when ``SLURM_RESTART_COUNT`` is above 0): it records
+  the failure and marks the node, and ends the run with one line (``hpcdist: not run again:
+  ...``, the job's cause in ``hpcdist wait`` and ``hpcdist jobs``) under ``fail`` or past the
+  bound. A run a waiter already handled finds it recorded (the record is keyed by run number).
 
-Without a waiter, Slurm's requeue still runs the job again, on nodes other than the DOWN one,
-but nothing is excluded, recorded or bounded by hpcdist.
+Either way the failure goes into the job's record beside its result
+(``hpcdist.store.node_failures``; only when it runs again without the node) and the site's node
+health record (``hpcdist.store.health``), so later submissions keep off the node.
+
+**Shrinking needs a waiter.** Without one nothing lowers a pending job's node count: the run
+cannot start to do it, Slurm has no setting that shrinks a requeued job by itself, and
+``--nodes=MIN-MAX`` is not usable (above). A job with ``min_nodes`` and no spare free then waits
+in the queue at its own size (measured: ``ReqNodeNotAvail, UnavailableNodes:n3``, Slurm's hold
+released) until the node is back or another frees; ``hpcdist wait JOBID`` started at any time
+while it waits shrinks it (it ran again 3 s after such a late waiter started). hpcdist starts no daemon
+for this: a process left behind on a login node outlives the user's session only where the site
+allows it, and a second waiter beside the user's own would act on the job twice.
 """
 
 from __future__ import annotations
@@ -34,12 +50,11 @@ from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import HpcdistError
 from hpcdist.exclusions import user_exclude
-from hpcdist.jobs.registry import on_node_failure
+from hpcdist.runtime import node_failure
 from hpcdist.runtime.hostlist import expand_hostlist
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.states import JobState
 from hpcdist.store import node_failures
-from hpcdist.store.node_failures import NodeFailure
 
 log = logging.getLogger("hpcdist")
 
@@ -52,10 +67,10 @@ class NodeFailures:
 
     def __init__(self, job_id: str, spec: JobSpec, site: Site, paths: JobPaths) -> None:
         self.job_id, self.spec, self.site = job_id, spec, site
-        self.policy = on_node_failure(spec)
-        self.record = paths.node_failures
-        self.handled = {f.run for f in node_failures.read(self.record)}
+        self.paths = paths
+        self.handled = node_failure.handled(paths)
         self.ran = False
+        self.late = True  # not seen running yet: Slurm's restart count says whether it ran before
         self.cause = ""
         self.live_seen = ""
         self._checked = float("-inf")
@@ -65,7 +80,7 @@ class NodeFailures:
             self.ran = True
             return
         now = time.monotonic()
-        if self.cause or not self.ran or state not in (JobState.PENDING, JobState.REQUEUED):
+        if self.cause or not (self.ran or self.late) or state not in (JobState.PENDING, JobState.REQUEUED):
             return
         if now - self._checked < CHECK_EVERY_S:
             return
@@ -77,35 +92,21 @@ class NodeFailures:
 
     def _check(self) -> None:
         info = slurm.show_job(self.job_id)
-        if info is None or info.restarts == 0:
+        if info is None:
             return
-        runs = slurm.attempts(self.job_id)
-        if runs is None:
+        if info.restarts == 0:
+            self.late = False  # pending for its first run: nothing to do until it has run
             return
-        failed = [(n, run) for n, run in enumerate(runs, 1) if run.state == "NODE_FAIL"]
-        new = [(n, run) for n, run in failed if n not in self.handled]
-        if not new:
+        verdict = node_failure.assess(self.job_id, self.spec, self.site, self.handled)
+        if verdict is None or not verdict.runs:
             return
-        found: list[NodeFailure] = []
-        for n, run in new:
-            states = slurm.node_states(run.nodes)
-            if states is None:
-                return  # unknown: look again at the next poll
-            for node in sorted(k for k, v in states.items() if v.dead):
-                found.append(NodeFailure(node, run.end, n, time.time()))
-        names = ", ".join(dict.fromkeys(f.node for f in found)) or "a node (it answers again)"
-        run_words = ", ".join(f"run {n} ended NODE_FAIL at {run.end}" for n, run in new)
-        if self.policy == "fail":
-            return self._end(f"node {names} died ({run_words}); on_node_failure is fail, so Slurm's requeue "
-                             f"was cancelled (set on_node_failure: requeue to run again without it)")
-        limit = self.site.preemption.max_requeues
-        if len(failed) > limit:
-            return self._end(f"node {names} died ({run_words}): {len(failed)} node failures of this job, more "
-                             f"than the site's preemption.max_requeues={limit}, so Slurm's requeue was cancelled")
+        if verdict.stop:
+            self._record(verdict)
+            return self._end(verdict.stop_line("so Slurm's requeue was cancelled"))
         shrink = ""
-        if found:
+        if verdict.found:
             user = expand_hostlist(user_exclude(self.spec, self.site))
-            excluded = list(dict.fromkeys([*expand_hostlist(info.excluded), *user, *(f.node for f in found)]))
+            excluded = list(dict.fromkeys([*expand_hostlist(info.excluded), *user, *verdict.nodes]))
             update = {"ExcNodeList": ",".join(excluded)}
             required = expand_hostlist(info.required)
             if set(required) & set(excluded):  # the user's nodelist named the dead node: not any more
@@ -117,10 +118,9 @@ class NodeFailures:
                               NumCPUs=str(nodes * res.tasks_per_node * res.cpus_per_task))
                 shrink = f", on {nodes} of its {res.nodes} nodes ({self.live_seen})"
             slurm.update_job(self.job_id, **update)
-            node_failures.add(self.record, found)
-            _mark_bad(self.site, found, self.job_id)
-        self.handled.update(n for n, _ in new)
-        log.warning("job %s: node %s died (%s); it runs again without it%s", self.job_id, names, run_words, shrink)
+        self._record(verdict)
+        self.handled.update(verdict.runs)
+        log.warning("job %s: %s; it runs again without it%s", self.job_id, verdict.why, shrink)
 
     def _nodes_left(self, excluded: list[str], required: list[str]) -> int | None:
         """How many nodes the job runs on next when it may shrink (``resources.min_nodes``): all it
@@ -139,21 +139,13 @@ class NodeFailures:
         nodes = max(res.min_nodes, min(res.nodes, len(usable)))
         return nodes if nodes < res.nodes else None
 
+    def _record(self, verdict: node_failure.Verdict) -> None:
+        for problem in node_failure.record(verdict, self.job_id, self.site, self.paths):
+            log.warning("job %s: %s", self.job_id, problem)
+
     def _end(self, cause: str) -> None:
         self.cause = cause
         slurm.scancel(self.job_id)
-
-
-def _mark_bad(site: Site, found: list[NodeFailure], job_id: str) -> None:
-    """Into the site's node health record, so later submissions keep off the node too."""
-    from hpcdist.store import health
-
-    for f in found:
-        try:
-            health.mark(site, f.node, f"died under job {job_id} (run {f.run} ended NODE_FAIL at {f.when})",
-                        job_id, source="node_failure")
-        except (OSError, HpcdistError) as exc:
-            log.warning("could not mark %s in the node health record: %s", f.node, exc)
 
 
 def describe(paths: JobPaths) -> list[str]:

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from hpcdist.exclusions import Exclusions
 
 TEMPLATE = "sbatch.sh.j2"
+RESTART_CHECK = "hpcdist.runtime.node_failure"  # what the script runs before the launch of a requeued run
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _FLAG = re.compile(r"^[a-z][a-z0-9-]*$")
@@ -265,6 +266,10 @@ def render_script(spec: JobSpec, site: Site, origin: Origin, excluded: Exclusion
         # Slurm keeps the submission's task count in SLURM_NTASKS, which srun and mpirun read.
         "tasks_per_node": spec.resources.tasks_per_node if spec.resources.min_nodes else 0,
         "launch": [Shell(line) for line in launcher.command(plan).splitlines()],
+        # after a requeue: hpcdist.runtime.node_failure decides, once per run, whether it may go on
+        "python": plan.python,
+        "restart_check": RESTART_CHECK,
+        "folder": str(folder),
     }
     import jinja2
 

@@ -8,7 +8,9 @@ checkpoint on the nodes that remain. What a user checks: every step done, the de
 excluded in the summary and the result file, the ranks of the last run reported, and the same
 final loss as an uninterrupted continuation at the smaller world size. Slurm holds a requeued job
 for about two minutes (BeginTime); the tests start it once the node is excluded, as
-tests/support/train.py's preemption tests do. Only n3 and n4 are ever killed here (other tests
+tests/support/train.py's preemption tests do. Without a waiter, the requeued run's own start
+records and bounds the failure (and a late `hpcdist wait` acts as an early one would); those
+two tests kill one node for two checks each. Only n3 and n4 are ever killed here (other tests
 may run on n1 and n2), and they are revived after each test, even one that fails.
 """
 
@@ -28,10 +30,11 @@ import h5py
 import pytest
 import torch
 
+from hpcdist.store import health
 from hpcdist.store.results import read_attrs, read_table
 from tests.netfault import killed, revive
 from tests.support import train as fx
-from tests.support.cli import REPO, Run, result_path, run_cli, storage_sets
+from tests.support.cli import REPO, Run, job_id, result_path, run_cli, storage_sets
 from tests.support.train import (
     Background,
     ckpt_dir,
@@ -100,14 +103,16 @@ def history(jid: str) -> list[str]:
                           capture_output=True, text=True).stdout.split()
 
 
-def assert_ran_again_without(node: str, jid: str, result: Run, hosts: list[str]) -> dict[str, object]:
-    """COMPLETED on `hosts` after one NODE_FAIL, with `node` named as excluded; the result's attrs."""
+def assert_ran_again_without(node: str, jid: str, result: Run, hosts: list[str],
+                              file: Path | None = None) -> dict[str, object]:
+    """COMPLETED on `hosts` after one NODE_FAIL, with `node` named as excluded; the result's attrs
+    (the result `file` the submit printed, unless given)."""
     assert result.code == 0, result.text
     ranks = len(hosts)
     assert f"job {jid} finished: COMPLETED; {ranks}/{ranks} ranks succeeded" in result.out, result.out
     assert re.search(rf"ran again without node {node} \(died in run 1, ended \S+; excluded at ", result.out)
     assert history(jid) == ["NODE_FAIL", "COMPLETED"]
-    attrs = read_attrs(result_path(result.out))
+    attrs = read_attrs(file or result_path(result.out))
     assert attrs["excluded_nodes"] == node and attrs["hosts"] == hosts and attrs["world_size"] == ranks
     listed = json.loads(run_cli("jobs", "--json").out)
     assert next(j for j in listed if j["job_id"] == jid)["excluded"].startswith(f"{node} (died in run 1")
@@ -182,11 +187,13 @@ def run_script(root: Path, node: str, *sets: str, steps: int = 40) -> tuple[str,
     return jid, result, committed
 
 
-def assert_resumed_like_uninterrupted(result: Run, committed: str, steps: int, ranks: int) -> None:
-    attrs = read_attrs(result_path(result.out))
+def assert_resumed_like_uninterrupted(result: Run, committed: str, steps: int, ranks: int,
+                                      file: Path | None = None) -> None:
+    file = file or result_path(result.out)
+    attrs = read_attrs(file)
     step = int(committed.removeprefix("step_").removesuffix(".h5"))
     assert 10 <= step < steps and attrs["resumed_from"] == step and attrs["ran_with"] == ranks, (committed, attrs)
-    with h5py.File(result_path(result.out)) as f:
+    with h5py.File(file) as f:
         losses = read_table(f["loss"])["loss"].tolist()
     want = uninterrupted_losses(steps)
     assert len(losses) == steps and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(losses, want, strict=True))
@@ -223,21 +230,70 @@ def test_the_spec_keys_are_checked_and_rendered() -> None:
     assert "SLURM_NTASKS=" not in run_cli(*base).out  # a job of fixed size is rendered as before
 
 
-def test_a_job_that_asks_to_fail_is_not_run_again(four_nodes: Path) -> None:
-    """The python kind's default, on_node_failure: fail: Slurm's requeue is cancelled, and the
-    summary says which node died and why the job did not run again."""
-    job = Background(["submit", "--site", "local-slurm", "--wait", *storage_sets(four_nodes), "--set", "timeout_s=10",
-                      "--set", "resources.nodes=2", "--set", "sbatch.nodelist=n3,n4",
-                      "--", str(SCRIPT), "--steps", "400", "--every", "2", "--step-s", "0.25"])
-    try:
-        jid = job_of(job)
-        committed_step(job, four_nodes / "checkpoints" / "elastic_sgd" / "step_00000004.h5")
-        with killed("n4"):
-            result = job.finish(REQUEUED_WITHIN_S + 60)
-    finally:
-        job.kill()
+def submitted(root: Path, *sets: str, steps: int) -> str:
+    """elastic_sgd.py submitted WITHOUT waiting (nothing of hpcdist runs on the login side); its id."""
+    out = run_cli("submit", "--site", "local-slurm", *storage_sets(root), "--set", "timeout_s=10", *sets,
+                  "--", str(SCRIPT), "--steps", str(steps), "--every", "2", "--step-s", "0.25")
+    assert out.code == 0, out.text
+    return job_id(out.out)
+
+
+def requeued(jid: str) -> bool:
+    return queue_state(jid).startswith("PENDING") and "Restarts=1" in subprocess.run(
+        ["scontrol", "-o", "show", "job", jid], capture_output=True, text=True).stdout
+
+
+def test_a_waiter_started_after_the_death_cancels_a_job_that_asks_to_fail(four_nodes: Path) -> None:
+    """The python kind's default, on_node_failure: fail, and nobody waiting when the node dies:
+    `hpcdist wait` started once the job is back in the queue (Slurm's restart count is the
+    evidence) cancels Slurm's requeue and says which node died and why the job did not run again."""
+    jid = submitted(four_nodes, "--set", "resources.nodes=2", "--set", "sbatch.nodelist=n3,n4", steps=400)
+    wait_for(lambda: (four_nodes / "checkpoints" / "elastic_sgd" / "step_00000004.h5").exists(), 120,
+             "the checkpoint step_00000004.h5")
+    with killed("n4"):
+        wait_for(lambda: requeued(jid), REQUEUED_WITHIN_S, "the job requeued")
+        result = run_cli("wait", jid, timeout=60)
     assert result.code == 1, result.text
     assert f"job {jid} finished: NODE_FAIL" in result.out, result.out
     assert re.search(r"cause: node n4 died \(run 1 ended NODE_FAIL at \S+\); on_node_failure is fail, so Slurm's "
                      r"requeue was cancelled", result.out), result.out
     assert history(jid)[0] == "NODE_FAIL" and queue_state(jid) in ("", "CANCELLED None")  # not run again
+    assert [m.node for m in health.marks(four_nodes / "scratch" / "node-health")] == ["n4"]
+
+
+def test_without_a_waiter_the_requeued_run_records_bounds_and_ends(four_nodes: Path) -> None:
+    """Two jobs submitted without waiting share the node that dies (1 node each, Slurm packs them):
+    one asks to requeue, one to fail. Slurm requeues both onto the spare node; each run's own start
+    records the dead node in the site's health record, and then the first goes on (the job's record,
+    resumed from its checkpoint, COMPLETED) while the second ends before its ranks start, its one
+    line the cause a late `hpcdist wait` prints."""
+    roots = {policy: four_nodes / policy for policy in ("requeue", "fail")}
+    one_node = ("--set", "resources.nodes=1", "--set", "sbatch.exclude=n1,n2")
+    goes_on = submitted(roots["requeue"], *one_node, "--set", "on_node_failure=requeue", steps=40)
+    ends = submitted(roots["fail"], *one_node, steps=400)
+    ckpts = roots["requeue"] / "checkpoints" / "elastic_sgd"
+    wait_for(lambda: (ckpts / "step_00000010.h5").exists(), 120, "the checkpoint step_00000010.h5")
+    placed = {line for line in subprocess.run(["squeue", "-h", "-j", f"{goes_on},{ends}", "-o", "%T %N"],
+                                              capture_output=True, text=True).stdout.splitlines()}
+    assert placed in ({"RUNNING n3"}, {"RUNNING n4"}), f"the two jobs do not run together on one node: {placed}"
+    dead = placed.pop().split()[1]
+    with killed(dead):
+        wait_for(lambda: requeued(goes_on) and requeued(ends), REQUEUED_WITHIN_S, "both jobs requeued")
+        committed = (ckpts / "latest").read_text().split()[-1]
+        time.sleep(2)  # not within a second of the requeue (tests/support/train.py)
+        for jid in (goes_on, ends):
+            start_now(jid)
+        wait_for(lambda: not queue_state(goes_on) and not queue_state(ends), 90, "both jobs to end")  # dead till then
+    assert history(goes_on) == ["NODE_FAIL", "COMPLETED"] and history(ends) == ["NODE_FAIL", "FAILED"]
+    for root in roots.values():
+        assert [(m.node, m.source) for m in health.marks(root / "scratch" / "node-health")] == [(dead, "node_failure")]
+    result = run_cli("wait", goes_on, timeout=60)  # a waiter after the end: it only reads
+    file = roots["requeue"] / "results" / "elastic_sgd" / f"{goes_on}.h5"
+    assert_ran_again_without(dead, goes_on, result, ["n3" if dead == "n4" else "n4"], file)
+    assert_resumed_like_uninterrupted(result, committed, 40, 1, file)
+    stopped = run_cli("wait", ends, timeout=60)
+    assert stopped.code == 1 and f"job {ends} finished: FAILED" in stopped.out, stopped.text
+    assert re.search(rf"cause: node {dead} died \(run 1 ended NODE_FAIL at \S+\); on_node_failure is fail, so this "
+                     r"run ends before its ranks start \(set on_node_failure: requeue", stopped.out), stopped.out
+    log = (roots["fail"] / "logs" / "elastic_sgd" / ends / f"{ends}_0_log.err").read_text()
+    assert log.count("hpcdist: not run again: ") == 1 and "group ready" not in log.split("not run again")[1]

@@ -5,7 +5,8 @@ logged; the ranks that survive it report their transport's complaint ("Connectio
 peer"). What did happen is known to Slurm: sacct's steps (State, ExitCode ``code:signal``,
 DerivedExitCode, NodeList) and the lines srun and slurmstepd write into the batch log
 (``srun: error: n2: task 1: Killed``, ``*** STEP 7.0 ON n1 CANCELLED AT ... DUE TO NODE FAILURE ***``,
-``Detected 1 oom_kill event``), in the order things happened. The parsers are pure functions of
+``Detected 1 oom_kill event``), in the order things happened, and hpcdist's own line when a
+requeued run ended before its ranks started (``STOPPED``). The parsers are pure functions of
 that text; ``accounting`` asks the Slurm client (``scheduler.slurm``). Standard library only.
 """
 
@@ -68,6 +69,8 @@ _SRUN_WORDS = {
 _SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+?)\s*$")
 _EXIT = re.compile(r"exited with exit code (\d+)", re.IGNORECASE)
 _STEPD = re.compile(r"\*\*\* (?:STEP|JOB) [\d.]+ ON (\S+) CANCELLED AT \S+(?: DUE TO ([A-Z ]+?))?(?: \*\*\*|$)")
+# hpcdist's own line when a requeued run ends before its ranks start (hpcdist.runtime.node_failure)
+STOPPED = "hpcdist: not run again: "
 _OOM = re.compile(r"Detected \d+ oom[_-]kill events? in (?:StepId=)?\S+", re.IGNORECASE)
 
 
@@ -107,6 +110,12 @@ def job_event(log: str) -> str:
         if _OOM.search(line):
             return "out of memory (the kernel's OOM killer ended a task)"
     return ""
+
+
+def stopped(log: str) -> str:
+    """Why a requeued run ended before its ranks started, as it wrote it (``STOPPED``), or ""."""
+    lines = [line for line in log.splitlines() if line.startswith(STOPPED)]
+    return lines[-1].removeprefix(STOPPED).strip() if lines else ""
 
 
 def accounting(job_id: str) -> list[StepRecord]:
@@ -180,7 +189,7 @@ def ending(batch_log: str, records: list[StepRecord]) -> Ending:
     """Read srun's task lines and slurmstepd's events from the batch log, and the job's cause."""
     tasks = task_ends(batch_log)
     accounted, event = job_cause(records), job_event(batch_log)
-    cause = "; ".join(c for c in (accounted, event) if c)
+    cause = "; ".join(c for c in (stopped(batch_log), accounted, event) if c)
     return Ending({t.rank: t for t in tasks}, tasks[0] if tasks else None, cause)
 
 

@@ -164,6 +164,7 @@ class JobInfo:
     excluded: str = ""  # ExcNodeList as Slurm writes it (n[3-4]), "" for none
     required: str = ""  # ReqNodeList (the user's --nodelist), "" for none
     num_nodes: str = ""  # NumNodes: "4", or "3-4" while a job that may shrink is pending
+    submitted: str = ""  # SubmitTime; a requeue sets it: when the run before ended (2026-11-24T02:30:25)
 
 
 def show_job(job_id: str) -> JobInfo | None:
@@ -176,7 +177,8 @@ def show_job(job_id: str) -> JobInfo | None:
     try:
         excluded, required = (fields.get(k, "").replace("(null)", "") for k in ("ExcNodeList", "ReqNodeList"))
         return JobInfo(JobState.from_slurm(fields["JobState"]), fields["JobState"], int(fields.get("Restarts", "0")),
-                       excluded=excluded, required=required, num_nodes=fields.get("NumNodes", ""))
+                       excluded=excluded, required=required, num_nodes=fields.get("NumNodes", ""),
+                       submitted=fields.get("SubmitTime", ""))
     except (KeyError, ValueError):
         return None
 

@@ -1,8 +1,10 @@
 """The record of a job's node failures: which node died, when, in which run, and that the job ran
-again without it. ``hpcdist.nodefail`` (the waiter, on the login side) writes it when it excludes
-the node from the requeued job; the result file of the run that follows carries it
-(``hpcdist.store.results``), and ``submit --wait`` and ``hpcdist jobs`` show it. One small JSON
-file beside the job's result (``hpcdist.config.paths.node_failure_record``), replaced atomically.
+again without it. ``hpcdist.runtime.node_failure`` writes it, for the waiter on the login side
+(``hpcdist.nodefail``) when it excludes the node from the requeued job, or for the requeued run's
+own start on its head node when nobody waits (keyed by run: recorded once); the result file of
+the run that follows carries it (``hpcdist.store.results``), and ``submit --wait`` and ``hpcdist
+jobs`` show it. One small JSON file beside the job's result
+(``hpcdist.config.paths.node_failure_record``), replaced atomically.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class NodeFailure:
     node: str
     when: str  # when Slurm ended the run (its accounting's End, the cluster's local time)
     run: int  # which run of the job it ended (1: the first)
-    excluded_at: float  # seconds since the epoch: when hpcdist excluded it from the pending job
+    excluded_at: float  # seconds since the epoch: when hpcdist excluded it (the waiter) or recorded it (the run)
 
     def describe(self) -> str:
         stamp = time.strftime("%H:%M:%S", time.localtime(self.excluded_at))

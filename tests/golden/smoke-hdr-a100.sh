@@ -33,6 +33,14 @@ export SUBMITIT_PREEMPTION_SIGNAL=USR2
 export UCX_TLS=rc,sm,cuda_copy,cuda_ipc
 export SUBMITIT_EXECUTOR=slurm
 
+# ---- this run's nodes (its batch output is where a requeued run reads its earlier runs when it
+# ---- cannot read Slurm's accounting); a run Slurm requeued: its node failures recorded and
+# ---- bounded here, before any rank starts (hpcdist.runtime.node_failure)
+echo "hpcdist: run $((${SLURM_RESTART_COUNT:-0} + 1)) on ${SLURM_JOB_NODELIST} at $(date +%Y-%m-%dT%H:%M:%S)"
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
+  /opt/hpcdist/bin/python -m hpcdist.runtime.node_failure /p/project/myproject/hpcdist/logs/smoke/%j || exit $?
+fi
+
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME

@@ -35,6 +35,14 @@ HPCDIST_HEAD_ADDR=$(/opt/hpcdist/bin/python -m hpcdist.runtime.agent --address e
 HPCDIST_RDZV_PORT=$(/opt/hpcdist/bin/python -m hpcdist.runtime.agent --free-port) || exit 1
 export HPCDIST_HEAD_ADDR HPCDIST_RDZV_PORT
 
+# ---- this run's nodes (its batch output is where a requeued run reads its earlier runs when it
+# ---- cannot read Slurm's accounting); a run Slurm requeued: its node failures recorded and
+# ---- bounded here, before any rank starts (hpcdist.runtime.node_failure)
+echo "hpcdist: run $((${SLURM_RESTART_COUNT:-0} + 1)) on ${SLURM_JOB_NODELIST} at $(date +%Y-%m-%dT%H:%M:%S)"
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
+  /opt/hpcdist/bin/python -m hpcdist.runtime.node_failure /shared/ml-research/hpcdist/logs/smoke/%j || exit $?
+fi
+
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME
