@@ -127,12 +127,13 @@ start_slurmd() {
 # Slurm 22.05.8's slurmd aborted here once with heap corruption ("malloc(): unaligned fastbin
 # chunk", in unpack_msg) while launching two array tasks at once, and a node left down fails
 # every later test. A slurmd killed (nodefault.sh kill: SIGKILL) or stopped (down.sh: SIGTERM)
-# stays down, and the loop ends with it. For bash, which first closes every descriptor it was
-# given beyond 0-2: the loop lives as long as the node, and must not hold a caller's open file
-# (a `flock` lock taken around cluster-up would never be released).
+# stays down, and the loop ends with it. For bash. It works in the log folder, where a crash
+# leaves its core, and first closes every descriptor it was given beyond 0-2: it lives as long as
+# the node and must not hold a caller's open file (a `flock` lock taken around cluster-up would
+# never be released).
 supervised_slurmd() {
   local log="$STATE/log/slurmd-$1.log"
-  echo "for fd in /proc/\$\$/fd/*; do fd=\${fd##*/}; ((fd > 2)) && eval \"exec \$fd>&-\" 2>/dev/null; done;" \
+  echo "cd $STATE/log || exit 1; for fd in /proc/\$\$/fd/*; do fd=\${fd##*/}; ((fd > 2)) && eval \"exec \$fd>&-\" 2>/dev/null; done;" \
        "while :; do slurmd -D -N $1; rc=\$?; case \$rc in 134|135|136|139) ;; *) exit \$rc;; esac;" \
        "echo \"[cluster] \$(date -Is) slurmd -N $1 crashed (exit \$rc); started again\" >> $log; sleep 1; done"
 }
