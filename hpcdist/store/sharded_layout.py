@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from hpcdist.errors import CheckpointError
 from hpcdist.store.directory import checkpoint_name, step_of
-from hpcdist.store.tree import pool
+from hpcdist.store.tree import as_tensor, pool, typed
 
 LAYOUT_ATTR = "layout"  # root attribute of the index: "sharded"
 LAYOUT = "sharded"
@@ -33,9 +33,6 @@ SHARD_FORMAT = "hpcdist.checkpoint.shard"
 SUFFIX = ".shards"
 PURGE_MARK = ".purge-"  # a shard folder renamed for deletion in the background (`remove_orphans`)
 WINDOW_BYTES = 64 << 20  # chunks read ahead of their hashing, at most (or one chunk)
-# torch dtypes NumPy has; others (bfloat16, float8) are stored as their bytes (uint8, one more axis)
-_NUMPY_OK = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
-             torch.uint8, torch.bool, torch.complex64, torch.complex128}
 
 
 def shards_dir(directory: Path, step: int) -> Path:
@@ -56,9 +53,9 @@ class Chunk:
     rank: int  # the rank that wrote it
     dataset: str  # HDF5 path in that file
     offset: int  # byte offset of its contiguous data; -1: read it through HDF5
-    dtype: str  # NumPy dtype as stored
-    shape: tuple[int, ...]  # shape as stored
-    torch_dtype: str  # "" for bytes
+    dtype: str  # NumPy dtype as stored: a dtype NumPy lacks (bfloat16) as its bits (``hpcdist.store.tree``)
+    shape: tuple[int, ...]  # shape as stored: the tensor chunk's own
+    torch_dtype: str  # the chunk's torch dtype ("torch.bfloat16"); "" for bytes
     sha256: str
 
 
@@ -66,22 +63,16 @@ def _key(index: MetadataIndex) -> str:
     return index.fqn.replace("%", "%25").replace("/", "%2F")
 
 
-def _as_numpy(t: torch.Tensor) -> np.ndarray:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    if t.dtype in _NUMPY_OK:
-        return t.numpy()
-    return t.view(torch.uint8).numpy() if t.dim() else t.reshape(1).view(torch.uint8).numpy()
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A chunk to write: a contiguous CPU tensor (no copy when it is one already), which the store
+    writes in its one encoding (``hpcdist.store.tree``: a dtype NumPy lacks as its bits, with the
+    dataset attribute ``torch_dtype``, as in an unsharded checkpoint)."""
+    return t.detach().cpu().contiguous()
 
 
 def _as_tensor(arr: np.ndarray, chunk: Chunk, size: torch.Size) -> torch.Tensor:
-    t = torch.from_numpy(arr)
-    dtype = getattr(torch, chunk.torch_dtype.removeprefix("torch."))
-    if t.dtype != dtype:
-        t = t.reshape(-1).view(dtype)
-    return t.reshape(size)
+    """A chunk as read (the array HDF5 holds) as a tensor of its dtype and `size` (`tree.typed`)."""
+    return as_tensor(typed(arr, chunk.torch_dtype.removeprefix("torch."))).reshape(size)
 
 
 def _failure(exc: BaseException, what: str) -> CheckpointError:

@@ -34,7 +34,7 @@ from hpcdist.store.sharded_layout import (
     SUFFIX,
     WINDOW_BYTES,
     Chunk,
-    _as_numpy,
+    _host,
     _as_tensor,
     _key,
     _nbytes,
@@ -45,7 +45,7 @@ from hpcdist.store.sharded_layout import (
     remove_orphans,
     shards_dir,
 )
-from hpcdist.store.tree import hash_threads, pool, sha256_of
+from hpcdist.store.tree import hash_threads, pool, sha256_of, tensor_array
 
 # ---------------------------------------------------------------- writing
 
@@ -106,9 +106,10 @@ class ShardedWriter(StorageWriter):
                 tree["bytes"][_key(item.index)] = arr
                 where.append((item.index, f"/bytes/{_key(item.index)}", arr, ""))
             else:
-                arr = _as_numpy(data)
+                data = _host(data)
+                arr = tensor_array(data)  # as the store writes it (the bits of a bfloat16), no copy
                 offsets = "_".join(str(o) for o in item.index.offset or ()) or "0"
-                tree["tensors"].setdefault(_key(item.index), {})[offsets] = arr
+                tree["tensors"].setdefault(_key(item.index), {})[offsets] = data
                 where.append((item.index, f"/tensors/{_key(item.index)}/{offsets}", arr, str(data.dtype)))
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
