@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -177,3 +178,34 @@ def test_infer_gpt_generates_from_a_checkpoint_fsdp_wrote(fsdp: tuple[Path, GPT]
     whole.load_shard({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"})
     assert outputs == generate(whole, asked, Sampling(max_new_tokens=10, end_token=BYTES.eot_id)).tokens
     assert sum(map(len, outputs)) > 3 and outputs[0] != outputs[2]
+
+
+PROBE = """
+import contextlib, io, json, sys
+from hpcdist.cli import main
+err = io.StringIO()
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+    code = main(sys.argv[1:])
+print(json.dumps({"code": code, "err": err.getvalue(), "torch": "torch" in sys.modules}))
+"""
+
+
+def test_the_login_side_checks_an_infer_spec_against_a_sharded_checkpoint_without_torch(
+        fsdp: tuple[Path, GPT], tmp_path: Path) -> None:
+    """`hpcdist render` (and `submit`) read the index's metadata as JSON: a spec whose model differs
+    is refused in one line naming the difference, and torch is never imported."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.support.cli import REPO
+
+    (tmp_path / "prompts.txt").write_text("hello\n")
+    sets = ["--set", f"params.checkpoint={fsdp[0].parent}", "--set", f"params.prompts={tmp_path / 'prompts.txt'}"]
+    for extra, code in (([], 0), (["--set", "params.model.n_layer=3"], 1)):
+        proc = subprocess.run([sys.executable, "-c", PROBE, "render", "jobs/infer_gpt.yaml", "--site", "local",
+                               *sets, *extra], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                              capture_output=True, text=True, timeout=120, check=True)
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert (out["code"] != 0) == bool(code) and not out["torch"], out
+    assert "n_layer: spec 3 vs checkpoint 2" in out["err"] and out["err"].count("\n") == 1
