@@ -96,15 +96,19 @@ def load_broadcast(
         except CheckpointError as exc:
             error = str(exc)
     read_s = time.perf_counter() - t0
-    box: list[Any] = [error]
+    digests = None  # a sharded checkpoint has a sha256 per chunk, none per tensor: rank 0's of what it verified
+    if header.sharded and params.verify_received and state is not None:
+        digests = {k: sha256_of(tensor_array(state[k])) for k in header.shapes}
+    box: list[Any] = [error, digests]
     dist.broadcast_object_list(box, src=0, device=ctx.device if ctx.device.type == "cuda" else None)
     if box[0]:
         raise CheckpointError(f"rank 0 could not read the checkpoint: {box[0]}")
+    digests = box[1] or header.sha256
     full, stats = broadcast_state(state, ctx.device, bucket_bytes=int(params.bucket_mb * (1 << 20)), meta=meta,
                                   buffer=buffer)
     wrong = 0
     if params.verify_received:
-        wrong = sum(sha256_of(tensor_array(full[k])) != header.sha256[k] for k in header.shapes)
+        wrong = sum(sha256_of(tensor_array(full[k])) != digests[k] for k in header.shapes)
         flag = torch.tensor([float(wrong)], device=ctx.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() > 0:

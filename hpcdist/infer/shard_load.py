@@ -15,7 +15,8 @@ Megatron-style split of a block across ``tp`` ranks:
 
 The same plan slices an in-memory state (after a broadcast) and an HDF5 dataset (shard reads),
 so both paths give the same tensors on each rank, in the checkpoint's dtype (bfloat16 read as
-its bits and viewed as bfloat16, as the store does: `hpcdist.store.tree.typed`).
+its bits and viewed as bfloat16, as the store does: `hpcdist.store.tree.typed`). From a sharded
+checkpoint (FSDP's) the plan's slices are read from the saved chunks they overlap.
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ def read_shard(header: CheckpointHeader, tp_rank: int, tp: int, rank: int, world
     """
     import h5py
 
+    if header.pieces is not None:
+        return _read_shard_of_chunks(header, tp_rank, tp, rank, world_size)
     state: dict[str, Any] = {}
     verified: list[str] = []
     bad: list[str] = []
@@ -158,3 +161,86 @@ def read_shard(header: CheckpointHeader, tp_rank: int, tp: int, rank: int, world
                 if not verify_streaming(header, key):
                     bad.append(key)
     return ShardRead(state=state, bytes_read=nbytes, verified=verified, bad=bad)
+
+
+Region = list[tuple[int, int]]  # per dimension, [start, stop)
+
+
+def verifiers(header: CheckpointHeader, world_size: int) -> dict[tuple[str, tuple[int, ...]], int]:
+    """The rank that verifies each chunk of a sharded checkpoint, (tensor, chunk offsets) -> rank:
+    largest chunks first, each to the rank with the fewest bytes so far (the same on every rank)."""
+    assert header.pieces is not None
+    chunks = [(int(np.prod(p.sizes)), key, p.offsets) for key, ps in header.pieces.items() for p in ps]
+    load = [0] * world_size
+    out: dict[tuple[str, tuple[int, ...]], int] = {}
+    for size, key, offsets in sorted(chunks, key=lambda c: (-c[0], c[1], c[2])):
+        rank = min(range(world_size), key=lambda r: load[r])
+        load[rank] += size
+        out[key, offsets] = rank
+    return out
+
+
+def _read_shard_of_chunks(header: CheckpointHeader, tp_rank: int, tp: int, rank: int,
+                          world_size: int) -> ShardRead:
+    """`read_shard` of a sharded checkpoint (FSDP's): each tensor's part `tp_rank` holds is read
+    from the chunks it overlaps, only those bytes (an HDF5 hyperslab). Each chunk has its own
+    sha256, and each is verified by one rank (`verifiers`), which reads it whole with one
+    ``os.preadv`` and takes its own part from that read; so across the ranks every chunk is
+    verified once and no rank holds more than its shard plus one chunk."""
+    import h5py
+
+    from hpcdist.store.sharded_layout import folder_of, read_chunk
+
+    assert header.pieces is not None
+    folder = folder_of(header.path)
+    mine = {c for c, r in verifiers(header, world_size).items() if r == rank}
+    state: dict[str, Any] = {}
+    verified: list[str] = []
+    bad: list[str] = []
+    nbytes = 0
+    files: dict[str, h5py.File] = {}
+    try:
+        for key, shape in header.shapes.items():
+            pieces = header.pieces[key]
+            plan = shard_plan(key, header.config, tp_rank, tp)
+            dim, ranges = plan if plan is not None else (0, [(0, shape[0])])
+            out_shape = list(shape)
+            out_shape[dim] = sum(b - a for a, b in ranges)
+            out = np.empty(out_shape, dtype=np.dtype(pieces[0].chunk.dtype))
+            for piece in pieces:
+                whole = None
+                if (key, piece.offsets) in mine:
+                    whole = read_chunk(folder, piece.chunk, f"tensor {MODEL_GROUP}.{key}")
+                    nbytes += whole.nbytes
+                    verified.append(f"{key} {list(piece.offsets)}")
+                    if sha256_of(whole) != piece.chunk.sha256:
+                        bad.append(key)
+                at = 0  # where this range starts in `out` along `dim`
+                for a, b in ranges:
+                    want = [(0, n) for n in shape]
+                    want[dim] = (a, b)
+                    part = _overlap(want, piece.offsets, piece.sizes)
+                    if part is not None:
+                        src = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(part, piece.offsets, strict=True))
+                        dst = [slice(lo, hi) for lo, hi in part]
+                        dst[dim] = slice(at + part[dim][0] - a, at + part[dim][1] - a)
+                        if whole is not None:
+                            out[tuple(dst)] = whole[src]
+                        else:
+                            if piece.chunk.file not in files:
+                                files[piece.chunk.file] = h5py.File(folder / piece.chunk.file, "r")
+                            block = files[piece.chunk.file][piece.chunk.dataset][src]
+                            nbytes += block.nbytes
+                            out[tuple(dst)] = block
+                    at += b - a
+            state[key] = as_tensor(typed(out, header.dtypes[key]))
+    finally:
+        for f in files.values():
+            f.close()
+    return ShardRead(state=state, bytes_read=nbytes, verified=verified, bad=sorted(set(bad)))
+
+
+def _overlap(want: Region, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Region | None:
+    """The part of region `want` that the chunk at `offsets` of `sizes` holds, in tensor coordinates."""
+    part = [(max(lo, o), min(hi, o + n)) for (lo, hi), o, n in zip(want, offsets, sizes, strict=True)]
+    return None if any(lo >= hi for lo, hi in part) else part

@@ -27,14 +27,14 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcdist.store import checkpoints, discovery
 from hpcdist.store import directory as layout
 from hpcdist.store.rawio import snapshot
-from hpcdist.store.tree import Tree
+from hpcdist.store.tree import Tree, pool
 
 if TYPE_CHECKING:
     from hpcdist.store.claim import Claim, Holder
@@ -58,7 +58,6 @@ class CheckpointStore:
         self.report = report or log.warning
         self.run_id: str | None = None  # the run this store writes for, once known
         self._pending: Future[checkpoints.SaveStats] | None = None
-        self._writer: ThreadPoolExecutor | None = None
         self._spare: Tree | None = None  # the last snapshot, once written: its arrays are reused
         self._claim: Claim | None = None  # this store's claim on the directory: checked before each commit
 
@@ -144,9 +143,8 @@ class CheckpointStore:
         run_id = self._run()
         copied = snapshot(state, self._spare)
         self._spare = None
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcdist-checkpoint")
-        self._pending = self._writer.submit(self._write, step, copied, epoch, dict(attrs or {}), run_id)
+        # the store's one background-save thread (`tree.pool`): a store made per run leaks no thread
+        self._pending = pool("save", 1).submit(self._write, step, copied, epoch, dict(attrs or {}), run_id)
 
     def _write(self, step: int, state: Tree, epoch: int, attrs: dict[str, Any], run_id: str) -> checkpoints.SaveStats:
         stats = self._save(step, state, epoch, attrs, run_id)  # not `save`: it waits for this very thread

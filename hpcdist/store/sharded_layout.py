@@ -1,8 +1,15 @@
 """The layout of a sharded checkpoint (``hpcdist.store.sharded``): names, the per-chunk record
-(`Chunk`), dtypes as stored, the index's metadata as JSON (never a pickle), and retention of shard folders."""
+(`Chunk`), dtypes as stored, the index's metadata as JSON (never a pickle), reading one chunk,
+and retention of shard folders.
+
+torch is imported only where DCP's objects are made (`metadata_from_json`, `metadata_to_json`):
+the index read as plain records (`read_index`, `tensors_of`) is what a login node checks an
+inference spec against, without torch.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -10,22 +17,17 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
 from hpcdist.errors import CheckpointError
 from hpcdist.store.directory import checkpoint_name, step_of
-from hpcdist.store.tree import pool
+from hpcdist.store.tree import as_tensor, pool, typed
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 LAYOUT_ATTR = "layout"  # root attribute of the index: "sharded"
 LAYOUT = "sharded"
@@ -33,9 +35,6 @@ SHARD_FORMAT = "hpcdist.checkpoint.shard"
 SUFFIX = ".shards"
 PURGE_MARK = ".purge-"  # a shard folder renamed for deletion in the background (`remove_orphans`)
 WINDOW_BYTES = 64 << 20  # chunks read ahead of their hashing, at most (or one chunk)
-# torch dtypes NumPy has; others (bfloat16, float8) are stored as their bytes (uint8, one more axis)
-_NUMPY_OK = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
-             torch.uint8, torch.bool, torch.complex64, torch.complex128}
 
 
 def shards_dir(directory: Path, step: int) -> Path:
@@ -56,32 +55,107 @@ class Chunk:
     rank: int  # the rank that wrote it
     dataset: str  # HDF5 path in that file
     offset: int  # byte offset of its contiguous data; -1: read it through HDF5
-    dtype: str  # NumPy dtype as stored
-    shape: tuple[int, ...]  # shape as stored
-    torch_dtype: str  # "" for bytes
+    dtype: str  # NumPy dtype as stored: a dtype NumPy lacks (bfloat16) as its bits (``hpcdist.store.tree``)
+    shape: tuple[int, ...]  # shape as stored: the tensor chunk's own
+    torch_dtype: str  # the chunk's torch dtype ("torch.bfloat16"); "" for bytes
     sha256: str
+
+
+def folder_of(index: Path) -> Path:
+    """The shard folder of the committed index file `index` (``step_*.h5``)."""
+    return index.with_name(index.name.removesuffix(".h5") + SUFFIX)
+
+
+def read_index(index: Path) -> tuple[dict[str, Any], str]:
+    """The root attributes and the metadata JSON of the sharded checkpoint `index`, its format,
+    version and the JSON's own sha256 checked (the index's small groups verified as any checkpoint's)."""
+    from hpcdist.store import checkpoints
+
+    loaded = checkpoints.read(index, groups=("sharded",))  # format and version checked
+    if not is_sharded(loaded.attrs):
+        raise CheckpointError(f"{index}: not a sharded checkpoint (no {LAYOUT_ATTR} = {LAYOUT!r}); "
+                              "read it with hpcdist.store.read")
+    group = loaded.tree.get("sharded", {})
+    text = str(group.get("metadata_json", ""))
+    if hashlib.sha256(text.encode()).hexdigest() != group.get("metadata_sha256"):
+        raise CheckpointError(f"{index}: its metadata_json does not match its metadata_sha256; corrupt")
+    return loaded.attrs, text
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One saved chunk of a tensor: where in the tensor (`offsets`, `sizes`) and where on disk."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    chunk: Chunk
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a sharded checkpoint as its index records it, read without torch."""
+
+    dtype: str  # torch's name without its prefix: "float32", "bfloat16"
+    size: tuple[int, ...]
+    pieces: list[Piece]
+
+
+def tensors_of(text: str, prefix: str = "") -> dict[str, TensorEntry]:
+    """The tensors of an index's metadata JSON whose name starts with `prefix` (removed from the
+    keys), each with its chunks in order: what `metadata_from_json` gives DCP, as plain records."""
+    data = json.loads(text)
+    pieces: dict[str, list[Piece]] = {}
+    for fqn, offset, _, c in data["chunks"]:
+        if fqn.startswith(prefix) and fqn in data["tensors"] and offset is not None:
+            sizes = next(s for o, s in data["tensors"][fqn]["chunks"] if o == offset)
+            pieces.setdefault(fqn, []).append(Piece(tuple(offset), tuple(sizes),
+                                                    Chunk(**{**c, "shape": tuple(c["shape"])})))
+    return {fqn.removeprefix(prefix): TensorEntry(t["dtype"].removeprefix("torch."), tuple(t["size"]),
+                                                  sorted(pieces.get(fqn, []), key=lambda p: p.offsets))
+            for fqn, t in data["tensors"].items() if fqn.startswith(prefix)}
+
+
+def read_chunk(folder: Path, chunk: Chunk, what: str, into: np.ndarray | None = None) -> np.ndarray:
+    """One chunk's bytes as stored (into `into`, a byte view of its destination, when given), not
+    yet verified: one ``os.preadv`` at its offset (through HDF5 for an empty one). `what` names it
+    in errors ("tensor model.wte.weight")."""
+    path = folder / chunk.file
+    try:
+        if chunk.offset >= 0:
+            arr = into if into is not None else np.empty(chunk.shape, dtype=np.dtype(chunk.dtype))
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                got = os.preadv(fd, [arr.reshape(-1).view(np.uint8).data], chunk.offset) if arr.nbytes else 0
+            finally:
+                os.close(fd)
+            if got != arr.nbytes:
+                raise CheckpointError(f"{path}: {what} (written by rank {chunk.rank}) lies past the end "
+                                      f"of the file; truncated (read by rank {_rank()})")
+        else:
+            import h5py
+
+            with h5py.File(path, "r") as f:
+                arr = np.asarray(f[chunk.dataset][()])
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read {what} (written by rank {chunk.rank}): "
+                              f"{exc.strerror or exc} (read by rank {_rank()})") from exc
+    return arr
 
 
 def _key(index: MetadataIndex) -> str:
     return index.fqn.replace("%", "%25").replace("/", "%2F")
 
 
-def _as_numpy(t: torch.Tensor) -> np.ndarray:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    if t.dtype in _NUMPY_OK:
-        return t.numpy()
-    return t.view(torch.uint8).numpy() if t.dim() else t.reshape(1).view(torch.uint8).numpy()
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A chunk to write: a contiguous CPU tensor (no copy when it is one already), which the store
+    writes in its one encoding (``hpcdist.store.tree``: a dtype NumPy lacks as its bits, with the
+    dataset attribute ``torch_dtype``, as in an unsharded checkpoint)."""
+    return t.detach().cpu().contiguous()
 
 
 def _as_tensor(arr: np.ndarray, chunk: Chunk, size: torch.Size) -> torch.Tensor:
-    t = torch.from_numpy(arr)
-    dtype = getattr(torch, chunk.torch_dtype.removeprefix("torch."))
-    if t.dtype != dtype:
-        t = t.reshape(-1).view(dtype)
-    return t.reshape(size)
+    """A chunk as read (the array HDF5 holds) as a tensor of its dtype and `size` (`tree.typed`)."""
+    return as_tensor(typed(arr, chunk.torch_dtype.removeprefix("torch."))).reshape(size)
 
 
 def _failure(exc: BaseException, what: str) -> CheckpointError:
@@ -130,6 +204,8 @@ def purge_wait() -> None:
 
 
 def metadata_to_json(md: Metadata) -> str:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     tensors, plain = {}, []
     for fqn, meta in md.state_dict_metadata.items():
         if isinstance(meta, TensorStorageMetadata):
@@ -148,6 +224,16 @@ def metadata_to_json(md: Metadata) -> str:
 
 
 def metadata_from_json(text: str) -> Metadata:
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
     data = json.loads(text)
     sd: dict[str, Any] = {
         fqn: TensorStorageMetadata(TensorProperties(dtype=getattr(torch, t["dtype"].removeprefix("torch."))),
@@ -169,6 +255,12 @@ def _nbytes(chunk: Chunk) -> int:
 
 
 def _rank() -> int:
+    """This process's rank in the default group (0 without one); torch.distributed only where
+    torch is already loaded (a login node reads chunks without it)."""
+    import sys
+
+    if "torch.distributed" not in sys.modules:
+        return 0
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -31,21 +31,22 @@ from hpcdist.store.sharded_layout import (
     LAYOUT,
     LAYOUT_ATTR,
     SHARD_FORMAT,
-    SUFFIX,
     WINDOW_BYTES,
     Chunk,
-    _as_numpy,
     _as_tensor,
+    _host,
     _key,
     _nbytes,
     _rank,
-    is_sharded,
+    folder_of,
     metadata_from_json,
     metadata_to_json,
+    read_chunk,
+    read_index,
     remove_orphans,
     shards_dir,
 )
-from hpcdist.store.tree import hash_threads, pool, sha256_of
+from hpcdist.store.tree import hash_threads, pool, sha256_of, tensor_array
 
 # ---------------------------------------------------------------- writing
 
@@ -106,9 +107,10 @@ class ShardedWriter(StorageWriter):
                 tree["bytes"][_key(item.index)] = arr
                 where.append((item.index, f"/bytes/{_key(item.index)}", arr, ""))
             else:
-                arr = _as_numpy(data)
+                data = _host(data)
+                arr = tensor_array(data)  # as the store writes it (the bits of a bfloat16), no copy
                 offsets = "_".join(str(o) for o in item.index.offset or ()) or "0"
-                tree["tensors"].setdefault(_key(item.index), {})[offsets] = arr
+                tree["tensors"].setdefault(_key(item.index), {})[offsets] = data
                 where.append((item.index, f"/tensors/{_key(item.index)}/{offsets}", arr, str(data.dtype)))
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -176,7 +178,7 @@ class ShardedReader(StorageReader):
         super().__init__()
         self.group, self.split = process_group, split
         self.index = Path(index)
-        self.folder = self.index.with_name(self.index.name.removesuffix(".h5") + SUFFIX)
+        self.folder = folder_of(self.index)
         self.attrs: dict[str, Any] = {}
         self._metadata: Metadata | None = None
         self.bytes_read = self.bytes_hashed = 0  # by this rank
@@ -187,15 +189,7 @@ class ShardedReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
-            loaded = checkpoints.read(self.index)  # format and version checked
-            if not is_sharded(loaded.attrs):
-                raise CheckpointError(f"{self.index}: not a sharded checkpoint (no {LAYOUT_ATTR} = {LAYOUT!r}); "
-                                      "read it with hpcdist.store.read")
-            group = loaded.tree.get("sharded", {})
-            text = str(group.get("metadata_json", ""))
-            if hashlib.sha256(text.encode()).hexdigest() != group.get("metadata_sha256"):
-                raise CheckpointError(f"{self.index}: its metadata_json does not match its metadata_sha256; corrupt")
-            self.attrs = loaded.attrs
+            self.attrs, text = read_index(self.index)
             self._metadata = metadata_from_json(text)
         return self._metadata
 
@@ -314,26 +308,7 @@ class ShardedReader(StorageReader):
 
     def _read_chunk(self, chunk: Chunk, fqn: str, into: np.ndarray | None = None) -> np.ndarray:
         """One chunk's bytes (into `into`, a byte view of its target, when given), not yet verified."""
-        path = self.folder / chunk.file
-        try:
-            if chunk.offset >= 0:
-                arr = into if into is not None else np.empty(chunk.shape, dtype=np.dtype(chunk.dtype))
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    got = os.preadv(fd, [arr.reshape(-1).view(np.uint8).data], chunk.offset) if arr.nbytes else 0
-                finally:
-                    os.close(fd)
-                if got != arr.nbytes:
-                    raise CheckpointError(f"{path}: tensor {fqn} (written by rank {chunk.rank}) lies past the end "
-                                          f"of the file; truncated (read by rank {_rank()})")
-            else:
-                import h5py
-
-                with h5py.File(path, "r") as f:
-                    arr = np.asarray(f[chunk.dataset][()])
-        except OSError as exc:
-            raise CheckpointError(f"{path}: cannot read tensor {fqn} (written by rank {chunk.rank}): "
-                                  f"{exc.strerror or exc} (read by rank {_rank()})") from exc
+        arr = read_chunk(self.folder, chunk, f"tensor {fqn}", into)
         self.bytes_read += arr.nbytes
         return arr
 

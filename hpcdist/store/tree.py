@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +54,12 @@ def pool(name: str, workers: int, initializer: Callable[[], None] | None = None)
     """The process's thread pool `name`, made at first use and kept: starting threads at every save
     and load cost 2-8 ms each on 2 busy cores (a new thread waits for a time slice before
     ``start`` returns), several per save. Its tasks never wait on the same pool; callers wait
-    for every future they submitted, errors included, before they return."""
+    for every future they submitted, errors included, before they return.
+
+    Every thread of the store is one of these: ``hash`` (verifying reads: `read_tree`,
+    ``rawio.read_indexed``, the sharded reader), ``hash-low`` (hashing beside a write, at a lower
+    priority), ``write`` (the raw writer), ``save`` (a background save, ``CheckpointStore.save_async``)
+    and ``purge`` (deleting pruned shard folders)."""
     found = _POOLS.get(name)
     if found is None:
         found = _POOLS[name] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"hpcdist-{name}",
@@ -240,19 +245,19 @@ class ChecksumError(CheckpointError):
 Check = tuple[str, "Future[str] | None", str]  # dataset name, its hash being computed, the recorded hash
 
 
-def _read_group(group: h5py.Group, pool: ThreadPoolExecutor | None, checks: list[Check]) -> tuple[Tree, int]:
+def _read_group(group: h5py.Group, hashing: ThreadPoolExecutor | None, checks: list[Check]) -> tuple[Tree, int]:
     import h5py
 
     out: Tree = {k: plain(v) for k, v in group.attrs.items()}
     nbytes = 0
     for key, item in group.items():
         if isinstance(item, h5py.Group):
-            out[key], n = _read_group(item, pool, checks)
+            out[key], n = _read_group(item, hashing, checks)
             nbytes += n
             continue
         arr = np.asarray(item[()])
         nbytes += arr.nbytes
-        digest = pool.submit(sha256_of, arr) if pool is not None else None
+        digest = hashing.submit(sha256_of, arr) if hashing is not None else None
         checks.append((item.name, digest, str(plain(item.attrs.get("sha256", "")))))
         dtype = plain(item.attrs.get(DTYPE_ATTR, ""))
         out[key] = typed(arr, str(dtype)) if dtype else arr
@@ -267,11 +272,14 @@ def read_tree(groups: Mapping[str, h5py.Group], *, verify: bool, where: object) 
     tree: Tree = {}
     nbytes = 0
     checks: list[Check] = []
-    with ThreadPoolExecutor(max_workers=hash_threads()) as pool:
+    hashing = pool("hash", hash_threads()) if verify else None  # the store's one hashing pool (`pool`)
+    try:
         for name, group in groups.items():
-            tree[name], n = _read_group(group, pool if verify else None, checks)
+            tree[name], n = _read_group(group, hashing, checks)
             nbytes += n
         check_digests(checks, verify=verify, where=where)
+    finally:  # nothing of this call still hashing when it returns, failed or not
+        wait([digest for _, digest, _ in checks if digest is not None])
     return tree, nbytes
 
 

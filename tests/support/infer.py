@@ -81,3 +81,29 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 1
                 if p.is_alive():
                     p.kill()
     return [results[r] for r in range(world)]
+
+
+def _save_fsdp(rank: int, world: int, directory: str, cfg: GPTConfig, seed: int, step: int) -> None:
+    """`make_model(cfg, seed)` sharded by FSDP2 over `world` ranks (every block, then the root, as
+    train_gpt does) and saved as train_gpt saves it: model and optimizer, every rank its own shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hpcdist.model.checkpoint import model_attrs
+    from hpcdist.store import sharded
+    from hpcdist.train.parallel import checkpoint_state
+
+    model = make_model(cfg, seed)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters())
+    sharded.save(Path(directory), step, checkpoint_state(model, opt, cfg.tied), attrs=model_attrs(cfg))
+
+
+def make_sharded_checkpoint(directory: Path, cfg: GPTConfig = TINY, seed: int = 0, step: int = 3,
+                            world: int = 2) -> tuple[Path, GPT]:
+    """A sharded checkpoint of `make_model(cfg, seed)` as FSDP2 at `world` ranks writes it: (its index, the model)."""
+    run_ranks(world, _save_fsdp, str(directory), cfg, seed, step)
+    return directory / f"step_{step:08d}.h5", make_model(cfg, seed)
