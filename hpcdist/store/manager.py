@@ -144,7 +144,7 @@ class CheckpointStore:
         copied = snapshot(state, self._spare)
         self._spare = None
         # the store's one background-save thread (`tree.pool`): a store made per run leaks no thread
-        self._pending = pool("save", 1).submit(self._write, step, copied, epoch, dict(attrs or {}), run_id)
+        self._pending = pool("checkpoint", 1).submit(self._write, step, copied, epoch, dict(attrs or {}), run_id)
 
     def _write(self, step: int, state: Tree, epoch: int, attrs: dict[str, Any], run_id: str) -> checkpoints.SaveStats:
         stats = self._save(step, state, epoch, attrs, run_id)  # not `save`: it waits for this very thread

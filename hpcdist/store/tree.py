@@ -58,7 +58,8 @@ def pool(name: str, workers: int, initializer: Callable[[], None] | None = None)
 
     Every thread of the store is one of these: ``hash`` (verifying reads: `read_tree`,
     ``rawio.read_indexed``, the sharded reader), ``hash-low`` (hashing beside a write, at a lower
-    priority), ``write`` (the raw writer), ``save`` (a background save, ``CheckpointStore.save_async``)
+    priority), ``write`` (the raw writer), ``checkpoint`` (a background save, ``CheckpointStore.save_async``;
+    its threads are named ``hpcdist-checkpoint_N`` in stacks, as before the pools)
     and ``purge`` (deleting pruned shard folders)."""
     found = _POOLS.get(name)
     if found is None:
