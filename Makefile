@@ -4,6 +4,8 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hpcdist-installed
+# Two pytest processes: the tests that use the Slurm cluster one at a time in one xdist group
+# (tests/support/fixtures.py), the rest beside them. PYTEST=-q runs everything in one process.
 PYTEST ?= -q --durations=15 -n 2 --dist loadgroup
 
 .PHONY: demo test install system-deps cluster-up cluster-down lint clean gpu-check
