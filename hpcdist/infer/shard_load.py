@@ -167,17 +167,14 @@ Region = list[tuple[int, int]]  # per dimension, [start, stop)
 
 
 def verifiers(header: CheckpointHeader, world_size: int) -> dict[tuple[str, tuple[int, ...]], int]:
-    """The rank that verifies each chunk of a sharded checkpoint, (tensor, chunk offsets) -> rank:
-    largest chunks first, each to the rank with the fewest bytes so far (the same on every rank)."""
+    """The rank that verifies each chunk of a sharded checkpoint, (tensor, chunk offsets) -> rank
+    (the store's one assignment, ``sharded_layout.verifiers``; every rank may read every chunk)."""
+    from hpcdist.store.sharded_layout import verifiers as assign
+
     assert header.pieces is not None
-    chunks = [(int(np.prod(p.sizes)), key, p.offsets) for key, ps in header.pieces.items() for p in ps]
-    load = [0] * world_size
-    out: dict[tuple[str, tuple[int, ...]], int] = {}
-    for size, key, offsets in sorted(chunks, key=lambda c: (-c[0], c[1], c[2])):
-        rank = min(range(world_size), key=lambda r: load[r])
-        load[rank] += size
-        out[key, offsets] = rank
-    return out
+    ranks = range(world_size)
+    chunks = sorted(((key, p.offsets), int(np.prod(p.sizes)), ranks) for key, ps in header.pieces.items() for p in ps)
+    return assign(chunks, world_size)
 
 
 def _read_shard_of_chunks(header: CheckpointHeader, tp_rank: int, tp: int, rank: int,

@@ -45,6 +45,7 @@ from hpcdist.store.sharded_layout import (
     read_index,
     remove_orphans,
     shards_dir,
+    verifiers,
 )
 from hpcdist.store.tree import hash_threads, pool, sha256_of, tensor_array
 
@@ -210,11 +211,8 @@ class ShardedReader(StorageReader):
         for rank, plan in enumerate(plans):
             for index in dict.fromkeys(req.storage_index for req in plan.items):
                 readers[index].append(rank)
-        load = [0] * len(plans)
         mine: list[set[MetadataIndex]] = [set() for _ in plans]
-        for index in sorted(readers, key=lambda i: -_nbytes(storage[i])):
-            rank = min(readers[index], key=lambda r: load[r])
-            load[rank] += _nbytes(storage[index])
+        for index, rank in verifiers(((i, _nbytes(storage[i]), r) for i, r in readers.items()), len(plans)).items():
             mine[rank].add(index)
         return [replace(plan, storage_data=mine[rank]) for rank, plan in enumerate(plans)]
 
