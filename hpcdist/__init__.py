@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hpcdist.api import Context
-    from hpcdist.executor import Executor
-    from hpcdist.jobhandle import JobFailed, JobHandle
+    from hpcdist.login.executor import Executor
+    from hpcdist.login.jobhandle import JobFailed, JobHandle
     from hpcdist.scheduler.states import JobState
 
 __all__ = ["Context", "Executor", "JobFailed", "JobHandle", "JobState", "init", "job"]
-_LAZY = {"Context": "hpcdist.api", "Executor": "hpcdist.executor", "JobFailed": "hpcdist.jobhandle",
-         "JobHandle": "hpcdist.jobhandle", "JobState": "hpcdist.scheduler.states"}
+_LAZY = {"Context": "hpcdist.api", "Executor": "hpcdist.login.executor", "JobFailed": "hpcdist.login.jobhandle",
+         "JobHandle": "hpcdist.login.jobhandle", "JobState": "hpcdist.scheduler.states"}
 
 __version__ = "0.1.0"
 
@@ -34,8 +34,8 @@ def init(**kwargs: Any) -> Context:
 
 
 def job(job_id: str | int, site: str | None = None) -> JobHandle:
-    """Re-attach to a submitted job by its id, from any process (``hpcdist.jobhandle``)."""
-    from hpcdist.jobhandle import JobHandle as _JobHandle
+    """Re-attach to a submitted job by its id, from any process (``hpcdist.login.jobhandle``)."""
+    from hpcdist.login.jobhandle import JobHandle as _JobHandle
 
     return _JobHandle.find(job_id, site)
 

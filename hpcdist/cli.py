@@ -58,8 +58,8 @@ def no_pydantic_plugins() -> Iterator[None]:
 
 
 def request(args: argparse.Namespace) -> Any:
-    """What the user asked `render` or `submit` for, as plain values (``hpcdist.plan.Request``)."""
-    from hpcdist.plan import Request
+    """What the user asked `render` or `submit` for, as plain values (``hpcdist.login.plan.Request``)."""
+    from hpcdist.login.plan import Request
 
     return Request(args.site, tuple(args.sets), args.job, tuple(args.argv or ()), tuple(getattr(args, "after", ())),
                    tuple(getattr(args, "sweeps", ())), getattr(args, "max_parallel", None))
@@ -67,7 +67,7 @@ def request(args: argparse.Namespace) -> Any:
 
 @command("render")
 def cmd_render(args: argparse.Namespace) -> int:
-    from hpcdist import plan
+    from hpcdist.login import plan
 
     req = request(args)
     with no_pydantic_plugins():
@@ -81,7 +81,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 @command("submit")
 def cmd_submit(args: argparse.Namespace) -> int:
-    from hpcdist import lifecycle
+    from hpcdist.login import lifecycle
 
     with no_pydantic_plugins():
         return lifecycle.submit(request(args), [p for p in (args.job, *args.more) if p], args.chain,
@@ -284,15 +284,15 @@ def _module_subcommand(name: str, module: str) -> None:
 
 _module_subcommand("data", "hpcdist.data.cli")
 _module_subcommand("model", "hpcdist.model.cli")
-_module_subcommand("nodes", "hpcdist.nodes")
-_module_subcommand("stacks", "hpcdist.stacks")
+_module_subcommand("nodes", "hpcdist.login.nodes")
+_module_subcommand("stacks", "hpcdist.login.stacks")
 _module_subcommand("ckpt", "hpcdist.store.cli")
 
 
 def _lifecycle(name: str) -> Command:
-    """`jobs`, `logs`, `wait`, `cancel`: a job's life after submit (hpcdist.lifecycle, hpcdist.joblogs)."""
+    """`jobs`, `logs`, `wait`, `cancel`: a job's life after submit (hpcdist.login.lifecycle, hpcdist.login.joblogs)."""
     def run(args: argparse.Namespace) -> int:
-        from hpcdist import joblogs, lifecycle
+        from hpcdist.login import joblogs, lifecycle
 
         return int(getattr(lifecycle if name != "logs" else joblogs, f"cmd_{name}")(args))
 

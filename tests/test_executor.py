@@ -179,8 +179,8 @@ def test_local_job_ids_are_not_confused_with_a_later_process(tmp_path: Path) -> 
     the same id does not make the old job RUNNING again."""
     from dataclasses import replace
 
-    from hpcdist.jobhandle import JobHandle
-    from hpcdist.jobindex import find
+    from hpcdist.login.jobhandle import JobHandle
+    from hpcdist.login.jobindex import find
 
     ex = hpcdist.Executor(site="local", tasks_per_node=1, time_min=5, set=storage(tmp_path))
     job = ex.submit(square, 5)

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from hpcdist import jobindex, progress
+from hpcdist import progress
 from hpcdist.console import StatusLine
-from hpcdist.watch import hms, slurm_seconds
+from hpcdist.login import jobindex
+from hpcdist.login.watch import hms, slurm_seconds
 from tests.support.cli import Run, job_id, run_cli, storage_sets
 from tests.support.train import Background, start_now, train, wait_for
 

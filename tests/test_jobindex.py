@@ -1,4 +1,4 @@
-"""The job index (``hpcdist.jobindex``) stays bounded, and keeps what a job ended as."""
+"""The job index (``hpcdist.login.jobindex``) stays bounded, and keeps what a job ended as."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import hpcdist
-from hpcdist import jobindex
+from hpcdist.login import jobindex
 from tests.support.cli import run_cli
 
 

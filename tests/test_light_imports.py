@@ -91,7 +91,7 @@ def test_render_leaves_no_pydantic_switch_behind() -> None:
 
 SUBMIT_PROBE = """
 import json, sys
-import hpcdist.submit
+import hpcdist.login.submit
 from hpcdist.runtime import run_rank
 modules = sorted(sys.modules)
 import cloudpickle  # as submitit pickles it

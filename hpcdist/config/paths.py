@@ -70,7 +70,7 @@ class JobPaths:
 
     @property
     def node_failures(self) -> Path:
-        """Which nodes died under the job and were excluded when it ran again (``hpcdist.nodefail``
+        """Which nodes died under the job and were excluded when it ran again (``hpcdist.login.nodefail``
         writes it, the result file and ``hpcdist jobs`` read it): beside the result."""
         return node_failure_record(self.result())
 

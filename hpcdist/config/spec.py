@@ -43,7 +43,7 @@ class Resources(Frozen):
     partition: str | None = None
     nodes: int = Field(default=1, ge=1)
     # How far a job may shrink when it runs again after a node failure and no spare node is free
-    # (``hpcdist.nodefail`` updates the pending job's node count). None: exactly `nodes`.
+    # (``hpcdist.login.nodefail`` updates the pending job's node count). None: exactly `nodes`.
     min_nodes: int | None = Field(default=None, ge=1)
     tasks_per_node: int = Field(default=1, ge=1)
     gpus_per_node: int = Field(default=0, ge=0)

@@ -33,8 +33,8 @@ from hpcdist.errors import ConfigError
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
-    from hpcdist.jobhandle import JobHandle
     from hpcdist.jobs.registry import Job
+    from hpcdist.login.jobhandle import JobHandle
 
 ORIGIN = "hpcdist.Executor"
 
@@ -85,12 +85,12 @@ class Executor:
 
     def _submit_all(self, fn: Callable[..., Any], calls: list[tuple[tuple[Any, ...], dict[str, Any]]],
                     array: bool, max_parallel: int | None = None) -> list[JobHandle]:
-        from hpcdist import submit as sub
-        from hpcdist.jobhandle import JobHandle
-        from hpcdist.jobindex import find
         from hpcdist.jobs.registry import prepare
-        from hpcdist.plan import make
-        from hpcdist.render import Origin
+        from hpcdist.login import submit as sub
+        from hpcdist.login.jobhandle import JobHandle
+        from hpcdist.login.jobindex import find
+        from hpcdist.login.plan import make
+        from hpcdist.login.render import Origin
 
         if not callable(fn):
             raise ConfigError(f"hpcdist.Executor.submit: {fn!r} is a {type(fn).__name__}, not a function")

@@ -5,7 +5,7 @@ It is the one owner of a job's life after submit: its state (the scheduler clien
 local site the controller process and the ranks' results), waiting (the status line of
 ``submit --wait``), the per-rank outcomes and return values, the log files, and cancelling. The
 command line's ``jobs``, ``logs``, ``wait`` and ``cancel`` are thin layers over it
-(``hpcdist.lifecycle``, ``hpcdist.joblogs``).
+(``hpcdist.login.lifecycle``, ``hpcdist.login.joblogs``).
 
 On the local site a job's id is its controller's process id, which the system reuses: the index
 keeps the controller's start time beside it, so a handle never reads another run's process.
@@ -23,14 +23,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcdist.errors import JobError, SubmitError
-from hpcdist.jobindex import JobRecord, find, mark_ended, write
+from hpcdist.login.jobindex import JobRecord, find, mark_ended, write
 from hpcdist.polling import poll_until
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.local import controller_alive
 from hpcdist.scheduler.states import JobState
 
 if TYPE_CHECKING:
-    from hpcdist.submit import Finished, Submission, TaskOutcome
+    from hpcdist.login.submit import Finished, Submission, TaskOutcome
 
 
 @functools.cache
@@ -57,7 +57,7 @@ def attach(record: JobRecord) -> Submission:
     """A Submission for an indexed job, as ``submit`` returned it."""
     from hpcdist.config.site import Site
     from hpcdist.config.spec import JobSpec
-    from hpcdist.submit import Submission
+    from hpcdist.login.submit import Submission
 
     tasks = list(range(record.tasks))
     if record.scheduler == "slurm":
@@ -120,7 +120,7 @@ class JobHandle:
         return self.reading().state
 
     def reading(self) -> slurm.Reading:
-        from hpcdist.submit import read_state
+        from hpcdist.login.submit import read_state
 
         return read_state(self.submission)
 
@@ -131,12 +131,12 @@ class JobHandle:
         """Wait until the job ended; its state and one outcome per rank. `show`: the status line
         of ``submit --wait`` (default: when standard error is a terminal or a notebook)."""
         if self._finished is None:
-            from hpcdist import submit
+            from hpcdist.login import submit
 
             if show is None:
                 show = sys.stderr.isatty() or "ipykernel" in sys.modules
             if show:
-                from hpcdist.watch import watch
+                from hpcdist.login.watch import watch
 
                 finished = watch(self.submission, self.record.submitted, timeout_s=timeout_s)
             else:
@@ -147,7 +147,7 @@ class JobHandle:
 
     def outcomes(self) -> list[TaskOutcome]:
         """Every rank's outcome so far (results that are there; the others say why not)."""
-        from hpcdist.submit import outcomes
+        from hpcdist.login.submit import outcomes
 
         return outcomes(self.submission, self.state)
 

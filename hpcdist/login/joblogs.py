@@ -16,8 +16,8 @@ from collections import deque
 from pathlib import Path
 
 from hpcdist.errors import SubmitError
-from hpcdist.jobhandle import JobHandle
-from hpcdist.jobindex import JobRecord, find
+from hpcdist.login.jobhandle import JobHandle
+from hpcdist.login.jobindex import JobRecord, find
 from hpcdist.scheduler.slurm import Vanished
 
 POLL_S = 0.5

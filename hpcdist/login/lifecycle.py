@@ -1,4 +1,4 @@
-"""The command line over plans and ``JobHandle`` (``hpcdist.plan``, ``hpcdist.jobhandle``):
+"""The command line over plans and ``JobHandle`` (``hpcdist.login.plan``, ``hpcdist.login.jobhandle``):
 `submit` (one job, a chain, a sweep), `jobs`, `wait`, `cancel`.
 
 Every command finds the job through the index and re-attaches a handle, so waiting is the same
@@ -19,15 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcdist import plan as plan_
-from hpcdist import submit as sub_
-from hpcdist.jobhandle import JobHandle
-from hpcdist.jobindex import JobRecord, records
-from hpcdist.nodefail import describe
+from hpcdist.login import plan as plan_
+from hpcdist.login import submit as sub_
+from hpcdist.login.jobhandle import JobHandle
+from hpcdist.login.jobindex import JobRecord, records
+from hpcdist.login.nodefail import describe
+from hpcdist.login.submit import Finished, Submission
+from hpcdist.login.watch import hms, slurm_seconds, watch
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.states import JobState
-from hpcdist.submit import Finished, Submission
-from hpcdist.watch import hms, slurm_seconds, watch
 
 
 def print_finished(job_id: str, finished: Finished, excluded: list[str] | None = None) -> int:

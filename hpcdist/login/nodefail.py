@@ -49,7 +49,7 @@ from hpcdist.config.paths import JobPaths
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import HpcdistError
-from hpcdist.exclusions import user_exclude
+from hpcdist.login.exclusions import user_exclude
 from hpcdist.runtime import node_failure
 from hpcdist.runtime.hostlist import expand_hostlist
 from hpcdist.scheduler import slurm

@@ -5,9 +5,9 @@ before anything is queued, and what ``render`` prints.
 (read once, overrides applied, its kind resolved, checked against the site), and how the user
 asked for it (``Origin``). ``make`` turns a job (or a sweep's tasks) into a ``Plan``: the script
 exactly as it will be submitted, submitit's executor parameters, and the tasks with their
-paths. ``hpcdist.submit.schedule`` consumes a plan; a chain is a list of plans whose links are
+paths. ``hpcdist.login.submit.schedule`` consumes a plan; a chain is a list of plans whose links are
 made to wait for the one before when they are scheduled. Pure but for reading the spec files
-and the site's node health record (``hpcdist.exclusions``).
+and the site's node health record (``hpcdist.login.exclusions``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcdist.errors import ConfigError, SubmitError
-from hpcdist.exclusions import Exclusions, for_job
-from hpcdist.render import Origin, render
+from hpcdist.login.exclusions import Exclusions, for_job
+from hpcdist.login.render import Origin, render
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site

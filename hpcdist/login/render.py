@@ -33,7 +33,7 @@ from hpcdist.launchers import LaunchPlan, get_launcher
 if TYPE_CHECKING:
     import jinja2
 
-    from hpcdist.exclusions import Exclusions
+    from hpcdist.login.exclusions import Exclusions
 
 TEMPLATE = "sbatch.sh.j2"
 RESTART_CHECK = "hpcdist.runtime.node_failure"  # what the script runs before the launch of a requeued run
@@ -262,7 +262,7 @@ def render_script(spec: JobSpec, site: Site, origin: Origin, excluded: Exclusion
         "env": sorted(env.items()),
         "prelude": [Shell(line) for line in launcher.prelude(plan)],
         "launch_time_var": Shell(LAUNCH_TIME_VAR),
-        # A job that may run again on fewer nodes (hpcdist.nodefail shrinks it while it is pending):
+        # A job that may run again on fewer nodes (hpcdist.login.nodefail shrinks it while it is pending):
         # Slurm keeps the submission's task count in SLURM_NTASKS, which srun and mpirun read.
         "tasks_per_node": spec.resources.tasks_per_node if spec.resources.min_nodes else 0,
         "launch": [Shell(line) for line in launcher.command(plan).splitlines()],

@@ -16,7 +16,7 @@ from dataclasses import asdict
 from typing import Any
 
 from hpcdist.errors import JobError
-from hpcdist.jobhandle import JobHandle
+from hpcdist.login.jobhandle import JobHandle
 from hpcdist.runtime.stackrecord import ask, describe, elsewhere, group, stack_files, wait_answers
 from hpcdist.scheduler.states import JobState
 

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpcdist import jobindex
 from hpcdist.config.contract import LAUNCH_TIME_VAR
 from hpcdist.config.paths import JobPaths, log_patterns
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import SubmitError
+from hpcdist.login import jobindex
 from hpcdist.polling import poll_until
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.local import LOCAL_CONTROLLER, process_started
@@ -35,8 +35,8 @@ from hpcdist.scheduler.states import JobState
 from hpcdist.store.atomic import storage_umask
 
 if TYPE_CHECKING:
-    from hpcdist.plan import Plan
-    from hpcdist.render import Origin
+    from hpcdist.login.plan import Plan
+    from hpcdist.login.render import Origin
     from hpcdist.scheduler.postmortem import Ending
 
 
@@ -172,7 +172,7 @@ def _tasks(spec: JobSpec) -> int:
 
 def submit(spec: JobSpec, site: Site, origin: Origin) -> Submission:
     """Submit `spec` to `site`; returns as soon as the scheduler has the job."""
-    from hpcdist.plan import make
+    from hpcdist.login.plan import make
 
     return schedule(make(spec, site, origin))[0]
 
@@ -293,7 +293,7 @@ def job_state(sub: Submission) -> JobState:
 
 def ranks_ran(sub: Submission) -> int:
     """How many ranks the job's last run had: the spec's world size, or fewer when it ran again
-    without a node that died (``hpcdist.nodefail``; submitit fixed its task count at submission)."""
+    without a node that died (``hpcdist.login.nodefail``; submitit fixed its task count at submission)."""
     from hpcdist.runtime.hostlist import expand_hostlist
     from hpcdist.store import node_failures
 
@@ -348,7 +348,7 @@ def wait(
     proven absent from the queue while accounting is down ends the wait with a `SubmitError`
     (``Vanished``). `on_poll` sees each state read (the live status line).
     """
-    from hpcdist.nodefail import NodeFailures
+    from hpcdist.login.nodefail import NodeFailures
 
     vanished = Vanished()
     failures = NodeFailures(sub.job_id, sub.spec, sub.site, sub.paths) if sub.site.scheduler == "slurm" else None
@@ -385,7 +385,7 @@ def wait(
 
 def _slurm_ending(sub: Submission) -> Ending:
     """srun's and slurmstepd's lines in the batch log, and Slurm's accounting of the job's steps."""
-    from hpcdist.exclusions import mark_failed_nodes
+    from hpcdist.login.exclusions import mark_failed_nodes
     from hpcdist.scheduler.postmortem import accounting, ending  # only a job that failed is looked into
 
     try:

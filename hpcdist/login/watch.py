@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import time
 
-from hpcdist import submit as sub_
+from hpcdist.login import submit as sub_
+from hpcdist.login.submit import Finished, Submission
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.states import JobState
-from hpcdist.submit import Finished, Submission
 
 
 def slurm_seconds(text: str) -> float | None:

@@ -9,7 +9,7 @@
   the starts (``LOCAL_RESTARTS_VAR``), as Slurm's restart count does: the checkpoint claim tells
   a requeue of the job from a second run of it by that count.
 
-``hpcdist.submit`` starts it as ``python -m hpcdist.runtime.local_controller FOLDER`` where
+``hpcdist.login.submit`` starts it as ``python -m hpcdist.runtime.local_controller FOLDER`` where
 submitit starts ``submitit.local._local``; everything else is submitit's.
 """
 

@@ -1,5 +1,5 @@
 """What a job's node failures mean, decided in one place for the two that act on them: the
-waiter on the login side (``hpcdist.nodefail``, while Slurm holds the requeued job pending) and
+waiter on the login side (``hpcdist.login.nodefail``, while Slurm holds the requeued job pending) and
 the requeued run itself on its head node, before any rank starts (``main``, which the batch
 script runs when ``SLURM_RESTART_COUNT`` is above 0).
 

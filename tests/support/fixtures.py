@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(autouse=True)
 def job_index(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Each test's own job index (hpcdist.jobindex): a test never writes to the user's state folder."""
+    """Each test's own job index (hpcdist.login.jobindex): a test never writes to the user's state folder."""
     state = tmp_path_factory.mktemp("state")
     monkeypatch.setenv("HPCDIST_STATE", str(state))
     return state
