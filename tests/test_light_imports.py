@@ -17,9 +17,9 @@ from tests.support.cli import REPO
 HEAVY = ("torch", "submitit", "numpy", "h5py", "mpi4py", "transformers")
 WORKLOADS = ("hpcdist.bench", "hpcdist.train", "hpcdist.infer", "hpcdist.model", "hpcdist.runtime",
              "hpcdist.checkpoint", "hpcdist.results", "hpcdist.store", "hpcdist.data.")
-# the `data` and `model` subcommands' argument parsers (argparse only), and the docstring-only package of the latter;
+# the docstring-only package of `hpcdist.model`;
 # the site's node health record every Slurm render reads (standard library only: the store's package is lazy)
-ALLOWED = ("hpcdist.data.cli", "hpcdist.model", "hpcdist.model.cli", "hpcdist.store", "hpcdist.store.atomic",
+ALLOWED = ("hpcdist.model", "hpcdist.store", "hpcdist.store.atomic",
            "hpcdist.store.health")
 
 PROBE = """

@@ -16,9 +16,6 @@ from dataclasses import asdict
 from typing import Any
 
 from hpcdist.errors import JobError
-from hpcdist.login.jobhandle import JobHandle
-from hpcdist.runtime.stackrecord import ask, describe, elsewhere, group, stack_files, wait_answers
-from hpcdist.scheduler.states import JobState
 
 
 def add_parser(subs: Any) -> None:
@@ -32,6 +29,10 @@ def add_parser(subs: Any) -> None:
 
 
 def cmd_stacks(args: argparse.Namespace) -> int:
+    from hpcdist.login.jobhandle import JobHandle
+    from hpcdist.runtime.stackrecord import ask, describe, elsewhere, group, stack_files, wait_answers
+    from hpcdist.scheduler.states import JobState
+
     if not args.wait > 0:
         raise JobError(f"--wait {args.wait:g}: give the seconds to wait for the ranks' answers, more than 0")
     handle = JobHandle.find(args.job_id, args.site)
