@@ -1,10 +1,12 @@
 """hpcdist: distributed PyTorch work on Slurm clusters, from a site config and a job spec.
 
-The package follows the job's flow: ``config`` (site config, job spec) -> ``render`` (sbatch
-script) -> ``submit`` (submitit) on the login node, then on the nodes ``runtime`` (rank
-bootstrap, process group) -> ``jobs`` (the workloads) -> ``results`` / checkpoints.
-Only ``cli`` imports both sides. ``hpcdist.init()`` (``hpcdist.api``) is the API for the user's
-own code on the nodes; ``hpcdist.Executor`` and ``hpcdist.job(ID)`` submit functions and hold
+The package follows the job's flow, in two sides: ``config`` (site config, job spec, both
+sides) -> on the login side ``login`` (plan, render, submit through submitit, the job's life
+after) -> on the node side ``runtime`` (rank bootstrap, process group) -> the workloads
+(``jobs``, ``bench``, ``train``, ``infer``) -> ``store`` (checkpoints, results). ``scheduler``,
+``launchers``, ``console`` and ``errors`` serve both sides. Only ``cli`` imports both sides.
+``hpcdist.init()`` (``hpcdist.api``) is the API for the user's own code on the nodes;
+``hpcdist.Executor`` and ``hpcdist.job(ID)`` submit functions and hold
 jobs from Python on the login node. Importing ``hpcdist`` stays light: each name loads its
 module on first use (submitit, torch and cloudpickle only when a job is submitted or run).
 """
@@ -20,7 +22,8 @@ if TYPE_CHECKING:
     from hpcdist.scheduler.states import JobState
 
 __all__ = ["Context", "Executor", "JobFailed", "JobHandle", "JobState", "init", "job"]
-_LAZY = {"Context": "hpcdist.api", "Executor": "hpcdist.login.executor", "JobFailed": "hpcdist.login.jobhandle",
+_LAZY = {"Context": "hpcdist.api", "Executor": "hpcdist.login.executor", "JobFailed":
+"hpcdist.login.jobhandle",
          "JobHandle": "hpcdist.login.jobhandle", "JobState": "hpcdist.scheduler.states"}
 
 __version__ = "0.1.0"

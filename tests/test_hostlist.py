@@ -2,7 +2,7 @@
 
 import pytest
 
-from hpcdist.runtime.hostlist import expand_hostlist, expand_tasks_per_node
+from hpcdist.scheduler.hostlist import expand_hostlist, expand_tasks_per_node
 
 
 @pytest.mark.parametrize(

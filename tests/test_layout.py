@@ -16,9 +16,17 @@ from tests.support.cli import REPO
 
 PACKAGE = REPO / "hpcdist"
 # The login side: what runs before anything is queued, and after (never imported on the nodes).
-LOGIN = ("hpcdist.cli", "hpcdist.login")
+# The two sides and what both use. The login side runs where the user submits, before a job is
+# queued and after; the node side runs in every rank; the shared packages serve both and import
+# neither side. Only the command line (and the package root's lazy exports) may reach both.
+LOGIN = ("hpcdist.login",)
 NODE = ("hpcdist.runtime", "hpcdist.api", "hpcdist.store", "hpcdist.train", "hpcdist.infer", "hpcdist.bench",
-        "hpcdist.jobs.python_run")
+        "hpcdist.jobs", "hpcdist.model", "hpcdist.data")
+SHARED = ("hpcdist.config", "hpcdist.scheduler", "hpcdist.launchers", "hpcdist.console", "hpcdist.errors",
+          "hpcdist.polling", "hpcdist.progress", "hpcdist._paths")
+# The store is the end of the node side's flow and what the login side reads back (results,
+# checkpoints, the health record, the job's records): it imports the shared packages only.
+STORE = ("hpcdist.store",)
 # Modules over the size limit must say why in their docstring ("over 400 lines: ...").
 MAX_LINES = 400
 
@@ -102,10 +110,53 @@ def test_no_import_circle() -> None:
     assert circles(graph()) == []
 
 
+def side(name: str) -> str:
+    if name == "hpcdist" or name == "hpcdist.cli" or name.startswith("hpcdist.cli."):
+        return "top"
+    for label, prefixes in (("login", LOGIN), ("node", NODE), ("shared", SHARED)):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            return label
+    raise AssertionError(f"{name} is on no side: add it to LOGIN, NODE or SHARED in tests/test_layout.py")
+
+
+def test_every_module_is_on_one_side() -> None:
+    assert sorted({side(name) for name in modules()}) == ["login", "node", "shared", "top"]
+
+
 def test_node_side_never_imports_the_login_side() -> None:
-    wrong = sorted(f"{a} -> {b}" for a, targets in graph().items() if a.startswith(NODE)
-                   for b in targets if b.startswith(LOGIN))
+    wrong = sorted(f"{a} -> {b}" for a, targets in graph().items() if side(a) == "node"
+                   for b in targets if side(b) in ("login", "top"))
     assert wrong == []
+
+
+def test_shared_packages_import_neither_side() -> None:
+    """What both sides use runs no side's code: an import from config, scheduler, launchers,
+    console or progress into runtime, a job or the login side runs back up the flow."""
+    wrong = sorted(f"{a} -> {b}" for a, targets in graph().items() if side(a) == "shared"
+                   for b in targets if side(b) != "shared" and not b.startswith(STORE))
+    assert wrong == []
+
+
+def test_the_store_imports_only_shared_packages() -> None:
+    wrong = sorted(f"{a} -> {b}" for a, targets in graph().items() if a.startswith(STORE)
+                   for b in targets if side(b) != "shared" and not b.startswith(STORE))
+    assert wrong == []
+
+
+def test_the_login_side_imports_no_command() -> None:
+    wrong = sorted(f"{a} -> {b}" for a, targets in graph().items() if side(a) == "login"
+                   for b in targets if b.startswith("hpcdist.cli"))
+    assert wrong == []
+
+
+def test_every_package_says_what_it_owns_and_where_it_runs() -> None:
+    vague = []
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        doc = (ast.get_docstring(ast.parse(init.read_text())) or "").lower()
+        if not doc or not any(word in doc for word in ("login side", "node side", "both sides", "rank side",
+                                                       "on the nodes", "every rank")):
+            vague.append(module_name(init))
+    assert vague == []
 
 
 SLURM_COMMAND = re.compile(r"""["'](sbatch|squeue|sacct|scontrol|scancel|sinfo)["']""")

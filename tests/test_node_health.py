@@ -15,7 +15,7 @@ import numpy as np
 
 from hpcdist.bench.pairs import culprits
 from hpcdist.bench.record import Matrix
-from hpcdist.runtime.hostlist import expand_hostlist
+from hpcdist.scheduler.hostlist import expand_hostlist
 from hpcdist.scheduler.slurm import node_states
 from hpcdist.store import health
 from tests.netfault import slowed

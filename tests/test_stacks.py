@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from hpcdist.runtime.stackrecord import (
+from hpcdist.runtime.stacks import capture, is_timeout
+from hpcdist.store.stackrecord import (
     DIST,
     LIB,
     USER,
@@ -28,7 +29,6 @@ from hpcdist.runtime.stackrecord import (
     ranks_text,
     wait_answers,
 )
-from hpcdist.runtime.stacks import capture, is_timeout
 from tests.support.cli import REPO, job_id, run_cli, storage_sets
 
 HANG = REPO / "tests" / "scripts" / "hang.py"

@@ -1,4 +1,4 @@
-"""The public API for the user's own code: ``ctx = hpcdist.init()``.
+"""The public API for the user's own code (node side: it runs in every rank): ``ctx = hpcdist.init()``.
 
     import hpcdist
     ctx = hpcdist.init()                      # rank facts, device, process group, logger

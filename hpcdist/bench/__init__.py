@@ -1,4 +1,5 @@
-"""Interconnect benchmarks: collectives, point to point and node pairs, with HDF5 results.
+"""Interconnect benchmarks (node side: every rank runs them): collectives, point to point and node
+pairs, with HDF5 results.
 
 ``factors`` owns the bandwidth arithmetic, ``jobs`` the job kinds and their parameters (light:
 no torch), ``collectives``/``p2p``/``pairs``/``preflight`` the runners, ``torch_path`` and

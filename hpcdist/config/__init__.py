@@ -1,4 +1,5 @@
-"""Loading site configs and job specs: YAML (safe_load only), overrides, and clear errors.
+"""Loading site configs and job specs (both sides: the login side plans with them, every rank
+reads them back): YAML (safe_load only), overrides, and clear errors.
 
 Every problem becomes one ``ConfigError`` naming the file, the key path, the value seen, and
 what is allowed, so a user fixes the file without reading a traceback.

@@ -61,7 +61,7 @@ class JobPaths:
         return self.progress / "stacks.request"
 
     def stack_file(self, rank: int) -> Path:
-        """One rank's answer: its threads' stacks as JSON (``hpcdist.runtime.stackrecord``)."""
+        """One rank's answer: its threads' stacks as JSON (``hpcdist.store.stackrecord``)."""
         return self.progress / f"stack_rank{rank}.json"
 
     def result(self, suffix: str = "") -> Path:

@@ -1,4 +1,5 @@
-"""Distributed inference: checkpoint loading (broadcast or per-rank shards), tensor-parallel GPT,
+"""Distributed inference (node side: every rank runs it): checkpoint loading (broadcast or per-rank
+shards), tensor-parallel GPT,
 batched KV-cache generation, and its metrics.
 
 Import the submodules you need; this package imports nothing heavy itself, so the login node

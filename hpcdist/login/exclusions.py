@@ -52,7 +52,7 @@ class Exclusions:
 
 
 def _hosts(text: str, key: str) -> list[str]:
-    from hpcdist.runtime.hostlist import expand_hostlist  # pure; only a job with an exclude or a mark needs it
+    from hpcdist.scheduler.hostlist import expand_hostlist  # pure; only a job with an exclude or a mark needs it
 
     try:
         return expand_hostlist(text)

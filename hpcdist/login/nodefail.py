@@ -51,8 +51,8 @@ from hpcdist.config.spec import JobSpec
 from hpcdist.errors import HpcdistError
 from hpcdist.login.exclusions import user_exclude
 from hpcdist.runtime import node_failure
-from hpcdist.runtime.hostlist import expand_hostlist
 from hpcdist.scheduler import slurm
+from hpcdist.scheduler.hostlist import expand_hostlist
 from hpcdist.scheduler.states import JobState
 from hpcdist.store import node_failures
 

@@ -294,7 +294,7 @@ def job_state(sub: Submission) -> JobState:
 def ranks_ran(sub: Submission) -> int:
     """How many ranks the job's last run had: the spec's world size, or fewer when it ran again
     without a node that died (``hpcdist.login.nodefail``; submitit fixed its task count at submission)."""
-    from hpcdist.runtime.hostlist import expand_hostlist
+    from hpcdist.scheduler.hostlist import expand_hostlist
     from hpcdist.store import node_failures
 
     if sub.site.scheduler != "slurm" or not node_failures.read(sub.paths.node_failures):
@@ -376,8 +376,8 @@ def wait(
     done = outcomes(sub, state, end)
     stacks: list[str] = []
     if not (state is JobState.COMPLETED and all(o.ok for o in done)):
-        from hpcdist.runtime.stackrecord import stack_files
         from hpcdist.scheduler.postmortem import timeout_stacks  # only a job that failed is looked into
+        from hpcdist.store.stackrecord import stack_files
 
         stacks = timeout_stacks(stack_files(sub.paths, _tasks(sub.spec)), _tasks(sub.spec))
     return Finished(state, done, end.headline() if end else "", tuple(stacks))

@@ -1,4 +1,5 @@
-"""What runs on the allocated nodes: rank facts, the process group, the job entry point.
+"""The node side: what runs on the allocated nodes, in every rank: rank facts, the process group,
+the job entry point, the requeue and node-failure checks, the hang watchers.
 
 Nothing here imports the render or submit side.
 """

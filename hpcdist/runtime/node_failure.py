@@ -39,8 +39,8 @@ from hpcdist.config.paths import JobPaths
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import HpcdistError
-from hpcdist.runtime.hostlist import expand_hostlist
 from hpcdist.scheduler import slurm
+from hpcdist.scheduler.hostlist import expand_hostlist
 from hpcdist.scheduler.postmortem import STOPPED
 from hpcdist.store import node_failures
 from hpcdist.store.node_failures import NodeFailure
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     """``python -m hpcdist.runtime.node_failure FOLDER``: the batch script's step before the launch
     of a requeued run (FOLDER is submitit's, where the job's pickle holds its spec and site).
     Exits ``STOP_EXIT`` when the run must end, 0 otherwise, a failure of its own included."""
-    from hpcdist.runtime.requeue import restart_count
+    from hpcdist.config.contract import restart_count
 
     env = os.environ if env is None else env
     args = sys.argv[1:] if argv is None else argv

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from hpcdist.errors import BootstrapError
 from hpcdist.launchers import EnvTable, env_tables
-from hpcdist.runtime.hostlist import expand_hostlist, expand_tasks_per_node
+from hpcdist.scheduler.hostlist import expand_hostlist, expand_tasks_per_node
 
 
 def table(name: str) -> EnvTable:

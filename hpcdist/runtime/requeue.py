@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Literal
 
+from hpcdist.config.contract import restart_count
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.states import JobState
 
@@ -40,7 +41,6 @@ log = logging.getLogger("hpcdist")
 # How close to the time limit a preemption signal must come to count as a time-out: Slurm sends
 # `--signal=SIG@N` up to a minute late, and a rank needs a moment to notice.
 TIMEOUT_SLACK_S = 60.0
-RESTART_COUNT_VAR = "SLURM_RESTART_COUNT"  # Slurm: how often this job was requeued (absent: never)
 
 StopKind = Literal["timeout", "preemption"]
 
@@ -87,17 +87,6 @@ def signal_name(signum: int) -> str:
 
 
 # ---------------------------------------------------------------- the count and its bound
-
-
-def restart_count(env: Mapping[str, str]) -> int:
-    """How often Slurm (or the local site's controller) has requeued this job (0 on its first
-    start, and outside a job)."""
-    from hpcdist.config.contract import LOCAL_RESTARTS_VAR
-
-    try:
-        return max(0, int(env.get(RESTART_COUNT_VAR) or env.get(LOCAL_RESTARTS_VAR) or 0))
-    except ValueError:
-        return 0
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ import traceback
 from dataclasses import replace
 
 from hpcdist.config.paths import JobPaths
-from hpcdist.runtime.stackrecord import (
+from hpcdist.store.atomic import atomic_path
+from hpcdist.store.stackrecord import (
     DIST,
     LIB,
     TIMEOUT_REQUEST,
@@ -43,7 +44,6 @@ from hpcdist.runtime.stackrecord import (
     ask,
     wait_answers,
 )
-from hpcdist.store.atomic import atomic_path
 
 log = logging.getLogger("hpcdist")
 

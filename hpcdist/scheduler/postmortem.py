@@ -17,9 +17,9 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcdist.runtime.hostlist import expand_hostlist
-from hpcdist.runtime.stackrecord import describe, read_stacks
+from hpcdist.scheduler.hostlist import expand_hostlist
 from hpcdist.scheduler.states import JobState
+from hpcdist.store.stackrecord import describe, read_stacks
 
 
 @dataclass(frozen=True)

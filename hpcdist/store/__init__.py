@@ -1,4 +1,5 @@
-"""Files on shared storage: atomic writes, HDF5 trees with checksums, checkpoints and results.
+"""Files on shared storage (node side writes them, both sides read them): atomic writes, HDF5 trees
+with checksums, checkpoints and results.
 
 Model-agnostic: state goes in and comes out as nested dicts of tensors, NumPy arrays and plain
 values; neither torch nor any workload module is imported here (tensors are converted where
@@ -14,7 +15,8 @@ they are met). The GPT's own checkpoint knowledge lives in ``hpcdist.model.check
 - ``checkpoints``: the ``hpcdist.checkpoint`` format: save (commit), read and verify, headers;
 - ``discovery``: the newest committed checkpoint that verifies, with reasons for each one skipped;
 - ``manager``: ``CheckpointStore``, one directory as an object (the public checkpoint API);
-- ``sharded`` (with ``sharded_storage``, ``sharded_layout``): sharded state through DCP's storage layer;
+- ``sharded`` (with ``sharded_storage``, ``sharded_layout``): sharded state through DCP's storage
+layer;
 - ``results``: the versioned ``hpcdist.result`` files.
 """
 

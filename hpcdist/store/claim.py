@@ -53,7 +53,7 @@ class Holder:
     def this_process(cls, env: Mapping[str, str] | None = None) -> Holder:
         """This process as a holder: its Slurm job id, else ``local-<id>`` (submitit's local job
         id, which a local requeue keeps, or the pid)."""
-        from hpcdist.runtime.requeue import restart_count
+        from hpcdist.config.contract import restart_count
 
         env = os.environ if env is None else env
         job = env.get("SLURM_JOB_ID") or f"local-{env.get('SUBMITIT_LOCAL_JOB_ID') or os.getpid()}"
