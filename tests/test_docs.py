@@ -67,7 +67,7 @@ def command_lines() -> list[tuple[str, str]]:
         for span in re.findall(r"`(hpcdist [^`]+)`", prose(page)):
             words = span.split()[1:]
             if len(words) <= 2 and not any(w.startswith("-") for w in words):
-                continue  # a command named in a sentence (`hpcdist wait`, `hpcdist model import`): test_every_named_command_exists
+                continue  # a command named in a sentence: test_every_named_command_exists
             found.append((f"{page.name} (inline)", span))
     return found
 
