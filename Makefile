@@ -25,7 +25,7 @@ system-deps:
 
 install: system-deps $(STAMP)
 
-# The demo: smoke job, a token file from this repo's README and Python's own documentation
+# The demo: smoke job, a token file from this repo's README and docs and Python's own documentation
 # (pydoc_data, on every install: nothing downloaded), ~3 minutes of training on 2 local ranks with
 # its progress line, generation from the checkpoint it wrote, then both reports and the loss curve
 # as a PNG. Its specs are jobs/demo_train.yaml and jobs/demo_infer.yaml; it starts afresh each time.
@@ -34,7 +34,7 @@ demo: install
 	$(VENV)/bin/hpcdist submit jobs/smoke.yaml --site local --wait
 	mkdir -p hpcdist-out/data $(DEMO)
 	$(PY) -c 'from pydoc_data.topics import topics; print("\n\n".join(topics.values()))' > hpcdist-out/data/python-docs.txt
-	$(VENV)/bin/hpcdist data prepare README.md hpcdist-out/data/python-docs.txt -o hpcdist-out/data/demo_tokens.h5
+	$(VENV)/bin/hpcdist data prepare README.md docs/*.md hpcdist-out/data/python-docs.txt -o hpcdist-out/data/demo_tokens.h5
 	rm -rf hpcdist-out/checkpoints/demo_gpt
 	$(VENV)/bin/hpcdist submit jobs/demo_train.yaml --site local --wait
 	$(VENV)/bin/hpcdist submit jobs/demo_infer.yaml --site local --wait
