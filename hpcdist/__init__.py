@@ -15,18 +15,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hpcdist._version import __version__
+
 if TYPE_CHECKING:
     from hpcdist.api import Context
     from hpcdist.login.executor import Executor
     from hpcdist.login.jobhandle import JobFailed, JobHandle
     from hpcdist.scheduler.states import JobState
 
-__all__ = ["Context", "Executor", "JobFailed", "JobHandle", "JobState", "init", "job"]
-_LAZY = {"Context": "hpcdist.api", "Executor": "hpcdist.login.executor", "JobFailed":
-"hpcdist.login.jobhandle",
+__all__ = ["Context", "Executor", "JobFailed", "JobHandle", "JobState", "__version__", "init", "job"]
+_LAZY = {"Context": "hpcdist.api", "Executor": "hpcdist.login.executor", "JobFailed": "hpcdist.login.jobhandle",
          "JobHandle": "hpcdist.login.jobhandle", "JobState": "hpcdist.scheduler.states"}
-
-__version__ = "0.1.0"
 
 
 def init(**kwargs: Any) -> Context:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hpcdist import __version__
+from hpcdist._version import __version__
 from hpcdist.errors import HpcdistError
 
 

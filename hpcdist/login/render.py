@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpcdist import __version__
 from hpcdist._paths import cache_dir, data_dir
+from hpcdist._version import __version__
 from hpcdist.config.contract import LAUNCH_TIME_VAR
 from hpcdist.config.paths import log_patterns
 from hpcdist.config.site import Site

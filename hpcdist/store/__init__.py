@@ -16,8 +16,10 @@ they are met). The GPT's own checkpoint knowledge lives in ``hpcdist.model.check
 - ``discovery``: the newest committed checkpoint that verifies, with reasons for each one skipped;
 - ``manager``: ``CheckpointStore``, one directory as an object (the public checkpoint API);
 - ``sharded`` (with ``sharded_storage``, ``sharded_layout``): sharded state through DCP's storage
-layer;
-- ``results``: the versioned ``hpcdist.result`` files.
+  layer;
+- ``results``: the versioned ``hpcdist.result`` files;
+- ``dcp``: checkpoints to and from DCP's own folders (``hpcdist ckpt``);
+- ``stackrecord``: a rank's stack file in the job's folder, and the grouping both sides print.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcdist import __version__
+from hpcdist._version import __version__
 from hpcdist.errors import CheckpointError
 from hpcdist.store.atomic import atomic_path
 from hpcdist.store.directory import checkpoint_name, prune, read_pointer, write_pointer

@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpcdist import __version__
+from hpcdist._version import __version__
 from hpcdist.config.paths import node_failure_record
 from hpcdist.config.site import REDACTED, looks_secret
 from hpcdist.store import node_failures
