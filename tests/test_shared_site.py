@@ -6,8 +6,10 @@ modes, so a test run as root proves nothing about them."""
 from __future__ import annotations
 
 import json
+import shutil
 import stat
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -73,3 +75,95 @@ def test_two_members_submit_the_same_names_at_once_and_each_runs_in_their_own_fo
         refused = as_user("bob", "-m", "hpcdist.cli", command, alice_job)
         assert refused.code != 0 and "Traceback" not in refused.text, refused.text
         assert len(refused.err.strip().splitlines()) == 1, refused.err
+
+
+@pytest.fixture
+def group_folder() -> Iterator[Path]:
+    """A folder of the group root that every member may write, as a site with a group-writable
+    layout (or a member working around one) would leave: the ground the attacks below need."""
+    require_members()
+    folder = GROUP_ROOT / "scratch" / f"t-open-{uuid.uuid4().hex[:8]}"
+    folder.mkdir()
+    shutil.chown(folder, "bob", "mlgroup")
+    folder.chmod(0o2770)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+PAYLOAD = """
+import os, pickle, sys
+class Run:
+    def __reduce__(self):
+        return (os.system, ("touch " + sys.argv[2],))
+open(sys.argv[1], "wb").write(pickle.dumps(Run()))
+"""
+
+
+def _plant_pickle(path: Path, marker: Path) -> None:
+    assert as_user("bob", "-c", PAYLOAD, str(path), str(marker)).code == 0
+
+
+def test_a_planted_endpoint_is_refused_at_once_not_after_the_timeout(group_folder: Path) -> None:
+    folder = group_folder / "rendezvous"
+    plant = ("import json, os, sys; os.makedirs(sys.argv[1], mode=0o770, exist_ok=True); "
+             "open(os.path.join(sys.argv[1], '77.0.0.0.json'), 'w').write(json.dumps("
+             "{'addr': '127.0.0.1', 'port': 1, 'nonce': 'x'}))")
+    assert as_user("bob", "-c", plant, str(folder), umask="002").code == 0
+    rank1 = ("import sys, time; from pathlib import Path; from hpcdist.runtime import group; "
+             "from hpcdist.runtime.rankinfo import RankInfo\n"
+             "env = {'SLURM_PROCID': sys.argv[2], 'SLURM_NTASKS': '2', 'SLURM_JOB_ID': '77', 'SLURM_LOCALID': "
+             "sys.argv[2], 'SLURM_NNODES': '1', 'SLURM_JOB_NODELIST': 'n1', 'SLURM_NODEID': '0'}\n"
+             "t = time.monotonic()\n"
+             "try:\n"
+             "    group.open_store(RankInfo.from_env(env), 60, rendezvous_dir=Path(sys.argv[1]), key='77.0.0.0')\n"
+             "except Exception as exc:\n"
+             "    print(f'{time.monotonic() - t:.1f}', exc)\n")
+    waiting = as_user("alice", "-c", rank1, str(folder), "1")
+    seconds, _, message = waiting.out.strip().partition(" ")
+    assert float(seconds) < 5, waiting.text  # not the 60 s timeout
+    assert "refuses the endpoint" in message and "owner bob" in message, message
+    # alice's rank 0 does not publish into a folder that is not hers
+    serving = as_user("alice", "-c", rank1, str(folder), "0")
+    assert "private folder must be a folder of your own" in serving.out and "owner bob" in serving.out, serving.text
+
+
+def test_a_replaced_call_or_submitit_pickle_is_refused_and_nothing_runs(group_folder: Path) -> None:
+    marker = group_folder / "ran"
+    call = group_folder / "call.pkl"
+    _plant_pickle(call, marker)
+    run_call = ("import sys; from types import SimpleNamespace; from hpcdist.jobs.python_run import _call\n"
+                "try:\n    _call(SimpleNamespace(call=sys.argv[1]))\nexcept Exception as exc:\n    print(exc)\n")
+    refused = as_user("alice", "-c", run_call, str(call))
+    assert "refusing to read" in refused.out and "owner bob" in refused.out, refused.text
+    # submitit's pickle, as the rank's task runner reads it
+    _plant_pickle(group_folder / "77_submitted.pkl", marker)
+    runner = as_user("alice", "-m", "hpcdist.runtime.submitted", str(group_folder),
+                     env={"_TEST_CLUSTER_": "slurm", "SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
+                          "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1"})
+    assert runner.code == 1 and runner.err.count("\n") == 1, runner.text
+    assert "77_submitted.pkl" in runner.err and "owner bob" in runner.err
+    assert not marker.exists()
+
+
+def test_a_fifo_a_link_or_a_forged_author_in_the_health_folder_blocks_nothing(group_folder: Path) -> None:
+    health = group_folder / "node-health"
+    hostile = ("import json, os, sys, time; d = sys.argv[1]; os.makedirs(d, exist_ok=True); os.chmod(d, 0o2775)\n"
+               "os.mkfifo(os.path.join(d, 'n1.1-1-a.mark.json'))\n"
+               "os.symlink('/dev/zero', os.path.join(d, 'n2.1-1-b.mark.json'))\n"
+               "open(os.path.join(d, 'n3.1-1-c.mark.json'), 'w').write(json.dumps({'node': 'n3', 'reason': 'slow', "
+               "'when': time.time(), 'job_id': '1', 'source': 'user', 'user': 'alice', 'host': 'x'}))\n")
+    assert as_user("bob", "-c", hostile, str(health), umask="002").code == 0
+    read = ("import sys; from pathlib import Path; from hpcdist.store import health\n"
+            "print([(m.node, m.user) for m in health.bad_nodes(Path(sys.argv[1]), 3600)])\n")
+    got = as_user("alice", "-c", read, str(health), timeout=30)
+    assert got.code == 0, got.text
+    assert got.out.strip() == "[('n3', 'bob')]"  # the author is the file's owner, not what it says
+    assert "a fifo" in got.err and "symbolic link" in got.err
+
+
+def test_a_group_writable_storage_mode_is_refused_in_one_line() -> None:
+    require_members()
+    got = as_user("bob", "-m", "hpcdist.cli", "render", str(REPO / "jobs" / "smoke.yaml"), "--site", "local-group",
+                  "--set", "site.storage.mode=0660")
+    assert got.code != 0 and len(got.err.strip().splitlines()) == 1, got.text
+    assert "0660 lets the group write" in got.err
