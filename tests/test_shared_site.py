@@ -167,3 +167,23 @@ def test_a_group_writable_storage_mode_is_refused_in_one_line() -> None:
                   "--set", "site.storage.mode=0660")
     assert got.code != 0 and len(got.err.strip().splitlines()) == 1, got.text
     assert "0660 lets the group write" in got.err
+
+
+def test_the_snapshot_leaves_secret_names_out_and_is_never_more_readable_than_its_source(tmp_path: Path) -> None:
+    from hpcdist.jobs import snapshot
+    from hpcdist.store.atomic import storage_umask
+
+    src = tmp_path / "code"
+    (src / "private").mkdir(parents=True)
+    secrets = ["mytoken.txt", "dbpassword.txt", "AccessToken.txt", "mysecret.yaml", ".envrc"]
+    for name in [*secrets, "train.py", "tokenizer.py", "notes.txt"]:
+        (src / name).write_text("x")
+    (src / "private" / "model.py").write_text("x")
+    (src / "private" / "model.py").chmod(0o644)
+    (src / "private").chmod(0o700)
+    with storage_umask(0o027):  # storage.mode 0640: folders 0750
+        dest, left_out = snapshot.make(src, tmp_path / "snap", "", 10)
+    assert sorted(str(p) for p in left_out) == sorted(secrets)
+    assert sorted(p.name for p in dest.iterdir()) == ["notes.txt", "private", "tokenizer.py", "train.py"]
+    assert _mode(dest / "private") == 0o700  # not 0750: the group could not read it in the source either
+    assert _mode(dest / "private" / "model.py") == 0o640
