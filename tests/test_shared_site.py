@@ -187,3 +187,22 @@ def test_the_snapshot_leaves_secret_names_out_and_is_never_more_readable_than_it
     assert sorted(p.name for p in dest.iterdir()) == ["notes.txt", "private", "tokenizer.py", "train.py"]
     assert _mode(dest / "private") == 0o700  # not 0750: the group could not read it in the source either
     assert _mode(dest / "private" / "model.py") == 0o640
+
+
+def test_checkpoints_at_the_place_of_earlier_builds_are_found_there(tmp_path: Path) -> None:
+    from hpcdist.config import load_site
+    from hpcdist.config.paths import JobPaths
+    from hpcdist.store.trust import current_user
+
+    roots = {key: tmp_path / key for key in ("results", "checkpoints", "scratch", "logs")}
+    for root in roots.values():
+        root.mkdir()
+        root.chmod(0o3777)  # a root others may write: one folder per user
+    site = load_site("local-group", [f"storage.{key}={root}" for key, root in roots.items()])
+    old = roots["checkpoints"] / "train_gpt"
+    assert JobPaths(site.storage, "train_gpt").checkpoints == roots["checkpoints"] / current_user() / "train_gpt"
+    old.mkdir()  # a job that checkpointed before per-user folders: pending or requeued across the upgrade
+    assert JobPaths(site.storage, "train_gpt").checkpoints == old
+    (roots["checkpoints"] / current_user() / "train_gpt").mkdir(parents=True)  # moved: the new place wins
+    assert JobPaths(site.storage, "train_gpt").checkpoints == roots["checkpoints"] / current_user() / "train_gpt"
+    assert JobPaths(site.storage, "train_gpt").result().parent == roots["results"] / current_user() / "train_gpt"
