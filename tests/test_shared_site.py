@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import stat
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,10 +72,11 @@ def test_two_members_submit_the_same_names_at_once_and_each_runs_in_their_own_fo
     assert outsider.code != 0 and "Permission denied" in outsider.err
     # bob's job index knows only his jobs: alice's job is not his to cancel or ask for stacks
     alice_job = job_id(runs[("alice", "cli")].out)
-    for command in ("cancel", "stacks"):
+    for command in ("cancel", "stacks", "logs", "wait"):
         refused = as_user("bob", "-m", "hpcdist.cli", command, alice_job)
         assert refused.code != 0 and "Traceback" not in refused.text, refused.text
         assert len(refused.err.strip().splitlines()) == 1, refused.err
+        assert f"job {alice_job} is alice's, not yours" in refused.err
 
 
 @pytest.fixture
@@ -206,3 +208,56 @@ def test_checkpoints_at_the_place_of_earlier_builds_are_found_there(tmp_path: Pa
     (roots["checkpoints"] / current_user() / "train_gpt").mkdir(parents=True)  # moved: the new place wins
     assert JobPaths(site.storage, "train_gpt").checkpoints == roots["checkpoints"] / current_user() / "train_gpt"
     assert JobPaths(site.storage, "train_gpt").result().parent == roots["results"] / current_user() / "train_gpt"
+
+
+@pytest.mark.slurm
+def test_everyday_commands_as_a_member_and_the_other_member_is_refused_hers() -> None:
+    """submit, stacks, jobs, logs, nodes, cancel and wait as alice on a running job of hers; bob's
+    stacks and cancel of that job are refused in one line and the job runs on until alice cancels."""
+    from tests.support.cli import require_slurm
+
+    require_slurm()
+    require_members()
+    cli = ("-m", "hpcdist.cli")
+    code = Path(f"/home/alice/t-{uuid.uuid4().hex[:6]}")  # her own script, in a folder of hers
+    code.mkdir()
+    hang = code / "hang.py"
+    shutil.copyfile(REPO / "tests" / "scripts" / "hang.py", hang)
+    shutil.chown(code, "alice", "alice")
+    shutil.chown(hang, "alice", "alice")
+    submitted = as_user("alice", *cli, "submit", "--site", "local-group", "--set", "timeout_s=60",
+                        "--set", f"name=hang-{uuid.uuid4().hex[:6]}", "--", str(hang), "120", umask="002")
+    assert submitted.code == 0, submitted.text
+    jid = job_id(submitted.out)
+    try:
+        seen = None
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:  # alice asks for her ranks' stacks until they hang where the script does
+            got = as_user("alice", *cli, "stacks", jid, "--json", timeout=60)
+            seen = json.loads(got.out) if got.code == 0 else None
+            if seen and any("time.sleep(600)" in g["where"] for g in seen["groups"]):
+                break
+            time.sleep(1)
+        assert seen is not None and any("time.sleep(600)" in g["where"] for g in seen["groups"]), seen
+        for command in ("stacks", "cancel"):
+            refused = as_user("bob", *cli, command, jid)
+            assert refused.code != 0 and refused.err.strip() == refused.err.strip().splitlines()[0], refused.text
+            assert f"job {jid} is alice's, not yours" in refused.err
+        assert as_user("alice", *cli, "jobs").out.count(jid) >= 1
+        assert as_user("alice", *cli, "logs", jid).code == 0
+        # the node-health record is the group's: bob's mark is alice's to read and to clear
+        node = ("nodes", "--site", "local-group")
+        assert as_user("bob", *cli, *node, "--mark", "n4", "--reason", "shared-site test", umask="077").code == 0
+        try:
+            listed = json.loads(as_user("alice", *cli, *node, "--json").out)
+            assert [(n["node"], [m["user"] for m in n["marks"]]) for n in listed["nodes"]] == [("n4", ["bob"])], listed
+        finally:
+            cleared = as_user("alice", *cli, *node, "--clear", "n4")
+        assert cleared.code == 0, cleared.text
+        assert json.loads(as_user("bob", *cli, *node, "--json").out)["nodes"] == []
+    finally:
+        cancelled = as_user("alice", *cli, "cancel", jid)
+    assert cancelled.code == 0, cancelled.text
+    waited = as_user("alice", *cli, "wait", jid, timeout=120)
+    shutil.rmtree(code)
+    assert "CANCELLED" in waited.text, waited.text
