@@ -261,3 +261,29 @@ def test_everyday_commands_as_a_member_and_the_other_member_is_refused_hers() ->
     waited = as_user("alice", *cli, "wait", jid, timeout=120)
     shutil.rmtree(code)
     assert "CANCELLED" in waited.text, waited.text
+
+
+@pytest.mark.slurm
+def test_roots_the_first_member_made_her_own_tell_the_second_what_the_admin_must_do() -> None:
+    """The issue's site: alice's first submit (an earlier build) made the roots hers, 2750. bob's
+    submit fails before anything is queued, in one line naming the folder, its owner and mode and
+    the admin's recipe."""
+    from tests.support.cli import require_slurm
+
+    require_slurm()
+    require_members()
+    old = GROUP_ROOT / "scratch" / f"t-old-{uuid.uuid4().hex[:6]}"
+    try:
+        for key in ("results", "checkpoints", "scratch", "logs"):
+            (old / key).mkdir(parents=True)
+            shutil.chown(old / key, "alice", "mlgroup")
+            (old / key).chmod(0o2750)
+        sets = [a for key in ("results", "checkpoints", "scratch", "logs")
+                for a in ("--set", f"site.storage.{key}={old / key}")]
+        got = as_user("bob", "-m", "hpcdist.cli", "submit", str(REPO / "jobs" / "smoke.yaml"), "--site", "local-group",
+                      *sets)
+        assert got.code != 0 and len(got.err.strip().splitlines()) == 1, got.text
+        assert "owner alice, mode 2750) is not yours to write" in got.err, got.err
+        assert "chmod 3770 ROOT" in got.err
+    finally:
+        shutil.rmtree(old, ignore_errors=True)

@@ -33,7 +33,7 @@ from hpcdist.scheduler.local import LOCAL_CONTROLLER, process_started
 from hpcdist.scheduler.slurm import Vanished
 from hpcdist.scheduler.states import JobState
 from hpcdist.store.atomic import storage_umask
-from hpcdist.store.trust import trusted  # a result pickle another user could have written: refused
+from hpcdist.store.trust import denied_hint, trusted  # a result pickle another user could have written: refused
 
 if TYPE_CHECKING:
     from hpcdist.login.plan import Plan
@@ -219,7 +219,7 @@ def schedule(plan: Plan) -> list[Submission]:
     except slurm.Refused as exc:
         raise SubmitError(f"the scheduler refused job {base.name!r}: {exc}") from exc
     except OSError as exc:
-        raise SubmitError(f"could not submit job {base.name!r}: {exc}") from exc
+        raise SubmitError(f"could not submit job {base.name!r}: {exc}{denied_hint(exc)}") from exc
     origin = plan.origin
     submissions = [Submission(job=job, spec=task, site=site, script=script)
                    for job, task in zip(jobs, plan.tasks, strict=True)]

@@ -118,3 +118,21 @@ def private_folder(folder: Path) -> Path:
     if st.st_mode & 0o077:
         os.chmod(folder, 0o700)
     return folder
+
+
+def denied_hint(exc: OSError) -> str:
+    """For a PermissionError on shared storage: whose folder refused, and what to do; else ""."""
+    if not isinstance(exc, PermissionError) or not exc.filename:
+        return ""
+    folder = Path(os.path.abspath(exc.filename))
+    while not folder.exists() and folder.parent != folder:
+        folder = folder.parent
+    try:
+        st = os.stat(folder if folder.is_dir() else folder.parent)
+    except OSError:
+        return ""
+    if st.st_uid == os.geteuid():
+        return ""
+    where = folder if folder.is_dir() else folder.parent
+    return (f" ({describe(where, st)} is not yours to write; a storage root shared by a group is made by the site's "
+            f"admin: chgrp GROUP ROOT; chmod 3770 ROOT, after which each member's files go to ROOT/<user>)")
