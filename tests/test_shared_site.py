@@ -287,3 +287,16 @@ def test_roots_the_first_member_made_her_own_tell_the_second_what_the_admin_must
         assert "chmod 3770 ROOT" in got.err
     finally:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def test_a_code_snapshot_another_member_could_write_is_not_run(group_folder: Path) -> None:
+    marker = group_folder / "ran"
+    plant = ("import os, sys; os.makedirs(sys.argv[1], exist_ok=True); "
+             "open(os.path.join(sys.argv[1], 'train.py'), 'w').write(f'open({sys.argv[2]!r}, \"w\")')")
+    assert as_user("bob", "-c", plant, str(group_folder / "code"), str(marker), umask="002").code == 0
+    run = ("import sys; from hpcdist.jobs.python import PythonParams; from hpcdist.jobs.python_run import _run_target\n"
+           "try:\n    _run_target(PythonParams(script=sys.argv[1] + '/train.py', code_dir=sys.argv[1]))\n"
+           "except Exception as exc:\n    print(exc)\n")
+    refused = as_user("alice", "-c", run, str(group_folder / "code"))
+    assert "refusing to read" in refused.out and "owner bob" in refused.out, refused.text
+    assert not marker.exists()
