@@ -300,3 +300,39 @@ def test_a_code_snapshot_another_member_could_write_is_not_run(group_folder: Pat
     refused = as_user("alice", "-c", run, str(group_folder / "code"))
     assert "refusing to read" in refused.out and "owner bob" in refused.out, refused.text
     assert not marker.exists()
+
+
+@pytest.mark.slurm
+def test_a_member_starts_from_a_colleagues_checkpoint_read_only() -> None:
+    """bob's training starts from alice's checkpoint named by path (params.init): it reads hers,
+    writes only his own, and her folder is as she left it."""
+    from tests.support.cli import require_slurm, run_cli
+    from tests.support.train import TINY, write_corpus
+
+    require_slurm()
+    require_members()
+    tag = uuid.uuid4().hex[:6]
+    data = GROUP_ROOT / f"t-data-{tag}"  # the group's data, made by the admin: readable by members
+    data.mkdir()
+    data.chmod(0o755)
+    try:
+        corpus = write_corpus(data / "corpus.txt", words=3000)
+        tokens = data / "tokens.h5"
+        assert run_cli("data", "prepare", str(corpus), "-o", str(tokens)).code == 0
+        tokens.chmod(0o644)
+        name = f"tg-{tag}"
+        train = ("-m", "hpcdist.cli", "submit", str(REPO / "jobs" / "train_gpt.yaml"), "--site", "local-group",
+                 "--wait", "--set", f"name={name}", "--set", f"params.data={tokens}", *TINY,
+                 "--set", "params.steps=20", "--set", "params.checkpoint.every=10", "--set", "params.eval.every=10")
+        first = as_user("alice", *train, umask="002")
+        assert first.code == 0, first.text
+        hers = GROUP_ROOT / "checkpoints" / "alice" / name
+        before = {p.name: p.stat().st_mtime_ns for p in hers.iterdir()}
+        second = as_user("bob", *train, "--set", f"params.init={hers}", umask="077")
+        assert second.code == 0, second.text
+        assert {p.name: p.stat().st_mtime_ns for p in hers.iterdir()} == before  # hers: read, never written
+        assert (GROUP_ROOT / "checkpoints" / "bob" / name / "step_00000020.h5").owner() == "bob"
+        log = "".join(p.read_text() for p in (GROUP_ROOT / "logs" / "bob" / name).glob("*/train_rank0.log"))
+        assert f"starting from the weights of {hers / 'step_00000020.h5'} (params.init)" in log, log[-2000:]
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
