@@ -27,13 +27,21 @@ def _owner(path: Path) -> str:
     return path.owner()
 
 
+@pytest.fixture
+def tag() -> Iterator[str]:
+    """A tag for this test's job names; their folders under every member's roots go afterwards."""
+    tag = uuid.uuid4().hex[:6]
+    yield tag
+    for folder in GROUP_ROOT.glob(f"*/*/*-{tag}"):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.mark.slurm
-def test_two_members_submit_the_same_names_at_once_and_each_runs_in_their_own_folders() -> None:
+def test_two_members_submit_the_same_names_at_once_and_each_runs_in_their_own_folders(tag: str) -> None:
     from tests.support.cli import require_slurm
 
     require_slurm()
     require_members()
-    tag = uuid.uuid4().hex[:6]
     smoke, ckpt = f"smoke-{tag}", f"ckpt-{tag}"
     cli = ("-m", "hpcdist.cli", "submit", str(REPO / "jobs" / "smoke.yaml"), "--site", "local-group",
            "--set", "resources.nodes=2", "--set", f"name={smoke}", "--wait")
@@ -211,7 +219,7 @@ def test_checkpoints_at_the_place_of_earlier_builds_are_found_there(tmp_path: Pa
 
 
 @pytest.mark.slurm
-def test_everyday_commands_as_a_member_and_the_other_member_is_refused_hers() -> None:
+def test_everyday_commands_as_a_member_and_the_other_member_is_refused_hers(tag: str) -> None:
     """submit, stacks, jobs, logs, nodes, cancel and wait as alice on a running job of hers; bob's
     stacks and cancel of that job are refused in one line and the job runs on until alice cancels."""
     from tests.support.cli import require_slurm
@@ -226,7 +234,7 @@ def test_everyday_commands_as_a_member_and_the_other_member_is_refused_hers() ->
     shutil.chown(code, "alice", "alice")
     shutil.chown(hang, "alice", "alice")
     submitted = as_user("alice", *cli, "submit", "--site", "local-group", "--set", "timeout_s=60",
-                        "--set", f"name=hang-{uuid.uuid4().hex[:6]}", "--", str(hang), "120", umask="002")
+                        "--set", f"name=hang-{tag}", "--", str(hang), "120", umask="002")
     assert submitted.code == 0, submitted.text
     jid = job_id(submitted.out)
     try:
@@ -303,7 +311,7 @@ def test_a_code_snapshot_another_member_could_write_is_not_run(group_folder: Pat
 
 
 @pytest.mark.slurm
-def test_a_member_starts_from_a_colleagues_checkpoint_read_only() -> None:
+def test_a_member_starts_from_a_colleagues_checkpoint_read_only(tag: str) -> None:
     """bob's training starts from alice's checkpoint named by path (params.init): it reads hers,
     writes only his own, and her folder is as she left it."""
     from tests.support.cli import require_slurm, run_cli
@@ -311,7 +319,6 @@ def test_a_member_starts_from_a_colleagues_checkpoint_read_only() -> None:
 
     require_slurm()
     require_members()
-    tag = uuid.uuid4().hex[:6]
     data = GROUP_ROOT / f"t-data-{tag}"  # the group's data, made by the admin: readable by members
     data.mkdir()
     data.chmod(0o755)
