@@ -186,7 +186,7 @@ def test_the_snapshot_leaves_secret_names_out_and_is_never_more_readable_than_it
     src = tmp_path / "code"
     (src / "private").mkdir(parents=True)
     secrets = ["mytoken.txt", "dbpassword.txt", "AccessToken.txt", "mysecret.yaml", ".envrc"]
-    for name in [*secrets, "train.py", "tokenizer.py", "notes.txt"]:
+    for name in [*secrets, "train.py", "tokenizer.py", "tokenizer.json", "notes.txt"]:
         (src / name).write_text("x")
     (src / "private" / "model.py").write_text("x")
     (src / "private" / "model.py").chmod(0o644)
@@ -194,7 +194,8 @@ def test_the_snapshot_leaves_secret_names_out_and_is_never_more_readable_than_it
     with storage_umask(0o027):  # storage.mode 0640: folders 0750
         dest, left_out = snapshot.make(src, tmp_path / "snap", "", 10)
     assert sorted(str(p) for p in left_out) == sorted(secrets)
-    assert sorted(p.name for p in dest.iterdir()) == ["notes.txt", "private", "tokenizer.py", "train.py"]
+    kept = ["notes.txt", "private", "tokenizer.json", "tokenizer.py", "train.py"]
+    assert sorted(p.name for p in dest.iterdir()) == kept
     assert _mode(dest / "private") == 0o700  # not 0750: the group could not read it in the source either
     assert _mode(dest / "private" / "model.py") == 0o640
 

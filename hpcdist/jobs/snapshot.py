@@ -31,7 +31,7 @@ _SECRET_NAMES = {
 }
 _SECRET_DIRS = {".aws", ".ssh", ".gnupg", ".docker", ".kube", ".azure", ".config/gcloud"}
 _SECRET_SUFFIXES = (".pem", ".key", ".p12", ".pfx", ".jks", ".keystore", ".kdbx", ".gpg", ".asc", ".env")
-_SECRET_STEMS = re.compile(r"secret|credential|password|passwd|token|api[-_]?key|private[-_]?key")
+_SECRET_STEMS = re.compile(r"secret|credential|password|passwd|token(?!iz|s[._-])|api[-_]?key|private[-_]?key")
 _SECRET_WORDS = re.compile(r"(^|[^a-z])(secrets?|credentials?|passwords?|passwd|token|api[-_]?keys?|private[-_]?key)"
                            r"([^a-z]|$)")
 
