@@ -161,14 +161,17 @@ def test_a_fifo_a_link_or_a_forged_author_in_the_health_folder_blocks_nothing(gr
                "os.mkfifo(os.path.join(d, 'n1.1-1-a.mark.json'))\n"
                "os.symlink('/dev/zero', os.path.join(d, 'n2.1-1-b.mark.json'))\n"
                "open(os.path.join(d, 'n3.1-1-c.mark.json'), 'w').write(json.dumps({'node': 'n3', 'reason': 'slow', "
-               "'when': time.time(), 'job_id': '1', 'source': 'user', 'user': 'alice', 'host': 'x'}))\n")
+               "'when': time.time(), 'job_id': '1', 'source': 'user', 'user': 'alice', 'host': 'x'}))\n"
+               "open(os.path.join(d, 'n5.1-1-d.mark.json'), 'w').write('{garbled')\n"
+               "open(os.path.join(d, 'n6.1-1-e.mark.json'), 'w').write(' ' * 100000)\n")
     assert as_user("bob", "-c", hostile, str(health), umask="002").code == 0
     read = ("import sys; from pathlib import Path; from hpcdist.store import health\n"
             "print([(m.node, m.user) for m in health.bad_nodes(Path(sys.argv[1]), 3600)])\n")
     got = as_user("alice", "-c", read, str(health), timeout=30)
     assert got.code == 0, got.text
     assert got.out.strip() == "[('n3', 'bob')]"  # the author is the file's owner, not what it says
-    assert "a fifo" in got.err and "symbolic link" in got.err
+    assert "a fifo" in got.err and "symbolic link" in got.err and "not a mark hpcdist wrote" in got.err
+    assert "n6.1-1-e.mark.json (owner bob, mode 0664): not a regular file of at most 16384 bytes" in got.err
 
 
 def test_a_group_writable_storage_mode_is_refused_in_one_line() -> None:

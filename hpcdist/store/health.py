@@ -139,7 +139,10 @@ def _read(path: Path) -> Mark | None:
     except _Skipped as exc:
         log.warning("node health: skipped %s", exc)
         return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except OSError:  # removed meanwhile
+        return None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("node health: skipped %s: not a mark hpcdist wrote (%s)", path, type(exc).__name__)
         return None
     return m if _NODE.fullmatch(m.node) and m.source in SOURCES else None
 
