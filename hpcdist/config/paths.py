@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcdist.config.site import Storage, under
+from hpcdist.config.site import Storage, current_user, under
 
 UNSUBMITTED = "%j"  # the job id in a path made before the scheduler gave one (Slurm's pattern)
 
@@ -103,8 +103,6 @@ class JobPaths:
 
 def _own_folder(path: Path, name: str) -> bool:
     """`path` is a folder of this user's (not the per-user folder of a user called `name`)."""
-    from hpcdist.store.trust import current_user
-
     try:
         return name != current_user() and path.is_dir() and not path.is_symlink() and path.stat().st_uid == os.geteuid()
     except OSError:

@@ -248,6 +248,18 @@ FileMode = Annotated[
 ]
 
 
+def current_user() -> str:
+    """This process's user name (its uid's, as the password database says; the uid if none): the
+    name of its folder in a shared storage root. Never ``$USER``, which a shell may leave as it was."""
+    import pwd
+
+    uid = os.geteuid()
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
 def _others_write(root: Path) -> bool:
     """True when users other than its owner may make entries in `root` (group- or world-writable)."""
     try:
@@ -279,8 +291,6 @@ class Storage(Frozen):
         base: Path = getattr(self, name)
         if self.per_user is False or (self.per_user is None and not _others_write(base)):
             return base
-        from hpcdist.store.trust import current_user
-
         return base / current_user()
 
     @property

@@ -9,8 +9,9 @@ asks `trusted` first (submitit's pickles, an executor call, a result pickle, the
 the rendezvous endpoint, a checkpoint folder); anything else is refused in one line naming the
 file, its owner and its mode, and nothing is read.
 
-``current_user`` is the one answer to "who am I" for paths (the per-user folders of a shared
-storage root): from the process's uid, never from ``$USER``, which a shell may leave as it was.
+``current_user`` (``hpcdist.config.site``'s, re-exported) is the one answer to "who am I" for paths
+(the per-user folders of a shared storage root): from the process's uid, never from ``$USER``,
+which a shell may leave as it was.
 """
 
 from __future__ import annotations
@@ -20,20 +21,15 @@ import pwd
 import stat
 from pathlib import Path
 
+from hpcdist.config.site import current_user
 from hpcdist.errors import HpcdistError
+
+__all__ = ["UntrustedFileError", "current_user", "denied_hint", "describe", "owner_name", "private_folder",
+           "problem", "trusted"]
 
 
 class UntrustedFileError(HpcdistError):
     """A file (or a folder above it) that another user could have written."""
-
-
-def current_user() -> str:
-    """This process's user name (its uid's, as the password database says; the uid if none)."""
-    uid = os.geteuid()
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
 
 
 def owner_name(uid: int) -> str:
