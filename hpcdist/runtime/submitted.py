@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(1)
     try:
         trusted(pickle)
+    except FileNotFoundError:
+        print(f"hpcdist: error: {pickle} did not appear within {WAIT_S} s; the shared storage may lag or the "
+              f"job's folder was removed: submit it again", file=sys.stderr, flush=True)
+        return 1
     except UntrustedFileError as exc:
         print(f"hpcdist: error: {exc}", file=sys.stderr, flush=True)
         return 1
