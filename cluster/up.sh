@@ -353,4 +353,7 @@ until ready; do
   sleep 0.5
 done
 
+# The shared-site test bed: ordinary accounts, the group's storage root, a venv they can run.
+bash "$HERE/users.sh"
+
 echo "[cluster] up ($(cat "$MODE_FILE")): cluster $CLUSTER_NAME, nodes $(node_states | awk "{printf \"%s=%s \", \$1, \$2}")| partitions cpu (default), gpu | state $STATE"

@@ -53,7 +53,7 @@ class RankInfo(Protocol):
     def node_rank(self) -> int: ...
 
 # The module each rank runs: submitit's task runner, or the shim that fixes its variables first.
-SUBMITIT_RUNNER = "submitit.core._submit"
+SUBMITIT_RUNNER = "hpcdist.runtime.submitted"  # submitit's task runner, behind the trust check
 SHIM = "hpcdist.runtime.shim"
 AGENT = "hpcdist.runtime.agent"  # torchrun's agent, kept alive through the preemption signal
 

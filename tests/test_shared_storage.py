@@ -160,7 +160,12 @@ def test_result_env_group_redacts_secret_looking_names(tmp_path: Path) -> None:
 @pytest.mark.parametrize("where", BOTH)
 def test_job_files_are_group_readable_not_world_readable(request: pytest.FixtureRequest, where: str) -> None:
     root, _ = job(request, where)
-    assert_modes(root, files="640", folders="750")  # results, logs, pickles, snapshot, scratch
+    seen = modes_of(root)
+    private = {p: m for p, m in seen.items() if p.endswith("_result.pkl") or p == "scratch/rendezvous"}
+    assert private and set(private.values()) == {"600", "700"}, private  # return values and the rendezvous: the user's
+    # results, logs, the submitted pickles, snapshot, scratch: storage.mode
+    wrong = {p: m for p, m in seen.items() if p not in private and m != ("750" if (root / p).is_dir() else "640")}
+    assert len(seen) > len(private) and not wrong, wrong
 
 
 def test_storage_mode_is_the_sites_choice(tmp_path: Path) -> None:

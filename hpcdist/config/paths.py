@@ -11,12 +11,13 @@ A job array's tasks share one submitit folder, named after the array's base spec
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcdist.config.site import Storage, under
+from hpcdist.config.site import Storage, current_user, under
 
 UNSUBMITTED = "%j"  # the job id in a path made before the scheduler gave one (Slurm's pattern)
 
@@ -40,7 +41,7 @@ class JobPaths:
     @property
     def folder(self) -> Path:
         """submitit's folder for the job: its pickles, results and per-rank logs."""
-        return under(self.storage.logs, self.folder_name or self.name, self.job_id)
+        return under(self.storage.root("logs"), self.folder_name or self.name, self.job_id)
 
     def log_patterns(self, array: bool = False) -> tuple[str, str]:
         return log_patterns(self.folder, array)
@@ -48,7 +49,7 @@ class JobPaths:
     @property
     def progress(self) -> Path:
         """Where rank 0 reports progress and the waiter reads it: ``logs/<name>/<job id>``."""
-        return under(self.storage.logs, self.name, self.job_id)
+        return under(self.storage.root("logs"), self.name, self.job_id)
 
     def rank_log(self, rank: int, what: str = "train") -> Path:
         """hpcdist's own log of one rank (``train_rank1.log``), beside the progress."""
@@ -66,7 +67,7 @@ class JobPaths:
 
     def result(self, suffix: str = "") -> Path:
         """``<results>/<name>/<job id><suffix>.h5``: where the job's result lands."""
-        return under(self.storage.results, self.name, f"{self.job_id}{suffix}.h5")
+        return under(self.storage.root("results"), self.name, f"{self.job_id}{suffix}.h5")
 
     @property
     def node_failures(self) -> Path:
@@ -76,22 +77,36 @@ class JobPaths:
 
     @property
     def checkpoints(self) -> Path:
-        """Stable across requeues and resubmissions of the same job name."""
-        return under(self.storage.checkpoints, self.name)
+        """Stable across requeues and resubmissions of the same job name. A job whose checkpoints
+        are still at the place of builds before per-user folders (``<root>/<name>``, made by this
+        user) finds them there, so a job pending or requeued across the upgrade resumes."""
+        new = under(self.storage.root("checkpoints"), self.name)
+        old = under(self.storage.checkpoints, self.name)
+        return old if new != old and not new.exists() and _own_folder(old, self.name) else new
 
     @property
     def rendezvous(self) -> Path:
-        """Where rank 0 publishes its endpoint (one file per launch, removed after check-in)."""
-        return under(self.storage.scratch, "rendezvous")
+        """Where rank 0 publishes its endpoint (one file per launch, removed after check-in): this
+        user's own 0700 folder (``hpcdist.store.trust.private_folder``)."""
+        return under(self.storage.root("scratch"), "rendezvous")
 
     @property
     def calls(self) -> Path:
         """Where ``hpcdist.Executor`` puts the pickled calls of this job name."""
-        return under(self.storage.logs, self.name, "calls")
+        return under(self.storage.root("logs"), self.name, "calls")
 
     def new_snapshot(self) -> Path:
         """A new folder for the code snapshot: ``<logs>/<name>/code-<time>-<random>``."""
-        return under(self.storage.logs, self.name, f"code-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
+        stamp = f"code-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        return under(self.storage.root("logs"), self.name, stamp)
+
+
+def _own_folder(path: Path, name: str) -> bool:
+    """`path` is a folder of this user's (not the per-user folder of a user called `name`)."""
+    try:
+        return name != current_user() and path.is_dir() and not path.is_symlink() and path.stat().st_uid == os.geteuid()
+    except OSError:
+        return False
 
 
 def node_failure_record(result: Path) -> Path:

@@ -231,6 +231,11 @@ def _file_mode(value: int) -> int:
             f"{value:#o} is not a file mode hpcdist can use: the owner needs read and write (0600), "
             f"no execute bits; e.g. '0640' (group reads) or '0600' (owner only), in quotes"
         )
+    if value & 0o022:
+        raise ValueError(
+            f"{value:04o} lets {'the group' if value & 0o020 else 'everyone'} write the job's files (pickles, code "
+            f"snapshots, checkpoints), which hpcdist later runs or unpickles; use '0640' (group reads) or '0600'"
+        )
     return value
 
 
@@ -243,6 +248,26 @@ FileMode = Annotated[
 ]
 
 
+def current_user() -> str:
+    """This process's user name (its uid's, as the password database says; the uid if none): the
+    name of its folder in a shared storage root. Never ``$USER``, which a shell may leave as it was."""
+    import pwd
+
+    uid = os.geteuid()
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _others_write(root: Path) -> bool:
+    """True when users other than its owner may make entries in `root` (group- or world-writable)."""
+    try:
+        return bool(os.stat(root).st_mode & 0o022)
+    except OSError:  # not made yet: hpcdist makes it for this user alone
+        return False
+
+
 class Storage(Frozen):
     """Roots on shared storage, visible from the login node and every compute node."""
 
@@ -253,6 +278,20 @@ class Storage(Frozen):
     mode: FileMode = Field(
         default=0o640, description="files hpcdist and its jobs create; folders add x where r is set (0750)"
     )
+    per_user: bool | None = Field(
+        default=None,
+        description="each user's files in a folder of their own, <root>/<user>; by default where others may "
+                    "write the root (a group's root, chmod 3770), and not in a root of one's own",
+    )
+
+    def root(self, name: StorageRoot) -> Path:
+        """Where this user's files of root `name` go: ``<root>/<user>`` on a root others may write
+        (or with ``per_user: true``), the root itself otherwise. Every path of a job starts here
+        (``hpcdist.config.paths``); the node-health record alone is the group's, at the root."""
+        base: Path = getattr(self, name)
+        if self.per_user is False or (self.per_user is None and not _others_write(base)):
+            return base
+        return base / current_user()
 
     @property
     def umask(self) -> int:
@@ -262,8 +301,8 @@ class Storage(Frozen):
         return 0o777 & ~folders
 
     def path(self, root: StorageRoot, *parts: str) -> Path:
-        """A path under one root, built from job names, ids and keys through ``under``."""
-        return under(getattr(self, root), *parts)
+        """A path under this user's folder of one root, built from job names, ids and keys through ``under``."""
+        return under(self.root(root), *parts)
 
 
 class Preemption(Frozen):

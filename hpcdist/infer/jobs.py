@@ -89,11 +89,12 @@ class BroadcastParams(Frozen):
 
 
 def locate_checkpoint(value: str, site: Site) -> Path:
-    """A relative checkpoint path names a directory under the site's checkpoint storage if one
-    exists there (``checkpoint: train_gpt`` is that job's checkpoints), else under the cwd."""
+    """A relative checkpoint path names a directory under this user's checkpoint storage if one
+    exists there (``checkpoint: train_gpt`` is that job's checkpoints, your own), else under the
+    cwd; a colleague's is named by its absolute path."""
     path = Path(value)
     if not path.is_absolute():
-        under = site.storage.checkpoints / path
+        under = site.storage.root("checkpoints") / path
         if under.exists():
             return under
     return path

@@ -220,7 +220,7 @@ def missing_inputs(job: Job[Any], site: Site) -> list[tuple[str, str, Path, str]
             continue
         path = Path(value).expanduser()
         if mark.site_root is not None and not path.is_absolute():
-            under = getattr(site.storage, mark.site_root) / path
+            under = site.storage.root(mark.site_root) / path
             path = under if under.exists() or not path.exists() else path
         if not path.exists():
             out.append((f"params.{name}", value, path, mark.hint))

@@ -26,11 +26,12 @@ from hpcdist.errors import ConfigError
 _SKIP_DIRS = {"__pycache__", ".git", ".hg", ".svn", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
 # Names that hold secrets by convention, and the words and suffixes that mark one.
 _SECRET_NAMES = {
-    ".env", ".netrc", "_netrc", ".pgpass", ".pypirc", ".npmrc", ".git-credentials", ".htpasswd", ".dockercfg",
+    ".env", ".envrc", ".netrc", "_netrc", ".pgpass", ".pypirc", ".npmrc", ".git-credentials", ".htpasswd", ".dockercfg",
     "id_rsa", "id_dsa", "id_ecdsa", "id_ed25519", "known_hosts", "authorized_keys",
 }
 _SECRET_DIRS = {".aws", ".ssh", ".gnupg", ".docker", ".kube", ".azure", ".config/gcloud"}
 _SECRET_SUFFIXES = (".pem", ".key", ".p12", ".pfx", ".jks", ".keystore", ".kdbx", ".gpg", ".asc", ".env")
+_SECRET_STEMS = re.compile(r"secret|credential|password|passwd|token(?!iz|s[._-])|api[-_]?key|private[-_]?key")
 _SECRET_WORDS = re.compile(r"(^|[^a-z])(secrets?|credentials?|passwords?|passwd|token|api[-_]?keys?|private[-_]?key)"
                            r"([^a-z]|$)")
 
@@ -53,9 +54,11 @@ def secret_reason(rel: Path) -> str | None:
         return "a secret-looking name"
     if name.endswith(_SECRET_SUFFIXES):
         return "a secret-looking name"
-    word = _SECRET_WORDS.search(name)
-    if word and (not name.endswith(".py") or word.group(0).strip("._-") == name[:-3]):
-        return "a secret-looking name"  # code named for a secret (secret_check.py) stays; secrets.py does not
+    if name.endswith(".py"):  # code named for a secret (secret_check.py) stays; secrets.py does not
+        word = _SECRET_WORDS.search(name)
+        return "a secret-looking name" if word and word.group(0).strip("._-") == name[:-3] else None
+    if _SECRET_STEMS.search(name):  # mytoken.txt, dbpassword.txt, AccessToken.txt: no word boundary needed
+        return "a secret-looking name"
     return None
 
 
@@ -141,10 +144,18 @@ def make(src: Path, dest: Path, keep: str, max_mb: float) -> tuple[Path, dict[Pa
         )
     target = dest / keep if keep else dest
     target.mkdir(parents=True, exist_ok=True)
+    _narrow(target, src)
     for rel in listing.files:
         out = target / rel
-        out.parent.mkdir(parents=True, exist_ok=True)
+        for part in reversed(rel.parents[:-1]):  # each folder as no wider than its source (0700 stays 0700)
+            if not (target / part).is_dir():
+                (target / part).mkdir()
+                _narrow(target / part, src / part)
         shutil.copyfile(src / rel, out)  # contents only: the mode comes from the site's storage.mode ...
-        made = stat.S_IMODE(out.stat().st_mode)
-        os.chmod(out, made & stat.S_IMODE((src / rel).stat().st_mode))  # ... and is never wider than the source's
+        _narrow(out, src / rel)  # ... and is never wider than the source's
     return dest, listing.left_out
+
+
+def _narrow(made: Path, source: Path) -> None:
+    """`made`'s mode (storage.mode's) less what `source` does not allow (never more readable)."""
+    os.chmod(made, stat.S_IMODE(made.stat().st_mode) & (stat.S_IMODE(source.stat().st_mode) | stat.S_ISGID))

@@ -97,7 +97,10 @@ class Executor:
         module, qualname = _where(fn)
         data = {"name": _job_name(qualname), **self._data}  # the function's name, unless the spec named it
         folder = JobPaths(self.site.storage, data["name"]).calls
-        paths = [_write_call(folder, fn, args, kwargs) for args, kwargs in calls]
+        from hpcdist.store.atomic import storage_umask
+
+        with storage_umask(self.site.storage.umask):  # <logs>/<name> as storage.mode says, whatever the shell's umask
+            paths = [_write_call(folder, fn, args, kwargs) for args, kwargs in calls]
         params = [{"call": str(p), "call_name": f"{module}:{qualname}",
                    "call_module": None if module == "__main__" else module} for p in paths]
         jobs = [prepare(self._check(data, p), self.site) for p in params]
@@ -200,7 +203,9 @@ def _write_call(folder: Path, fn: Callable[..., Any], args: tuple[Any, ...], kwa
         raise ConfigError(f"hpcdist.Executor.submit: the call of {getattr(fn, '__qualname__', fn)!r} cannot be "
                           f"pickled ({type(exc).__name__}: {exc}); pass plain data, or open files and "
                           f"connections inside the function") from exc
-    folder.mkdir(parents=True, exist_ok=True)
+    from hpcdist.store.trust import private_folder
+
+    private_folder(folder)  # 0700 whatever the umask: no one else replaces a call that every rank unpickles
     path = folder / f"{uuid.uuid4().hex}.pkl"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -166,6 +167,17 @@ def records() -> list[JobRecord]:
     return sorted((r for r in found if r is not None), key=lambda r: r.submitted)
 
 
+def _slurm_owner(job_id: str) -> str:
+    """Another user's name when Slurm knows job `job_id` as theirs; "" otherwise (or no Slurm here)."""
+    from hpcdist.scheduler import slurm
+    from hpcdist.store.trust import current_user
+
+    if not slurm.is_job_id(job_id) or shutil.which("scontrol") is None:
+        return ""
+    info = slurm.show_job(job_id)
+    return info.user if info is not None and info.user and info.user != current_user() else ""
+
+
 def find(job_id: str, site: str | None = None) -> JobRecord:
     """The job `job_id` (on `site`, when given); one clear error when the index has none, or more
     than one site has a job of that id."""
@@ -177,6 +189,12 @@ def find(job_id: str, site: str | None = None) -> JobRecord:
     found = [r for r in (_read(p) for p in paths if p.is_file()) if r is not None]
     if not found:
         where = f" on site {site!r}" if site else ""
+        owner = _slurm_owner(job_id)
+        if owner:
+            raise SubmitError(
+                f"job {job_id} is {owner}'s, not yours: hpcdist's job index ({jobs_dir()}) holds only your own "
+                f"jobs, and their logs, stacks and cancel are {owner}'s to ask for (or an admin's)"
+            )
         raise SubmitError(
             f"no job {job_id}{where} in the job index ({jobs_dir()}); `hpcdist jobs` lists the jobs submitted from here"
         )

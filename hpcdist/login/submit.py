@@ -33,6 +33,7 @@ from hpcdist.scheduler.local import LOCAL_CONTROLLER, process_started
 from hpcdist.scheduler.slurm import Vanished
 from hpcdist.scheduler.states import JobState
 from hpcdist.store.atomic import storage_umask
+from hpcdist.store.trust import denied_hint, trusted  # a result pickle another user could have written: refused
 
 if TYPE_CHECKING:
     from hpcdist.login.plan import Plan
@@ -218,7 +219,7 @@ def schedule(plan: Plan) -> list[Submission]:
     except slurm.Refused as exc:
         raise SubmitError(f"the scheduler refused job {base.name!r}: {exc}") from exc
     except OSError as exc:
-        raise SubmitError(f"could not submit job {base.name!r}: {exc}") from exc
+        raise SubmitError(f"could not submit job {base.name!r}: {exc}{denied_hint(exc)}") from exc
     origin = plan.origin
     submissions = [Submission(job=job, spec=task, site=site, script=script)
                    for job, task in zip(jobs, plan.tasks, strict=True)]
@@ -314,13 +315,14 @@ def outcomes(sub: Submission, state: JobState = JobState.UNKNOWN, end: Ending | 
     for rank in range(ranks_ran(sub)):
         task = sub.job.task(rank)
         try:
+            trusted(task.paths.result_pickle)
             status, value = pickle_load(task.paths.result_pickle)
         except FileNotFoundError:
             from hpcdist.scheduler.postmortem import no_result  # only a rank that failed is looked into
 
             out.append(TaskOutcome(rank, False, error=no_result(task.paths.stderr, state, rank, end)))
             continue
-        except Exception as exc:  # half-written or unreadable: not a result
+        except Exception as exc:  # half-written, unreadable or untrusted (refused, one line): not a result
             out.append(TaskOutcome(rank, False, error=f"its result file is unreadable: {type(exc).__name__}: {exc}"))
             continue
         if status == "success":

@@ -180,11 +180,14 @@ def open_store(
             addr = own_address(ifname, single_node)
             store = _store(addr, 0, info, timeout, True)
             nonce = secrets.token_hex(16)
-            rendezvous_dir.mkdir(parents=True, exist_ok=True)
+            _private(rendezvous_dir)
             with atomic_path(path, mode=0o600) as tmp:  # the owner's ranks only: it opens the job's store
                 tmp.write_text(json.dumps({"addr": addr, "port": store.port, "host": info.hostname, "nonce": nonce}))
             return _prefixed(store, key, nonce), Endpoint(addr, store.port, "file")
         found = _wait_for_file(path, timeout, info)
+        if found.get("refused"):
+            raise BootstrapError(f"rendezvous: rank {info.rank} on {info.hostname} refuses the endpoint: "
+                                 f"{found['refused']}")
         endpoint = Endpoint(found["addr"], int(found["port"]), "file")
         store = _store(endpoint.addr, endpoint.port, info, timeout, False)
         return _prefixed(store, key, str(found.get("nonce", ""))), endpoint
@@ -280,12 +283,44 @@ def _wait_for_file(path: Path, timeout: float, info: RankInfo) -> dict[str, Any]
     return found
 
 
-def _read_endpoint(path: Path) -> dict[str, Any] | None:
-    """The published endpoint, or None while rank 0 has not written it (atomically) yet."""
+def _private(folder: Path) -> None:
+    """The rendezvous folder: this user's own, 0700 (``hpcdist.store.trust.private_folder``)."""
+    from hpcdist.store.trust import UntrustedFileError, private_folder
+
     try:
-        return dict(json.loads(path.read_text()))
+        private_folder(folder)
+    except UntrustedFileError as exc:
+        raise BootstrapError(f"rendezvous: {exc}") from exc
+
+
+def _read_endpoint(path: Path) -> dict[str, Any] | None:
+    """The published endpoint; None while rank 0 has not written it (atomically) yet; or
+    ``{"refused": why}`` at once for a file that is not this user's own regular 0600 file in a
+    folder no one else may write (a planted endpoint would make its writer rank 0 of the job)."""
+    import stat
+
+    from hpcdist.store.trust import describe, problem
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return {"refused": f"{path} cannot be opened ({exc.strerror}): not a file of yours"}
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077 or st.st_size > 65536:
+            return {"refused": f"{describe(path, st)} is not your own regular 0600 file; nothing was read from it"}
+        why = problem(path, path.parent.parent)
+        if why is not None:
+            return {"refused": why}
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = json.loads(f.read())
+        return dict(data) if isinstance(data, dict) else {"refused": f"{path} holds no endpoint"}
     except (OSError, ValueError):
         return None
+    finally:
+        os.close(fd)
 
 
 def check_in(store: dist.Store, info: RankInfo, timeout: float) -> dict[int, str]:

@@ -242,6 +242,9 @@ def _submitted(folder: str, env: Mapping[str, str]) -> tuple[str, JobSpec, Site,
     array, task = env.get("SLURM_ARRAY_JOB_ID", ""), env.get("SLURM_ARRAY_TASK_ID", "")
     job_id = f"{array}_{task}" if array and task else env["SLURM_JOB_ID"]
     paths = SubmititPaths(folder, job_id=job_id)
+    from hpcdist.store.trust import trusted
+
+    trusted(paths.submitted_pickle)  # unpickled only when no one else could have written it
     delayed = DelayedSubmission.load(paths.submitted_pickle)
     spec, site = delayed.args[:2]
     return job_id, spec, site, paths.folder, SubmititPaths(folder, job_id=job_id, task_id=0).stdout

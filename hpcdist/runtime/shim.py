@@ -19,10 +19,9 @@ def main() -> None:
     launcher = owner_of(info.launcher)
     if launcher is not None:
         os.environ.update(launcher.task_env(info))
-    from submitit.core.submission import submitit_main
+    from hpcdist.runtime.submitted import main as run_submitted
 
-    sys.argv = ["submitit", *sys.argv[1:]]
-    submitit_main()
+    sys.exit(run_submitted(sys.argv[1:]))
 
 
 if __name__ == "__main__":

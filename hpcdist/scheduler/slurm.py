@@ -165,6 +165,7 @@ class JobInfo:
     required: str = ""  # ReqNodeList (the user's --nodelist), "" for none
     num_nodes: str = ""  # NumNodes: "4", or "3-4" while a job that may shrink is pending
     submitted: str = ""  # SubmitTime; a requeue sets it: when the run before ended (2026-11-24T02:30:25)
+    user: str = ""  # UserId's name: whose job it is (Slurm shows every user's jobs, as without PrivateData)
 
 
 def show_job(job_id: str) -> JobInfo | None:
@@ -178,7 +179,7 @@ def show_job(job_id: str) -> JobInfo | None:
         excluded, required = (fields.get(k, "").replace("(null)", "") for k in ("ExcNodeList", "ReqNodeList"))
         return JobInfo(JobState.from_slurm(fields["JobState"]), fields["JobState"], int(fields.get("Restarts", "0")),
                        excluded=excluded, required=required, num_nodes=fields.get("NumNodes", ""),
-                       submitted=fields.get("SubmitTime", ""))
+                       submitted=fields.get("SubmitTime", ""), user=fields.get("UserId", "").split("(")[0])
     except (KeyError, ValueError):
         return None
 

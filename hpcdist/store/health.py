@@ -15,11 +15,13 @@ the preflight, the login node from the post-mortem and the ``nodes`` command).
 
 from __future__ import annotations
 
-import getpass
+import errno
 import json
+import logging
 import os
 import re
 import socket
+import stat
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -37,6 +39,8 @@ FILE_MODE, FOLDER_MODE = 0o664, 0o775
 KEEP_S = 30 * 24 * 3600.0  # a mark older than this is removed by the next writer
 _NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SUFFIX = ".mark.json"
+MAX_MARK_BYTES = 16384  # a mark is a few hundred bytes; anything bigger is not one
+log = logging.getLogger("hpcdist")
 
 
 @dataclass(frozen=True)
@@ -108,10 +112,9 @@ def mark(where: Where, node: str, reason: str, job_id: str = "", source: Source 
         for m in map(_read, _files(folder(where), node)):
             if m is not None and (m.node, m.job_id, m.source) == (node, job_id, source):
                 return m
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = str(os.getuid())
+    from hpcdist.store.trust import current_user
+
+    user = current_user()  # a reader takes the author from the file's owner anyway
     entry = Mark(node, _one_line(reason), time.time(), _one_line(job_id, 40), source, user, socket.gethostname())
     path = folder(where)
     _make_folder(path)
@@ -128,13 +131,45 @@ def _read(path: Path) -> Mark | None:
     folder is the group's: a file put there by hand is checked like a mark being made, so no
     newline reaches a job script and no odd node name reaches ``--exclude``)."""
     try:
-        data = json.loads(path.read_text())
+        raw, owner = _read_plain(path)
+        data = json.loads(raw)
         m = Mark(str(data["node"]), _one_line(str(data["reason"])), float(data["when"]),
-                 _one_line(str(data["job_id"]), 40), str(data["source"]), _one_line(str(data["user"]), 64),
+                 _one_line(str(data["job_id"]), 40), str(data["source"]), owner,
                  _one_line(str(data["host"]), 128))
-    except (OSError, ValueError, KeyError, TypeError):
+    except _Skipped as exc:
+        log.warning("node health: skipped %s", exc)
+        return None
+    except OSError:  # removed meanwhile
+        return None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("node health: skipped %s: not a mark hpcdist wrote (%s)", path, type(exc).__name__)
         return None
     return m if _NODE.fullmatch(m.node) and m.source in SOURCES else None
+
+
+class _Skipped(Exception):
+    """An entry of the group's folder that is no mark: a link, a FIFO, a device, a huge file."""
+
+
+def _read_plain(path: Path) -> tuple[bytes, str]:
+    """A mark file's bytes and its author (the file's owner, not what the file says), read without
+    following a link or waiting on a FIFO (O_NOFOLLOW | O_NONBLOCK, then fstat)."""
+    from hpcdist.store.trust import describe, owner_name
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _Skipped(f"{path}: a symbolic link, not a mark") from exc
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MARK_BYTES:
+            raise _Skipped(f"{describe(path, st)}: not a regular file of at most {MAX_MARK_BYTES} bytes")
+        data = os.read(fd, MAX_MARK_BYTES + 1)
+        return data, owner_name(st.st_uid)
+    finally:
+        os.close(fd)
 
 
 def _files(path: Path, node: str = "") -> list[Path]:

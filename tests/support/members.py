@@ -1,0 +1,70 @@
+"""The shared-site test bed (cluster/users.sh): hpcdist run as ordinary users, not root.
+
+alice and bob are members of group ``mlgroup``, carol is not; the group's storage root is
+``GROUP_ROOT`` (root:mlgroup, 3770) and ``site_configs/local-group.yaml`` its site. They run this
+checkout (first on PYTHONPATH) with the venv at ``USERS_VENV``, built from Debian's python."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.support.cli import REPO, Run
+
+GROUP_ROOT = Path("/var/tmp/hpcdist-group")
+USERS_VENV = Path("/opt/hpcdist-users/venv")
+MEMBERS, OUTSIDER = ("alice", "bob"), "carol"
+
+
+def require_members() -> None:
+    """Fail under `make test` (HPCDIST_REQUIRE_SLURM=1: cluster/up.sh made them), skip elsewhere,
+    when the accounts, the venv or the group root are missing, or when not run as root."""
+    import pwd
+
+    why = ""
+    if os.geteuid() != 0 or shutil.which("runuser") is None:
+        why = "the shared-site tests switch users: run them as root (runuser)"
+    else:
+        try:
+            for user in (*MEMBERS, OUTSIDER):
+                pwd.getpwnam(user)
+        except KeyError:
+            why = "the test bed's accounts are missing (make cluster-up runs cluster/users.sh)"
+        if not why and not (USERS_VENV / "bin" / "python").exists():
+            why = f"{USERS_VENV} is missing (make cluster-up runs cluster/users.sh)"
+        if not why and not GROUP_ROOT.is_dir():
+            why = f"{GROUP_ROOT} is missing (make cluster-up runs cluster/users.sh)"
+    if why:
+        if os.environ.get("HPCDIST_REQUIRE_SLURM") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+def as_user(user: str, *args: str, umask: str = "022", cwd: Path | None = None, timeout: float = 240,
+            env: dict[str, str] | None = None) -> Run:
+    """`python ARGS...` as `user` (the users' venv, this checkout first), in a clean environment
+    with the shell umask `umask`, as that user would type it."""
+    home = Path(f"/home/{user}")
+    extra = [f"{k}={v}" for k, v in (env or {}).items()]
+    cmd = ["runuser", "-u", user, "--", "env", "-i", f"HOME={home}", f"USER={user}", f"LOGNAME={user}",
+           "PATH=/usr/local/bin:/usr/bin:/bin", f"PYTHONPATH={REPO}", *extra,
+           "sh", "-c", f'umask {umask} && exec "$@"', "sh", str(USERS_VENV / "bin" / "python"), *args]
+    proc = subprocess.run(cmd, cwd=cwd or home, capture_output=True, text=True, timeout=timeout, check=False)
+    return Run(proc.returncode, proc.stdout, proc.stderr)
+
+
+def spawn(user: str, *args: str, umask: str = "022") -> subprocess.Popen[str]:
+    """`as_user` started in the background (several members at once)."""
+    cmd = ["runuser", "-u", user, "--", "env", "-i", f"HOME=/home/{user}", f"USER={user}",
+           "PATH=/usr/local/bin:/usr/bin:/bin", f"PYTHONPATH={REPO}",
+           "sh", "-c", f'umask {umask} && exec "$@"', "sh", str(USERS_VENV / "bin" / "python"), *args]
+    return subprocess.Popen(cmd, cwd=f"/home/{user}", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 300) -> Run:
+    out, err = proc.communicate(timeout=timeout)
+    return Run(proc.returncode, out, err)
