@@ -3,7 +3,7 @@
 # when everything is already installed, and runs `apt-get update` only when something is not.
 set -euo pipefail
 
-PACKAGES=(slurm-wlm slurmdbd munge mariadb-server openmpi-bin libopenmpi-dev hdf5-tools iproute2)
+PACKAGES=(slurm-wlm slurmdbd munge mariadb-server openmpi-bin libopenmpi-dev hdf5-tools iproute2 python3-venv)
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do
