@@ -121,7 +121,7 @@ def bench(rank: int, world: int, kind: str, mb: int, repeat: int, root: str) -> 
             for d in (dcp_dir, Path(str(dcp_dir) + "a")):
                 shutil.rmtree(d, ignore_errors=True)
     last = base / "ours" / f"step_{1000 + repeat - 1:08d}.h5"  # the background save's, the newest
-    reader = sharded.ShardedReader(last, group, split=True)  # as sharded.load's, untimed: what it hashes
+    reader = sharded.ShardedReader(last, group)  # as sharded.load's, untimed: what it hashes
     dcp.load(state, storage_reader=reader, process_group=group)
     dist.barrier(group)
     if rank == 0:

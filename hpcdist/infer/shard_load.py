@@ -28,7 +28,8 @@ import numpy as np
 
 from hpcdist.model.checkpoint import MODEL_GROUP, CheckpointHeader, verify_streaming
 from hpcdist.model.config import GPTConfig
-from hpcdist.store.tree import as_tensor, sha256_of, typed
+from hpcdist.store import checksum
+from hpcdist.store.tree import as_tensor, typed
 
 Ranges = list[tuple[int, int]]
 
@@ -131,8 +132,8 @@ class ShardRead:
 def read_shard(header: CheckpointHeader, tp_rank: int, tp: int, rank: int, world_size: int) -> ShardRead:
     """Read `tp_rank`'s shard of every tensor, and verify checksums without reading the file `world_size` times.
 
-    A replicated tensor is read whole, so its sha256 is checked right away. A sharded tensor's
-    sha256 covers the whole tensor, which this rank does not read; instead tensor number i is
+    A replicated tensor is read whole, so its digest is checked right away. A sharded tensor's
+    digest covers the whole tensor, which this rank does not read; instead tensor number i is
     checked by rank ``i % world_size``, streaming it in chunks, so across the ranks every sharded
     tensor is verified once and no rank holds more than its shard plus one chunk. The caller
     agrees on the outcome across ranks (any bad tensor fails every rank).
@@ -149,12 +150,12 @@ def read_shard(header: CheckpointHeader, tp_rank: int, tp: int, rank: int, world
         group = f[MODEL_GROUP]
         for i, key in enumerate(header.shapes):
             plan = shard_plan(key, header.config, tp_rank, tp)
-            arr = take(group[key], plan)  # as HDF5 holds it: bfloat16 as its bits, which the sha256 covers
+            arr = take(group[key], plan)  # as HDF5 holds it: bfloat16 as its bits, which the digest covers
             nbytes += arr.nbytes
             state[key] = as_tensor(typed(arr, header.dtypes[key]))
             if plan is None:
                 verified.append(key)
-                if sha256_of(arr) != header.sha256[key]:
+                if not checksum.matches(arr, header.digests[key]):
                     bad.append(key)
             elif i % world_size == rank:
                 verified.append(key)
@@ -181,7 +182,7 @@ def _read_shard_of_chunks(header: CheckpointHeader, tp_rank: int, tp: int, rank:
                           world_size: int) -> ShardRead:
     """`read_shard` of a sharded checkpoint (FSDP's): each tensor's part `tp_rank` holds is read
     from the chunks it overlaps, only those bytes (an HDF5 hyperslab). Each chunk has its own
-    sha256, and each is verified by one rank (`verifiers`), which reads it whole with one
+    digest, and each is verified by one rank (`verifiers`), which reads it whole with one
     ``os.preadv`` and takes its own part from that read; so across the ranks every chunk is
     verified once and no rank holds more than its shard plus one chunk."""
     import h5py
@@ -210,7 +211,7 @@ def _read_shard_of_chunks(header: CheckpointHeader, tp_rank: int, tp: int, rank:
                     whole = read_chunk(folder, piece.chunk, f"tensor {MODEL_GROUP}.{key}")
                     nbytes += whole.nbytes
                     verified.append(f"{key} {list(piece.offsets)}")
-                    if sha256_of(whole) != piece.chunk.sha256:
+                    if not checksum.matches(whole, piece.chunk.digest):
                         bad.append(key)
                 at = 0  # where this range starts in `out` along `dim`
                 for a, b in ranges:

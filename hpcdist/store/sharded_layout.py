@@ -59,8 +59,17 @@ class Chunk:
     offset: int  # byte offset of its contiguous data; -1: read it through HDF5
     dtype: str  # NumPy dtype as stored: a dtype NumPy lacks (bfloat16) as its bits (``hpcdist.store.tree``)
     shape: tuple[int, ...]  # shape as stored: the tensor chunk's own
-    torch_dtype: str  # the chunk's torch dtype ("torch.bfloat16"); "" for bytes
-    sha256: str
+    torch_dtype: str  # the chunk's torch dtype ("torch.bfloat16"); "" for a value
+    digest: str  # as recorded (``hpcdist.store.checksum``): "xxh3-128:<hex>", or format 1's bare sha256
+    encoding: str = ""  # a value's: "json" (``hpcdist.store.values``); "" for a tensor, or format 1's pickle
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Chunk:
+        """A chunk from the index's JSON record (format 1 named its digest ``sha256``)."""
+        fields = dict(record)
+        if "sha256" in fields:
+            fields["digest"] = fields.pop("sha256")
+        return cls(**{**fields, "shape": tuple(fields["shape"])})
 
 
 def folder_of(index: Path) -> Path:
@@ -110,8 +119,7 @@ def tensors_of(text: str, prefix: str = "") -> dict[str, TensorEntry]:
     for fqn, offset, _, c in data["chunks"]:
         if fqn.startswith(prefix) and fqn in data["tensors"] and offset is not None:
             sizes = next(s for o, s in data["tensors"][fqn]["chunks"] if o == offset)
-            pieces.setdefault(fqn, []).append(Piece(tuple(offset), tuple(sizes),
-                                                    Chunk(**{**c, "shape": tuple(c["shape"])})))
+            pieces.setdefault(fqn, []).append(Piece(tuple(offset), tuple(sizes), Chunk.from_record(c)))
     return {fqn.removeprefix(prefix): TensorEntry(t["dtype"].removeprefix("torch."), tuple(t["size"]),
                                                   sorted(pieces.get(fqn, []), key=lambda p: p.offsets))
             for fqn, t in data["tensors"].items() if fqn.startswith(prefix)}
@@ -259,7 +267,7 @@ def metadata_from_json(text: str) -> Metadata:
         for fqn, t in data["tensors"].items()
     }
     sd.update({fqn: BytesStorageMetadata() for fqn in data["bytes"]})
-    storage = {MetadataIndex(fqn, offset, index): Chunk(**{**c, "shape": tuple(c["shape"])})
+    storage = {MetadataIndex(fqn, offset, index): Chunk.from_record(c)
                for fqn, offset, index, c in data["chunks"]}
     planner = data["planner_data"]
     if isinstance(planner, dict):
