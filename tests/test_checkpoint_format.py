@@ -181,3 +181,28 @@ def test_an_unsharded_checkpoint_with_sha256_chosen_records_and_checks_sha256(tm
     with pytest.raises(CheckpointError, match=r"checksum 'md5' is not a checksum this hpcdist knows; use one of"):
         checkpoints.save(tmp_path / "x", 1, {"w": W}, checksum="md5")
     shutil.rmtree(tmp_path / "x", ignore_errors=True)
+
+
+def test_the_site_chooses_the_checksum_and_the_job_overrides_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcdist.config import load_site
+    from hpcdist.errors import ConfigError
+    from hpcdist.store import checksum
+
+    monkeypatch.delenv("HPCDIST_CHECKSUM", raising=False)
+    monkeypatch.setattr(checksum, "_site", None)
+    monkeypatch.setattr(checksum, "_chosen", None)
+    site = load_site(None, ["storage.checksum=sha256"])
+    checksum.use_site(site.storage.checksum)  # what every rank of a job on that site does first
+
+    def written(step: int) -> str:
+        with h5py.File(CheckpointStore(tmp_path).save(step, {"w": W}).path, "r") as f:
+            return str(f.attrs["checksum"])
+
+    assert written(1) == "sha256"
+    monkeypatch.setenv("HPCDIST_CHECKSUM", "xxh3-128")  # the job's env
+    assert written(2) == "xxh3-128"
+    checksum.use("sha256")  # hpcdist.init(checksum=...), a training job's checkpoint.checksum
+    assert written(3) == "sha256"
+    with pytest.raises(ConfigError, match="storage.checksum"):
+        load_site(None, ["storage.checksum=md5"])

@@ -253,6 +253,10 @@ class Storage(Frozen):
     mode: FileMode = Field(
         default=0o640, description="files hpcdist and its jobs create; folders add x where r is set (0750)"
     )
+    checksum: Literal["xxh3-128", "sha256"] = Field(
+        default="xxh3-128", description="digest of every checkpoint array: xxh3-128 (memory speed, finds torn "
+        "writes and flipped bits) or sha256 (cryptographic, ~10x slower); a job's HPCDIST_CHECKSUM overrides it"
+    )
 
     @property
     def umask(self) -> int:

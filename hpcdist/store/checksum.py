@@ -31,7 +31,8 @@ ENV = "HPCDIST_CHECKSUM"  # the process's choice, when no site or job names one
 ATTR = "checksum"  # format 2: a dataset's digest, and the file's algorithm as a root attribute
 LEGACY_ATTR = "sha256"  # format 1: a dataset's bare hex sha256
 
-_chosen: str | None = None
+_chosen: str | None = None  # the job's choice (`use`)
+_site: str | None = None  # the site's (`use_site`)
 
 
 def check_name(name: str, where: str = "checksum") -> str:
@@ -48,12 +49,20 @@ def use(name: str | None) -> None:
     _chosen = None if name is None else check_name(name)
 
 
+def use_site(name: str) -> None:
+    """The site's choice (``storage.checksum``): used unless the job's environment names one
+    (``HPCDIST_CHECKSUM``) or the job chose with `use`."""
+    global _site
+    _site = check_name(name)
+
+
 def chosen() -> str:
-    """The algorithm a checkpoint written now records: `use`'s, else ``HPCDIST_CHECKSUM``, else XXH3-128."""
+    """The algorithm a checkpoint written now records: the job's (`use`), else ``HPCDIST_CHECKSUM``,
+    else the site's (`use_site`), else XXH3-128."""
     if _chosen is not None:
         return _chosen
     env = os.environ.get(ENV, "").strip()
-    return check_name(env, ENV) if env else DEFAULT
+    return check_name(env, ENV) if env else _site or DEFAULT
 
 
 def _bytes(data: Any) -> Any:
