@@ -392,3 +392,34 @@ def test_ckpt_commands_export_to_dcp_and_import_from_a_dcp_save_folder(saved: Pa
     code, _, err = cli(capsys, "ckpt", "import-dcp", str(tmp_path), "-o", str(tmp_path / "ours"))
     assert code != 0 and f"{tmp_path} is not a dcp.save folder (it has no .metadata)" in err
     assert err.count("\n") == 1
+
+
+def save_and_load_replicated(rank: int, world: int, port: int, root: Path) -> None:
+    """DDP's state, declared replicated, with per-rank values, through ``ctx.checkpoints``."""
+    _quiet()
+    ctx = context(rank, world, port, root)
+    torch.manual_seed(0)
+    model = {f"w{i}": torch.randn(64, 32) for i in range(6)}  # the same on every rank
+    ctx.checkpoints.save(5, {"model": model, "step": 5}, replicated=True,
+                         per_rank={"rng": torch.full((3,), float(rank)), "pos": 10 * rank})
+    into = {"model": {k: torch.zeros_like(v) for k, v in model.items()}, "step": 0, "rng": torch.zeros(3), "pos": -1}
+    loaded = ctx.checkpoints.load_latest(into=into)
+    whole = ctx.checkpoints.load_latest()
+    torch.save({"loaded": loaded, "whole": whole, "model": model}, root / f"replicated{rank}.pt")
+    leave(ctx)
+
+
+def test_a_state_declared_replicated_is_written_once_across_ranks_and_per_rank_values_stay_per_rank(
+        tmp_path: Path) -> None:
+    spawn(save_and_load_replicated, 2, tmp_path)
+    md = sharded.ShardedReader(tmp_path / "ckpt" / "step_00000005.h5").read_metadata()
+    writers = {i.fqn: c.rank for i, c in md.storage_data.items()}
+    assert sorted(k for k in writers if k.startswith("model.")) == [f"model.w{i}" for i in range(6)]  # once each
+    assert set(writers[f"model.w{i}"] for i in range(6)) == {0, 1}  # the writing spread over both ranks
+    assert writers["__per_rank__.r00000.rng"] == 0 and writers["__per_rank__.r00001.rng"] == 1
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"replicated{rank}.pt")
+        for step, state in (got["loaded"], got["whole"]):
+            assert step == 5 and state["step"] == 5 and state["pos"] == 10 * rank
+            assert torch.equal(state["rng"], torch.full((3,), float(rank)))
+            assert equal(got["model"], state["model"]) == []
