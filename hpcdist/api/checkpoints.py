@@ -180,7 +180,7 @@ class Checkpoints:
                                        tree=index if self.ctx.is_main else None)
         if background:
             if self._stager is None:
-                self._stager = sharded.Stager()
+                self._stager = sharded.Stager(self._io_group, replicated=lambda key: key != PER_RANK)
             self._sharded_pending = (writer, sharded.save_async(state, writer, self._io_group, self._stager))
         else:
             sharded.save_with(state, writer, self._io_group)

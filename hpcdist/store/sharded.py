@@ -107,13 +107,21 @@ def save_with(state: dict[str, Any], writer: ShardedWriter, process_group: Any =
 class Stager(AsyncStager):
     """The host copy a background save blocks for, made into the previous save's buffers when the
     state has the same layout (no fresh pages to fault in, as `rawio.snapshot`'s `reuse`). Use one
-    per run and wait for a save before staging the next: the buffers are the save's source."""
+    per run and wait for a save before staging the next: the buffers are the save's source.
+
+    A value that is not a DTensor is the same on every rank of `process_group` (DCP's planner
+    writes it once): each rank copies only the ones it writes (`owners`: largest first, each to the
+    rank with the fewest bytes so far), so a replicated state's copy is split across the ranks
+    instead of made whole on each; DCP then plans the union. `replicated(path)` says which top-level
+    keys are so (all by default; a rank's own values, such as ``ctx.checkpoints``' per-rank ones, are not)."""
 
     _synchronize_after_execute = False
 
-    def __init__(self) -> None:
+    def __init__(self, process_group: Any = None, replicated: Callable[[str], bool] | None = None) -> None:
         self._cache: Any = None
         self._layout: Any = None
+        self.group = process_group
+        self.replicated = replicated or (lambda key: True)
 
     def synchronize_staging(self) -> None:  # staging is done when `stage` returns
         return None
@@ -124,10 +132,73 @@ class Stager(AsyncStager):
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
+        state_dict = self._mine(state_dict)
         layout = _layout(state_dict)
         if self._cache is None or layout != self._layout:
             self._cache, self._layout = _create_cpu_state_dict(state_dict), layout
         return _copy_state_dict(state_dict, self._cache)
+
+
+    def _mine(self, state: dict[str, Any]) -> dict[str, Any]:
+        """`state` less the replicated values other ranks of the group write."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return state
+        world = dist.get_world_size(self.group)
+        if world < 2:
+            return state
+        leaves: list[tuple[tuple[str, ...], int]] = []
+        _replicated_leaves(state, (), leaves, self.replicated)
+        owner = owners(leaves, world)
+        rank = dist.get_rank(self.group)
+        return _keep(state, (), lambda path: owner.get(path, rank) == rank)
+
+
+def owners(leaves: list[tuple[tuple[str, ...], int]], world: int) -> dict[tuple[str, ...], int]:
+    """Which rank writes each replicated leaf (path, bytes): the largest first (ties by path), each to
+    the rank with the fewest bytes so far. The same on every rank given the same leaves."""
+    load = [0] * world
+    out: dict[tuple[str, ...], int] = {}
+    for path, nbytes in sorted(leaves, key=lambda item: (-item[1], item[0])):
+        rank = min(range(world), key=lambda r: load[r])
+        load[rank] += nbytes
+        out[path] = rank
+    return out
+
+
+def _is_dtensor(value: Any) -> bool:
+    return type(value).__name__ == "DTensor" or hasattr(value, "device_mesh")
+
+
+def _holds_dtensor(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        return any(_holds_dtensor(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_holds_dtensor(v) for v in value)
+    return _is_dtensor(value)
+
+
+def _replicated_leaves(value: Any, path: tuple[str, ...], out: list[tuple[tuple[str, ...], int]],
+                       replicated: Callable[[str], bool]) -> None:
+    if path and not replicated(path[0]):
+        return
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _replicated_leaves(v, (*path, str(k)), out, replicated)
+    elif not _holds_dtensor(value):
+        out.append((path, int(value.nbytes) if isinstance(value, torch.Tensor) else 0))
+
+
+def _keep(value: dict[str, Any], path: tuple[str, ...], mine: Callable[[tuple[str, ...]], bool]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        sub = (*path, str(k))
+        if isinstance(v, Mapping):
+            out[k] = _keep(dict(v), sub, mine)
+        elif mine(sub):
+            out[k] = v
+    return out
 
 
 def _layout(value: Any) -> Any:
