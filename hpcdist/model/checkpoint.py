@@ -38,7 +38,7 @@ from hpcdist.model.config import GPTConfig
 from hpcdist.store import checkpoints as store
 from hpcdist.store import checksum
 from hpcdist.store.discovery import resolve
-from hpcdist.store.tree import ChecksumError, DatasetInfo, Tree, as_tensor, dataset_matches, is_bits
+from hpcdist.store.tree import ChecksumError, DatasetInfo, Tree, as_tensor, is_bits
 
 if TYPE_CHECKING:
     import torch
@@ -376,11 +376,3 @@ def read_full(header: CheckpointHeader, verify: bool = True) -> dict[str, torch.
             f"checkpoint {header.path}: tensor {key} does not match its checksum; the file is corrupt"
         ) from exc
     return {key: as_tensor(group[key]) for key in header.shapes}
-
-
-def verify_streaming(header: CheckpointHeader, key: str) -> bool:
-    """Whether tensor `key` matches its digest, reading it in row chunks (bounded memory)."""
-    import h5py
-
-    with h5py.File(header.path, "r") as f:
-        return dataset_matches(f[MODEL_GROUP][key], header.digests[key])

@@ -129,24 +129,3 @@ def recorded_in(attrs: Any) -> str:
         if value:
             return value.decode() if isinstance(value, bytes) else str(value)
     return ""
-
-
-class Streaming:
-    """A digest made piece by piece (a dataset read in row chunks), with `recorded`'s algorithm."""
-
-    def __init__(self, recorded: str) -> None:
-        self.recorded = recorded
-        self.algorithm = algorithm_of(recorded) or chosen()
-        if self.algorithm == XXH3:
-            import xxhash
-
-            self._h: Any = xxhash.xxh3_128()
-        else:
-            self._h = hashlib.sha256()
-
-    def update(self, data: Any) -> None:
-        self._h.update(_bytes(data))
-
-    def matches(self) -> bool:
-        made = self._h.hexdigest()
-        return made == self.recorded or f"{self.algorithm}:{made}" == self.recorded

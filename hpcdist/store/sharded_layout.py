@@ -14,18 +14,16 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hpcdist.errors import CheckpointError
 from hpcdist.store.directory import checkpoint_name, step_of
 from hpcdist.store.tree import as_tensor, pool, typed
-
-K = TypeVar("K")
 
 if TYPE_CHECKING:
     import torch
@@ -150,21 +148,6 @@ def read_chunk(folder: Path, chunk: Chunk, what: str, into: np.ndarray | None = 
         raise CheckpointError(f"{path}: cannot read {what} (written by rank {chunk.rank}): "
                               f"{exc.strerror or exc} (read by rank {_rank()})") from exc
     return arr
-
-
-def verifiers(chunks: Iterable[tuple[K, int, Sequence[int]]], ranks: int) -> dict[K, int]:
-    """Which rank verifies each chunk, so that every chunk is hashed once across the ranks:
-    `chunks` are (chunk, its bytes, the ranks that read it), in an order every rank agrees on;
-    the largest first (ties in that order), each to the one of its readers with the fewest bytes
-    so far. Used by the sharded reader (``sharded_storage``) and the TP shard reader
-    (``hpcdist.infer.shard_load``)."""
-    load = [0] * ranks
-    out: dict[K, int] = {}
-    for chunk, nbytes, readers in sorted(chunks, key=lambda c: -c[1]):
-        rank = min(readers, key=lambda r: load[r])
-        load[rank] += nbytes
-        out[chunk] = rank
-    return out
 
 
 def _key(index: MetadataIndex) -> str:

@@ -43,7 +43,6 @@ DTYPE_ATTR = "torch_dtype"  # a dataset's torch dtype, where NumPy has none: the
 # torch dtypes NumPy holds as they are; any other is stored as bits (`torch_bits`)
 _NUMPY_DTYPES = frozenset({"float16", "float32", "float64", "complex64", "complex128", "bool", "int8", "int16",
                            "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
-STREAM_CHUNK_BYTES = 16 << 20
 
 
 def hash_threads() -> int:
@@ -79,19 +78,6 @@ def sha256_of(arr: np.ndarray) -> str:
     """Hex SHA-256 of the array's C-order bytes (hashed in place: no copy for contiguous arrays)."""
     data = np.ascontiguousarray(arr)
     return hashlib.sha256(data.reshape(-1).view(np.uint8).data if data.size else b"").hexdigest()
-
-
-def dataset_matches(ds: h5py.Dataset, recorded: str, chunk_bytes: int = STREAM_CHUNK_BYTES) -> bool:
-    """Whether a dataset read in row chunks (memory bounded by `chunk_bytes`) has the digest `recorded`."""
-    digest = checksum.Streaming(recorded)
-    if ds.ndim == 0 or ds.shape[0] == 0:
-        digest.update(np.ascontiguousarray(ds[()]))
-    else:
-        row_bytes = max(1, ds.size // ds.shape[0]) * ds.dtype.itemsize
-        step = max(1, chunk_bytes // row_bytes)
-        for start in range(0, ds.shape[0], step):
-            digest.update(np.ascontiguousarray(ds[start : start + step]))
-    return bool(recorded) and digest.matches()
 
 
 def plain(value: Any) -> Any:
