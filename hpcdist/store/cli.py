@@ -37,7 +37,10 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
               f"(storage_reader=FileSystemReader({str(args.output)!r}))")
         return 0
     stats = import_dcp(args.directory, args.output, args.step)
-    print(f"committed {stats.path}: {stats.bytes / 1e6:.1f} MB from {args.directory} (sharded, sha256 per chunk)")
+    from hpcdist.store import checksum
+
+    print(f"committed {stats.path}: {stats.bytes / 1e6:.1f} MB from {args.directory} (sharded, a {checksum.chosen()} "
+          "digest per chunk)")
     return 0
 
 
