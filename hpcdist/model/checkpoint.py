@@ -116,10 +116,13 @@ def model_tree(state_dict: Mapping[str, Any]) -> Tree:
         if not hasattr(value, "detach"):
             out[key] = np.ascontiguousarray(value, dtype=np.float32)
             continue
-        t = value.detach().cpu()
+        t = value.detach()
         name = str(t.dtype).removeprefix("torch.")
         if name not in DTYPES:
             t, name = t.float(), "float32"
+        if t.device.type != "cpu":  # one copy to the host, by the store (a background save's, into reused buffers)
+            out[key] = t.contiguous()
+            continue
         # an array where NumPy has the dtype, as before; a bfloat16 tensor the store keeps as its bits
         out[key] = t.contiguous() if is_bits(name) else np.ascontiguousarray(t.numpy())
     out[TIED_ATTR] = json.dumps(tied)

@@ -73,14 +73,30 @@ def snapshot(tree: Mapping[str, Any], reuse: Mapping[str, Any] | None = None, pr
     one, else into a new one. A tensor of a dtype NumPy lacks (bfloat16) is copied as its bits
     and kept as a CPU tensor of its dtype over that copy. Other leaves are kept (they are
     immutable values or lists of them).
+    A tensor on a device (a GPU) is copied once, straight into host memory: into the reused
+    tensor, else into a new one, pinned when CUDA is there (the copy then runs as DMA, all of
+    them queued at once and waited for at the end); it stays a CPU tensor of its dtype.
     This is all an asynchronous save blocks for; a leaf HDF5 cannot store raises here, at the
     call, as a CheckpointError naming it (`check_leaf`).
     """
+    queued: list[bool] = []
+    out = _snapshot(tree, reuse, prefix, queued)
+    if queued:
+        import torch
+
+        torch.cuda.synchronize()
+    return out
+
+
+def _snapshot(tree: Mapping[str, Any], reuse: Mapping[str, Any] | None, prefix: str, queued: list[bool]) -> Tree:
     out: Tree = {}
     for key, value in tree.items():
         old = reuse.get(key) if reuse is not None else None
         if isinstance(value, Mapping):
-            out[key] = snapshot(value, old if isinstance(old, Mapping) else None, f"{prefix}{key}/")
+            out[key] = _snapshot(value, old if isinstance(old, Mapping) else None, f"{prefix}{key}/", queued)
+            continue
+        if hasattr(value, "detach") and not _on_cpu(value):
+            out[key] = _device_copy(value, old, queued)
             continue
         src = _host_view(value)
         check_leaf(f"{prefix}{key}", value, src)
@@ -100,6 +116,20 @@ def snapshot(tree: Mapping[str, Any], reuse: Mapping[str, Any] | None = None, pr
             np.copyto(copy, src)
         out[key] = from_bits(copy, bits) if bits else copy
     return out
+
+
+def _device_copy(value: Any, old: Any, queued: list[bool]) -> Any:
+    """A device tensor's one copy into host memory (`old`, an earlier copy of the same layout, when given)."""
+    import torch
+
+    src = value.detach()
+    same = (isinstance(old, torch.Tensor) and _on_cpu(old) and old.shape == src.shape and old.dtype == src.dtype
+            and old.is_contiguous())
+    host = old if same else torch.empty(src.shape, dtype=src.dtype, pin_memory=torch.cuda.is_available())
+    host.copy_(src, non_blocking=host.is_pinned())
+    if host.is_pinned():
+        queued.append(True)
+    return host
 
 
 def _on_cpu(value: Any) -> bool:

@@ -134,9 +134,13 @@ class Stager(AsyncStager):
 
         state_dict = self._mine(state_dict)
         layout = _layout(state_dict)
-        if self._cache is None or layout != self._layout:
-            self._cache, self._layout = _create_cpu_state_dict(state_dict), layout
-        return _copy_state_dict(state_dict, self._cache)
+        cuda = torch.cuda.is_available()
+        if self._cache is None or layout != self._layout:  # pinned on a GPU node: the copy runs at DMA speed
+            self._cache, self._layout = _create_cpu_state_dict(state_dict, pin_memory=cuda), layout
+        staged = _copy_state_dict(state_dict, self._cache, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()  # the copies are done before the caller may change its tensors
+        return staged
 
 
     def _mine(self, state: dict[str, Any]) -> dict[str, Any]:
