@@ -23,7 +23,8 @@ by hpcdist's (above 1: hpcdist is faster), with the load average and each rank's
 the checksums' rates on one core: a verified load hashes its MB per rank at that rate, a floor no
 reader goes below. ``--json`` prints one JSON line instead: a list with one object per state (keys
 ``state``, ``mb``, ``save``, ``load``, ``block``: DCP's time / hpcdist's; ``hpcdist_s``, ``dcp_s``:
-each side's seconds; ``path``, ``checksum``, ``hashed_mb_per_rank``, ``load_average``).
+each side's seconds; ``path``, ``checksum``, ``hashed_mb_per_rank``, ``hash_gb_per_s``: each checksum on one core,
+``hash_floor_s``: the chosen one's time for the MB hashed per rank, ``load_average``).
 
     PYTHONPATH=. .venv/bin/python benchmarks/ckpt_sharded.py --dir /var/tmp/hpcdist-bench --mb 200 --repeat 3
     PYTHONPATH=. .venv/bin/python benchmarks/ckpt_sharded.py --mb 768 --api --json
@@ -197,6 +198,7 @@ def main() -> None:
     from hpcdist.store import checksum
 
     rows = []
+    rates = hash_rates()  # measured here, before the ranks start: the floor each verified load pays
     for kind in args.kinds.split(","):
         out = run_ranks(2, bench, kind, args.mb, args.repeat, str(root), args.api)
         t = out[0]["times"]
@@ -210,6 +212,8 @@ def main() -> None:
                                (("save", "save"), ("load", "load"), ("block", "blocked"))},
                      "path": "ctx.checkpoints" if args.api else "sharded", "checksum": checksum.chosen(),
                      "hashed_mb_per_rank": [round(o["hashed_mb"], 1) for o in out],
+                     "hash_gb_per_s": {k: round(v, 2) for k, v in rates.items()},
+                     "hash_floor_s": round(max(o["hashed_mb"] for o in out) / 1e3 / rates[checksum.chosen()], 4),
                      "load_average": round(os.getloadavg()[0], 2)})
         table.add_row(kind, f"{ratio['save']:.2f}", f"{ratio['load']:.2f}", f"{ratio['blocked']:.2f}",
                       f"{med['save_ours']:.2f} / {med['load_ours']:.2f} / {med['blocked_ours']:.3f}",
@@ -221,7 +225,6 @@ def main() -> None:
         print(json.dumps(rows))
         return
     Console(width=200).print(table)
-    rates = hash_rates()
     hashed = max(max(r["hashed_mb_per_rank"]) for r in rows)
     print(f"load average {os.getloadavg()[0]:.1f}; torch {torch.__version__}, h5py {h5py.__version__}, "
           f"{os.cpu_count()} CPUs; path {rows[0]['path']}, checksum {checksum.chosen()}; GB/s on one core: "
