@@ -282,8 +282,8 @@ def test_a_flipped_byte_is_named_and_the_previous_step_is_used(saved: Path, tmp_
 
 
 def test_a_flipped_byte_in_a_replicated_tensor_fails_every_rank_that_reads_it(saved: Path, tmp_path: Path) -> None:
-    """At 2 ranks both read the replicated tensors and only one hashes each: the other must still
-    learn of the mismatch and load the previous step with it."""
+    """At 2 ranks both read the replicated tensors and each checks what it read itself: both find the
+    mismatch and load the previous step."""
     shutil.copytree(saved / "ckpt", tmp_path / "ckpt")
     md = sharded.ShardedReader(tmp_path / "ckpt" / "step_00000003.h5").read_metadata()
     chunk = next(c for i, c in md.storage_data.items() if i.fqn == "replicated.t3")
