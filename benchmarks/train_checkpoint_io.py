@@ -4,7 +4,8 @@ the step-time cost of a checkpoint with a synchronous and with a background (`sa
 
 Every writer ends durable: hpcdist fsyncs the file and the directory and commits the pointer
 (and hashes every array), dd uses conv=fsync, torch.save is followed by an fsync. Reads are
-hpcdist's verified read (sha256 of every array) and torch.load. Medians of --repeat runs; files
+hpcdist's verified read (the digest of every array: XXH3-128 unless HPCDIST_CHECKSUM says
+sha256) and torch.load. Medians of --repeat runs; files
 are deleted as the run goes (the disk slows down after heavy writing).
 
     PYTHONPATH=. python benchmarks/train_checkpoint_io.py --dir /var/tmp/hpcdist-bench --size 100
@@ -30,7 +31,8 @@ import torch
 from hpcdist import store
 from hpcdist.model.checkpoint import model_attrs, model_tree
 from hpcdist.model.gpt import GPT, GPTConfig
-from hpcdist.store.tree import flatten, sha256_of
+from hpcdist.store import checksum
+from hpcdist.store.tree import flatten
 from hpcdist.train import state as st
 
 
@@ -173,15 +175,15 @@ def time_dd(path: Path, mib: int) -> tuple[float, float]:
     return (float(match.group(1)) if match else elapsed), cpu
 
 
-def sha256_alone(tree: dict) -> float:
-    """Seconds to sha256 every array of `tree` on one thread: what a verified write or read
+def checksum_alone(tree: dict) -> float:
+    """Seconds to hash (the chosen checksum) every array of `tree` on one thread: what a verified write or read
     must spend on top of the bytes (median of 3)."""
     arrays = [a for _, a in flatten(tree)[0]]
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
         for a in arrays:
-            sha256_of(a)
+            checksum.digest(a)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -237,16 +239,16 @@ def main() -> int:
                   f"{statistics.median(cpu[key]) * 1e3:>10.0f}")
 
         print(f"{'writer':<28}{'median MB/s':>12}{'vs dd':>10}{'wall ms':>10}{'CPU ms':>10}")
-        for key, label in (("dd_write", "dd conv=fsync"), ("hdf5_write", "hpcdist HDF5 (sha256+fsync)"),
+        for key, label in (("dd_write", "dd conv=fsync"), ("hdf5_write", f"hpcdist HDF5 ({checksum.chosen()}+fsync)"),
                            ("torch_write", "torch.save + fsync")):
             line(key, label, "dd_write")
         print(f"{'reader':<28}{'median MB/s':>12}{'vs torch':>10}{'wall ms':>10}{'CPU ms':>10}")
         for key, label in (("torch_read", "torch.load"), ("hdf5_read", "hpcdist HDF5 (verified)")):
             line(key, label, "torch_read")
         print(f"hdf5 write / torch.save = {med['hdf5_write'] / med['torch_write']:.2f}")
-        hashing, cores = sha256_alone(tree), os.cpu_count() or 1
+        hashing, cores = checksum_alone(tree), os.cpu_count() or 1
         floor = statistics.median(cpu["hdf5_write"]) / cores
-        print(f"sha256 of every array on one thread: {hashing * 1e3:.0f} ms; the hpcdist write's CPU time "
+        print(f"{checksum.chosen()} of every array on one thread: {hashing * 1e3:.0f} ms; the hpcdist write's CPU time "
               f"spread over all {cores} cores takes at least {floor * 1e3:.0f} ms, dd's wall time "
               f"{size / med['dd_write'] / 1e3:.0f} ms (wall ms: bytes / median MB/s)")
         shutil.rmtree(base / "h5", ignore_errors=True)

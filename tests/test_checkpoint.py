@@ -4,7 +4,6 @@ model of another shape."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -27,6 +26,7 @@ from hpcdist.model import checkpoint as gpt_ckpt
 from hpcdist.model.gpt import GPT, GPTConfig
 from hpcdist.store import directory as layout
 from tests.support.cli import REPO
+from tests.support.digests import digest_of
 
 CFG = GPTConfig(vocab_size=61, context=16, n_layer=2, n_head=2, d_model=16)
 
@@ -47,7 +47,8 @@ def test_layout_follows_the_contract(tmp_path: Path) -> None:
     assert path.name == "step_00000007.h5"
     assert (tmp_path / "latest").read_text().strip() == "step_00000007.h5"
     with h5py.File(path, "r") as f:
-        assert f.attrs["format"] == "hpcdist.checkpoint" and f.attrs["format_version"] == 1
+        assert f.attrs["format"] == "hpcdist.checkpoint" and f.attrs["format_version"] == 2
+        assert f.attrs["checksum"] == "xxh3-128"
         assert f.attrs["step"] == 7 and f.attrs["epoch"] == 0 and f.attrs["created"]
         assert GPTConfig.model_validate_json(f.attrs["model_config_json"]) == CFG
         keys = set(m.state_dict()) - {"lm_head.weight"}
@@ -57,8 +58,8 @@ def test_layout_follows_the_contract(tmp_path: Path) -> None:
             d = f["model"][key]
             arr = m.state_dict()[key].numpy()
             assert d.dtype == np.float32 and d.shape == arr.shape
-            assert d.attrs["sha256"] == hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
-        assert f["sampler"].attrs["position"] == 96 and f["sampler/order"].attrs["sha256"]
+            assert d.attrs["checksum"] == digest_of(arr)
+        assert f["sampler"].attrs["position"] == 96 and f["sampler/order"].attrs["checksum"]
 
 
 def test_load_model_state_gives_the_same_model(tmp_path: Path) -> None:
@@ -91,20 +92,31 @@ def _flip_byte_in(path: Path, dataset: str) -> None:
         fh.write(bytes([byte[0] ^ 0x10]))
 
 
+@pytest.fixture(params=["xxh3-128", "sha256"])
+def algorithm(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The checksum a job chose (``HPCDIST_CHECKSUM``): the default, and sha256 for those who want it."""
+    monkeypatch.setenv("HPCDIST_CHECKSUM", request.param)
+    return str(request.param)
+
+
 @pytest.fixture
-def two(tmp_path: Path) -> tuple[Path, Path]:
+def two(tmp_path: Path, algorithm: str) -> tuple[Path, Path]:
     m = model()
     return save_model(tmp_path, 10, m), save_model(tmp_path, 20, m)
 
 
-def test_flipped_byte_is_caught_and_the_older_one_used(tmp_path: Path, two: tuple[Path, Path]) -> None:
+def test_flipped_byte_is_caught_and_the_older_one_used(tmp_path: Path, two: tuple[Path, Path], algorithm: str) -> None:
     old, new = two
+    with h5py.File(new, "r") as f:
+        assert f.attrs["checksum"] == algorithm
+        assert f["model/transformer.wpe.weight"].attrs["checksum"] == digest_of(f["model/transformer.wpe.weight"][()],
+                                                                                algorithm)
     _flip_byte_in(new, "model/transformer.h.1.mlp.c_fc.weight")
-    with pytest.raises(CheckpointError, match="transformer.h.1.mlp.c_fc.weight fails its sha256 check"):
+    with pytest.raises(CheckpointError, match=f"transformer.h.1.mlp.c_fc.weight fails its {algorithm} check"):
         store.read(new)
     lines: list[str] = []
     assert store.find_latest(tmp_path, report=lines.append) == old
-    assert any(str(new) in line and "sha256" in line for line in lines), lines
+    assert any(str(new) in line and algorithm in line for line in lines), lines
 
 
 def test_truncated_file_is_skipped(tmp_path: Path, two: tuple[Path, Path]) -> None:

@@ -282,8 +282,8 @@ def test_a_flipped_byte_is_named_and_the_previous_step_is_used(saved: Path, tmp_
 
 
 def test_a_flipped_byte_in_a_replicated_tensor_fails_every_rank_that_reads_it(saved: Path, tmp_path: Path) -> None:
-    """At 2 ranks both read the replicated tensors and only one hashes each: the other must still
-    learn of the mismatch and load the previous step with it."""
+    """At 2 ranks both read the replicated tensors and each checks what it read itself: both find the
+    mismatch and load the previous step."""
     shutil.copytree(saved / "ckpt", tmp_path / "ckpt")
     md = sharded.ShardedReader(tmp_path / "ckpt" / "step_00000003.h5").read_metadata()
     chunk = next(c for i, c in md.storage_data.items() if i.fqn == "replicated.t3")
@@ -392,3 +392,40 @@ def test_ckpt_commands_export_to_dcp_and_import_from_a_dcp_save_folder(saved: Pa
     code, _, err = cli(capsys, "ckpt", "import-dcp", str(tmp_path), "-o", str(tmp_path / "ours"))
     assert code != 0 and f"{tmp_path} is not a dcp.save folder (it has no .metadata)" in err
     assert err.count("\n") == 1
+
+
+def save_and_load_replicated(rank: int, world: int, port: int, root: Path) -> None:
+    """DDP's state, declared replicated, with per-rank values, through ``ctx.checkpoints``."""
+    _quiet()
+    ctx = context(rank, world, port, root)
+    torch.manual_seed(0)
+    model = {f"w{i}": torch.randn(64, 32) for i in range(6)}  # the same on every rank
+    ctx.checkpoints.save(5, {"model": model, "step": 5}, replicated=True, background=True,
+                         per_rank={"rng": torch.full((3,), float(rank)), "pos": 10 * rank})
+    staged = ctx.checkpoints._stager._cache  # the host copy this rank made: only what it writes
+    copied = sum(t.nbytes for t in staged.get("model", {}).values())
+    ctx.checkpoints.wait()
+    into = {"model": {k: torch.zeros_like(v) for k, v in model.items()}, "step": 0, "rng": torch.zeros(3), "pos": -1}
+    loaded = ctx.checkpoints.load_latest(into=into)
+    whole = ctx.checkpoints.load_latest()
+    torch.save({"loaded": loaded, "whole": whole, "model": model, "copied": copied}, root / f"replicated{rank}.pt")
+    leave(ctx)
+
+
+def test_a_state_declared_replicated_is_written_and_staged_once_across_ranks_and_per_rank_values_stay_per_rank(
+        tmp_path: Path) -> None:
+    spawn(save_and_load_replicated, 2, tmp_path)
+    md = sharded.ShardedReader(tmp_path / "ckpt" / "step_00000005.h5").read_metadata()
+    writers = {i.fqn: c.rank for i, c in md.storage_data.items()}
+    assert sorted(k for k in writers if k.startswith("model.")) == [f"model.w{i}" for i in range(6)]  # once each
+    assert set(writers[f"model.w{i}"] for i in range(6)) == {0, 1}  # the writing spread over both ranks
+    assert writers["__per_rank__.r00000.rng"] == 0 and writers["__per_rank__.r00001.rng"] == 1
+    got = [torch.load(tmp_path / f"replicated{rank}.pt") for rank in (0, 1)]
+    total = sum(t.nbytes for t in got[0]["model"].values())
+    assert got[0]["copied"] + got[1]["copied"] == total and 0 < got[0]["copied"] < total  # the copy split too
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"replicated{rank}.pt")
+        for step, state in (got["loaded"], got["whole"]):
+            assert step == 5 and state["step"] == 5 and state["pos"] == 10 * rank
+            assert torch.equal(state["rng"], torch.full((3,), float(rank)))
+            assert equal(got["model"], state["model"]) == []

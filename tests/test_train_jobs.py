@@ -97,7 +97,8 @@ def test_stop_then_resume_past_a_corrupt_checkpoint_equals_uninterrupted(train_r
     second = train(root, tokens)
     assert second.code == 0, second.text
     log = rank_log(root)
-    assert f"skipping checkpoint {newest}: dataset /model/transformer.h.0.attn.c_attn.weight fails its sha256" in log
+    assert (f"skipping checkpoint {newest}: dataset /model/transformer.h.0.attn.c_attn.weight fails its xxh3-128 check"
+            in log)
     assert f"resumed from {ckpt_dir(root) / 'step_00000050.h5'}: step 50" in log
     assert differing(final_checkpoint(root), reference) == []
 

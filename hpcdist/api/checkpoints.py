@@ -57,6 +57,8 @@ class Owner(Protocol):
     def restore_requeues(self, counts: Requeues, job_id: str) -> None: ...
 
 
+PER_RANK = "__per_rank__"  # a sharded checkpoint's values of each rank: ``__per_rank__.r<rank:05d>.<key>``
+PER_RANK_ATTR = "per_rank_json"  # root attribute: the per-rank keys (`save`'s `per_rank`) and the world size
 DEFAULT_IO_TIMEOUT_S = 1800.0  # a checkpoint's write, hash and commit: 1 TB at 0.6 GB/s
 COUNT_ATTR = "requeue_count_json"  # root attribute: the job id and its requeue count when saved
 
@@ -121,8 +123,8 @@ class Checkpoints:
         return self.store.directory
 
     def save(self, step: int, state: Mapping[str, Any], *, attrs: Mapping[str, Any] | None = None,
-             background: bool = False, sharded: bool | None = None, index: Mapping[str, Any] | None = None
-             ) -> Path:
+             background: bool = False, sharded: bool | None = None, index: Mapping[str, Any] | None = None,
+             replicated: bool = False, per_rank: Mapping[str, Any] | None = None) -> Path:
         """Commit `state` (a nested dict of tensors, arrays and plain values) as `step` on rank 0;
         every rank returns once it is committed (once it is copied, with `background`), or raises
         the same error. Returns where the checkpoint is (or will be once committed).
@@ -131,11 +133,26 @@ class Checkpoints:
         writes its own part, replicated tensors once, and rank 0 commits (``hpcdist.store.sharded``);
         rank 0's `index`, a store tree of small values, is written into the index file beside the
         shards' list, where ``hpcdist.store.read(path, groups=...)`` reads it without the shards.
+
+        `replicated=True` says `state` is the same on every rank (DDP's model and optimizer): it then
+        takes the same path, each tensor written once across the ranks, the work spread over them
+        (``sharded=True`` is the same). Without it (and without DTensors) the state is rank 0's, as
+        before: replication is declared, never assumed. `per_rank` holds the values that differ
+        between ranks (RNG states, a data loader's position): each rank's are written by that rank
+        and come back to the same rank (`load_latest`) beside the state, under their own keys.
         """
         if sharded is None:
-            sharded = _has_dtensor(state)
+            sharded = _has_dtensor(state) or replicated or per_rank is not None
         if sharded:
-            return self._save_sharded(step, dict(state), attrs, background, index)
+            full = dict(state)
+            if per_rank:
+                clash = sorted(set(per_rank) & set(state))
+                if clash:
+                    raise ValueError(f"per_rank keys {clash} are in the state too; give each value one key")
+                full[PER_RANK] = {_rank_key(self.ctx.rank): dict(per_rank)}
+                attrs = {**(attrs or {}), PER_RANK_ATTR: json.dumps({"keys": sorted(per_rank),
+                                                                     "world_size": self.ctx.world_size})}
+            return self._save_sharded(step, full, attrs, background, index)
         if index is not None:
             raise ValueError("index= is for sharded saves; put the values into the state")
         return self._commit(step, lambda: {"state": encode(state)}, 0, attrs, background)
@@ -163,7 +180,7 @@ class Checkpoints:
                                        tree=index if self.ctx.is_main else None)
         if background:
             if self._stager is None:
-                self._stager = sharded.Stager()
+                self._stager = sharded.Stager(self._io_group, replicated=lambda key: key != PER_RANK)
             self._sharded_pending = (writer, sharded.save_async(state, writer, self._io_group, self._stager))
         else:
             sharded.save_with(state, writer, self._io_group)
@@ -245,7 +262,12 @@ class Checkpoints:
         from hpcdist.store import sharded
 
         if sharded.is_sharded(loaded.attrs):  # the whole state on every rank: for states that fit
-            return step, sharded.read_full(loaded.path)
+            state = sharded.read_full(loaded.path)
+            mine = state.pop(PER_RANK, {}).get(_rank_key(self.ctx.rank))
+            if _per_rank_keys(loaded.attrs, self.ctx.rank) is None:
+                self.ctx.log.warning("checkpoint step %d holds no per-rank values of rank %d (saved at another "
+                                     "world size)", step, self.ctx.rank)
+            return step, {**state, **(mine or {})}
         return step, decode(loaded.tree["state"])
 
     def load_sharded(self, path: Path, into: dict[str, Any]) -> dict[str, Any]:
@@ -266,26 +288,38 @@ class Checkpoints:
         from hpcdist.store import sharded
 
         self.wait()  # a background save in flight uses the I/O group too
-        steps: list[tuple[int, bool]] = []  # committed steps, newest first, and whether each is sharded
+        # committed steps, newest first: whether each is sharded, and its per-rank record
+        steps: list[tuple[int, bool, str]] = []
         if self.ctx.is_main:
             from hpcdist.store.checkpoints import read_header
 
             for step in reversed(self.store.steps()):
                 try:
-                    steps.append((step, sharded.is_sharded(read_header(self.store.path(step), "sharded").attrs)))
+                    attrs = read_header(self.store.path(step), "sharded").attrs
+                    steps.append((step, sharded.is_sharded(attrs), str(attrs.get(PER_RANK_ATTR, ""))))
                 except CheckpointError:
-                    steps.append((step, True))  # unreadable: the load below reports it and goes on
+                    steps.append((step, True, ""))  # unreadable: the load below reports it and goes on
         steps = self.share(steps, "its list of committed checkpoints")
-        for step, is_sharded in steps:
+        for step, is_sharded, per_rank in steps:
             if not is_sharded:  # never skip a newer unsharded step for an older sharded one
                 raise CheckpointError(
                     f"checkpoint {self.store.path(step)} was saved unsharded: load it with load_latest() "
                     "without into= and load_state_dict, or save sharded (save(..., sharded=True))")
+            keys = _per_rank_keys({PER_RANK_ATTR: per_rank}, self.ctx.rank)
+            if keys is None:
+                self.ctx.log.warning("checkpoint step %d holds no per-rank values of rank %d (saved at another "
+                                     "world size): they keep their values", step, self.ctx.rank)
+            mine = {k: into[k] for k in keys or () if k in into}
+            view = {k: v for k, v in into.items() if k not in mine}
+            if mine:
+                view[PER_RANK] = {_rank_key(self.ctx.rank): mine}
             try:
-                attrs = sharded.load(self.store.path(step), into, process_group=self._io_group)
+                attrs = sharded.load(self.store.path(step), view, process_group=self._io_group)
             except CheckpointError as exc:
                 self.ctx.log.warning("checkpoint step %d not loaded: %s", step, exc)
                 continue
+            into.update({k: v for k, v in view.items() if k != PER_RANK})  # values DCP put in place of the old
+            into.update(view.get(PER_RANK, {}).get(_rank_key(self.ctx.rank), {}))
             self._restore_counts(attrs)
             return step, into
         return None
@@ -295,6 +329,19 @@ class Checkpoints:
         if self.claim is not None:
             self.claim.release()
             self.claim = None
+
+
+def _rank_key(rank: int) -> str:
+    return f"r{rank:05d}"
+
+
+def _per_rank_keys(attrs: Mapping[str, Any], rank: int) -> list[str] | None:
+    """The per-rank keys a checkpoint holds for `rank` ([] when it has none; None when it has them
+    for fewer ranks, saved at a smaller world size)."""
+    record = json.loads(str(attrs.get(PER_RANK_ATTR, "{}")) or "{}")
+    if not record:
+        return []
+    return [str(k) for k in record["keys"]] if rank < int(record["world_size"]) else None
 
 
 def _has_dtensor(value: Any) -> bool:

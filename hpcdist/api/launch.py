@@ -44,14 +44,19 @@ def detach(ok: bool) -> None:
 
 def init(*, site: str | None = None, name: str | None = None, timeout_s: float | None = None,
          checkpoint_dir: str | Path | None = None, keep_last: int | None = 3,
-         io_timeout_s: float | None = None) -> Context:
+         io_timeout_s: float | None = None, checksum: str | None = None) -> Context:
     """This rank's Context, made once per process (later calls return the same one).
 
     `site` (or $HPCDIST_SITE) names the site whose storage and preemption signal to use outside
     an hpcdist job; `name` defaults to the script's name; `checkpoint_dir` overrides the job's
     ``<checkpoints>/<name>``; `keep_last` committed checkpoints are kept (None: all);
-    `io_timeout_s` is how long ranks wait for rank 0's checkpoint I/O (default 30 minutes).
+    `io_timeout_s` is how long ranks wait for rank 0's checkpoint I/O (default 30 minutes);
+    `checksum` is the digest its checkpoints record (``xxh3-128``, the default, or ``sha256``).
     """
+    if checksum is not None:
+        from hpcdist.store import checksum as checksums
+
+        checksums.use(checksum)
     if CURRENT:
         return CURRENT[0]
     if _ACTIVE:
@@ -94,6 +99,9 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
     if site_ref:
         site = load_site(site_ref)
         os.umask(site.storage.umask)  # what this script writes to the site's storage gets storage.mode
+        from hpcdist.store import checksum
+
+        checksum.use_site(site.storage.checksum)
     else:  # the default site's storage; the preemption signal submitit would use
         signal = env.get("SUBMITIT_PREEMPTION_SIGNAL", "USR2").removeprefix("SIG")
         site = load_site(None, [f"preemption.signal={signal}"])

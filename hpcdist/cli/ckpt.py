@@ -29,8 +29,10 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         print(f"wrote {args.output}: {entries} entries of {path}; read it with torch.distributed.checkpoint.load "
               f"(storage_reader=FileSystemReader({str(args.output)!r}))")
         return 0
+    from hpcdist.store import checksum
     from hpcdist.store.dcp import import_dcp
 
     stats = import_dcp(args.directory, args.output, args.step)
-    print(f"committed {stats.path}: {stats.bytes / 1e6:.1f} MB from {args.directory} (sharded, sha256 per chunk)")
+    print(f"committed {stats.path}: {stats.bytes / 1e6:.1f} MB from {args.directory} (sharded, a {checksum.chosen()} "
+          "digest per chunk)")
     return 0

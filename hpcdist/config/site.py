@@ -292,6 +292,10 @@ class Storage(Frozen):
         if self.per_user is False or (self.per_user is None and not _others_write(base)):
             return base
         return base / current_user()
+    checksum: Literal["xxh3-128", "sha256"] = Field(
+        default="xxh3-128", description="digest of every checkpoint array: xxh3-128 (memory speed, finds torn "
+        "writes and flipped bits) or sha256 (cryptographic, ~10x slower); a job's HPCDIST_CHECKSUM overrides it"
+    )
 
     @property
     def umask(self) -> int:

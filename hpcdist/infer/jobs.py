@@ -40,7 +40,7 @@ class InferParams(Frozen):
         default="broadcast", description="rank 0 reads and broadcasts, or each rank reads its own shard"
     )
     bucket_mb: float = Field(default=64.0, gt=0, description="broadcast bucket size")
-    verify_received: bool = Field(default=True, description="every rank checks broadcast weights' sha256")
+    verify_received: bool = Field(default=True, description="every rank checks broadcast weights' checksums")
     batch_size: int = Field(default=8, ge=1)
     max_new_tokens: int = Field(default=32, ge=1)
     temperature: float = Field(default=0.0, ge=0, description="0 is greedy")

@@ -29,8 +29,9 @@ from hpcdist.infer.tp import TPGPT, TPGroup
 from hpcdist.model.checkpoint import CheckpointHeader, read_full
 from hpcdist.model.checkpoint import parameter_shapes as expected_shapes
 from hpcdist.progress import report_progress
+from hpcdist.store import checksum
 from hpcdist.store.discovery import resolve
-from hpcdist.store.tree import sha256_of, tensor_array
+from hpcdist.store.tree import tensor_array
 
 if TYPE_CHECKING:
     from hpcdist.runtime.context import JobContext
@@ -75,7 +76,7 @@ def agree_on_checkpoint(ctx: JobContext, params: InferParams) -> InferParams:
 def load_broadcast(
     ctx: JobContext, header: CheckpointHeader, params: InferParams
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Rank 0 reads (verifying sha256) and broadcasts in buckets; returns the full state and figures.
+    """Rank 0 reads (verifying checksums) and broadcasts in buckets; returns the full state and figures.
 
     The other ranks know the layout from the header, so they allocate their receive buffer and
     fault its pages in while rank 0 reads: a fresh buffer's page faults, paid during the
@@ -96,19 +97,19 @@ def load_broadcast(
         except CheckpointError as exc:
             error = str(exc)
     read_s = time.perf_counter() - t0
-    digests = None  # a sharded checkpoint has a sha256 per chunk, none per tensor: rank 0's of what it verified
+    digests = None  # a sharded checkpoint has a digest per chunk, none per tensor: rank 0's of what it verified
     if header.sharded and params.verify_received and state is not None:
-        digests = {k: sha256_of(tensor_array(state[k])) for k in header.shapes}
+        digests = {k: checksum.digest(tensor_array(state[k])) for k in header.shapes}
     box: list[Any] = [error, digests]
     dist.broadcast_object_list(box, src=0, device=ctx.device if ctx.device.type == "cuda" else None)
     if box[0]:
         raise CheckpointError(f"rank 0 could not read the checkpoint: {box[0]}")
-    digests = box[1] or header.sha256
+    digests = box[1] or header.digests
     full, stats = broadcast_state(state, ctx.device, bucket_bytes=int(params.bucket_mb * (1 << 20)), meta=meta,
                                   buffer=buffer)
     wrong = 0
     if params.verify_received:
-        wrong = sum(sha256_of(tensor_array(full[k])) != digests[k] for k in header.shapes)
+        wrong = sum(not checksum.matches(tensor_array(full[k]), digests[k]) for k in header.shapes)
         flag = torch.tensor([float(wrong)], device=ctx.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() > 0:
@@ -129,7 +130,7 @@ def load_shards(
     bad = sorted({k for b, _, _, _ in everyone for k in b})
     if bad:
         raise CheckpointError(
-            f"checkpoint {header.path}: tensors {bad[:3]} do not match their sha256; the file is corrupt"
+            f"checkpoint {header.path}: tensors {bad[:3]} do not match their checksums; the file is corrupt"
         )
     total = sum(e[1] for e in everyone)
     slowest = max(e[2] for e in everyone)
@@ -309,7 +310,7 @@ def run_broadcast(ctx: JobContext, params: BroadcastParams) -> dict[str, Any]:
     bucket = int(params.bucket_mb * (1 << 20))
     src_state = broadcast_source(params, ctx.device) if ctx.is_main else None
     box: list[Any] = [
-        (describe(src_state), [sha256_of(v.cpu().numpy()) for v in src_state.values()]) if src_state else None
+        (describe(src_state), [checksum.digest(v.cpu().numpy()) for v in src_state.values()]) if src_state else None
     ]
     dist.broadcast_object_list(box, src=0, device=ctx.device if ctx.device.type == "cuda" else None)
     meta, digests = box[0]
@@ -320,7 +321,8 @@ def run_broadcast(ctx: JobContext, params: BroadcastParams) -> dict[str, Any]:
     for it in range(params.warmup + params.iters):
         dist.barrier()
         got, stats = broadcast_state(src_state, ctx.device, bucket_bytes=bucket, meta=meta, buffer=buffer)
-        wrong = sum(sha256_of(got[name].cpu().numpy()) != d for (name, _, _), d in zip(meta, digests, strict=True))
+        wrong = sum(not checksum.matches(got[name].cpu().numpy(), d)
+                    for (name, _, _), d in zip(meta, digests, strict=True))
         if it >= params.warmup:
             rows.append((stats, wrong))
         del got

@@ -26,9 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from hpcdist.model.checkpoint import MODEL_GROUP, CheckpointHeader, verify_streaming
+from hpcdist.model.checkpoint import MODEL_GROUP, CheckpointHeader
 from hpcdist.model.config import GPTConfig
-from hpcdist.store.tree import as_tensor, sha256_of, typed
+from hpcdist.store import checksum
+from hpcdist.store.tree import as_tensor, typed
 
 Ranges = list[tuple[int, int]]
 
@@ -129,111 +130,81 @@ class ShardRead:
 
 
 def read_shard(header: CheckpointHeader, tp_rank: int, tp: int, rank: int, world_size: int) -> ShardRead:
-    """Read `tp_rank`'s shard of every tensor, and verify checksums without reading the file `world_size` times.
+    """Read `tp_rank`'s shard of every tensor, each checked by this rank before it is used.
 
-    A replicated tensor is read whole, so its sha256 is checked right away. A sharded tensor's
-    sha256 covers the whole tensor, which this rank does not read; instead tensor number i is
-    checked by rank ``i % world_size``, streaming it in chunks, so across the ranks every sharded
-    tensor is verified once and no rank holds more than its shard plus one chunk. The caller
-    agrees on the outcome across ranks (any bad tensor fails every rank).
+    A digest covers a whole tensor (a whole FSDP chunk, in a sharded checkpoint), so this rank reads
+    each tensor (chunk) it takes a part of whole, checks it (XXH3-128: memory speed), and keeps its
+    part: no rank uses bytes that it did not verify itself, and no rank holds more than its shard
+    plus one tensor (chunk). The caller agrees on the outcome across ranks (any bad tensor fails
+    every rank). `rank` and `world_size` name the reader in errors.
     """
     import h5py
 
     if header.pieces is not None:
-        return _read_shard_of_chunks(header, tp_rank, tp, rank, world_size)
+        return _read_shard_of_chunks(header, tp_rank, tp)
     state: dict[str, Any] = {}
     verified: list[str] = []
     bad: list[str] = []
     nbytes = 0
     with h5py.File(header.path, "r") as f:
         group = f[MODEL_GROUP]
-        for i, key in enumerate(header.shapes):
-            plan = shard_plan(key, header.config, tp_rank, tp)
-            arr = take(group[key], plan)  # as HDF5 holds it: bfloat16 as its bits, which the sha256 covers
-            nbytes += arr.nbytes
+        for key in header.shapes:
+            whole = np.asarray(group[key][()])  # as HDF5 holds it: bfloat16 as its bits, which the digest covers
+            nbytes += whole.nbytes
+            verified.append(key)
+            if not checksum.matches(whole, header.digests[key]):
+                bad.append(key)
+            arr = take(whole, shard_plan(key, header.config, tp_rank, tp))
+            del whole
             state[key] = as_tensor(typed(arr, header.dtypes[key]))
-            if plan is None:
-                verified.append(key)
-                if sha256_of(arr) != header.sha256[key]:
-                    bad.append(key)
-            elif i % world_size == rank:
-                verified.append(key)
-                if not verify_streaming(header, key):
-                    bad.append(key)
     return ShardRead(state=state, bytes_read=nbytes, verified=verified, bad=bad)
 
 
 Region = list[tuple[int, int]]  # per dimension, [start, stop)
 
 
-def verifiers(header: CheckpointHeader, world_size: int) -> dict[tuple[str, tuple[int, ...]], int]:
-    """The rank that verifies each chunk of a sharded checkpoint, (tensor, chunk offsets) -> rank
-    (the store's one assignment, ``sharded_layout.verifiers``; every rank may read every chunk)."""
-    from hpcdist.store.sharded_layout import verifiers as assign
-
-    assert header.pieces is not None
-    ranks = range(world_size)
-    chunks = sorted(((key, p.offsets), int(np.prod(p.sizes)), ranks) for key, ps in header.pieces.items() for p in ps)
-    return assign(chunks, world_size)
-
-
-def _read_shard_of_chunks(header: CheckpointHeader, tp_rank: int, tp: int, rank: int,
-                          world_size: int) -> ShardRead:
-    """`read_shard` of a sharded checkpoint (FSDP's): each tensor's part `tp_rank` holds is read
-    from the chunks it overlaps, only those bytes (an HDF5 hyperslab). Each chunk has its own
-    sha256, and each is verified by one rank (`verifiers`), which reads it whole with one
-    ``os.preadv`` and takes its own part from that read; so across the ranks every chunk is
-    verified once and no rank holds more than its shard plus one chunk."""
-    import h5py
-
+def _read_shard_of_chunks(header: CheckpointHeader, tp_rank: int, tp: int) -> ShardRead:
+    """`read_shard` of a sharded checkpoint (FSDP's): each tensor's part `tp_rank` holds is taken
+    from the chunks it overlaps, each read whole with one ``os.preadv`` and checked against its own
+    digest first."""
     from hpcdist.store.sharded_layout import folder_of, read_chunk
 
     assert header.pieces is not None
     folder = folder_of(header.path)
-    mine = {c for c, r in verifiers(header, world_size).items() if r == rank}
     state: dict[str, Any] = {}
     verified: list[str] = []
     bad: list[str] = []
     nbytes = 0
-    files: dict[str, h5py.File] = {}
-    try:
-        for key, shape in header.shapes.items():
-            pieces = header.pieces[key]
-            plan = shard_plan(key, header.config, tp_rank, tp)
-            dim, ranges = plan if plan is not None else (0, [(0, shape[0])])
-            out_shape = list(shape)
-            out_shape[dim] = sum(b - a for a, b in ranges)
-            out = np.empty(out_shape, dtype=np.dtype(pieces[0].chunk.dtype))
-            for piece in pieces:
-                whole = None
-                if (key, piece.offsets) in mine:
-                    whole = read_chunk(folder, piece.chunk, f"tensor {MODEL_GROUP}.{key}")
-                    nbytes += whole.nbytes
-                    verified.append(f"{key} {list(piece.offsets)}")
-                    if sha256_of(whole) != piece.chunk.sha256:
-                        bad.append(key)
-                at = 0  # where this range starts in `out` along `dim`
-                for a, b in ranges:
-                    want = [(0, n) for n in shape]
-                    want[dim] = (a, b)
-                    part = _overlap(want, piece.offsets, piece.sizes)
-                    if part is not None:
-                        src = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(part, piece.offsets, strict=True))
-                        dst = [slice(lo, hi) for lo, hi in part]
-                        dst[dim] = slice(at + part[dim][0] - a, at + part[dim][1] - a)
-                        if whole is not None:
-                            out[tuple(dst)] = whole[src]
-                        else:
-                            if piece.chunk.file not in files:
-                                files[piece.chunk.file] = h5py.File(folder / piece.chunk.file, "r")
-                            block = files[piece.chunk.file][piece.chunk.dataset][src]
-                            nbytes += block.nbytes
-                            out[tuple(dst)] = block
-                    at += b - a
-            state[key] = as_tensor(typed(out, header.dtypes[key]))
-    finally:
-        for f in files.values():
-            f.close()
+    for key, shape in header.shapes.items():
+        pieces = header.pieces[key]
+        plan = shard_plan(key, header.config, tp_rank, tp)
+        dim, ranges = plan if plan is not None else (0, [(0, shape[0])])
+        out_shape = list(shape)
+        out_shape[dim] = sum(b - a for a, b in ranges)
+        out = np.empty(out_shape, dtype=np.dtype(pieces[0].chunk.dtype))
+        for piece in pieces:
+            copies = []  # (where in `out`, where in the chunk) of each part of this chunk the shard takes
+            at = 0  # where this range starts in `out` along `dim`
+            for a, b in ranges:
+                want = [(0, n) for n in shape]
+                want[dim] = (a, b)
+                part = _overlap(want, piece.offsets, piece.sizes)
+                if part is not None:
+                    src = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(part, piece.offsets, strict=True))
+                    dst = [slice(lo, hi) for lo, hi in part]
+                    dst[dim] = slice(at + part[dim][0] - a, at + part[dim][1] - a)
+                    copies.append((tuple(dst), src))
+                at += b - a
+            if not copies:
+                continue
+            whole = read_chunk(folder, piece.chunk, f"tensor {MODEL_GROUP}.{key}")
+            nbytes += whole.nbytes
+            verified.append(f"{key} {list(piece.offsets)}")
+            if not checksum.matches(whole, piece.chunk.digest):
+                bad.append(key)
+            for into, src in copies:
+                out[into] = whole[src]
+        state[key] = as_tensor(typed(out, header.dtypes[key]))
     return ShardRead(state=state, bytes_read=nbytes, verified=verified, bad=sorted(set(bad)))
 
 

@@ -4,7 +4,7 @@ In a ``hpcdist.checkpoint`` file the GPT adds:
 
 - the root attribute ``model_config_json`` (``GPTConfig.model_dump_json()``);
 - the group ``/model``: one C-order dataset per ``GPT.state_dict()`` key, with the exact key names
-  (each with its ``sha256``, as every store dataset), in the tensor's own dtype: float32 as
+  (each with its digest, as every store dataset), in the tensor's own dtype: float32 as
   training writes it, bfloat16 or float16 as an imported model has it (bf16 stays bf16; the store
   keeps a dtype NumPy lacks as its bits with the dataset attribute ``torch_dtype``, see
   ``hpcdist.store.tree``); every reader computes in float32. A tied head ``lm_head.weight``
@@ -36,8 +36,9 @@ import numpy as np
 from hpcdist.errors import CheckpointError
 from hpcdist.model.config import GPTConfig
 from hpcdist.store import checkpoints as store
+from hpcdist.store import checksum
 from hpcdist.store.discovery import resolve
-from hpcdist.store.tree import ChecksumError, DatasetInfo, Tree, as_tensor, is_bits, sha256_of_dataset
+from hpcdist.store.tree import ChecksumError, DatasetInfo, Tree, as_tensor, is_bits
 
 if TYPE_CHECKING:
     import torch
@@ -115,10 +116,13 @@ def model_tree(state_dict: Mapping[str, Any]) -> Tree:
         if not hasattr(value, "detach"):
             out[key] = np.ascontiguousarray(value, dtype=np.float32)
             continue
-        t = value.detach().cpu()
+        t = value.detach()
         name = str(t.dtype).removeprefix("torch.")
         if name not in DTYPES:
             t, name = t.float(), "float32"
+        if t.device.type != "cpu":  # one copy to the host, by the store (a background save's, into reused buffers)
+            out[key] = t.contiguous()
+            continue
         # an array where NumPy has the dtype, as before; a bfloat16 tensor the store keeps as its bits
         out[key] = t.contiguous() if is_bits(name) else np.ascontiguousarray(t.numpy())
     out[TIED_ATTR] = json.dumps(tied)
@@ -270,7 +274,7 @@ class CheckpointHeader:
     epoch: int
     config: GPTConfig
     shapes: dict[str, tuple[int, ...]]
-    sha256: dict[str, str]  # each tensor's; empty for a sharded checkpoint (a sha256 per chunk: `pieces`)
+    digests: dict[str, str]  # each tensor's recorded digest; empty for a sharded checkpoint (one per chunk: `pieces`)
     dtypes: dict[str, str]  # each tensor's stored dtype, one of `DTYPES` ("bfloat16")
     pieces: dict[str, list[Piece]] | None = None  # a sharded checkpoint's (FSDP's): each tensor's saved chunks
 
@@ -311,7 +315,7 @@ def read_header(path: str | Path, expect: GPTConfig | None = None) -> Checkpoint
     want = parameter_shapes(cfg)
 
     def digests(key: str, info: DatasetInfo) -> list[str]:  # a sharded tensor's: one per chunk
-        return [p.chunk.sha256 for p in pieces.get(key, [])] if pieces is not None else [info.sha256]
+        return [p.chunk.digest for p in pieces.get(key, [])] if pieces is not None else [info.digest]
 
     for what, items in (
         ("is missing tensors", [k for k in want if k not in found]),
@@ -320,7 +324,8 @@ def read_header(path: str | Path, expect: GPTConfig | None = None) -> Checkpoint
          [f"{k} {found[k].shape} (expected {s})" for k, s in want.items() if k in found and found[k].shape != s]),
         (f"has tensors not in {', '.join(DTYPES)}",
          [f"{k} ({d.dtype_name})" for k, d in found.items() if d.dtype_name not in DTYPES]),
-        ("has tensors without a sha256", [k for k, d in found.items() if not all(len(h) == 64 for h in digests(k, d))]),
+        ("has tensors without a checksum",
+         [k for k, d in found.items() if not all(checksum.is_digest(h) for h in digests(k, d))]),
     ):
         if items:
             more = f" and {len(items) - 3} more" if len(items) > 3 else ""
@@ -334,7 +339,7 @@ def read_header(path: str | Path, expect: GPTConfig | None = None) -> Checkpoint
         epoch=int(header.attrs["epoch"]),
         config=cfg,
         shapes={k: found[k].shape for k in want},
-        sha256={} if pieces is not None else {k: found[k].sha256 for k in want},
+        digests={} if pieces is not None else {k: found[k].digest for k in want},
         dtypes={k: found[k].dtype_name for k in want},
         pieces=None if pieces is None else {k: pieces[k] for k in want},
     )
@@ -342,7 +347,7 @@ def read_header(path: str | Path, expect: GPTConfig | None = None) -> Checkpoint
 
 def _sharded_tensors(file: Path) -> tuple[dict[str, list[Piece]], dict[str, DatasetInfo] | None]:
     """The ``model`` tensors of the sharded checkpoint `file`: each one's chunks, and each described
-    as a dataset (no sha256 of its own: its chunks have one each); None when it has none. Read
+    as a dataset (no digest of its own: its chunks have one each); None when it has none. Read
     without torch."""
     from hpcdist.store.sharded_layout import read_index, tensors_of
 
@@ -361,7 +366,7 @@ def _sharded_tensors(file: Path) -> tuple[dict[str, list[Piece]], dict[str, Data
 
 
 def read_full(header: CheckpointHeader, verify: bool = True) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint in its stored dtype, each checked against its sha256 when `verify`
+    """Every tensor of the checkpoint in its stored dtype, each checked against its digest when `verify`
     (a sharded checkpoint's chunks always are)."""
     if header.sharded:
         whole = _sharded_model(header.path)
@@ -371,14 +376,6 @@ def read_full(header: CheckpointHeader, verify: bool = True) -> dict[str, torch.
     except ChecksumError as exc:
         key = exc.dataset.removeprefix(f"/{MODEL_GROUP}/")
         raise CheckpointError(
-            f"checkpoint {header.path}: tensor {key} does not match its sha256; the file is corrupt"
+            f"checkpoint {header.path}: tensor {key} does not match its checksum; the file is corrupt"
         ) from exc
     return {key: as_tensor(group[key]) for key in header.shapes}
-
-
-def verify_streaming(header: CheckpointHeader, key: str) -> bool:
-    """Whether tensor `key` matches its sha256, reading it in row chunks (bounded memory)."""
-    import h5py
-
-    with h5py.File(header.path, "r") as f:
-        return sha256_of_dataset(f[MODEL_GROUP][key]) == header.sha256[key]

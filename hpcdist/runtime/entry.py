@@ -36,6 +36,9 @@ def run_job(job: Job[Any], site: Site) -> dict[str, Any]:
     spec = job.spec
     os.environ.update({**site.env, **spec.env})
     os.umask(site.storage.umask)  # storage.mode for all this rank writes (a direct launch has the shell's umask)
+    from hpcdist.store import checksum
+
+    checksum.use_site(site.storage.checksum)  # the checkpoints' digest, unless the job's HPCDIST_CHECKSUM names one
     try:
         ctx = bootstrap(spec, site, uses_mpi=job.uses_mpi, makes_group=job.makes_group)
     except BaseException as exc:

@@ -6,8 +6,10 @@ values; neither torch nor any workload module is imported here (tensors are conv
 they are met). The GPT's own checkpoint knowledge lives in ``hpcdist.model.checkpoint``.
 
 - ``atomic``: temporary name in the same directory, fsync, ``os.replace``, directory fsync;
-- ``tree``: nested dict <-> HDF5 group, sha256 of every array, the HDF5-attribute converters,
-  reading through HDF5 with every sha256 checked;
+- ``checksum``: the digest of every array (XXH3-128 by default, sha256 by choice) and its check;
+- ``values``: plain values as JSON, never a pickle; format 1's pickles read as data only;
+- ``tree``: nested dict <-> HDF5 group, a digest of every array, the HDF5-attribute converters,
+  reading through HDF5 with every digest checked;
 - ``rawio``: writing a tree, a checkpoint's arrays by ``os.pwrite``/``os.preadv`` and its index,
   the host-memory snapshot an asynchronous save takes;
 - ``directory``: step names, the ``latest`` pointer and the run it names, listing, retention,

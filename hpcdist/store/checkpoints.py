@@ -1,6 +1,6 @@
 """Checkpoint files on shared storage: HDF5 files that are never half-written where a reader looks.
 
-Format ``hpcdist.checkpoint`` version 1 (readable by ``h5dump`` and by plain ``h5py``):
+Format ``hpcdist.checkpoint`` version 2 (readable by ``h5dump`` and by plain ``h5py``):
 
 - Files ``<checkpoint dir>/step_<step:08d>.h5``. Each is written under a hidden temporary name in
   the same directory, flushed and fsynced, renamed onto its final name (``hpcdist.store.atomic``),
@@ -9,22 +9,29 @@ Format ``hpcdist.checkpoint`` version 1 (readable by ``h5dump`` and by plain ``h
   the run that committed it (``hpcdist.store.directory``). A reader trusts only committed files:
   the one ``latest`` names, or older ones of the same run. Files newer than the pointer (a
   writer killed between rename and commit) and files of another run are ignored.
-- Root attributes: ``format = "hpcdist.checkpoint"``, ``format_version = 1``, ``step``,
-  ``epoch``, ``created`` (UTC ISO 8601), ``hpcdist_version``, ``run_id`` (the run that wrote it;
-  absent from files of earlier builds and of writers that name no run), ``job_id`` (the job that
-  wrote it, when known), and those the caller adds (the GPT layer adds ``model_config_json``,
-  see ``hpcdist.model.checkpoint``).
+- Root attributes: ``format = "hpcdist.checkpoint"``, ``format_version = 2``, ``step``,
+  ``epoch``, ``created`` (UTC ISO 8601), ``hpcdist_version``, ``checksum`` (the algorithm of
+  every digest in the file: ``xxh3-128`` by default, or ``sha256``; ``hpcdist.store.checksum``),
+  ``run_id`` (the run that wrote it; absent from files of earlier builds and of writers that name
+  no run), ``job_id`` (the job that wrote it, when known), and those the caller adds (the GPT
+  layer adds ``model_config_json``, see ``hpcdist.model.checkpoint``).
 - Root attribute ``index_json`` (optional: files of earlier hpcdist 0.1.0 builds lack it):
   the tree's groups, and for each numeric dataset its path, byte offset in the file, dtype,
-  shape and sha256 (``hpcdist.store.rawio.TreeIndex``). Such datasets are contiguous and
+  shape and digest (``hpcdist.store.rawio.TreeIndex``). Such datasets are contiguous and
   uncompressed, so a reader can read them without walking HDF5 objects; any disagreement
   between index and file sends the reader back to the HDF5 structure, which stays the truth.
 - Below the root: the caller's tree (``hpcdist.store.tree``): groups, datasets each with a
-  ``sha256`` attribute, attributes. A read verifies every dataset it reads.
+  ``checksum`` attribute (``"xxh3-128:<hex>"``), attributes. A read verifies every dataset it
+  reads. Nothing in the file is a pickle: plain values are HDF5 attributes or JSON.
+
+Version 1 (hpcdist 0.1.0 before the change) differs only in its digests: a bare hex sha256 in
+each dataset's ``sha256`` attribute, no root ``checksum``; its sharded checkpoints kept non-tensor
+values as DCP's pickles (read now only as tensors and plain values: ``weights_only=True``).
 
 Version rule (the one every reader applies, `check_root`): a file whose ``format_version`` is
 newer than this hpcdist's is refused with "upgrade hpcdist"; versions 1 up to the current one
-are read (later versions only add to the format); anything else is not a checkpoint version.
+are read; anything else is not a checkpoint version. An hpcdist of format 1 meeting a format-2
+file says in one line that it is newer than it reads.
 
 The directory itself (naming, the pointer, listing, pruning, discovery) is
 ``hpcdist.store.directory``; ``CheckpointStore`` (``hpcdist.store``) ties both together.
@@ -43,13 +50,15 @@ from typing import Any
 
 from hpcdist._version import __version__
 from hpcdist.errors import CheckpointError
+from hpcdist.store import checksum as checksums
 from hpcdist.store.atomic import atomic_path
 from hpcdist.store.directory import checkpoint_name, prune, read_pointer, write_pointer
 from hpcdist.store.rawio import TreeIndex, read_indexed, write_tree
 from hpcdist.store.tree import DatasetInfo, Tree, attr_value, describe_group, plain, read_tree
 
 FORMAT = "hpcdist.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: digests name their algorithm (xxh3-128 by default), no pickle in sharded values
+CHECKSUM_ATTR = checksums.ATTR  # root attribute: the algorithm of the file's digests (format 2)
 ROOT_ATTRS = ("format", "format_version", "step", "epoch", "created")
 RUN_ATTR = "run_id"  # root attribute: the run that wrote the file (`hpcdist.store.directory`)
 JOB_ATTR = "job_id"  # root attribute: the job that wrote it (a requeue is the same job)
@@ -89,13 +98,15 @@ def save(
     run_id: str = "",
     job_id: str = "",
     before_commit: Callable[[], None] | None = None,
+    checksum: str | None = None,
 ) -> SaveStats:
     """Write, fsync, rename and commit `step_<step>.h5`; then drop all but the newest `keep_last`
     of its run.
 
     `attrs` are extra root attributes; `run_id` (the run the commit belongs to) and `job_id` (the
     writer's job) are recorded in the file and the run in the pointer; `before_commit` runs once the
-    bytes are durable, before the rename (the claim's check: it may refuse). On any failure (no space
+    bytes are durable, before the rename (the claim's check: it may refuse); `checksum` is the
+    algorithm of the file's digests (``hpcdist.store.checksum.chosen()`` by default). On any failure (no space
     left included) the temporary file is removed, the pointer and the previous checkpoints are
     untouched, and a CheckpointError names the path.
     """
@@ -103,6 +114,7 @@ def save(
 
     directory = Path(directory)
     final = directory / checkpoint_name(step)
+    algorithm = checksums.check_name(checksum) if checksum else checksums.chosen()
     t0 = time.perf_counter()
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -117,11 +129,12 @@ def save(
                     f.attrs[key] = attr_value(value)
                 f.attrs["created"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
                 f.attrs["hpcdist_version"] = __version__
+                f.attrs[CHECKSUM_ATTR] = algorithm
                 if run_id:
                     f.attrs[RUN_ATTR] = run_id
                 if job_id:
                     f.attrs[JOB_ATTR] = job_id
-                index = write_tree(f, tree, raw=tmp)
+                index = write_tree(f, tree, raw=tmp, algorithm=algorithm)
                 f.attrs[INDEX_ATTR] = index.to_json()
             except BaseException:
                 with contextlib.suppress(Exception):

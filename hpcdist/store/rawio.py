@@ -1,11 +1,11 @@
 """The fast path of a checkpoint's arrays: raw writes and reads beside HDF5, and `snapshot`.
 
 `write_tree` writes a tree in the format of ``hpcdist.store.tree`` while a thread pool hashes
-its arrays. A checkpoint's numeric arrays are written without HDF5's copy: their contiguous
+its arrays (``hpcdist.store.checksum``). A checkpoint's numeric arrays are written without HDF5's copy: their contiguous
 storage is allocated when the dataset is created (through h5py's low-level API) and one writer
 thread puts their bytes there with ``os.pwritev``, starting the disk's writeback as it goes
 (``write_tree(..., raw=path)``); the
-`TreeIndex` it returns (where each array lies, its sha256) lets `read_indexed` read them back
+`TreeIndex` it returns (where each array lies, its digest) lets `read_indexed` read them back
 with one ``os.preadv`` each, hashing overlapped, without walking HDF5 objects (~0.4 ms each
 through h5py). `snapshot` is the copy an asynchronous save blocks for. The file stays the same
 HDF5 a plain ``create_dataset(data=...)`` writes; torch is never imported here.
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hpcdist.errors import CheckpointError
-from hpcdist.store import hostmem
+from hpcdist.store import checksum, hostmem
 from hpcdist.store.tree import (
     DTYPE_ATTR,
     Check,
@@ -42,6 +42,7 @@ from hpcdist.store.tree import (
     check_leaf,
     flatten,
     from_bits,
+    hash_like,
     hash_threads,
     plain,
     pool,
@@ -56,8 +57,9 @@ if TYPE_CHECKING:
 BATCH_BYTES = 8 << 20  # work handed to a hashing or writing thread at once
 
 
-def _sha256_batch(arrays: list[np.ndarray]) -> list[str]:
-    return [sha256_of(a) for a in arrays]
+def _digest_batch(arrays: list[np.ndarray], algorithm: str | None) -> list[str]:
+    """Each array's recorded digest: `algorithm`'s (``"xxh3-128:<hex>"``), or format 1's bare sha256 for None."""
+    return [checksum.digest(a, algorithm) if algorithm else sha256_of(a) for a in arrays]
 
 
 # ---------------------------------------------------------------- the copy an async save takes
@@ -71,14 +73,30 @@ def snapshot(tree: Mapping[str, Any], reuse: Mapping[str, Any] | None = None, pr
     one, else into a new one. A tensor of a dtype NumPy lacks (bfloat16) is copied as its bits
     and kept as a CPU tensor of its dtype over that copy. Other leaves are kept (they are
     immutable values or lists of them).
+    A tensor on a device (a GPU) is copied once, straight into host memory: into the reused
+    tensor, else into a new one, pinned when CUDA is there (the copy then runs as DMA, all of
+    them queued at once and waited for at the end); it stays a CPU tensor of its dtype.
     This is all an asynchronous save blocks for; a leaf HDF5 cannot store raises here, at the
     call, as a CheckpointError naming it (`check_leaf`).
     """
+    queued: list[bool] = []
+    out = _snapshot(tree, reuse, prefix, queued)
+    if queued:
+        import torch
+
+        torch.cuda.synchronize()
+    return out
+
+
+def _snapshot(tree: Mapping[str, Any], reuse: Mapping[str, Any] | None, prefix: str, queued: list[bool]) -> Tree:
     out: Tree = {}
     for key, value in tree.items():
         old = reuse.get(key) if reuse is not None else None
         if isinstance(value, Mapping):
-            out[key] = snapshot(value, old if isinstance(old, Mapping) else None, f"{prefix}{key}/")
+            out[key] = _snapshot(value, old if isinstance(old, Mapping) else None, f"{prefix}{key}/", queued)
+            continue
+        if hasattr(value, "detach") and not _on_cpu(value):
+            out[key] = _device_copy(value, old, queued)
             continue
         src = _host_view(value)
         check_leaf(f"{prefix}{key}", value, src)
@@ -98,6 +116,20 @@ def snapshot(tree: Mapping[str, Any], reuse: Mapping[str, Any] | None = None, pr
             np.copyto(copy, src)
         out[key] = from_bits(copy, bits) if bits else copy
     return out
+
+
+def _device_copy(value: Any, old: Any, queued: list[bool]) -> Any:
+    """A device tensor's one copy into host memory (`old`, an earlier copy of the same layout, when given)."""
+    import torch
+
+    src = value.detach()
+    same = (isinstance(old, torch.Tensor) and _on_cpu(old) and old.shape == src.shape and old.dtype == src.dtype
+            and old.is_contiguous())
+    host = old if same else torch.empty(src.shape, dtype=src.dtype, pin_memory=torch.cuda.is_available())
+    host.copy_(src, non_blocking=host.is_pinned())
+    if host.is_pinned():
+        queued.append(True)
+    return host
 
 
 def _on_cpu(value: Any) -> bool:
@@ -124,7 +156,7 @@ class Placed:
     offset: int  # byte offset of the contiguous data in the file
     dtype: str  # NumPy dtype string, e.g. "<f4"
     shape: tuple[int, ...]
-    sha256: str
+    digest: str  # as recorded (``hpcdist.store.checksum``)
 
 
 @dataclass(frozen=True)
@@ -132,7 +164,7 @@ class TreeIndex:
     """A written tree's groups and datasets, with where each numeric array's bytes lie.
 
     Stored by a checkpoint as its root attribute ``index_json``, so a reader reads every array
-    with one `os.preadv` into a preallocated array and verifies it against the recorded sha256
+    with one `os.preadv` into a preallocated array and verifies it against the recorded digest
     (hashing overlapped with reading), instead of walking HDF5 objects one by one; the HDF5
     structure stays the truth (`read_indexed` refuses an index that does not match the file).
     """
@@ -146,7 +178,7 @@ class TreeIndex:
     def to_json(self) -> str:
         data: dict[str, Any] = {
             "groups": self.groups,
-            "datasets": [[p.name, p.offset, p.dtype, list(p.shape), p.sha256] for p in self.placed],
+            "datasets": [[p.name, p.offset, p.dtype, list(p.shape), p.digest] for p in self.placed],
             "others": self.others,
             "bytes": self.nbytes,
         }
@@ -176,7 +208,7 @@ def _raw_layout() -> Any:
 
 
 class _Objects:
-    """Groups, raw datasets and sha256 attributes of one `write_tree`, made through h5py's
+    """Groups, raw datasets and digest attributes of one `write_tree`, made through h5py's
     low-level API: its high-level wrappers cost about 3x per object, and on the critical path
     (a dataset must exist before its bytes can be written) every object counts."""
 
@@ -188,7 +220,7 @@ class _Objects:
         self.dcpl = _raw_layout()
         self.types: dict[str, Any] = {}
         self.spaces: dict[tuple[int, ...], Any] = {}
-        self.text = h5py.string_dtype()  # the sha256 attribute as h5py writes a str: variable-length UTF-8
+        self.text = h5py.string_dtype()  # the digest attribute as h5py writes a str: variable-length UTF-8
         self.text_type = h5py.h5t.py_create(self.text, logical=True)
         self.scalar = h5py.h5s.create(h5py.h5s.SCALAR)
 
@@ -224,8 +256,8 @@ class _Objects:
             space = self.spaces[arr.shape] = h5py.h5s.create_simple(arr.shape) if arr.ndim else self.scalar
         return h5py.h5d.create(self.group(parent), leaf.encode(), dtype, space, dcpl=self.dcpl)
 
-    def set_sha256(self, dset: Any, digest: str) -> None:
-        self.set_text(dset, b"sha256", digest)
+    def set_digest(self, dset: Any, digest: str, algorithm: str | None) -> None:
+        self.set_text(dset, (checksum.ATTR if algorithm else checksum.LEGACY_ATTR).encode(), digest)
 
     def set_text(self, dset: Any, name: bytes, value: str) -> None:
         import h5py
@@ -358,15 +390,19 @@ def _batches(sizes: list[int]) -> list[range]:
     return out
 
 
-def write_tree(f: h5py.Group, tree: Mapping[str, Any], raw: Path | None = None) -> TreeIndex:
-    """Datasets (each with its sha256) and attributes of `tree` under `f`; its `TreeIndex`.
+def write_tree(f: h5py.Group, tree: Mapping[str, Any], raw: Path | None = None,
+               algorithm: str | None = None) -> TreeIndex:
+    """Datasets (each with its digest) and attributes of `tree` under `f`; its `TreeIndex`.
+
+    `algorithm` (``hpcdist.store.checksum``) records each digest as ``checksum = "<algorithm>:<hex>"``
+    (a checkpoint, format 2); None keeps format 1's bare ``sha256`` (token files).
 
     Arrays are hashed in a thread pool while they are written. With `raw` (the path of the file
     `f` belongs to), numeric arrays get contiguous storage allocated up front and their bytes are
     written straight to the file by a writer thread and fdatasynced, overlapping the hashing:
     the file is the same HDF5 a plain `create_dataset(data=...)` writes, without HDF5's copy.
     Batches of BATCH_BYTES go to the writer as soon as their datasets exist; each batch's
-    sha256 attributes are set as soon as its hashes are done.
+    digest attributes are set as soon as its hashes are done.
     """
     arrays, attrs, dtypes = flatten(tree)
     objs = _Objects(f)
@@ -383,7 +419,7 @@ def write_tree(f: h5py.Group, tree: Mapping[str, Any], raw: Path | None = None) 
     digests: list[Future[list[str]]] = []
     writer = None
     try:
-        digests += [hashing.submit(_sha256_batch, [arrays[i][1] for i in batch]) for batch in batches]
+        digests += [hashing.submit(_digest_batch, [arrays[i][1] for i in batch], algorithm) for batch in batches]
         writer = _RawWriter(raw) if raw is not None else None
         for n, batch in enumerate(batches):
             parts: list[tuple[int, np.ndarray]] = []
@@ -406,7 +442,7 @@ def write_tree(f: h5py.Group, tree: Mapping[str, Any], raw: Path | None = None) 
         hashes: list[str] = []
         for batch, digest in zip(batches, digests, strict=True):
             for i, hex_digest in zip(batch, digest.result(), strict=True):
-                objs.set_sha256(dsets[i], hex_digest)
+                objs.set_digest(dsets[i], hex_digest, algorithm)
                 hashes.append(hex_digest)
         if writer is not None:
             writer.wait()
@@ -434,7 +470,7 @@ def read_indexed(
     Group attributes and the `others` come through HDF5; each placed array is read with one
     `os.preadv` into a new array while a thread pool hashes those already read. Raises
     CheckpointError if the index disagrees with the file (a dataset moved or missing) and
-    ChecksumError if bytes do not match their sha256; the caller then reads through HDF5.
+    ChecksumError if bytes do not match their digest; the caller then reads through HDF5.
     """
     import h5py
 
@@ -464,8 +500,8 @@ def read_indexed(
             item = f[name]
             arr = np.asarray(item[()])
             nbytes += arr.nbytes
-            recorded = str(plain(item.attrs.get("sha256", "")))
-            checks.append((name, hashing.submit(sha256_of, arr) if verify else None, recorded))
+            recorded = checksum.recorded_in(item.attrs)
+            checks.append((name, hash_like(hashing, arr, recorded) if verify and recorded else None, recorded))
             parent, _, leaf = name.rpartition("/")
             node(parent)[leaf] = from_bits(arr, index.dtypes[name]) if name in index.dtypes else arr
         fd = os.open(path, os.O_RDONLY)
@@ -475,7 +511,7 @@ def read_indexed(
                 if arr.nbytes and os.preadv(fd, [arr.reshape(-1).view(np.uint8).data], p.offset) != arr.nbytes:
                     raise CheckpointError(f"{where}: dataset {p.name} lies past the end of the file; truncated")
                 nbytes += arr.nbytes
-                checks.append((p.name, hashing.submit(sha256_of, arr) if verify else None, p.sha256))
+                checks.append((p.name, hash_like(hashing, arr, p.digest) if verify and p.digest else None, p.digest))
                 parent, _, leaf = p.name.rpartition("/")
                 node(parent)[leaf] = from_bits(arr, index.dtypes[p.name]) if p.name in index.dtypes else arr
         finally:

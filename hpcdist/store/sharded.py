@@ -7,19 +7,21 @@ reads (only the chunks its own layout needs, at any mesh or world size). Layout 
 - ``step_00000120.shards/r<rank:05d>-<attempt>.h5``: one HDF5 file per rank, written under a
   temporary name, fdatasynced, renamed (``hpcdist.store.atomic``). Its ``/tensors/<fqn>/<offsets>``
   datasets are the tensor chunks that rank saved (``<offsets>`` joined by ``_``), its
-  ``/bytes/<fqn>`` the other values (DCP's ``torch.save`` bytes); each carries its ``sha256``.
+  ``/values/<fqn>`` the other values as UTF-8 JSON (``hpcdist.store.values``; format 1 kept DCP's
+  pickles under ``/bytes``); each carries its digest (``hpcdist.store.checksum``).
   ``<attempt>`` is new at every save, so a save that dies never touches a committed file.
 - ``step_00000120.h5``: the index, an ordinary ``hpcdist.checkpoint`` file (root attribute
   ``layout = "sharded"``) whose group ``/sharded`` holds ``metadata_json`` (every tensor's
-  dtype, size and chunks, and for each chunk its file, dataset, byte offset and sha256) with its
+  dtype, size and chunks, and for each chunk its file, dataset, byte offset and digest) with its
   own ``metadata_sha256``, and ``files``. The coordinator writes it in ``finish``, after every
   rank's file is durable, through ``hpcdist.store.checkpoints.save``: the ``latest`` pointer,
   retention and discovery are the same as for unsharded checkpoints, and a crash of any rank
   before that leaves the previous commit the latest.
 
-A reader reads each chunk it needs with one ``os.preadv`` and checks its sha256 first; a
-mismatch is one CheckpointError naming the file, the tensor, the rank that wrote it and the
-rank reading. The metadata is JSON, not a pickle, so ``h5dump`` shows all of it.
+A reader reads each chunk it needs with one ``os.preadv`` and checks its digest first (every
+rank what it reads itself); a mismatch is one CheckpointError naming the file, the tensor, the
+rank that wrote it and the rank reading. The metadata and the values are JSON, not pickles, so
+``h5dump`` shows all of it and loading runs nothing from the file.
 
 This module holds the calls (save, load, background save, import and export of DCP folders);
 the storage layer is ``sharded_storage``, the names and the index's JSON ``sharded_layout``.
@@ -33,10 +35,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from hpcdist.errors import CheckpointError
-from hpcdist.store import checkpoints
+from hpcdist.store import checkpoints, values
 from hpcdist.store.directory import checkpoint_name, checkpoints_in, committed_in, step_of
 from hpcdist.store.sharded_layout import (
     Chunk,
@@ -45,7 +48,7 @@ from hpcdist.store.sharded_layout import (
     purge_wait,
     shards_dir,
 )
-from hpcdist.store.sharded_storage import ShardedReader, ShardedWriter
+from hpcdist.store.sharded_storage import ShardedReader, ShardedWriter, deliver
 
 # ---------------------------------------------------------------- whole-checkpoint calls
 
@@ -104,13 +107,21 @@ def save_with(state: dict[str, Any], writer: ShardedWriter, process_group: Any =
 class Stager(AsyncStager):
     """The host copy a background save blocks for, made into the previous save's buffers when the
     state has the same layout (no fresh pages to fault in, as `rawio.snapshot`'s `reuse`). Use one
-    per run and wait for a save before staging the next: the buffers are the save's source."""
+    per run and wait for a save before staging the next: the buffers are the save's source.
+
+    A value that is not a DTensor is the same on every rank of `process_group` (DCP's planner
+    writes it once): each rank copies only the ones it writes (`owners`: largest first, each to the
+    rank with the fewest bytes so far), so a replicated state's copy is split across the ranks
+    instead of made whole on each; DCP then plans the union. `replicated(path)` says which top-level
+    keys are so (all by default; a rank's own values, such as ``ctx.checkpoints``' per-rank ones, are not)."""
 
     _synchronize_after_execute = False
 
-    def __init__(self) -> None:
+    def __init__(self, process_group: Any = None, replicated: Callable[[str], bool] | None = None) -> None:
         self._cache: Any = None
         self._layout: Any = None
+        self.group = process_group
+        self.replicated = replicated or (lambda key: True)
 
     def synchronize_staging(self) -> None:  # staging is done when `stage` returns
         return None
@@ -121,10 +132,77 @@ class Stager(AsyncStager):
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
+        state_dict = self._mine(state_dict)
         layout = _layout(state_dict)
-        if self._cache is None or layout != self._layout:
-            self._cache, self._layout = _create_cpu_state_dict(state_dict), layout
-        return _copy_state_dict(state_dict, self._cache)
+        cuda = torch.cuda.is_available()
+        if self._cache is None or layout != self._layout:  # pinned on a GPU node: the copy runs at DMA speed
+            self._cache, self._layout = _create_cpu_state_dict(state_dict, pin_memory=cuda), layout
+        staged = _copy_state_dict(state_dict, self._cache, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()  # the copies are done before the caller may change its tensors
+        return staged
+
+
+    def _mine(self, state: dict[str, Any]) -> dict[str, Any]:
+        """`state` less the replicated values other ranks of the group write."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return state
+        world = dist.get_world_size(self.group)
+        if world < 2:
+            return state
+        leaves: list[tuple[tuple[str, ...], int]] = []
+        _replicated_leaves(state, (), leaves, self.replicated)
+        owner = owners(leaves, world)
+        rank = dist.get_rank(self.group)
+        return _keep(state, (), lambda path: owner.get(path, rank) == rank)
+
+
+def owners(leaves: list[tuple[tuple[str, ...], int]], world: int) -> dict[tuple[str, ...], int]:
+    """Which rank writes each replicated leaf (path, bytes): the largest first (ties by path), each to
+    the rank with the fewest bytes so far. The same on every rank given the same leaves."""
+    load = [0] * world
+    out: dict[tuple[str, ...], int] = {}
+    for path, nbytes in sorted(leaves, key=lambda item: (-item[1], item[0])):
+        rank = min(range(world), key=lambda r: load[r])
+        load[rank] += nbytes
+        out[path] = rank
+    return out
+
+
+def _is_dtensor(value: Any) -> bool:
+    return type(value).__name__ == "DTensor" or hasattr(value, "device_mesh")
+
+
+def _holds_dtensor(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        return any(_holds_dtensor(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_holds_dtensor(v) for v in value)
+    return _is_dtensor(value)
+
+
+def _replicated_leaves(value: Any, path: tuple[str, ...], out: list[tuple[tuple[str, ...], int]],
+                       replicated: Callable[[str], bool]) -> None:
+    if path and not replicated(path[0]):
+        return
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _replicated_leaves(v, (*path, str(k)), out, replicated)
+    elif not _holds_dtensor(value):
+        out.append((path, int(value.nbytes) if isinstance(value, torch.Tensor) else 0))
+
+
+def _keep(value: dict[str, Any], path: tuple[str, ...], mine: Callable[[tuple[str, ...]], bool]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        sub = (*path, str(k))
+        if isinstance(v, Mapping):
+            out[k] = _keep(dict(v), sub, mine)
+        elif mine(sub):
+            out[k] = v
+    return out
 
 
 def _layout(value: Any) -> Any:
@@ -161,7 +239,7 @@ def load(index: Path | str, state: dict[str, Any], *, process_group: Any = None)
     """Fill `state` (any layout) in place from the sharded checkpoint `index`; its root attributes."""
     import torch.distributed.checkpoint as dcp
 
-    reader = ShardedReader(index, process_group, split=not _no_dist())
+    reader = ShardedReader(index, process_group)
     with one_error():
         dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=_no_dist())
     reader.read_metadata()
@@ -172,7 +250,6 @@ def read_full(index: Path | str, keys: list[str] | None = None) -> dict[str, Any
     """The whole state of a sharded checkpoint in this process (every tensor full, no process group);
     with `keys`, only those entries (top-level names such as ``model``, or flattened ones), the
     only bytes read."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
@@ -203,12 +280,24 @@ def import_dcp(source: Path | str, directory: Path | str, step: int, **kw: Any) 
     """A ``dcp.save`` folder (``FileSystemWriter``) as step `step` of hpcdist checkpoint `directory`
     (in one process: the whole state passes through its memory)."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
-    _load_state_dict(state, FileSystemReader(str(source)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    with one_error():
+        _load_state_dict(state, FileSystemReader(str(source)), planner=_DataOnly(str(source)), no_dist=True)
     return save(directory, step, state, **kw)
+
+
+class _DataOnly(_EmptyStateDictLoadPlanner):
+    """DCP's planner for a whole folder, its pickled values loaded as data only (``weights_only=True``,
+    ``hpcdist.store.values``): a DCP folder someone else wrote runs nothing here."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        deliver(self, read_item, values.unpickle_data(value, f"{self.where}: entry {read_item.dest_index.fqn}"))
 
 
 def export_dcp(index: Path | str, target: Path | str) -> None:

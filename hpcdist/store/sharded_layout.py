@@ -14,18 +14,16 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hpcdist.errors import CheckpointError
 from hpcdist.store.directory import checkpoint_name, step_of
 from hpcdist.store.tree import as_tensor, pool, typed
-
-K = TypeVar("K")
 
 if TYPE_CHECKING:
     import torch
@@ -59,8 +57,17 @@ class Chunk:
     offset: int  # byte offset of its contiguous data; -1: read it through HDF5
     dtype: str  # NumPy dtype as stored: a dtype NumPy lacks (bfloat16) as its bits (``hpcdist.store.tree``)
     shape: tuple[int, ...]  # shape as stored: the tensor chunk's own
-    torch_dtype: str  # the chunk's torch dtype ("torch.bfloat16"); "" for bytes
-    sha256: str
+    torch_dtype: str  # the chunk's torch dtype ("torch.bfloat16"); "" for a value
+    digest: str  # as recorded (``hpcdist.store.checksum``): "xxh3-128:<hex>", or format 1's bare sha256
+    encoding: str = ""  # a value's: "json" (``hpcdist.store.values``); "" for a tensor, or format 1's pickle
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Chunk:
+        """A chunk from the index's JSON record (format 1 named its digest ``sha256``)."""
+        fields = dict(record)
+        if "sha256" in fields:
+            fields["digest"] = fields.pop("sha256")
+        return cls(**{**fields, "shape": tuple(fields["shape"])})
 
 
 def folder_of(index: Path) -> Path:
@@ -110,8 +117,7 @@ def tensors_of(text: str, prefix: str = "") -> dict[str, TensorEntry]:
     for fqn, offset, _, c in data["chunks"]:
         if fqn.startswith(prefix) and fqn in data["tensors"] and offset is not None:
             sizes = next(s for o, s in data["tensors"][fqn]["chunks"] if o == offset)
-            pieces.setdefault(fqn, []).append(Piece(tuple(offset), tuple(sizes),
-                                                    Chunk(**{**c, "shape": tuple(c["shape"])})))
+            pieces.setdefault(fqn, []).append(Piece(tuple(offset), tuple(sizes), Chunk.from_record(c)))
     return {fqn.removeprefix(prefix): TensorEntry(t["dtype"].removeprefix("torch."), tuple(t["size"]),
                                                   sorted(pieces.get(fqn, []), key=lambda p: p.offsets))
             for fqn, t in data["tensors"].items() if fqn.startswith(prefix)}
@@ -142,21 +148,6 @@ def read_chunk(folder: Path, chunk: Chunk, what: str, into: np.ndarray | None = 
         raise CheckpointError(f"{path}: cannot read {what} (written by rank {chunk.rank}): "
                               f"{exc.strerror or exc} (read by rank {_rank()})") from exc
     return arr
-
-
-def verifiers(chunks: Iterable[tuple[K, int, Sequence[int]]], ranks: int) -> dict[K, int]:
-    """Which rank verifies each chunk, so that every chunk is hashed once across the ranks:
-    `chunks` are (chunk, its bytes, the ranks that read it), in an order every rank agrees on;
-    the largest first (ties in that order), each to the one of its readers with the fewest bytes
-    so far. Used by the sharded reader (``sharded_storage``) and the TP shard reader
-    (``hpcdist.infer.shard_load``)."""
-    load = [0] * ranks
-    out: dict[K, int] = {}
-    for chunk, nbytes, readers in sorted(chunks, key=lambda c: -c[1]):
-        rank = min(readers, key=lambda r: load[r])
-        load[rank] += nbytes
-        out[chunk] = rank
-    return out
 
 
 def _key(index: MetadataIndex) -> str:
@@ -259,7 +250,7 @@ def metadata_from_json(text: str) -> Metadata:
         for fqn, t in data["tensors"].items()
     }
     sd.update({fqn: BytesStorageMetadata() for fqn in data["bytes"]})
-    storage = {MetadataIndex(fqn, offset, index): Chunk(**{**c, "shape": tuple(c["shape"])})
+    storage = {MetadataIndex(fqn, offset, index): Chunk.from_record(c)
                for fqn, offset, index, c in data["chunks"]}
     planner = data["planner_data"]
     if isinstance(planner, dict):

@@ -1,8 +1,10 @@
-"""Nested dicts <-> HDF5 groups, every array with its sha256; the one HDF5-attribute converter.
+"""Nested dicts <-> HDF5 groups, every array with its checksum; the one HDF5-attribute converter.
 
 A *tree* is a nested dict: a dict becomes a group, a NumPy array or a torch tensor becomes a
-dataset carrying the attribute ``sha256`` (hex SHA-256 of its C-order bytes), anything else (a
-number, a string, a list of strings) becomes an attribute of its group. Reading gives back the
+dataset carrying its digest (``hpcdist.store.checksum``: the attribute ``checksum``,
+``"xxh3-128:<hex>"`` of its C-order bytes, in a checkpoint; ``sha256``, bare hex, in the files
+that keep format 1), anything else (a number, a string, a list of strings) becomes an attribute
+of its group. Reading gives back the
 same shape: groups as dicts, datasets as NumPy arrays, attributes as plain Python values.
 
 A tensor of a dtype NumPy has no type for (``bfloat16``, the ``float8_*`` kinds, ``complex32``)
@@ -11,8 +13,8 @@ is stored as its bits, in the unsigned integer of the same size, with the datase
 (torch is imported then, and only then). Plain HDF5 readers see the unsigned integers.
 
 This module owns that format: the attribute converters (`attr_value` in, `plain` out), the
-flattening of a tree into datasets and attributes, the hashes, reading through HDF5 with every
-sha256 checked (hashing in threads: hashlib releases the GIL) and describing a group without
+flattening of a tree into datasets and attributes, reading through HDF5 with every
+digest checked (hashing in threads: hashlib releases the GIL) and describing a group without
 reading its data. Writing a tree, and the fast raw path of a checkpoint's arrays (``os.pwrite``,
 the `TreeIndex`, ``os.preadv``, `snapshot`), is ``hpcdist.store.rawio``. torch is never
 imported here: tensors are recognised by their methods and converted on the way in.
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hpcdist.errors import CheckpointError
+from hpcdist.store import checksum
 
 if TYPE_CHECKING:
     import h5py
@@ -40,7 +43,6 @@ DTYPE_ATTR = "torch_dtype"  # a dataset's torch dtype, where NumPy has none: the
 # torch dtypes NumPy holds as they are; any other is stored as bits (`torch_bits`)
 _NUMPY_DTYPES = frozenset({"float16", "float32", "float64", "complex64", "complex128", "bool", "int8", "int16",
                            "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
-STREAM_CHUNK_BYTES = 16 << 20
 
 
 def hash_threads() -> int:
@@ -76,19 +78,6 @@ def sha256_of(arr: np.ndarray) -> str:
     """Hex SHA-256 of the array's C-order bytes (hashed in place: no copy for contiguous arrays)."""
     data = np.ascontiguousarray(arr)
     return hashlib.sha256(data.reshape(-1).view(np.uint8).data if data.size else b"").hexdigest()
-
-
-def sha256_of_dataset(ds: h5py.Dataset, chunk_bytes: int = STREAM_CHUNK_BYTES) -> str:
-    """`sha256_of` a dataset read in row chunks, so memory stays bounded by `chunk_bytes`."""
-    digest = hashlib.sha256()
-    if ds.ndim == 0 or ds.shape[0] == 0:
-        digest.update(np.ascontiguousarray(ds[()]).tobytes())
-    else:
-        row_bytes = max(1, ds.size // ds.shape[0]) * ds.dtype.itemsize
-        step = max(1, chunk_bytes // row_bytes)
-        for start in range(0, ds.shape[0], step):
-            digest.update(np.ascontiguousarray(ds[start : start + step]).tobytes())
-    return digest.hexdigest()
 
 
 def plain(value: Any) -> Any:
@@ -236,14 +225,20 @@ def flatten(
 
 
 class ChecksumError(CheckpointError):
-    """A dataset whose bytes do not match its recorded sha256 (or that has none)."""
+    """A dataset whose bytes do not match its recorded digest (or that has none)."""
 
     def __init__(self, message: str, dataset: str) -> None:
         super().__init__(message)
         self.dataset = dataset
 
 
-Check = tuple[str, "Future[str] | None", str]  # dataset name, its hash being computed, the recorded hash
+Check = tuple[str, "Future[str] | None", str]  # dataset name, its digest being computed, the recorded digest
+
+
+def hash_like(hashing: ThreadPoolExecutor, arr: np.ndarray, recorded: str) -> Future[str]:
+    """`arr`'s digest with `recorded`'s algorithm, made in `hashing` (a pool's thread)."""
+    checksum.algorithm_of(recorded)  # an unknown algorithm fails here, in the caller, in one line
+    return hashing.submit(checksum.digest_like, arr, recorded)
 
 
 def _read_group(group: h5py.Group, hashing: ThreadPoolExecutor | None, checks: list[Check]) -> tuple[Tree, int]:
@@ -258,15 +253,16 @@ def _read_group(group: h5py.Group, hashing: ThreadPoolExecutor | None, checks: l
             continue
         arr = np.asarray(item[()])
         nbytes += arr.nbytes
-        digest = hashing.submit(sha256_of, arr) if hashing is not None else None
-        checks.append((item.name, digest, str(plain(item.attrs.get("sha256", "")))))
+        recorded = checksum.recorded_in(item.attrs)
+        digest = hash_like(hashing, arr, recorded) if hashing is not None and recorded else None
+        checks.append((item.name, digest, recorded))
         dtype = plain(item.attrs.get(DTYPE_ATTR, ""))
         out[key] = typed(arr, str(dtype)) if dtype else arr
     return out, nbytes
 
 
 def read_tree(groups: Mapping[str, h5py.Group], *, verify: bool, where: object) -> tuple[Tree, int]:
-    """Each named group as a tree and the array bytes read; with `verify`, every sha256 is checked.
+    """Each named group as a tree and the array bytes read; with `verify`, every digest is checked.
 
     A mismatch raises ChecksumError naming `where` (the file) and the dataset.
     """
@@ -289,9 +285,10 @@ def check_digests(checks: list[Check], *, verify: bool, where: object) -> None:
         return
     for dataset, digest, expected in checks:
         if not expected:
-            raise ChecksumError(f"{where}: dataset {dataset} has no sha256 attribute", dataset)
+            raise ChecksumError(f"{where}: dataset {dataset} has no checksum attribute", dataset)
         if digest is not None and digest.result() != expected:
-            raise ChecksumError(f"{where}: dataset {dataset} fails its sha256 check (data corrupted)", dataset)
+            raise ChecksumError(f"{where}: dataset {dataset} fails its {checksum.algorithm_of(expected)} check "
+                                "(data corrupted)", dataset)
 
 
 @dataclass(frozen=True)
@@ -300,7 +297,7 @@ class DatasetInfo:
 
     shape: tuple[int, ...]
     dtype: np.dtype[Any]  # as HDF5 holds it: the unsigned integer of the bits for a `torch_dtype`
-    sha256: str
+    digest: str  # as recorded (``hpcdist.store.checksum``)
     torch_dtype: str = ""  # the torch dtype its bits hold, where NumPy has none ("bfloat16"), else ""
 
     @property
@@ -310,11 +307,11 @@ class DatasetInfo:
 
 
 def describe_group(group: h5py.Group) -> dict[str, DatasetInfo]:
-    """Shape, dtype and recorded sha256 of each dataset directly in `group` (no data read)."""
+    """Shape, dtype and recorded digest of each dataset directly in `group` (no data read)."""
     import h5py
 
     return {
-        k: DatasetInfo(tuple(int(n) for n in d.shape), d.dtype, str(plain(d.attrs.get("sha256", ""))),
+        k: DatasetInfo(tuple(int(n) for n in d.shape), d.dtype, checksum.recorded_in(d.attrs),
                        str(plain(d.attrs.get(DTYPE_ATTR, ""))))
         for k, d in group.items()
         if isinstance(d, h5py.Dataset)

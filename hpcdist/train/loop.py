@@ -140,6 +140,10 @@ def run(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     log_file = ctx.paths.rank_log(ctx.rank)
     handler = add_rank_log_file(log_file)
+    if params.checkpoint.checksum is not None:
+        from hpcdist.store import checksum
+
+        checksum.use(params.checkpoint.checksum)
     api = from_job(ctx, None, params.checkpoint.keep_last, log=ctx.log, io_timeout_s=params.checkpoint.io_timeout_s)
     try:
         try:

@@ -59,6 +59,9 @@ class CheckpointParams(Frozen):
         default=None, gt=0, description="how long the other ranks wait for rank 0 to write, verify and commit a "
         "checkpoint, in place of timeout_s (default 1800)",
     )
+    checksum: Literal["xxh3-128", "sha256"] | None = Field(
+        default=None, description="digest of every checkpoint array (default: the site's storage.checksum)"
+    )
 
 
 class ParallelParams(Frozen):

@@ -209,7 +209,7 @@ def resume(run: Run) -> None:
 def _load_shards(run: Run, paths: list[Path]) -> Path:
     """The model and optimizer from the first of `paths` (sharded, newest first) whose shards
     verify; which one. Each rank reads and verifies the chunks of its own shard, at any world size;
-    a chunk that fails its sha256 fails the load on every rank alike (DCP gathers the outcome), so
+    a chunk that fails its checksum fails the load on every rank alike (DCP gathers the outcome), so
     all go on to the same older step, naming what failed."""
     state = parallel.checkpoint_state(run.model, run.opt, run.cfg.tied)
     for i, path in enumerate(paths):
