@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -85,7 +86,7 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
     import torch
     import torch.distributed as dist
 
-    from hpcdist.config import load_site
+    from hpcdist.config import load_site, validate
     from hpcdist.config.spec import JobSpec
     from hpcdist.runtime.bootstrap import bootstrap
 
@@ -98,11 +99,11 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
         signal = env.get("SUBMITIT_PREEMPTION_SIGNAL", "USR2").removeprefix("SIG")
         site = load_site(None, [f"preemption.signal={signal}"])
     own = not dist.is_initialized()
-    spec = JobSpec.model_validate({
-        "name": name or Path(sys.argv[0]).stem or "python", "kind": "python",
+    spec = validate(JobSpec, {
+        "name": name or default_name(), "kind": "python",
         "backend": "nccl" if torch.cuda.is_available() else "gloo",
         "timeout_s": timeout_s or site.defaults.timeout_s or DEFAULT_TIMEOUT_S,
-    })
+    }, "hpcdist.init")
     job = bootstrap(spec, site, env, standalone=True, shared_scratch=bool(site_ref))
     job.run_id = job.info.job_id or _launcher_run_id(env) or _new_local_id(job.world_size)
     ctx = Context(job, checkpoint_dir=checkpoint_dir, keep_last=keep_last, own_group=own)
@@ -111,6 +112,22 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
                  job.world_size, job.info.hostname, job.info.launcher, job.backend, job.device, job.job_id,
                  ctx.results.path)
     return ctx
+
+
+def default_name(argv0: str | None = None) -> str:
+    """The job name when ``init`` is given none: the script's name, or how Python was started:
+    ``python-c`` (``python -c``), ``python-stdin`` (a script piped in, ``python -``),
+    ``python-interactive`` (the prompt), ``notebook`` (a Jupyter kernel). A script name that is
+    not a plain name has each other character replaced by ``_``."""
+    argv0 = sys.argv[0] if argv0 is None and sys.argv else (argv0 or "")
+    if argv0 == "-c":
+        return "python-c"
+    if Path(argv0).name.startswith("ipykernel_launcher") or "ipykernel" in sys.modules:
+        return "notebook"
+    if argv0 in ("", "-"):
+        return "python-interactive" if hasattr(sys, "ps1") or sys.flags.interactive else "python-stdin"
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", Path(argv0).stem).lstrip(".")[:128]
+    return stem or "python"
 
 
 def _launcher_run_id(env: dict[str, str]) -> str:
