@@ -56,6 +56,18 @@ def unpicklable() -> Any:
     return threading.Lock()
 
 
+def save_five(where: str) -> list[str]:
+    """A function that sets its own checkpoint directory and keeps every checkpoint."""
+    ctx = hpcdist.init(checkpoint_dir=where, keep_last=None)
+    for step in range(1, 6):
+        ctx.checkpoints.save(step, {"step": step})
+    return sorted(p.name for p in Path(where).glob("step_*.h5"))
+
+
+def rename_itself() -> str:
+    return hpcdist.init(name="other").name
+
+
 def test_a_function_of_this_module_runs_on_two_nodes_and_returns_every_rank(slurm_storage: Path) -> None:
     ex = hpcdist.Executor(site="local-slurm", nodes=2, tasks_per_node=2, time_min=5,
                           set={**SLURM, **storage(slurm_storage), "sbatch.nodelist": "n1,n2"})
@@ -145,6 +157,19 @@ def test_a_return_value_that_cannot_travel_names_the_rank_and_type(tmp_path: Pat
         job.result(timeout_s=180)
     assert "rank 0" in str(failed.value) and "_thread.lock" in str(failed.value), str(failed.value)
     assert "cannot be pickled" in str(failed.value)
+
+
+def test_init_arguments_in_a_function_are_honoured_or_refused_in_one_line(tmp_path: Path) -> None:
+    """``hpcdist.init(checkpoint_dir=..., keep_last=None)`` inside the function sets its checkpoints
+    as in a script; a name (set at submission) is refused, naming the executor's keyword."""
+    ex = hpcdist.Executor(site="local", tasks_per_node=1, time_min=5, set=storage(tmp_path))
+    mine = tmp_path / "mine"
+    assert ex.submit(save_five, str(mine)).result(timeout_s=180) == [f"step_{n:08d}.h5" for n in range(1, 6)]
+    assert not (tmp_path / "checkpoints" / "save_five").exists()
+    with pytest.raises(hpcdist.JobFailed) as failed:
+        ex.submit(rename_itself).result(timeout_s=180)
+    assert ("ConfigError: hpcdist.init(name='other') in an Executor function: the job runs with name='rename_itself', "
+            "set when it was submitted; pass it there: hpcdist.Executor(name='other')") in str(failed.value)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -73,6 +73,7 @@ class Context:
         self._checkpoints: Checkpoints | None = None
         self._requeue, self._own_group = job.requeue, own_group
         self._closed = False
+        self.implicit = False  # made by the runner for an Executor function: its first own init(...) sets its arguments
         # The requeue count: Slurm's own count as a floor, the checkpoint's when one is restored.
         self.restarts, self.max_requeues = rq.restart_count(os.environ), site.preemption.max_requeues
         self.requeue_count = rq.Requeues().at_least(self.restarts)

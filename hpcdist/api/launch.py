@@ -54,6 +54,9 @@ def init(*, site: str | None = None, name: str | None = None, timeout_s: float |
     `io_timeout_s` is how long ranks wait for rank 0's checkpoint I/O (default 30 minutes).
     """
     if CURRENT:
+        if CURRENT[0].implicit:  # made by the runner before an Executor function's own call: its arguments count
+            _adopt(CURRENT[0], site=site, name=name, timeout_s=timeout_s, checkpoint_dir=checkpoint_dir,
+                   keep_last=keep_last, io_timeout_s=io_timeout_s)
         return CURRENT[0]
     if _ACTIVE:
         ctx = from_job(_ACTIVE[0], checkpoint_dir, keep_last, io_timeout_s=io_timeout_s)
@@ -62,6 +65,38 @@ def init(*, site: str | None = None, name: str | None = None, timeout_s: float |
         ctx.io_timeout_s = io_timeout_s
     CURRENT.append(ctx)
     return ctx
+
+
+def for_call() -> Context:
+    """The context an ``hpcdist.Executor`` function runs in (its group made before it is called):
+    the function's own first ``init(...)`` still sets its checkpoint arguments (``_adopt``)."""
+    ctx = init()
+    ctx.implicit = True
+    return ctx
+
+
+def _adopt(ctx: Context, *, site: str | None, name: str | None, timeout_s: float | None,
+           checkpoint_dir: str | Path | None, keep_last: int | None, io_timeout_s: float | None) -> None:
+    """An Executor function's first ``init(...)``: its checkpoint arguments apply as in a script;
+    what the job was submitted with (site, name, timeout) is refused, naming the executor's keyword."""
+    from hpcdist.errors import ConfigError
+
+    ctx.implicit = False
+    fixed = {"site": (site, ctx.site_name), "name": (name, ctx.name), "timeout_s": (timeout_s, ctx.timeout_s)}
+    for key, (asked, actual) in fixed.items():
+        if asked is not None and asked != actual:
+            raise ConfigError(f"hpcdist.init({key}={asked!r}) in an Executor function: the job runs with "
+                              f"{key}={actual!r}, set when it was submitted; pass it there: "
+                              f"hpcdist.Executor({key}={asked!r})")
+    if ctx._checkpoints is not None and (checkpoint_dir is not None or keep_last != ctx._keep_last):
+        raise ConfigError(f"hpcdist.init(checkpoint_dir={checkpoint_dir!r}, keep_last={keep_last!r}) after the "
+                          f"function used ctx.checkpoints (in {ctx._checkpoint_dir}); call hpcdist.init(...) "
+                          f"with these arguments before the first use of ctx.checkpoints")
+    if checkpoint_dir is not None:
+        ctx._checkpoint_dir = Path(checkpoint_dir)
+    ctx._keep_last = keep_last
+    if io_timeout_s is not None:
+        ctx.io_timeout_s = io_timeout_s
 
 
 def from_job(job: JobContext, checkpoint_dir: str | Path | None, keep_last: int | None,

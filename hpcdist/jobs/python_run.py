@@ -210,11 +210,11 @@ def _call(params: PythonParams) -> Any:
     parameter is annotated so; its return value, which must pickle to travel back."""
     import cloudpickle
 
-    from hpcdist import api
+    from hpcdist.api.launch import for_call
 
     with open(str(params.call), "rb") as f:
         fn, args, kwargs = cloudpickle.load(f)
-    ctx = api.init()
+    ctx = for_call()
     if _wants_context(fn):
         args = (ctx, *args)
     value = fn(*args, **kwargs)
