@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from hpcdist.config.paths import JobPaths
 from hpcdist.runtime.stacks import capture, is_timeout
 from hpcdist.store.stackrecord import (
     DIST,
@@ -86,6 +87,29 @@ def test_a_rank_that_timed_out_and_left_has_answered_already(tmp_path: Path) -> 
     assert sorted(wait_answers(files, time.time() + 1, 3.0, timeouts_since=started)) == [0, 1]
     assert time.monotonic() - t0 < 1.0
     assert wait_answers(files, time.time() + 1, 0.3) == {}  # without: only answers to this request count
+
+def test_a_later_run_is_never_summarised_with_an_earlier_runs_stacks(tmp_path: Path) -> None:
+    """A run timed out and wrote every rank's stack; the job ran again (a requeue) and failed
+    otherwise: its summary has no "stacks at the timeout" (the earlier run's are removed as it starts)."""
+    from hpcdist.config import load_site
+    from hpcdist.runtime import stacks
+    from hpcdist.scheduler.postmortem import timeout_stacks
+
+    site = load_site("local", [f"storage.{k}={tmp_path / k}" for k in ("results", "checkpoints", "scratch", "logs")])
+    paths = JobPaths(site.storage, "job", "41")
+    paths.progress.mkdir(parents=True)
+    for rank in range(3):  # the first run: 3 ranks, each at its timeout
+        paths.stack_file(rank).write_text(record(rank, ENTRY, why="timeout: all_reduce failed").to_json())
+    files = {r: paths.stack_file(r) for r in range(2)}
+    assert timeout_stacks(files, 2)[0].startswith("ranks 0-1: ")  # what it showed before
+    time.sleep(0.05)
+    stacks.start(paths, 1, 2, "n2", launch=time.time())  # the second run, at 2 ranks: rank 1 removes nothing
+    assert timeout_stacks(files, 2) != []
+    stacks.stop()
+    stacks.start(paths, 0, 2, "n1", launch=time.time())  # its rank 0 starts
+    stacks.stop()
+    assert timeout_stacks(files, 2) == [] and sorted(paths.progress.glob("stack_rank*")) == []
+
 
 def test_a_rank_records_every_thread_and_where_a_timeout_was_raised() -> None:
     """Real frames: a thread blocked in this file, and the main thread's stack at a raise."""

@@ -7,7 +7,8 @@
   controller's PID, which the system reuses, and a requeue restarts the ranks under the same
   PID, so the id alone would let ranks find an older launch's rendezvous file. It also counts
   the starts (``LOCAL_RESTARTS_VAR``), as Slurm's restart count does: the checkpoint claim tells
-  a requeue of the job from a second run of it by that count.
+  a requeue of the job from a second run of it by that count; and it sets the start's launch
+  time (``LAUNCH_TIME_VAR``), as the Slurm script does before each run's launcher.
 
 ``hpcdist.login.submit`` starts it as ``python -m hpcdist.runtime.local_controller FOLDER`` where
 submitit starts ``submitit.local._local``; everything else is submitit's.
@@ -17,12 +18,13 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 
 from submitit.local.local import Controller
 
-from hpcdist.config.contract import LAUNCH_ID_VAR, LOCAL_RESTARTS_VAR
+from hpcdist.config.contract import LAUNCH_ID_VAR, LAUNCH_TIME_VAR, LOCAL_RESTARTS_VAR
 
 
 class JobController(Controller):
@@ -32,6 +34,7 @@ class JobController(Controller):
         self.folder = Path(str(self.folder).replace("%j", self.pid))
         self.folder.mkdir(parents=True, exist_ok=True)
         os.environ[LAUNCH_ID_VAR] = uuid.uuid4().hex
+        os.environ[LAUNCH_TIME_VAR] = repr(time.time())  # this start's, as the Slurm script exports it per run
         os.environ[LOCAL_RESTARTS_VAR] = str(self.starts)  # the local requeue's count, as Slurm's SLURM_RESTART_COUNT
         self.starts += 1
         super().start_tasks()
