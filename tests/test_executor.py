@@ -20,7 +20,7 @@ import pytest
 
 import hpcdist
 from hpcdist.errors import ConfigError
-from tests.support.cli import REPO
+from tests.support.cli import REPO, run_cli
 
 SLURM = {"site.launcher.args": []}  # the suite's usual: srun without --mpi=pmix
 
@@ -62,6 +62,17 @@ def save_five(where: str) -> list[str]:
     for step in range(1, 6):
         ctx.checkpoints.save(step, {"step": step})
     return sorted(p.name for p in Path(where).glob("step_*.h5"))
+
+
+def boom_on_rank_two() -> str:
+    """Rank 2 raises; the others wait in a barrier, and see their connections to it break."""
+    import torch.distributed as dist
+
+    ctx = hpcdist.init()
+    if ctx.rank == 2:
+        raise ValueError("bad value 7")
+    dist.barrier()
+    return "fine"
 
 
 def rename_itself() -> str:
@@ -148,6 +159,24 @@ def test_a_rank_that_raises_is_named_by_result(slurm_storage: Path) -> None:
     assert "n2" in message and "ValueError: shard 7 is corrupt" in message, message
     assert "ValueError: shard 7 is corrupt" in failed.value.traceback
     assert [o.ok for o in failed.value.outcomes] == [True, False]
+
+
+def test_the_rank_that_raised_is_named_first_not_the_ranks_whose_connections_broke(slurm_storage: Path) -> None:
+    """Rank 2 raises while ranks 0, 1 and 3 wait in a barrier: ``result()`` and ``hpcdist wait``
+    name rank 2's ValueError first, however srun saw the ranks end."""
+    ex = hpcdist.Executor(site="local-slurm", nodes=2, tasks_per_node=2, time_min=5,
+                          set={**SLURM, **storage(slurm_storage)})
+    job = ex.submit(boom_on_rank_two)
+    with pytest.raises(hpcdist.JobFailed) as failed:
+        job.result()
+    message = str(failed.value)
+    assert message.startswith(f"job {job.job_id} (boom_on_rank_two) ended FAILED: rank 2"), message
+    assert "rank 2 on n2: tests.test_executor:boom_on_rank_two raised ValueError: bad value 7" in message, message
+    assert "went first" not in message or "rank 2 on n2 went first" in message, message
+    assert "ValueError: bad value 7" in failed.value.traceback
+    waited = run_cli("wait", job.job_id, "--site", "local-slurm")
+    cause = next(line for line in waited.out.splitlines() if line.strip().startswith("cause:"))
+    assert "rank 2 on n2 went first" in cause, waited.text
 
 
 def test_a_return_value_that_cannot_travel_names_the_rank_and_type(tmp_path: Path) -> None:

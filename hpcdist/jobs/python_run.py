@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpcdist.config.contract import after_first
 from hpcdist.errors import JobError
 from hpcdist.jobs.python import PythonParams, cwd_on_path
 from hpcdist.runtime import group, stacks
@@ -97,14 +98,13 @@ def run(ctx: JobContext, params: PythonParams) -> dict[str, Any]:
         peer = peer_named(str(exc), ctx.hosts)
         error = JobError(f"{where}: {params.target} raised {type(exc).__name__}: {_first_line(exc)}"
                          + (f" ({peer})" if peer else ""))
-        watchdog.fail(str(error))
+        error = watchdog.fail(error)
         raise error from exc
     finally:
         watchdog.stop()
         api.detach(ok)
     if code != 0:
-        error = JobError(f"{where}: {params.target} exited with code {code}")
-        watchdog.fail(str(error))
+        error = watchdog.fail(JobError(f"{where}: {params.target} exited with code {code}"))
         raise error
     out: dict[str, Any] = {"host": ctx.info.hostname, "exit_code": 0}
     if returned is not None or params.call:
@@ -146,16 +146,22 @@ class Watchdog(threading.Thread):
                 reason = f"the job's store (rank 0) went away ({type(exc).__name__})"
             if self._done.is_set():
                 return
-            print(f"hpcdist.errors.JobError: {self.where} stopped: {reason}", file=sys.stderr, flush=True)
+            after = after_first(reason)
+            print(f"hpcdist.errors.JobError: {self.where} stopped{' ' + after if after else ''}: {reason}",
+                  file=sys.stderr, flush=True)
             os._exit(1)
 
-    def fail(self, reason: str) -> None:
-        """Tell every other rank that this one failed (first one wins; best effort)."""
+    def fail(self, error: JobError) -> JobError:
+        """Tell every other rank that this one failed (first one wins; best effort). `error`, or,
+        when another rank had failed first (this one's connections to it broke), `error` saying so."""
         self._done.set()
         try:
-            self.store.compare_set(self.KEY, "", reason)
+            held = self.store.compare_set(self.KEY, "", str(error))
         except Exception:
-            pass
+            return error
+        held = held.decode(errors="replace") if isinstance(held, bytes) else str(held)
+        after = after_first(held) if held != str(error) else ""
+        return JobError(f"{error} {after}") if after else error
 
     def stop(self) -> None:
         self._done.set()

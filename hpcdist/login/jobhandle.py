@@ -154,10 +154,12 @@ class JobHandle:
     def results(self, timeout_s: float | None = None) -> list[Any]:
         """Every rank's return value, in rank order, once the job ended. A job that failed
         raises ``JobFailed`` naming the first failing rank, its host and its error."""
+        from hpcdist.login.submit import first_failure
+
         finished = self.wait(timeout_s, show=False)
         failed = [o for o in finished.outcomes if not o.ok]
         if failed or not finished.ok:
-            first = failed[0] if failed else None
+            first = first_failure(finished.outcomes)
             host = f" on {first.summary.get('host')}" if first and first.summary.get("host") else ""
             what = f"rank {first.rank}{host}: {first.error}" if first else "every rank returned"
             cause = f"; {finished.cause}" if finished.cause else ""

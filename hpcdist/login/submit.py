@@ -166,6 +166,15 @@ class TaskOutcome:
     traceback: str = ""  # the rank's traceback, when it raised
 
 
+def first_failure(outcomes: list[TaskOutcome]) -> TaskOutcome | None:
+    """The failed rank to name first: the lowest one whose error is its own, not one that failed
+    after another rank had (its connections to it broke, the watchdog stopped it)."""
+    from hpcdist.config.contract import is_after_first
+
+    failed = [o for o in outcomes if not o.ok]
+    return next((o for o in failed if not is_after_first(o.error)), failed[0] if failed else None)
+
+
 def _tasks(spec: JobSpec) -> int:
     return spec.resources.world_size
 
@@ -374,6 +383,11 @@ def wait(
         return Finished(JobState.NODE_FAIL, outcomes(sub, JobState.NODE_FAIL), failures.cause)
     end = _slurm_ending(sub) if sub.site.scheduler == "slurm" and state is not JobState.COMPLETED else None
     done = outcomes(sub, state, end)
+    cause = first_failure(done)
+    if end is not None and cause is not None and end.first is not None and end.first.rank != cause.rank \
+            and cause.rank in end.tasks:  # srun saw a rank that failed after it end first: name the cause
+        end = dataclasses.replace(end, first=end.tasks[cause.rank])
+        done = outcomes(sub, state, end)
     stacks: list[str] = []
     if not (state is JobState.COMPLETED and all(o.ok for o in done)):
         from hpcdist.scheduler.postmortem import timeout_stacks  # only a job that failed is looked into
