@@ -188,6 +188,18 @@ def test_a_return_value_that_cannot_travel_names_the_rank_and_type(tmp_path: Pat
     assert "cannot be pickled" in str(failed.value)
 
 
+def test_a_job_index_that_cannot_be_written_warns_and_the_queued_job_is_returned(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The state folder cannot be made (a file stands in its path): the job is queued all the
+    same, so ``submit`` warns and returns its handle, which waits and returns its value."""
+    (tmp_path / "state-file").write_text("")
+    monkeypatch.setenv("HPCDIST_STATE", str(tmp_path / "state-file" / "hpcdist"))
+    ex = hpcdist.Executor(site="local", tasks_per_node=1, time_min=5, set=storage(tmp_path))
+    job = ex.submit(square, 7)
+    assert f"hpcdist: warning: job {job.job_id} is submitted but not in the job index" in capsys.readouterr().err
+    assert job.result(timeout_s=180) == 49
+
+
 def test_init_arguments_in_a_function_are_honoured_or_refused_in_one_line(tmp_path: Path) -> None:
     """``hpcdist.init(checkpoint_dir=..., keep_last=None)`` inside the function sets its checkpoints
     as in a script; a name (set at submission) is refused, naming the executor's keyword."""

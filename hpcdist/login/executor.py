@@ -107,7 +107,9 @@ class Executor:
             subs = sub.schedule(make(jobs[0].spec, self.site, origin, [j.spec for j in jobs]))
         else:
             subs = [sub.submit(j.spec, self.site, origin) for j in jobs]
-        return [JobHandle(find(s.job_id, self.site.name), s) for s in subs]
+        # Each job is queued: its handle holds its record even where the index could not keep it
+        # (add() warned), so a job is never reported missing, and retried, once it is queued.
+        return [JobHandle(s.record or find(s.job_id, self.site.name), s) for s in subs]
 
 
 def _spec_data(base: Mapping[str, Any], keys: Mapping[str, Any], sets: Mapping[str, Any]) -> dict[str, Any]:

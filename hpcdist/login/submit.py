@@ -138,6 +138,7 @@ class Submission:
     spec: JobSpec
     site: Site
     script: str
+    record: jobindex.JobRecord | None = None  # the job index's record of it, made at submission (kept if not written)
 
     @property
     def job_id(self) -> str:
@@ -231,8 +232,9 @@ def schedule(plan: Plan) -> list[Submission]:
     origin = plan.origin
     submissions = [Submission(job=job, spec=task, site=site, script=script)
                    for job, task in zip(jobs, plan.tasks, strict=True)]
-    for submission in submissions:
-        jobindex.add(make_record(submission, origin))  # `hpcdist jobs`, `logs`, `wait`, `cancel`, `hpcdist.job`
+    for submission in submissions:  # `hpcdist jobs`, `logs`, `wait`, `cancel`, `hpcdist.job`; a failure warns
+        submission.record = make_record(submission, origin)
+        jobindex.add(submission.record)
     return submissions
 
 
