@@ -31,6 +31,6 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         return 0
     from hpcdist.store.dcp import import_dcp
 
-    stats = import_dcp(args.directory, args.output, args.step)
+    stats = import_dcp(args.directory, args.output, args.step, report=print)
     print(f"committed {stats.path}: {stats.bytes / 1e6:.1f} MB from {args.directory} (sharded, sha256 per chunk)")
     return 0
