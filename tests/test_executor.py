@@ -75,6 +75,18 @@ def boom_on_rank_two() -> str:
     return "fine"
 
 
+def remember(x: int) -> dict[str, Any]:
+    """An item that resumes its own state, if any, and saves one checkpoint."""
+    import time
+
+    ctx = hpcdist.init()
+    found = ctx.checkpoints.load_latest()
+    start = time.time()
+    time.sleep(1.0)
+    ctx.checkpoints.save(1, {"x": x})
+    return {"found": found is not None, "start": start, "end": time.time(), "dir": str(ctx.checkpoints.directory)}
+
+
 def rename_itself() -> str:
     return hpcdist.init(name="other").name
 
@@ -186,6 +198,18 @@ def test_a_return_value_that_cannot_travel_names_the_rank_and_type(tmp_path: Pat
         job.result(timeout_s=180)
     assert "rank 0" in str(failed.value) and "_thread.lock" in str(failed.value), str(failed.value)
     assert "cannot be pickled" in str(failed.value)
+
+
+def test_map_array_items_own_their_state_hold_max_parallel_and_share_one_snapshot(tmp_path: Path) -> None:
+    """On the local site: each item has its own checkpoint directory (none resumes another's state),
+    at most `max_parallel` run at once, and the array takes one code snapshot."""
+    ex = hpcdist.Executor(site="local", tasks_per_node=1, time_min=5, set=storage(tmp_path))
+    jobs = ex.map_array(remember, [10, 20, 30], max_parallel=1)
+    got = [j.result(timeout_s=240) for j in jobs]
+    assert [g["found"] for g in got] == [False, False, False]
+    assert [g["dir"] for g in got] == [str(tmp_path / "checkpoints" / f"remember-{i}") for i in range(3)]
+    assert got[0]["end"] <= got[1]["start"] and got[1]["end"] <= got[2]["start"], got  # one at a time
+    assert len(list((tmp_path / "logs" / "remember").glob("code-*"))) == 1
 
 
 def test_a_job_index_that_cannot_be_written_warns_and_the_queued_job_is_returned(

@@ -10,6 +10,7 @@ FAULT_EXIT_VAR = "HPCDIST_FAULT_EXIT_RANK"  # for fault tests: this rank exits b
 LAUNCH_ID_VAR = "HPCDIST_LAUNCH_ID"  # unique per start of the ranks where no scheduler numbers it (local site)
 RESTART_COUNT_VAR = "SLURM_RESTART_COUNT"  # Slurm: how often this job was requeued (absent: never)
 LOCAL_RESTARTS_VAR = "HPCDIST_LOCAL_RESTART_COUNT"  # local site: how often the controller restarted the ranks
+LOCAL_AFTER_VAR = "HPCDIST_LOCAL_AFTER"  # local site: "PID:START" of a job to wait for first (map_array's max_parallel)
 
 
 def restart_count(env: Mapping[str, str]) -> int:
