@@ -348,6 +348,35 @@ def test_retention_removes_shard_folders_and_load_latest_without_into_gives_the_
     ctx.close()
 
 
+def test_a_set_aside_sharded_run_stays_whole_and_loadable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A new run (job 42, saving without loading) in the directory of job 41's sharded run: the
+    earlier run's index files move to previous/run-<id>/ with their shard folders, and stay there
+    whole after the new run wrote and pruned steps of the same numbers: `hpcdist ckpt export-dcp`
+    reads them."""
+    from tests.support.hf import cli
+
+    first = rank_context(tmp_path, job_id="41", timeout_s=60)
+    for step in (1, 2, 3):
+        first.checkpoints.save(step, {"w": torch.full((8,), float(step)), "pos": step}, sharded=True)
+    old = first.checkpoints.store.run_id
+    first.close()
+    second = rank_context(tmp_path, job_id="42", timeout_s=60, keep_last=1)
+    for step in (1, 2, 3):
+        second.checkpoints.save(step, {"w": torch.full((8,), -float(step)), "pos": -step}, sharded=True)
+    second.close()
+    sharded.purge_wait()
+    moved = tmp_path / "ckpt" / "previous" / f"run-{old}"
+    assert sorted(p.name for p in moved.glob("step_*")) == [
+        "step_00000001.h5", "step_00000001.shards", "step_00000002.h5", "step_00000002.shards",
+        "step_00000003.h5", "step_00000003.shards"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_00000003.h5", "step_00000003.shards"]
+    code, _, err = cli(capsys, "ckpt", "export-dcp", str(moved / "step_00000002.h5"), str(tmp_path / "dcp"))
+    assert code == 0, err
+    back: dict[str, Any] = {"w": torch.zeros(8), "pos": 0}
+    dcp.load(back, storage_reader=dcp.FileSystemReader(str(tmp_path / "dcp")))
+    assert torch.equal(back["w"], torch.full((8,), 2.0)) and back["pos"] == 2
+
+
 def test_dcp_loads_ours_and_a_dcp_folder_imports_and_exports(saved: Path, tmp_path: Path) -> None:
     index = saved / "ckpt" / "step_00000003.h5"
     m, opt = sharded_model(1)
