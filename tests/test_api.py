@@ -273,6 +273,8 @@ def test_preempted_api_job_requeues_and_ends_as_uninterrupted(slurm_storage: Pat
     log = (root / "logs" / "ddp_hpcdist" / jid / f"{jid}_0_log.err").read_text()
     stopped = int(re.search(r"stop requested: checkpointing at step (\d+)", log).group(1))  # type: ignore[union-attr]
     assert 20 <= stopped < STEPS and f"resumed from step {stopped}" in log
+    noted = (root / "logs" / "ddp_hpcdist" / jid / "requeues.txt").read_text()  # no node death, whatever the nodes
+    assert noted.startswith("run 1 requeued: asked by the job") and noted.count("\n") == 1, noted
     model = final_model(root)
     assert all(np.array_equal(model[k], reference[k]) for k in reference), "the resumed run ended elsewhere"
     path = root / "results" / "ddp_hpcdist" / f"{jid}.h5"

@@ -43,6 +43,38 @@ def test_earlier_runs_come_from_the_batch_output_where_accounting_cannot_be_read
     assert node_failure.runs_from_output(OUTPUT, 3) is None
 
 
+@pytest.fixture
+def n3_drained_n4_down(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """sinfo: n3 drained for maintenance (healthy), n4 dead; scontrol notes its calls and answers nothing."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sinfo").write_text(
+        "#!/bin/sh\nprintf 'n1|cpu*|idle|none\\nn3|cpu*|drained|maintenance\\nn4|cpu*|down*|Not responding\\n'\n")
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.calls'}\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return tmp_path
+
+
+def test_without_accounting_a_requeue_the_job_asked_for_or_a_drained_node_is_no_node_death(
+        n3_drained_n4_down: Path) -> None:
+    """Run 1 on n3 (drained since: maintenance) and run 2 on n4 (dead now, but the run asked for
+    its own requeue, noted by the requeue itself) both ended by no node failure; run 3 on n4 with
+    no such note did."""
+    from hpcdist.runtime import requeue
+
+    record = n3_drained_n4_down / "logs" / "job" / "7" / "requeues.txt"
+    again = requeue.requeue_for({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"}, record)
+    assert again is not None and again() == ""  # run 2 (restart 1) preempted: scontrol requeue 7
+    assert (n3_drained_n4_down / "scontrol.calls").read_text().splitlines()[-1] == "requeue 7"
+    assert requeue.requeued_runs(record) == {2}
+    output = ("hpcdist: run 1 on n3 at 2026-11-24T06:10:02\nhpcdist: run 2 on n4 at 2026-11-24T06:11:00\n"
+              "hpcdist: run 3 on n4 at 2026-11-24T06:12:00\nhpcdist: run 4 on n1 at 2026-11-24T06:13:00\n")
+    runs = node_failure.runs_from_output(output, 3, requeued=requeue.requeued_runs(record))
+    assert runs is not None and [r.state for r in runs] == ["REQUEUED", "REQUEUED", "NODE_FAIL"]
+
+
 def test_the_stop_line_is_the_jobs_cause() -> None:
     line = "node n3 died (run 1 ended NODE_FAIL at T); on_node_failure is fail, so this run ends before its ranks start"
     end = ending(f"hpcdist: run 1 on n3 at T\n{STOPPED}{line}\n", [])

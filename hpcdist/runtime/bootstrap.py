@@ -148,7 +148,8 @@ def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *
         store=store,
         standalone=standalone,
     )
-    ctx.requeue = requeue.requeue_for(env)  # no rendezvous file to clear: forget_endpoint removed it
+    # no rendezvous file to clear: forget_endpoint removed it
+    ctx.requeue = requeue.requeue_for(env, spec.paths(site, info.job_id).requeues if info.job_id else None)
     if backend == "nccl" and makes_group:
         _check_gpu_sharing(ctx)
     where = f"endpoint {endpoint.addr}:{endpoint.port} via {endpoint.via}" if endpoint else "no store server"
