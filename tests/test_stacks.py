@@ -184,3 +184,21 @@ def test_stacks_of_a_hung_job_and_its_summary_name_the_rank_that_was_elsewhere(s
 
 def test_stacks_of_a_hung_job_on_the_local_site(tmp_path: Path) -> None:
     hang_and_check("local", tmp_path / "out", 2, ["--set", "resources.tasks_per_node=2"])
+
+
+def test_the_jobs_timeout_reaches_a_group_the_users_script_makes_without_one(tmp_path: Path) -> None:
+    """``dist.init_process_group("gloo")`` with no ``timeout=`` in the user's script: its collectives
+    wait the job's ``timeout_s`` (12 s), not torch's 30 minutes; the job ends FAILED within about
+    that, with every rank's stack in the summary."""
+    script = REPO / "tests" / "scripts" / "hang_default.py"
+    sleep_at = line_of(script, "time.sleep(")
+    t0 = time.monotonic()
+    waited = run_cli("submit", "--site", "local", "--set", "timeout_s=12", "--set", "resources.tasks_per_node=2",
+                     *storage_sets(tmp_path), "--wait", "--", str(script), "90", timeout=120)
+    took = time.monotonic() - t0
+    assert waited.code == 1 and "FAILED" in waited.out, waited.text
+    assert took < 60, (took, waited.text)  # the straggler sleeps 90 s
+    assert re.search(r"Timed out waiting \d+ms", waited.out), waited.out
+    assert "stacks at the timeout" in waited.out, waited.out
+    straggler = f"    rank 1: hang_default.py:{sleep_at} in <module>: time.sleep(float(sys.argv[1]))"
+    assert straggler in waited.out, waited.out

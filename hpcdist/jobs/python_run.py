@@ -16,6 +16,7 @@ naming the rank, its host and the code (or the exception), which ``submit --wait
 
 from __future__ import annotations
 
+import logging
 import os
 import runpy
 import sys
@@ -36,6 +37,8 @@ from hpcdist.runtime.requeue import Requeued
 if TYPE_CHECKING:
     from hpcdist.runtime.context import JobContext
     from hpcdist.runtime.rankinfo import RankInfo
+
+log = logging.getLogger("hpcdist")
 
 
 def torchrun_env(info: RankInfo, addr: str, port: int, run_id: str) -> dict[str, str]:
@@ -88,7 +91,8 @@ def run(ctx: JobContext, params: PythonParams) -> dict[str, Any]:
     watchdog.start()
     ok = False
     try:
-        code, returned = _run_target(params)
+        with default_timeout(ctx.timeout_s):
+            code, returned = _run_target(params)
         ok = code == 0
     except (Requeued, KeyboardInterrupt):
         raise
@@ -165,6 +169,30 @@ class Watchdog(threading.Thread):
 
     def stop(self) -> None:
         self._done.set()
+
+
+@contextmanager
+def default_timeout(seconds: float) -> Iterator[None]:
+    """The job's ``timeout_s`` as the timeout of every group the user's code makes without a
+    ``timeout=`` of its own (``init_process_group``, ``new_group``, a device mesh): torch's own
+    default is 30 minutes (10 for NCCL), so a hang would burn the allocation and never reach the
+    timeout's stacks and summary. An explicit ``timeout=`` wins. torch asks one private function
+    for that default; where a torch lacks it, its default stands (said in the rank's log)."""
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+
+    saved = getattr(c10d, "_get_default_timeout", None)
+    if saved is None:
+        log.warning("this torch has no distributed_c10d._get_default_timeout: groups the code makes without "
+                    "timeout= keep torch's default, not the job's timeout_s=%g", seconds)
+        yield
+        return
+    c10d._get_default_timeout = lambda backend: timedelta(seconds=seconds)
+    try:
+        yield
+    finally:
+        c10d._get_default_timeout = saved
 
 
 def _first_line(exc: BaseException) -> str:
