@@ -90,3 +90,56 @@ def test_a_check_that_cannot_decide_lets_the_run_go_on(tmp_path: Path, capsys: p
     err = capsys.readouterr().err
     assert err.startswith("hpcdist: warning: the node failure check of this requeued run could not decide, the run "
                           "goes on: FileNotFoundError") and err.count("\n") == 1, err
+
+
+def _fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Job 77 requeued after its first run on n[1-4] ended NODE_FAIL; n3 is down now; scontrol
+    update and scancel note their calls in ``calls``."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    tools = {
+        "scontrol": f'echo "scontrol $*" >> {calls}\ncase "$*" in *show*) echo "JobId=77 JobState=PENDING Restarts=1 '
+                    'ExcNodeList=(null) ReqNodeList=(null) NumNodes=4 SubmitTime=2026-11-25T10:00:05";; esac',
+        "sacct": "printf 'NODE_FAIL|n[1-4]|2026-11-25T10:00:00\\nPENDING|None assigned|Unknown\\n'",
+        "sinfo": "printf 'n1|cpu*|idle|none\\nn2|cpu*|idle|none\\nn3|cpu*|down*|Not responding\\nn4|cpu*|idle|none\\n'",
+        "scancel": f'echo "scancel $*" >> {calls}',
+    }
+    for name, body in tools.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return calls
+
+
+@pytest.mark.parametrize(("spec", "expect"), [
+    ({"kind": "train_gpt"}, "NumNodes=3 NumTasks=3"),  # resumes at another world size: shrinks by default
+    ({"kind": "train_gpt", "resources": {"nodes": 4, "min_nodes": 4}}, "resources.min_nodes=4"),
+    ({"kind": "python", "on_node_failure": "requeue"}, "cannot resume at another world size"),
+])
+def test_a_job_that_could_never_run_without_its_dead_node_shrinks_or_ends(
+        spec: dict[str, object], expect: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 nodes asked of the 4-node partition, n3 died and is excluded: a job whose kind resumes at
+    another world size runs again on the 3 left; one whose floor (min_nodes) is above that, or
+    that cannot resume at another size, is cancelled with one line saying why and what to set
+    (before: it pended for good, `Nodes required for job are DOWN, DRAINED or reserved`)."""
+    from hpcdist.config import load_site
+    from hpcdist.config.spec import JobSpec
+    from hpcdist.jobs import registry  # noqa: F401 - the kinds, registered
+    from hpcdist.login.nodefail import NodeFailures
+    from hpcdist.scheduler.states import JobState
+
+    calls = _fake_slurm(tmp_path, monkeypatch)
+    roots = ("results", "checkpoints", "scratch", "logs")
+    site = load_site("local-slurm", [f"storage.{k}={tmp_path / k}" for k in roots])
+    job = JobSpec.model_validate({"name": "big", "resources": {"nodes": 4}, **spec})
+    failures = NodeFailures("77", job, site, job.paths(site, "77"))
+    failures.poll(JobState.PENDING)
+    said = calls.read_text()
+    assert "ExcNodeList=n3" in said or "scancel 77" in said, said
+    if expect.startswith("NumNodes"):
+        assert expect in said and "scancel" not in said and failures.cause == "", said
+    else:
+        assert "scancel 77" in said and "update" not in said, said
+        assert failures.cause.startswith("node n3 died (run 1 ended NODE_FAIL at 2026-11-25T10:00:00); it ") and \
+            expect in failures.cause and "it could never start, so Slurm's requeue was cancelled (" in failures.cause, \
+            failures.cause
