@@ -153,6 +153,21 @@ def test_each_run_of_a_script_outside_a_job_has_its_own_result_file(tmp_path: Pa
         assert f.name.startswith("local-") and sum(f"results in {f}" in log for log in logs) == 1, logs
 
 
+def test_a_restart_after_a_node_failure_is_not_counted_as_a_time_out(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slurm's restart count 1: with no record of why, a time-out (the bound never lifts); the
+    job's node failure record saying run 1 ended by a node death, none."""
+    from hpcdist.runtime.requeue import Requeues
+    from hpcdist.store import node_failures
+
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert rank_context(tmp_path / "a", job_id="77").requeue_count == Requeues(1, 1)
+    record = tmp_path / "b" / "results" / "t" / "77.node_failures.json"
+    node_failures.add(record, [node_failures.NodeFailure("n3", "2026-11-25T10:00:00", 1, time.time())])
+    ctx = rank_context(tmp_path / "b", job_id="77")
+    assert ctx.job.paths.node_failures == record and ctx.requeue_count == Requeues(0, 0)
+
+
 def _plain_env() -> dict[str, str]:
     """This process's environment without any launcher's or site's variables: a run outside any job."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC_", "OMPI_",

@@ -99,10 +99,12 @@ class Requeues:
     requeues: int = 0
     timeouts: int = 0
 
-    def at_least(self, restarts: int) -> Requeues:
+    def at_least(self, restarts: int, node_failures: int = 0) -> Requeues:
         """Slurm's own count as a floor: restarts not on record (a fresh start lost the record)
-        count as time-outs, so losing the record never lifts the bound."""
-        missing = max(0, restarts - self.requeues)
+        count as time-outs, so losing the record never lifts the bound; the `node_failures`
+        restarts (the job's node failure record: Slurm requeued it after a node died) are not
+        time-outs, and bounded on their own (``hpcdist.runtime.node_failure``)."""
+        missing = max(0, restarts - node_failures - self.requeues)
         return Requeues(self.requeues + missing, self.timeouts + missing)
 
     def after(self, kind: StopKind) -> Requeues:
