@@ -14,6 +14,7 @@ import pytest
 
 from hpcdist.runtime import node_failure
 from hpcdist.scheduler.postmortem import STOPPED, ending
+from hpcdist.scheduler.states import JobState
 
 OUTPUT = """hpcdist: run 1 on n[3-4] at 2026-11-24T06:10:02
 some rank output
@@ -79,6 +80,9 @@ def test_the_stop_line_is_the_jobs_cause() -> None:
     line = "node n3 died (run 1 ended NODE_FAIL at T); on_node_failure is fail, so this run ends before its ranks start"
     end = ending(f"hpcdist: run 1 on n3 at T\n{STOPPED}{line}\n", [])
     assert end.headline() == line and end.first is None
+    # one verdict, one state: the run's own check ends the job NODE_FAIL, as the waiter's does
+    assert end.state(JobState.FAILED) is JobState.NODE_FAIL
+    assert ending("hpcdist: run 1 on n3 at T\n", []).state(JobState.FAILED) is JobState.FAILED
 
 
 def test_a_check_that_cannot_decide_lets_the_run_go_on(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -126,7 +130,6 @@ def test_a_job_that_could_never_run_without_its_dead_node_shrinks_or_ends(
     from hpcdist.config.spec import JobSpec
     from hpcdist.jobs import registry  # noqa: F401 - the kinds, registered
     from hpcdist.login.nodefail import NodeFailures
-    from hpcdist.scheduler.states import JobState
 
     calls = _fake_slurm(tmp_path, monkeypatch)
     roots = ("results", "checkpoints", "scratch", "logs")

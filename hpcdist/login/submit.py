@@ -384,6 +384,7 @@ def wait(
     if failures is not None and failures.cause:  # ended by on_node_failure: fail, or the bound
         return Finished(JobState.NODE_FAIL, outcomes(sub, JobState.NODE_FAIL), failures.cause)
     end = _slurm_ending(sub) if sub.site.scheduler == "slurm" and state is not JobState.COMPLETED else None
+    state = end.state(state) if end is not None else state
     done = outcomes(sub, state, end)
     cause = first_failure(done)
     if end is not None and cause is not None and end.first is not None and end.first.rank != cause.rank \

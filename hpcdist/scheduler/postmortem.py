@@ -165,6 +165,12 @@ class Ending:
     tasks: dict[int, TaskEnd]
     first: TaskEnd | None
     cause: str  # the job-level cause (cancelled, node failure, out of memory, ...), or ""
+    stopped: str = ""  # the run's own node failure check ended it (``STOPPED``): why, else ""
+
+    def state(self, scheduler_state: JobState) -> JobState:
+        """The job's end as hpcdist says it: a run its own node failure check ended (Slurm: FAILED,
+        exit 3) ended NODE_FAIL, as the waiter's verdict on the same failure does; one verdict, one state."""
+        return JobState.NODE_FAIL if self.stopped and scheduler_state is JobState.FAILED else scheduler_state
 
     def headline(self) -> str:
         """One line: which rank and host went first and how, and the job-level cause."""
@@ -189,8 +195,9 @@ def ending(batch_log: str, records: list[StepRecord]) -> Ending:
     """Read srun's task lines and slurmstepd's events from the batch log, and the job's cause."""
     tasks = task_ends(batch_log)
     accounted, event = job_cause(records), job_event(batch_log)
-    cause = "; ".join(c for c in (stopped(batch_log), accounted, event) if c)
-    return Ending({t.rank: t for t in tasks}, tasks[0] if tasks else None, cause)
+    own = stopped(batch_log)
+    cause = "; ".join(c for c in (own, accounted, event) if c)
+    return Ending({t.rank: t for t in tasks}, tasks[0] if tasks else None, cause, own)
 
 
 def timeout_stacks(files: dict[int, Path], world_size: int, verbose: bool = False) -> list[str]:
