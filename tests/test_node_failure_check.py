@@ -97,7 +97,8 @@ def test_a_check_that_cannot_decide_lets_the_run_go_on(tmp_path: Path, capsys: p
 
 
 def _fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Job 77 requeued after its first run on n[1-4] ended NODE_FAIL; n3 is down now; scontrol
+    """Job 77 requeued after its first run on n[1-4] ended NODE_FAIL; n3 is down now, n2 and n4
+    busy with other jobs (live, not free: they count as nodes left, docs/job-spec.md); scontrol
     update and scancel note their calls in ``calls``."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
     bin_dir.mkdir()
@@ -105,7 +106,8 @@ def _fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "scontrol": f'echo "scontrol $*" >> {calls}\ncase "$*" in *show*) echo "JobId=77 JobState=PENDING Restarts=1 '
                     'ExcNodeList=(null) ReqNodeList=(null) NumNodes=4 SubmitTime=2026-11-25T10:00:05";; esac',
         "sacct": "printf 'NODE_FAIL|n[1-4]|2026-11-25T10:00:00\\nPENDING|None assigned|Unknown\\n'",
-        "sinfo": "printf 'n1|cpu*|idle|none\\nn2|cpu*|idle|none\\nn3|cpu*|down*|Not responding\\nn4|cpu*|idle|none\\n'",
+        "sinfo": "printf 'n1|cpu*|idle|none\\nn2|cpu*|allocated|none\\nn3|cpu*|down*|Not responding\\n"
+                 "n4|cpu*|mixed|none\\n'",
         "scancel": f'echo "scancel $*" >> {calls}',
     }
     for name, body in tools.items():

@@ -35,7 +35,7 @@ health record (``hpcdist.store.health``), so later submissions keep off the node
 
 **Shrinking needs a waiter.** Without one nothing lowers a pending job's node count: the run
 cannot start to do it, Slurm has no setting that shrinks a requeued job by itself, and
-``--nodes=MIN-MAX`` is not usable (above). A job with ``min_nodes`` and no spare free then waits
+``--nodes=MIN-MAX`` is not usable (above). A job that may shrink and has no spare live node then waits
 in the queue at its own size (measured: ``ReqNodeNotAvail, UnavailableNodes:n3``, Slurm's hold
 released) until the node is back or another frees; ``hpcdist wait JOBID`` started at any time
 while it waits shrinks it (it ran again 3 s after such a late waiter started). hpcdist starts no daemon
