@@ -148,3 +148,33 @@ def test_a_job_that_could_never_run_without_its_dead_node_shrinks_or_ends(
         assert failures.cause.startswith("node n3 died (run 1 ended NODE_FAIL at 2026-11-25T10:00:00); it ") and \
             expect in failures.cause and "it could never start, so Slurm's requeue was cancelled (" in failures.cause, \
             failures.cause
+
+
+def test_a_job_run_again_on_fewer_nodes_reports_the_ranks_of_its_last_run(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Job 77 asked 4 nodes x 2 tasks, n3 died and it ran again on the 3 left (its node failure
+    record says so; squeue lists its nodes): ``JobHandle.num_tasks`` is 6, not the 8 submitted."""
+    import time
+    from types import SimpleNamespace
+
+    from hpcdist.config import load_site
+    from hpcdist.config.spec import JobSpec
+    from hpcdist.login.jobhandle import JobHandle
+    from hpcdist.login.jobindex import JobRecord
+    from hpcdist.login.submit import Submission
+    from hpcdist.store import node_failures
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text("#!/bin/sh\necho '77|big|COMPLETED|1:00|n[1-2,4]|None'\n")
+    (bin_dir / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    roots = ("results", "checkpoints", "scratch", "logs")
+    site = load_site("local-slurm", [f"storage.{k}={tmp_path / k}" for k in roots])
+    spec = JobSpec.model_validate({"name": "big", "kind": "smoke", "resources": {"nodes": 4, "tasks_per_node": 2}})
+    record = JobRecord("77", "local-slurm", "slurm", "big", "smoke", "command line", time.time(), "login", 8, 4,
+                       "", "", "", "", "", spec.model_dump(mode="json"), site.model_dump(mode="json"))
+    handle = JobHandle(record, Submission(job=SimpleNamespace(job_id="77"), spec=spec, site=site, script=""))
+    assert handle.num_tasks == 8  # no node failure on record: as submitted
+    node_failures.add(spec.paths(site, "77").node_failures, [node_failures.NodeFailure("n3", "T", 1, time.time())])
+    assert handle.num_tasks == 6

@@ -108,7 +108,13 @@ class JobHandle:
 
     @property
     def num_tasks(self) -> int:
-        return self.record.tasks
+        """The ranks of the job's last run: those submitted, or fewer once it ran again on fewer
+        nodes after a node died (``submit.ranks_ran``)."""
+        if self.record.scheduler != "slurm":
+            return self.record.tasks
+        from hpcdist.login.submit import ranks_ran
+
+        return ranks_ran(self.submission)
 
     @property
     def state(self) -> JobState:
