@@ -160,7 +160,7 @@ class JobHandle:
     def results(self, timeout_s: float | None = None) -> list[Any]:
         """Every rank's return value, in rank order, once the job ended. A job that failed
         raises ``JobFailed`` naming the first failing rank, its host and its error."""
-        from hpcdist.login.submit import first_failure
+        from hpcdist.scheduler.postmortem import first_failure
 
         finished = self.wait(timeout_s, show=False)
         failed = [o for o in finished.outcomes if not o.ok]

@@ -138,7 +138,7 @@ class Submission:
     spec: JobSpec
     site: Site
     script: str
-    record: jobindex.JobRecord | None = None  # the job index's record of it, made at submission (kept if not written)
+    record: jobindex.JobRecord | None = None  # its job index record, made at submission (kept if not written)
 
     @property
     def job_id(self) -> str:
@@ -165,15 +165,6 @@ class TaskOutcome:
     summary: dict[str, Any] = field(default_factory=dict)
     error: str = ""
     traceback: str = ""  # the rank's traceback, when it raised
-
-
-def first_failure(outcomes: list[TaskOutcome]) -> TaskOutcome | None:
-    """The failed rank to name first: the lowest one whose error is its own, not one that failed
-    after another rank had (its connections to it broke, the watchdog stopped it)."""
-    from hpcdist.config.contract import is_after_first
-
-    failed = [o for o in outcomes if not o.ok]
-    return next((o for o in failed if not is_after_first(o.error)), failed[0] if failed else None)
 
 
 def _tasks(spec: JobSpec) -> int:
@@ -345,19 +336,17 @@ def outcomes(sub: Submission, state: JobState = JobState.UNKNOWN, end: Ending | 
     return out
 
 
-def wait(
-    sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
-    on_poll: Callable[[JobState], None] | None = None,
-) -> Finished:
+def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
+         on_poll: Callable[[JobState], None] | None = None) -> Finished:
     """Block until the scheduler says the job ended; its final state and one outcome per rank.
 
     Waiting ends on the scheduler's word (squeue, then Slurm's accounting), not on submitit's
     result files, which a job that dies early never writes. A failed job's ``cause`` names the
-    rank and host that went first and Slurm's word on the job (cancelled, node failure, out of
-    memory; ``hpcdist.scheduler.postmortem``). ``timeout_s=None`` waits as long as the scheduler
-    says the job is not done; a command that fails is retried and read as unknown, and only a job
-    proven absent from the queue while accounting is down ends the wait with a `SubmitError`
-    (``Vanished``). `on_poll` sees each state read (the live status line).
+    rank that failed first, its host, and Slurm's word on the job (``hpcdist.scheduler.postmortem``).
+    ``timeout_s=None`` waits as long as the scheduler says the job is not done; a command that
+    fails is retried and read as unknown, and only a job proven absent from the queue while
+    accounting is down ends the wait with a `SubmitError` (``Vanished``). `on_poll` sees each
+    state read (the live status line).
     """
     from hpcdist.login.nodefail import NodeFailures
 
@@ -384,13 +373,9 @@ def wait(
     if failures is not None and failures.cause:  # ended by on_node_failure: fail, or the bound
         return Finished(JobState.NODE_FAIL, outcomes(sub, JobState.NODE_FAIL), failures.cause)
     end = _slurm_ending(sub) if sub.site.scheduler == "slurm" and state is not JobState.COMPLETED else None
-    state = end.state(state) if end is not None else state
+    if end is not None:  # hpcdist's verdict on the state, and the rank that failed first (not srun's first)
+        state, end = end.state(state), end.naming(outcomes(sub, end.state(state), end))
     done = outcomes(sub, state, end)
-    cause = first_failure(done)
-    if end is not None and cause is not None and end.first is not None and end.first.rank != cause.rank \
-            and cause.rank in end.tasks:  # srun saw a rank that failed after it end first: name the cause
-        end = dataclasses.replace(end, first=end.tasks[cause.rank])
-        done = outcomes(sub, state, end)
     stacks: list[str] = []
     if not (state is JobState.COMPLETED and all(o.ok for o in done)):
         from hpcdist.scheduler.postmortem import timeout_stacks  # only a job that failed is looked into

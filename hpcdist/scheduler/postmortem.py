@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import re
 import signal
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 from hpcdist.scheduler.hostlist import expand_hostlist
 from hpcdist.scheduler.states import JobState
@@ -158,6 +160,17 @@ def node_failure_suspects(records: list[StepRecord]) -> list[str]:
     return nodes
 
 
+class Outcome(Protocol):
+    """A rank's outcome as the login side has it (``hpcdist.login.submit.TaskOutcome``)."""
+
+    rank: int
+    ok: bool
+    error: str
+
+
+Out = TypeVar("Out", bound=Outcome)
+
+
 @dataclass(frozen=True)
 class Ending:
     """What went first, for the per-rank summary: the first task srun saw end, and the job's cause."""
@@ -171,6 +184,14 @@ class Ending:
         """The job's end as hpcdist says it: a run its own node failure check ended (Slurm: FAILED,
         exit 3) ended NODE_FAIL, as the waiter's verdict on the same failure does; one verdict, one state."""
         return JobState.NODE_FAIL if self.stopped and scheduler_state is JobState.FAILED else scheduler_state
+
+    def naming(self, outcomes: Sequence[Outcome]) -> Ending:
+        """This ending with the rank that failed first (``first_failure``) as the one that went
+        first, where srun saw a rank that failed after it end sooner; else itself."""
+        cause = first_failure(outcomes)
+        if cause is None or self.first is None or self.first.rank == cause.rank or cause.rank not in self.tasks:
+            return self
+        return replace(self, first=self.tasks[cause.rank])
 
     def headline(self) -> str:
         """One line: which rank and host went first and how, and the job-level cause."""
@@ -209,6 +230,15 @@ def timeout_stacks(files: dict[int, Path], world_size: int, verbose: bool = Fals
     if not timed:
         return []
     return describe({r: s for r, s in got.items() if s.written >= max(timed) - 60.0}, world_size, verbose)
+
+
+def first_failure(outcomes: Sequence[Out]) -> Out | None:
+    """The failed rank to name first: the lowest one whose error is its own, not one that failed
+    after another rank had (its connections to it broke, the watchdog stopped it)."""
+    from hpcdist.config.contract import is_after_first
+
+    failed = [o for o in outcomes if not o.ok]
+    return next((o for o in failed if not is_after_first(o.error)), failed[0] if failed else None)
 
 
 # ---------------------------------------------------------------- a rank's own words
