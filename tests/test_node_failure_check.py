@@ -178,3 +178,22 @@ def test_a_job_run_again_on_fewer_nodes_reports_the_ranks_of_its_last_run(tmp_pa
     assert handle.num_tasks == 8  # no node failure on record: as submitted
     node_failures.add(spec.paths(site, "77").node_failures, [node_failures.NodeFailure("n3", "T", 1, time.time())])
     assert handle.num_tasks == 6
+
+
+def test_a_timeout_marks_the_silent_node_under_slurms_name_not_the_ranks_host_name(
+        n3_down: None, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Ranks whose host names are not Slurm's (``n3.cluster.local``, a ``login-7`` Slurm has no
+    node of): after a timeout's roll call, the silent node is marked as Slurm names it (``n3``),
+    which later submissions exclude; a host Slurm does not know is logged, not marked."""
+    import torch.distributed as dist
+
+    from hpcdist.config import load_site
+    from hpcdist.runtime.reach import roll_call
+    from hpcdist.store import health
+
+    site = load_site("local-slurm", [f"storage.scratch={tmp_path / 'scratch'}"])
+    said = roll_call(0, ["n1", "n3.cluster.local", "login-7"], wait_s=0.3, store=dist.HashStore(), site=site,
+                     job_id="7", what="an all_reduce")
+    assert "n3.cluster.local (rank 1)" in said and "login-7 (rank 2)" in said, said
+    assert [m.node for m in health.marks(site)] == ["n3"]
+    assert "not marking login-7 in the node health record: Slurm knows no node of that name" in caplog.text
