@@ -187,9 +187,13 @@ class Ending:
 
     def naming(self, outcomes: Sequence[Outcome]) -> Ending:
         """This ending with the rank that failed first (``first_failure``) as the one that went
-        first, where srun saw a rank that failed after it end sooner; else itself."""
+        first, where the rank srun saw end first says it failed after another; else itself (a
+        rank killed first, by a signal or the OOM killer, stays first)."""
+        from hpcdist.config.contract import is_after_first
+
         cause = first_failure(outcomes)
-        if cause is None or self.first is None or self.first.rank == cause.rank or cause.rank not in self.tasks:
+        seen_first = next((o for o in outcomes if self.first is not None and o.rank == self.first.rank), None)
+        if cause is None or seen_first is None or not is_after_first(seen_first.error) or cause.rank not in self.tasks:
             return self
         return replace(self, first=self.tasks[cause.rank])
 
