@@ -153,6 +153,54 @@ def test_each_run_of_a_script_outside_a_job_has_its_own_result_file(tmp_path: Pa
         assert f.name.startswith("local-") and sum(f"results in {f}" in log for log in logs) == 1, logs
 
 
+def test_a_restart_after_a_node_failure_is_not_counted_as_a_time_out(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slurm's restart count 1: with no record of why, a time-out (the bound never lifts); the
+    job's node failure record saying run 1 ended by a node death, none."""
+    from hpcdist.runtime.requeue import Requeues
+    from hpcdist.store import node_failures
+
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert rank_context(tmp_path / "a", job_id="77").requeue_count == Requeues(1, 1)
+    record = tmp_path / "b" / "results" / "t" / "77.node_failures.json"
+    node_failures.add(record, [node_failures.NodeFailure("n3", "2026-11-25T10:00:00", 1, time.time())])
+    ctx = rank_context(tmp_path / "b", job_id="77")
+    assert ctx.job.paths.node_failures == record and ctx.requeue_count == Requeues(0, 0)
+
+
+def _plain_env() -> dict[str, str]:
+    """This process's environment without any launcher's or site's variables: a run outside any job."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC_", "OMPI_",
+                                                                     "PMI", "RANK", "WORLD_SIZE", "HPCDIST_SITE"))}
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def test_init_under_python_c_stdin_and_the_prompt_names_how_it_was_started(tmp_path: Path) -> None:
+    """``python -c``, a script on stdin (``python -`` or ``python < f``), the interactive prompt:
+    each run gets a valid name saying how it was started, its results under that name; a bad name
+    passed to ``init`` is one line."""
+    code = "import hpcdist; ctx = hpcdist.init(); ctx.results.attrs['ok'] = 1; ctx.close()\n"
+    runs = {
+        "python-c": subprocess.run([sys.executable, "-c", code], input="", **_run_opts(tmp_path)),
+        "python-stdin": subprocess.run([sys.executable, "-"], input=code, **_run_opts(tmp_path)),
+        "python-interactive": subprocess.run([sys.executable, "-i"], input=code, **_run_opts(tmp_path)),
+    }
+    for name, run in runs.items():
+        assert run.returncode == 0, (name, run.stderr)
+        files = list((tmp_path / "hpcdist-out" / "results" / name).glob("local-*.h5"))
+        assert len(files) == 1 and read_attrs(files[0])["ok"] == 1, (name, run.stderr)
+    bad = subprocess.run([sys.executable, "-c", "import hpcdist; hpcdist.init(name='my run')"], **_run_opts(tmp_path))
+    assert bad.returncode == 1
+    last = bad.stderr.strip().splitlines()[-1]
+    assert last.startswith("hpcdist.errors.ConfigError: hpcdist.init: name: the job name becomes a folder"), bad.stderr
+    assert "(got 'my run')" in last and "pydantic" not in bad.stderr, bad.stderr
+
+
+def _run_opts(cwd: Path) -> dict[str, object]:
+    return {"cwd": cwd, "env": _plain_env(), "text": True, "capture_output": True, "timeout": 120}
+
+
 # ---------------------------------------------------------------- the directory claim
 
 
@@ -240,6 +288,8 @@ def test_preempted_api_job_requeues_and_ends_as_uninterrupted(slurm_storage: Pat
     log = (root / "logs" / "ddp_hpcdist" / jid / f"{jid}_0_log.err").read_text()
     stopped = int(re.search(r"stop requested: checkpointing at step (\d+)", log).group(1))  # type: ignore[union-attr]
     assert 20 <= stopped < STEPS and f"resumed from step {stopped}" in log
+    noted = (root / "logs" / "ddp_hpcdist" / jid / "requeues.txt").read_text()  # no node death, whatever the nodes
+    assert noted.startswith("run 1 requeued: asked by the job") and noted.count("\n") == 1, noted
     model = final_model(root)
     assert all(np.array_equal(model[k], reference[k]) for k in reference), "the resumed run ended elsewhere"
     path = root / "results" / "ddp_hpcdist" / f"{jid}.h5"

@@ -20,7 +20,7 @@ import pytest
 
 import hpcdist
 from hpcdist.errors import ConfigError
-from tests.support.cli import REPO
+from tests.support.cli import REPO, run_cli
 
 SLURM = {"site.launcher.args": []}  # the suite's usual: srun without --mpi=pmix
 
@@ -54,6 +54,41 @@ def fail_on_rank_one(message: str) -> str:
 
 def unpicklable() -> Any:
     return threading.Lock()
+
+
+def save_five(where: str) -> list[str]:
+    """A function that sets its own checkpoint directory and keeps every checkpoint."""
+    ctx = hpcdist.init(checkpoint_dir=where, keep_last=None)
+    for step in range(1, 6):
+        ctx.checkpoints.save(step, {"step": step})
+    return sorted(p.name for p in Path(where).glob("step_*.h5"))
+
+
+def boom_on_rank_two() -> str:
+    """Rank 2 raises; the others wait in a barrier, and see their connections to it break."""
+    import torch.distributed as dist
+
+    ctx = hpcdist.init()
+    if ctx.rank == 2:
+        raise ValueError("bad value 7")
+    dist.barrier()
+    return "fine"
+
+
+def remember(x: int) -> dict[str, Any]:
+    """An item that resumes its own state, if any, and saves one checkpoint."""
+    import time
+
+    ctx = hpcdist.init()
+    found = ctx.checkpoints.load_latest()
+    start = time.time()
+    time.sleep(1.0)
+    ctx.checkpoints.save(1, {"x": x})
+    return {"found": found is not None, "start": start, "end": time.time(), "dir": str(ctx.checkpoints.directory)}
+
+
+def rename_itself() -> str:
+    return hpcdist.init(name="other").name
 
 
 def test_a_function_of_this_module_runs_on_two_nodes_and_returns_every_rank(slurm_storage: Path) -> None:
@@ -138,6 +173,24 @@ def test_a_rank_that_raises_is_named_by_result(slurm_storage: Path) -> None:
     assert [o.ok for o in failed.value.outcomes] == [True, False]
 
 
+def test_the_rank_that_raised_is_named_first_not_the_ranks_whose_connections_broke(slurm_storage: Path) -> None:
+    """Rank 2 raises while ranks 0, 1 and 3 wait in a barrier: ``result()`` and ``hpcdist wait``
+    name rank 2's ValueError first, however srun saw the ranks end."""
+    ex = hpcdist.Executor(site="local-slurm", nodes=2, tasks_per_node=2, time_min=5,
+                          set={**SLURM, **storage(slurm_storage)})
+    job = ex.submit(boom_on_rank_two)
+    with pytest.raises(hpcdist.JobFailed) as failed:
+        job.result()
+    message = str(failed.value)
+    assert message.startswith(f"job {job.job_id} (boom_on_rank_two) ended FAILED: rank 2"), message
+    assert "rank 2 on n2: tests.test_executor:boom_on_rank_two raised ValueError: bad value 7" in message, message
+    assert "went first" not in message or "rank 2 on n2 went first" in message, message
+    assert "ValueError: bad value 7" in failed.value.traceback
+    waited = run_cli("wait", job.job_id, "--site", "local-slurm")
+    cause = next(line for line in waited.out.splitlines() if line.strip().startswith("cause:"))
+    assert "rank 2 on n2 went first" in cause, waited.text
+
+
 def test_a_return_value_that_cannot_travel_names_the_rank_and_type(tmp_path: Path) -> None:
     ex = hpcdist.Executor(site="local", tasks_per_node=1, time_min=5, set=storage(tmp_path))
     job = ex.submit(unpicklable)
@@ -145,6 +198,43 @@ def test_a_return_value_that_cannot_travel_names_the_rank_and_type(tmp_path: Pat
         job.result(timeout_s=180)
     assert "rank 0" in str(failed.value) and "_thread.lock" in str(failed.value), str(failed.value)
     assert "cannot be pickled" in str(failed.value)
+
+
+def test_map_array_items_own_their_state_hold_max_parallel_and_share_one_snapshot(tmp_path: Path) -> None:
+    """On the local site: each item has its own checkpoint directory (none resumes another's state),
+    at most `max_parallel` run at once, and the array takes one code snapshot."""
+    ex = hpcdist.Executor(site="local", tasks_per_node=1, time_min=5, set=storage(tmp_path))
+    jobs = ex.map_array(remember, [10, 20, 30], max_parallel=1)
+    got = [j.result(timeout_s=240) for j in jobs]
+    assert [g["found"] for g in got] == [False, False, False]
+    assert [g["dir"] for g in got] == [str(tmp_path / "checkpoints" / f"remember-{i}") for i in range(3)]
+    assert got[0]["end"] <= got[1]["start"] and got[1]["end"] <= got[2]["start"], got  # one at a time
+    assert len(list((tmp_path / "logs" / "remember").glob("code-*"))) == 1
+
+
+def test_a_job_index_that_cannot_be_written_warns_and_the_queued_job_is_returned(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The state folder cannot be made (a file stands in its path): the job is queued all the
+    same, so ``submit`` warns and returns its handle, which waits and returns its value."""
+    (tmp_path / "state-file").write_text("")
+    monkeypatch.setenv("HPCDIST_STATE", str(tmp_path / "state-file" / "hpcdist"))
+    ex = hpcdist.Executor(site="local", tasks_per_node=1, time_min=5, set=storage(tmp_path))
+    job = ex.submit(square, 7)
+    assert f"hpcdist: warning: job {job.job_id} is submitted but not in the job index" in capsys.readouterr().err
+    assert job.result(timeout_s=180) == 49
+
+
+def test_init_arguments_in_a_function_are_honoured_or_refused_in_one_line(tmp_path: Path) -> None:
+    """``hpcdist.init(checkpoint_dir=..., keep_last=None)`` inside the function sets its checkpoints
+    as in a script; a name (set at submission) is refused, naming the executor's keyword."""
+    ex = hpcdist.Executor(site="local", tasks_per_node=1, time_min=5, set=storage(tmp_path))
+    mine = tmp_path / "mine"
+    assert ex.submit(save_five, str(mine)).result(timeout_s=180) == [f"step_{n:08d}.h5" for n in range(1, 6)]
+    assert not (tmp_path / "checkpoints" / "save_five").exists()
+    with pytest.raises(hpcdist.JobFailed) as failed:
+        ex.submit(rename_itself).result(timeout_s=180)
+    assert ("ConfigError: hpcdist.init(name='other') in an Executor function: the job runs with name='rename_itself', "
+            "set when it was submitted; pass it there: hpcdist.Executor(name='other')") in str(failed.value)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

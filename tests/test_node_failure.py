@@ -292,7 +292,7 @@ def test_without_a_waiter_the_requeued_run_records_bounds_and_ends(four_nodes: P
     assert_ran_again_without(dead, goes_on, result, ["n3" if dead == "n4" else "n4"], file)
     assert_resumed_like_uninterrupted(result, committed, 40, 1, file)
     stopped = run_cli("wait", ends, timeout=60)
-    assert stopped.code == 1 and f"job {ends} finished: FAILED" in stopped.out, stopped.text
+    assert stopped.code == 1 and f"job {ends} finished: NODE_FAIL" in stopped.out, stopped.text  # as a waiter's
     assert re.search(rf"cause: node {dead} died \(run 1 ended NODE_FAIL at \S+\); on_node_failure is fail, so this "
                      r"run ends before its ranks start \(set on_node_failure: requeue", stopped.out), stopped.out
     log = (roots["fail"] / "logs" / "elastic_sgd" / ends / f"{ends}_0_log.err").read_text()

@@ -348,6 +348,35 @@ def test_retention_removes_shard_folders_and_load_latest_without_into_gives_the_
     ctx.close()
 
 
+def test_a_set_aside_sharded_run_stays_whole_and_loadable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A new run (job 42, saving without loading) in the directory of job 41's sharded run: the
+    earlier run's index files move to previous/run-<id>/ with their shard folders, and stay there
+    whole after the new run wrote and pruned steps of the same numbers: `hpcdist ckpt export-dcp`
+    reads them."""
+    from tests.support.hf import cli
+
+    first = rank_context(tmp_path, job_id="41", timeout_s=60)
+    for step in (1, 2, 3):
+        first.checkpoints.save(step, {"w": torch.full((8,), float(step)), "pos": step}, sharded=True)
+    old = first.checkpoints.store.run_id
+    first.close()
+    second = rank_context(tmp_path, job_id="42", timeout_s=60, keep_last=1)
+    for step in (1, 2, 3):
+        second.checkpoints.save(step, {"w": torch.full((8,), -float(step)), "pos": -step}, sharded=True)
+    second.close()
+    sharded.purge_wait()
+    moved = tmp_path / "ckpt" / "previous" / f"run-{old}"
+    assert sorted(p.name for p in moved.glob("step_*")) == [
+        "step_00000001.h5", "step_00000001.shards", "step_00000002.h5", "step_00000002.shards",
+        "step_00000003.h5", "step_00000003.shards"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_00000003.h5", "step_00000003.shards"]
+    code, _, err = cli(capsys, "ckpt", "export-dcp", str(moved / "step_00000002.h5"), str(tmp_path / "dcp"))
+    assert code == 0, err
+    back: dict[str, Any] = {"w": torch.zeros(8), "pos": 0}
+    dcp.load(back, storage_reader=dcp.FileSystemReader(str(tmp_path / "dcp")))
+    assert torch.equal(back["w"], torch.full((8,), 2.0)) and back["pos"] == 2
+
+
 def test_dcp_loads_ours_and_a_dcp_folder_imports_and_exports(saved: Path, tmp_path: Path) -> None:
     index = saved / "ckpt" / "step_00000003.h5"
     m, opt = sharded_model(1)
@@ -365,6 +394,42 @@ def test_dcp_loads_ours_and_a_dcp_folder_imports_and_exports(saved: Path, tmp_pa
     assert equal(state, back) == []
     again = sharded.read_full(tmp_path / "ours" / "step_00000003.h5")
     assert equal(sharded.read_full(index), again) == []
+
+
+def test_import_dcp_claims_the_directory_and_sets_aside_what_is_there(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """`hpcdist ckpt import-dcp -o DIR` is a writer like any run: refused while a live run holds
+    DIR; else it commits as a new run, the checkpoints already there moved to previous/ (a resume
+    then reads the import, with its own run id, never mixing it with the earlier run's steps)."""
+    import time
+
+    from hpcdist.store import directory as layout
+    from hpcdist.store.claim import Claim, Holder
+    from tests.support.hf import cli
+
+    mine = {"w": torch.arange(6.0)}
+    dcp.save(mine, storage_writer=dcp.FileSystemWriter(str(tmp_path / "theirs")), no_dist=True)
+    ours = tmp_path / "ours"
+    earlier = CheckpointStore(ours, job_id="41")
+    for step in (8, 9):
+        earlier.save(step, {"w": torch.zeros(2)})
+    live = Claim(ours, Holder("local-1", socket.gethostname(), 1, time.time())).acquire()  # pid 1 lives
+    code, _, err = cli(capsys, "ckpt", "import-dcp", str(tmp_path / "theirs"), "-o", str(ours), "--step", "5")
+    assert code != 0 and f"checkpoint directory {ours} is claimed by job local-1" in err and err.count("\n") == 1
+    assert CheckpointStore(ours).steps() == [8, 9] and layout.read_commit(ours).run == earlier.run_id
+    live.release()
+
+    code, out, err = cli(capsys, "ckpt", "import-dcp", str(tmp_path / "theirs"), "-o", str(ours), "--step", "5")
+    assert code == 0, err
+    moved = ours / "previous" / f"run-{earlier.run_id}"
+    said = f"moved the 2 checkpoint(s) already there (steps 8, 9, run {earlier.run_id}) and their latest to {moved}"
+    assert said in out, out
+    commit = layout.read_commit(ours)
+    assert commit.path == ours / "step_00000005.h5" and commit.run not in ("", earlier.run_id)
+    assert CheckpointStore(ours).steps() == [5] and sorted(p.name for p in moved.glob("step_*.h5")) == [
+        "step_00000008.h5", "step_00000009.h5"]
+    assert equal(mine, sharded.read_full(ours / "step_00000005.h5")) == []
+    assert not (ours / ".claim").exists()
 
 
 def test_ckpt_commands_export_to_dcp_and_import_from_a_dcp_save_folder(saved: Path, tmp_path: Path,

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from hpcdist.config.paths import JobPaths
 from hpcdist.runtime.stacks import capture, is_timeout
 from hpcdist.store.stackrecord import (
     DIST,
@@ -86,6 +87,29 @@ def test_a_rank_that_timed_out_and_left_has_answered_already(tmp_path: Path) -> 
     assert sorted(wait_answers(files, time.time() + 1, 3.0, timeouts_since=started)) == [0, 1]
     assert time.monotonic() - t0 < 1.0
     assert wait_answers(files, time.time() + 1, 0.3) == {}  # without: only answers to this request count
+
+def test_a_later_run_is_never_summarised_with_an_earlier_runs_stacks(tmp_path: Path) -> None:
+    """A run timed out and wrote every rank's stack; the job ran again (a requeue) and failed
+    otherwise: its summary has no "stacks at the timeout" (the earlier run's are removed as it starts)."""
+    from hpcdist.config import load_site
+    from hpcdist.runtime import stacks
+    from hpcdist.scheduler.postmortem import timeout_stacks
+
+    site = load_site("local", [f"storage.{k}={tmp_path / k}" for k in ("results", "checkpoints", "scratch", "logs")])
+    paths = JobPaths(site.storage, "job", "41")
+    paths.progress.mkdir(parents=True)
+    for rank in range(3):  # the first run: 3 ranks, each at its timeout
+        paths.stack_file(rank).write_text(record(rank, ENTRY, why="timeout: all_reduce failed").to_json())
+    files = {r: paths.stack_file(r) for r in range(2)}
+    assert timeout_stacks(files, 2)[0].startswith("ranks 0-1: ")  # what it showed before
+    time.sleep(0.05)
+    stacks.start(paths, 1, 2, "n2", launch=time.time())  # the second run, at 2 ranks: rank 1 removes nothing
+    assert timeout_stacks(files, 2) != []
+    stacks.stop()
+    stacks.start(paths, 0, 2, "n1", launch=time.time())  # its rank 0 starts
+    stacks.stop()
+    assert timeout_stacks(files, 2) == [] and sorted(paths.progress.glob("stack_rank*")) == []
+
 
 def test_a_rank_records_every_thread_and_where_a_timeout_was_raised() -> None:
     """Real frames: a thread blocked in this file, and the main thread's stack at a raise."""
@@ -160,3 +184,21 @@ def test_stacks_of_a_hung_job_and_its_summary_name_the_rank_that_was_elsewhere(s
 
 def test_stacks_of_a_hung_job_on_the_local_site(tmp_path: Path) -> None:
     hang_and_check("local", tmp_path / "out", 2, ["--set", "resources.tasks_per_node=2"])
+
+
+def test_the_jobs_timeout_reaches_a_group_the_users_script_makes_without_one(tmp_path: Path) -> None:
+    """``dist.init_process_group("gloo")`` with no ``timeout=`` in the user's script: its collectives
+    wait the job's ``timeout_s`` (12 s), not torch's 30 minutes; the job ends FAILED within about
+    that, with every rank's stack in the summary."""
+    script = REPO / "tests" / "scripts" / "hang_default.py"
+    sleep_at = line_of(script, "time.sleep(")
+    t0 = time.monotonic()
+    waited = run_cli("submit", "--site", "local", "--set", "timeout_s=12", "--set", "resources.tasks_per_node=2",
+                     *storage_sets(tmp_path), "--wait", "--", str(script), "90", timeout=120)
+    took = time.monotonic() - t0
+    assert waited.code == 1 and "FAILED" in waited.out, waited.text
+    assert took < 60, (took, waited.text)  # the straggler sleeps 90 s
+    assert re.search(r"Timed out waiting \d+ms", waited.out), waited.out
+    assert "stacks at the timeout" in waited.out, waited.out
+    straggler = f"    rank 1: hang_default.py:{sleep_at} in <module>: time.sleep(float(sys.argv[1]))"
+    assert straggler in waited.out, waited.out

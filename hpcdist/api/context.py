@@ -31,6 +31,13 @@ if TYPE_CHECKING:
 CURRENT: list[Context] = []  # what ``hpcdist.init()`` returned on this rank, so a second call returns the same
 
 
+def _node_failure_runs(job: JobContext) -> int:
+    """How many of the job's runs ended by a node death (its node failure record, beside the result)."""
+    from hpcdist.store import node_failures
+
+    return len({f.run for f in node_failures.read(job.paths.node_failures)})
+
+
 def forget(ctx: Context) -> None:
     """`ctx` is closed: a later ``init`` makes a new one."""
     if CURRENT and CURRENT[0] is ctx:
@@ -73,9 +80,11 @@ class Context:
         self._checkpoints: Checkpoints | None = None
         self._requeue, self._own_group = job.requeue, own_group
         self._closed = False
+        self.implicit = False  # made by the runner for an Executor function: its first own init(...) sets its arguments
         # The requeue count: Slurm's own count as a floor, the checkpoint's when one is restored.
         self.restarts, self.max_requeues = rq.restart_count(os.environ), site.preemption.max_requeues
-        self.requeue_count = rq.Requeues().at_least(self.restarts)
+        self.node_failure_restarts = _node_failure_runs(job) if self.restarts else 0
+        self.requeue_count = rq.Requeues().at_least(self.restarts, self.node_failure_restarts)
         self.stop_kind: rq.StopKind | None = None  # once should_stop() said True: time-out or preemption
         self.stop_signal = ""  # the signal that stopped the job (TERM, USR2), once should_stop() said True
         for name_ in rq.watch((site.preemption.signal, "TERM")):
@@ -142,7 +151,7 @@ class Context:
         """The count a checkpoint recorded, if this job wrote it (a requeue); a resubmission,
         another job, starts its own count. Never below Slurm's."""
         if job_id == self.job_id:
-            self.requeue_count = counts.at_least(self.restarts)
+            self.requeue_count = counts.at_least(self.restarts, self.node_failure_restarts)
 
     def requeue_refusal(self, committed: Path | str | None = None) -> str:
         """Why this stop must not requeue ("" if it may): more time-outs than the site allows."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,6 +59,9 @@ def init(*, site: str | None = None, name: str | None = None, timeout_s: float |
 
         checksums.use(checksum)
     if CURRENT:
+        if CURRENT[0].implicit:  # made by the runner before an Executor function's own call: its arguments count
+            _adopt(CURRENT[0], site=site, name=name, timeout_s=timeout_s, checkpoint_dir=checkpoint_dir,
+                   keep_last=keep_last, io_timeout_s=io_timeout_s)
         return CURRENT[0]
     if _ACTIVE:
         ctx = from_job(_ACTIVE[0], checkpoint_dir, keep_last, io_timeout_s=io_timeout_s)
@@ -66,6 +70,38 @@ def init(*, site: str | None = None, name: str | None = None, timeout_s: float |
         ctx.io_timeout_s = io_timeout_s
     CURRENT.append(ctx)
     return ctx
+
+
+def for_call() -> Context:
+    """The context an ``hpcdist.Executor`` function runs in (its group made before it is called):
+    the function's own first ``init(...)`` still sets its checkpoint arguments (``_adopt``)."""
+    ctx = init()
+    ctx.implicit = True
+    return ctx
+
+
+def _adopt(ctx: Context, *, site: str | None, name: str | None, timeout_s: float | None,
+           checkpoint_dir: str | Path | None, keep_last: int | None, io_timeout_s: float | None) -> None:
+    """An Executor function's first ``init(...)``: its checkpoint arguments apply as in a script;
+    what the job was submitted with (site, name, timeout) is refused, naming the executor's keyword."""
+    from hpcdist.errors import ConfigError
+
+    ctx.implicit = False
+    fixed = {"site": (site, ctx.site_name), "name": (name, ctx.name), "timeout_s": (timeout_s, ctx.timeout_s)}
+    for key, (asked, actual) in fixed.items():
+        if asked is not None and asked != actual:
+            raise ConfigError(f"hpcdist.init({key}={asked!r}) in an Executor function: the job runs with "
+                              f"{key}={actual!r}, set when it was submitted; pass it there: "
+                              f"hpcdist.Executor({key}={asked!r})")
+    if ctx._checkpoints is not None and (checkpoint_dir is not None or keep_last != ctx._keep_last):
+        raise ConfigError(f"hpcdist.init(checkpoint_dir={checkpoint_dir!r}, keep_last={keep_last!r}) after the "
+                          f"function used ctx.checkpoints (in {ctx._checkpoint_dir}); call hpcdist.init(...) "
+                          f"with these arguments before the first use of ctx.checkpoints")
+    if checkpoint_dir is not None:
+        ctx._checkpoint_dir = Path(checkpoint_dir)
+    ctx._keep_last = keep_last
+    if io_timeout_s is not None:
+        ctx.io_timeout_s = io_timeout_s
 
 
 def from_job(job: JobContext, checkpoint_dir: str | Path | None, keep_last: int | None,
@@ -90,7 +126,7 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
     import torch
     import torch.distributed as dist
 
-    from hpcdist.config import load_site
+    from hpcdist.config import load_site, validate
     from hpcdist.config.spec import JobSpec
     from hpcdist.runtime.bootstrap import bootstrap
 
@@ -106,11 +142,11 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
         signal = env.get("SUBMITIT_PREEMPTION_SIGNAL", "USR2").removeprefix("SIG")
         site = load_site(None, [f"preemption.signal={signal}"])
     own = not dist.is_initialized()
-    spec = JobSpec.model_validate({
-        "name": name or Path(sys.argv[0]).stem or "python", "kind": "python",
+    spec = validate(JobSpec, {
+        "name": name or default_name(), "kind": "python",
         "backend": "nccl" if torch.cuda.is_available() else "gloo",
         "timeout_s": timeout_s or site.defaults.timeout_s or DEFAULT_TIMEOUT_S,
-    })
+    }, "hpcdist.init")
     job = bootstrap(spec, site, env, standalone=True, shared_scratch=bool(site_ref))
     job.run_id = job.info.job_id or _launcher_run_id(env) or _new_local_id(job.world_size)
     ctx = Context(job, checkpoint_dir=checkpoint_dir, keep_last=keep_last, own_group=own)
@@ -119,6 +155,22 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
                  job.world_size, job.info.hostname, job.info.launcher, job.backend, job.device, job.job_id,
                  ctx.results.path)
     return ctx
+
+
+def default_name(argv0: str | None = None) -> str:
+    """The job name when ``init`` is given none: the script's name, or how Python was started:
+    ``python-c`` (``python -c``), ``python-stdin`` (a script piped in, ``python -``),
+    ``python-interactive`` (the prompt), ``notebook`` (a Jupyter kernel). A script name that is
+    not a plain name has each other character replaced by ``_``."""
+    argv0 = sys.argv[0] if argv0 is None and sys.argv else (argv0 or "")
+    if argv0 == "-c":
+        return "python-c"
+    if Path(argv0).name.startswith("ipykernel_launcher") or "ipykernel" in sys.modules:
+        return "notebook"
+    if argv0 in ("", "-"):
+        return "python-interactive" if hasattr(sys, "ps1") or sys.flags.interactive else "python-stdin"
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", Path(argv0).stem).lstrip(".")[:128]
+    return stem or "python"
 
 
 def _launcher_run_id(env: dict[str, str]) -> str:

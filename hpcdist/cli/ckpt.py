@@ -32,7 +32,7 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     from hpcdist.store import checksum
     from hpcdist.store.dcp import import_dcp
 
-    stats = import_dcp(args.directory, args.output, args.step)
+    stats = import_dcp(args.directory, args.output, args.step, report=print)
     print(f"committed {stats.path}: {stats.bytes / 1e6:.1f} MB from {args.directory} (sharded, a {checksum.chosen()} "
           "digest per chunk)")
     return 0

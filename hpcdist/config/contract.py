@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 LAUNCH_TIME_VAR = "HPCDIST_LAUNCH_TIME"  # epoch seconds, exported just before the launcher runs
@@ -9,6 +10,7 @@ FAULT_EXIT_VAR = "HPCDIST_FAULT_EXIT_RANK"  # for fault tests: this rank exits b
 LAUNCH_ID_VAR = "HPCDIST_LAUNCH_ID"  # unique per start of the ranks where no scheduler numbers it (local site)
 RESTART_COUNT_VAR = "SLURM_RESTART_COUNT"  # Slurm: how often this job was requeued (absent: never)
 LOCAL_RESTARTS_VAR = "HPCDIST_LOCAL_RESTART_COUNT"  # local site: how often the controller restarted the ranks
+LOCAL_AFTER_VAR = "HPCDIST_LOCAL_AFTER"  # local site: "PID:START" of a job to wait for first (map_array's max_parallel)
 
 
 def restart_count(env: Mapping[str, str]) -> int:
@@ -18,3 +20,21 @@ def restart_count(env: Mapping[str, str]) -> int:
         return max(0, int(env.get(RESTART_COUNT_VAR) or env.get(LOCAL_RESTARTS_VAR) or 0))
     except ValueError:
         return 0
+
+
+# A rank that fails after another rank's code failed (its connections to it broke, or the watchdog
+# stopped it) says so in its error; the login side names the rank that failed first instead.
+_WHO = re.compile(r"rank \d+ on [^\s:]+")
+_AFTER_FIRST = re.compile(r"\(after rank \d+ on [^\s:]+ failed first\)")
+
+
+def after_first(reason: str) -> str:
+    """``(after rank 2 on n2 failed first)`` for the failure `reason` another rank posted
+    (it begins with ``rank N on HOST``); "" when it names no rank."""
+    who = _WHO.match(reason)
+    return f"(after {who.group(0)} failed first)" if who else ""
+
+
+def is_after_first(error: str) -> bool:
+    """Whether a rank's error says it failed after another rank had failed first."""
+    return _AFTER_FIRST.search(error) is not None

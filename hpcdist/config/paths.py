@@ -65,6 +65,12 @@ class JobPaths:
         """One rank's answer: its threads' stacks as JSON (``hpcdist.store.stackrecord``)."""
         return self.progress / f"stack_rank{rank}.json"
 
+    @property
+    def requeues(self) -> Path:
+        """The runs that asked for their own requeue (a preemption, ``ctx.requeue()``), one line
+        each (``hpcdist.runtime.requeue``): such a run ended by no node death."""
+        return self.progress / "requeues.txt"
+
     def result(self, suffix: str = "") -> Path:
         """``<results>/<name>/<job id><suffix>.h5``: where the job's result lands."""
         return under(self.storage.root("results"), self.name, f"{self.job_id}{suffix}.h5")

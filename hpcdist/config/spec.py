@@ -42,8 +42,9 @@ class Resources(Frozen):
 
     partition: str | None = None
     nodes: int = Field(default=1, ge=1)
-    # How far a job may shrink when it runs again after a node failure and no spare node is free
-    # (``hpcdist.login.nodefail`` updates the pending job's node count). None: exactly `nodes`.
+    # The fewest nodes a job may run again on after a node failure, when fewer live nodes than it
+    # asked remain (``hpcdist.login.nodefail`` updates the pending job's node count). None: 1 for a
+    # job that resumes at another world size, exactly `nodes` for the others.
     min_nodes: int | None = Field(default=None, ge=1)
     tasks_per_node: int = Field(default=1, ge=1)
     gpus_per_node: int = Field(default=0, ge=0)

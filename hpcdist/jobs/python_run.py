@@ -16,6 +16,7 @@ naming the rank, its host and the code (or the exception), which ``submit --wait
 
 from __future__ import annotations
 
+import logging
 import os
 import runpy
 import sys
@@ -26,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpcdist.config.contract import after_first
 from hpcdist.errors import JobError
 from hpcdist.jobs.python import PythonParams, cwd_on_path
 from hpcdist.runtime import group, stacks
@@ -35,6 +37,8 @@ from hpcdist.runtime.requeue import Requeued
 if TYPE_CHECKING:
     from hpcdist.runtime.context import JobContext
     from hpcdist.runtime.rankinfo import RankInfo
+
+log = logging.getLogger("hpcdist")
 
 
 def torchrun_env(info: RankInfo, addr: str, port: int, run_id: str) -> dict[str, str]:
@@ -87,7 +91,8 @@ def run(ctx: JobContext, params: PythonParams) -> dict[str, Any]:
     watchdog.start()
     ok = False
     try:
-        code, returned = _run_target(params)
+        with default_timeout(ctx.timeout_s):
+            code, returned = _run_target(params)
         ok = code == 0
     except (Requeued, KeyboardInterrupt):
         raise
@@ -97,14 +102,13 @@ def run(ctx: JobContext, params: PythonParams) -> dict[str, Any]:
         peer = peer_named(str(exc), ctx.hosts)
         error = JobError(f"{where}: {params.target} raised {type(exc).__name__}: {_first_line(exc)}"
                          + (f" ({peer})" if peer else ""))
-        watchdog.fail(str(error))
+        error = watchdog.fail(error)
         raise error from exc
     finally:
         watchdog.stop()
         api.detach(ok)
     if code != 0:
-        error = JobError(f"{where}: {params.target} exited with code {code}")
-        watchdog.fail(str(error))
+        error = watchdog.fail(JobError(f"{where}: {params.target} exited with code {code}"))
         raise error
     out: dict[str, Any] = {"host": ctx.info.hostname, "exit_code": 0}
     if returned is not None or params.call:
@@ -146,19 +150,49 @@ class Watchdog(threading.Thread):
                 reason = f"the job's store (rank 0) went away ({type(exc).__name__})"
             if self._done.is_set():
                 return
-            print(f"hpcdist.errors.JobError: {self.where} stopped: {reason}", file=sys.stderr, flush=True)
+            after = after_first(reason)
+            print(f"hpcdist.errors.JobError: {self.where} stopped{' ' + after if after else ''}: {reason}",
+                  file=sys.stderr, flush=True)
             os._exit(1)
 
-    def fail(self, reason: str) -> None:
-        """Tell every other rank that this one failed (first one wins; best effort)."""
+    def fail(self, error: JobError) -> JobError:
+        """Tell every other rank that this one failed (first one wins; best effort). `error`, or,
+        when another rank had failed first (this one's connections to it broke), `error` saying so."""
         self._done.set()
         try:
-            self.store.compare_set(self.KEY, "", reason)
+            held = self.store.compare_set(self.KEY, "", str(error))
         except Exception:
-            pass
+            return error
+        held = held.decode(errors="replace") if isinstance(held, bytes) else str(held)
+        after = after_first(held) if held != str(error) else ""
+        return JobError(f"{error} {after}") if after else error
 
     def stop(self) -> None:
         self._done.set()
+
+
+@contextmanager
+def default_timeout(seconds: float) -> Iterator[None]:
+    """The job's ``timeout_s`` as the timeout of every group the user's code makes without a
+    ``timeout=`` of its own (``init_process_group``, ``new_group``, a device mesh): torch's own
+    default is 30 minutes (10 for NCCL), so a hang would burn the allocation and never reach the
+    timeout's stacks and summary. An explicit ``timeout=`` wins. torch asks one private function
+    for that default; where a torch lacks it, its default stands (said in the rank's log)."""
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+
+    saved = getattr(c10d, "_get_default_timeout", None)
+    if saved is None:
+        log.warning("this torch has no distributed_c10d._get_default_timeout: groups the code makes without "
+                    "timeout= keep torch's default, not the job's timeout_s=%g", seconds)
+        yield
+        return
+    c10d._get_default_timeout = lambda backend: timedelta(seconds=seconds)
+    try:
+        yield
+    finally:
+        c10d._get_default_timeout = saved
 
 
 def _first_line(exc: BaseException) -> str:
@@ -210,13 +244,13 @@ def _call(params: PythonParams) -> Any:
     parameter is annotated so; its return value, which must pickle to travel back."""
     import cloudpickle
 
-    from hpcdist import api
+    from hpcdist.api.launch import for_call
     from hpcdist.store.trust import trusted
 
     trusted(str(params.call))  # a call pickle another user could have replaced would run as this one
     with open(str(params.call), "rb") as f:
         fn, args, kwargs = cloudpickle.load(f)
-    ctx = api.init()
+    ctx = for_call()
     if _wants_context(fn):
         args = (ctx, *args)
     value = fn(*args, **kwargs)

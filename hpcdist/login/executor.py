@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from hpcdist.config.site import Site
     from hpcdist.jobs.registry import Job
     from hpcdist.login.jobhandle import JobHandle
+    from hpcdist.login.jobindex import JobRecord
 
 ORIGIN = "hpcdist.Executor"
 
@@ -85,7 +87,7 @@ class Executor:
 
     def _submit_all(self, fn: Callable[..., Any], calls: list[tuple[tuple[Any, ...], dict[str, Any]]],
                     array: bool, max_parallel: int | None = None) -> list[JobHandle]:
-        from hpcdist.jobs.registry import prepare
+        from hpcdist.jobs.registry import prepare, resolve
         from hpcdist.login import submit as sub
         from hpcdist.login.jobhandle import JobHandle
         from hpcdist.login.jobindex import find
@@ -103,14 +105,25 @@ class Executor:
             paths = [_write_call(folder, fn, args, kwargs) for args, kwargs in calls]
         params = [{"call": str(p), "call_name": f"{module}:{qualname}",
                    "call_module": None if module == "__main__" else module} for p in paths]
-        jobs = [prepare(self._check(data, p), self.site) for p in params]
+        # One check and one code snapshot for all the calls (an array's items differ in their call only).
+        base = prepare(self._check(data, params[0]), self.site)
+        jobs = [base] if not array else [
+            resolve(base.spec.model_copy(update={"name": item_name(base.spec.name, i, len(params)),
+                                                 "params": {**base.spec.params, **p}}),
+                    self.site, origin=ORIGIN, check=False) for i, p in enumerate(params)]
         origin = Origin(ORIGIN, self.site.name, tuple(f"site.{s}" for s in self._site_sets))
         if array and self.site.scheduler == "slurm" and len(jobs) > 1:
             origin = replace(origin, tasks=len(jobs), max_parallel=max_parallel)
-            subs = sub.schedule(make(jobs[0].spec, self.site, origin, [j.spec for j in jobs]))
-        else:
-            subs = [sub.submit(j.spec, self.site, origin) for j in jobs]
-        return [JobHandle(find(s.job_id, self.site.name), s) for s in subs]
+            subs = sub.schedule(make(base.spec, self.site, origin, [j.spec for j in jobs]))
+        else:  # the local site: a job per item, each waiting for the one `max_parallel` before it to end
+            subs = []
+            for i, j in enumerate(jobs):
+                slot = subs[i - max_parallel] if max_parallel and i >= max_parallel else None
+                with local_after(slot.record if slot is not None else None):
+                    subs.append(sub.submit(j.spec, self.site, origin))
+        # Each job is queued: its handle holds its record even where the index could not keep it
+        # (add() warned), so a job is never reported missing, and retried, once it is queued.
+        return [JobHandle(s.record or find(s.job_id, self.site.name), s) for s in subs]
 
 
 def _spec_data(base: Mapping[str, Any], keys: Mapping[str, Any], sets: Mapping[str, Any]) -> dict[str, Any]:
@@ -184,6 +197,28 @@ def _where(fn: Callable[..., Any]) -> tuple[str, str]:
             cloudpickle.register_pickle_by_value(__import__(module, fromlist=["_"]))
         return "__main__", qualname
     return module, qualname
+
+
+def item_name(base: str, index: int, count: int) -> str:
+    """An array item's job name, hence its own checkpoint directory, results and progress (as a
+    sweep's task has): ``<base>-<index>``, within a name's 128 characters."""
+    suffix = f"-{index:0{len(str(count - 1))}d}"
+    return base[:128 - len(suffix)] + suffix
+
+
+@contextmanager
+def local_after(record: JobRecord | None) -> Iterator[None]:
+    """A local job submitted inside waits, before its ranks start, for the job of `record` to end."""
+    from hpcdist.config.contract import LOCAL_AFTER_VAR
+
+    if record is None:
+        yield
+        return
+    os.environ[LOCAL_AFTER_VAR] = f"{record.job_id}:{record.started or ''}"
+    try:
+        yield
+    finally:
+        os.environ.pop(LOCAL_AFTER_VAR, None)
 
 
 def _job_name(qualname: str) -> str:

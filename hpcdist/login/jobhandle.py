@@ -108,7 +108,13 @@ class JobHandle:
 
     @property
     def num_tasks(self) -> int:
-        return self.record.tasks
+        """The ranks of the job's last run: those submitted, or fewer once it ran again on fewer
+        nodes after a node died (``submit.ranks_ran``)."""
+        if self.record.scheduler != "slurm":
+            return self.record.tasks
+        from hpcdist.login.submit import ranks_ran
+
+        return ranks_ran(self.submission)
 
     @property
     def state(self) -> JobState:
@@ -154,10 +160,12 @@ class JobHandle:
     def results(self, timeout_s: float | None = None) -> list[Any]:
         """Every rank's return value, in rank order, once the job ended. A job that failed
         raises ``JobFailed`` naming the first failing rank, its host and its error."""
+        from hpcdist.scheduler.postmortem import first_failure
+
         finished = self.wait(timeout_s, show=False)
         failed = [o for o in finished.outcomes if not o.ok]
         if failed or not finished.ok:
-            first = failed[0] if failed else None
+            first = first_failure(finished.outcomes)
             host = f" on {first.summary.get('host')}" if first and first.summary.get("host") else ""
             what = f"rank {first.rank}{host}: {first.error}" if first else "every rank returned"
             cause = f"; {finished.cause}" if finished.cause else ""

@@ -12,10 +12,13 @@ the policy, the bound ``preemption.max_requeues``, the records) is decided in on
   job credentials expire), once per failed run. With ``requeue`` the dead node (in the failed
   run's node list and, to Slurm, down or not responding) is added to the pending job's
   ``ExcNodeList``, merged with what it excluded already (the user's ``sbatch: {exclude: ...}``
-  among it). A job with ``resources.min_nodes`` that would not find as many live nodes as it
-  asked for has its node and task counts lowered (``NumNodes``, ``NumTasks``, ``NumCPUs``; its
-  script exports the new task count): it runs on the nodes that remain, at a smaller world size;
-  with a spare free, or without ``min_nodes``, at its own size (waiting for a node if need be).
+  among it). A job that resumes at another world size (``resizes``: its kind's, hpcdist
+  checkpoints in its directory, or ``resources.min_nodes`` set) that would not find as many live
+  nodes as it asked for has its node and task counts lowered (``NumNodes``, ``NumTasks``,
+  ``NumCPUs``; its script exports the new task count), never below ``min_nodes`` (1 when unset):
+  it runs on the nodes that remain, at a smaller world size; with enough live nodes at its own
+  size. A job that could never start without the dead node (more nodes asked than remain to it,
+  and it may not shrink that far) is cancelled with one line saying why and what to set.
   Not ``--nodes=MIN-MAX`` at submission: Slurm sizes such a job's tasks by its minimum and may
   start it on the minimum at once. With ``fail``, or past the bound, the pending job is cancelled
   and the waiter says why. A waiter started late (``hpcdist wait`` after the node died) acts the
@@ -32,7 +35,7 @@ health record (``hpcdist.store.health``), so later submissions keep off the node
 
 **Shrinking needs a waiter.** Without one nothing lowers a pending job's node count: the run
 cannot start to do it, Slurm has no setting that shrinks a requeued job by itself, and
-``--nodes=MIN-MAX`` is not usable (above). A job with ``min_nodes`` and no spare free then waits
+``--nodes=MIN-MAX`` is not usable (above). A job that may shrink and has no spare live node then waits
 in the queue at its own size (measured: ``ReqNodeNotAvail, UnavailableNodes:n3``, Slurm's hold
 released) until the node is back or another frees; ``hpcdist wait JOBID`` started at any time
 while it waits shrinks it (it ran again 3 s after such a late waiter started). hpcdist starts no daemon
@@ -111,7 +114,10 @@ class NodeFailures:
             required = expand_hostlist(info.required)
             if set(required) & set(excluded):  # the user's nodelist named the dead node: not any more
                 update["ReqNodeList"] = ",".join(n for n in required if n not in excluded)
-            nodes = self._nodes_left(excluded, required)
+            nodes, never = self._nodes_left(excluded, required)
+            if never:  # no node set left could ever run it at a size it accepts: end it, not wait forever
+                self._record(verdict)
+                return self._end(f"{verdict.why}; {never}")
             if nodes is not None:
                 res = self.spec.resources
                 update.update(NumNodes=str(nodes), NumTasks=str(nodes * res.tasks_per_node),
@@ -122,22 +128,41 @@ class NodeFailures:
         self.handled.update(verdict.runs)
         log.warning("job %s: %s; it runs again without it%s", self.job_id, verdict.why, shrink)
 
-    def _nodes_left(self, excluded: list[str], required: list[str]) -> int | None:
-        """How many nodes the job runs on next when it may shrink (``resources.min_nodes``): all it
-        asked for while there are that many live nodes it may use (of its nodelist, when it gave
-        one, else of its partition), else those, but never fewer than ``min_nodes`` (it then waits
-        for a node to come back). None: no change."""
+    def _nodes_left(self, excluded: list[str], required: list[str]) -> tuple[int | None, str]:
+        """(how many nodes the job runs on next, None: no change; why it could never run, or "").
+
+        The nodes it may use are those of its nodelist, when it gave one, else of its partition,
+        less the excluded ones; the live ones are those Slurm does not have down, drained or
+        failing (busy or not: a spare need not be free). A job that may shrink (its kind resumes at
+        another world size, ``resizes``; or it set ``resources.min_nodes``) runs on all it asked
+        for while that many are live, else on the live ones, never fewer than ``min_nodes`` (1 by
+        default): when the floor is more than it may use at all, it could never run. A job that may
+        not shrink could never run when it asked for more nodes than it may use at all; else it
+        waits at its own size for a node to come back."""
         res = self.spec.resources
-        if res.min_nodes is None:
-            return None
-        states = slurm.node_states(nodes=",".join(required)) if required else slurm.node_states(
-            partition=self.site.partition(res.partition)[0])
+        pname = self.site.partition(res.partition)[0]
+        states = slurm.node_states(nodes=",".join(required)) if required else slurm.node_states(partition=pname)
         if states is None:
-            return None
-        usable = [n for n, state in states.items() if not state.dead and n not in excluded]
+            return None, ""
+        allowed = [n for n in states if n not in excluded]
+        usable = [n for n in allowed if not states[n].dead]
         self.live_seen = f"live and not excluded: {', '.join(usable) or 'none'}"
-        nodes = max(res.min_nodes, min(res.nodes, len(usable)))
-        return nodes if nodes < res.nodes else None
+        among = f"its nodelist {','.join(required)}" if required else f"partition {pname!r}"
+        if not resizes(self.spec, self.paths):
+            if res.nodes <= len(allowed):
+                return None, ""
+            return None, (f"it asks {res.nodes} nodes and only {len(allowed)} of {among} remain without the "
+                          f"excluded ({', '.join(excluded)}), and it cannot resume at another world size (it has no "
+                          f"hpcdist checkpoint to resume from): it could never start, so Slurm's requeue was "
+                          f"cancelled (resubmit it on fewer nodes, resources.nodes, or once the node is back)")
+        floor = res.min_nodes or 1
+        if floor > len(allowed):
+            return None, (f"it may shrink to resources.min_nodes={floor} nodes and only {len(allowed)} of {among} "
+                          f"remain without the excluded ({', '.join(excluded)}): it could never start, so Slurm's "
+                          f"requeue was cancelled (set resources.min_nodes to {len(allowed) or 1} or less, or "
+                          f"resubmit once the node is back)")
+        nodes = max(floor, min(res.nodes, len(usable)))
+        return (nodes if nodes < res.nodes else None), ""
 
     def _record(self, verdict: node_failure.Verdict) -> None:
         for problem in node_failure.record(verdict, self.job_id, self.site, self.paths):
@@ -146,6 +171,24 @@ class NodeFailures:
     def _end(self, cause: str) -> None:
         self.cause = cause
         slurm.scancel(self.job_id)
+
+
+def resizes(spec: JobSpec, paths: JobPaths) -> bool:
+    """Whether the job may run again on fewer nodes: it set ``resources.min_nodes``, or its kind
+    resumes at another world size (train_gpt; a kind whose default is to run again without a dead
+    node), or it is a script whose hpcdist checkpoints (``hpcdist.init()``) are in its checkpoint
+    directory: they resume at any world size."""
+    from hpcdist.jobs.registry import get_kind
+    from hpcdist.store.directory import read_commit
+
+    if spec.resources.min_nodes is not None:
+        return True
+    try:
+        if get_kind(spec.kind).on_node_failure == "requeue":
+            return True
+    except KeyError:
+        return False
+    return read_commit(paths.checkpoints).path is not None
 
 
 def describe(paths: JobPaths) -> list[str]:

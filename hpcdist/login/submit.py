@@ -41,7 +41,6 @@ if TYPE_CHECKING:
     from hpcdist.scheduler.postmortem import Ending
 
 
-
 @functools.cache
 def _script_executor_class() -> Callable[[Path, str, int, int], Any]:
     """submitit's Slurm executor with the submission script replaced by hpcdist's (made on first
@@ -139,6 +138,7 @@ class Submission:
     spec: JobSpec
     site: Site
     script: str
+    record: jobindex.JobRecord | None = None  # its job index record, made at submission (kept if not written)
 
     @property
     def job_id(self) -> str:
@@ -223,8 +223,9 @@ def schedule(plan: Plan) -> list[Submission]:
     origin = plan.origin
     submissions = [Submission(job=job, spec=task, site=site, script=script)
                    for job, task in zip(jobs, plan.tasks, strict=True)]
-    for submission in submissions:
-        jobindex.add(make_record(submission, origin))  # `hpcdist jobs`, `logs`, `wait`, `cancel`, `hpcdist.job`
+    for submission in submissions:  # `hpcdist jobs`, `logs`, `wait`, `cancel`, `hpcdist.job`; a failure warns
+        submission.record = make_record(submission, origin)
+        jobindex.add(submission.record)
     return submissions
 
 
@@ -328,27 +329,24 @@ def outcomes(sub: Submission, state: JobState = JobState.UNKNOWN, end: Ending | 
         if status == "success":
             out.append(TaskOutcome(rank, True, summary=dict(value or {})))
         else:
-            after = f" ({end.after(rank)})" if end and end.after(rank) else ""
             from hpcdist.scheduler.postmortem import first_error_line
 
-            error = first_error_line(str(value)) + after
-            out.append(TaskOutcome(rank, False, error=error, traceback=str(value)))
+            after = f" ({end.after(rank)})" if end and end.after(rank) else ""
+            out.append(TaskOutcome(rank, False, error=first_error_line(str(value)) + after, traceback=str(value)))
     return out
 
 
-def wait(
-    sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
-    on_poll: Callable[[JobState], None] | None = None,
-) -> Finished:
+def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
+         on_poll: Callable[[JobState], None] | None = None) -> Finished:
     """Block until the scheduler says the job ended; its final state and one outcome per rank.
 
     Waiting ends on the scheduler's word (squeue, then Slurm's accounting), not on submitit's
     result files, which a job that dies early never writes. A failed job's ``cause`` names the
-    rank and host that went first and Slurm's word on the job (cancelled, node failure, out of
-    memory; ``hpcdist.scheduler.postmortem``). ``timeout_s=None`` waits as long as the scheduler
-    says the job is not done; a command that fails is retried and read as unknown, and only a job
-    proven absent from the queue while accounting is down ends the wait with a `SubmitError`
-    (``Vanished``). `on_poll` sees each state read (the live status line).
+    rank that failed first, its host, and Slurm's word on the job (``hpcdist.scheduler.postmortem``).
+    ``timeout_s=None`` waits as long as the scheduler says the job is not done; a command that
+    fails is retried and read as unknown, and only a job proven absent from the queue while
+    accounting is down ends the wait with a `SubmitError` (``Vanished``). `on_poll` sees each
+    state read (the live status line).
     """
     from hpcdist.login.nodefail import NodeFailures
 
@@ -375,6 +373,8 @@ def wait(
     if failures is not None and failures.cause:  # ended by on_node_failure: fail, or the bound
         return Finished(JobState.NODE_FAIL, outcomes(sub, JobState.NODE_FAIL), failures.cause)
     end = _slurm_ending(sub) if sub.site.scheduler == "slurm" and state is not JobState.COMPLETED else None
+    if end is not None:  # hpcdist's verdict on the state, and the rank that failed first (not srun's first)
+        state, end = end.state(state), end.naming(outcomes(sub, end.state(state), end))
     done = outcomes(sub, state, end)
     stacks: list[str] = []
     if not (state is JobState.COMPLETED and all(o.ok for o in done)):

@@ -84,7 +84,8 @@ def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *
     info = RankInfo.from_env(env)
     rank_logger("hpcdist", info, env)
     if not standalone:  # `hpcdist stacks` and a timeout's summary: answered from now on, the rendezvous included
-        stacks.start(spec.paths(site, info.job_id or "local"), info.rank, info.world_size, info.hostname)
+        stacks.start(spec.paths(site, info.job_id or "local"), info.rank, info.world_size, info.hostname,
+                     float(env.get(LAUNCH_TIME_VAR, "nan")))
     # SIGTERM (which submitit's handler ignores) sets the stop flag from now on, so one that comes
     # during the bootstrap is not lost; the site's signal stays submitit's until a Context takes it.
     requeue.watch(("TERM",))
@@ -147,7 +148,8 @@ def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *
         store=store,
         standalone=standalone,
     )
-    ctx.requeue = requeue.requeue_for(env)  # no rendezvous file to clear: forget_endpoint removed it
+    # no rendezvous file to clear: forget_endpoint removed it
+    ctx.requeue = requeue.requeue_for(env, spec.paths(site, info.job_id).requeues if info.job_id else None)
     if backend == "nccl" and makes_group:
         _check_gpu_sharing(ctx)
     where = f"endpoint {endpoint.addr}:{endpoint.port} via {endpoint.via}" if endpoint else "no store server"

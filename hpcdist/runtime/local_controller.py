@@ -7,7 +7,10 @@
   controller's PID, which the system reuses, and a requeue restarts the ranks under the same
   PID, so the id alone would let ranks find an older launch's rendezvous file. It also counts
   the starts (``LOCAL_RESTARTS_VAR``), as Slurm's restart count does: the checkpoint claim tells
-  a requeue of the job from a second run of it by that count.
+  a requeue of the job from a second run of it by that count; and it sets the start's launch
+  time (``LAUNCH_TIME_VAR``), as the Slurm script does before each run's launcher.
+- A job given ``LOCAL_AFTER_VAR`` (an array item beyond ``max_parallel``) waits for that job's
+  controller to end before its ranks first start.
 
 ``hpcdist.login.submit`` starts it as ``python -m hpcdist.runtime.local_controller FOLDER`` where
 submitit starts ``submitit.local._local``; everything else is submitit's.
@@ -17,13 +20,15 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 
 from submitit.local.local import Controller
 
-from hpcdist.config.contract import LAUNCH_ID_VAR, LOCAL_RESTARTS_VAR
+from hpcdist.config.contract import LAUNCH_ID_VAR, LAUNCH_TIME_VAR, LOCAL_AFTER_VAR, LOCAL_RESTARTS_VAR
 from hpcdist.launchers import SUBMITIT_RUNNER
+from hpcdist.scheduler.local import controller_alive
 
 
 class JobController(Controller):
@@ -32,7 +37,13 @@ class JobController(Controller):
     def start_tasks(self) -> None:
         self.folder = Path(str(self.folder).replace("%j", self.pid))
         self.folder.mkdir(parents=True, exist_ok=True)
+        after = os.environ.pop(LOCAL_AFTER_VAR, "")
+        if after and self.starts == 0:  # an array item's slot: the item before it ends first
+            pid, _, started = after.partition(":")
+            while controller_alive(pid, int(started) if started else None):
+                time.sleep(0.5)
         os.environ[LAUNCH_ID_VAR] = uuid.uuid4().hex
+        os.environ[LAUNCH_TIME_VAR] = repr(time.time())  # this start's, as the Slurm script exports it per run
         os.environ[LOCAL_RESTARTS_VAR] = str(self.starts)  # the local requeue's count, as Slurm's SLURM_RESTART_COUNT
         self.starts += 1
         # each task through hpcdist's runner: submitit's behind the trust check, its result pickle 0600

@@ -8,9 +8,11 @@ script runs when ``SLURM_RESTART_COUNT`` is above 0).
   drained or failing (``NodeStatus.dead``): sacct names the whole allocation, not the node that
   died. A node that cannot reach slurmdbd (the local cluster's: ``AccountingStorageHost`` is
   localhost; some sites' compute nodes) reads the earlier runs from the line the batch script
-  writes at each start into its output (``runs_from_output``): there a run with a node that is
-  dead now counts. A run is handled once: the job's record (``hpcdist.store.node_failures``) is keyed by run
-  number, so a waiter and the run that both see the same failure record it once.
+  writes at each start into its output (``runs_from_output``): there a run with a node that has
+  failed now (down, not responding; not merely drained) counts, unless the run asked for its own
+  requeue (a preemption, ``ctx.requeue()``; ``JobPaths.requeues``). A run is handled once: the
+  job's record (``hpcdist.store.node_failures``) is keyed by run number, so a waiter and the run
+  that both see the same failure record it once.
 - **The policy and the bound**: the spec's ``on_node_failure`` (``fail`` ends the job), and no more
   node-failure restarts than the site's ``preemption.max_requeues``.
 - **The record**: the dead nodes go into the site's node health record (``hpcdist.store.health``)
@@ -31,7 +33,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,11 +79,14 @@ def handled(paths: JobPaths) -> set[int]:
 RUN_LINE = re.compile(r"^hpcdist: run (\d+) on (\S+) at (\S+)$")  # the batch script's line at each run's start
 
 
-def runs_from_output(text: str, restarts: int, requeued_at: str = "") -> list[slurm.Attempt] | None:
+def runs_from_output(text: str, restarts: int, requeued_at: str = "",
+                     requeued: Collection[int] = ()) -> list[slurm.Attempt] | None:
     """The job's earlier runs as its batch output tells them (``RUN_LINE``, one per start), for a
     node that cannot read Slurm's accounting: a run counts as ended by a node failure when a node
-    it ran on is dead now (Slurm's requeue put the job back in the queue; a preemption or a
-    time-out leaves every node alive). Each run ended when the next started, the last one at
+    it ran on has failed now (down, failing or not responding: Slurm's requeue put the job back
+    in the queue), unless the run asked for its own requeue (`requeued`: ``JobPaths.requeues``,
+    a preemption or ``ctx.requeue()``). A node drained (maintenance) is no evidence of a death: such
+    a run goes on and nothing is marked. Each run ended when the next started, the last one at
     `requeued_at` (slurmctld's SubmitTime of a requeued job) where known. None: no line for one
     of the `restarts` earlier runs, or Slurm's node states unknown."""
     starts: dict[int, tuple[str, str]] = {}
@@ -98,26 +103,26 @@ def runs_from_output(text: str, restarts: int, requeued_at: str = "") -> list[sl
     for n in range(1, restarts + 1):
         nodes, _ = starts[n]
         end = (requeued_at if n == restarts else "") or (starts[n + 1][1] if n + 1 in starts else "unknown")
-        dead = any(states[h].dead for h in expand_hostlist(nodes) if h in states)
+        dead = n not in requeued and any(states[h].failed for h in expand_hostlist(nodes) if h in states)
         out.append(slurm.Attempt("NODE_FAIL" if dead else "REQUEUED", nodes, end))
     return out
 
 
 def assess(job_id: str, spec: JobSpec, site: Site, done: set[int], restarts: int = 0,
-           output: Path | None = None) -> Verdict | None:
+           output: Path | None = None, requeued: Collection[int] = ()) -> Verdict | None:
     """The verdict on job `job_id`'s NODE_FAIL runs not in `done`; an empty one (no ``runs``) when
     there are none, None when Slurm could not be asked (unknown: ask again later). `restarts`:
     how often Slurm has requeued the job; accounting that does not list as many earlier runs yet
     is read again for up to ``ACCOUNTING_WAIT_S`` (slurmdbd records a job's end a moment late).
     Where accounting cannot be read at all, the job's batch `output` tells its runs
-    (``runs_from_output``)."""
+    (``runs_from_output``, with the runs that asked for their own requeue: `requeued`)."""
     from hpcdist.jobs.registry import on_node_failure
 
     deadline = time.monotonic() + ACCOUNTING_WAIT_S
     while True:
         runs = slurm.attempts(job_id)
         if runs is None:
-            runs = _runs_from_file(job_id, output, restarts) if output is not None and restarts else None
+            runs = _runs_from_file(job_id, output, restarts, requeued) if output is not None and restarts else None
             if runs is None:
                 return None
             break
@@ -148,13 +153,13 @@ def assess(job_id: str, spec: JobSpec, site: Site, done: set[int], restarts: int
     return Verdict(tuple(n for n, _ in new), tuple(found), why, stop, hint)
 
 
-def _runs_from_file(job_id: str, output: Path, restarts: int) -> list[slurm.Attempt] | None:
+def _runs_from_file(job_id: str, output: Path, restarts: int, requeued: Collection[int]) -> list[slurm.Attempt] | None:
     try:
         text = output.read_text(errors="replace")
     except OSError:
         return None
     info = slurm.show_job(job_id)
-    return runs_from_output(text, restarts, info.submitted if info is not None else "")
+    return runs_from_output(text, restarts, info.submitted if info is not None else "", requeued)
 
 
 def record(verdict: Verdict, job_id: str, site: Site, paths: JobPaths) -> list[str]:
@@ -185,8 +190,10 @@ def check_run(job_id: str, spec: JobSpec, site: Site, restarts: int, folder: Pat
     """This run of job `job_id` (Slurm's `restarts`-th requeue) after its node failures: records
     and marks them; the line to end the run with, or "" when it goes on (or nothing is known).
     `output`: the job's batch output, read where accounting cannot be."""
+    from hpcdist.runtime.requeue import requeued_runs
+
     paths = spec.paths(site, job_id)
-    verdict = assess(job_id, spec, site, handled(paths), restarts, output)
+    verdict = assess(job_id, spec, site, handled(paths), restarts, output, requeued_runs(paths.requeues))
     if verdict is None or not verdict.runs:
         return ""
     for problem in record(verdict, job_id, site, paths):

@@ -20,7 +20,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hpcdist.errors import HpcdistError, cause_text
@@ -83,18 +83,37 @@ def roll_call(rank: int, host_of_rank: Sequence[str], wait_s: float = ROLL_CALL_
     return f"no answer within {wait_s:g} s from {named}: the link to {', '.join(by_node)} is down or its ranks are gone"
 
 
+def slurm_node_name(host: str, known: Collection[str]) -> str | None:
+    """Slurm's name for a rank's host (the record and ``--exclude`` speak Slurm's names): the host
+    itself, or its first label (``n3`` for ``n3.cluster.local``), when Slurm knows it; else None."""
+    for name in (host, host.split(".")[0]):
+        if name in known:
+            return name
+    return None
+
+
 def _mark(site: Site, nodes: Sequence[str], job_id: str, reason: str) -> None:
-    """Mark `nodes` in the site's health record; a record that cannot be written is logged, not
-    raised: the failure being reported matters more."""
+    """Mark `nodes` (the ranks' host names) in the site's health record, under Slurm's names on a
+    Slurm site (a host Slurm does not know is logged, not marked: a mark of it would exclude
+    nothing); a record that cannot be written is logged, not raised: the failure being reported
+    matters more."""
     import logging
 
+    from hpcdist.scheduler import slurm
     from hpcdist.store import health
 
-    for node in nodes:
+    log = logging.getLogger("hpcdist")
+    known = slurm.node_states() if site.scheduler == "slurm" else None
+    for host in nodes:
+        node = host if known is None else slurm_node_name(host, known)
+        if node is None:
+            log.warning("not marking %s in the node health record: Slurm knows no node of that name (sinfo); "
+                        "mark the node by hand with `hpcdist nodes --mark NODE --reason ...`", host)
+            continue
         try:
             health.mark(site, node, reason, job_id=job_id, source="timeout")
         except (OSError, HpcdistError) as exc:
-            logging.getLogger("hpcdist").warning("could not mark %s in the node health record: %s", node, exc)
+            log.warning("could not mark %s in the node health record: %s", node, exc)
 
 
 _PEER = re.compile(r"\[?\b(\d{1,3}(?:\.\d{1,3}){3})\]?:\d+")

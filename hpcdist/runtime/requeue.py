@@ -26,9 +26,12 @@ time-out.
 from __future__ import annotations
 
 import logging
+import re
 import signal
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import Literal
 
@@ -96,10 +99,12 @@ class Requeues:
     requeues: int = 0
     timeouts: int = 0
 
-    def at_least(self, restarts: int) -> Requeues:
+    def at_least(self, restarts: int, node_failures: int = 0) -> Requeues:
         """Slurm's own count as a floor: restarts not on record (a fresh start lost the record)
-        count as time-outs, so losing the record never lifts the bound."""
-        missing = max(0, restarts - self.requeues)
+        count as time-outs, so losing the record never lifts the bound; the `node_failures`
+        restarts (the job's node failure record: Slurm requeued it after a node died) are not
+        time-outs, and bounded on their own (``hpcdist.runtime.node_failure``)."""
+        missing = max(0, restarts - node_failures - self.requeues)
         return Requeues(self.requeues + missing, self.timeouts + missing)
 
     def after(self, kind: StopKind) -> Requeues:
@@ -126,10 +131,31 @@ def slurm_leaves_it(job_id: str, restarts: int) -> str:
     return ""
 
 
-def requeue_for(env: Mapping[str, str]) -> Callable[[], str] | None:
+def record_requeue(path: Path, run: int, how: str) -> None:
+    """Note in the job's folder that run `run` (1: the first) asked for its requeue: what the
+    requeued run's node failure check trusts where Slurm's accounting cannot be read. Best effort."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(f"run {run} requeued: {how} at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+    except OSError as exc:
+        log.warning("could not note the requeue in %s: %s", path, exc)
+
+
+def requeued_runs(path: Path) -> set[int]:
+    """The runs noted by `record_requeue` (none when the file is not there or cannot be read)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return set()
+    return {int(m.group(1)) for m in re.finditer(r"^run (\d+) requeued", text, re.MULTILINE)}
+
+
+def requeue_for(env: Mapping[str, str], record: Path | None = None) -> Callable[[], str] | None:
     """The requeue of a launch, as `env` says it was started (submitit's Slurm or local
     executor, or a plain Slurm job), or None when nothing can requeue it. The returned function
-    requeues, or returns why it did not (Slurm requeues or ends the job itself)."""
+    requeues, or returns why it did not (Slurm requeues or ends the job itself); first it notes
+    the requeue in `record` (``JobPaths.requeues``): this run stopped for a signal, not a node death."""
     executor = env.get("SUBMITIT_EXECUTOR", "")
     slurm_job = env.get("SLURM_JOB_ID", "")
     restarts = restart_count(env)
@@ -137,6 +163,8 @@ def requeue_for(env: Mapping[str, str]) -> Callable[[], str] | None:
         return None
 
     def requeue() -> str:
+        if record is not None:
+            record_requeue(record, restarts + 1, "asked by the job")
         if executor != "local" and slurm_job:
             why = slurm_leaves_it(slurm_job, restarts)
             if why:

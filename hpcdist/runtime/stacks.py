@@ -202,15 +202,29 @@ class Watcher(threading.Thread):
 _WATCHER: list[Watcher] = []  # this process's one watcher (one rank per process)
 
 
-def start(paths: JobPaths, rank: int, world_size: int, host: str) -> Watcher:
+def start(paths: JobPaths, rank: int, world_size: int, host: str, launch: float = float("nan")) -> Watcher:
     """Start answering requests (once per process); turns torch's flight recorder on unless the
-    user set it, which must happen before the process group is made."""
+    user set it, which must happen before the process group is made. Rank 0 first removes the
+    stacks an earlier run of the job left (written before this run's `launch`), so the summary of
+    this run's end never shows them."""
     os.environ.setdefault(FR_VAR, FR_ENTRIES)
+    if rank == 0 and launch == launch:
+        clear_earlier(paths, launch)
     if not _WATCHER:
         watcher = Watcher(paths, rank, world_size, host)
         watcher.start()
         _WATCHER.append(watcher)
     return _WATCHER[0]
+
+
+def clear_earlier(paths: JobPaths, launch: float) -> None:
+    """Remove every rank's stack file written before `launch` (an earlier run's; any world size)."""
+    for path in paths.progress.glob("stack_rank*.json"):
+        try:
+            if RankStack.from_json(path.read_text()).written < launch:
+                path.unlink()
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
 
 
 def stop() -> None:

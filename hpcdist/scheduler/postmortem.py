@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import re
 import signal
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 from hpcdist.scheduler.hostlist import expand_hostlist
 from hpcdist.scheduler.states import JobState
@@ -158,6 +160,17 @@ def node_failure_suspects(records: list[StepRecord]) -> list[str]:
     return nodes
 
 
+class Outcome(Protocol):
+    """A rank's outcome as the login side has it (``hpcdist.login.submit.TaskOutcome``)."""
+
+    rank: int
+    ok: bool
+    error: str
+
+
+Out = TypeVar("Out", bound=Outcome)
+
+
 @dataclass(frozen=True)
 class Ending:
     """What went first, for the per-rank summary: the first task srun saw end, and the job's cause."""
@@ -165,6 +178,24 @@ class Ending:
     tasks: dict[int, TaskEnd]
     first: TaskEnd | None
     cause: str  # the job-level cause (cancelled, node failure, out of memory, ...), or ""
+    stopped: str = ""  # the run's own node failure check ended it (``STOPPED``): why, else ""
+
+    def state(self, scheduler_state: JobState) -> JobState:
+        """The job's end as hpcdist says it: a run its own node failure check ended (Slurm: FAILED,
+        exit 3) ended NODE_FAIL, as the waiter's verdict on the same failure does; one verdict, one state."""
+        return JobState.NODE_FAIL if self.stopped and scheduler_state is JobState.FAILED else scheduler_state
+
+    def naming(self, outcomes: Sequence[Outcome]) -> Ending:
+        """This ending with the rank that failed first (``first_failure``) as the one that went
+        first, where the rank srun saw end first says it failed after another; else itself (a
+        rank killed first, by a signal or the OOM killer, stays first)."""
+        from hpcdist.config.contract import is_after_first
+
+        cause = first_failure(outcomes)
+        seen_first = next((o for o in outcomes if self.first is not None and o.rank == self.first.rank), None)
+        if cause is None or seen_first is None or not is_after_first(seen_first.error) or cause.rank not in self.tasks:
+            return self
+        return replace(self, first=self.tasks[cause.rank])
 
     def headline(self) -> str:
         """One line: which rank and host went first and how, and the job-level cause."""
@@ -189,8 +220,9 @@ def ending(batch_log: str, records: list[StepRecord]) -> Ending:
     """Read srun's task lines and slurmstepd's events from the batch log, and the job's cause."""
     tasks = task_ends(batch_log)
     accounted, event = job_cause(records), job_event(batch_log)
-    cause = "; ".join(c for c in (stopped(batch_log), accounted, event) if c)
-    return Ending({t.rank: t for t in tasks}, tasks[0] if tasks else None, cause)
+    own = stopped(batch_log)
+    cause = "; ".join(c for c in (own, accounted, event) if c)
+    return Ending({t.rank: t for t in tasks}, tasks[0] if tasks else None, cause, own)
 
 
 def timeout_stacks(files: dict[int, Path], world_size: int, verbose: bool = False) -> list[str]:
@@ -202,6 +234,15 @@ def timeout_stacks(files: dict[int, Path], world_size: int, verbose: bool = Fals
     if not timed:
         return []
     return describe({r: s for r, s in got.items() if s.written >= max(timed) - 60.0}, world_size, verbose)
+
+
+def first_failure(outcomes: Sequence[Out]) -> Out | None:
+    """The failed rank to name first: the lowest one whose error is its own, not one that failed
+    after another rank had (its connections to it broke, the watchdog stopped it)."""
+    from hpcdist.config.contract import is_after_first
+
+    failed = [o for o in outcomes if not o.ok]
+    return next((o for o in failed if not is_after_first(o.error)), failed[0] if failed else None)
 
 
 # ---------------------------------------------------------------- a rank's own words

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,18 +63,29 @@ def _save_dcp(state: dict[str, Any], output: Path) -> None:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(output)), no_dist=True)
 
 
-def import_dcp(directory: Path, output: Path, step: int) -> Any:
-    """DCP folder `directory` committed as step `step` of checkpoint directory `output`; its SaveStats."""
+def import_dcp(directory: Path, output: Path, step: int, report: Callable[[str], None] | None = None) -> Any:
+    """DCP folder `directory` committed as step `step` of checkpoint directory `output`; its SaveStats.
+
+    A writer like any run's: it claims `output` (a live run's directory is refused, naming it), and
+    commits as a new run, the checkpoints already there first set aside into ``previous/`` (said in
+    one line to `report`), so no run resumes, prunes or mixes with the imported step."""
     from hpcdist.errors import CheckpointError
     from hpcdist.store import sharded
+    from hpcdist.store.manager import CheckpointStore
 
     if not (directory / ".metadata").is_file():
         raise CheckpointError(f"{directory} is not a dcp.save folder (it has no .metadata); give the folder "
                               f"torch.distributed.checkpoint.save wrote")
     if step < 0:
         raise CheckpointError(f"--step {step} is negative; give a step of 0 or more")
-    with sharded.one_error(), _single_process():
-        return sharded.import_dcp(directory, output, step)
+    store = CheckpointStore(output, report=report)
+    claim = store.claim()
+    try:
+        run = store.start_run(f"import-dcp of {directory}")
+        with sharded.one_error(), _single_process():
+            return sharded.import_dcp(directory, output, step, identity=lambda: store.commit_identity(run))
+    finally:
+        claim.release()
 
 
 @contextlib.contextmanager

@@ -154,8 +154,8 @@ def remove_temporaries(directory: Path) -> list[Path]:
 
 
 def set_aside(directory: Path, run: str | None) -> tuple[Path | None, list[Path]]:
-    """Move every checkpoint file and the pointer (a run's files, `run` if known) into
-    ``<directory>/previous/run-<run>`` (or ``moved-<time>``), pointer first; (where, what moved).
+    """Move every checkpoint file, its shard folder, and the pointer (a run's files, `run` if known)
+    into ``<directory>/previous/run-<run>`` (or ``moved-<time>``), pointer first; (where, what moved).
 
     For a fresh start: afterwards the directory holds none of their files, so nothing of theirs
     can be resumed, pruned or mixed with the new run's; the files are kept, not deleted.
@@ -165,13 +165,16 @@ def set_aside(directory: Path, run: str | None) -> tuple[Path | None, list[Path]
     pointer = directory / POINTER
     if not files and not pointer.exists():
         return None, []
+    # A sharded checkpoint's shard folders (``hpcdist.store.sharded_layout.shards_dir``) go with its
+    # index, after it: the run stays whole and loadable there, and no later commit takes them for strays.
+    folders = sorted(p for p in directory.glob("step_*.shards") if _NAME.match(p.name.removesuffix(".shards") + ".h5"))
     name = f"run-{run}" if run and "/" not in run and run not in (".", "..") else f"moved-{new_run_id()}"
     dest = directory / PREVIOUS / name
     while dest.exists():
         dest = directory / PREVIOUS / f"{name}-{uuid.uuid4().hex[:6]}"
     dest.mkdir(parents=True)
     moved = []
-    for path in [pointer] * pointer.exists() + files:  # the pointer first: no commit names a file mid-move
+    for path in [pointer] * pointer.exists() + files + folders:  # the pointer first: no commit names a file mid-move
         os.replace(path, dest / path.name)
         moved.append(dest / path.name)
     fsync_path(dest)

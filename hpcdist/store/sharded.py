@@ -70,10 +70,11 @@ def error_of(exc: BaseException) -> CheckpointError:
 
 def save(directory: Path | str, step: int, state: dict[str, Any], *, process_group: Any = None,
          attrs: Mapping[str, Any] | None = None, keep_last: int | None = None,
-         epoch: int = 0) -> checkpoints.SaveStats | None:
+         epoch: int = 0, identity: Callable[[], Mapping[str, Any]] | None = None) -> checkpoints.SaveStats | None:
     """Every rank of `process_group` saves its part of `state`; committed once. The coordinator's
-    SaveStats (None on other ranks)."""
-    writer = ShardedWriter(directory, step, epoch=epoch, attrs=attrs, keep_last=keep_last)
+    SaveStats (None on other ranks). `identity`: the commit's run, job and claim check
+    (``CheckpointStore.commit_identity``)."""
+    writer = ShardedWriter(directory, step, epoch=epoch, attrs=attrs, keep_last=keep_last, identity=identity)
     save_with(state, writer, process_group)
     return writer.stats
 

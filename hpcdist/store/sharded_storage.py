@@ -61,7 +61,8 @@ class ShardedWriter(StorageWriter):
                  keep_last: int | None = None, identity: Callable[[], Mapping[str, Any]] | None = None,
                  tree: Mapping[str, Any] | None = None, algorithm: str | None = None) -> None:
         """`identity`: the coordinator's commit identity (``CheckpointStore.commit_identity``: the run,
-        the writer's job, the claim's check), asked for in ``finish`` so a failure there reaches every
+        the writer's job, the claim's check), asked for once in ``prepare_global_plan``, before any rank
+        writes (a new run sets the earlier run's files aside then), so a failure there reaches every
         rank through DCP. `tree`: groups the coordinator writes into the index beside ``/sharded`` (a
         store tree of small values a reader wants without the shards: a trainer's sampler, tokenizer);
         `algorithm`: the checksum of every chunk (``hpcdist.store.checksum.chosen()`` by default)."""
@@ -73,12 +74,14 @@ class ShardedWriter(StorageWriter):
         if "sharded" in self.tree:
             raise ValueError("the index's extra tree may not have a group named sharded: the index's own")
         self.identity = identity
+        self._identity: dict[str, Any] | None = None  # asked for once, at planning
         self.folder = shards_dir(self.directory, self.step)
         self.is_coordinator = False
         self.stats: checkpoints.SaveStats | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.stats = None
+        self._identity = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -90,6 +93,10 @@ class ShardedWriter(StorageWriter):
         from dataclasses import replace
 
         attempt = uuid.uuid4().hex[:8]  # one per save: a failed save never overwrites a committed file
+        # The commit's identity before any rank writes: a new run sets the earlier run's files aside
+        # (shard folders included) now, not after this save's shards went into a folder of theirs.
+        if self.identity is not None:
+            self._identity = dict(self.identity())
         return [replace(plan, storage_data=(attempt, i)) for i, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -154,7 +161,8 @@ class ShardedWriter(StorageWriter):
             "metadata_json": text, "metadata_sha256": hashlib.sha256(text.encode()).hexdigest(), "files": files,
             "folder": self.folder.name}}
         attrs = {**self.attrs, LAYOUT_ATTR: LAYOUT}
-        identity = dict(self.identity()) if self.identity is not None else {}
+        identity = self._identity if self._identity is not None else (
+            dict(self.identity()) if self.identity is not None else {})
         self.stats = checkpoints.save(self.directory, self.step, tree, epoch=self.epoch, attrs=attrs,
                                       keep_last=self.keep_last, checksum=self.checksum, **identity)
         for stray in self.folder.iterdir():  # earlier failed attempts at this step, and their temporaries
