@@ -172,3 +172,24 @@ def test_an_endpoint_that_never_comes_over_mpi_aborts_the_job() -> None:
     assert proc.returncode != 0
     assert "rendezvous: no endpoint from rank 0 over MPI within 2 s (this is rank 1 on" in proc.stderr, proc.stderr
     assert "aborting the MPI job" in proc.stderr and time.monotonic() - t0 < 40
+
+
+def test_two_ranks_given_one_gpu_are_refused_before_nccl_starts() -> None:
+    """NCCL's own "Duplicate GPU detected" comes from inside init_process_group, naming CUDA device
+    numbers; the check-in compares GPU UUIDs first and every rank raises the same one-line error."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    gpus = ["GPU-aaaa", "GPU-bbbb", "GPU-aaaa"]
+
+    def rank(r: int) -> object:
+        client = dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=30))
+        return group.check_in(client, info(r, 3, hostname="gpu08"), 10, gpus[r])
+
+    results = run_ranks(3, rank)
+    want = ("ranks 0, 2 were given one GPU (GPU-aaaa) on gpu08: NCCL needs a GPU per rank; bind one GPU per "
+            "task (--gpus-per-task=1 or --gpu-bind) or set tasks_per_node to the GPUs per node")
+    assert [str(e) for e in results] == [want] * 3
+    assert all(isinstance(e, BootstrapError) for e in results)

@@ -28,12 +28,20 @@ log = logging.getLogger("hpcdist")
 
 
 def choose_backend(spec: JobSpec, info: RankInfo, env: Mapping[str, str]) -> tuple[str, Any]:
-    """NCCL when this rank has a GPU of its own, gloo otherwise; launch mistakes are errors."""
+    """NCCL when this rank has a GPU of its own, gloo otherwise; launch mistakes are errors.
+
+    Under ``backend: auto`` a rank has a GPU of its own when the scheduler bound GPUs to its task
+    (``CUDA_VISIBLE_DEVICES`` set) or the node's GPUs are at least its ranks: a spec that asks for
+    no GPUs, run inside an allocation that has them (the preflight, run by ``srun`` in a training
+    job), then measures NCCL on the GPUs rather than gloo on CPU tensors.
+    """
     import torch
 
     visible = env.get("CUDA_VISIBLE_DEVICES", "")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     wants_gpu = spec.backend == "nccl" or spec.resources.gpus_per_node > 0
+    if spec.backend == "auto" and gpus and (visible_entries(env) or info.local_world_size <= gpus):
+        wants_gpu = True
     if wants_gpu and gpus == 0:
         hint = "no GPU is visible"
         if visible:
@@ -52,19 +60,30 @@ def choose_backend(spec: JobSpec, info: RankInfo, env: Mapping[str, str]) -> tup
     return "nccl", torch.device("cuda", cuda_index(info.local_rank, env, gpus))
 
 
-def _check_gpu_sharing(ctx: JobContext) -> None:
+def gpu_uuid(device: Any) -> str:
+    """The UUID of a CUDA `device` (what tells two ranks' GPUs apart across renumbering); "" on CPU."""
+    import torch
+
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
+
+
+def adopt_device(device: Any) -> Any:
+    """Make `device` this rank's current CUDA device before any collective runs, also under a group
+    the script made itself (``hpcdist.init()`` after its own ``init_process_group``): otherwise
+    every rank's object collectives run on ``cuda:0``. A group bound to a device keeps that one."""
     import torch
     import torch.distributed as dist
 
-    uuid = str(torch.cuda.get_device_properties(ctx.device).uuid)
-    seen: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(seen, (ctx.info.hostname, uuid))
-    owners: dict[tuple[str, str], list[int]] = {}
-    for r, key in enumerate(seen):
-        owners.setdefault(key, []).append(r)
-    shared = [ranks for ranks in owners.values() if len(ranks) > 1]
-    if shared:
-        raise BootstrapError(f"ranks {shared[0]} share one GPU on {seen[shared[0][0]][0]}; bind one GPU per rank")
+    if device.type != "cuda":
+        return device
+    if dist.is_initialized():
+        bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+        if bound is not None and bound != device:
+            log.warning("the script's group is bound to %s, not %s (hpcdist's choice): using %s", bound, device,
+                        bound)
+            device = bound
+    torch.cuda.set_device(device)
+    return device
 
 
 def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *, uses_mpi: bool = False,
@@ -110,6 +129,8 @@ def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *
         mpi_comm = _init_mpi(info)
         timings["mpi_init"] = time.perf_counter() - t
     backend, device = choose_backend(spec, info, env)
+    if backend == "nccl":
+        device = adopt_device(device)
 
     os.environ.update(group.socket_ifname_env(site.network.socket_ifname))
     t = time.perf_counter()
@@ -124,7 +145,7 @@ def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *
     else:
         store, endpoint, hosts_by_rank = group.rendezvous(
             info, timeout, env, spec.paths(site).rendezvous if shared_scratch else None, site.network.socket_ifname,
-            mpi_comm)
+            mpi_comm, gpu=gpu_uuid(device) if backend == "nccl" else "")
     info = info.placed(hosts_by_rank)  # the node index from every rank's host (Open MPI names none)
     timings["rendezvous"] = time.perf_counter() - t
     if makes_group and not dist.is_initialized():
@@ -148,8 +169,6 @@ def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *
         standalone=standalone,
     )
     ctx.requeue = requeue.requeue_for(env)  # no rendezvous file to clear: forget_endpoint removed it
-    if backend == "nccl" and makes_group:
-        _check_gpu_sharing(ctx)
     where = f"endpoint {endpoint.addr}:{endpoint.port} via {endpoint.via}" if endpoint else "no store server"
     log.info("group ready: %s, backend %s, %s, %.2f s after entry", info.describe(), backend, where,
              time.time() - t_entry)

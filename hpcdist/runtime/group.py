@@ -288,26 +288,33 @@ def _read_endpoint(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def check_in(store: dist.Store, info: RankInfo, timeout: float) -> dict[int, str]:
+def check_in(store: dist.Store, info: RankInfo, timeout: float, gpu: str = "") -> dict[int, str]:
     """Every rank announces itself and waits for all others; returns rank -> host.
+
+    `gpu` (the UUID of this rank's GPU, under NCCL) joins the announcement, so two ranks given one
+    GPU are refused here, on every rank with the same message, before NCCL's own "Duplicate GPU
+    detected" would stop ``init_process_group`` with no word of which ranks or what to change.
 
     Requests grow linearly with the ranks: each rank sets its key and bumps a counter; the last
     to arrive marks the roll complete; rank 0 then reads every key in one request and publishes
     the host table, which every other rank waits for (one blocking wait, no polling).
     A rank missing after `timeout` is named in the error every waiting rank raises.
     """
-    store.set(f"hpcdist/join/{info.rank}", info.hostname)
+    store.set(f"hpcdist/join/{info.rank}", f"{info.hostname} {gpu}".rstrip())
     _count_in(store, "hpcdist/joined", info.world_size)
     keys = _rank_keys("hpcdist/join", info.world_size)
+    shared = ""
     try:
         if info.is_main:
             store.wait(["hpcdist/joined/all"], timedelta(seconds=timeout))
-            hosts = [v.decode() for v in store.multi_get(keys)]
-            store.set("hpcdist/hosts", json.dumps(hosts))
+            seats = [v.decode().split(" ", 1) for v in store.multi_get(keys)]
+            hosts: Any = [seat[0] for seat in seats]
+            shared = shared_gpus(seats)
+            store.set("hpcdist/hosts", json.dumps({"shared": shared} if shared else hosts))
         else:
             store.wait(["hpcdist/hosts"], timedelta(seconds=timeout))
             hosts = json.loads(store.get("hpcdist/hosts"))
-            if isinstance(hosts, dict):  # rank 0 gave up: it names the missing ranks to everyone
+            if isinstance(hosts, dict) and "missing" in hosts:  # rank 0 gave up: it names them to everyone
                 raise TimeoutError(f"rank 0 saw rank(s) {_ranks(hosts['missing'])} missing")
     except Exception as exc:  # the wait timed out, or rank 0 (the store's server) gave up or died
         missing = _missing(store, keys)
@@ -326,7 +333,25 @@ def check_in(store: dist.Store, info: RankInfo, timeout: float) -> dict[int, str
             f"{timeout:g} s (this is rank {info.rank} on {info.hostname}); the missing rank "
             f"died or was never started: see its log"
         ) from exc
+    if isinstance(hosts, dict) or (info.is_main and shared):
+        raise BootstrapError(shared if info.is_main else hosts["shared"])
     return dict(enumerate(hosts))
+
+
+def shared_gpus(seats: list[list[str]]) -> str:
+    """The refusal for ranks that were given one GPU (each seat: host, and the GPU's UUID when it
+    has one); "" when every rank has a GPU of its own."""
+    owners: dict[tuple[str, str], list[int]] = {}
+    for r, seat in enumerate(seats):
+        if len(seat) > 1:
+            owners.setdefault((seat[0], seat[1]), []).append(r)
+    shared = [(key, ranks) for key, ranks in owners.items() if len(ranks) > 1]
+    if not shared:
+        return ""
+    (host, uuid), ranks = shared[0]
+    more = f" (and {len(shared) - 1} more GPU(s) shared)" if len(shared) > 1 else ""
+    return (f"ranks {_ranks(ranks)} were given one GPU ({uuid}) on {host}{more}: NCCL needs a GPU per rank; "
+            f"bind one GPU per task (--gpus-per-task=1 or --gpu-bind) or set tasks_per_node to the GPUs per node")
 
 
 def _rank_keys(prefix: str, world_size: int) -> list[str]:
@@ -353,14 +378,15 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def rendezvous(info: RankInfo, timeout: float, env: Mapping[str, str], rendezvous_dir: Path | None,
-               ifname: str | None, mpi_comm: Any = None) -> tuple[dist.Store, Endpoint, dict[int, str]]:
+               ifname: str | None, mpi_comm: Any = None, gpu: str = "") -> tuple[dist.Store, Endpoint, dict[int, str]]:
     """The whole rendezvous, the one sequence every bootstrap runs (a job's, and ``hpcdist.init()``
-    outside one): rank 0's store opened and published, every rank checked in, the endpoint file
-    removed; the store, its endpoint and every rank's host."""
+    outside one): rank 0's store opened and published, every rank checked in (with its GPU's UUID
+    under NCCL: see ``check_in``), the endpoint file removed; the store, its endpoint and every
+    rank's host."""
     key = rendezvous_key(dict(env), info)
     store, endpoint = open_store(info, timeout, rendezvous_dir=rendezvous_dir, key=key, mpi_comm=mpi_comm,
                                  ifname=ifname)
-    hosts_by_rank = check_in(store, info, timeout)
+    hosts_by_rank = check_in(store, info, timeout, gpu)
     forget_endpoint(rendezvous_dir, key, info)
     return store, endpoint, hosts_by_rank
 
