@@ -142,8 +142,11 @@ class Checker:
     """Runs hpcdist's own entry points on the `local` site, storage under `work`."""
 
     def __init__(self, work: Path, quick: bool) -> None:
+        import torch
+
         self.work = work
         self.quick = quick
+        self.gpus = torch.cuda.device_count()
         self.rows: list[Row] = []
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
@@ -222,8 +225,15 @@ class Checker:
         proc, path = self.entry("nccl", "jobs/bench_collectives.yaml", "backend=nccl", "params.paths=[torch]",
                                 *common, timeout=300)
         self.add(self._bench_row("bench_collectives torch/nccl", proc, path))
-        self.add(Row("bench_p2p torch/nccl", "skip", "",
-                     "point to point needs 2 ranks, and NCCL refuses two ranks on one GPU; run it on 2 GPUs"))
+        if self.gpus < 2:
+            self.add(Row("bench_p2p torch/nccl (pingpong, unidir, bidir)", "skip", "",
+                         "not run: needs 2 GPUs (NCCL refuses two ranks on one GPU); bidir's order under NCCL is "
+                         "checked on CPU by tests/test_bench_p2p_order.py"))
+        else:
+            proc, path = self.entry("p2p", "jobs/bench_p2p.yaml", "backend=nccl", "resources.tasks_per_node=2",
+                                    "resources.gpus_per_node=2", "site.partitions.local.gpus_per_node=2",
+                                    "params.paths=[torch]", "params.enforce_minimums=false", timeout=300)
+            self.add(self._bench_row("bench_p2p torch/nccl (pingpong, unidir, bidir)", proc, path))
         try:
             from mpi4py import MPI
         except ImportError as exc:
@@ -310,6 +320,102 @@ class Checker:
                    f"loss {a.get('final_loss', float('nan')):.3f}, {a.get('num_params', 0) / 1e6:.0f}M params, "
                    f"peak {peak} TFLOP/s, precision {a.get('precision')}")
 
+    # -- 7: GPU-only paths of issue 35
+    def duplicate_gpu(self) -> None:
+        """Two ranks given one GPU: hpcdist's one-line refusal at check-in, not NCCL's "Duplicate GPU"."""
+        args = ["-m", "hpcdist.cli", "submit", "jobs/smoke.yaml", "--site", "local", "--wait",
+                *self.storage("dup"), "--set", "backend=nccl", "--set", "resources.tasks_per_node=2",
+                "--set", "timeout_s=60"]
+        t = time.time()
+        proc = subprocess.run([sys.executable, *args], cwd=ROOT, env={**self.env, "CUDA_VISIBLE_DEVICES": "0"},
+                              capture_output=True, text=True, timeout=240)
+        logs = proc.stdout + proc.stderr + "".join(
+            p.read_text(errors="replace") for p in (self.work / "dup" / "logs").rglob("*") if p.is_file())
+        ours = [ln.strip() for ln in logs.splitlines() if "were given one GPU" in ln]
+        ok = proc.returncode != 0 and bool(ours) and "Duplicate GPU detected" not in logs
+        self.add(Row("two ranks on one GPU refused", "ok" if ok else "fail", f"{time.time() - t:.0f} s",
+                     ours[0][-220:] if ours else self.why(proc)))
+
+    def cuda_results(self) -> None:
+        """A script's CUDA tensors given to ctx.results reach the result file as numbers."""
+        script = self.work / "cuda_results.py"
+        script.write_text(
+            "import torch, hpcdist\nctx = hpcdist.init()\nx = torch.ones(4, device=ctx.device, requires_grad=True)\n"
+            "ctx.results.attrs['loss'] = (x * 0.5).sum()\nctx.results.attrs['device'] = str(ctx.device)\n"
+            "ctx.results.table('steps', {'loss': [x.sum(), x.sum() * 2], 'n': torch.arange(2, device=ctx.device)})\n"
+            "ctx.close()\n")
+        env = {k: v for k, v in self.env.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))}
+        proc = subprocess.run([sys.executable, str(script)], cwd=self.work, env=env, capture_output=True, text=True,
+                              timeout=180)
+        found = sorted((self.work / "hpcdist-out" / "results" / "cuda_results").glob("*.h5"))
+        if proc.returncode != 0 or not found:
+            self.add(Row("CUDA tensors to ctx.results", "fail", "", self.why(proc)))
+            return
+        from hpcdist.store.results import read_attrs
+
+        a = read_attrs(found[-1])
+        ok = a.get("loss") == 2.0 and str(a.get("device", "")).startswith("cuda")
+        self.add(Row("CUDA tensors to ctx.results", "ok" if ok else "fail", f"loss {a.get('loss')}",
+                     f"on {a.get('device')}, written to {found[-1].name}"))
+
+    def infer_bf16(self) -> None:
+        """infer_gpt in bfloat16 from the fp16 run's checkpoint: weights and KV cache in 2 bytes a value."""
+        ckpts = sorted((self.work / "gpt2-fp16" / "checkpoints").rglob("*.h5"))
+        if not ckpts:
+            self.add(Row("infer_gpt bfloat16 memory", "skip", "", "no checkpoint: the training check wrote none"))
+            return
+        prompts = self.work / "prompts.txt"
+        prompts.write_text("\n".join(f"The cluster node {i} reports" for i in range(8)) + "\n")
+        proc, path = self.entry("infer", "jobs/infer_gpt.yaml", "backend=nccl", f"params.checkpoint={ckpts[-1]}",
+                                f"params.prompts={prompts}", "params.tp=1", "params.dtype=bfloat16",
+                                "params.max_new_tokens=64", "params.end_token=null", timeout=300)
+        if proc.returncode != 0 or path is None:
+            self.add(Row("infer_gpt bfloat16 memory", "fail", "", self.why(proc)))
+            return
+        import h5py
+
+        from hpcdist.store.results import read_table
+
+        with h5py.File(path) as f:
+            dtype = f.attrs["dtype"]
+            ranks = read_table(f["ranks"])
+            n = json.loads(f.attrs["model_config_json"])
+        from hpcdist.model.config import GPTConfig
+
+        params = GPTConfig(**n).num_params()
+        w, kv, peak = (int(ranks[k][0]) for k in ("weight_bytes", "kv_cache_peak_bytes", "device_peak_bytes"))
+        ok = dtype == "bfloat16" and 2 * params <= w < 2.2 * params  # + the transposed head copy
+        self.add(Row("infer_gpt bfloat16 memory", "ok" if ok else "fail",
+                     f"weights {w / 1e6:.0f} MB, KV {kv / 1e6:.0f} MB, device peak {peak / 1e6:.0f} MB",
+                     f"dtype {dtype}; {params / 1e6:.0f}M params x 2 bytes = {2 * params / 1e6:.0f} MB "
+                     f"(+ the head's transposed copy); float32 would hold twice"))
+
+    def determinism(self) -> None:
+        """params.deterministic: two runs of the same steps give the same losses, bit for bit."""
+        tokens = self.work / "tokens.h5"
+        model = "params.model={" + ", ".join(f"{k}: {v}" for k, v in GPT2_SMALL.items()) + "}"
+        losses = []
+        t = time.time()
+        for i in range(2):
+            proc, path = self.entry(f"det{i}", "jobs/train_gpt.yaml", "backend=nccl", f"params.data={tokens}", model,
+                                    "params.steps=8", "params.batch.micro=8", "params.batch.accum=1",
+                                    "params.optim.warmup_steps=2", "params.eval.every=0", "params.eval.batches=1",
+                                    "params.checkpoint.every=0", "params.log_every=1", "params.precision=bf16",
+                                    "params.deterministic=true", "timeout_s=300", timeout=420)
+            if proc.returncode != 0 or path is None:
+                self.add(Row("deterministic training (params.deterministic)", "fail", "", self.why(proc)))
+                return
+            import h5py
+
+            from hpcdist.store.results import read_table
+
+            with h5py.File(path) as f:
+                losses.append([float(v) for v in read_table(f["train/steps"])["loss"]])
+        same = losses[0] == losses[1] and len(losses[0]) > 0
+        self.add(Row("deterministic training (params.deterministic)", "ok" if same else "fail",
+                      f"{len(losses[0])} steps, {time.time() - t:.0f} s",
+                      f"losses identical to the bit: {same} (last {losses[0][-1]!r} vs {losses[1][-1]!r})"))
+
     # -- 6
     def generation(self) -> None:
         sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -355,6 +461,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             c.guarded("NCCL group (1 rank)", c.nccl_group)
             c.guarded("bench", c.bench)
             c.guarded("train GPT-2 small", lambda: c.train("gpt2"))
+            c.guarded("two ranks on one GPU refused", c.duplicate_gpu)
+            c.guarded("CUDA tensors to ctx.results", c.cuda_results)
+            c.guarded("infer_gpt bfloat16 memory", c.infer_bf16)
+            c.guarded("deterministic training (params.deterministic)", c.determinism)
         c.guarded("generation vs transformers", c.generation)
         facts["seconds"] = round(time.time() - t0)
         write_table(c.rows, args.out, facts)
