@@ -322,19 +322,25 @@ class Checker:
 
     # -- 7: GPU-only paths of issue 35
     def duplicate_gpu(self) -> None:
-        """Two ranks given one GPU: hpcdist's one-line refusal at check-in, not NCCL's "Duplicate GPU"."""
-        args = ["-m", "hpcdist.cli", "submit", "jobs/smoke.yaml", "--site", "local", "--wait",
+        """Two ranks given one GPU: hpcdist's one-line refusal at check-in, not NCCL's "Duplicate GPU".
+
+        The ranks are started as the local launcher starts them, but both with CUDA_VISIBLE_DEVICES=0
+        (what a site whose binding gives two tasks one GPU does); the local site itself would hide the
+        GPU from a job that asks for none."""
+        args = [sys.executable, "-m", "hpcdist.runtime.entry", "jobs/smoke.yaml", "--site", "local",
                 *self.storage("dup"), "--set", "resources.tasks_per_node=2", "--set", "timeout_s=60"]
-        # backend auto: both ranks see the one GPU bound to them (CUDA_VISIBLE_DEVICES=0), so both take NCCL
+        job = f"dup{os.getpid()}"
         t = time.time()
-        proc = subprocess.run([sys.executable, *args], cwd=ROOT, env={**self.env, "CUDA_VISIBLE_DEVICES": "0"},
-                              capture_output=True, text=True, timeout=240)
-        logs = proc.stdout + proc.stderr + "".join(
-            p.read_text(errors="replace") for p in (self.work / "dup" / "logs").rglob("*") if p.is_file())
+        procs = [subprocess.Popen(args, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={
+            **self.env, "CUDA_VISIBLE_DEVICES": "0", "SUBMITIT_LOCAL_JOB_ID": job, "SUBMITIT_LOCAL_GLOBALID": str(r),
+            "SUBMITIT_LOCAL_LOCALID": str(r), "SUBMITIT_LOCAL_NTASKS": "2", "SUBMITIT_LOCAL_NODEID": "0",
+            "SUBMITIT_LOCAL_JOB_NUM_NODES": "1"}) for r in range(2)]
+        outs = [p.communicate(timeout=180)[0] for p in procs]
+        logs = "\n".join(outs)
         ours = [ln.strip() for ln in logs.splitlines() if "were given one GPU" in ln]
-        ok = proc.returncode != 0 and bool(ours) and "Duplicate GPU detected" not in logs
-        self.add(Row("two ranks on one GPU refused", "ok" if ok else "fail", f"{time.time() - t:.0f} s",
-                     ours[0][-220:] if ours else self.why(proc)))
+        ok = all(p.returncode != 0 for p in procs) and len(ours) >= 2 and "Duplicate GPU detected" not in logs
+        detail = ours[0][-240:] if ours else f"exit {[p.returncode for p in procs]}: {logs.strip()[-300:]}"
+        self.add(Row("two ranks on one GPU refused", "ok" if ok else "fail", f"{time.time() - t:.0f} s", detail))
 
     def cuda_results(self) -> None:
         """A script's CUDA tensors given to ctx.results reach the result file as numbers."""
