@@ -61,10 +61,11 @@ def choose_backend(spec: JobSpec, info: RankInfo, env: Mapping[str, str]) -> tup
 
 
 def gpu_uuid(device: Any) -> str:
-    """The UUID of a CUDA `device` (what tells two ranks' GPUs apart across renumbering); "" on CPU."""
+    """The UUID of a CUDA `device` as ``nvidia-smi -L`` shows it (``GPU-f60acc4e-...``: what tells two
+    ranks' GPUs apart across renumbering); "" on CPU."""
     import torch
 
-    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
+    return f"GPU-{torch.cuda.get_device_properties(device).uuid}" if device.type == "cuda" else ""
 
 
 def adopt_device(device: Any) -> Any:
