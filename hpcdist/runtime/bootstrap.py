@@ -60,12 +60,12 @@ def choose_backend(spec: JobSpec, info: RankInfo, env: Mapping[str, str]) -> tup
     return "nccl", torch.device("cuda", cuda_index(info.local_rank, env, gpus))
 
 
-def gpu_uuid(device: Any) -> str:
-    """The UUID of a CUDA `device` as ``nvidia-smi -L`` shows it (``GPU-f60acc4e-...``: what tells two
-    ranks' GPUs apart across renumbering); "" on CPU."""
+def visible_gpus() -> list[str]:
+    """The UUIDs of the GPUs this rank sees, in CUDA's order, as ``nvidia-smi -L`` names them
+    (``GPU-f60acc4e-...``): what tells two ranks' GPUs apart whatever each task's numbering."""
     import torch
 
-    return f"GPU-{torch.cuda.get_device_properties(device).uuid}" if device.type == "cuda" else ""
+    return [f"GPU-{torch.cuda.get_device_properties(i).uuid}" for i in range(torch.cuda.device_count())]
 
 
 def adopt_device(device: Any) -> Any:
@@ -130,23 +130,28 @@ def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *
         mpi_comm = _init_mpi(info)
         timings["mpi_init"] = time.perf_counter() - t
     backend, device = choose_backend(spec, info, env)
-    if backend == "nccl":
-        device = adopt_device(device)
 
     os.environ.update(group.socket_ifname_env(site.network.socket_ifname))
     t = time.perf_counter()
     store: Any = None
     endpoint: group.Endpoint | None = None
     if standalone and dist.is_initialized():  # the script's launcher made the group (env://)
+        if backend == "nccl":
+            device = adopt_device(device)  # before the object collective below
         hosts: list[Any] = [None] * info.world_size
         dist.all_gather_object(hosts, info.hostname)
         hosts_by_rank = dict(enumerate(hosts))
     elif standalone and info.world_size == 1:
         store, hosts_by_rank = dist.HashStore(), {0: info.hostname}
     else:
-        store, endpoint, hosts_by_rank = group.rendezvous(
+        gpus = visible_gpus() if backend == "nccl" else []
+        store, endpoint, hosts_by_rank, seat = group.rendezvous(
             info, timeout, env, spec.paths(site).rendezvous if shared_scratch else None, site.network.socket_ifname,
-            mpi_comm, gpu=gpu_uuid(device) if backend == "nccl" else "")
+            mpi_comm, gpus=gpus, prefer=device.index or 0)
+        if seat is not None:  # rank 0's placement: one GPU per rank, also where tasks see subsets
+            device = torch.device("cuda", seat)
+    if backend == "nccl":
+        device = adopt_device(device)
     info = info.placed(hosts_by_rank)  # the node index from every rank's host (Open MPI names none)
     timings["rendezvous"] = time.perf_counter() - t
     if makes_group and not dist.is_initialized():
