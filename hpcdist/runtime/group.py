@@ -350,8 +350,20 @@ def take_seats(store: dist.Store, info: RankInfo, timeout: float, gpus: Sequence
             f"died or was never started: see its log"
         ) from exc
     if isinstance(hosts, dict) or (info.is_main and shared):
+        _all_refused(store, info, timeout)
         raise BootstrapError(shared if info.is_main else hosts["shared"])
     return dict(enumerate(hosts)), (placed[info.rank] if gpus else None)
+
+
+def _all_refused(store: dist.Store, info: RankInfo, timeout: float) -> None:
+    """Every rank has read rank 0's refusal before rank 0, the store's server, leaves with it: else a
+    rank still waiting would see only the store close."""
+    _count_in(store, "hpcdist/refused", info.world_size)
+    if info.is_main:
+        try:
+            store.wait(["hpcdist/refused/all"], timedelta(seconds=min(timeout, 30.0)))
+        except Exception:  # noqa: BLE001 - a rank that is gone cannot read it anyway
+            pass
 
 
 def place_gpus(seats: list[list[str]]) -> tuple[list[int], str]:
