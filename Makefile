@@ -55,8 +55,10 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy hpcdist
 
 # Every GPU path on a machine with one GPU and no network (< 10 min); "no GPU" and exit 2 elsewhere.
-# Uses the python that is there (GPU machines carry their own torch); wheels for what lacks: .whl/
-GPU_PY ?= $(shell test -x $(PY) && echo $(PY) || echo python3)
+# The first python whose torch sees a GPU: the machine's own (GPU machines carry their own torch)
+# before .venv, whose torch is the CPU wheel; wheels for what lacks: .whl/
+GPU_PY ?= $(shell for p in python3 $(PY); do $$p -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' \
+	>/dev/null 2>&1 && { echo $$p; exit 0; }; done; echo python3)
 gpu-check:
 	$(GPU_PY) benchmarks/gpu_check.py
 

@@ -231,7 +231,10 @@ class SrunLauncher(Launcher):
     )
 
     def command(self, plan: LaunchPlan) -> str:
-        return " ".join(["srun", *_srun_io(plan), *_q(plan.args), shlex.quote(plan.python),
+        # srun does not inherit the allocation's --cpus-per-task (Slurm >= 22.05): without it each
+        # task gets one CPU, its threads, NCCL's proxy and the checkpoint writers on one core
+        cpus = [f"--cpus-per-task={plan.cpus_per_task}"] if plan.cpus_per_task > 1 else []
+        return " ".join(["srun", *_srun_io(plan), *cpus, *_q(plan.args), shlex.quote(plan.python),
                          f"-u -m {SUBMITIT_RUNNER}", shlex.quote(str(plan.folder))])
 
 

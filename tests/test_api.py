@@ -201,6 +201,32 @@ def _run_opts(cwd: Path) -> dict[str, object]:
     return {"cwd": cwd, "env": _plain_env(), "text": True, "capture_output": True, "timeout": 120}
 
 
+def test_tensors_given_to_results_are_written_as_numbers(tmp_path: Path) -> None:
+    """A script hands ctx.results what it has: a loss that still requires grad, bfloat16 figures, a
+    tensor column (on a GPU, a CUDA tensor: the same conversion to the host, checked by gpu-check).
+    np.asarray refused each of them at close(), after the whole run."""
+    script = tmp_path / "figs.py"
+    script.write_text(
+        "import torch, hpcdist\nctx = hpcdist.init()\nw = torch.ones(2, requires_grad=True)\n"
+        "ctx.results.attrs['loss'] = (w * 1.5).sum()\n"
+        "ctx.results.attrs['lr'] = torch.tensor(0.25, dtype=torch.bfloat16)\n"
+        "ctx.results.table('steps', {'loss': [w.sum(), w.sum() * 2], 'tokens': torch.arange(2)})\nctx.close()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC_", "OMPI_",
+                                                                     "PMI", "RANK", "WORLD_SIZE", "HPCDIST_SITE"))}
+    env["PYTHONPATH"] = str(REPO)
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, text=True, capture_output=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (path,) = (tmp_path / "hpcdist-out" / "results" / "figs").glob("*.h5")
+    attrs = read_attrs(path)
+    assert (attrs["loss"], attrs["lr"]) == (3.0, 0.25)
+    import h5py
+
+    with h5py.File(path) as f:
+        steps = read_table(f["steps"])
+    assert list(steps["loss"]) == [2.0, 4.0] and list(steps["tokens"]) == [0, 1]
+
+
 # ---------------------------------------------------------------- the directory claim
 
 

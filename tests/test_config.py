@@ -23,9 +23,12 @@ def test_shipped_sites_load() -> None:
     assert {"local", "local-slurm", "hdr-a100", "ndr-h100"} <= set(site_names())
     for name in ("hdr-a100", "ndr-h100"):
         site = load_site(name)
-        gpu_parts = [p for p in site.partitions.values() if p.gpus_per_node == 4]
+        gpu_parts = [p for p in site.partitions.values() if p.gpus_per_node in (4, 8)]
         assert gpu_parts and site.network.ib_hcas and site.network.link_rate_gbps in (200, 400)
         assert any(k.startswith("NCCL_") for k in site.env)
+    h100 = load_site("ndr-h100")  # an HGX H100 node: 8 GPUs, one NDR400 compute NIC per GPU
+    assert {p.gpus_per_node for p in h100.partitions.values()} == {8}
+    assert len(h100.network.ib_hcas) == 8 and h100.env["NCCL_IB_HCA"].count("mlx5_") == 8
 
 
 def test_local_is_the_default_site(monkeypatch: pytest.MonkeyPatch) -> None:

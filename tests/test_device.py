@@ -73,3 +73,32 @@ def test_ranks_beyond_the_shared_gpus_are_refused(fake_cuda: dict[str, Any]) -> 
                                    "resources": {"nodes": 2, "tasks_per_node": 4, "gpus_per_node": 2}})
     with pytest.raises(BootstrapError, match=r"4 ranks on gpu08 but only 2 GPUs visible"):
         bootstrap.choose_backend(spec, RankInfo.from_env(SRUN_RANK5, hostname="gpu08"), SRUN_RANK5)
+
+
+def test_a_group_the_script_made_still_gets_the_chosen_device(fake_cuda: dict[str, Any],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """hpcdist.init() after the script's own init_process_group (no set_device of its own): the
+    rank's device is made current before the object collectives, not left at cuda:0."""
+    fake_cuda["count"] = 4
+    spec = JobSpec.model_validate({"name": "t", "kind": "python", "backend": "nccl", "params": {"script": "x.py"},
+                                   "resources": {"nodes": 2, "tasks_per_node": 4, "gpus_per_node": 4}})
+    info = RankInfo.from_env(ALL_FOUR, hostname="gpu08")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_group", lambda: object())
+    backend, device = bootstrap.choose_backend(spec, info, ALL_FOUR)
+    assert str(bootstrap.adopt_device(device)) == "cuda:1"
+    assert str(fake_cuda["bound"]) == "cuda:1"
+
+
+def test_the_preflight_inside_a_gpu_allocation_measures_nccl(fake_cuda: dict[str, Any]) -> None:
+    """`srun python -m hpcdist.runtime.entry jobs/bench_preflight.yaml` in a training job: the spec
+    asks for no GPUs, but each rank has one, so its figures are NCCL's, comparable with the site's."""
+    from hpcdist.config import load_site, load_spec
+
+    spec = load_spec("jobs/bench_preflight.yaml", load_site("local"), ["resources.nodes=1"])
+    assert spec.backend == "auto" and spec.resources.gpus_per_node == 0
+    fake_cuda["count"] = 4  # every GPU of the node visible: local rank 1 of 4 takes cuda:1
+    backend, device = bootstrap.choose_backend(spec, RankInfo.from_env(SRUN_RANK5, hostname="gpu08"), SRUN_RANK5)
+    assert (backend, str(device)) == ("nccl", "cuda:1")
+    fake_cuda["count"] = 0  # a CPU node: gloo, as before
+    assert bootstrap.choose_backend(spec, RankInfo.from_env(SRUN_RANK5, hostname="cpu01"), SRUN_RANK5)[0] == "gloo"

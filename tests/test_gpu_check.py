@@ -70,8 +70,17 @@ def test_mfu_is_achieved_flops_over_the_peak() -> None:
     assert gc.mfu(0.87e9, 200_000, 989.0) == pytest.approx(0.87e9 * 2e5 / 989e12)
     assert gc.mfu(1e9, 100_000, 100.0) == pytest.approx(1.0)
     assert gc.mfu(1e9, 100_000, None) is None
-    assert gc.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0 and gc.peak_tflops("NVIDIA H200") == 989.0
-    assert gc.peak_tflops("Tesla T4") is None
+
+
+def test_the_peak_is_the_named_parts_at_the_runs_precision() -> None:
+    """By the exact name torch gives: an H100 PCIe or NVL is not rated as the SXM part, an A10G not as
+    an A10; an fp32 run is rated against the FP32 rate, not bf16's."""
+    from hpcdist.train.metrics import peak_tflops
+
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.0 and peak_tflops("NVIDIA H200", "bf16") == 989.0
+    assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0 and peak_tflops("NVIDIA H100 NVL", "bf16") == 835.0
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "fp32") == 67.0
+    assert peak_tflops("NVIDIA A10G", "bf16") is None and peak_tflops("Tesla T4", "bf16") is None
 
 
 def test_the_table_is_printed_and_written_as_json_and_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -84,3 +93,14 @@ def test_the_table_is_printed_and_written_as_json_and_text(tmp_path: Path, capsy
     assert data["facts"]["gpu"] == "NVIDIA H100"
     assert data["rows"][1] == {"check": "bench_p2p torch/nccl", "status": "skip", "figure": "",
                                "detail": "needs 2 ranks"}
+
+
+def test_make_gpu_check_takes_the_python_whose_torch_sees_a_gpu(tmp_path: Path) -> None:
+    """On a GPU machine where `make test` made .venv (CPU torch), the machine's own python3 runs the
+    check; .venv's would report "no GPU"."""
+    fake = tmp_path / "python3"  # a python3 on PATH whose torch sees a GPU
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    proc = subprocess.run(["make", "-n", "gpu-check", "VENV=.venv"], cwd=REPO, capture_output=True, text=True, env=env)
+    assert proc.stdout.strip() == "python3 benchmarks/gpu_check.py"

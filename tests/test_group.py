@@ -172,3 +172,42 @@ def test_an_endpoint_that_never_comes_over_mpi_aborts_the_job() -> None:
     assert proc.returncode != 0
     assert "rendezvous: no endpoint from rank 0 over MPI within 2 s (this is rank 1 on" in proc.stderr, proc.stderr
     assert "aborting the MPI job" in proc.stderr and time.monotonic() - t0 < 40
+
+
+def _seat_ranks(gpus: list[list[str]], prefer: list[int]) -> list[object]:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    world = len(gpus)
+
+    def rank(r: int) -> object:
+        client = dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=30))
+        return group.take_seats(client, info(r, world, hostname="gpu08"), 10, gpus[r], prefer[r])[1]
+
+    return run_ranks(world, rank)
+
+
+def test_two_ranks_given_one_gpu_are_refused_before_nccl_starts() -> None:
+    """NCCL's own "Duplicate GPU detected" comes from inside init_process_group, naming CUDA device
+    numbers; the check-in compares GPU UUIDs first and every rank raises the same one-line error."""
+    results = _seat_ranks([["GPU-aaaa"], ["GPU-bbbb"], ["GPU-aaaa"]], [0, 0, 0])
+    want = ("ranks 0, 2 were given one GPU (GPU-aaaa) on gpu08: NCCL needs a GPU per rank; bind one GPU per "
+            "task (--gpus-per-task=1 or --gpu-bind) or set tasks_per_node to the GPUs per node")
+    assert [str(e) for e in results] == [want] * 3
+    assert all(isinstance(e, BootstrapError) for e in results)
+
+
+def test_tasks_that_see_a_subset_of_the_gpus_each_get_their_own() -> None:
+    """--gpu-bind=closest with cyclic tasks: even local ranks see the first socket's four GPUs, odd
+    ones the second's. The local rank modulo four (what each task would pick alone) gives ranks 0 and
+    4 the same GPU; the check-in places every rank on a GPU of its own."""
+    a = [f"GPU-a{i}" for i in range(4)]
+    b = [f"GPU-b{i}" for i in range(4)]
+    alone = [r % 4 for r in range(8)]
+    assert [a[alone[r]] if r % 2 == 0 else b[alone[r]] for r in (0, 4)] == ["GPU-a0", "GPU-a0"]
+    placed = _seat_ranks([a if r % 2 == 0 else b for r in range(8)], alone)
+    gpus = [(a if r % 2 == 0 else b)[i] for r, i in enumerate(placed)]  # type: ignore[index]
+    assert len(set(gpus)) == 8
+    assert placed[:4] == [0, 1, 2, 3]  # the first four keep the GPU they would have picked

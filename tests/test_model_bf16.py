@@ -114,7 +114,7 @@ def test_infer_gpt_broadcasts_a_bf16_checkpoint_as_bf16_and_generates_transforme
     bf16: dict[str, tuple[Path, Path, Any]], tmp_path: Path
 ) -> None:
     """The inference job on the local site, tp 2, `load: broadcast`: rank 0 sends the stored bf16 bytes
-    (half of float32's), every rank checks their sha256 and computes in float32."""
+    (half of float32's), every rank checks their sha256 and computes in float32 (`params.dtype`)."""
     from transformers import AutoModelForCausalLM
 
     from hpcdist.infer.hf import hf_generate_greedy
@@ -125,16 +125,51 @@ def test_infer_gpt_broadcasts_a_bf16_checkpoint_as_bf16_and_generates_transforme
     prompts.write_text("hello world\nthe cluster runs jobs\nab\n")
     run = run_cli("submit", "jobs/infer_gpt.yaml", "--site", "local", "--wait", *storage_sets(tmp_path),
                   "--set", f"params.prompts={prompts}", "--set", f"params.checkpoint={checkpoint}",
-                  "--set", "params.load=broadcast", "--set", "params.max_new_tokens=10", timeout=240)
+                  "--set", "params.load=broadcast", "--set", "params.max_new_tokens=10",
+                  "--set", "params.dtype=float32", timeout=240)
     assert run.code == 0, run.text
     (path,) = (tmp_path / "results" / "infer_gpt").glob("*.h5")
     with h5py.File(path, "r") as f:
+        assert f.attrs["dtype"] == "float32"
         asked = [list(map(int, p)) for p in f["tokens/prompt_ids"]]
         outputs = [list(map(int, o)) for o in f["tokens/output_ids"]]
     reference = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     assert outputs == hf_generate_greedy(reference, asked, 10, end_token=1)
     logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").rglob("*") if p.is_file())
     assert "weights loaded by broadcast" in logs and f"({read_header(checkpoint).nbytes} bytes)" in logs
+
+
+def test_infer_gpt_keeps_a_bf16_checkpoint_in_bf16_and_reports_each_ranks_memory(
+    bf16: dict[str, tuple[Path, Path, Any]], tmp_path: Path
+) -> None:
+    """No `params.dtype`: the model and its KV cache stay in the checkpoint's bfloat16 (upcast, every
+    rank would hold twice the weights the README's per-rank figures say); the result file says so."""
+    from hpcdist.infer.sizing import tp_costs
+    from hpcdist.store.results import read_table
+    from tests.support.cli import run_cli, storage_sets
+
+    _, checkpoint, _ = bf16["llama3-gqa"]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello world\nthe cluster runs jobs\nab\n")
+    run = run_cli("submit", "jobs/infer_gpt.yaml", "--site", "local", "--wait", *storage_sets(tmp_path),
+                  "--set", f"params.prompts={prompts}", "--set", f"params.checkpoint={checkpoint}",
+                  "--set", "params.max_new_tokens=10", timeout=240)
+    assert run.code == 0, run.text
+    (path,) = (tmp_path / "results" / "infer_gpt").glob("*.h5")
+    cfg = read_header(checkpoint).config
+    with h5py.File(path, "r") as f:
+        assert f.attrs["dtype"] == "bfloat16"
+        longest = max(len(p) for p in f["tokens/prompt_ids"])
+        ranks = read_table(f["ranks"])
+    paper = tp_costs(cfg, 2, dtype_bytes=2)  # the README's per-rank table
+    # beyond the table: the head's rows stored once more, transposed (the decode step's layout), and the
+    # rotary frequencies in float32
+    extra = -(-cfg.vocab_size // 2) * cfg.d_model * 2 + cfg.d_head // 2 * 4
+    # the table pads the untied head to equal slices; the last rank's holds one row fewer here (317 rows)
+    assert [paper.weight_bytes_per_rank + extra - int(b) for b in ranks["weight_bytes"]] == [0, cfg.d_model * 2]
+    batch = 3  # every prompt in one batch, on each rank of the tp group
+    want_kv = paper.kv_cache_bytes_per_token * batch * (longest + 10)
+    assert list(ranks["kv_cache_peak_bytes"]) == [want_kv] * 2
 
 
 def test_finetune_from_a_bf16_checkpoint_trains_float32_weights_from_the_same_values(

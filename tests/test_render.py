@@ -151,3 +151,13 @@ def test_sbatch_test_only_accepts_gpu_request(slurm_storage: Path) -> None:
     assert result.code == 0 and "#SBATCH --gpus-per-node=4" in result.out
     proc = subprocess.run(["sbatch", "--test-only"], input=result.out, text=True, capture_output=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_each_srun_task_gets_the_jobs_cpus() -> None:
+    """srun does not inherit sbatch's --cpus-per-task (Slurm 22.05 and later): each task would get
+    one CPU for its threads, NCCL's proxy and the checkpoint writers."""
+    text = rendered("jobs/smoke.yaml", "hdr-a100", ["resources.nodes=2", "resources.gpus_per_node=4",
+                                                    "resources.tasks_per_node=4", "resources.cpus_per_task=12"])
+    assert "#SBATCH --cpus-per-task=12" in text
+    step = next(ln for ln in text.splitlines() if ln.startswith("srun "))
+    assert " --cpus-per-task=12 " in step

@@ -88,6 +88,10 @@ class CommPath(Protocol):
     def isend(self, buf: Any, peer: int) -> Request: ...
     def irecv(self, buf: Any, peer: int) -> Request: ...
     def wait_all(self, reqs: list[Any]) -> None: ...
+    def exchange(self, send: Any, recv: Any, peer: int, count: int) -> None:
+        """`count` receives into `recv` and `count` sends of `send` with `peer`, posted as one
+        group and waited for: NCCL runs a pair's separate point-to-point calls in order on one
+        stream, where receives posted before sends on both sides wait for ever."""
 
 
 def host_timed(step: Callable[[], Any], iters: int) -> np.ndarray:

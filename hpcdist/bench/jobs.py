@@ -161,6 +161,12 @@ def _baseline_problems(site: Site) -> list[Problem]:
         for op in getattr(site.baselines, key):
             if op not in COLLECTIVES:
                 out.append((f"site baselines.{key}.{op}", op, f"name one of {', '.join(COLLECTIVES)}"))
+    for op, floors in site.baselines.min_busbw_gbps.items():
+        for size in floors if isinstance(floors, dict) else ():
+            try:
+                parse_size(size)
+            except ValueError:
+                out.append((f"site baselines.min_busbw_gbps.{op}.{size}", size, "key a message size: 16M, 8G, 1048576"))
     return out
 
 

@@ -147,3 +147,7 @@ class MPIPath:
 
     def wait_all(self, reqs: list[Any]) -> None:
         MPI.Request.Waitall(reqs)
+
+    def exchange(self, send: Any, recv: Any, peer: int, count: int) -> None:
+        reqs = [self.irecv(recv, peer) for _ in range(count)]
+        self.wait_all(reqs + [self.isend(send, peer) for _ in range(count)])

@@ -60,9 +60,7 @@ def exchange(
         per = float(window)
     elif test == "bidir":
         def step() -> None:
-            reqs = [path.irecv(rbuf, peer) for _ in range(window)]
-            reqs += [path.isend(buf, peer) for _ in range(window)]
-            path.wait_all(reqs)
+            path.exchange(buf, rbuf, peer, window)
         per = float(window)
     else:
         raise ValueError(f"unknown point-to-point test {test!r}")

@@ -132,3 +132,10 @@ class TorchPath:
     def wait_all(self, reqs: list[Any]) -> None:
         for r in reqs:
             r.wait()
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, peer: int, count: int) -> None:
+        # one NCCL group (batch_isend_irecv): posted one by one, both sides' receives would wait
+        # on the stream for sends queued behind them (NVIDIA/nccl#479)
+        ops = [dist.P2POp(dist.irecv, recv, peer) for _ in range(count)]
+        ops += [dist.P2POp(dist.isend, send, peer) for _ in range(count)]
+        self.wait_all(dist.batch_isend_irecv(ops))

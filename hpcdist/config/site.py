@@ -175,8 +175,10 @@ def pin_launcher_args(data: dict[str, object]) -> dict[str, object]:
 class Baselines(Frozen):
     """Figures this site is expected to reach; benchmarks compare against them."""
 
-    min_busbw_gbps: dict[str, float] = Field(
-        default_factory=dict, description="minimum bus bandwidth per collective (GB/s)"
+    min_busbw_gbps: dict[str, float | dict[str, float]] = Field(
+        default_factory=dict,
+        description="minimum bus bandwidth per collective (GB/s): one figure, a peak, compared at the largest size "
+        "a run measured; or one per message size ({16M: 40, 8G: 280}), each compared at that size when measured",
     )
     min_p2p_gbps: float | None = Field(default=None, ge=0)
     expected_busbw_gbps: dict[str, float] = Field(default_factory=dict)

@@ -48,6 +48,7 @@ class BatchOutput:
     prefill_s: float = 0.0
     step_s: list[float] = field(default_factory=list)  # duration of each decode step
     elapsed_s: float = 0.0
+    cache_bytes: int = 0  # the KV cache this batch allocated
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
@@ -149,4 +150,5 @@ def generate(
         prefill_s=prefill_s,
         step_s=step_s,
         elapsed_s=now,
+        cache_bytes=cache.nbytes,
     )

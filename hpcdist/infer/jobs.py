@@ -39,6 +39,9 @@ class InferParams(Frozen):
     load: Literal["broadcast", "shard"] = Field(
         default="broadcast", description="rank 0 reads and broadcasts, or each rank reads its own shard"
     )
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        default=None, description="the dtype the model and its KV cache run in; null: the checkpoint's own"
+    )
     bucket_mb: float = Field(default=64.0, gt=0, description="broadcast bucket size")
     verify_received: bool = Field(default=True, description="every rank checks broadcast weights' checksums")
     batch_size: int = Field(default=8, ge=1)

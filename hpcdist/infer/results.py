@@ -2,7 +2,8 @@
 
 ``infer_gpt`` adds to the common root attributes ``checkpoint``, ``checkpoint_step``,
 ``model_config_json``, ``tokenizer`` (the checkpoint's, which encoded and decoded the text), ``tp``,
-``dp``, ``load_method`` and ``sampling_json`` (``end_token`` resolved to an id), and:
+``dp``, ``load_method``, ``dtype`` (what the model and its KV cache ran in: ``bfloat16``...) and
+``sampling_json`` (``end_token`` resolved to an id), and:
 
 - ``/requests`` table, one row per prompt: ``request``, ``dp_group``, ``prompt`` (text),
   ``output`` (text, end token dropped, NUL written as ``\\x00``), ``prompt_tokens``, ``new_tokens``, ``finish``
@@ -12,7 +13,9 @@
   ``padded_prompt_tokens``, ``new_tokens``, ``prefill_s``, ``step_p50_s``, ``step_p99_s``,
   ``total_s``, ``tokens_per_s``;
 - ``/ranks`` table: ``rank``, ``host``, ``tp_rank``, ``dp_group``, ``requests``, ``new_tokens``,
-  ``load_s``, ``generate_s``, ``tokens_per_s``;
+  ``load_s``, ``generate_s``, ``tokens_per_s``, ``weight_bytes`` (the rank's shard),
+  ``kv_cache_peak_bytes`` (its largest batch's cache), ``device_peak_bytes`` (CUDA's peak
+  allocation on the rank's GPU; -1 on CPU);
 - ``/load`` attributes: ``method`` and its figures (``bytes``, ``seconds``, ``algbw_gbps``...);
 - ``/summary`` attributes: ``ttft``, ``per_token``, ``step`` and ``total`` ``_p50_s``/``_p99_s``,
   ``new_tokens``, ``wall_s``, ``tokens_per_s`` (overall).
@@ -67,6 +70,7 @@ def write_infer_result(
     summary: Mapping[str, float],
     tokenizer: Tokenizer,
     end_token: int | None,
+    dtype: str = "float32",
 ) -> Path:
     import h5py
 
@@ -77,6 +81,7 @@ def write_infer_result(
         "tp": tp,
         "dp": dp,
         "load_method": str(load["method"]),
+        "dtype": dtype,
         "tokenizer": tokenizer.name,
         "sampling_json": json.dumps(
             {**{k: getattr(params, k) for k in ("max_new_tokens", "temperature", "top_k", "top_p", "seed",

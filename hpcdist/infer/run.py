@@ -12,7 +12,7 @@ of the prompts; rank 0 gathers everything and writes the result file.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ from hpcdist.infer.broadcast import broadcast_state, describe, flat_buffer, in_b
 from hpcdist.infer.generate import Sampling, generate
 from hpcdist.infer.jobs import BroadcastParams, InferParams, inspect, locate_checkpoint, problems_text
 from hpcdist.infer.shard_load import kv_layout, read_shard, shard_state
-from hpcdist.infer.tp import TPGPT, TPGroup
+from hpcdist.infer.tp import TPGPT, TPGroup, weight_bytes
 from hpcdist.model.checkpoint import CheckpointHeader, read_full
 from hpcdist.model.checkpoint import parameter_shapes as expected_shapes
 from hpcdist.progress import report_progress
@@ -146,6 +146,13 @@ def load_shards(
     return read.state, figures
 
 
+def model_dtype(header: CheckpointHeader, params: InferParams) -> torch.dtype:
+    """The dtype generation runs in: the job's `params.dtype`, else the checkpoint's (its embedding's:
+    a bfloat16 checkpoint is never upcast, which would double every rank's weights and KV cache)."""
+    name = params.dtype or header.dtypes.get("transformer.wte.weight") or "float32"
+    return cast(torch.dtype, getattr(torch, name))
+
+
 def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
     params = agree_on_checkpoint(ctx, params)
     header, prompts, problems, tokenizer, end_token = inspect(params, ctx.site, ctx.world_size)
@@ -155,17 +162,20 @@ def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
     tp = tp_groups(ctx, params.tp)
     dp, dp_rank = ctx.world_size // params.tp, ctx.rank // params.tp
 
+    dtype = model_dtype(header, params)
     t_load = time.perf_counter()
     if params.load == "broadcast":
         full, load = load_broadcast(ctx, header, params)
         shard: dict[str, Any] = shard_state(full, cfg, tp.rank, tp.size)
+        del full  # the whole model: only this rank's shard stays (`shard` holds views of it until copied)
     else:
         shard, load = load_shards(ctx, header, tp)
-    model = TPGPT(cfg, tp, device=ctx.device)
+    model = TPGPT(cfg, tp, device=ctx.device, dtype=dtype)
     model.load_shard(shard)
     if ctx.rank == 0:
         ctx.log.info("%s", kv_layout(cfg, tp.size))
     del shard
+    weights = weight_bytes(model)
     load_s = time.perf_counter() - t_load
     ctx.log.info("weights loaded by %s in %.3f s (%s bytes) from %s", load["method"], load_s, load["bytes"],
                  header.path)
@@ -182,6 +192,7 @@ def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
     requests: list[dict[str, Any]] = []
     batches: list[dict[str, Any]] = []
     steps: list[float] = []
+    kv_peak = 0
     dist.barrier()
     t_gen = time.perf_counter()
     for start in range(0, len(mine), params.batch_size):
@@ -189,6 +200,7 @@ def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
         gen = torch.Generator(device=ctx.device).manual_seed(params.seed * 1_000_003 + ids[0])
         out = generate(model, [prompts[i] for i in ids], sampling, gen)
         new = sum(len(t) for t in out.tokens)
+        kv_peak = max(kv_peak, out.cache_bytes)
         batches.append(
             {
                 "batch": ids[0] // params.batch_size if dp == 1 else len(batches),
@@ -234,6 +246,9 @@ def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
         "load_s": load_s,
         "generate_s": gen_s,
         "tokens_per_s": my_tokens / gen_s if gen_s > 0 else float("nan"),
+        "weight_bytes": weights,  # this rank's shard, in the model's dtype
+        "kv_cache_peak_bytes": kv_peak,  # the largest batch's cache
+        "device_peak_bytes": torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else -1,
     }
     lead = tp.rank == 0  # one rank per group reports its requests (its peers hold the same)
     everyone = _agree(ctx, (rank_row, requests if lead else [], batches if lead else [], steps if lead else []))
@@ -271,6 +286,7 @@ def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
         summary=figures,
         tokenizer=tokenizer,
         end_token=end_token,
+        dtype=str(dtype).removeprefix("torch."),
     )
     first = tokenizer.decode(all_requests[0]["output_ids"])
     summary.update(

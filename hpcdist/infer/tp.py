@@ -22,6 +22,8 @@ and the model is the plain GPT with a KV cache.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
 
@@ -86,6 +88,21 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return cast(torch.Tensor, torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes a model's parameters and buffers hold (this rank's shard of them)."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
 class ColumnParallelLinear(nn.Linear):
     """y = x A_r^T + b_r: this rank's output slice; the input is the full (replicated) x."""
 
@@ -109,6 +126,7 @@ class KVCache:
                  dtype: torch.dtype = torch.float32) -> None:
         shape = (2, batch, n_head, max_len, d_head)
         self.kv = [torch.empty(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.kv)
         self.length = 0
         self.max_len = max_len
 
@@ -185,7 +203,8 @@ def _layer_tensors(block: TPBlock, pack: bool) -> _Layer:
 class TPGPT(nn.Module):
     """One rank's shard of a GPT; call `load_shard` with that rank's tensors before use."""
 
-    def __init__(self, cfg: GPTConfig, tp: TPGroup | None = None, device: torch.device | str = "cpu") -> None:
+    def __init__(self, cfg: GPTConfig, tp: TPGroup | None = None, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         tp = tp or TPGroup()
         problems = check_tp(cfg, tp.size)
@@ -194,7 +213,7 @@ class TPGPT(nn.Module):
             raise ConfigError(f"{what}={value} {todo}")
         self.cfg, self.tp = cfg, tp
         self.vocab_local = -(-cfg.vocab_size // tp.size)  # padded so every rank gathers equal slices
-        with torch.device(device):
+        with torch.device(device), _default_dtype(dtype):  # made in `dtype`: never a float32 copy first
             layers: dict[str, nn.Module] = {"wte": nn.Embedding(cfg.vocab_size, cfg.d_model)}
             if cfg.positions == "learned":
                 layers["wpe"] = nn.Embedding(cfg.context, cfg.d_model)
@@ -204,8 +223,8 @@ class TPGPT(nn.Module):
             if not cfg.tied:  # this rank's rows of the untied head
                 lo, hi = vocab_rows(cfg, tp.rank, tp.size)
                 self.lm_head = nn.Linear(cfg.d_model, hi - lo, bias=False)
-            if cfg.positions == "rope":
-                self.register_buffer("inv_freq", rope.inv_freq(cfg), persistent=False)
+            if cfg.positions == "rope":  # float32 whatever the weights: angles lose positions in bf16
+                self.register_buffer("inv_freq", rope.inv_freq(cfg).float(), persistent=False)
             # this rank's rows of the tied embedding, stored transposed (d_model, vocab): the head is
             # the largest matmul of a decode step, and the plain (NN) layout runs it faster on CPUs
             self.register_buffer("head_t", torch.zeros(cfg.d_model, self.vocab_local), persistent=False)

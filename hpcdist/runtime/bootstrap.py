@@ -28,12 +28,20 @@ log = logging.getLogger("hpcdist")
 
 
 def choose_backend(spec: JobSpec, info: RankInfo, env: Mapping[str, str]) -> tuple[str, Any]:
-    """NCCL when this rank has a GPU of its own, gloo otherwise; launch mistakes are errors."""
+    """NCCL when this rank has a GPU of its own, gloo otherwise; launch mistakes are errors.
+
+    Under ``backend: auto`` a rank has a GPU of its own when the scheduler bound GPUs to its task
+    (``CUDA_VISIBLE_DEVICES`` set) or the node's GPUs are at least its ranks: a spec that asks for
+    no GPUs, run inside an allocation that has them (the preflight, run by ``srun`` in a training
+    job), then measures NCCL on the GPUs rather than gloo on CPU tensors.
+    """
     import torch
 
     visible = env.get("CUDA_VISIBLE_DEVICES", "")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     wants_gpu = spec.backend == "nccl" or spec.resources.gpus_per_node > 0
+    if spec.backend == "auto" and gpus and (visible_entries(env) or info.local_world_size <= gpus):
+        wants_gpu = True
     if wants_gpu and gpus == 0:
         hint = "no GPU is visible"
         if visible:
@@ -52,19 +60,31 @@ def choose_backend(spec: JobSpec, info: RankInfo, env: Mapping[str, str]) -> tup
     return "nccl", torch.device("cuda", cuda_index(info.local_rank, env, gpus))
 
 
-def _check_gpu_sharing(ctx: JobContext) -> None:
+def visible_gpus() -> list[str]:
+    """The UUIDs of the GPUs this rank sees, in CUDA's order, as ``nvidia-smi -L`` names them
+    (``GPU-f60acc4e-...``): what tells two ranks' GPUs apart whatever each task's numbering."""
+    import torch
+
+    return [f"GPU-{torch.cuda.get_device_properties(i).uuid}" for i in range(torch.cuda.device_count())]
+
+
+def adopt_device(device: Any) -> Any:
+    """Make `device` this rank's current CUDA device before any collective runs, also under a group
+    the script made itself (``hpcdist.init()`` after its own ``init_process_group``): otherwise
+    every rank's object collectives run on ``cuda:0``. A group bound to a device keeps that one."""
     import torch
     import torch.distributed as dist
 
-    uuid = str(torch.cuda.get_device_properties(ctx.device).uuid)
-    seen: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(seen, (ctx.info.hostname, uuid))
-    owners: dict[tuple[str, str], list[int]] = {}
-    for r, key in enumerate(seen):
-        owners.setdefault(key, []).append(r)
-    shared = [ranks for ranks in owners.values() if len(ranks) > 1]
-    if shared:
-        raise BootstrapError(f"ranks {shared[0]} share one GPU on {seen[shared[0][0]][0]}; bind one GPU per rank")
+    if device.type != "cuda":
+        return device
+    if dist.is_initialized():
+        bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+        if bound is not None and bound != device:
+            log.warning("the script's group is bound to %s, not %s (hpcdist's choice): using %s", bound, device,
+                        bound)
+            device = bound
+    torch.cuda.set_device(device)
+    return device
 
 
 def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *, uses_mpi: bool = False,
@@ -117,15 +137,22 @@ def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *
     store: Any = None
     endpoint: group.Endpoint | None = None
     if standalone and dist.is_initialized():  # the script's launcher made the group (env://)
+        if backend == "nccl":
+            device = adopt_device(device)  # before the object collective below
         hosts: list[Any] = [None] * info.world_size
         dist.all_gather_object(hosts, info.hostname)
         hosts_by_rank = dict(enumerate(hosts))
     elif standalone and info.world_size == 1:
         store, hosts_by_rank = dist.HashStore(), {0: info.hostname}
     else:
-        store, endpoint, hosts_by_rank = group.rendezvous(
+        gpus = visible_gpus() if backend == "nccl" else []
+        store, endpoint, hosts_by_rank, seat = group.rendezvous(
             info, timeout, env, spec.paths(site).rendezvous if shared_scratch else None, site.network.socket_ifname,
-            mpi_comm)
+            mpi_comm, gpus=gpus, prefer=device.index or 0)
+        if seat is not None:  # rank 0's placement: one GPU per rank, also where tasks see subsets
+            device = torch.device("cuda", seat)
+    if backend == "nccl":
+        device = adopt_device(device)
     info = info.placed(hosts_by_rank)  # the node index from every rank's host (Open MPI names none)
     timings["rendezvous"] = time.perf_counter() - t
     if makes_group and not dist.is_initialized():
@@ -150,8 +177,6 @@ def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *
     )
     # no rendezvous file to clear: forget_endpoint removed it
     ctx.requeue = requeue.requeue_for(env, spec.paths(site, info.job_id).requeues if info.job_id else None)
-    if backend == "nccl" and makes_group:
-        _check_gpu_sharing(ctx)
     where = f"endpoint {endpoint.addr}:{endpoint.port} via {endpoint.via}" if endpoint else "no store server"
     log.info("group ready: %s, backend %s, %s, %.2f s after entry", info.describe(), backend, where,
              time.time() - t_entry)

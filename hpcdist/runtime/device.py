@@ -24,8 +24,9 @@ def cuda_index(local_rank: int, env: Mapping[str, str], device_count: int) -> in
 
     The count is the number of ``CUDA_VISIBLE_DEVICES`` entries when the variable is set (at most
     torch's `device_count`, which drops invalid entries), else `device_count`. One visible GPU is
-    always ``cuda:0``. Two ranks given the same GPU are caught after the group forms (the
-    bootstrap compares GPU UUIDs), not guessed here.
+    always ``cuda:0``. This is each rank's preference; under NCCL the check-in then places every
+    rank on a GPU of its own from all ranks' GPU UUIDs (``group.take_seats``: tasks that see a
+    subset each, two ranks given one GPU refused), not guessed here.
     """
     entries = visible_entries(env)
     count = len(entries) if entries else device_count

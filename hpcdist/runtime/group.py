@@ -22,7 +22,7 @@ import os
 import secrets
 import socket
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -324,26 +324,49 @@ def _read_endpoint(path: Path) -> dict[str, Any] | None:
 
 
 def check_in(store: dist.Store, info: RankInfo, timeout: float) -> dict[int, str]:
-    """Every rank announces itself and waits for all others; returns rank -> host.
+    """Every rank announces itself and waits for all others; returns rank -> host (`take_seats`
+    without GPUs)."""
+    return take_seats(store, info, timeout)[0]
+
+
+def take_seats(store: dist.Store, info: RankInfo, timeout: float, gpus: Sequence[str] = (),
+               prefer: int = 0) -> tuple[dict[int, str], int | None]:
+    """Every rank announces itself and waits for all others; returns rank -> host, and under NCCL
+    this rank's GPU: an index into `gpus`, the UUIDs of the GPUs it sees, in CUDA's order.
+
+    Rank 0, seeing every rank's GPUs, gives each a GPU of its own (``place_gpus``): where each task
+    sees a subset (``--gpu-bind=closest``), the local rank modulo what a task sees would give two
+    ranks one GPU. Ranks that can only have a GPU another rank has are refused here, on every rank
+    with the same message, before NCCL's "Duplicate GPU detected" would stop ``init_process_group``
+    naming neither the ranks nor what to change. `prefer` is the index this rank would take alone.
 
     Requests grow linearly with the ranks: each rank sets its key and bumps a counter; the last
     to arrive marks the roll complete; rank 0 then reads every key in one request and publishes
     the host table, which every other rank waits for (one blocking wait, no polling).
     A rank missing after `timeout` is named in the error every waiting rank raises.
     """
-    store.set(f"hpcdist/join/{info.rank}", info.hostname)
+    seat = f"{info.hostname} {prefer} {','.join(gpus)}" if gpus else info.hostname
+    store.set(f"hpcdist/join/{info.rank}", seat)
     _count_in(store, "hpcdist/joined", info.world_size)
     keys = _rank_keys("hpcdist/join", info.world_size)
+    shared = ""
+    placed: list[int] = []
     try:
         if info.is_main:
             store.wait(["hpcdist/joined/all"], timedelta(seconds=timeout))
-            hosts = [v.decode() for v in store.multi_get(keys)]
-            store.set("hpcdist/hosts", json.dumps(hosts))
+            seats = [v.decode().split(" ", 2) for v in store.multi_get(keys)]
+            hosts: Any = [s[0] for s in seats]
+            placed, shared = place_gpus(seats)
+            if gpus and not shared:
+                store.set("hpcdist/gpus", json.dumps(placed))
+            store.set("hpcdist/hosts", json.dumps({"shared": shared} if shared else hosts))
         else:
             store.wait(["hpcdist/hosts"], timedelta(seconds=timeout))
             hosts = json.loads(store.get("hpcdist/hosts"))
-            if isinstance(hosts, dict):  # rank 0 gave up: it names the missing ranks to everyone
+            if isinstance(hosts, dict) and "missing" in hosts:  # rank 0 gave up: it names them to everyone
                 raise TimeoutError(f"rank 0 saw rank(s) {_ranks(hosts['missing'])} missing")
+            if gpus and not isinstance(hosts, dict):
+                placed = json.loads(store.get("hpcdist/gpus"))
     except Exception as exc:  # the wait timed out, or rank 0 (the store's server) gave up or died
         missing = _missing(store, keys)
         if info.is_main and missing is not None:
@@ -361,7 +384,45 @@ def check_in(store: dist.Store, info: RankInfo, timeout: float) -> dict[int, str
             f"{timeout:g} s (this is rank {info.rank} on {info.hostname}); the missing rank "
             f"died or was never started: see its log"
         ) from exc
-    return dict(enumerate(hosts))
+    if isinstance(hosts, dict) or (info.is_main and shared):
+        _all_refused(store, info, timeout)
+        raise BootstrapError(shared if info.is_main else hosts["shared"])
+    return dict(enumerate(hosts)), (placed[info.rank] if gpus else None)
+
+
+def _all_refused(store: dist.Store, info: RankInfo, timeout: float) -> None:
+    """Every rank has read rank 0's refusal before rank 0, the store's server, leaves with it: else a
+    rank still waiting would see only the store close."""
+    _count_in(store, "hpcdist/refused", info.world_size)
+    if info.is_main:
+        try:
+            store.wait(["hpcdist/refused/all"], timedelta(seconds=min(timeout, 30.0)))
+        except Exception:  # noqa: BLE001 - a rank that is gone cannot read it anyway
+            pass
+
+
+def place_gpus(seats: list[list[str]]) -> tuple[list[int], str]:
+    """Each rank's GPU (an index into the GPUs it sees; -1 for a rank without) from every rank's seat
+    (host, preferred index, comma-separated UUIDs): in rank order, each takes its preferred GPU, or
+    the next one it sees that no rank on its host has taken. The refusal, when a rank finds none
+    free, names it, the rank that holds its GPU and the host; else ""."""
+    taken: dict[tuple[str, str], int] = {}
+    out: list[int] = []
+    for rank, seat in enumerate(seats):
+        if len(seat) < 3 or not seat[2]:
+            out.append(-1)
+            continue
+        host, prefer, uuids = seat[0], int(seat[1]), seat[2].split(",")
+        order = [(prefer + i) % len(uuids) for i in range(len(uuids))]
+        free = next((i for i in order if (host, uuids[i]) not in taken), None)
+        if free is None:
+            holder = taken[(host, uuids[prefer % len(uuids)])]
+            return out, (f"ranks {holder}, {rank} were given one GPU ({uuids[prefer % len(uuids)]}) on {host}: NCCL "
+                         f"needs a GPU per rank; bind one GPU per task (--gpus-per-task=1 or --gpu-bind) or set "
+                         f"tasks_per_node to the GPUs per node")
+        taken[(host, uuids[free])] = rank
+        out.append(free)
+    return out, ""
 
 
 def _rank_keys(prefix: str, world_size: int) -> list[str]:
@@ -388,16 +449,18 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def rendezvous(info: RankInfo, timeout: float, env: Mapping[str, str], rendezvous_dir: Path | None,
-               ifname: str | None, mpi_comm: Any = None) -> tuple[dist.Store, Endpoint, dict[int, str]]:
+               ifname: str | None, mpi_comm: Any = None, gpus: Sequence[str] = (),
+               prefer: int = 0) -> tuple[dist.Store, Endpoint, dict[int, str], int | None]:
     """The whole rendezvous, the one sequence every bootstrap runs (a job's, and ``hpcdist.init()``
-    outside one): rank 0's store opened and published, every rank checked in, the endpoint file
-    removed; the store, its endpoint and every rank's host."""
+    outside one): rank 0's store opened and published, every rank checked in (with the GPUs it
+    sees under NCCL: see ``take_seats``), the endpoint file removed; the store, its endpoint, every
+    rank's host and this rank's GPU (an index into `gpus`; None without)."""
     key = rendezvous_key(dict(env), info)
     store, endpoint = open_store(info, timeout, rendezvous_dir=rendezvous_dir, key=key, mpi_comm=mpi_comm,
                                  ifname=ifname)
-    hosts_by_rank = check_in(store, info, timeout)
+    hosts_by_rank, gpu = take_seats(store, info, timeout, gpus, prefer)
     forget_endpoint(rendezvous_dir, key, info)
-    return store, endpoint, hosts_by_rank
+    return store, endpoint, hosts_by_rank, gpu
 
 
 def init_process_group(

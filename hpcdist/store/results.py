@@ -39,7 +39,7 @@ from hpcdist.config.paths import node_failure_record
 from hpcdist.config.site import REDACTED, looks_secret
 from hpcdist.store import node_failures
 from hpcdist.store.atomic import atomic_path
-from hpcdist.store.tree import attr_value, plain
+from hpcdist.store.tree import attr_value, host_value, plain
 
 if TYPE_CHECKING:
     import h5py
@@ -149,7 +149,7 @@ def write_table(
         raise ValueError(f"table {name!r}: columns of different lengths {sorted(lengths)}")
     group = parent.require_group(name)
     for col, values in columns.items():
-        arr = np.asarray(values)
+        arr = np.asarray(host_value(values))
         if arr.dtype.kind in "OU":
             arr = np.asarray([str(v) for v in values], dtype=h5py.string_dtype())
         group.create_dataset(col, data=arr)

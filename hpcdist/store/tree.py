@@ -91,8 +91,24 @@ def plain(value: Any) -> Any:
     return value
 
 
+def host_value(value: Any) -> Any:
+    """A figure as NumPy can read it: a tensor (on a GPU, with grad, in bfloat16) copied to the host
+    as an array (a 0-d one as a number, bfloat16 widened to float32), a list or tuple of them each
+    so; anything else as it is. Results take what a script has, and a CUDA loss is what it has."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        t = value.detach().cpu()
+        if torch_dtype_name(t):
+            t = t.float()
+        return t.item() if t.dim() == 0 else t.numpy()
+    if isinstance(value, (list, tuple)) and any(hasattr(v, "detach") for v in value):
+        return [host_value(v) for v in value]
+    return value
+
+
 def attr_value(value: Any) -> Any:
-    """A Python value as h5py stores it: None as "", str subclasses as str, string lists as UTF-8."""
+    """A Python value as h5py stores it: None as "", str subclasses as str, string lists as UTF-8,
+    tensors as `host_value` makes them."""
+    value = host_value(value)
     if value is None:
         return ""
     if isinstance(value, str):

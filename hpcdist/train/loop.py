@@ -48,9 +48,23 @@ if TYPE_CHECKING:
     from hpcdist.runtime.context import JobContext
 
 
+def deterministic_kernels() -> None:
+    """Kernels that give the same bits on every run: cuBLAS with a fixed workspace (set before its
+    first use in this process), torch's deterministic algorithms (an op without one raises), and
+    SDPA's math backend (the fused backward kernels accumulate with atomics)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def build(ctx: JobContext, api: Context, params: TrainParams) -> Run:
     info = describe(params.data)
     cfg: GPTConfig = model_config(params, info.vocab_size)
+    if params.deterministic:
+        deterministic_kernels()
     torch.manual_seed(params.seed)  # the same initial weights on every rank
     model = GPT(cfg).to(ctx.device)
     bf16_ok = ctx.device.type == "cuda" and torch.cuda.is_bf16_supported()

@@ -23,8 +23,32 @@ VAL_COLUMNS = ("step", "loss", "ppl")
 CKPT_COLUMNS = ("step", "op", "bytes", "seconds", "mb_per_s", "job_id")
 TABLES = {"steps": STEP_COLUMNS, "val": VAL_COLUMNS, "checkpoints": CKPT_COLUMNS}
 
-# Dense bf16 peak per GPU (vendor data sheets), for model FLOPs utilisation when not given.
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+# Dense (no sparsity) peak TFLOP/s per GPU, for model FLOPs utilisation when not given: by the exact
+# name torch.cuda.get_device_name gives (a substring would rate an H100 PCIe or NVL as the SXM part,
+# an A10G as an A10), per precision. fp32 is the plain FP32 rate: torch's matmuls do not use TF32
+# unless asked. NVIDIA data sheets: H100/H200 (SXM, PCIe, NVL), A100 (40/80 GB), L40S, A10.
+_H100_SXM = {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}
+_NVL = {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0}
+_A100 = {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "NVIDIA H100 80GB HBM3": _H100_SXM,
+    "NVIDIA H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
+    "NVIDIA H100 NVL": _NVL,
+    "NVIDIA H200": _H100_SXM,
+    "NVIDIA H200 NVL": _NVL,
+    "NVIDIA A100-SXM4-80GB": _A100,
+    "NVIDIA A100-SXM4-40GB": _A100,
+    "NVIDIA A100 80GB PCIe": _A100,
+    "NVIDIA A100-PCIE-40GB": _A100,
+    "NVIDIA L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6},
+    "NVIDIA A10": {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2},
+}
+
+
+def peak_tflops(device_name: str, precision: str) -> float | None:
+    """The dense peak of the GPU named `device_name` at `precision` (bf16, fp16, fp32); None when
+    the name is not in the table (no MFU then, rather than another part's peak)."""
+    return PEAK_TFLOPS.get(device_name.strip(), {}).get(precision)
 
 
 def perplexity(loss: float) -> float:

@@ -137,6 +137,12 @@ class TrainParams(Frozen):
         description="DDP (the default, or `ddp`) or FSDP2 (`fsdp`, or {dp_replicate, dp_shard}): see ParallelParams",
     )
     seed: int = Field(default=1234, ge=0)
+    deterministic: bool = Field(
+        default=False,
+        description="repeatable to the bit on GPUs (a rerun, or a resume, gives the same losses): deterministic "
+        "kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG) and attention by SDPA's math "
+        "backend, whose backward has no atomics; slower. CPU runs are repeatable without it",
+    )
     eval: EvalParams = EvalParams()
     checkpoint: CheckpointParams = CheckpointParams()
     log_every: int = Field(default=10, ge=1)

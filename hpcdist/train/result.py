@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hpcdist.train.metrics import PEAK_BF16_TFLOPS
+from hpcdist.train.metrics import peak_tflops
 
 if TYPE_CHECKING:
     from hpcdist.train.run import Run
@@ -53,13 +53,12 @@ def fill_result(r: Run, complete: bool) -> None:
 
 
 def _mfu(r: Run, tokens_per_s: float) -> float | None:
-    """Model FLOPs utilisation on GPUs: achieved training FLOP/s over the ranks' bf16 peak."""
+    """Model FLOPs utilisation on GPUs: achieved training FLOP/s over the ranks' peak at the run's precision."""
     if r.ctx.device.type != "cuda":
         return None
     peak = r.params.peak_tflops
     if peak is None:
-        name = torch.cuda.get_device_name(r.ctx.device)
-        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+        peak = peak_tflops(torch.cuda.get_device_name(r.ctx.device), r.precision)
     if peak is None:
         return None
     return r.cfg.flops_per_token() * tokens_per_s / (peak * 1e12 * r.ctx.world_size)

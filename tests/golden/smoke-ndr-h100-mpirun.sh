@@ -24,10 +24,10 @@ conda activate hpcdist
 
 # ---- environment
 export NCCL_CROSS_NIC=0
-export NCCL_IB_HCA==mlx5_0,mlx5_3,mlx5_4,mlx5_5
+export NCCL_IB_HCA==mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7
 export NCCL_IB_QPS_PER_CONNECTION=2
 export NCCL_NVLS_ENABLE=1
-export OMP_NUM_THREADS=16
+export OMP_NUM_THREADS=12
 export SUBMITIT_PREEMPTION_SIGNAL=USR2
 export UCX_NET_DEVICES=mlx5_0:1
 export SUBMITIT_EXECUTOR=slurm
