@@ -68,7 +68,9 @@ def initial_weights(tokens: Path) -> dict[str, np.ndarray]:
 
 def rank_pids(root: Path) -> dict[int, int]:
     """rank -> pid of the local ranks of the job whose logs are under `root`."""
-    out = subprocess.run(["pgrep", "-f", f"submitit.core._submit {root}"], capture_output=True, text=True).stdout
+    from hpcdist.launchers import SUBMITIT_RUNNER  # each rank runs submitit's runner behind hpcdist's trust check
+
+    out = subprocess.run(["pgrep", "-f", f"{SUBMITIT_RUNNER} {root}"], capture_output=True, text=True).stdout
     ranks = {}
     for pid in map(int, out.split()):
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
