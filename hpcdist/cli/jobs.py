@@ -36,9 +36,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from hpcdist.console import table, text
     from hpcdist.errors import SubmitError
-    from hpcdist.scheduler.slurm import sacct_rows
+    from hpcdist.scheduler.slurm import sacct_rows, squeue_rows
 
-    rows = sacct_rows([args.job_id])
+    # The controller's own word while it holds the job (queued, running, or ended within MinJobAge):
+    # accounting may not have the job's record yet, and then `sacct -j` returns an older job that had
+    # the same id before Slurm's job ids were reset.
+    held = squeue_rows([args.job_id]) or {}
+    rows = [held[args.job_id]] if args.job_id in held else sacct_rows([args.job_id])
     if not rows:
         raise SubmitError(f"Slurm knows no job {args.job_id}; check the id with `sacct` or `squeue`")
     grid = table("job", "name", "state", "exit", "elapsed", "nodes", left=("job", "name", "state", "nodes"))
@@ -53,7 +57,7 @@ def add_parser(subs: Any) -> None:
     p = subs.add_parser("jobs", help="the jobs submitted from here: state, elapsed time, nodes, result")
     p.add_argument("--last", type=int, default=20, metavar="N", help="the newest N jobs (default 20; 0: all)")
     p.add_argument("--json", action="store_true", help="the rows as JSON (state, paths), for scripts")
-    p = subs.add_parser("status", help="a job's state from Slurm (sacct)")
+    p = subs.add_parser("status", help="a job's state from Slurm (the controller while it holds the job, else sacct)")
     p.add_argument("job_id")
     p = subs.add_parser("logs", help="a job's per-rank logs, found from its id; -f follows them while it runs")
     p.add_argument("job_id", help="the id `hpcdist submit` printed")
