@@ -12,25 +12,17 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
+
+from hpcdist.store.atomic import storage_umask
 
 WAIT_S = 60  # submitit waits as long for a pickle not yet visible on the node (shared storage lags)
 
 
-@contextmanager
-def _private_umask() -> Iterator[None]:
-    old = os.umask(0o077)
-    try:
-        yield
-    finally:
-        os.umask(old)
-
-
 def _private_dump(dump: Callable[..., Any]) -> Callable[..., Any]:
     def private(obj: Any, filename: Any) -> Any:
-        with _private_umask():
+        with storage_umask(0o077):
             return dump(obj, filename)
 
     return private

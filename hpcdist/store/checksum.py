@@ -3,7 +3,7 @@
 A checkpoint guards against torn writes, flipped bits and truncated files, not against a forger
 (whoever writes the index writes the digests), so the default is a non-cryptographic hash that
 runs at memory speed: XXH3-128 (``xxhash``), 17.9 GB/s on one core of this machine against
-sha256's 1.7 (CRC32C 6.8, BLAKE3 6.0 on one thread; ``docs/_checkpoint-format-h31.md``).
+sha256's 1.7 (CRC32C 6.8, BLAKE3 6.0 on one thread; ``docs/your-code.md``).
 sha256 stays a choice (``storage.checksum`` of the site, ``checkpoint.checksum`` of a training
 job, ``hpcdist.init(checksum=...)``, or ``HPCDIST_CHECKSUM``) for those who want a
 cryptographic digest.
