@@ -3,7 +3,6 @@ so a session fixture is made once per session, not once per module that imports 
 
 from __future__ import annotations
 
-import os
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli import CLUSTER_TESTS, SHARED, SLURM_FIXTURES, require_slurm, storage_sets
+from tests.support.cli import CLUSTER_TESTS, SHARED, SLURM_FIXTURES, missing, require_slurm, storage_sets
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -82,8 +81,5 @@ def separate_hosts(slurm_storage: Path) -> Path:
 
     mode = cluster_mode()
     if mode != "netns":
-        message = f"the local Slurm cluster's nodes are not separate hosts: {mode}"
-        if os.environ.get("HPCDIST_REQUIRE_SLURM") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+        missing(f"the local Slurm cluster's nodes are not separate hosts: {mode}")
     return slurm_storage

@@ -11,9 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
-
-from tests.support.cli import REPO, Run
+from tests.support.cli import REPO, Run, missing
 
 GROUP_ROOT = Path("/var/tmp/hpcdist-group")
 USERS_VENV = Path("/opt/hpcdist-users/venv")
@@ -39,9 +37,7 @@ def require_members() -> None:
         if not why and not GROUP_ROOT.is_dir():
             why = f"{GROUP_ROOT} is missing (make cluster-up runs cluster/users.sh)"
     if why:
-        if os.environ.get("HPCDIST_REQUIRE_SLURM") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
+        missing(why)
 
 
 def as_user(user: str, *args: str, umask: str = "022", cwd: Path | None = None, timeout: float = 240,
