@@ -16,6 +16,7 @@ modules, each half would need the other's details.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -299,28 +300,27 @@ def _read_endpoint(path: Path) -> dict[str, Any] | None:
     folder no one else may write (a planted endpoint would make its writer rank 0 of the job)."""
     import stat
 
-    from hpcdist.store.trust import describe, problem
+    from hpcdist.store.trust import describe, opened_plain, problem
 
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        return {"refused": f"{path} cannot be opened ({exc.strerror}): not a file of yours"}
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077 or st.st_size > 65536:
-            return {"refused": f"{describe(path, st)} is not your own regular 0600 file; nothing was read from it"}
-        why = problem(path, path.parent.parent)
-        if why is not None:
-            return {"refused": why}
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = json.loads(f.read())
-        return dict(data) if isinstance(data, dict) else {"refused": f"{path} holds no endpoint"}
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
+    with contextlib.ExitStack() as stack:
+        try:
+            fd, st = stack.enter_context(opened_plain(path))
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            return {"refused": f"{path} cannot be opened ({exc.strerror}): not a file of yours"}
+        try:
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077 \
+                    or st.st_size > 65536:
+                return {"refused": f"{describe(path, st)} is not your own regular 0600 file; nothing was read from it"}
+            why = problem(path, path.parent.parent)
+            if why is not None:
+                return {"refused": why}
+            with os.fdopen(os.dup(fd), "rb") as f:
+                data = json.loads(f.read())
+            return dict(data) if isinstance(data, dict) else {"refused": f"{path} holds no endpoint"}
+        except (OSError, ValueError):
+            return None
 
 
 def check_in(store: dist.Store, info: RankInfo, timeout: float) -> dict[int, str]:

@@ -154,22 +154,17 @@ class _Skipped(Exception):
 def _read_plain(path: Path) -> tuple[bytes, str]:
     """A mark file's bytes and its author (the file's owner, not what the file says), read without
     following a link or waiting on a FIFO (O_NOFOLLOW | O_NONBLOCK, then fstat)."""
-    from hpcdist.store.trust import describe, owner_name
+    from hpcdist.store.trust import describe, opened_plain, owner_name
 
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+        with opened_plain(path) as (fd, st):
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MARK_BYTES:
+                raise _Skipped(f"{describe(path, st)}: not a regular file of at most {MAX_MARK_BYTES} bytes")
+            return os.read(fd, MAX_MARK_BYTES + 1), owner_name(st.st_uid)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise _Skipped(f"{path}: a symbolic link, not a mark") from exc
         raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MARK_BYTES:
-            raise _Skipped(f"{describe(path, st)}: not a regular file of at most {MAX_MARK_BYTES} bytes")
-        data = os.read(fd, MAX_MARK_BYTES + 1)
-        return data, owner_name(st.st_uid)
-    finally:
-        os.close(fd)
 
 
 def _files(path: Path, node: str = "") -> list[Path]:

@@ -19,13 +19,15 @@ from __future__ import annotations
 import os
 import pwd
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from hpcdist.config.site import current_user
 from hpcdist.errors import HpcdistError
 
-__all__ = ["UntrustedFileError", "current_user", "denied_hint", "describe", "owner_name", "private_folder",
-           "problem", "trusted"]
+__all__ = ["UntrustedFileError", "current_user", "denied_hint", "describe", "opened_plain", "owner_name",
+           "private_folder", "problem", "trusted"]
 
 
 class UntrustedFileError(HpcdistError):
@@ -98,6 +100,18 @@ def trusted(path: Path | str, root: Path | str | None = None, *, private: bool =
             f"refusing to read {path}: {why}; hpcdist runs or unpickles only files no other user could "
             f"have written (yours, not group- or world-writable, in folders of yours)"
         )
+
+
+@contextmanager
+def opened_plain(path: Path | str) -> Iterator[tuple[int, os.stat_result]]:
+    """`path` opened for reading, and its fstat, without following a link or waiting on a FIFO
+    (O_NOFOLLOW | O_NONBLOCK): a file in a folder others may write, looked at before a byte of it
+    is read. OSError as ``os.open`` raises it (ELOOP for a link, FileNotFoundError)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    try:
+        yield fd, os.fstat(fd)
+    finally:
+        os.close(fd)
 
 
 def private_folder(folder: Path) -> Path:
