@@ -123,6 +123,15 @@ class LaunchPlan:
     cpus_per_task: int = 1
     socket_ifname: str | None = None  # the site's network.socket_ifname
     signal: str = "USR2"  # the site's preemption signal
+    # A container (``hpcdist.containers``): words before the image's Python, srun's own options
+    # (pyxis), and the image's Python; ``python`` stays the host's, for the lines run outside.
+    container: tuple[str, ...] = ()
+    srun_container: tuple[str, ...] = ()
+    rank_python: str | None = None
+
+    def rank(self) -> str:
+        """What starts a rank's Python: the host's, or the image's behind the runtime's words."""
+        return " ".join([*self.container, shlex.quote(self.rank_python or self.python)])
 
 
 class Launcher:
@@ -234,7 +243,7 @@ class SrunLauncher(Launcher):
         # srun does not inherit the allocation's --cpus-per-task (Slurm >= 22.05): without it each
         # task gets one CPU, its threads, NCCL's proxy and the checkpoint writers on one core
         cpus = [f"--cpus-per-task={plan.cpus_per_task}"] if plan.cpus_per_task > 1 else []
-        return " ".join(["srun", *_srun_io(plan), *cpus, *_q(plan.args), shlex.quote(plan.python),
+        return " ".join(["srun", *_srun_io(plan), *cpus, *plan.srun_container, *_q(plan.args), plan.rank(),
                          f"-u -m {SUBMITIT_RUNNER}", shlex.quote(str(plan.folder))])
 
 
@@ -269,7 +278,7 @@ class MpirunLauncher(Launcher):
 
     def command(self, plan: LaunchPlan) -> str:
         mpirun = " ".join(['mpirun -np "$SLURM_NTASKS"', f"--map-by ppr:{plan.tasks_per_node}:node",
-                           *_q(plan.args), shlex.quote(plan.python), f"-u -m {SHIM}", shlex.quote(str(plan.folder))])
+                           *_q(plan.args), plan.rank(), f"-u -m {SHIM}", shlex.quote(str(plan.folder))])
         sig = shlex.quote(plan.signal)
         return "\n".join([  # wait again after each forwarded signal, until mpirun has ended
             f"{mpirun} &",
@@ -322,7 +331,8 @@ class TorchrunLauncher(Launcher):
         ifname = ["--ifname", shlex.quote(plan.socket_ifname)] if plan.socket_ifname else []
         return " ".join([
             "srun", *_srun_io(plan), '--ntasks="$SLURM_JOB_NUM_NODES"', "--ntasks-per-node=1",
-            f"--cpus-per-task={plan.cpus_per_task * plan.tasks_per_node}", shlex.quote(plan.python), f"-m {AGENT}",
+            f"--cpus-per-task={plan.cpus_per_task * plan.tasks_per_node}", *plan.srun_container, plan.rank(),
+            f"-m {AGENT}",
             *ifname,
             '--nnodes="$SLURM_JOB_NUM_NODES"', f"--nproc-per-node={plan.tasks_per_node}", "--rdzv-backend=c10d",
             '--rdzv-endpoint="$HPCDIST_HEAD_ADDR:$HPCDIST_RDZV_PORT"', '--rdzv-id="$SLURM_JOB_ID"', *_q(plan.args),

@@ -14,15 +14,15 @@ from typing import Annotated, Literal
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     PlainSerializer,
     field_validator,
     model_validator,
 )
 
+from hpcdist.config.base import ExpandedPath, Frozen
+from hpcdist.config.container import Container, RuntimeSite, sites_runtimes
 from hpcdist.errors import ConfigError
 from hpcdist.launchers import launcher_names
 
@@ -75,23 +75,6 @@ def _env_names(value: dict[str, str]) -> dict[str, str]:
 EnvMap = Annotated[dict[str, str], BeforeValidator(_env_as_strings), AfterValidator(_env_names)]
 # Names of variables taken from the submitting shell: only the names are ever written.
 EnvNames = tuple[Annotated[str, AfterValidator(_env_name)], ...]
-
-
-def _expand_path(value: object) -> object:
-    """`~` and `$VARS` are expanded and relative paths made absolute at load time."""
-    if isinstance(value, str):
-        return Path(os.path.expandvars(os.path.expanduser(value))).absolute()
-    return value
-
-
-# A path written by a user in a site config or job params (shared by storage roots and job params).
-ExpandedPath = Annotated[Path, BeforeValidator(_expand_path)]
-
-
-class Frozen(BaseModel):
-    """Base of every config and job-params model: immutable, and unknown keys are errors."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
 
 _FROM_ENV = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*):-(?P<default>\d+)\}")
@@ -355,6 +338,10 @@ class Site(Frozen):
     defaults: Defaults = Field(default_factory=Defaults)
     baselines: Baselines = Field(default_factory=Baselines)
     python: str | None = Field(default=None, description="interpreter on the nodes")
+    containers: dict[str, RuntimeSite] = Field(default_factory=dict, description="the container runtimes it has")
+    container: Container | None = Field(default=None, description="every job's container, unless the job's own")
+
+    _runtimes = field_validator("containers")(classmethod(lambda cls, v: sites_runtimes(v)))
 
     @field_validator("env")
     @classmethod

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from hpcdist.config.container import Container
+from hpcdist.config.container import problems as container_problems
 from hpcdist.config.paths import JobPaths
 from hpcdist.config.sbatch import SbatchOptions
 from hpcdist.config.site import EnvMap, EnvNames, Frozen, Site
@@ -85,6 +87,7 @@ class JobSpec(Frozen):
     on_node_failure: Literal["requeue", "fail"] | None = Field(
         default=None, description="when a node dies: run again without it (requeue) or end (fail); "
         "None: the kind's default (requeue for train_gpt, fail for the others)")
+    container: Container | None = Field(default=None, description="the image each rank runs in (over the site's)")
 
     @field_validator("name")
     @classmethod
@@ -165,4 +168,4 @@ def fit_to_site(spec: JobSpec, site: Site) -> list[tuple[str, object, str]]:
         )
     if spec.backend == "nccl" and res.gpus_per_node == 0:
         problems.append(("backend", "nccl", "gloo or auto when the job asks for no GPUs"))
-    return problems
+    return problems + container_problems(spec, site)

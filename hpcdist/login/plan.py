@@ -25,6 +25,7 @@ from hpcdist.login.render import Origin, render
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
     from hpcdist.config.spec import JobSpec
+    from hpcdist.containers import ContainerPlan
     from hpcdist.jobs.registry import Job
 
 
@@ -71,7 +72,33 @@ def make(base: JobSpec, site: Site, origin: Origin, tasks: Sequence[JobSpec] = (
         raise SubmitError(f"{origin.job_path}: {len(tasks)} tasks for an array of {origin.array_size or 1} on site "
                           f"{site.name!r}; a local site runs a sweep's tasks one at a time")
     excluded = for_job(base, site)  # the one read of the site's health record for this plan
-    return Plan(base, tasks, site, origin, render(base, site, origin, excluded), excluded)
+    return Plan(base, tasks, site, origin, render(base, site, origin, excluded, placed(base, site)), excluded)
+
+
+def placed(spec: JobSpec, site: Site) -> ContainerPlan | None:
+    """The job's container checked on disk before anything is queued: the image is there, every
+    mount's source is, and a Charliecloud image directory has a folder for every bind (each moved
+    onto the image's empty mount point that holds it, ``config.container.fold_onto_image``)."""
+    from hpcdist.config.container import container_for, fold_onto_image, plan_for
+    from hpcdist.containers import Bind, get_runtime
+
+    box = plan_for(spec, site)
+    if box is None:
+        return None
+    if (get_runtime(box.runtime).image_is_path or box.image.startswith(("/", "./"))) and not Path(box.image).exists():
+        raise SubmitError(f"container.image {box.image!r} does not exist here; give the path of the image "
+                          f"(a {box.runtime} image on shared storage), e.g. --set container.image=/shared/images/NAME")
+    own = container_for(spec, site)
+    for mount in (*site.containers[box.runtime].mounts, *(own.mounts if own else ())):
+        if not Path(Bind.parse(mount).source).exists():
+            raise SubmitError(f"container mount {mount!r}: {Bind.parse(mount).source} does not exist here; "
+                              f"make it, or drop it from container.mounts")
+    folded, missing = fold_onto_image(box)
+    if missing:
+        made = " ".join(f"{box.image.rstrip('/')}{t}" for t in missing)
+        raise SubmitError(f"image {box.image} has no folder to bind {', '.join(missing)} onto (Charliecloud binds "
+                          f"only onto a folder the image has); make the mount point(s) once: mkdir -p {made}")
+    return folded
 
 
 # ---------------------------------------------------------------- loading, in one pass

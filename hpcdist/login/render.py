@@ -23,10 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 from hpcdist._paths import cache_dir, data_dir
 from hpcdist._version import __version__
+from hpcdist.config.container import plan_for
 from hpcdist.config.contract import LAUNCH_TIME_VAR
 from hpcdist.config.paths import log_patterns
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
+from hpcdist.containers import CONTAINER_VAR, SUBMITTED_WITH_VAR, ContainerPlan, get_runtime
 from hpcdist.errors import RenderError
 from hpcdist.launchers import LaunchPlan, get_launcher
 
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
 
 TEMPLATE = "sbatch.sh.j2"
 RESTART_CHECK = "hpcdist.runtime.node_failure"  # what the script runs before the launch of a requeued run
+REQUEUE_ASKED = "hpcdist.runtime.requeue"  # what the script runs after ranks in a container asked for a requeue
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _FLAG = re.compile(r"^[a-z][a-z0-9-]*$")
@@ -221,9 +224,26 @@ def _export(site_value: str, names: tuple[str, ...]) -> str:
     return ",".join([*listed, *names])
 
 
-def launch_plan(spec: JobSpec, site: Site, folder: Path, array: bool = False) -> LaunchPlan:
-    """What the site's launcher needs to write its launch line."""
+def submitted_with() -> str:
+    """This Python's, hpcdist's and torch's versions (torch's from its metadata: not imported)."""
+    from importlib import metadata
+
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = "none"
+    return f"python={'.'.join(map(str, sys.version_info[:3]))} hpcdist={__version__} torch={torch}"
+
+
+def launch_plan(spec: JobSpec, site: Site, folder: Path, array: bool = False,
+                container: ContainerPlan | None = None) -> LaunchPlan:
+    """What the site's launcher needs to write its launch line (each rank in `container`, if any)."""
     out_pattern, err_pattern = log_patterns(folder, array)
+    box: dict[str, Any] = {}
+    if container is not None:
+        runtime = get_runtime(container.runtime)
+        box = {"container": tuple(runtime.wrap(container)), "srun_container": tuple(runtime.srun_flags(container)),
+               "rank_python": container.python}
     return LaunchPlan(
         python=python_for(site),
         folder=folder,
@@ -234,11 +254,14 @@ def launch_plan(spec: JobSpec, site: Site, folder: Path, array: bool = False) ->
         cpus_per_task=spec.resources.cpus_per_task,
         socket_ifname=site.network.socket_ifname,
         signal=site.preemption.signal,
+        **box,
     )
 
 
-def render_script(spec: JobSpec, site: Site, origin: Origin, excluded: Exclusions | None = None) -> str:
-    """The sbatch script text for `spec` on a Slurm `site`, kept off the `excluded` nodes."""
+def render_script(spec: JobSpec, site: Site, origin: Origin, excluded: Exclusions | None = None,
+                  container: ContainerPlan | None = None) -> str:
+    """The sbatch script text for `spec` on a Slurm `site`, kept off the `excluded` nodes, its
+    ranks in `container` (by default the job's container, its binds as written)."""
     if site.scheduler != "slurm":
         raise RenderError(f"site {site.name!r} is not a Slurm site; it runs jobs without a script")
     check_controls(spec.model_dump(mode="json"), "job")
@@ -246,8 +269,11 @@ def render_script(spec: JobSpec, site: Site, origin: Origin, excluded: Exclusion
     check_controls(list(origin.overrides), "--set")  # only reached by a value no key holds
     folder = submitit_folder(spec, site)
     launcher = get_launcher(site.launcher.kind)
-    plan = launch_plan(spec, site, folder, array=origin.array_size is not None)
+    container = container or plan_for(spec, site)
+    plan = launch_plan(spec, site, folder, array=origin.array_size is not None, container=container)
     env = {**site.env, **spec.env, "SUBMITIT_PREEMPTION_SIGNAL": site.preemption.signal}
+    if container is not None:
+        env |= {CONTAINER_VAR: container.runtime, SUBMITTED_WITH_VAR: submitted_with()}
     context = {
         "version": __version__,
         "site_name": site.name,
@@ -266,6 +292,11 @@ def render_script(spec: JobSpec, site: Site, origin: Origin, excluded: Exclusion
         # Slurm keeps the submission's task count in SLURM_NTASKS, which srun and mpirun read.
         "tasks_per_node": spec.resources.tasks_per_node if spec.resources.min_nodes else 0,
         "launch": [Shell(line) for line in launcher.command(plan).splitlines()],
+        # the ranks run in an image without Slurm's commands: the batch step asks for them
+        "container": container.runtime if container else "",
+        "image": container.image if container else "",
+        "container_prelude": [Shell(line) for line in get_runtime(container.runtime).prelude()] if container else [],
+        "requeue_asked": REQUEUE_ASKED,
         # after a requeue: hpcdist.runtime.node_failure decides, once per run, whether it may go on
         "python": plan.python,
         "restart_check": RESTART_CHECK,
@@ -297,11 +328,12 @@ def render_local_plan(spec: JobSpec, site: Site, origin: Origin) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(spec: JobSpec, site: Site, origin: Origin, excluded: Exclusions | None = None) -> str:
+def render(spec: JobSpec, site: Site, origin: Origin, excluded: Exclusions | None = None,
+           container: ContainerPlan | None = None) -> str:
     """What `hpcdist render` prints and `hpcdist submit` submits (`excluded`: ``plan.make``'s
-    reading of the site's health record)."""
+    reading of the site's health record; `container`: its binds placed on the image)."""
     if site.scheduler == "slurm":
-        return render_script(spec, site, origin, excluded)
+        return render_script(spec, site, origin, excluded, container)
     return render_local_plan(spec, site, origin)
 
 

@@ -16,6 +16,13 @@ the job may already be requeued by Slurm itself (preemption, ``scontrol requeue`
 for good (``scancel``, a time limit), where ``scontrol requeue`` would bring a cancelled job back.
 A requeued job has written no result, so it is never taken as finished.
 
+In a container. The ranks of a job in a container (``hpcdist.containers``) run in an image that
+rarely has Slurm's commands or munge's socket (pyxis' issue 31, Lightning's requeue inside pyxis),
+so they ask the batch step, which runs outside: every rank's requeue writes
+``<folder>/<job id>_requeue.request`` and ends as a requeued rank does; the job script's exit
+runs ``python -m hpcdist.runtime.requeue FOLDER`` with the node's Python, which makes the same
+decision (``slurm_leaves_it``) and requeues.
+
 The bound. ``preemption.max_requeues`` bounds the time-outs of one job; preemptions are the
 site's doing and are not bounded. The count survives a restart in the checkpoint, and has Slurm's
 own count (``SLURM_RESTART_COUNT``) as a floor, so a run that starts afresh (``resume: false``,
@@ -26,8 +33,10 @@ time-out.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -36,6 +45,7 @@ from types import FrameType
 from typing import Literal
 
 from hpcdist.config.contract import restart_count
+from hpcdist.containers import CONTAINER_VAR
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.states import JobState
 
@@ -165,6 +175,12 @@ def requeue_for(env: Mapping[str, str], record: Path | None = None) -> Callable[
     def requeue() -> str:
         if record is not None:
             record_requeue(record, restarts + 1, "asked by the job")
+        if executor == "slurm" and env.get(CONTAINER_VAR):
+            from submitit.core.job_environment import JobEnvironment
+
+            job = JobEnvironment()
+            ask_outside(Path(job.paths.folder), job.job_id, restarts)
+            return ""
         if executor != "local" and slurm_job:
             why = slurm_leaves_it(slurm_job, restarts)
             if why:
@@ -189,3 +205,50 @@ def requeue_for(env: Mapping[str, str], record: Path | None = None) -> Callable[
         return ""
 
     return requeue
+
+
+# ---------------------------------------------------------------- asked from inside a container
+
+
+def request_path(folder: Path, job_id: str) -> Path:
+    """Where a rank in a container asks the batch step to requeue job `job_id`."""
+    return folder / f"{job_id}_requeue.request"
+
+
+def ask_outside(folder: Path, job_id: str, restarts: int) -> None:
+    """A rank's requeue, from inside a container: the request the batch step carries out when the
+    launch has ended (every rank writes the same text; the last rename wins)."""
+    path = request_path(folder, job_id)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")
+    tmp.write_text(f"{restarts}\n")
+    os.replace(tmp, path)
+    log.warning("asked the job script to requeue job %s (the ranks run in a container)", job_id)
+
+
+def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    """``python -m hpcdist.runtime.requeue FOLDER``: the job script's last step for ranks in a
+    container; requeues the job when they asked for it. Says what it did on the batch output."""
+    env = os.environ if env is None else env
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m hpcdist.runtime.requeue FOLDER", file=sys.stderr)
+        return 2
+    array, task = env.get("SLURM_ARRAY_JOB_ID", ""), env.get("SLURM_ARRAY_TASK_ID", "")
+    job_id = f"{array}_{task}" if array and task else env.get("SLURM_JOB_ID", "")
+    path = request_path(Path(args[0].replace("%j", job_id)), job_id)
+    try:
+        restarts = int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0  # not asked
+    path.unlink(missing_ok=True)
+    why = slurm_leaves_it(job_id, restarts)
+    if why:
+        print(f"hpcdist: the ranks asked for a requeue: {why}", file=sys.stderr, flush=True)
+        return 0
+    print(f"hpcdist: requeueing job {job_id}, as its ranks in the container asked", file=sys.stderr, flush=True)
+    slurm.requeue(job_id)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,6 +5,11 @@ must be one no other user could have written (``hpcdist.store.trust``), or whoev
 runs code as this user. Refused, the rank prints one line and exits 1, with nothing unpickled.
 The rank's result pickle is written 0600 (the return value is the user's alone), whatever
 ``storage.mode`` says for the job's other files.
+
+In a container, the image's Python, hpcdist and torch are compared first with those that
+submitted the job (``HPCDIST_SUBMITTED_WITH``): another Python minor version or another hpcdist
+cannot read what was pickled, and the rank says so in one line naming both; another torch is
+said and the rank goes on (the image's torch is what the job asked for).
 """
 
 from __future__ import annotations
@@ -28,12 +33,50 @@ def _private_dump(dump: Callable[..., Any]) -> Callable[..., Any]:
     return private
 
 
+def versions_here() -> dict[str, str]:
+    """This Python's, hpcdist's and torch's versions, in the form the job script carries them."""
+    from importlib import metadata
+
+    from hpcdist._version import __version__
+
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = "none"
+    return {"python": ".".join(map(str, sys.version_info[:3])), "hpcdist": __version__, "torch": torch}
+
+
+def version_mismatch(submitted: str, here: dict[str, str]) -> tuple[str, str]:
+    """(error, warning) comparing ``python=X hpcdist=Y torch=Z`` with `here`; "" where they agree."""
+    there = dict(item.split("=", 1) for item in submitted.split() if "=" in item)
+    python, ours = there.get("python", ""), here["python"]
+    if python and python.split(".")[:2] != ours.split(".")[:2]:
+        return (f"the image's Python {ours} cannot run this job, submitted with Python {python} (submitit's pickle "
+                f"holds code for that version); run an image with Python {'.'.join(python.split('.')[:2])}, or "
+                f"submit from a Python {'.'.join(ours.split('.')[:2])}", "")
+    if there.get("hpcdist") and there["hpcdist"] != here["hpcdist"]:
+        return (f"the image has hpcdist {here['hpcdist']}, the job was submitted with hpcdist {there['hpcdist']}; "
+                f"install the same hpcdist in the image (docs/containers.md)", "")
+    if there.get("torch") and there["torch"] != here["torch"]:
+        return "", f"the image has torch {here['torch']}, the submitting side torch {there['torch']}: the image's runs"
+    return "", ""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m hpcdist.runtime.submitted FOLDER", file=sys.stderr)
         return 2
     folder = args[0]
+    from hpcdist.containers import CONTAINER_VAR, SUBMITTED_WITH_VAR
+
+    if os.environ.get(CONTAINER_VAR) and os.environ.get(SUBMITTED_WITH_VAR):
+        error, warning = version_mismatch(os.environ[SUBMITTED_WITH_VAR], versions_here())
+        if error:
+            print(f"hpcdist: error: {error}", file=sys.stderr, flush=True)
+            return 1
+        if warning and os.environ.get("SLURM_PROCID", "0") == "0":
+            print(f"hpcdist: warning: {warning}", file=sys.stderr, flush=True)
     os.environ["SUBMITIT_FOLDER"] = folder
     from submitit.core import job_environment, submission
 
