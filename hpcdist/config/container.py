@@ -81,7 +81,7 @@ def container_for(spec: JobSpec, site: Site) -> Container | None:
     base = site.container.model_dump(exclude_unset=True) if site.container else {}
     own = spec.container.model_dump(exclude_unset=True) if spec.container else {}
     merged = Container(**{**base, **own})
-    if merged.runtime in (None, NONE) and merged.image is None:
+    if merged.runtime == NONE or (merged.runtime is None and merged.image is None):
         return None
     return merged
 
@@ -91,7 +91,7 @@ def problems(spec: JobSpec, site: Site) -> list[tuple[str, object, str]]:
     box = container_for(spec, site)
     if box is None:
         return []
-    if box.runtime in (None, NONE):
+    if box.runtime is None:
         have = sorted(site.containers) or "(none: the site has no runtime)"
         return [("container.runtime", box.runtime, f"one of {have} for image {box.image!r}")]
     if site.scheduler != "slurm":
@@ -99,8 +99,8 @@ def problems(spec: JobSpec, site: Site) -> list[tuple[str, object, str]]:
                  f"drop the container or use a Slurm site")]
     if box.runtime not in site.containers:
         have = ", ".join(sorted(site.containers)) or "none"
-        return [("container.runtime", box.runtime, f"a runtime site {site.name!r} has (it has: {have}); ask the "
-                 f"site's config to list it under containers:")]
+        return [("container.runtime", box.runtime, f"one of the site's runtimes: {have} (its config lists them "
+                 f"under containers:)")]
     if box.image is None:
         return [("container.image", None, "the image to run, e.g. --set container.image=/shared/images/pytorch")]
     if get_runtime(box.runtime).srun_only and site.launcher.kind not in ("srun", "torchrun"):
