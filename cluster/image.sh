@@ -87,8 +87,7 @@ TOP_KEY=$(printf '%s\n' "$DEPS_KEY" "$CODE_KEY" "${MOUNTS[@]}" | sha)
 STAMP=.hpcdist-image
 stamp_get() { sed -n "s/^$1=//p" "$DIR/$STAMP" 2>/dev/null || true; }
 
-mkdir -p "$(dirname "$DIR")"
-chmod a+rx "$(dirname "$DIR")"
+mkdir -p "$(dirname "$DIR")" # 0755 (umask 022): ordinary users reach the image through it
 # one build at a time per DIR (two suite runs starting together)
 exec 9>"$DIR.lock"
 flock 9
