@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh Debian 12 machine (as root):
 #   make demo   - virtual environment, hpcdist, then smoke, train (~3 min) and generate on the local site
-#   make test   - the above plus Debian packages and the local Slurm cluster, then the suite
+#   make test   - the above plus Debian packages, the local Slurm cluster and its container image, then the suite
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hpcdist-installed
@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.hpcdist-installed
 # (tests/support/fixtures.py), the rest beside them. PYTEST=-q runs everything in one process.
 PYTEST ?= -q --durations=15 -n 2 --dist loadgroup
 
-.PHONY: demo test install system-deps cluster-up cluster-down lint clean gpu-check
+.PHONY: demo test install system-deps cluster-up cluster-down image lint clean gpu-check
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -47,7 +47,13 @@ cluster-up: system-deps
 cluster-down:
 	bash cluster/down.sh
 
-test: install cluster-up lint
+# The Charliecloud image the container tests run ranks in (cluster/README.md): built once, then
+# only hpcdist's layer again when the checkout's hpcdist changed (about a second when nothing did).
+IMAGE ?= /var/tmp/hpcdist-images/bookworm
+image: system-deps | $(PY)
+	PYTHON=$(PY) bash cluster/image.sh $(IMAGE)
+
+test: install cluster-up image lint
 	HPCDIST_REQUIRE_SLURM=1 $(PY) -m pytest $(PYTEST) tests
 
 lint: $(STAMP)

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Install the Debian packages the local Slurm cluster needs. Idempotent: returns at once
-# when everything is already installed, and runs `apt-get update` only when something is not.
+# Install the Debian packages the local Slurm cluster and its container image need. Idempotent:
+# returns at once when everything is already installed, and runs `apt-get update` only when
+# something is not.
 set -euo pipefail
 
-PACKAGES=(slurm-wlm slurmdbd munge mariadb-server openmpi-bin libopenmpi-dev hdf5-tools iproute2 python3-venv)
+# charliecloud-runtime (ch-run) and debootstrap: the container image (cluster/image.sh)
+PACKAGES=(slurm-wlm slurmdbd munge mariadb-server openmpi-bin libopenmpi-dev hdf5-tools iproute2 python3-venv
+  charliecloud-runtime debootstrap)
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do

@@ -44,11 +44,18 @@ def as_user(user: str, *args: str, umask: str = "022", cwd: Path | None = None, 
             env: dict[str, str] | None = None) -> Run:
     """`python ARGS...` as `user` (the users' venv, this checkout first), in a clean environment
     with the shell umask `umask`, as that user would type it."""
+    return run_as(user, str(USERS_VENV / "bin" / "python"), *args, umask=umask, cwd=cwd, timeout=timeout,
+                  env={"PYTHONPATH": str(REPO), **(env or {})})
+
+
+def run_as(user: str, *argv: str, umask: str = "022", cwd: Path | None = None, timeout: float = 240,
+           env: dict[str, str] | None = None) -> Run:
+    """The command `argv` as `user`, in a clean environment (HOME, USER, LOGNAME, PATH and `env`)
+    with the shell umask `umask`, as that user would type it."""
     home = Path(f"/home/{user}")
     extra = [f"{k}={v}" for k, v in (env or {}).items()]
     cmd = ["runuser", "-u", user, "--", "env", "-i", f"HOME={home}", f"USER={user}", f"LOGNAME={user}",
-           "PATH=/usr/local/bin:/usr/bin:/bin", f"PYTHONPATH={REPO}", *extra,
-           "sh", "-c", f'umask {umask} && exec "$@"', "sh", str(USERS_VENV / "bin" / "python"), *args]
+           "PATH=/usr/local/bin:/usr/bin:/bin", *extra, "sh", "-c", f'umask {umask} && exec "$@"', "sh", *argv]
     proc = subprocess.run(cmd, cwd=cwd or home, capture_output=True, text=True, timeout=timeout, check=False)
     return Run(proc.returncode, proc.stdout, proc.stderr)
 
