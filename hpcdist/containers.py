@@ -138,7 +138,9 @@ class Charliecloud(Runtime):
         return [b.target for b in plan.binds if not (root / b.target.lstrip("/")).is_dir()]
 
     def prelude(self) -> list[str]:
-        return ['export USER="${USER:-$(id -un)}"  # ch-run will not start without it']
+        return ['export USER="${USER:-$(id -un)}"  # ch-run will not start without it',
+                # Open MPI's single-copy transport (CMA) is refused between ranks in user namespaces
+                "export OMPI_MCA_btl_vader_single_copy_mechanism=none"]
 
 
 @register_runtime("apptainer")

@@ -30,7 +30,7 @@ from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.containers import CONTAINER_VAR, SUBMITTED_WITH_VAR, ContainerPlan, get_runtime
 from hpcdist.errors import RenderError
-from hpcdist.launchers import LaunchPlan, get_launcher
+from hpcdist.launchers import SUBMITIT_RUNNER, LaunchPlan, get_launcher
 
 if TYPE_CHECKING:
     import jinja2
@@ -297,6 +297,7 @@ def render_script(spec: JobSpec, site: Site, origin: Origin, excluded: Exclusion
         "image": container.image if container else "",
         "container_prelude": [Shell(line) for line in get_runtime(container.runtime).prelude()] if container else [],
         "requeue_asked": REQUEUE_ASKED,
+        "runner": SUBMITIT_RUNNER,
         # after a requeue: hpcdist.runtime.node_failure decides, once per run, whether it may go on
         "python": plan.python,
         "restart_check": RESTART_CHECK,

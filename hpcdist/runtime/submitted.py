@@ -64,13 +64,15 @@ def version_mismatch(submitted: str, here: dict[str, str]) -> tuple[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    check_only = args[:1] == ["--check"]  # the job script, outside a container: the pickle's real owners
+    args = args[1:] if check_only else args
     if len(args) != 1:
-        print("usage: python -m hpcdist.runtime.submitted FOLDER", file=sys.stderr)
+        print("usage: python -m hpcdist.runtime.submitted [--check] FOLDER", file=sys.stderr)
         return 2
     folder = args[0]
     from hpcdist.containers import CONTAINER_VAR, SUBMITTED_WITH_VAR
 
-    if os.environ.get(CONTAINER_VAR) and os.environ.get(SUBMITTED_WITH_VAR):
+    if os.environ.get(CONTAINER_VAR) and os.environ.get(SUBMITTED_WITH_VAR) and not check_only:
         error, warning = version_mismatch(os.environ[SUBMITTED_WITH_VAR], versions_here())
         if error:
             print(f"hpcdist: error: {error}", file=sys.stderr, flush=True)
@@ -95,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     except UntrustedFileError as exc:
         print(f"hpcdist: error: {exc}", file=sys.stderr, flush=True)
         return 1
+    if check_only:
+        return 0
     submission.utils.cloudpickle_dump = _private_dump(submission.utils.cloudpickle_dump)
     submission.process_job(folder)
     return 0

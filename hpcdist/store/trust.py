@@ -9,6 +9,12 @@ asks `trusted` first (submitit's pickles, an executor call, a result pickle, the
 the rendezvous endpoint, a checkpoint folder); anything else is refused in one line naming the
 file, its owner and its mode, and nothing is read.
 
+In a user namespace (a rank in a Charliecloud or Apptainer container, run by an ordinary user)
+the kernel shows every owner it does not map, root included, as the overflow uid (``nobody``):
+there a folder above the file owned by ``nobody`` is taken for root's, with the same checks of
+its mode. Another user's folder looks the same, so the job script checks submitit's pickle
+outside first, with the real owners (``python -m hpcdist.runtime.submitted --check``).
+
 ``current_user`` (``hpcdist.config.site``'s, re-exported) is the one answer to "who am I" for paths
 (the per-user folders of a shared storage root): from the process's uid, never from ``$USER``,
 which a shell may leave as it was.
@@ -16,6 +22,7 @@ which a shell may leave as it was.
 
 from __future__ import annotations
 
+import functools
 import os
 import pwd
 import stat
@@ -78,7 +85,7 @@ def problem(path: Path | str, root: Path | str | None = None, *, private: bool =
             fst = os.stat(folder)
         except OSError as exc:
             return f"{folder} cannot be checked ({exc.strerror})"
-        if fst.st_uid not in (me, 0) and not fst.st_mode & stat.S_ISVTX:
+        if fst.st_uid not in (me, 0, *_unmapped_root()) and not fst.st_mode & stat.S_ISVTX:
             return f"folder {describe(folder, fst)} above {path.name} belongs to another user"
         if fst.st_mode & 0o022 and not fst.st_mode & stat.S_ISVTX:
             return (f"folder {describe(folder, fst)} above {path.name} is writable by {_who(fst.st_mode)} "
@@ -86,6 +93,18 @@ def problem(path: Path | str, root: Path | str | None = None, *, private: bool =
         if folder == top or folder.parent == folder:
             return None
         folder = folder.parent
+
+
+@functools.cache
+def _unmapped_root() -> tuple[int, ...]:
+    """The overflow uid, as root's files show in a user namespace that does not map root; () elsewhere."""
+    try:
+        ranges = [line.split() for line in Path("/proc/self/uid_map").read_text().splitlines()]
+        if any(int(inside) == 0 for inside, _, _ in ranges) or not ranges:
+            return ()
+        return (int(Path("/proc/sys/kernel/overflowuid").read_text()),)
+    except (OSError, ValueError):
+        return ()
 
 
 def _who(mode: int) -> str:

@@ -40,6 +40,8 @@ export SUBMITIT_EXECUTOR=slurm
 # ---- the image has no commands for: a requeue they asked for happens when the launch has ended
 hpcdist_requeue_asked() { /opt/hpcdist/bin/python -m hpcdist.runtime.requeue /shared/ml-research/hpcdist/logs/smoke/%j; }
 trap hpcdist_requeue_asked EXIT
+# a user namespace shows root and other users alike as nobody: the job's pickle checked here first
+/opt/hpcdist/bin/python -m hpcdist.runtime.submitted --check /shared/ml-research/hpcdist/logs/smoke/%j || exit 1
 
 # ---- this run's nodes (its batch output is where a requeued run reads its earlier runs when it
 # ---- cannot read Slurm's accounting); a run Slurm requeued: its node failures recorded and
