@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from hpcdist.config import load_site
-from hpcdist.config.container import fold_onto_image, plan_for
+from hpcdist.config.container import fold_onto_image
+from hpcdist.config.spec import plan_for
 from hpcdist.containers import Bind, ContainerPlan, get_runtime
 from hpcdist.errors import ConfigError
 from hpcdist.jobs.registry import load_job

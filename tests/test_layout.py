@@ -22,8 +22,8 @@ PACKAGE = REPO / "hpcdist"
 LOGIN = ("hpcdist.login",)
 NODE = ("hpcdist.runtime", "hpcdist.api", "hpcdist.store", "hpcdist.train", "hpcdist.infer", "hpcdist.bench",
         "hpcdist.jobs", "hpcdist.model", "hpcdist.data")
-SHARED = ("hpcdist.config", "hpcdist.scheduler", "hpcdist.launchers", "hpcdist.console", "hpcdist.errors",
-          "hpcdist._version", "hpcdist.polling", "hpcdist.progress", "hpcdist._paths")
+SHARED = ("hpcdist.config", "hpcdist.scheduler", "hpcdist.launchers", "hpcdist.containers", "hpcdist.console",
+          "hpcdist.errors", "hpcdist._version", "hpcdist.polling", "hpcdist.progress", "hpcdist._paths")
 # The store is the end of the node side's flow and what the login side reads back (results,
 # checkpoints, the health record, the job's records): it imports the shared packages only.
 STORE = ("hpcdist.store",)

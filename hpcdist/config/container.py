@@ -7,24 +7,20 @@ key (``--set container.image=...`` on a site with a default runtime is enough), 
 ``runtime: none`` runs it outside. What each rank must see inside is bound at the same path:
 the site's storage roots (results, checkpoints, scratch and logs: submitit's pickles and the
 code snapshot are there), the site's mounts for the runtime (PMIx's server folder, Slurm's
-``TmpFS``), then the job's. ``problems`` checks a job against its site without I/O; ``placed``
-(the login side, at submit) checks the image and the mounts on disk.
+``TmpFS``), then the job's. ``config.spec`` merges a job's container with its site's and checks
+it (no I/O); ``login.plan.placed`` checks the image and the mounts on disk at submit.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 from pydantic import AfterValidator, Field
 
 from hpcdist.config.base import Frozen
-from hpcdist.containers import Bind, ContainerPlan, get_runtime, runtime_names
-
-if TYPE_CHECKING:
-    from hpcdist.config.site import Site
-    from hpcdist.config.spec import JobSpec
+from hpcdist.containers import Bind, ContainerPlan, runtime_names
 
 NONE = "none"  # `runtime: none`: this job runs outside the site's default container
 
@@ -76,53 +72,7 @@ def sites_runtimes(value: dict[str, RuntimeSite]) -> dict[str, RuntimeSite]:
     return value
 
 
-def container_for(spec: JobSpec, site: Site) -> Container | None:
-    """The job's container: the site's default with the job's own keys over it; None to run outside."""
-    base = site.container.model_dump(exclude_unset=True) if site.container else {}
-    own = spec.container.model_dump(exclude_unset=True) if spec.container else {}
-    merged = Container(**{**base, **own})
-    if merged.runtime == NONE or (merged.runtime is None and merged.image is None):
-        return None
-    return merged
-
-
-def problems(spec: JobSpec, site: Site) -> list[tuple[str, object, str]]:
-    """What makes the job's container impossible on `site` (key path, value, what is allowed); no I/O."""
-    box = container_for(spec, site)
-    if box is None:
-        return []
-    if box.runtime is None:
-        have = sorted(site.containers) or "(none: the site has no runtime)"
-        return [("container.runtime", box.runtime, f"one of {have} for image {box.image!r}")]
-    if site.scheduler != "slurm":
-        return [("container", box.runtime, f"a Slurm site: site {site.name!r} starts its ranks in this Python; "
-                 f"drop the container or use a Slurm site")]
-    if box.runtime not in site.containers:
-        have = ", ".join(sorted(site.containers)) or "none"
-        return [("container.runtime", box.runtime, f"one of the site's runtimes: {have} (its config lists them "
-                 f"under containers:)")]
-    if box.image is None:
-        return [("container.image", None, "the image to run, e.g. --set container.image=/shared/images/pytorch")]
-    if get_runtime(box.runtime).srun_only and site.launcher.kind not in ("srun", "torchrun"):
-        return [("container.runtime", box.runtime, f"a launcher that starts its ranks with srun ({box.runtime} is an "
-                 f"srun plugin), not launcher.kind {site.launcher.kind!r}")]
-    return []
-
-
-def plan_for(spec: JobSpec, site: Site) -> ContainerPlan | None:
-    """The container a launch line wraps each rank in, binds as written (no I/O): the storage
-    roots, the site's mounts for the runtime, the job's; a bind under another is dropped."""
-    box = container_for(spec, site)
-    if box is None or box.runtime in (None, NONE) or box.image is None or box.runtime not in site.containers:
-        return None
-    runtime = site.containers[box.runtime]
-    roots = [str(getattr(site.storage, r)) for r in ("results", "checkpoints", "scratch", "logs")]
-    binds = [Bind(r, r) for r in roots] + [Bind.parse(m) for m in (*runtime.mounts, *box.mounts)]
-    return ContainerPlan(box.runtime, box.image, box.python or "python3", _outermost(binds), runtime.args,
-                         gpus=spec.resources.gpus_per_node > 0)
-
-
-def _outermost(binds: list[Bind]) -> tuple[Bind, ...]:
+def outermost(binds: list[Bind]) -> tuple[Bind, ...]:
     """Each bind once; one whose source and target both lie under another's is already inside it."""
     out: list[Bind] = []
     for b in binds:
@@ -162,4 +112,4 @@ def fold_onto_image(plan: ContainerPlan) -> tuple[ContainerPlan, list[str]]:
             missing.append(b.target)
         else:
             binds.append(Bind(str(point), str(point)))
-    return ContainerPlan(plan.runtime, plan.image, plan.python, _outermost(binds), plan.args, plan.gpus), missing
+    return ContainerPlan(plan.runtime, plan.image, plan.python, outermost(binds), plan.args, plan.gpus), missing

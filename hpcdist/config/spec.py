@@ -15,11 +15,11 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from hpcdist.config.container import Container
-from hpcdist.config.container import problems as container_problems
+from hpcdist.config.container import NONE, Container, outermost
 from hpcdist.config.paths import JobPaths
 from hpcdist.config.sbatch import SbatchOptions
 from hpcdist.config.site import EnvMap, EnvNames, Frozen, Site
+from hpcdist.containers import Bind, ContainerPlan, get_runtime
 
 
 @dataclass(frozen=True)
@@ -169,3 +169,53 @@ def fit_to_site(spec: JobSpec, site: Site) -> list[tuple[str, object, str]]:
     if spec.backend == "nccl" and res.gpus_per_node == 0:
         problems.append(("backend", "nccl", "gloo or auto when the job asks for no GPUs"))
     return problems + container_problems(spec, site)
+
+
+# ---------------------------------------------------------------- the job's container on its site
+
+
+def container_for(spec: JobSpec, site: Site) -> Container | None:
+    """The job's container: the site's default with the job's own keys over it; None to run outside."""
+    base = site.container.model_dump(exclude_unset=True) if site.container else {}
+    own = spec.container.model_dump(exclude_unset=True) if spec.container else {}
+    merged = Container(**{**base, **own})
+    if merged.runtime == NONE or (merged.runtime is None and merged.image is None):
+        return None
+    return merged
+
+
+def container_problems(spec: JobSpec, site: Site) -> list[tuple[str, object, str]]:
+    """What makes the job's container impossible on `site` (key path, value, what is allowed); no I/O."""
+    box = container_for(spec, site)
+    if box is None:
+        return []
+    if box.runtime is None:
+        have = sorted(site.containers) or "(none: the site has no runtime)"
+        return [("container.runtime", box.runtime, f"one of {have} for image {box.image!r}")]
+    if site.scheduler != "slurm":
+        return [("container", box.runtime, f"a Slurm site: site {site.name!r} starts its ranks in this Python; "
+                 f"drop the container or use a Slurm site")]
+    if box.runtime not in site.containers:
+        have = ", ".join(sorted(site.containers)) or "none"
+        return [("container.runtime", box.runtime, f"one of the site's runtimes: {have} (its config lists them "
+                 f"under containers:)")]
+    if box.image is None:
+        return [("container.image", None, "the image to run, e.g. --set container.image=/shared/images/pytorch")]
+    if get_runtime(box.runtime).srun_only and site.launcher.kind not in ("srun", "torchrun"):
+        return [("container.runtime", box.runtime, f"a launcher that starts its ranks with srun ({box.runtime} is an "
+                 f"srun plugin), not launcher.kind {site.launcher.kind!r}")]
+    return []
+
+
+def plan_for(spec: JobSpec, site: Site) -> ContainerPlan | None:
+    """The container a launch line wraps each rank in, binds as written (no I/O): the storage
+    roots, the site's mounts for the runtime, the job's; a bind under another is dropped."""
+    box = container_for(spec, site)
+    if box is None or box.runtime in (None, NONE) or box.image is None or box.runtime not in site.containers:
+        return None
+    runtime = site.containers[box.runtime]
+    roots = [str(getattr(site.storage, r)) for r in ("results", "checkpoints", "scratch", "logs")]
+    binds = [Bind(r, r) for r in roots] + [Bind.parse(m) for m in (*runtime.mounts, *box.mounts)]
+    return ContainerPlan(box.runtime, box.image, box.python or "python3", outermost(binds), runtime.args,
+                         gpus=spec.resources.gpus_per_node > 0)
+

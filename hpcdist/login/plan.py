@@ -79,7 +79,8 @@ def placed(spec: JobSpec, site: Site) -> ContainerPlan | None:
     """The job's container checked on disk before anything is queued: the image is there, every
     mount's source is, and a Charliecloud image directory has a folder for every bind (each moved
     onto the image's empty mount point that holds it, ``config.container.fold_onto_image``)."""
-    from hpcdist.config.container import container_for, fold_onto_image, plan_for
+    from hpcdist.config.container import fold_onto_image
+    from hpcdist.config.spec import container_for, plan_for
     from hpcdist.containers import Bind, get_runtime
 
     box = plan_for(spec, site)

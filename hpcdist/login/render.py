@@ -23,11 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 from hpcdist._paths import cache_dir, data_dir
 from hpcdist._version import __version__
-from hpcdist.config.container import plan_for
 from hpcdist.config.contract import LAUNCH_TIME_VAR
 from hpcdist.config.paths import log_patterns
 from hpcdist.config.site import Site
-from hpcdist.config.spec import JobSpec
+from hpcdist.config.spec import JobSpec, plan_for
 from hpcdist.containers import CONTAINER_VAR, SUBMITTED_WITH_VAR, ContainerPlan, get_runtime
 from hpcdist.errors import RenderError
 from hpcdist.launchers import SUBMITIT_RUNNER, LaunchPlan, get_launcher
