@@ -84,6 +84,10 @@ def sys_python(site) -> str:  # type: ignore[no-untyped-def]
 
 
 def test_a_site_default_container_and_a_job_opting_out() -> None:
+    spec, site = spec_and_site()  # local-slurm's default runtime: no image, no container
+    assert site.container is not None and plan_for(spec, site) is None
+    spec, site = spec_and_site("container.image=/images/pt")  # an image is enough
+    assert plan_for(spec, site).runtime == "charliecloud"  # type: ignore[union-attr]
     sets = ("site.container.runtime=charliecloud", "site.container.image=/images/pt")
     spec, site = spec_and_site(*sets)
     assert plan_for(spec, site) is not None and plan_for(spec, site).image == "/images/pt"  # type: ignore[union-attr]

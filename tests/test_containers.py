@@ -32,7 +32,7 @@ from tests.support.train import (
 train_root, tokens, reference = fx.train_root, fx.tokens, fx.reference
 
 IMAGE = Path(os.environ.get("HPCDIST_IMAGE", "/var/tmp/hpcdist-images/bookworm"))  # the Makefile's IMAGE
-IN_IMAGE = ["--set", "container.runtime=charliecloud", "--set", f"container.image={IMAGE}"]
+IN_IMAGE = ["--set", f"container.image={IMAGE}"]  # the site's default runtime: Charliecloud
 MPIRUN_AS_ROOT = ["--set", "env.OMPI_ALLOW_RUN_AS_ROOT=1", "--set", "env.OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"]
 TWO_BY_TWO = ["--set", "resources.nodes=2", "--set", "resources.tasks_per_node=2", "--set", "sbatch.nodelist=n1,n2"]
 
@@ -81,6 +81,23 @@ def test_a_users_script_on_hpcdist_init_runs_inside_the_image(slurm_storage: Pat
     assert {r["sum"] for r in said} == {10.0}
     assert {r["python"] for r in said} == {"/usr/bin/python3"}  # the image's Debian Python, not the host's venv
     assert all(r["inside"] for r in said)  # ch-run's CH_RUNNING
+
+
+@pytest.mark.slurm
+def test_an_executor_function_runs_in_the_image_and_returns(slurm_storage: Path) -> None:
+    import hpcdist
+
+    def where(ctx: hpcdist.Context, offset: int) -> dict[str, object]:  # pickled by value: not importable inside
+        import os
+        import sys
+
+        return {"rank": ctx.rank + offset, "python": sys.executable, "inside": bool(os.environ.get("CH_RUNNING"))}
+
+    roots = {f"site.storage.{key}": str(slurm_storage / key) for key in ("results", "checkpoints", "scratch", "logs")}
+    ex = hpcdist.Executor(site="local-slurm", nodes=2, tasks_per_node=1, time_min=5,
+                          container={"runtime": "charliecloud", "image": str(IMAGE)}, set=roots)
+    assert ex.submit(where, 10).results() == [{"rank": 10, "python": "/usr/bin/python3", "inside": True},
+                                              {"rank": 11, "python": "/usr/bin/python3", "inside": True}]
 
 
 @pytest.mark.slurm

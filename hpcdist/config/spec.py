@@ -179,8 +179,8 @@ def container_for(spec: JobSpec, site: Site) -> Container | None:
     base = site.container.model_dump(exclude_unset=True) if site.container else {}
     own = spec.container.model_dump(exclude_unset=True) if spec.container else {}
     merged = Container(**{**base, **own})
-    if merged.runtime == NONE or (merged.runtime is None and merged.image is None):
-        return None
+    if merged.runtime == NONE or (merged.image is None and "runtime" not in own):
+        return None  # a site's default runtime waits for a job that names an image
     return merged
 
 
