@@ -8,8 +8,10 @@ launcher stays outside the image and each rank's Python runs inside it. A runtim
 - ``srun_flags(plan)``: options of srun itself, for a runtime that is an srun plugin (pyxis:
   ``--container-image``, ``--container-mounts``); such a runtime needs a launcher that starts its
   ranks with srun (``srun_only``);
-- ``missing_targets(plan)``: the bind targets an image directory lacks, for a runtime that
-  cannot make them itself (Charliecloud 0.31 binds only onto a folder that exists in the image).
+- ``prelude()``: shell lines the job script runs first (Charliecloud: ``$USER``, which ch-run needs).
+
+Charliecloud 0.31 binds only onto a folder the image has: ``config.container.fold_onto_image``
+places its binds on the image's mount points before the line is written.
 
 What crosses the boundary: every runtime here passes the environment through (Slurm's, PMIx's,
 the launcher's variables, the job's ``env``); the binds put the storage roots, the job's own
@@ -26,7 +28,6 @@ from __future__ import annotations
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar, TypeVar
 
 # Set on every rank of a job whose ranks run in a container: the rank asks the batch step, which runs
@@ -82,10 +83,6 @@ class Runtime:
         """srun options (quoted) that put the step's tasks in the image."""
         return []
 
-    def missing_targets(self, plan: ContainerPlan) -> list[str]:
-        """Bind targets the image does not have and the runtime will not make; none by default."""
-        return []
-
     def prelude(self) -> list[str]:
         """Shell lines the job script runs before the launch line; none by default."""
         return []
@@ -130,12 +127,6 @@ class Charliecloud(Runtime):
     def wrap(self, plan: ContainerPlan) -> list[str]:
         binds = [f"--bind={b.source}:{b.target}" for b in plan.binds]
         return ["ch-run", *_q(binds), *_q(plan.args), shlex.quote(plan.image), "--"]
-
-    def missing_targets(self, plan: ContainerPlan) -> list[str]:
-        root = Path(plan.image)
-        if not root.is_dir():  # a SquashFS file: its folders are checked by ch-run itself
-            return []
-        return [b.target for b in plan.binds if not (root / b.target.lstrip("/")).is_dir()]
 
     def prelude(self) -> list[str]:
         return ['export USER="${USER:-$(id -un)}"  # ch-run will not start without it',
