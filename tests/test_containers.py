@@ -18,16 +18,7 @@ from hpcdist.store.results import read_attrs
 from tests.support import train as fx
 from tests.support.cli import REPO, job_id, missing, result_path, run_cli, storage_sets
 from tests.support.members import GROUP_ROOT, as_user, require_members
-from tests.support.train import (
-    STEPS,
-    Background,
-    ckpt_dir,
-    final_checkpoint,
-    preempt_and_release,
-    rank_log,
-    train_args,
-    wait_for,
-)
+from tests.support.train import STEPS, ckpt_dir, differing, final_checkpoint, preempted_slurm_run, rank_log, stopped_at
 
 train_root, tokens, reference = fx.train_root, fx.tokens, fx.reference
 
@@ -104,25 +95,15 @@ def test_an_executor_function_runs_in_the_image_and_returns(slurm_storage: Path)
 def test_train_gpt_preempted_in_the_image_is_requeued_outside_and_resumes_bit_for_bit(
         train_root: Path, tokens: Path, reference: Path) -> None:
     root = train_root / "container-preempt"
-    job = Background(train_args(root, tokens, "--set", "resources.nodes=2", "--set", "resources.tasks_per_node=1",
-                                "--set", "sbatch.nodelist=n1,n2", *IN_IMAGE, site="local-slurm"))
-    try:
-        wait_for(lambda: "step 20/400" in rank_log(root), 120, "step 20 in rank 0's log")
-        jid = next(p.name for p in (root / "logs" / "train_gpt").iterdir() if p.name.isdigit())
-        preempt_and_release(jid, "USR2")
-        result = job.finish(timeout=180)
-    finally:
-        job.kill()
+    jid, result = preempted_slurm_run(root, tokens, "USR2", "--set", "sbatch.nodelist=n1,n2", *IN_IMAGE)
     assert result.code == 0, result.text
     assert f"job {jid} finished: COMPLETED; 2/2 ranks succeeded" in result.out
     batch = (root / "logs" / "train_gpt" / jid / f"{jid}_0_log.err").read_text()
     assert f"hpcdist: requeueing job {jid}, as its ranks in the container asked" in batch  # scontrol, outside
     log = rank_log(root, 0)
-    stopped = int(re.search(r"USR2 signal received: checkpointing at step (\d+)", log).group(1))  # type: ignore[union-attr]
+    stopped = stopped_at(log, "USR2")
     assert 20 <= stopped < STEPS
     assert f"resumed from {ckpt_dir(root) / f'step_{stopped:08d}.h5'}: step {stopped}" in log
-    from tests.test_train_requeue import differing
-
     assert differing(final_checkpoint(root), reference) == []
     attrs = read_attrs(result_path(result.out))
     assert attrs["requeues"] == 1 and attrs["final_step"] == STEPS

@@ -7,13 +7,11 @@ count taken from Slurm's own (SLURM_RESTART_COUNT) so no setting can requeue a j
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -28,32 +26,22 @@ from tests.support.cli import require_slurm, result_path
 from tests.support.rankctx import rank_context
 from tests.support.train import (
     STEPS,
+    TWO_NODES,
     Background,
     assert_completed_after_one_requeue,
     ckpt_dir,
     differing,
     final_checkpoint,
-    preempt_and_release,
+    preempted_slurm_run,
     queue_state,
     rank_log,
+    slurm_job,
+    stopped_at,
     train_args,
     wait_for,
 )
 
 train_root, tokens, reference = fx.train_root, fx.tokens, fx.reference
-TWO_NODES = ["--set", "resources.nodes=2", "--set", "resources.tasks_per_node=1"]
-
-
-def slurm_job(root: Path) -> str:
-    return next(p.name for p in (root / "logs" / "train_gpt").iterdir() if p.name.isdigit())
-
-
-def stopped_at(log: str, signal_name: str) -> int:
-    match = re.search(rf"{signal_name} signal received: checkpointing at step (\d+)", log)
-    assert match, log[-3000:]
-    return int(match.group(1))
-
-
 # ---------------------------------------------------------------- the bound, for any code
 
 
@@ -114,19 +102,6 @@ def test_a_checkpoints_record_tells_preemptions_from_time_outs(tmp_path: Path, m
 
 
 # ---------------------------------------------------------------- on the cluster
-
-
-def preempted_slurm_run(root: Path, tokens: Path, how: str, *sets: str) -> tuple[str, Any]:
-    """A 2-node training job on the cluster, preempted `how` (``preempt_and_release``) once rank 0
-    logged step 20, waited to its end: (job id, the submit command's result)."""
-    job = Background(train_args(root, tokens, *TWO_NODES, *sets, site="local-slurm"))
-    try:
-        wait_for(lambda: "step 20/400" in rank_log(root), 120, "step 20 in rank 0's log")
-        jid = slurm_job(root)
-        preempt_and_release(jid, how)
-        return jid, job.finish(timeout=180)
-    finally:
-        job.kill()
 
 
 @pytest.mark.slurm

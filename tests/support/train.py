@@ -4,6 +4,7 @@ as a user submits it (tiny model, one thread per rank), and checkpoint compariso
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -192,3 +193,29 @@ def assert_completed_after_one_requeue(jid: str, result: Any, ranks: int) -> Non
     history = subprocess.run(["sacct", "-j", jid, "-X", "-n", "-P", "--duplicates", "-o", "State"],
                              capture_output=True, text=True).stdout.split()
     assert history == ["REQUEUED", "COMPLETED"], history
+
+
+TWO_NODES = ["--set", "resources.nodes=2", "--set", "resources.tasks_per_node=1"]
+
+
+def slurm_job(root: Path) -> str:
+    return next(p.name for p in (root / "logs" / "train_gpt").iterdir() if p.name.isdigit())
+
+
+def stopped_at(log: str, signal_name: str) -> int:
+    match = re.search(rf"{signal_name} signal received: checkpointing at step (\d+)", log)
+    assert match, log[-3000:]
+    return int(match.group(1))
+
+
+def preempted_slurm_run(root: Path, tokens: Path, how: str, *sets: str) -> tuple[str, Any]:
+    """A 2-node training job on the cluster, preempted `how` (``preempt_and_release``) once rank 0
+    logged step 20, waited to its end: (job id, the submit command's result)."""
+    job = Background(train_args(root, tokens, *TWO_NODES, *sets, site="local-slurm"))
+    try:
+        wait_for(lambda: "step 20/400" in rank_log(root), 120, "step 20 in rank 0's log")
+        jid = slurm_job(root)
+        preempt_and_release(jid, how)
+        return jid, job.finish(timeout=180)
+    finally:
+        job.kill()
