@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpcdist.model.gpt import GPT, GPTConfig
+from hpcdist.store.hostmem import peak_resident_bytes
 
 if TYPE_CHECKING:
     from hpcdist.runtime.context import JobContext
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 def build(cfg: GPTConfig, ctx: JobContext, parallel: ParallelParams, precision: Precision) -> tuple[GPT, nn.Module]:
     """The model (from torch's global generator, as ``GPT(cfg)``) and the module the steps run:
     under DDP a whole copy on every rank; under FSDP2 each rank's shard, never the whole."""
-    before = peak_rss()
+    before = peak_resident_bytes()
     if not parallel.fsdp:
         model = GPT(cfg).to(ctx.device)
         net = wrap(model, ctx, parallel, precision)
@@ -50,16 +51,8 @@ def build(cfg: GPTConfig, ctx: JobContext, parallel: ParallelParams, precision: 
         init_shards(model)
     held, whole = held_bytes(model)
     ctx.log.info("model set-up: this rank holds %.1f MB of the model's %.1f MB of parameters; "
-                 "its peak memory grew %.1f MB", held / 1e6, whole / 1e6, (peak_rss() - before) / 1e6)
+                 "its peak memory grew %.1f MB", held / 1e6, whole / 1e6, (peak_resident_bytes() - before) / 1e6)
     return model, net
-
-
-def peak_rss() -> int:
-    """This process's peak resident memory so far, in bytes (Linux's ru_maxrss is in kB): sees
-    torch's allocations, which tracemalloc does not."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 @torch.no_grad()
