@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 def build(cfg: GPTConfig, ctx: JobContext, parallel: ParallelParams, precision: Precision) -> tuple[GPT, nn.Module]:
     """The model (from torch's global generator, as ``GPT(cfg)``) and the module the steps run:
     under DDP a whole copy on every rank; under FSDP2 each rank's shard, never the whole."""
-    before = peak_resident_bytes()
+    before = _peak(ctx.device)
     if not parallel.fsdp:
         model = GPT(cfg).to(ctx.device)
         net = wrap(model, ctx, parallel, precision)
@@ -51,8 +51,17 @@ def build(cfg: GPTConfig, ctx: JobContext, parallel: ParallelParams, precision: 
         init_shards(model)
     held, whole = held_bytes(model)
     ctx.log.info("model set-up: this rank holds %.1f MB of the model's %.1f MB of parameters; "
-                 "its peak memory grew %.1f MB", held / 1e6, whole / 1e6, (peak_resident_bytes() - before) / 1e6)
+                 "its peak %s memory grew %.1f MB", held / 1e6, whole / 1e6,
+                 "GPU" if ctx.device.type == "cuda" else "host", (_peak(ctx.device) - before) / 1e6)
     return model, net
+
+
+def _peak(device: torch.device) -> int:
+    """The rank's peak memory so far where its model lives: CUDA's allocator, else the process's
+    resident memory (which sees torch's allocations, unlike tracemalloc)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return peak_resident_bytes()
 
 
 @torch.no_grad()
