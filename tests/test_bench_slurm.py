@@ -97,6 +97,25 @@ def test_pair_matrix_of_the_two_nodes(shared_dir: Path) -> None:
             assert g.attrs["rounds"] == 1
 
 
+def test_pair_matrix_measures_every_rail(shared_dir: Path) -> None:
+    """Two tasks per node: local rank r of n1 with local rank r of n2 is rail r, named by the
+    HCA the site lists for it; both rails measured each way, at once (still one round)."""
+    proc, path = submit("bench_pairs", SITE, shared_dir, [
+        "resources.tasks_per_node=2", "site.network.ib_hcas=[mlx5_0, mlx5_3]", "params.size=256K",
+        "params.iters=3", "params.window=4"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert path is not None
+    with h5py.File(path, "r") as f:
+        g = f["pairs/torch"]
+        assert [n.decode() for n in g["rails"][()]] == ["rail 0 (mlx5_0)", "rail 1 (mlx5_3)"]
+        assert g.attrs["rail_ranks"].tolist() == [[0, 2], [1, 3]] and g.attrs["rounds"] == 1
+        rails, pair = g["rail_bandwidth_gbps"][()], g["bandwidth_gbps"][()]
+        assert rails.shape == (2, 2, 2)
+        assert (rails[:, 0, 1] > 0).all() and (rails[:, 1, 0] > 0).all()  # every rail, both ways
+        assert pair[0, 1] == rails[:, 0, 1].min() and pair[1, 0] == rails[:, 1, 0].min()
+        assert (g["rail_latency_us"][()][:, 0, 1] > 0).all()
+
+
 def test_preflight_fails_below_the_site_minimum_and_names_the_nodes(shared_dir: Path) -> None:
     proc, path = submit("bench_preflight", SITE, shared_dir, [
         "site.baselines.min_busbw_gbps.all_reduce=10000", "site.baselines.min_p2p_gbps=10000",

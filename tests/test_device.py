@@ -20,6 +20,8 @@ from tests.test_rankinfo import SRUN_RANK5
 ONE_PER_TASK = {**SRUN_RANK5, "CUDA_VISIBLE_DEVICES": "1"}
 # every GPU of the node visible to every task
 ALL_FOUR = {**SRUN_RANK5, "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+# srun --gpu-bind=closest: task 7 (local 3) sees its socket's two GPUs
+CLOSEST_LOCAL3 = {**SRUN_RANK5, "SLURM_PROCID": "7", "SLURM_LOCALID": "3", "CUDA_VISIBLE_DEVICES": "2,3"}
 OPENMPI_LOCAL2 = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
                   "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"}
 
@@ -102,3 +104,26 @@ def test_the_preflight_inside_a_gpu_allocation_measures_nccl(fake_cuda: dict[str
     assert (backend, str(device)) == ("nccl", "cuda:1")
     fake_cuda["count"] = 0  # a CPU node: gloo, as before
     assert bootstrap.choose_backend(spec, RankInfo.from_env(SRUN_RANK5, hostname="cpu01"), SRUN_RANK5)[0] == "gloo"
+
+
+@pytest.mark.parametrize(("env", "count", "local_rank"), [
+    (ONE_PER_TASK, 1, "0"),  # --gpus-per-task=1 / --gpu-bind=single:1: cuda:0 in every task
+    (CLOSEST_LOCAL3, 2, "1"),  # --gpu-bind=closest: this socket's two of four, the second
+    (ALL_FOUR, 4, "1"),  # no binding: torchrun's case, LOCAL_RANK is the node-local rank
+])
+def test_a_torchrun_style_scripts_local_rank_is_its_gpu_however_the_site_binds(
+        fake_cuda: dict[str, Any], env: dict[str, str], count: int, local_rank: str) -> None:
+    """The python kind's LOCAL_RANK under each binding: `torch.cuda.set_device(int(LOCAL_RANK))`
+    (examples/ddp_plain.py) names a GPU the task has, the one hpcdist chose; the node-local rank
+    stays in HPCDIST_LOCAL_RANK. Before, local rank 1 asked for cuda:1 with one GPU visible."""
+    from hpcdist.jobs.python_run import script_env
+
+    fake_cuda["count"] = count
+    spec = JobSpec.model_validate({"name": "t", "kind": "python", "backend": "nccl", "params": {"script": "x.py"},
+                                   "resources": {"nodes": 2, "tasks_per_node": 4, "gpus_per_node": 4}})
+    info = RankInfo.from_env(env, hostname="gpu08")
+    _, device = bootstrap.choose_backend(spec, info, env)
+    got = script_env(info, "10.0.0.1", 4000, "77", env, device)
+    assert got["LOCAL_RANK"] == local_rank and int(local_rank) < count
+    assert torch.device("cuda", int(got["LOCAL_RANK"])) == device
+    assert got["HPCDIST_LOCAL_RANK"] == env["SLURM_LOCALID"]

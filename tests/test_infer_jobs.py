@@ -184,3 +184,28 @@ def test_infer_and_broadcast_across_two_slurm_nodes(tmp_path: Path) -> None:
             assert list(read_table(f["broadcast"])["wrong"]) == [0, 0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_after_a_broadcast_load_each_rank_holds_its_shard_not_the_whole_model(tmp_path: Path) -> None:
+    """tp=2 on the local site, a 203 MB float32 checkpoint that rank 0 reads and broadcasts whole,
+    run in bfloat16: each rank's resident memory grew by about its 51 MB half across loading, far
+    from the 203 MB it received (freed), and the result says so per rank, with the dtype."""
+    from tests.support.infer import make_checkpoint as checkpoint
+
+    cfg = TINY.model_copy(update={"n_layer": 4, "d_model": 1024, "n_head": 8, "context": 16})
+    checkpoint(tmp_path / "checkpoints" / "train_gpt", cfg)
+    whole = cfg.num_params() * 4  # as stored and broadcast
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello\n")
+    sets = [f"--set=site.{s}" for s in _storage(tmp_path)]
+    proc = _cli("submit", str(JOB), "--site", "local", "--wait", *sets, f"--set=params.prompts={prompts}",
+                "--set=params.max_new_tokens=2", "--set=params.load=broadcast", "--set=params.dtype=bfloat16")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (path,) = (tmp_path / "results" / "infer_gpt").glob("*.h5")
+    assert read_attrs(path)["dtype"] == "bfloat16"
+    with h5py.File(path) as f:
+        ranks = read_table(f["ranks"])
+    assert list(ranks["rank"]) == [0, 1]
+    for weights, held in zip(ranks["weight_bytes"], ranks["load_resident_bytes"], strict=True):
+        assert abs(weights - whole / 4) < 0.02 * whole  # half the model, in 2-byte values
+        assert 0.9 * weights < held < weights + whole / 4, (weights, held, whole)

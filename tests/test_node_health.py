@@ -79,6 +79,31 @@ def test_the_preflight_blames_a_node_only_when_every_link_of_it_is_slow() -> Non
     assert culprits(matrix(four, {"n2"}), None, None) == {}  # the site sets no minimum
 
 
+def test_a_slow_rail_marks_its_node_and_is_named_with_its_hca() -> None:
+    """Four nodes, two rails each: rail 1 of n2 (its mlx5_3) moves 0.002 GB/s, everything else 1.
+    The pair matrix (each pair's slowest rail) makes n2 the culprit as a slow node would, and the
+    shortfall and the report name the rail. (A slow rail is a fake here: the test cluster's ranks
+    of a node share one interface.)"""
+    from hpcdist.bench.pairs import _slowest, pair_shortfalls, rail_names
+    from hpcdist.bench.report import matrix_lines
+
+    four = ["n1", "n2", "n3", "n4"]
+    rails = np.stack([matrix(four, set()).bandwidth, matrix(four, {"n2"}).bandwidth])
+    lat = np.ones((2, 4, 4))
+    m = Matrix(four, _slowest(rails, np.fmin), _slowest(lat, np.fmax), rails[1], {"label": "torch/nccl"},
+               rails=rail_names(2, ("mlx5_0", "mlx5_3")), rail_bandwidth=rails, rail_latency=lat)
+    assert list(culprits(m, 0.02, None)) == ["n2"]
+    (said,) = pair_shortfalls(m, 0.02, None)
+    assert "n1->n2 rail 1 (mlx5_3) 0.002 GB/s" in said and "rail 0" not in said
+    assert "nodes that fell short: n2 (6 links)" in said
+    text = "\n".join(matrix_lines("torch", {
+        "nodes": four, "bandwidth_gbps": m.bandwidth, "latency_us": m.latency, "size": 1 << 20, "latency_size": 8,
+        "min_gbps": 0.02, "rails": m.rails, "rail_bandwidth_gbps": rails, "rail_latency_us": lat}))
+    assert "each pair's slowest of 2 rails" in text
+    rail0, rail1 = text.split("# rail 0 (mlx5_0)")[1].split("# rail 1 (mlx5_3)")
+    assert "SLOW" not in rail0 and rail1.count("SLOW") == 6
+
+
 # ---------------------------------------------------------------- on the Slurm cluster
 
 SITE = ["--site", "local-slurm", "--set", "site.partitions.cpu.nodes=4"]

@@ -115,7 +115,8 @@ def test_under_torchrun_the_script_keeps_torchruns_own_variables() -> None:
               "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4", "ROLE_NAME": "default", "MASTER_ADDR": "10.0.0.1",
               "MASTER_PORT": "36315", "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"}
     info = RankInfo.from_env(worker, hostname="n2")
-    assert script_env(info, "10.0.0.1", 36315, "local", worker) == {"NODE_RANK": "1"}  # torchrun leaves it out
+    assert script_env(info, "10.0.0.1", 36315, "local", worker) == {  # what torchrun leaves out
+        "NODE_RANK": "1", "HPCDIST_LOCAL_RANK": "1"}
     # under srun every variable comes from hpcdist, the run id from the job
     slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
              "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "77"}

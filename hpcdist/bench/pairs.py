@@ -1,9 +1,15 @@
-"""The node-pair matrix: every pair of nodes, one rank each, in rounds where no node is in two
-pairs at once, so a slow node or link shows up as a row (or column) of the heat map.
+"""The node-pair matrix: every pair of nodes, every rail, in rounds where no node is in two pairs
+at once, so a slow node, link or rail shows up as a row (or column) of the heat map.
 
 Rounds follow the circle method of a round-robin tournament: n nodes take n-1 rounds (n even)
 or n (odd, one node rests each round). In each round every pair measures unidirectional
-bandwidth both ways and the ping-pong latency; the first rank of each node speaks for it.
+bandwidth both ways and the ping-pong latency on each rail: local rank r of one node with local
+rank r of the other (a rail-optimised node has one NIC per GPU, GPU r's the r-th of the site's
+``network.ib_hcas``). A pair's rails run at once, as training drives them (NCCL spreads a
+collective over every NIC), which keeps the job's time that of one rail and shows a rail that is
+slow only under load (a shared PCIe switch, an uplink); each rail's figure is its own. The node
+pair's figure is its slowest rail's bandwidth (and highest latency), so a slow rail marks the
+pair, and its node, as a slow link always did, and the shortfall names the rail.
 """
 
 from __future__ import annotations
@@ -40,28 +46,42 @@ def rounds(n: int) -> list[list[tuple[int, int]]]:
     return out
 
 
+def rail_ranks(node_of_rank: list[str], nodes: list[str]) -> list[list[int]]:
+    """``[rail][node index]`` -> rank: local rank r of each node is rail r; as many rails as the
+    node with the fewest ranks has (one rank each: one rail, the nodes' first ranks)."""
+    ranks = [[r for r, node in enumerate(node_of_rank) if node == name] for name in nodes]
+    return [[mine[k] for mine in ranks] for k in range(min(len(mine) for mine in ranks))]
+
+
+def rail_names(count: int, hcas: tuple[str, ...]) -> list[str]:
+    """``rail 0 (mlx5_0)``...: the local rank, and the HCA the site lists for it when it lists one."""
+    return [f"rail {k}" + (f" ({hcas[k]})" if k < len(hcas) and count > 1 else "") for k in range(count)]
+
+
 def measure_pairs(s: Session, path: CommPath, params: Any) -> Matrix:
-    """Every node pair on `path`; rank 0 gets the matrices, other ranks an empty one."""
+    """Every node pair on `path`, all rails of a pair at once; rank 0 gets the matrices, other
+    ranks an empty one."""
     nodes = s.nodes
     n = len(nodes)
-    leader = {i: s.node_of_rank.index(node) for i, node in enumerate(nodes)}
+    rails = rail_ranks(list(s.node_of_rank), list(nodes))
     me = s.rank
-    bw = np.full((n, n), np.nan)
-    lat = np.full((n, n), np.nan)
+    bw = np.full((len(rails), n, n), np.nan)
+    lat = np.full((len(rails), n, n), np.nan)
     schedule = rounds(n)
     with Progress(f"pairs {path.label}", len(schedule), show=s.ctx.is_main, transient=True) as bar:
         for k, pairs in enumerate(schedule):
             what = (
-                f"pairs round {k + 1}/{len(schedule)} ({', '.join(f'{nodes[i]}<->{nodes[j]}' for i, j in pairs)}) "
+                f"pairs round {k + 1}/{len(schedule)} ({', '.join(f'{nodes[i]}<->{nodes[j]}' for i, j in pairs)}"
+                f"{f', {len(rails)} rails each' if len(rails) > 1 else ''}) "
                 f"at size {params.size} B ({human_bytes(params.size)}) on path {path.label}"
             )
 
-            def one(pairs: list[tuple[int, int]] = pairs) -> list[tuple[str, int, int, float]] | None:
-                for i, j in pairs:
-                    if me not in (leader[i], leader[j]):
+            def one(pairs: list[tuple[int, int]] = pairs) -> list[tuple[str, int, int, int, float]] | None:
+                for (i, j), (r, ranks) in ((p, rail) for p in pairs for rail in enumerate(rails)):
+                    if me not in (ranks[i], ranks[j]):
                         continue
-                    first = me == leader[i]
-                    peer = leader[j] if first else leader[i]
+                    first = me == ranks[i]
+                    peer = ranks[j] if first else ranks[i]
                     go = exchange(path, "unidir", me, peer, first, params.size, params.warmup, params.iters,
                                   params.window, False)
                     back = exchange(path, "unidir", me, peer, not first, params.size, params.warmup, params.iters,
@@ -70,30 +90,47 @@ def measure_pairs(s: Session, path: CommPath, params: Any) -> Matrix:
                                     params.iters, 1, False)
                     if first:  # each direction is reported by its sender
                         return [
-                            ("bw", i, j, algbw(params.size, float(go.times.mean()))),
-                            ("lat", i, j, float(ping.times.mean()) * 1e6),
+                            ("bw", r, i, j, algbw(params.size, float(go.times.mean()))),
+                            ("lat", r, i, j, float(ping.times.mean()) * 1e6),
                         ]
-                    return [("bw", j, i, algbw(params.size, float(back.times.mean())))]
+                    return [("bw", r, j, i, algbw(params.size, float(back.times.mean())))]
                 return None
 
             got = s.run_one(path, what, "pairs", params.size, one)
             for cells in got or []:
-                for kind, i, j, value in cells or []:
+                for kind, r, i, j, value in cells or []:
                     if kind == "bw":
-                        bw[i, j] = value
+                        bw[r, i, j] = value
                     else:
-                        lat[i, j] = lat[j, i] = value
+                        lat[r, i, j] = lat[r, j, i] = value
             bar.advance(f"round {k + 1}")
     exp, label = s.expected("pairs")
-    frac = bw / exp if exp else np.full((n, n), np.nan)
+    slowest = _slowest(bw, np.fmin)
+    frac = slowest / exp if exp else np.full((n, n), np.nan)
     attrs = {
         "size": params.size, "latency_size": params.latency_size, "iters": params.iters, "warmup": params.warmup,
         "window": params.window, "rounds": len(schedule), "fraction_of": label, "label": path.label,
-        "leaders": np.array([leader[i] for i in range(n)], dtype=np.int32),
+        "leaders": np.array(rails[0], dtype=np.int32),
+        "rail_ranks": np.array(rails, dtype=np.int32),
         # the site's minimum, so a report can mark the slow pairs (NaN: the site sets none)
         "min_gbps": np.nan if s.ctx.site.baselines.min_p2p_gbps is None else s.ctx.site.baselines.min_p2p_gbps,
     }
-    return Matrix(list(nodes), bw, lat, frac, attrs)
+    return Matrix(list(nodes), slowest, _slowest(lat, np.fmax), frac, attrs,
+                  rails=rail_names(len(rails), s.ctx.site.network.ib_hcas), rail_bandwidth=bw, rail_latency=lat)
+
+
+def _slowest(per_rail: np.ndarray, pick: Any) -> np.ndarray:
+    """The node pair's figure from its rails' (`np.fmin` for bandwidth, `np.fmax` for latency; a
+    rail not measured is skipped, none measured stays NaN)."""
+    return np.asarray(pick.reduce(per_rail, axis=0), dtype=float)
+
+
+def _short_links(m: Matrix, i: int, j: int, min_gbps: float) -> list[str]:
+    """``n1->n2 3.1 GB/s``, or per slow rail ``n1->n2 rail 2 (mlx5_4) 3.1 GB/s`` when there are rails."""
+    if m.rail_bandwidth is None or len(m.rails) < 2:
+        return [] if m.bandwidth[i, j] >= min_gbps else [f"{m.nodes[i]}->{m.nodes[j]} {m.bandwidth[i, j]:.3g} GB/s"]
+    return [f"{m.nodes[i]}->{m.nodes[j]} {name} {m.rail_bandwidth[r, i, j]:.3g} GB/s"
+            for r, name in enumerate(m.rails) if not m.rail_bandwidth[r, i, j] >= min_gbps]
 
 
 def pair_shortfalls(m: Matrix, min_gbps: float | None, max_latency_us: float | None) -> list[str]:
@@ -106,7 +143,7 @@ def pair_shortfalls(m: Matrix, min_gbps: float | None, max_latency_us: float | N
             if i == j:
                 continue
             if min_gbps is not None and not m.bandwidth[i, j] >= min_gbps:
-                bad.append(f"{m.nodes[i]}->{m.nodes[j]} {m.bandwidth[i, j]:.3g} GB/s")
+                bad += _short_links(m, i, j, min_gbps)
                 blame[m.nodes[i]] = blame.get(m.nodes[i], 0) + 1
                 blame[m.nodes[j]] = blame.get(m.nodes[j], 0) + 1
             if max_latency_us is not None and i < j and not m.latency[i, j] <= max_latency_us:
@@ -136,8 +173,7 @@ def culprits(m: Matrix, min_gbps: float | None, max_latency_us: float | None) ->
         return {}
 
     def short(i: int, j: int) -> str:
-        why = [f"{m.nodes[a]}->{m.nodes[b]} {m.bandwidth[a, b]:.3g} GB/s" for a, b in ((i, j), (j, i))
-               if min_gbps is not None and not m.bandwidth[a, b] >= min_gbps]
+        why = [w for a, b in ((i, j), (j, i)) if min_gbps is not None for w in _short_links(m, a, b, min_gbps)]
         if max_latency_us is not None and not m.latency[min(i, j), max(i, j)] <= max_latency_us:
             why.append(f"{m.nodes[i]}<->{m.nodes[j]} latency {m.latency[min(i, j), max(i, j)]:.1f} us")
         return ", ".join(why)

@@ -20,8 +20,11 @@ Layout (inside the ``hpcdist.result`` format, see ``hpcdist.store.results``; ``b
   ``slowest_time_us``, ``wrong``, ``fraction``), with attributes ``op``, ``path``, ``label``,
   ``dtype``, ``nranks``, ``bus_factor``, ``warmup``, ``iters``, ``fraction_of``;
 - ``/pairs/<path>``: datasets ``nodes`` (n), ``bandwidth_gbps`` (n x n, row sends to column,
-  NaN on the diagonal), ``latency_us`` (n x n, symmetric), ``fraction`` (n x n), and the
-  attributes ``size``, ``latency_size``, ``iters``, ``window``, ``rounds``, ``fraction_of``.
+  NaN on the diagonal; each pair's slowest rail), ``latency_us`` (n x n, symmetric; the highest
+  rail's), ``fraction`` (n x n), ``rails`` (``rail 0 (mlx5_0)``...: local rank r of each node, the
+  site's r-th HCA), ``rail_bandwidth_gbps`` and ``rail_latency_us`` (rails x n x n), and the
+  attributes ``size``, ``latency_size``, ``iters``, ``window``, ``rounds``, ``fraction_of``,
+  ``rail_ranks`` (rails x n: the rank of each rail on each node).
 """
 
 from __future__ import annotations
@@ -47,11 +50,17 @@ class Table:
 
 @dataclass
 class Matrix:
+    """A node-pair matrix; with rails, each figure is the pair's slowest rail's, and the rails'
+    own are kept (``[rail, row, column]``)."""
+
     nodes: list[str]
     bandwidth: np.ndarray
     latency: np.ndarray
     fraction: np.ndarray
     attrs: dict[str, Any]
+    rails: list[str] = field(default_factory=list)
+    rail_bandwidth: np.ndarray | None = None
+    rail_latency: np.ndarray | None = None
 
 
 class BenchRecord:
@@ -105,6 +114,10 @@ class BenchRecord:
                 g.create_dataset("bandwidth_gbps", data=m.bandwidth)
                 g.create_dataset("latency_us", data=m.latency)
                 g.create_dataset("fraction", data=m.fraction)
+                if m.rail_bandwidth is not None and m.rail_latency is not None:
+                    g.create_dataset("rails", data=np.array(m.rails, dtype=object), dtype=_str_dtype())
+                    g.create_dataset("rail_bandwidth_gbps", data=m.rail_bandwidth)
+                    g.create_dataset("rail_latency_us", data=m.rail_latency)
                 for key, value in m.attrs.items():
                     g.attrs[key] = value
         return self.path

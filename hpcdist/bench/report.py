@@ -76,6 +76,10 @@ def load(file: str | Path) -> Result:
                 "fraction": g["fraction"][()],
                 **{k: _plain(v) for k, v in g.attrs.items()},
             }
+            if "rails" in g:  # one rail per local rank (absent in files written before rails were measured)
+                out.matrices[path].update(
+                    rails=[n.decode() if isinstance(n, bytes) else str(n) for n in g["rails"][()]],
+                    rail_bandwidth_gbps=g["rail_bandwidth_gbps"][()], rail_latency_us=g["rail_latency_us"][()])
         if "interconnect" in f:
             out.interconnect = read_table(f["interconnect"])
     return out
@@ -190,15 +194,21 @@ def matrix_lines(path: str, m: dict[str, Any]) -> list[str]:
     marked = [f"{nodes[i]}->{nodes[j]}" for i, j in zip(*np.nonzero(slow), strict=True)]
     note = (f"# SLOW: {', '.join(marked)} below the site's minimum {float(m['min_gbps']):g} GB/s"
             if marked else None)
-    return [
+    rails = m.get("rails", [])
+    lines = [
         "",
         f"# node pairs on {m.get('label', path)}: bandwidth (GB/s) of {human_bytes(int(m['size']))} messages, "
-        f"row sends to column; {m.get('rounds')} round(s); fraction of: {m.get('fraction_of')}",
+        f"row sends to column; {m.get('rounds')} round(s); fraction of: {m.get('fraction_of')}"
+        + (f"; each pair's slowest of {len(rails)} rails, measured at once" if len(rails) > 1 else ""),
         *_matrix(nodes, m["bandwidth_gbps"], 3, slow),
         *([note] if note else []),
         f"# latency (us) of {int(m['latency_size'])}-byte ping-pong:",
         *_matrix(nodes, m["latency_us"], 1),
     ]
+    for r, name in enumerate(rails if len(rails) > 1 else []):
+        one = {**m, "bandwidth_gbps": m["rail_bandwidth_gbps"][r]}
+        lines += [f"# {name}: bandwidth (GB/s)", *_matrix(nodes, one["bandwidth_gbps"], 3, slow_pairs(one))]
+    return lines
 
 
 def format_report(r: Result) -> str:

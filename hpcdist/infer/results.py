@@ -14,7 +14,9 @@
   ``total_s``, ``tokens_per_s``;
 - ``/ranks`` table: ``rank``, ``host``, ``tp_rank``, ``dp_group``, ``requests``, ``new_tokens``,
   ``load_s``, ``generate_s``, ``tokens_per_s``, ``weight_bytes`` (the rank's shard),
-  ``kv_cache_peak_bytes`` (its largest batch's cache), ``device_peak_bytes`` (CUDA's peak
+  ``load_resident_bytes`` (how much the rank's resident host memory grew across loading: on CPUs
+  its shard, the whole model read or received having been freed), ``kv_cache_peak_bytes`` (its
+  largest batch's cache), ``device_peak_bytes`` (CUDA's peak
   allocation on the rank's GPU; -1 on CPU);
 - ``/load`` attributes: ``method`` and its figures (``bytes``, ``seconds``, ``algbw_gbps``...);
 - ``/summary`` attributes: ``ttft``, ``per_token``, ``step`` and ``total`` ``_p50_s``/``_p99_s``,

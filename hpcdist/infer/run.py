@@ -31,6 +31,7 @@ from hpcdist.model.checkpoint import parameter_shapes as expected_shapes
 from hpcdist.progress import report_progress
 from hpcdist.store import checksum
 from hpcdist.store.discovery import resolve
+from hpcdist.store.hostmem import resident_bytes
 from hpcdist.store.tree import tensor_array
 
 if TYPE_CHECKING:
@@ -164,6 +165,7 @@ def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
 
     dtype = model_dtype(header, params)
     t_load = time.perf_counter()
+    resident = resident_bytes()
     if params.load == "broadcast":
         full, load = load_broadcast(ctx, header, params)
         shard: dict[str, Any] = shard_state(full, cfg, tp.rank, tp.size)
@@ -176,6 +178,7 @@ def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
         ctx.log.info("%s", kv_layout(cfg, tp.size))
     del shard
     weights = weight_bytes(model)
+    resident = resident_bytes() - resident  # on CPUs the weights it kept: its shard, not the whole model
     load_s = time.perf_counter() - t_load
     ctx.log.info("weights loaded by %s in %.3f s (%s bytes) from %s", load["method"], load_s, load["bytes"],
                  header.path)
@@ -247,6 +250,7 @@ def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
         "generate_s": gen_s,
         "tokens_per_s": my_tokens / gen_s if gen_s > 0 else float("nan"),
         "weight_bytes": weights,  # this rank's shard, in the model's dtype
+        "load_resident_bytes": resident,  # host memory the load left this rank holding
         "kv_cache_peak_bytes": kv_peak,  # the largest batch's cache
         "device_peak_bytes": torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else -1,
     }

@@ -35,18 +35,33 @@ from hpcdist.runtime.reach import peer_named
 from hpcdist.runtime.requeue import Requeued
 
 if TYPE_CHECKING:
+    import torch
+
     from hpcdist.runtime.context import JobContext
     from hpcdist.runtime.rankinfo import RankInfo
 
 log = logging.getLogger("hpcdist")
 
 
-def torchrun_env(info: RankInfo, addr: str, port: int, run_id: str) -> dict[str, str]:
-    """The variables torchrun's agent sets for a worker (plus NODE_RANK, which many scripts read)."""
+def local_rank_for(info: RankInfo, device: torch.device | None) -> int:
+    """The ``LOCAL_RANK`` a torchrun-style script gets: the index of the rank's own GPU among those
+    its task sees, which is the node-local rank when every task sees the node's GPUs (torchrun's
+    case), and not when the site binds GPUs to tasks (``--gpus-per-task=1``: ``cuda:0`` in every
+    task), where ``torch.cuda.set_device(LOCAL_RANK)`` would ask for a GPU the task does not have."""
+    if device is not None and device.type == "cuda" and device.index is not None:
+        return device.index
+    return info.local_rank
+
+
+def torchrun_env(info: RankInfo, addr: str, port: int, run_id: str,
+                 device: torch.device | None = None) -> dict[str, str]:
+    """The variables torchrun's agent sets for a worker (plus NODE_RANK, which many scripts read,
+    and HPCDIST_LOCAL_RANK, the node-local rank whatever ``LOCAL_RANK`` says of the GPU)."""
     return {
         "RANK": str(info.rank),
         "WORLD_SIZE": str(info.world_size),
-        "LOCAL_RANK": str(info.local_rank),
+        "LOCAL_RANK": str(local_rank_for(info, device)),
+        "HPCDIST_LOCAL_RANK": str(info.local_rank),
         "LOCAL_WORLD_SIZE": str(info.local_world_size),
         "GROUP_RANK": str(info.node_rank),
         "GROUP_WORLD_SIZE": str(info.num_nodes),
@@ -63,13 +78,15 @@ def torchrun_env(info: RankInfo, addr: str, port: int, run_id: str) -> dict[str,
     }
 
 
-def script_env(info: RankInfo, addr: str, port: int, run_id: str, env: Mapping[str, str]) -> dict[str, str]:
-    """What this rank's environment `env` gains for the script: torchrun's worker variables.
+def script_env(info: RankInfo, addr: str, port: int, run_id: str, env: Mapping[str, str],
+               device: torch.device | None = None) -> dict[str, str]:
+    """What this rank's environment `env` gains for the script: torchrun's worker variables, with
+    ``LOCAL_RANK`` the index of `device`, the rank's GPU (``local_rank_for``).
 
     Under torchrun itself (its agent serves the store) the worker already has them, and torchrun's
     own values stand (its ``--rdzv-id``, not hpcdist's job id): only what it leaves out is added.
     """
-    wanted = torchrun_env(info, addr, port, run_id)
+    wanted = torchrun_env(info, addr, port, run_id, device)
     if info.agent_store:
         return {k: v for k, v in wanted.items() if k not in env}
     return wanted
@@ -80,11 +97,14 @@ def run(ctx: JobContext, params: PythonParams) -> dict[str, Any]:
     from hpcdist import api
 
     endpoint = ctx.endpoint
-    os.environ.update(script_env(ctx.info, endpoint.addr, endpoint.port, ctx.job_id, os.environ))
+    os.environ.update(script_env(ctx.info, endpoint.addr, endpoint.port, ctx.job_id, os.environ, ctx.device))
     if ctx.device.type == "cuda":
         import torch
 
         torch.cuda.set_device(ctx.device)  # as torchrun's users expect: cuda:LOCAL_RANK is this rank's
+        if os.environ["LOCAL_RANK"] != str(ctx.info.local_rank):
+            log.info("LOCAL_RANK=%s: this rank's GPU among the %d its task sees (node-local rank %d, in "
+                     "HPCDIST_LOCAL_RANK)", os.environ["LOCAL_RANK"], torch.cuda.device_count(), ctx.info.local_rank)
     api.attach(ctx)
     where = f"rank {ctx.rank} on {ctx.info.hostname}"
     watchdog = Watchdog(ctx.store, where, beat=lambda: group.beat(ctx.store, ctx.info))

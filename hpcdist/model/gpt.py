@@ -6,11 +6,16 @@ family, so one checkpoint layout, one tensor-parallel split and one loader serve
 gate, then the up projection for SwiGLU. ``hpcdist.model.hf`` maps these onto GPT-2 (Conv1D
 weights transposed) and onto LLaMA, Mistral and Qwen2 (q/k/v and gate/up split apart). The head
 is tied to the token embedding unless ``tied`` is false.
+
+Each parameter's initial values come from a generator of its own, seeded by the model's seed and
+the parameter's name (``initial_value``): a model built on the meta device and sharded (FSDP2)
+gets each rank's part of exactly the weights the whole model would have, one parameter at a time.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +94,8 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        # drawn before any module (whose own init draws on the CPU but not on the meta device)
+        self.seed = int(torch.randint(2**62, (), device="cpu"))
         layers: dict[str, nn.Module] = {"wte": nn.Embedding(cfg.vocab_size, cfg.d_model)}
         if cfg.positions == "learned":
             layers["wpe"] = nn.Embedding(cfg.context, cfg.d_model)
@@ -102,19 +109,34 @@ class GPT(nn.Module):
             self.lm_head.weight = wte.weight
         if cfg.positions == "rope":
             self.register_buffer("inv_freq", rope.inv_freq(cfg), persistent=False)
-        self.apply(self._init)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        if not self.lm_head.weight.is_meta:  # on the meta device the caller initialises (``init_weights``)
+            self.init_weights()
 
-    @staticmethod
-    def _init(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    def initial_value(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Parameter `name`'s whole initial value, on the CPU: GPT-2's init (normal, std 0.02, the
+        residual projections 0.02 / sqrt(2 n_layer); norms one, biases zero) drawn from a
+        generator seeded by the model's seed and the name, so it does not depend on the order or
+        the device of construction."""
+        module = self.get_submodule(name.rpartition(".")[0])
+        if name.endswith(".bias") or isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            fill = 0.0 if name.endswith(".bias") else 1.0
+            return torch.full(shape, fill, dtype=dtype, device="cpu")
+        std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
+        g = torch.Generator(device="cpu").manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+        return torch.empty(shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=g).to(dtype)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Every parameter's initial value and the buffers (an unsharded model, on any device)."""
+        for name, p in self.named_parameters():  # a tied head is the embedding, listed once
+            p.copy_(self.initial_value(name, tuple(p.shape), p.dtype))
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """The non-persistent buffers (RoPE's frequencies), e.g. after ``to_empty``."""
+        if self.cfg.positions == "rope":
+            buf = self.get_buffer("inv_freq")
+            buf.copy_(rope.inv_freq(self.cfg, "cpu"))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits (batch, time, vocab) for token ids (batch, time)."""

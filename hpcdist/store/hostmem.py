@@ -8,6 +8,10 @@ verified read of a 1 GB checkpoint spent 4.4-4.7 s of CPU with huge pages agains
 processes each, load 7-8; ``perf`` put 73 % of the huge-page read in ``clear_page_erms`` under
 ``do_huge_pmd_anonymous_page``). So these arrays are anonymous mappings advised
 ``MADV_NOHUGEPAGE``, as torch's tensors get by default; small ones are an ordinary ``np.empty``.
+
+Also the process's resident memory now and at its peak (``resident_bytes``, ``peak_resident_bytes``):
+what a rank holds after loading or building a model; they see torch's allocations, which
+``tracemalloc`` does not.
 """
 
 from __future__ import annotations
@@ -32,3 +36,21 @@ def empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
     except (OSError, ValueError):
         return np.empty(shape, dtype=dtype)
     return np.frombuffer(m, dtype=dtype).reshape(shape)  # the array keeps the mapping alive
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now, in bytes (Linux's ``/proc/self/statm``; 0 elsewhere)."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory so far, in bytes (``ru_maxrss``, which Linux gives in kB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -2,9 +2,9 @@
 
 The first user of the public API (``hpcdist.api``): the run's ``Context`` claims the checkpoint
 directory, saves (in the background between the final ones), tells when to stop and requeues.
-Every rank builds the same model from the seed, rank 0 picks the checkpoint to resume from
-(the newest committed one that verifies) and tells the others, then all ranks train under DDP or
-FSDP2 (``params.parallel``, ``hpcdist.train.parallel``).
+Every rank builds the same model from the seed (under FSDP2 only its own shard of it), rank 0
+picks the checkpoint to resume from (the newest committed one that verifies) and tells the
+others, then all ranks train under DDP or FSDP2 (``params.parallel``, ``hpcdist.train.parallel``).
 At each step boundary the ranks agree on ``should_stop()`` (the site's signal or SIGTERM); when
 it is set they write a checkpoint and the job requeues, up to ``preemption.max_requeues`` times
 for time-outs. Rank 0's ``results`` hold the metrics, written when the run ends.
@@ -33,7 +33,7 @@ from hpcdist.console import Progress
 from hpcdist.data.dataset import DistributedOrder, TokenWindows, eval_samples
 from hpcdist.data.tokens import describe
 from hpcdist.errors import HpcdistError, JobError
-from hpcdist.model.gpt import GPT, GPTConfig
+from hpcdist.model.gpt import GPTConfig
 from hpcdist.runtime.reach import failure_message
 from hpcdist.train import parallel
 from hpcdist.train.metrics import add_rank_log_file, perplexity
@@ -65,11 +65,10 @@ def build(ctx: JobContext, api: Context, params: TrainParams) -> Run:
     cfg: GPTConfig = model_config(params, info.vocab_size)
     if params.deterministic:
         deterministic_kernels()
-    torch.manual_seed(params.seed)  # the same initial weights on every rank
-    model = GPT(cfg).to(ctx.device)
     bf16_ok = ctx.device.type == "cuda" and torch.cuda.is_bf16_supported()
     precision = effective_precision(params.precision, ctx.device.type, bf16_ok)
-    net = parallel.wrap(model, ctx, params.parallel, precision)  # FSDP2 shards the parameters in place
+    torch.manual_seed(params.seed)  # the same initial weights on every rank
+    model, net = parallel.build(cfg, ctx, params.parallel, precision)  # FSDP2: each rank's shard only
     decay = [p for _, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for _, p in model.named_parameters() if p.dim() < 2]
     o = params.optim

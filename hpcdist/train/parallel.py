@@ -1,6 +1,12 @@
 """How ``train_gpt`` spreads the model over its ranks (``params.parallel``): DDP, every rank a
 whole copy, or FSDP2, each copy's parameters, gradients and optimizer state sharded.
 
+Under FSDP2 the model is made on the meta device (shapes, no memory), sharded, and only then
+given memory (``to_empty``): each rank allocates its own part and fills it from the model's
+per-parameter init (``GPT.initial_value``, one whole parameter at a time), as torchtitan does, so
+a rank never holds the whole model and the weights are the unsharded model's for the same seed,
+at any world size. FSDP keeps a tied head tied (one parameter, registered on both modules).
+
 FSDP2 (``fully_shard``) shards every transformer block, then the root (embeddings, final norm,
 head), over a device mesh of ``dp_shard`` ranks, or of ``dp_replicate`` x ``dp_shard`` (HSDP:
 sharded within a copy, all-reduced across copies), as torchtitan does. On GPUs a bf16 run uses
@@ -22,9 +28,77 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from hpcdist.model.gpt import GPT, GPTConfig
+from hpcdist.store.hostmem import peak_resident_bytes
+
 if TYPE_CHECKING:
     from hpcdist.runtime.context import JobContext
     from hpcdist.train.params import ParallelParams, Precision
+
+
+def build(cfg: GPTConfig, ctx: JobContext, parallel: ParallelParams, precision: Precision) -> tuple[GPT, nn.Module]:
+    """The model (from torch's global generator, as ``GPT(cfg)``) and the module the steps run:
+    under DDP a whole copy on every rank; under FSDP2 each rank's shard, never the whole."""
+    before = _peak(ctx.device)
+    if not parallel.fsdp:
+        model = GPT(cfg).to(ctx.device)
+        net = wrap(model, ctx, parallel, precision)
+    else:
+        with torch.device("meta"):
+            model = GPT(cfg)
+        net = wrap(model, ctx, parallel, precision)
+        model.to_empty(device=ctx.device)
+        init_shards(model)
+    held, whole = held_bytes(model)
+    ctx.log.info("model set-up: this rank holds %.1f MB of the model's %.1f MB of parameters; "
+                 "its peak %s memory grew %.1f MB", held / 1e6, whole / 1e6,
+                 "GPU" if ctx.device.type == "cuda" else "host", (_peak(ctx.device) - before) / 1e6)
+    return model, net
+
+
+def _peak(device: torch.device) -> int:
+    """The rank's peak memory so far where its model lives: CUDA's allocator, else the process's
+    resident memory (which sees torch's allocations, unlike tracemalloc)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return peak_resident_bytes()
+
+
+@torch.no_grad()
+def init_shards(model: GPT) -> None:
+    """Each rank's part of every parameter of a sharded (``to_empty``) model, and its buffers."""
+    from torch.distributed.tensor import DTensor
+
+    for name, p in model.named_parameters():
+        whole = model.initial_value(name, tuple(p.shape), p.dtype)
+        if isinstance(p, DTensor):
+            p.to_local().copy_(local_part(whole, p))
+        else:
+            p.copy_(whole)
+        del whole
+    model.reset_buffers()
+
+
+def local_part(whole: torch.Tensor, p: Any) -> torch.Tensor:
+    """The view of `whole` that DTensor `p`'s rank holds: ``torch.chunk`` along each sharded dim,
+    as DTensor's ``Shard`` splits (no copy and no communication, unlike ``distribute_tensor``)."""
+    coords = p.device_mesh.get_coordinate()
+    part = whole
+    for mesh_dim, placement in enumerate(p.placements):
+        if placement.is_shard():
+            pieces = torch.chunk(part, p.device_mesh.size(mesh_dim), dim=placement.dim)
+            i = coords[mesh_dim]
+            part = pieces[i] if i < len(pieces) else part.narrow(placement.dim, 0, 0)
+    return part
+
+
+def held_bytes(model: nn.Module) -> tuple[int, int]:
+    """The bytes of parameters this rank holds (its shards under FSDP2), and the whole model's."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in params)
+    return held, sum(p.numel() * p.element_size() for p in params)
 
 
 def wrap(model: nn.Module, ctx: JobContext, parallel: ParallelParams, precision: Precision) -> nn.Module:
