@@ -157,7 +157,7 @@ class Watch(threading.Thread):
         ctx, here = self.ctx, _PHASES[-1] if _PHASES else None
         who = "the backend (imitating NCCL's watchdog)" if self.imitating else "NCCL's watchdog"
         cause = TimeoutError(f"{late.op} did not complete within {late.limit_s:g} s; {who} ends this rank")
-        what, error = (here.what, here.error) if here is not None else (late.op, "JobError")
+        what, error = (here.what, here.error) if here is not None else ("the job", "JobError")
         self._say(error, f"{what} failed on rank {ctx.rank} ({ctx.hosts[ctx.rank]}): TimeoutError: {cause}")
         full = failure_message(what, ctx.rank, ctx.hosts, cause, ctx.site, ctx.job_id)
         if here is not None and here.on_timeout is not None:
@@ -198,10 +198,13 @@ def _imitate(timeout_s: float, delay_s: float) -> None:
 _WATCH: list[Watch] = []
 
 
-def start(ctx: JobContext, env: Mapping[str, str]) -> Watch:
-    """Start watching this rank's collectives (once per process)."""
+def start(ctx: JobContext, env: Mapping[str, str]) -> Watch | None:
+    """Start watching this rank's collectives (once per process), where the backend ends ranks
+    itself: NCCL (also for a group the user's script makes), or gloo imitating it."""
+    delay = imitated(env)
+    if ctx.backend != "nccl" and delay is None:
+        return None
     if not _WATCH:
-        delay = imitated(env)
         _WATCH.append(Watch(ctx, delay))
         _WATCH[0].start()
         if delay is not None and ctx.backend == "gloo":

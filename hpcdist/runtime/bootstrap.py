@@ -158,7 +158,7 @@ def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *
     timings["rendezvous"] = time.perf_counter() - t
     if makes_group and not dist.is_initialized():
         t = time.perf_counter()
-        group.init_process_group(store, info, backend, abort.group_timeout(timeout, backend, env), device)
+        group.init_process_group(store, info, backend, timeout, device)
         timings["init_process_group"] = time.perf_counter() - t
     timings["launch_to_ready"] = time.time() - launch
     ctx = JobContext(
