@@ -10,7 +10,11 @@ with n2's link cut and n2 marked in the health record: tests/test_network_faults
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,7 +27,11 @@ from hpcdist.runtime import abort
 from hpcdist.scheduler.postmortem import Ending, TaskEnd, no_result
 from hpcdist.scheduler.states import JobState
 from hpcdist.store import lastwords
+from tests.support import train as fx
 from tests.support.cli import REPO, run_cli, storage_sets
+from tests.support.train import ckpt_dir, train_args, wait_for
+
+train_root, tokens = fx.train_root, fx.tokens  # the training tests' session fixtures (token file)
 
 SCRIPT = REPO / "tests" / "scripts" / "abort_hang.py"
 WORDS = ("BenchmarkError: all_reduce at size 64 KiB failed on rank 0 (n1): TimeoutError: all_reduce #9 (default_pg) "
@@ -78,4 +86,53 @@ def test_a_rank_aborted_in_its_collective_still_names_the_rank_that_stopped_join
                      r"rank; no answer within 5 s from \1 \(rank 1\)", waited.out), waited.out
     assert f"rank 1: abort_hang.py:{sleep_at} in <module>: time.sleep(" in waited.out, waited.out
     log = next((tmp_path / "logs").rglob("*_0_log.err")).read_text()
+    assert "aborting the rank (SIGABRT)" in log and "Traceback" not in log, log  # Python saw no exception
+
+
+def rank_pid(root: Path, rank: int) -> int | None:
+    """The process of a local job's rank `rank`, its folder under `root` (submitit's task runner)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"hpcdist.runtime.submitted" in cmd and str(root).encode() in cmd \
+                and f"SUBMITIT_LOCAL_GLOBALID={rank}".encode() in env:
+            return int(proc.name)
+    return None
+
+
+def test_training_whose_rank_hangs_names_the_step_and_the_checkpoint_to_resume_from(train_root: Path,
+                                                                                      tokens: Path) -> None:
+    """train_gpt on 2 local ranks; once a checkpoint is committed rank 1 is stopped (SIGSTOP, a hung
+    node); rank 0 is aborted 10 s after the step's timeout (6 s) and its error, written before,
+    names the step, rank 1 and the checkpoint a resubmission resumes from."""
+    root = train_root / "abort"
+    args = train_args(root, tokens, "--set", "resources.tasks_per_node=2", "--set", "params.steps=5000",
+                      "--set", "timeout_s=6")
+    job = subprocess.Popen([sys.executable, "-m", "hpcdist.cli", *args], cwd=REPO, text=True,
+                           env={**os.environ, "PYTHONPATH": str(REPO), IMITATE_ABORT_VAR: "10"},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    hung = None
+    try:
+        wait_for((ckpt_dir(root) / "step_00000050.h5").exists, 120, "the first committed checkpoint")
+        hung = wait_for(lambda: rank_pid(root, 1), 10, "rank 1's process")
+        os.kill(hung, signal.SIGSTOP)
+        wait_for(lambda: rank_pid(root, 0) is None, 60, "rank 0 to be aborted")
+        os.kill(hung, signal.SIGKILL)  # the hung node is gone: the local job ends
+        out, err = job.communicate(timeout=60)
+    finally:
+        if hung is not None and rank_pid(root, 1) == hung:
+            os.kill(hung, signal.SIGKILL)
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 1, out + err
+    named = re.search(r"rank 0: FAILED JobError: training step \d+ \([^)]*\) failed on rank 0 \((\S+)\): "
+                      r"TimeoutError: .* did not complete within 6 s; the backend \(imitating NCCL's watchdog\) ends "
+                      r"this rank; no answer within 5 s from \1 \(rank 1\).*; resubmit to resume from (\S+\.h5) "
+                      r"\(then it ended", out)
+    assert named, out
+    assert Path(named.group(2)).exists(), named.group(2)
+    log = next((root / "logs").rglob("*_0_log.err")).read_text()
     assert "aborting the rank (SIGABRT)" in log and "Traceback" not in log, log  # Python saw no exception
