@@ -189,9 +189,9 @@ def _imitate(timeout_s: float, delay_s: float) -> None:
     job thread stays blocked inside it, or goes on)."""
     while (late := overdue(timeout_s)) is None:
         time.sleep(INTERVAL_S)
-    sys.stderr.write(f"imitated watchdog: {late.op} timed out; aborting the rank (SIGABRT) in {delay_s:g} s\n")
-    sys.stderr.flush()
     time.sleep(delay_s)
+    sys.stderr.write(f"imitated watchdog: {late.op} timed out {delay_s:g} s ago; aborting the rank (SIGABRT)\n")
+    sys.stderr.flush()
     os.abort()
 
 
