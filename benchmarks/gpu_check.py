@@ -217,6 +217,29 @@ class Checker:
                      f"timeout {attrs['spec'].get('timeout_s')} s, TORCH_NCCL_ASYNC_ERROR_HANDLING={aeh}, "
                      f"all_reduce sum {attrs.get('sum')} (expected {attrs.get('expected_sum')})"))
 
+    # -- 2b
+    def nccl_abort(self) -> None:
+        """An all_reduce queued behind a 30 s kernel, timeout 5 s: NCCL's watchdog aborts the rank
+        (no exception in Python); the summary still has hpcdist's error, written before the abort."""
+        check = "watchdog abort keeps hpcdist's summary"
+        script = self.work / "nccl_abort.py"
+        script.write_text(
+            "import torch, torch.distributed as dist, hpcdist\nctx = hpcdist.init()\n"
+            "x = torch.ones(4, device=ctx.device)\ndist.all_reduce(x)\ntorch.cuda.synchronize()\n"
+            "torch.cuda._sleep(int(60e9))  # about 30 s of one SM's cycles\ndist.all_reduce(x)\n"
+            "torch.cuda.synchronize()\nctx.close()\n")
+        t = time.time()
+        proc = self.hpcdist("-m", "hpcdist.cli", "submit", "--site", "local", "--wait", "--wait-timeout", "240",
+                            *self.storage("abort"), "--set", "site.partitions.local.gpus_per_node=1",
+                            "--set", "resources.gpus_per_node=1", "--set", "backend=nccl", "--set", "timeout_s=5",
+                            "--", str(script), timeout=300)
+        took = time.time() - t
+        line = next((ln.strip() for ln in proc.stdout.splitlines() if ln.strip().startswith("rank 0: FAILED")), "")
+        dumps = sorted((self.work / "abort" / "logs").rglob("flight_recorder_rank*"))
+        ok = proc.returncode == 1 and "did not complete within 5 s; NCCL's watchdog ends this rank" in line
+        self.add(Row(check, "ok" if ok else "fail", f"{took:.0f} s",
+                     f"{line[:300]}; flight recorder dump: {[p.name for p in dumps]}" if line else self.why(proc)))
+
     # -- 3
     def bench(self) -> None:
         sizes = ["params.max_bytes=16M"] if self.quick else ["params.max_bytes=256M"]
@@ -467,6 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if packages.status == "ok":
             c.guarded("hpcdist env", c.env_discovery)
             c.guarded("NCCL group (1 rank)", c.nccl_group)
+            c.guarded("watchdog abort keeps hpcdist's summary", c.nccl_abort)
             c.guarded("bench", c.bench)
             c.guarded("train GPT-2 small", lambda: c.train("gpt2"))
             c.guarded("two ranks on one GPU refused", c.duplicate_gpu)

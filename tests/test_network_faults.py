@@ -17,6 +17,7 @@ from pathlib import Path
 import h5py
 
 from hpcdist.config import load_site
+from hpcdist.config.contract import IMITATE_ABORT_VAR
 from hpcdist.store import health
 from hpcdist.store.results import read_table
 from tests.netfault import cut, slowed
@@ -97,6 +98,49 @@ def test_cut_link_during_all_reduce_sweep(separate_hosts: Path) -> None:
         assert "no answer within 5 s from n2 (rank 1)" in f.attrs["verdict"]
     assert rows(path, table) >= 3
     # n2 goes into the site's node health record, once, from rank 0 (n2 cannot tell its own cut from n1's)
+    site = load_site("local-slurm", [s.removeprefix("--set=site.") for s in storage(separate_hosts)])
+    assert [(m.node, m.source) for m in health.marks(site)] == [("n2", "timeout")]
+
+
+# NCCL's watchdog aborted 15 to 60 s after the timeout on an H100 (docs/gpus.md); here the cut must
+# end within Slurm's SlurmdTimeout (20 s), or n2 is declared failed: a shorter timeout and window
+ABORT_TIMEOUT_S, ABORT_AFTER_S = 5, 9  # rank 1, cut off, hears no roll call for 7 s
+
+
+def test_cut_link_under_a_backend_that_aborts_as_nccl_does(separate_hosts: Path) -> None:
+    """Under NCCL a timed-out collective raises nothing in Python: torch's watchdog aborts every
+    rank (SIGABRT). gloo made to do the same (its collectives never raise; a thread aborts the rank
+    9 s after the timeout, while the job thread is still blocked in the all_reduce): the summary
+    still names n2 (rank 1) as the node that stopped answering, the rows so far are kept and n2
+    is marked in the health record, all written in the window before the abort."""
+    job = start("bench_collectives", separate_hosts, "resources.nodes=2", "resources.tasks_per_node=1",
+                "params.ops=[all_reduce]", "params.paths=[torch]", "params.modes=[in_place]",
+                "params.min_bytes=1K", "params.max_bytes=64M", "params.factor=2", "params.iters=20",
+                f"timeout_s={ABORT_TIMEOUT_S}", f"env.{IMITATE_ABORT_VAR}={ABORT_AFTER_S}")
+    table, logs = "bench/all_reduce/torch", separate_hosts / "logs"
+    try:
+        wait_for(lambda: (p := only_result(separate_hosts)) and rows(p, table) >= 3, 120, "three measured rows")
+        with cut("n2"):  # until both ranks aborted: a link back in time would let the all_reduce finish
+            wait_for(lambda: read_logs(logs).count("aborting the rank (SIGABRT)") == 2, 30, "both ranks' abort")
+            time.sleep(0.5)
+        out, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 1, out + err
+    assert "Traceback" not in read_logs(logs)  # Python saw no exception: the ranks were aborted
+    assert re.search(r"rank 0: FAILED BenchmarkError: all_reduce at size \d+ B .* failed on rank 0 \(n1\): "
+                     r"TimeoutError: all_reduce #\d+ \(default_pg\) did not complete within 5 s; the backend "
+                     r"\(imitating NCCL's watchdog\) ends this rank; no answer within 5 s from n2 \(rank 1\).*"
+                     r"\(complete=False\) \(then killed by SIGABRT on n1\)", out), out
+    assert re.search(r"rank 1: FAILED BenchmarkError: all_reduce at size .* failed on rank 1 \(n2\): .*"
+                     r"n1 does not answer.* \(then killed by SIGABRT on n2\)", out), out
+    assert "stacks at the timeout" in out, out
+    path = only_result(separate_hosts)
+    assert path is not None and rows(path, table) >= 3
+    with h5py.File(path, "r") as f:  # the rows measured before the cut stay in the result
+        assert not bool(f.attrs["complete"]) and f.attrs["verdict"].startswith("failed at all_reduce")
+        assert "no answer within 5 s from n2 (rank 1)" in f.attrs["verdict"]
     site = load_site("local-slurm", [s.removeprefix("--set=site.") for s in storage(separate_hosts)])
     assert [(m.node, m.source) for m in health.marks(site)] == [("n2", "timeout")]
 

@@ -23,6 +23,7 @@ import numpy as np
 from hpcdist.bench import pattern
 from hpcdist.bench.base import CommPath
 from hpcdist.bench.factors import Counts, algbw, bus_factor, human_bytes
+from hpcdist.runtime import abort
 
 # Fault injection for tests: ``RANK:OP:SIZE`` makes that rank exit when it reaches OP at SIZE.
 FAULT_VAR = "HPCDIST_BENCH_FAULT_EXIT"
@@ -144,7 +145,9 @@ class Watchdog:
     gloo and NCCL calls fail on their own after the process-group timeout, but an MPI call
     waiting for a dead peer never returns; without this a lost rank would hang the job until
     the scheduler's time limit. The limit is the job's timeout plus a grace period, so a
-    torch.distributed timeout (a normal, catchable error) comes first.
+    torch.distributed timeout (a normal, catchable error) comes first. Under NCCL a timeout
+    raises nothing: ``hpcdist.runtime.abort`` writes the summary at the timeout itself, and this
+    watchdog then leaves the rank's end to NCCL's.
     """
 
     def __init__(self, timeout_s: float, log: logging.Logger, rank: int) -> None:
@@ -173,6 +176,8 @@ class Watchdog:
             time.sleep(0.5)
             with self._lock:
                 what, late = self._what, self._what is not None and time.monotonic() > self._deadline
+            if late and abort.fired():  # NCCL's watchdog ends the rank, after hpcdist's summary
+                continue
             if late:
                 message = (
                     f"{what} did not finish within {self.limit:.0f} s on rank {self.rank}; a peer rank died or "

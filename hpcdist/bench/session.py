@@ -15,6 +15,7 @@ from hpcdist.bench.base import CommPath
 from hpcdist.bench.measure import Watchdog, maybe_fault
 from hpcdist.bench.record import BenchRecord, rank_layout
 from hpcdist.errors import BenchmarkError, HpcdistError
+from hpcdist.runtime import abort
 from hpcdist.runtime.reach import roll_call, timed_out
 
 if TYPE_CHECKING:
@@ -115,10 +116,11 @@ class Session:
         """Run one measurement under the watchdog and gather its figures to rank 0.
 
         Any failure becomes a BenchmarkError naming the operation, size and path; rank 0 first
-        writes what was measured so far, marked incomplete.
+        writes what was measured so far, marked incomplete; also when NCCL's watchdog is about to
+        end the rank instead (``hpcdist.runtime.abort``).
         """
         try:
-            with self.watchdog.guard(what):
+            with self.watchdog.guard(what), abort.phase(what, "BenchmarkError", self._keep_rows(what)):
                 maybe_fault(self.rank, op, size, self.ctx.log)
                 local = fn()
                 return path.gather(local)
@@ -136,6 +138,17 @@ class Session:
                 f"{what} failed on rank {self.rank} ({self.node_of_rank[self.rank]}): "
                 f"{type(exc).__name__}: {first}{where}"
             ) from exc
+
+    def _keep_rows(self, what: str) -> Callable[[str], str]:
+        """What rank 0 does before the backend ends it: the rows so far written, marked incomplete."""
+
+        def keep(failure: str) -> str:
+            if self.record is None:
+                return ""
+            self.record.flush(complete=False, verdict=f"failed at {what}: {failure}")
+            return f"; the rows measured before it are in {self.record.path} (complete=False)"
+
+        return keep
 
     def finish(self, shortfalls: list[str], enforce: bool) -> dict[str, Any]:
         """Mark the file complete with its verdict; every rank fails if a minimum was missed."""

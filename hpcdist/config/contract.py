@@ -10,6 +10,9 @@ FAULT_EXIT_VAR = "HPCDIST_FAULT_EXIT_RANK"  # for fault tests: this rank exits b
 LAUNCH_ID_VAR = "HPCDIST_LAUNCH_ID"  # unique per start of the ranks where no scheduler numbers it (local site)
 RESTART_COUNT_VAR = "SLURM_RESTART_COUNT"  # Slurm: how often this job was requeued (absent: never)
 LOCAL_RESTARTS_VAR = "HPCDIST_LOCAL_RESTART_COUNT"  # local site: how often the controller restarted the ranks
+# for fault tests on CPU: gloo made to end a rank as NCCL's watchdog does (hpcdist.runtime.abort):
+# its collectives never raise, and the rank aborts (SIGABRT) this many seconds after the timeout
+IMITATE_ABORT_VAR = "HPCDIST_TEST_ABORT_AFTER_S"
 LOCAL_AFTER_VAR = "HPCDIST_LOCAL_AFTER"  # local site: "PID:START" of a job to wait for first (map_array's max_parallel)
 
 

@@ -65,6 +65,11 @@ class JobPaths:
         """One rank's answer: its threads' stacks as JSON (``hpcdist.store.stackrecord``)."""
         return self.progress / f"stack_rank{rank}.json"
 
+    def last_words(self, rank: int) -> Path:
+        """What one rank said before its backend ended it (``hpcdist.store.lastwords``): NCCL's
+        watchdog aborts a rank whose collective timed out, and the summary reads this instead."""
+        return self.progress / f"last_words_rank{rank}.json"
+
     @property
     def requeues(self) -> Path:
         """The runs that asked for their own requeue (a preemption, ``ctx.requeue()``), one line

@@ -321,7 +321,7 @@ def outcomes(sub: Submission, state: JobState = JobState.UNKNOWN, end: Ending | 
         except FileNotFoundError:
             from hpcdist.scheduler.postmortem import no_result  # only a rank that failed is looked into
 
-            out.append(TaskOutcome(rank, False, error=no_result(task.paths.stderr, state, rank, end)))
+            out.append(TaskOutcome(rank, False, error=no_result(task.paths.stderr, state, rank, end, sub.paths)))
             continue
         except Exception as exc:  # half-written, unreadable or untrusted (refused, one line): not a result
             out.append(TaskOutcome(rank, False, error=f"its result file is unreadable: {type(exc).__name__}: {exc}"))

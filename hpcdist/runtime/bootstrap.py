@@ -18,7 +18,7 @@ from hpcdist.config.contract import FAULT_EXIT_VAR, LAUNCH_TIME_VAR
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import BootstrapError
-from hpcdist.runtime import group, requeue, stacks
+from hpcdist.runtime import abort, group, requeue, stacks
 from hpcdist.runtime.context import JobContext
 from hpcdist.runtime.device import cuda_index, visible_entries
 from hpcdist.runtime.rankinfo import RankInfo
@@ -106,6 +106,7 @@ def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *
     if not standalone:  # `hpcdist stacks` and a timeout's summary: answered from now on, the rendezvous included
         stacks.start(spec.paths(site, info.job_id or "local"), info.rank, info.world_size, info.hostname,
                      float(env.get(LAUNCH_TIME_VAR, "nan")))
+        abort.prepare(spec.paths(site, info.job_id or "local"), info.rank, float(env.get(LAUNCH_TIME_VAR, "nan")))
     # SIGTERM (which submitit's handler ignores) sets the stop flag from now on, so one that comes
     # during the bootstrap is not lost; the site's signal stays submitit's until a Context takes it.
     requeue.watch(("TERM",))
@@ -175,6 +176,8 @@ def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *
         store=store,
         standalone=standalone,
     )
+    if not standalone:  # a collective NCCL's watchdog times out still ends with hpcdist's summary
+        abort.start(ctx, env)
     # no rendezvous file to clear: forget_endpoint removed it
     ctx.requeue = requeue.requeue_for(env, spec.paths(site, info.job_id).requeues if info.job_id else None)
     where = f"endpoint {endpoint.addr}:{endpoint.port} via {endpoint.via}" if endpoint else "no store server"

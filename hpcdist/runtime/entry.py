@@ -19,7 +19,7 @@ from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import HpcdistError
 from hpcdist.jobs.registry import Job, resolve
-from hpcdist.runtime import group, stacks, teardown
+from hpcdist.runtime import abort, group, stacks, teardown
 from hpcdist.runtime.bootstrap import bootstrap
 from hpcdist.runtime.context import JobContext
 
@@ -60,6 +60,7 @@ def run_job(job: Job[Any], site: Site) -> dict[str, Any]:
             teardown.leave()  # every gloo worker idle before the interpreter finalizes (SIGABRT otherwise)
     finally:
         stacks.stop()
+        abort.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
     return {"rank": ctx.rank, "host": ctx.info.hostname, "timings": ctx.timings, **out}

@@ -17,11 +17,15 @@ import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from hpcdist.scheduler.hostlist import expand_hostlist
 from hpcdist.scheduler.states import JobState
+from hpcdist.store import lastwords
 from hpcdist.store.stackrecord import describe, read_stacks
+
+if TYPE_CHECKING:
+    from hpcdist.config.paths import JobPaths
 
 
 @dataclass(frozen=True)
@@ -248,9 +252,13 @@ def first_failure(outcomes: Sequence[Out]) -> Out | None:
 # ---------------------------------------------------------------- a rank's own words
 
 
-def no_result(path: Path, state: JobState, rank: int, end: Ending | None) -> str:
-    """Why a rank left no result: how srun saw it end, or the job's cause, or its log's first error."""
+def no_result(path: Path, state: JobState, rank: int, end: Ending | None, paths: JobPaths | None = None) -> str:
+    """Why a rank left no result: the error it wrote before its backend ended it (NCCL's watchdog),
+    how srun saw it end, or the job's cause, or its log's first error."""
     task = end.tasks.get(rank) if end else None
+    words = lastwords.read(paths.last_words(rank)) if paths is not None else None
+    if words is not None:  # its own error, then how it ended
+        return words[0] + (f" (then {task.how} on {task.host})" if task is not None else " (then it ended, no result)")
     if end is not None and task is not None:
         first = "the first rank to end" if end.first == task else end.after(rank)
         if task.how.startswith("exited"):  # its own log says why: keep that, add srun's word

@@ -34,6 +34,7 @@ from hpcdist.data.dataset import DistributedOrder, TokenWindows, eval_samples
 from hpcdist.data.tokens import describe
 from hpcdist.errors import HpcdistError, JobError
 from hpcdist.model.gpt import GPTConfig
+from hpcdist.runtime import abort
 from hpcdist.runtime.reach import failure_message
 from hpcdist.train import parallel
 from hpcdist.train.metrics import add_rank_log_file, perplexity
@@ -271,15 +272,21 @@ def _newest_commit(r: Run) -> Path | None:
 @contextlib.contextmanager
 def _named(r: Run, what: str) -> Iterator[None]:
     """A failed collective becomes a JobError naming the step, the node that stopped answering
-    and the last committed checkpoint, from which a resubmission resumes."""
+    and the last committed checkpoint, from which a resubmission resumes; so does one that NCCL's
+    watchdog times out and ends the rank for (``hpcdist.runtime.abort``)."""
+
+    def kept(_: str) -> str:
+        committed = _newest_commit(r)
+        return f"; resubmit to resume from {committed}" if committed else "; no checkpoint yet"
+
     try:
-        yield
+        with abort.phase(what, on_timeout=kept):
+            yield
     except HpcdistError:
         raise
     except Exception as exc:
-        committed = _newest_commit(r)
-        kept = f"; resubmit to resume from {committed}" if committed else "; no checkpoint yet"
-        raise JobError(failure_message(what, r.ctx.rank, r.ctx.hosts, exc, r.ctx.site, r.ctx.job_id) + kept) from exc
+        message = failure_message(what, r.ctx.rank, r.ctx.hosts, exc, r.ctx.site, r.ctx.job_id)
+        raise JobError(message + kept(message)) from exc
 
 
 def _finish(r: Run, complete: bool) -> Path | None:
