@@ -130,8 +130,7 @@ class Charliecloud(Runtime):
 
     def prelude(self) -> list[str]:
         return ['export USER="${USER:-$(id -un)}"  # ch-run will not start without it',
-                # Open MPI's single-copy transport (CMA) is refused between ranks in user namespaces
-                "export OMPI_MCA_btl_vader_single_copy_mechanism=none"]
+                "export OMPI_MCA_btl_vader_single_copy_mechanism=none  # Open MPI's CMA: refused in user namespaces"]
 
 
 @register_runtime("apptainer")

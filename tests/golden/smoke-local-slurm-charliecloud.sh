@@ -26,7 +26,7 @@ export SUBMITIT_EXECUTOR=slurm
 # ---- script's own hpcdist steps run outside it, and so does what the ranks ask of Slurm, which
 # ---- the image has no commands for: a requeue they asked for happens when the launch has ended
 export USER="${USER:-$(id -un)}"  # ch-run will not start without it
-export OMPI_MCA_btl_vader_single_copy_mechanism=none
+export OMPI_MCA_btl_vader_single_copy_mechanism=none  # Open MPI's CMA: refused in user namespaces
 hpcdist_requeue_asked() { /opt/hpcdist/bin/python -m hpcdist.runtime.requeue /var/tmp/hpcdist-shared/logs/smoke/%j; }
 trap hpcdist_requeue_asked EXIT
 # a user namespace shows root and other users alike as nobody: the job's pickle checked here first
