@@ -9,9 +9,11 @@ processes each, load 7-8; ``perf`` put 73 % of the huge-page read in ``clear_pag
 ``do_huge_pmd_anonymous_page``). So these arrays are anonymous mappings advised
 ``MADV_NOHUGEPAGE``, as torch's tensors get by default; small ones are an ordinary ``np.empty``.
 
-Also the process's resident memory now and at its peak (``resident_bytes``, ``peak_resident_bytes``):
-what a rank holds after loading or building a model; they see torch's allocations, which
-``tracemalloc`` does not.
+Also the process's resident memory now, and its peak since a mark (``resident_bytes``,
+``mark_peak``, ``peak_resident_bytes``): what a rank holds after loading or building a model;
+they see torch's allocations, which ``tracemalloc`` does not. The mark resets Linux's high-water
+mark (``VmHWM``, by ``/proc/self/clear_refs``), so a peak reached before it (imports, an earlier
+model) does not hide the growth after it.
 """
 
 from __future__ import annotations
@@ -49,8 +51,28 @@ def resident_bytes() -> int:
         return 0
 
 
+def mark_peak() -> int:
+    """Reset this process's resident high-water mark to what it holds now (Linux 4.0's
+    ``clear_refs`` 5; where that cannot be written the peak stays the process's whole-life one)
+    and return that, in bytes: ``peak_resident_bytes() - mark_peak()`` is the growth since."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return resident_bytes()
+
+
 def peak_resident_bytes() -> int:
-    """This process's peak resident memory so far, in bytes (``ru_maxrss``, which Linux gives in kB)."""
+    """This process's peak resident memory since ``mark_peak`` (else since it started), in bytes:
+    ``VmHWM`` of ``/proc/self/status``, or ``ru_maxrss`` where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

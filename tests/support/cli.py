@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -52,17 +53,41 @@ def storage_sets(root: Path) -> list[str]:
     return out
 
 
-def slurm_up() -> bool:
+def slurm_state() -> tuple[bool, str]:
+    """(whether the cluster can run the 2-node tests, what sinfo says of n1 and n2)."""
     if shutil.which("sinfo") is None:
-        return False
+        return False, "sinfo is not installed"
     proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T", "-p", "cpu"], capture_output=True, text=True,
                           check=False)
+    if proc.returncode != 0:
+        return False, f"sinfo: {proc.stderr.strip()[:200]}"
     states = dict(line.split() for line in proc.stdout.splitlines() if len(line.split()) == 2)
     # "completing": a node up and finishing a job (someone else's, or the last test's)
     up = ("idle", "mix", "alloc", "comp")
     # n1 and n2, which the 2-node tests pin; n3 and beyond may be down while a node-fault test
     # (tests/test_node_failure.py) has killed one of them
-    return proc.returncode == 0 and all(states.get(n, "").startswith(up) for n in ("n1", "n2"))
+    pinned = {n: states.get(n, "missing") for n in ("n1", "n2")}
+    return all(v.startswith(up) for v in pinned.values()), ", ".join(f"{n} {v}" for n, v in pinned.items())
+
+
+UP_WAIT_S = 60.0  # a node a test cut off or killed is back within Slurm's SlurmdTimeout (20 s) and a ping
+_found_down: list[str] = []  # once found down after the wait, later tests fail at once
+
+
+def slurm_up() -> tuple[bool, str]:
+    """Whether the cluster is up, waiting up to UP_WAIT_S for n1 and n2 to come back from an
+    earlier test's fault (a cut link, a slurmd restarting); a cluster found down stays down."""
+    if _found_down:
+        return False, _found_down[0]
+    deadline = time.monotonic() + UP_WAIT_S
+    while True:
+        up, said = slurm_state()
+        if up or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    if not up:
+        _found_down.append(said)
+    return up, said
 
 
 # The tests that use the cluster (marked ``slurm``, or using a fixture of SLURM_FIXTURES), filled at
@@ -85,8 +110,9 @@ def require_slurm() -> None:
     if current and os.environ.get("PYTEST_XDIST_WORKER") and not running.endswith("@cluster"):
         pytest.fail(f"{current} runs beside other tests: pytest-xdist's --dist loadgroup did not group it "
                     f"(pytest-xdist issue 1386, pytest 9.2 and later); install the dev extra's pytest<9.2")
-    if not slurm_up():
-        missing("the local Slurm cluster is not up (make cluster-up)")
+    up, said = slurm_up()
+    if not up:
+        missing(f"the local Slurm cluster is not up (make cluster-up): {said}")
 
 
 def missing(why: str) -> NoReturn:
