@@ -37,6 +37,22 @@ CONTAINER_VAR = "HPCDIST_CONTAINER"
 SUBMITTED_WITH_VAR = "HPCDIST_SUBMITTED_WITH"
 
 
+def versions() -> dict[str, str]:
+    """This Python's, hpcdist's and torch's versions (torch's from its metadata: not imported);
+    the job script carries the submitter's as ``python=X hpcdist=Y torch=Z``, which the rank
+    inside compares with its own."""
+    import sys
+    from importlib import metadata
+
+    from hpcdist._version import __version__
+
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = "none"
+    return {"python": ".".join(map(str, sys.version_info[:3])), "hpcdist": __version__, "torch": torch}
+
+
 @dataclass(frozen=True)
 class Bind:
     """One folder of the host at a path inside the image."""

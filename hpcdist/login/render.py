@@ -27,7 +27,7 @@ from hpcdist.config.contract import LAUNCH_TIME_VAR
 from hpcdist.config.paths import log_patterns
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec, plan_for
-from hpcdist.containers import CONTAINER_VAR, SUBMITTED_WITH_VAR, ContainerPlan, get_runtime
+from hpcdist.containers import CONTAINER_VAR, SUBMITTED_WITH_VAR, ContainerPlan, get_runtime, versions
 from hpcdist.errors import RenderError
 from hpcdist.launchers import SUBMITIT_RUNNER, LaunchPlan, get_launcher
 
@@ -223,17 +223,6 @@ def _export(site_value: str, names: tuple[str, ...]) -> str:
     return ",".join([*listed, *names])
 
 
-def submitted_with() -> str:
-    """This Python's, hpcdist's and torch's versions (torch's from its metadata: not imported)."""
-    from importlib import metadata
-
-    try:
-        torch = metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        torch = "none"
-    return f"python={'.'.join(map(str, sys.version_info[:3]))} hpcdist={__version__} torch={torch}"
-
-
 def launch_plan(spec: JobSpec, site: Site, folder: Path, array: bool = False,
                 container: ContainerPlan | None = None) -> LaunchPlan:
     """What the site's launcher needs to write its launch line (each rank in `container`, if any)."""
@@ -272,7 +261,8 @@ def render_script(spec: JobSpec, site: Site, origin: Origin, excluded: Exclusion
     plan = launch_plan(spec, site, folder, array=origin.array_size is not None, container=container)
     env = {**site.env, **spec.env, "SUBMITIT_PREEMPTION_SIGNAL": site.preemption.signal}
     if container is not None:
-        env |= {CONTAINER_VAR: container.runtime, SUBMITTED_WITH_VAR: submitted_with()}
+        submitted_with = " ".join(f"{k}={v}" for k, v in versions().items())
+        env |= {CONTAINER_VAR: container.runtime, SUBMITTED_WITH_VAR: submitted_with}
     context = {
         "version": __version__,
         "site_name": site.name,

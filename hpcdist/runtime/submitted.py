@@ -33,19 +33,6 @@ def _private_dump(dump: Callable[..., Any]) -> Callable[..., Any]:
     return private
 
 
-def versions_here() -> dict[str, str]:
-    """This Python's, hpcdist's and torch's versions, in the form the job script carries them."""
-    from importlib import metadata
-
-    from hpcdist._version import __version__
-
-    try:
-        torch = metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        torch = "none"
-    return {"python": ".".join(map(str, sys.version_info[:3])), "hpcdist": __version__, "torch": torch}
-
-
 def version_mismatch(submitted: str, here: dict[str, str]) -> tuple[str, str]:
     """(error, warning) comparing ``python=X hpcdist=Y torch=Z`` with `here`; "" where they agree."""
     there = dict(item.split("=", 1) for item in submitted.split() if "=" in item)
@@ -70,10 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m hpcdist.runtime.submitted [--check] FOLDER", file=sys.stderr)
         return 2
     folder = args[0]
-    from hpcdist.containers import CONTAINER_VAR, SUBMITTED_WITH_VAR
+    from hpcdist.containers import CONTAINER_VAR, SUBMITTED_WITH_VAR, versions
 
     if os.environ.get(CONTAINER_VAR) and os.environ.get(SUBMITTED_WITH_VAR) and not check_only:
-        error, warning = version_mismatch(os.environ[SUBMITTED_WITH_VAR], versions_here())
+        error, warning = version_mismatch(os.environ[SUBMITTED_WITH_VAR], versions())
         if error:
             print(f"hpcdist: error: {error}", file=sys.stderr, flush=True)
             return 1
