@@ -25,6 +25,12 @@ def restart_count(env: Mapping[str, str]) -> int:
         return 0
 
 
+def array_task_id(env: Mapping[str, str]) -> str | None:
+    """A Slurm array task's id as submitit and sacct name it (``ARRAYID_INDEX``); None outside an array."""
+    array, index = env.get("SLURM_ARRAY_JOB_ID", ""), env.get("SLURM_ARRAY_TASK_ID", "")
+    return f"{array}_{index}" if array and index else None
+
+
 # A rank that fails after another rank's code failed (its connections to it broke, or the watchdog
 # stopped it) says so in its error; the login side names the rank that failed first instead.
 _WHO = re.compile(r"rank \d+ on [^\s:]+")

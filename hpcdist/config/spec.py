@@ -211,7 +211,7 @@ def plan_for(spec: JobSpec, site: Site) -> ContainerPlan | None:
     """The container a launch line wraps each rank in, binds as written (no I/O): the storage
     roots, the site's mounts for the runtime, the job's; a bind under another is dropped."""
     box = container_for(spec, site)
-    if box is None or box.runtime in (None, NONE) or box.image is None or box.runtime not in site.containers:
+    if box is None or box.runtime is None or box.image is None or box.runtime not in site.containers:
         return None
     runtime = site.containers[box.runtime]
     roots = [str(getattr(site.storage, r)) for r in ("results", "checkpoints", "scratch", "logs")]

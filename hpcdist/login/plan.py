@@ -91,8 +91,9 @@ def placed(spec: JobSpec, site: Site) -> ContainerPlan | None:
                           f"(a {box.runtime} image on shared storage), e.g. --set container.image=/shared/images/NAME")
     own = container_for(spec, site)
     for mount in (*site.containers[box.runtime].mounts, *(own.mounts if own else ())):
-        if not Path(Bind.parse(mount).source).exists():
-            raise SubmitError(f"container mount {mount!r}: {Bind.parse(mount).source} does not exist here; "
+        source = Bind.parse(mount).source
+        if not Path(source).exists():
+            raise SubmitError(f"container mount {mount!r}: {source} does not exist here; "
                               f"make it, or drop it from container.mounts")
     folded, missing = fold_onto_image(box)
     if missing:

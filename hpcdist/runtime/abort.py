@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -94,7 +95,7 @@ def prepare(paths: JobPaths, rank: int, launch: float) -> None:
     (unless the user set either); rank 0 removes the last words an earlier run left."""
     os.environ.setdefault(DUMP_VAR, "1")
     os.environ.setdefault(DUMP_FILE_VAR, str(paths.progress / "flight_recorder_rank"))
-    if rank == 0 and launch == launch:
+    if rank == 0 and not math.isnan(launch):  # no launch time: nothing to tell an earlier run's words by
         lastwords.clear_earlier(paths.progress, launch)
 
 

@@ -103,10 +103,11 @@ def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *
     t_entry = time.time()
     info = RankInfo.from_env(env)
     rank_logger("hpcdist", info, env)
+    launch = float(env.get(LAUNCH_TIME_VAR, "nan"))
     if not standalone:  # `hpcdist stacks` and a timeout's summary: answered from now on, the rendezvous included
-        stacks.start(spec.paths(site, info.job_id or "local"), info.rank, info.world_size, info.hostname,
-                     float(env.get(LAUNCH_TIME_VAR, "nan")))
-        abort.prepare(spec.paths(site, info.job_id or "local"), info.rank, float(env.get(LAUNCH_TIME_VAR, "nan")))
+        paths = spec.paths(site, info.job_id or "local")
+        stacks.start(paths, info.rank, info.world_size, info.hostname, launch)
+        abort.prepare(paths, info.rank, launch)
     # SIGTERM (which submitit's handler ignores) sets the stop flag from now on, so one that comes
     # during the bootstrap is not lost; the site's signal stays submitit's until a Context takes it.
     requeue.watch(("TERM",))
@@ -116,7 +117,6 @@ def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *
         os._exit(3)
     timeout = spec.timeout(site)
     timings: dict[str, float] = {}
-    launch = float(env.get(LAUNCH_TIME_VAR, "nan"))
     timings["launch_to_entry"] = t_entry - launch
 
     if "torch" in sys.modules and not standalone:

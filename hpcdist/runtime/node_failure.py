@@ -37,6 +37,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcdist.config.contract import array_task_id
 from hpcdist.config.paths import JobPaths
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
@@ -246,8 +247,7 @@ def _submitted(folder: str, env: Mapping[str, str]) -> tuple[str, JobSpec, Site,
     from submitit.core.utils import DelayedSubmission
     from submitit.core.utils import JobPaths as SubmititPaths
 
-    array, task = env.get("SLURM_ARRAY_JOB_ID", ""), env.get("SLURM_ARRAY_TASK_ID", "")
-    job_id = f"{array}_{task}" if array and task else env["SLURM_JOB_ID"]
+    job_id = array_task_id(env) or env["SLURM_JOB_ID"]
     paths = SubmititPaths(folder, job_id=job_id)
     from hpcdist.store.trust import trusted
 

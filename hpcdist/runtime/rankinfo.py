@@ -12,6 +12,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from hpcdist.config.contract import array_task_id
 from hpcdist.errors import BootstrapError
 from hpcdist.launchers import EnvTable, env_tables
 from hpcdist.scheduler.hostlist import expand_hostlist, expand_tasks_per_node
@@ -122,7 +123,7 @@ class RankInfo:
             num_nodes=num_nodes,
             hosts=hosts,
             hostname=name,
-            job_id=_array_task_id(env) or raw("job_id"),
+            job_id=array_task_id(env) or raw("job_id"),  # submitit's name of an array task
             master_addr=raw("master_addr"),
             master_port=port,
         )
@@ -150,13 +151,6 @@ class RankInfo:
             f"rank {self.rank}/{self.world_size} (local {self.local_rank}/{self.local_world_size}, "
             f"node {self.node_rank}/{self.num_nodes}) on {self.hostname} via {self.launcher}"
         )
-
-
-def _array_task_id(env: Mapping[str, str]) -> str | None:
-    """A Slurm array task's id as submitit and sacct name it (``ARRAYID_INDEX``), so its result
-    file is named as ``hpcdist submit --sweep`` printed it; None outside an array."""
-    array, index = env.get("SLURM_ARRAY_JOB_ID", ""), env.get("SLURM_ARRAY_TASK_ID", "")
-    return f"{array}_{index}" if array and index else None
 
 
 def _tasks_per_node(text: str | None, launcher: str) -> list[int]:

@@ -44,10 +44,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Literal
 
-from hpcdist.config.contract import restart_count
+from hpcdist.config.contract import array_task_id, restart_count
 from hpcdist.containers import CONTAINER_VAR
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.states import JobState
+from hpcdist.store.atomic import atomic_path
 
 log = logging.getLogger("hpcdist")
 
@@ -218,10 +219,8 @@ def request_path(folder: Path, job_id: str) -> Path:
 def ask_outside(folder: Path, job_id: str, restarts: int) -> None:
     """A rank's requeue, from inside a container: the request the batch step carries out when the
     launch has ended (every rank writes the same text; the last rename wins)."""
-    path = request_path(folder, job_id)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}")
-    tmp.write_text(f"{restarts}\n")
-    os.replace(tmp, path)
+    with atomic_path(request_path(folder, job_id)) as tmp:
+        tmp.write_text(f"{restarts}\n")
     log.warning("asked the job script to requeue job %s (the ranks run in a container)", job_id)
 
 
@@ -233,8 +232,7 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     if len(args) != 1:
         print("usage: python -m hpcdist.runtime.requeue FOLDER", file=sys.stderr)
         return 2
-    array, task = env.get("SLURM_ARRAY_JOB_ID", ""), env.get("SLURM_ARRAY_TASK_ID", "")
-    job_id = f"{array}_{task}" if array and task else env.get("SLURM_JOB_ID", "")
+    job_id = array_task_id(env) or env.get("SLURM_JOB_ID", "")
     path = request_path(Path(args[0].replace("%j", job_id)), job_id)
     try:
         restarts = int(path.read_text().split()[0])
