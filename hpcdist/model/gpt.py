@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -126,10 +127,17 @@ class GPT(nn.Module):
         return torch.empty(shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=g).to(dtype)
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Every parameter's initial value and the buffers (an unsharded model, on any device)."""
+    def init_weights(self, write: Callable[[nn.Parameter, torch.Tensor], None] | None = None) -> None:
+        """Every parameter's initial value and the buffers, on any device: `write` puts a
+        parameter's whole value where it belongs (by default the whole of it; a sharded model's
+        writes its rank's part, ``hpcdist.train.parallel.init_shards``), one parameter at a time."""
         for name, p in self.named_parameters():  # a tied head is the embedding, listed once
-            p.copy_(self.initial_value(name, tuple(p.shape), p.dtype))
+            whole = self.initial_value(name, tuple(p.shape), p.dtype)
+            if write is None:
+                p.copy_(whole)
+            else:
+                write(p, whole)
+            del whole
         self.reset_buffers()
 
     def reset_buffers(self) -> None:

@@ -72,19 +72,17 @@ def _peak(device: torch.device) -> int:
     return peak_resident_bytes()
 
 
-@torch.no_grad()
 def init_shards(model: GPT) -> None:
     """Each rank's part of every parameter of a sharded (``to_empty``) model, and its buffers."""
     from torch.distributed.tensor import DTensor
 
-    for name, p in model.named_parameters():
-        whole = model.initial_value(name, tuple(p.shape), p.dtype)
+    def write(p: nn.Parameter, whole: torch.Tensor) -> None:
         if isinstance(p, DTensor):
             p.to_local().copy_(local_part(whole, p))
         else:
             p.copy_(whole)
-        del whole
-    model.reset_buffers()
+
+    model.init_weights(write)
 
 
 def local_part(whole: torch.Tensor, p: Any) -> torch.Tensor:
