@@ -15,11 +15,11 @@ import numpy as np
 
 from hpcdist.bench.pairs import culprits
 from hpcdist.bench.record import Matrix
-from hpcdist.scheduler.hostlist import expand_hostlist
 from hpcdist.scheduler.slurm import node_states
 from hpcdist.store import health
+from hpcdist.store.results import read_attrs
 from tests.netfault import slowed
-from tests.support.cli import REPO, job_id, run_cli, storage_sets
+from tests.support.cli import REPO, job_id, result_path, run_cli, storage_sets
 
 JOBS = REPO / "jobs"
 
@@ -149,9 +149,9 @@ def test_preflight_marks_slowed_n2_and_later_submits_exclude_it(separate_hosts: 
                   "--set", "resources.tasks_per_node=1", *own, "--wait", "--wait-timeout", "120")
     assert job.code == 0, job.text
     assert f"node health: excluded n2: preflight, job {pre_id}" in job.out, job.out
-    ran_on = subprocess.run(["sacct", "-j", job_id(job.out), "-X", "-n", "-o", "NodeList"], capture_output=True,
-                            text=True, check=True).stdout.split()
-    assert expand_hostlist(ran_on[-1]) == others
+    runs = subprocess.run(["sacct", "-j", job_id(job.out), "-X", "-n", "-P", "--duplicates", "-o",
+                           "JobID,State,NNodes,NodeList,Start,End"], capture_output=True, text=True).stdout
+    assert read_attrs(result_path(job.out))["hosts"] == others, f"{job.out}\nSlurm's record of its runs:\n{runs}"
 
     # excluding would leave too few nodes: one line naming the mark and the way out
     too_many = ",".join([*rest, others[0]])
