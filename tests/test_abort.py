@@ -56,6 +56,9 @@ def test_the_summary_gives_a_ranks_last_words_then_how_srun_saw_it_end(tmp_path:
     # a rank that left no words: srun's word, as before
     assert no_result(log, JobState.FAILED, 1, end, paths) == \
         "killed by SIGABRT on n2 (after rank 0 on n1 was killed by SIGABRT); no result"
+    # the job's cause names the rank that went first by its own error, not only by the backend's signal
+    assert end.headline() == "rank 0 on n1 went first: killed by SIGABRT"
+    assert end.heard(paths).headline() == f"rank 0 on n1 went first: {WORDS} (then killed by SIGABRT)"
 
 
 def test_an_earlier_runs_last_words_are_removed_when_rank_0_starts(tmp_path: Path,

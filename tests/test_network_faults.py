@@ -130,14 +130,17 @@ def test_cut_link_under_a_backend_that_aborts_as_nccl_does(separate_hosts: Path)
     assert job.returncode == 1, out + err
     assert "Traceback" not in read_logs(logs)  # Python saw no exception: the ranks were aborted
     assert re.search(r"rank 0: FAILED BenchmarkError: all_reduce at size \d+ B .* failed on rank 0 \(n1\): "
-                     # the cut meets the all_reduce or the gather of its timings that follows it
-                     r"TimeoutError: (all_reduce|all_gather) #\d+ \(default_pg\) did not complete within 5 s; "
+                     # the cut meets the all_reduce, or gather_object of its timings after it (all_gather, gather)
+                     r"TimeoutError: (all_reduce|all_gather|gather) #\d+ \(default_pg\) did not complete within 5 s; "
                      r"the backend \(imitating NCCL's watchdog\) ends this rank; "
                      r"no answer within 5 s from n2 \(rank 1\).*"
                      r"\(complete=False\) \(then killed by SIGABRT on n1\)", out), out
     assert re.search(r"rank 1: FAILED BenchmarkError: all_reduce at size .* failed on rank 1 \(n2\): .*"
                      r"n1 does not answer.* \(then killed by SIGABRT on n2\)", out), out
     assert "stacks at the timeout" in out, out
+    # the job's cause: the rank srun saw end first, by its own error before the signal that ended it
+    assert re.search(r"cause: rank [01] on n[12] went first: BenchmarkError: all_reduce at size .* "
+                     r"\(then killed by SIGABRT\)", out), out
     path = only_result(separate_hosts)
     assert path is not None and rows(path, table) >= 3
     with h5py.File(path, "r") as f:  # the rows measured before the cut stay in the result

@@ -395,6 +395,6 @@ def _slurm_ending(sub: Submission) -> Ending:
     except OSError:
         batch_log = ""
     records = accounting(sub.job_id)
-    end = ending(batch_log, records)
+    end = ending(batch_log, records).heard(sub.paths)
     marked = mark_failed_nodes(sub.site, sub.job_id, records)
     return dataclasses.replace(end, cause="; ".join(c for c in (end.cause, marked) if c))
