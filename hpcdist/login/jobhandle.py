@@ -30,7 +30,8 @@ from hpcdist.scheduler.local import controller_alive
 from hpcdist.scheduler.states import JobState
 
 if TYPE_CHECKING:
-    from hpcdist.login.submit import Finished, Submission, TaskOutcome
+    from hpcdist.login.submit import Submission
+    from hpcdist.login.watch import Finished, TaskOutcome
 
 
 @functools.cache
@@ -109,10 +110,10 @@ class JobHandle:
     @property
     def num_tasks(self) -> int:
         """The ranks of the job's last run: those submitted, or fewer once it ran again on fewer
-        nodes after a node died (``submit.ranks_ran``)."""
+        nodes after a node died (``watch.ranks_ran``)."""
         if self.record.scheduler != "slurm":
             return self.record.tasks
-        from hpcdist.login.submit import ranks_ran
+        from hpcdist.login.watch import ranks_ran
 
         return ranks_ran(self.submission)
 
@@ -126,7 +127,7 @@ class JobHandle:
         return self.reading().state
 
     def reading(self) -> slurm.Reading:
-        from hpcdist.login.submit import read_state
+        from hpcdist.login.watch import read_state
 
         return read_state(self.submission)
 
@@ -137,23 +138,21 @@ class JobHandle:
         """Wait until the job ended; its state and one outcome per rank. `show`: the status line
         of ``submit --wait`` (default: when standard error is a terminal or a notebook)."""
         if self._finished is None:
-            from hpcdist.login import submit
+            from hpcdist.login.watch import wait, watch
 
             if show is None:
                 show = sys.stderr.isatty() or "ipykernel" in sys.modules
             if show:
-                from hpcdist.login.watch import watch
-
                 finished = watch(self.submission, self.record.submitted, timeout_s=timeout_s)
             else:
-                finished = submit.wait(self.submission, timeout_s=timeout_s)
+                finished = wait(self.submission, timeout_s=timeout_s)
             self._finished = finished
             self.record = mark_ended(self.record, finished.state.value)
         return self._finished
 
     def outcomes(self) -> list[TaskOutcome]:
         """Every rank's outcome so far (results that are there; the others say why not)."""
-        from hpcdist.login.submit import outcomes
+        from hpcdist.login.watch import outcomes
 
         return outcomes(self.submission, self.state)
 

@@ -24,8 +24,8 @@ from hpcdist.login import submit as sub_
 from hpcdist.login.jobhandle import JobHandle
 from hpcdist.login.jobindex import JobRecord, records
 from hpcdist.login.nodefail import describe
-from hpcdist.login.submit import Finished, Submission
-from hpcdist.login.watch import hms, slurm_seconds, watch
+from hpcdist.login.submit import Submission
+from hpcdist.login.watch import Finished, hms, slurm_seconds, watch
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.states import JobState
 

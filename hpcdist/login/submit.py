@@ -8,7 +8,6 @@ byte what is submitted. On the local site submitit's LocalExecutor runs the rank
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
 import shutil
@@ -17,7 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,18 +26,14 @@ from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import SubmitError
 from hpcdist.login import jobindex
-from hpcdist.polling import poll_until
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.local import LOCAL_CONTROLLER, process_started
-from hpcdist.scheduler.slurm import Vanished
-from hpcdist.scheduler.states import JobState
 from hpcdist.store.atomic import storage_umask
-from hpcdist.store.trust import denied_hint, trusted  # a result pickle another user could have written: refused
+from hpcdist.store.trust import denied_hint
 
 if TYPE_CHECKING:
     from hpcdist.login.plan import Plan
     from hpcdist.login.render import Origin
-    from hpcdist.scheduler.postmortem import Ending
 
 
 @functools.cache
@@ -158,15 +153,6 @@ class Submission:
         return self.paths.result()
 
 
-@dataclass
-class TaskOutcome:
-    rank: int
-    ok: bool
-    summary: dict[str, Any] = field(default_factory=dict)
-    error: str = ""
-    traceback: str = ""  # the rank's traceback, when it raised
-
-
 def _tasks(spec: JobSpec) -> int:
     return spec.resources.world_size
 
@@ -263,138 +249,3 @@ def _detached_streams() -> Iterator[None]:
             os.dup2(copy, fd)
             os.close(copy)
         os.close(null)
-
-
-@dataclass(frozen=True)
-class Finished:
-    """What ``wait`` learnt: the scheduler's final state and one outcome per rank."""
-
-    state: JobState
-    outcomes: list[TaskOutcome]
-    cause: str = ""  # which rank and host went first and how, and Slurm's cause (cancelled, ...)
-    stacks: tuple[str, ...] = ()  # every rank's stack when a collective or the rendezvous timed out, grouped
-
-    @property
-    def ok(self) -> bool:
-        """Success means both: the scheduler says COMPLETED and every rank returned a result."""
-        return self.state is JobState.COMPLETED and all(o.ok for o in self.outcomes)
-
-
-def read_state(sub: Submission) -> slurm.Reading:
-    """The scheduler's current word on the job (Slurm: squeue, else sacct; local: submitit's
-    controller, then the ranks' results once it ended)."""
-    if sub.site.scheduler == "slurm":
-        return slurm.read_state(sub.job_id)
-    state = JobState.from_submitit_local(str(sub.job.state))
-    return slurm.Reading(state.local_outcome(all(o.ok for o in outcomes(sub))) if state.final else state)
-
-
-def job_state(sub: Submission) -> JobState:
-    return read_state(sub).state
-
-
-def ranks_ran(sub: Submission) -> int:
-    """How many ranks the job's last run had: the spec's world size, or fewer when it ran again
-    without a node that died (``hpcdist.login.nodefail``; submitit fixed its task count at submission)."""
-    from hpcdist.scheduler.hostlist import expand_hostlist
-    from hpcdist.store import node_failures
-
-    if sub.site.scheduler != "slurm" or not node_failures.read(sub.paths.node_failures):
-        return _tasks(sub.spec)
-    row = slurm.read_state(sub.job_id).row
-    nodes = expand_hostlist(row.nodes) if row is not None and row.nodes not in ("", "None assigned") else []
-    return len(nodes) * sub.spec.resources.tasks_per_node if nodes else _tasks(sub.spec)
-
-
-def outcomes(sub: Submission, state: JobState = JobState.UNKNOWN, end: Ending | None = None) -> list[TaskOutcome]:
-    """One outcome per rank, from submitit's result files (read directly: asking submitit's job
-    would call sacct behind the scheduler client's back). A rank without a result is summarised
-    by how srun saw it end, or else the first real error line of its log."""
-    from submitit.core.utils import pickle_load
-
-    out = []
-    for rank in range(ranks_ran(sub)):
-        task = sub.job.task(rank)
-        try:
-            trusted(task.paths.result_pickle)
-            status, value = pickle_load(task.paths.result_pickle)
-        except FileNotFoundError:
-            from hpcdist.scheduler.postmortem import no_result  # only a rank that failed is looked into
-
-            out.append(TaskOutcome(rank, False, error=no_result(task.paths.stderr, state, rank, end, sub.paths)))
-            continue
-        except Exception as exc:  # half-written, unreadable or untrusted (refused, one line): not a result
-            out.append(TaskOutcome(rank, False, error=f"its result file is unreadable: {type(exc).__name__}: {exc}"))
-            continue
-        if status == "success":
-            out.append(TaskOutcome(rank, True, summary=dict(value or {})))
-        else:
-            from hpcdist.scheduler.postmortem import first_error_line
-
-            after = f" ({end.after(rank)})" if end and end.after(rank) else ""
-            out.append(TaskOutcome(rank, False, error=first_error_line(str(value)) + after, traceback=str(value)))
-    return out
-
-
-def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
-         on_poll: Callable[[JobState], None] | None = None) -> Finished:
-    """Block until the scheduler says the job ended; its final state and one outcome per rank.
-
-    Waiting ends on the scheduler's word (squeue, then Slurm's accounting), not on submitit's
-    result files, which a job that dies early never writes. A failed job's ``cause`` names the
-    rank that failed first, its host, and Slurm's word on the job (``hpcdist.scheduler.postmortem``).
-    ``timeout_s=None`` waits as long as the scheduler says the job is not done; a command that
-    fails is retried and read as unknown, and only a job proven absent from the queue while
-    accounting is down ends the wait with a `SubmitError` (``Vanished``). `on_poll` sees each
-    state read (the live status line).
-    """
-    from hpcdist.login.nodefail import NodeFailures
-
-    vanished = Vanished()
-    failures = NodeFailures(sub.job_id, sub.spec, sub.site, sub.paths) if sub.site.scheduler == "slurm" else None
-
-    def ended() -> JobState | None:
-        reading = read_state(sub)
-        if failures is not None:
-            failures.poll(reading.state)  # a requeue after a node failure: exclude the node, or end
-        if on_poll is not None:
-            on_poll(reading.state)
-        if reading.state.final:
-            return reading.state
-        if sub.site.scheduler == "slurm" and vanished.gone(reading):
-            raise SubmitError(Vanished.message(sub.job_id))
-        return None
-
-    state = poll_until(ended, timeout_s, poll_s)
-    if state is None:
-        raise SubmitError(
-            f"job {sub.job_id} did not finish within {timeout_s:g} s; it is still {job_state(sub).value}"
-        )
-    if failures is not None and failures.cause:  # ended by on_node_failure: fail, or the bound
-        return Finished(JobState.NODE_FAIL, outcomes(sub, JobState.NODE_FAIL), failures.cause)
-    end = _slurm_ending(sub) if sub.site.scheduler == "slurm" and state is not JobState.COMPLETED else None
-    if end is not None:  # hpcdist's verdict on the state, and the rank that failed first (not srun's first)
-        state, end = end.state(state), end.naming(outcomes(sub, end.state(state), end))
-    done = outcomes(sub, state, end)
-    stacks: list[str] = []
-    if not (state is JobState.COMPLETED and all(o.ok for o in done)):
-        from hpcdist.scheduler.postmortem import timeout_stacks  # only a job that failed is looked into
-        from hpcdist.store.stackrecord import stack_files
-
-        stacks = timeout_stacks(stack_files(sub.paths, _tasks(sub.spec)), _tasks(sub.spec))
-    return Finished(state, done, end.headline() if end else "", tuple(stacks))
-
-
-def _slurm_ending(sub: Submission) -> Ending:
-    """srun's and slurmstepd's lines in the batch log, and Slurm's accounting of the job's steps."""
-    from hpcdist.login.exclusions import mark_failed_nodes
-    from hpcdist.scheduler.postmortem import accounting, ending  # only a job that failed is looked into
-
-    try:
-        batch_log = sub.log_paths[1].read_text(errors="replace")
-    except OSError:
-        batch_log = ""
-    records = accounting(sub.job_id)
-    end = ending(batch_log, records).heard(sub.paths)
-    marked = mark_failed_nodes(sub.site, sub.job_id, records)
-    return dataclasses.replace(end, cause="; ".join(c for c in (end.cause, marked) if c))

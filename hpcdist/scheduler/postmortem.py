@@ -165,7 +165,7 @@ def node_failure_suspects(records: list[StepRecord]) -> list[str]:
 
 
 class Outcome(Protocol):
-    """A rank's outcome as the login side has it (``hpcdist.login.submit.TaskOutcome``)."""
+    """A rank's outcome as the login side has it (``hpcdist.login.watch.TaskOutcome``)."""
 
     rank: int
     ok: bool
