@@ -75,12 +75,12 @@ def main() -> None:
         torch_s.append(float(boot["import_torch_s"].max()))
     imports = []
     for _ in range(args.trials):  # import torch alone, in 4 fresh processes on the 2 nodes
-        out = subprocess.run(
+        seconds = subprocess.run(
             ["srun", "-N2", "--ntasks-per-node=2", sys.executable, "-c",
              "import time; t = time.perf_counter(); import torch; print(time.perf_counter() - t)"],
             capture_output=True, text=True, check=True,
         ).stdout.split()
-        imports.append(max(float(x) for x in out))
+        imports.append(max(float(x) for x in seconds))
     med = statistics.median
     print(f"trials: {args.trials} (medians; 2 nodes x 2 tasks on the local Slurm cluster)")
     print(f"hpcdist submit (new process)  : {med(submit_s):6.3f} s")

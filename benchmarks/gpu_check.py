@@ -53,7 +53,7 @@ WHEELS = ROOT / ".whl"
 # import name -> distribution name, for what hpcdist needs beyond the GPU machine's packages
 NEEDED = {"submitit": "submitit", "cloudpickle": "cloudpickle", "pydantic": "pydantic", "yaml": "pyyaml",
           "jinja2": "jinja2"}
-GPT2_SMALL = {"n_layer": 12, "n_head": 12, "d_model": 768, "context": 1024, "vocab_size": 50257}
+GPT2_SMALL: dict[str, Any] = {"n_layer": 12, "n_head": 12, "d_model": 768, "context": 1024, "vocab_size": 50257}
 NO_GPU_EXIT = 2
 
 

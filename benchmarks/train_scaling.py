@@ -103,7 +103,9 @@ def _profile_rank(rank: int, world: int, store_path: str, args: argparse.Namespa
 
     for _ in range(3):
         step(True)
-    synced, compute, comm = [], [], []
+    synced: list[float] = []
+    compute: list[float] = []
+    comm: list[float] = []
     for i in range(args.steps):
         dist.barrier()
         for sync in ((True, False) if i % 2 == 0 else (False, True)):
