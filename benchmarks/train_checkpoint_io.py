@@ -199,6 +199,7 @@ def main() -> int:
     args = parser.parse_args()
     d_model, n_layer = SIZES[args.size]
     args.d_model, args.n_layer = args.d_model or d_model, args.n_layer or n_layer
+    Path(args.dir).mkdir(parents=True, exist_ok=True)  # the folder the command names, made if missing
     base = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     try:
         model, opt = training_state(args.d_model, args.n_layer)

@@ -175,6 +175,8 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, default=None, help="work directory (shared storage for Slurm)")
     parser.add_argument("--profile", action="store_true", help="time compute and communication of a step instead")
     args = parser.parse_args()
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="scaling-", dir=args.dir))
     try:
         if args.profile:
