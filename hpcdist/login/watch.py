@@ -145,7 +145,7 @@ def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
         return Finished(JobState.NODE_FAIL, outcomes(sub, JobState.NODE_FAIL), failures.cause)
     end = _slurm_ending(sub) if sub.site.scheduler == "slurm" and state is not JobState.COMPLETED else None
     if end is not None:  # hpcdist's verdict on the state, and the rank that failed first (not srun's first)
-        state, end = end.state(state), end.naming(outcomes(sub, end.state(state), end))
+        state, end = end.state(state), end.naming(outcomes(sub, end.state(state), end)).heard(sub.paths)
     done = outcomes(sub, state, end)
     stacks: list[str] = []
     if not (state is JobState.COMPLETED and all(o.ok for o in done)):
@@ -166,7 +166,7 @@ def _slurm_ending(sub: Submission) -> Ending:
     except OSError:
         batch_log = ""
     records = accounting(sub.job_id)
-    end = ending(batch_log, records).heard(sub.paths)
+    end = ending(batch_log, records)
     marked = mark_failed_nodes(sub.site, sub.job_id, records)
     return dataclasses.replace(end, cause="; ".join(c for c in (end.cause, marked) if c))
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import re
 import signal
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -183,7 +183,7 @@ class Ending:
     first: TaskEnd | None
     cause: str  # the job-level cause (cancelled, node failure, out of memory, ...), or ""
     stopped: str = ""  # the run's own node failure check ended it (``STOPPED``): why, else ""
-    words: Mapping[int, str] = field(default_factory=dict)  # a rank's last words, by rank (``heard``)
+    said: str = ""  # the last words of the rank that went first (``heard``), else ""
 
     def state(self, scheduler_state: JobState) -> JobState:
         """The job's end as hpcdist says it: a run its own node failure check ended (Slurm: FAILED,
@@ -203,18 +203,18 @@ class Ending:
         return replace(self, first=self.tasks[cause.rank])
 
     def heard(self, paths: JobPaths) -> Ending:
-        """This ending with the last words of the ranks srun saw end (``hpcdist.store.lastwords``):
-        a rank its backend aborted (NCCL's watchdog: SIGABRT) is named by the error it wrote first."""
-        said = {rank: got[0] for rank in self.tasks if (got := lastwords.read(paths.last_words(rank))) is not None}
-        return replace(self, words=said)
+        """This ending with the last words of the rank that went first (``hpcdist.store.lastwords``;
+        after ``naming``): a rank its backend aborted (NCCL's watchdog: SIGABRT) is named by the
+        error it wrote before."""
+        got = lastwords.read(paths.last_words(self.first.rank)) if self.first is not None else None
+        return replace(self, said=got[0] if got is not None else "")
 
     def headline(self) -> str:
         """One line: which rank and host went first and how (its own error first, where it left
         last words), and the job-level cause."""
         parts = []
         if self.first is not None:
-            said = self.words.get(self.first.rank)
-            how = f"{said} (then {self.first.how})" if said else self.first.how
+            how = f"{self.said} (then {self.first.how})" if self.said else self.first.how
             parts.append(f"rank {self.first.rank} on {self.first.host} went first: {how}")
         if self.cause:
             parts.append(self.cause)
