@@ -19,13 +19,15 @@ from hpcdist._version import __version__
 
 if TYPE_CHECKING:
     from hpcdist.api import Context
-    from hpcdist.login.executor import Executor
-    from hpcdist.login.jobhandle import JobFailed, JobHandle
+    from hpcdist.login.executor import AutoExecutor, Executor
+    from hpcdist.login.jobhandle import JobFailed, JobHandle, JobUncompleted
     from hpcdist.scheduler.states import JobState
 
-__all__ = ["Context", "Executor", "JobFailed", "JobHandle", "JobState", "__version__", "init", "job"]
-_LAZY = {"Context": "hpcdist.api", "Executor": "hpcdist.login.executor", "JobFailed": "hpcdist.login.jobhandle",
-         "JobHandle": "hpcdist.login.jobhandle", "JobState": "hpcdist.scheduler.states"}
+__all__ = ["AutoExecutor", "Context", "Executor", "JobFailed", "JobHandle", "JobState", "JobUncompleted",
+           "__version__", "init", "job"]
+_LAZY = {"AutoExecutor": "hpcdist.login.executor", "Context": "hpcdist.api", "Executor": "hpcdist.login.executor",
+         "JobFailed": "hpcdist.login.jobhandle", "JobHandle": "hpcdist.login.jobhandle",
+         "JobState": "hpcdist.scheduler.states", "JobUncompleted": "hpcdist.login.jobhandle"}
 
 
 def init(**kwargs: Any) -> Context:

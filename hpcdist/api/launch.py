@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from hpcdist.api.context import CURRENT, Context
 
 if TYPE_CHECKING:
+    from hpcdist.config.site import Site
     from hpcdist.runtime.context import JobContext
 
 _ACTIVE: list[JobContext] = []  # the python job's bootstrap on this rank, when there is one
@@ -131,8 +132,15 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
     from hpcdist.runtime.bootstrap import bootstrap
 
     env = dict(os.environ)
-    site_ref = site_ref or env.get("HPCDIST_SITE")
-    if site_ref:
+    called = _called_job(env, site_ref, name, timeout_s)  # inside a direct hpcdist.Executor call
+    if called is not None:
+        name, timeout_s, site = called
+        site_ref = site.name
+        os.umask(site.storage.umask)
+        from hpcdist.store import checksum
+
+        checksum.use_site(site.storage.checksum)
+    elif site_ref := site_ref or env.get("HPCDIST_SITE"):
         site = load_site(site_ref)
         os.umask(site.storage.umask)  # what this script writes to the site's storage gets storage.mode
         from hpcdist.store import checksum
@@ -155,6 +163,34 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
                  job.world_size, job.info.hostname, job.info.launcher, job.backend, job.device, job.job_id,
                  ctx.results.path)
     return ctx
+
+
+def _called_job(env: dict[str, str], site_ref: str | None, name: str | None,
+                timeout_s: float | None) -> tuple[str, float, Site] | None:
+    """In a function ``hpcdist.Executor`` ran directly (one task, no bootstrap): the job's name,
+    timeout and site, from the 0600 file it names (``HPCDIST_CALL_JOB``); what the job was
+    submitted with is refused in one line naming the executor's keyword, as in a bootstrapped call."""
+    path = env.get("HPCDIST_CALL_JOB")
+    if not path:
+        return None
+    import json
+
+    from hpcdist.config.site import Site
+    from hpcdist.config.spec import JobSpec
+    from hpcdist.errors import ConfigError
+    from hpcdist.store.trust import trusted
+
+    trusted(path)
+    with open(path, "rb") as f:
+        data = json.load(f)
+    spec, site = JobSpec.model_validate(data["spec"]), Site.model_validate(data["site"])
+    fixed = {"site": (site_ref, site.name), "name": (name, spec.name), "timeout_s": (timeout_s, spec.timeout(site))}
+    for key, (asked, actual) in fixed.items():
+        if asked is not None and asked != actual:
+            raise ConfigError(f"hpcdist.init({key}={asked!r}) in an Executor function: the job runs with "
+                              f"{key}={actual!r}, set when it was submitted; pass it there: "
+                              f"hpcdist.Executor({key}={asked!r})")
+    return spec.name, spec.timeout(site), site
 
 
 def default_name(argv0: str | None = None) -> str:

@@ -37,10 +37,13 @@ class JobPaths:
     name: str  # the job's (a sweep task's) own name
     job_id: str = UNSUBMITTED
     folder_name: str = ""  # the name the submitit folder is made under, when not `name` (an array's base)
+    own_folder: str = ""  # the job spec's `folder` (submitit's `folder`, ``%j`` the job id), when it names one
 
     @property
     def folder(self) -> Path:
         """submitit's folder for the job: its pickles, results and per-rank logs."""
+        if self.own_folder:
+            return Path(self.own_folder.replace(UNSUBMITTED, self.job_id))
         return under(self.storage.root("logs"), self.folder_name or self.name, self.job_id)
 
     def log_patterns(self, array: bool = False) -> tuple[str, str]:

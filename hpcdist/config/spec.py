@@ -52,7 +52,8 @@ class Resources(Frozen):
     gpus_per_node: int = Field(default=0, ge=0)
     cpus_per_task: int = Field(default=1, ge=1)
     mem_gb: float | None = Field(default=None, gt=0)
-    time_min: int | None = Field(default=None, ge=1)
+    # minutes; a fraction is allowed (submitit's ``timeout_min``): Slurm gets ``--time=M:SS``
+    time_min: int | float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _min_within_nodes(self) -> Resources:
@@ -88,6 +89,14 @@ class JobSpec(Frozen):
         default=None, description="when a node dies: run again without it (requeue) or end (fail); "
         "None: the kind's default (requeue for train_gpt, fail for the others)")
     container: Container | None = Field(default=None, description="the image each rank runs in (over the site's)")
+    folder: str | None = Field(default=None, description="where the job's pickles and per-rank logs go (submitit's "
+                               "folder; %j is the job id); default <storage.logs>/<name>/%j")
+    stderr_to_stdout: bool = Field(default=False, description="each rank's stderr into its stdout file")
+
+    @field_validator("folder")
+    @classmethod
+    def _absolute_folder(cls, value: str | None) -> str | None:
+        return None if value is None else str(Path(value).expanduser().absolute())
 
     @field_validator("name")
     @classmethod
@@ -111,12 +120,12 @@ class JobSpec(Frozen):
         """Seconds any rendezvous or collective may wait before it fails."""
         return self.timeout_s if self.timeout_s is not None else site.defaults.timeout_s
 
-    def time_limit_min(self, site: Site) -> int:
+    def time_limit_min(self, site: Site) -> float:
         return self.resources.time_min or site.defaults.time_min
 
     def paths(self, site: Site, job_id: str = "%j", folder_name: str = "") -> JobPaths:
         """Every path of this job on `site` (``hpcdist.config.paths``)."""
-        return JobPaths(site.storage, self.name, job_id, folder_name)
+        return JobPaths(site.storage, self.name, job_id, folder_name, self.folder or "")
 
     def result_path(self, site: Site, job_id: str, suffix: str = "") -> Path:
         """``<results root>/<job name>/<job id><suffix>.h5``: where the job's result lands."""

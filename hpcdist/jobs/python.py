@@ -46,6 +46,8 @@ class PythonParams(Frozen):
     call_name: str | None = Field(default=None, description="the called function, `module:qualname`")
     call_module: str | None = Field(default=None, description="the module the nodes import the function "
                                     "from (None: shipped by value, from __main__ or a notebook)")
+    direct: bool = Field(default=False, description="an hpcdist.Executor call submitit runs itself (one task, no "
+                         "group asked): no bootstrap; each task's result is the function's return value")
     args: list[StrictStr] = Field(default_factory=list, description="sys.argv[1:] (or the function's arguments)")
     snapshot: Annotated[bool | str, SpecPath()] = Field(
         default=True,
@@ -147,7 +149,7 @@ def check(job: Job[PythonParams], site: Site) -> list[Problem]:
         if not path.is_file():
             where = f" (from {os.getcwd()})" if not path.is_absolute() else ""
             return [("params.script", p.script, f"an existing Python file{where}; check the path")]
-    if p.module_name:
+    if p.module_name and not p.call:  # a call's function was imported by the process that submits it
         problem = _import_problem(p)
         if problem:
             return [problem]

@@ -302,22 +302,13 @@ def _wants_context(fn: Callable[..., Any]) -> bool:
     return note is Context
 
 
-def _trust_snapshot(folder: Path) -> None:
-    """The code snapshot runs only when no other user could have written any of it: the folder,
-    each file and folder in it, and the folders above (``hpcdist.store.trust``)."""
-    from hpcdist.store.trust import trusted
-
-    trusted(folder)
-    for base, dirs, files in os.walk(folder):
-        for name in [*dirs, *files]:
-            trusted(Path(base) / name, folder)
-
-
 @contextmanager
 def _argv_and_path(params: PythonParams) -> Iterator[None]:
     """``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` (or ``-m``) would have them."""
     if params.code_dir:
-        _trust_snapshot(Path(params.code_dir))
+        from hpcdist.store.trust import trusted_tree
+
+        trusted_tree(params.code_dir)
     saved_argv = sys.argv[:]
     first = params.script or params.module or params.call_name or str(params.function)
     sys.argv = [first, *params.args]

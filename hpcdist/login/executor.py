@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
@@ -31,99 +31,263 @@ from typing import TYPE_CHECKING, Any
 
 from hpcdist.config.paths import JobPaths
 from hpcdist.errors import ConfigError
+from hpcdist.login.submitit_params import site_for, translate
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
+    from hpcdist.config.spec import JobSpec
     from hpcdist.jobs.registry import Job
     from hpcdist.login.jobhandle import JobHandle
     from hpcdist.login.jobindex import JobRecord
 
 ORIGIN = "hpcdist.Executor"
-
-
 class Executor:
-    """Submits functions to a site as jobs of every rank; see the module's docstring."""
+    """Submits functions to a site as jobs of every rank; see the module's docstring.
 
-    def __init__(self, site: str | None = None, *, spec: str | Path | Mapping[str, Any] | None = None,
+    submitit's shape: ``Executor(folder)`` (submitit's first argument: where the job's pickles
+    and logs go, ``%j`` the job id; default the site's ``storage.logs``), ``update_parameters``,
+    ``submit``, ``map_array``, ``submit_array``, ``batch()``, submitit's parameter names
+    (``timeout_min``, ``slurm_partition``, ``local_setup``, ...) beside hpcdist's."""
+
+    def __init__(self, folder: str | Path | None = None, *, site: str | None = None, cluster: str | None = None,
+                 max_num_timeout: int | None = None, spec: str | Path | Mapping[str, Any] | None = None,
                  set: Mapping[str, Any] | None = None, **keys: Any) -> None:  # noqa: A002 (submitit's name)
         from hpcdist.config import load_site
 
+        self.folder = None if folder is None else Path(folder).expanduser().absolute()
+        self._site_ref = site_for(site, cluster)
         self._site_sets = [f"{k[len('site.'):]}={_yaml(v)}" for k, v in (set or {}).items() if k.startswith("site.")]
-        self.site: Site = load_site(site, self._site_sets)
-        self._data = _spec_data(_base(spec), keys, set or {})
-        self._check(self._data)  # every key checked now, with a stand-in function
+        if max_num_timeout is not None:
+            self._site_sets.append(f"preemption.max_requeues={int(max_num_timeout)}")
+        self.site: Site = load_site(self._site_ref, self._site_sets)
+        self._batch: list[tuple[JobHandle, Callable[..., Any], tuple[Any, ...], dict[str, Any]]] | None = None
+        self._array_parallelism: int | None = None
+        base = _base(spec)
+        if self.folder is not None:
+            base.setdefault("folder", str(self.folder))
+        self._data: dict[str, Any] = {}
+        self._apply(base, keys, set or {})
+
+    @property
+    def cluster(self) -> str:
+        """submitit's name for where jobs run: ``slurm`` or ``local``."""
+        return "slurm" if self.site.scheduler == "slurm" else "local"
 
     def update_parameters(self, **keys: Any) -> None:
         """Change resources or spec keys for later submissions (submitit's name); checked now."""
-        data = _spec_data(self._data, keys, {})
-        self._check(data)
-        self._data = data
+        if self._batch is not None:
+            raise RuntimeError('Changing parameters within batch context "with executor.batch():" is not allowed')
+        self._apply(self._data, keys, {})
 
-    def _check(self, data: Mapping[str, Any], params: Mapping[str, Any] | None = None) -> Job[Any]:
+    def _apply(self, base: Mapping[str, Any], keys: Mapping[str, Any], sets: Mapping[str, Any]) -> None:
+        """`keys` (submitit's names or hpcdist's) onto the spec, or the site; checked at once."""
+        from hpcdist.config import load_site
+
+        spec_keys, site_sets, parallelism = translate(keys, self.site, self._data)
+        self._array_parallelism = parallelism if parallelism is not None else self._array_parallelism
+        data = _spec_data(base, spec_keys, sets)
+        site = load_site(self._site_ref, self._site_sets + site_sets) if site_sets else self.site
+        self._check(data, site=site)
+        self._data, self.site, self._site_sets = data, site, self._site_sets + site_sets
+
+    def _check(self, data: Mapping[str, Any], params: Mapping[str, Any] | None = None,
+               site: Site | None = None) -> Job[Any]:
         """The job as a YAML spec of it would be resolved: one ConfigError for the first problem."""
         from hpcdist.config import validate
         from hpcdist.config.spec import JobSpec
         from hpcdist.jobs.registry import resolve
 
         full = {"name": "function", **data, "kind": "python",
-                "params": {**data.get("params", {}), **(params or {"function": "builtins:print"})}}
-        return resolve(validate(JobSpec, full, ORIGIN), self.site, origin=ORIGIN)
+                "params": {**data.get("params", {}), **(params or {"call": "-", "snapshot": False})}}
+        return resolve(validate(JobSpec, full, ORIGIN), site or self.site, origin=ORIGIN)
+
+    @contextmanager
+    def batch(self, allow_implicit_submissions: bool = False) -> Iterator[None]:
+        """submitit's batch: the submissions inside are held and go in together when it ends,
+        as one job array on Slurm; each handle is usable once the block is left."""
+        if self._batch is not None:
+            raise RuntimeError('Nesting "with executor.batch()" contexts is not allowed.')
+        self._batch = []
+        try:
+            yield
+        except BaseException:
+            self._batch = None
+            raise
+        held, self._batch = self._batch, None
+        if not held:
+            import warnings
+
+            warnings.warn('No submission happened during "with executor.batch()" context.', category=RuntimeWarning,
+                          stacklevel=3)
+            return
+        real = self._submit_calls([(fn, args, kwargs) for _, fn, args, kwargs in held], array=True,
+                                  max_parallel=self._array_parallelism)
+        for (handle, *_), job in zip(held, real, strict=True):
+            handle.__dict__.update(job.__dict__)
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> JobHandle:
         """Run ``fn(*args, **kwargs)`` on every rank of one job; its handle, at once."""
-        return self._submit_all(fn, [(args, kwargs)], array=False)[0]
+        if self._batch is not None:
+            from hpcdist.login.jobhandle import JobHandle
+
+            held = JobHandle.__new__(JobHandle)
+            self._batch.append((held, fn, args, kwargs))
+            return held
+        return self._submit_calls([(fn, args, kwargs)], array=False)[0]
+
+    def submit_array(self, fns: Sequence[Callable[[], Any]]) -> list[JobHandle]:
+        """One job array of the callables (each called without arguments; submitit's name)."""
+        return self._submit_calls([(fn, (), {}) for fn in fns], array=True, max_parallel=self._array_parallelism)
 
     def map_array(self, fn: Callable[..., Any], *iterables: Iterable[Any], max_parallel: int | None = None
                   ) -> list[JobHandle]:
         """One job array, a job per item: ``fn(a, b, ...)`` for each tuple of the iterables'
         items (submitit's shape: a list of jobs, not of results). `max_parallel` tasks at a time.
         On the local site, with no scheduler, each item is a job of its own."""
-        calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [(tuple(i), {}) for i in zip(*iterables, strict=True)]
-        if not calls:
-            return []
+        calls: list[Call] = [(fn, tuple(i), {}) for i in zip(*iterables, strict=True)]
         if max_parallel is not None and max_parallel < 1:
             raise ConfigError(f"hpcdist.Executor.map_array: max_parallel={max_parallel}; give at least 1, or None")
-        return self._submit_all(fn, calls, array=True, max_parallel=max_parallel)
+        return self._submit_calls(calls, array=True, max_parallel=max_parallel or self._array_parallelism)
 
-    def _submit_all(self, fn: Callable[..., Any], calls: list[tuple[tuple[Any, ...], dict[str, Any]]],
-                    array: bool, max_parallel: int | None = None) -> list[JobHandle]:
-        from hpcdist.jobs.registry import prepare, resolve
+    def _submit_calls(self, calls: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]],
+                      array: bool, max_parallel: int | None = None) -> list[JobHandle]:
+        if not calls:
+            return []
+        for fn, _, _ in calls:
+            if not callable(fn):
+                raise ConfigError(f"hpcdist.Executor.submit: {fn!r} is a {type(fn).__name__}, not a function")
+        world = self._check(self._data).spec.resources.world_size
+        if world == 1 and not any(wants_context(fn) for fn, _, _ in calls):
+            return self._submit_direct(calls, array, max_parallel)
+        return self._submit_all(calls, array, max_parallel)
+    def _submit_direct(self, calls: list[Call], array: bool, max_parallel: int | None) -> list[JobHandle]:
+        """One task and no group asked for: submitit runs the function itself on the node, as its
+        own executors do (no bootstrap, no torch, submitit's checkpoint-and-requeue). Its package
+        is snapshot as for any call; ``hpcdist.init()`` inside still works (``HPCDIST_CALL_JOB``)."""
+        from hpcdist.jobs.registry import prepare
+
+        module, qualname = _where(calls[0][0])
+        data = {"name": _job_name(qualname), **self._data}
+        params = {"call": "submitit", "call_name": f"{module}:{qualname}", "direct": True,
+                  "call_module": None if module == "__main__" else module}
+        base = prepare(self._check(data, params), self.site)
+        return self._schedule([base.spec] * len(calls), calls, array, max_parallel)
+
+    def _submit_all(self, calls: list[Call], array: bool, max_parallel: int | None) -> list[JobHandle]:
+        """Several tasks, or a function that takes the rank's Context: hpcdist's bootstrap and
+        group on every rank, then the function (``hpcdist.jobs.python_run``)."""
+        from hpcdist.jobs.registry import prepare
+
+        module, qualname = _where(calls[0][0])
+        data = {"name": _job_name(qualname), **self._data}
+        folder = JobPaths(self.site.storage, data["name"]).calls
+        from hpcdist.store.atomic import storage_umask
+
+        with storage_umask(self.site.storage.umask):  # <logs>/<name> as storage.mode says, whatever the shell's umask
+            pickles = [_write_call(folder, fn, args, kwargs) for fn, args, kwargs in calls]
+        params = []
+        for (fn, _, _), path in zip(calls, pickles, strict=True):
+            mod, qual = _where(fn)
+            params.append({"call": str(path), "call_name": f"{mod}:{qual}",
+                           "call_module": None if mod == "__main__" else mod})
+        # One check and one code snapshot for all the calls (an array's items differ in their call only).
+        base = prepare(self._check(data, params[0]), self.site)
+        specs = [base.spec.model_copy(update={"params": {**base.spec.params, **p}}) for p in params]
+        return self._schedule(specs, None, array, max_parallel)
+
+    def _schedule(self, specs: list[JobSpec], calls: list[Call] | None, array: bool,
+                  max_parallel: int | None) -> list[JobHandle]:
+        """The jobs queued: on Slurm one job array (or one job); on the local site a job per item,
+        each waiting for the one `max_parallel` before it to end."""
+        from hpcdist.jobs.registry import resolve
         from hpcdist.login import submit as sub
         from hpcdist.login.jobhandle import JobHandle
         from hpcdist.login.jobindex import find
         from hpcdist.login.plan import make
         from hpcdist.login.render import Origin
 
-        if not callable(fn):
-            raise ConfigError(f"hpcdist.Executor.submit: {fn!r} is a {type(fn).__name__}, not a function")
-        module, qualname = _where(fn)
-        data = {"name": _job_name(qualname), **self._data}  # the function's name, unless the spec named it
-        folder = JobPaths(self.site.storage, data["name"]).calls
-        from hpcdist.store.atomic import storage_umask
-
-        with storage_umask(self.site.storage.umask):  # <logs>/<name> as storage.mode says, whatever the shell's umask
-            paths = [_write_call(folder, fn, args, kwargs) for args, kwargs in calls]
-        params = [{"call": str(p), "call_name": f"{module}:{qualname}",
-                   "call_module": None if module == "__main__" else module} for p in paths]
-        # One check and one code snapshot for all the calls (an array's items differ in their call only).
-        base = prepare(self._check(data, params[0]), self.site)
-        jobs = [base] if not array else [
-            resolve(base.spec.model_copy(update={"name": item_name(base.spec.name, i, len(params)),
-                                                 "params": {**base.spec.params, **p}}),
-                    self.site, origin=ORIGIN, check=False) for i, p in enumerate(params)]
+        if array:
+            specs = [s.model_copy(update={"name": item_name(s.name, i, len(specs))}) for i, s in enumerate(specs)]
+        if calls is not None:
+            specs = [self._direct_env(s) for s in specs]
+        jobs = [resolve(s, self.site, origin=ORIGIN, check=False).spec for s in specs]
         origin = Origin(ORIGIN, self.site.name, tuple(f"site.{s}" for s in self._site_sets))
         if array and self.site.scheduler == "slurm" and len(jobs) > 1:
             origin = replace(origin, tasks=len(jobs), max_parallel=max_parallel)
-            subs = sub.schedule(make(base.spec, self.site, origin, [j.spec for j in jobs]))
-        else:  # the local site: a job per item, each waiting for the one `max_parallel` before it to end
+            subs = sub.schedule(make(jobs[0], self.site, origin, jobs), calls)
+        else:
             subs = []
             for i, j in enumerate(jobs):
                 slot = subs[i - max_parallel] if max_parallel and i >= max_parallel else None
                 with local_after(slot.record if slot is not None else None):
-                    subs.append(sub.submit(j.spec, self.site, origin))
+                    subs += sub.schedule(make(j, self.site, origin), None if calls is None else calls[i:i + 1])
         # Each job is queued: its handle holds its record even where the index could not keep it
         # (add() warned), so a job is never reported missing, and retried, once it is queued.
         return [JobHandle(s.record or find(s.job_id, self.site.name), s) for s in subs]
+
+
+    def _direct_env(self, spec: JobSpec) -> JobSpec:
+        """A direct call's spec with what its task reads: its spec and site in a 0600 file
+        (``hpcdist.init()`` inside), and its code snapshot (first on ``sys.path``)."""
+        from hpcdist.store.atomic import storage_umask
+
+        paths = JobPaths(self.site.storage, spec.name)
+        with storage_umask(self.site.storage.umask):
+            job_file = _write_private(paths.calls, ".json", _job_json(spec, self.site))
+        env = {**spec.env, CALL_JOB_VAR: str(job_file)}
+        code_dir = spec.params.get("code_dir")
+        if code_dir:
+            env[CODE_DIR_VAR] = code_dir
+        return spec.model_copy(update={"env": env})
+
+
+class AutoExecutor(Executor):
+    """submitit's ``AutoExecutor(folder, cluster=None|"local"|"slurm")``: `cluster` picks the
+    site's kind (None: ``$HPCDIST_SITE`` or the default site; "local": the local site; "slurm":
+    ``site=`` or ``$HPCDIST_SITE``, which must be a Slurm site)."""
+
+    def __init__(self, folder: str | Path | None = None, cluster: str | None = None, **kwargs: Any) -> None:
+        super().__init__(folder, cluster=cluster, **kwargs)
+
+
+Call = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+CALL_JOB_VAR = "HPCDIST_CALL_JOB"  # a direct call's spec and site, for hpcdist.init() inside it
+CODE_DIR_VAR = "HPCDIST_CODE_DIR"  # a direct call's code snapshot, first on the rank's sys.path
+
+
+def wants_context(fn: Callable[..., Any]) -> bool:
+    """Whether `fn`'s first parameter is annotated ``hpcdist.Context`` (as the class or, under
+    ``from __future__ import annotations``, as its name): such a function gets the group."""
+    import inspect
+
+    try:
+        first = next(iter(inspect.signature(fn).parameters.values()), None)
+    except (TypeError, ValueError):
+        return False
+    if first is None:
+        return False
+    note = first.annotation
+    if isinstance(note, str):
+        return note in ("hpcdist.Context", "Context", "hpcdist.api.Context")
+    return getattr(note, "__name__", None) == "Context" and str(getattr(note, "__module__", "")).startswith("hpcdist")
+
+
+def _job_json(spec: JobSpec, site: Site) -> bytes:
+    import json
+
+    return json.dumps({"spec": spec.model_dump(mode="json"), "site": site.model_dump(mode="json")}).encode()
+
+
+def _write_private(folder: Path, suffix: str, payload: bytes) -> Path:
+    """`payload` in a new file of `folder`, the user's own (0700 folder, 0600 file)."""
+    from hpcdist.store.trust import private_folder
+
+    private_folder(folder)
+    path = folder / f"{uuid.uuid4().hex}{suffix}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(payload)
+    return path
 
 
 def _spec_data(base: Mapping[str, Any], keys: Mapping[str, Any], sets: Mapping[str, Any]) -> dict[str, Any]:
@@ -186,16 +350,11 @@ def _not_a_mapping(key: str, part: str) -> str:
 
 
 def _where(fn: Callable[..., Any]) -> tuple[str, str]:
-    """The function's module and qualified name; a nested function (its qualname has
-    ``<locals>``) or a lambda travels by value like one from ``__main__``."""
+    """The function's module and qualified name. A nested function or a lambda travels by value
+    (cloudpickle does so for what cannot be found by name), with the globals it names by
+    reference to its module, which the nodes import from the snapshot, as submitit ships it."""
     module = getattr(fn, "__module__", None) or "__main__"
     qualname = getattr(fn, "__qualname__", None) or type(fn).__name__
-    if "<locals>" in qualname or qualname == "<lambda>":
-        import cloudpickle
-
-        if module != "__main__":
-            cloudpickle.register_pickle_by_value(__import__(module, fromlist=["_"]))
-        return "__main__", qualname
     return module, qualname
 
 
@@ -229,7 +388,8 @@ def _job_name(qualname: str) -> str:
 
 
 def _write_call(folder: Path, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Path:
-    """The call pickled into `folder` (private to the user: arguments may be anything)."""
+    """The call pickled into `folder` (private to the user: arguments may be anything; 0700
+    whatever the umask: no one else replaces a call that every rank unpickles)."""
     import cloudpickle
 
     try:
@@ -238,11 +398,4 @@ def _write_call(folder: Path, fn: Callable[..., Any], args: tuple[Any, ...], kwa
         raise ConfigError(f"hpcdist.Executor.submit: the call of {getattr(fn, '__qualname__', fn)!r} cannot be "
                           f"pickled ({type(exc).__name__}: {exc}); pass plain data, or open files and "
                           f"connections inside the function") from exc
-    from hpcdist.store.trust import private_folder
-
-    private_folder(folder)  # 0700 whatever the umask: no one else replaces a call that every rank unpickles
-    path = folder / f"{uuid.uuid4().hex}.pkl"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(payload)
-    return path
+    return _write_private(folder, ".pkl", payload)

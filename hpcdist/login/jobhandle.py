@@ -13,6 +13,7 @@ keeps the controller's start time beside it, so a handle never reads another run
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import signal
@@ -21,6 +22,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from submitit.core.utils import FailedJobError, UncompletedJobError
 
 from hpcdist.errors import JobError, SubmitError
 from hpcdist.login.jobindex import JobRecord, find, mark_ended, write
@@ -72,13 +75,22 @@ def attach(record: JobRecord) -> Submission:
     return Submission(job=job, spec=spec, site=site, script="")
 
 
-class JobFailed(JobError):
+class JobFailed(JobError, FailedJobError):
     """A job that did not return on every rank: the first failing rank, its host and its error;
-    ``traceback`` is that rank's traceback (when it raised), ``outcomes`` every rank's."""
+    ``traceback`` is that rank's traceback (when it raised), ``outcomes`` every rank's. A
+    submitit ``FailedJobError`` too (``except FailedJobError`` catches it); its message is the
+    headline, then the traceback, as submitit's carries the task's traceback."""
 
     def __init__(self, message: str, outcomes: list[TaskOutcome], traceback: str = "") -> None:
-        super().__init__(message)
-        self.outcomes, self.traceback = outcomes, traceback
+        raised = [o for o in outcomes if o.traceback]  # every rank that raised, in rank order (submitit: task 0 first)
+        detail = "\n".join(f"rank {o.rank}: {o.traceback.rstrip()}" for o in raised) if len(raised) > 1 else traceback
+        super().__init__(f"{message}\n{detail.rstrip()}" if detail else message)
+        self.headline, self.outcomes, self.traceback = message, outcomes, traceback
+
+
+class JobUncompleted(JobFailed, UncompletedJobError):
+    """A job that ended with no rank having raised: cancelled, timed out, killed, or a node lost
+    (submitit's ``UncompletedJobError``: no output); still a ``JobFailed``, naming the ranks."""
 
 
 class JobHandle:
@@ -131,7 +143,8 @@ class JobHandle:
 
         return read_state(self.submission)
 
-    def done(self) -> bool:
+    def done(self, force_check: bool = False) -> bool:
+        """Whether the job ended (submitit's; `force_check` is accepted, every call reads anew)."""
         return self.state.final
 
     def wait(self, timeout_s: float | None = None, show: bool | None = None) -> Finished:
@@ -157,8 +170,10 @@ class JobHandle:
         return outcomes(self.submission, self.state)
 
     def results(self, timeout_s: float | None = None) -> list[Any]:
-        """Every rank's return value, in rank order, once the job ended. A job that failed
-        raises ``JobFailed`` naming the first failing rank, its host and its error."""
+        """Every rank's return value, in rank order, once the job ended (a task's view: its
+        own, alone). A job where a rank raised raises ``JobFailed`` (submitit's ``FailedJobError``)
+        naming the first failing rank, its host and its error; one that ended otherwise without
+        every result (cancelled, timed out, killed) ``JobUncompleted`` (``UncompletedJobError``)."""
         from hpcdist.scheduler.postmortem import first_failure
 
         finished = self.wait(timeout_s, show=False)
@@ -168,14 +183,75 @@ class JobHandle:
             host = f" on {first.summary.get('host')}" if first and first.summary.get("host") else ""
             what = f"rank {first.rank}{host}: {first.error}" if first else "every rank returned"
             cause = f"; {finished.cause}" if finished.cause else ""
-            raise JobFailed(f"job {self.job_id} ({self.record.name}) ended {finished.state.value}: {what}{cause}",
-                            finished.outcomes, first.traceback if first else "")
-        return [o.summary.get("returned", o.summary) for o in finished.outcomes]
+            raised = any(o.traceback for o in finished.outcomes)
+            kind = JobFailed if raised else JobUncompleted
+            raise kind(f"job {self.job_id} ({self.record.name}) ended {finished.state.value}: {what}{cause}",
+                       finished.outcomes, first.traceback if first else "")
+        values = [o.summary.get("returned", o.summary) for o in finished.outcomes]
+        return values if self._task is None else [values[self._task]]
 
     def result(self, timeout_s: float | None = None) -> Any:
         """Rank 0's return value, once the job ended (unlike submitit's ``result()``, which
-        refuses a job of several tasks: ``results()`` has every rank's)."""
+        refuses a job of several tasks: ``results()`` has every rank's); a task's view: its own."""
         return self.results(timeout_s)[0]
+
+    def exception(self) -> JobFailed | None:
+        """submitit's: None once every rank returned, else the error ``result()`` would raise (waits)."""
+        try:
+            self.results()
+        except JobFailed as exc:
+            return exc
+        return None
+
+    # ------------------------------------------------------------ submitit's Job, beside hpcdist's
+
+    _task: int | None = None  # this handle is one task's view of the job (``task(i)``)
+
+    def task(self, task_id: int) -> JobHandle:
+        """One task (rank) of the job, as submitit's ``job.task(i)``; a job of one task is itself."""
+        tasks = self.num_tasks
+        if not 0 <= task_id < tasks:
+            raise ValueError(f"Task id {task_id} must be between 0 and {tasks - 1}")
+        if tasks == 1:
+            return self
+        view = copy.copy(self)
+        view._task = task_id
+        return view
+
+    @property
+    def _job(self) -> Any:
+        """submitit's own Job (or a task of it) behind this handle."""
+        job = self.submission.job
+        return job if self._task is None else job.task(self._task)
+
+    @property
+    def paths(self) -> Any:
+        """submitit's ``JobPaths`` of the job (a task's: its own): folder, pickles, stdout, stderr."""
+        return self._job.paths
+
+    @property
+    def _process(self) -> Any:
+        """The local controller's process, where this process started it (submitit's LocalJob)."""
+        return getattr(self.submission.job, "_process", None)
+
+    def stdout(self) -> str | None:
+        """Every task's standard output so far (a task's view: its own), as submitit's; None if none yet."""
+        return self._job.stdout()
+
+    def stderr(self) -> str | None:
+        """Every task's standard error so far (hpcdist's log lines there too); None if none yet."""
+        return self._job.stderr()
+
+    def awaitable(self) -> Any:
+        """submitit's asyncio proxy: ``await job.awaitable().result()``, ``results_as_completed()``."""
+        from submitit.core.core import AsyncJobProxy
+
+        return AsyncJobProxy(self)  # type: ignore[arg-type]  # it asks done(), result(), results(), task()
+
+    def cancel_at_deletion(self, value: bool = True) -> JobHandle:
+        """submitit's: cancel the job when this handle is garbage-collected."""
+        self.submission.job.cancel_at_deletion(value)
+        return self
 
     def log_paths(self, rank: int = 0) -> tuple[Path, Path]:
         if not 0 <= rank < self.num_tasks:
@@ -187,7 +263,7 @@ class JobHandle:
         self.log_paths(rank)
         return "".join(path.read_text(errors="replace") for _, path in self.record.rank_files(rank))
 
-    def cancel(self, wait_s: float = 15.0) -> str:
+    def cancel(self, check: bool = True, wait_s: float = 15.0) -> str:
         """Cancel the job (Slurm: scancel; local: its controller, which stops the ranks); what was done."""
         record = self.record
         state = self.state
@@ -197,6 +273,7 @@ class JobHandle:
             slurm.scancel(record.job_id)
             return f"cancelled job {record.job_id} ({record.name}) on site {record.site}"
         self.record = record = replace(record, cancelled=time.time())
+        self.submission.record = record  # this handle's own reading says CANCELLED too
         write(record)  # first: whoever waits reads CANCELLED, not FAILED, once it is gone
         if controller_alive(record.job_id, record.started):
             try:

@@ -171,6 +171,7 @@ def directives(spec: JobSpec, site: Site, folder: Path, origin: Origin | None = 
     partition, _ = site.partition(res.partition)
     size = origin.array_size if origin else None
     out_pattern, err_pattern = log_patterns(folder, array=size is not None)
+    err_pattern = out_pattern if spec.stderr_to_stdout else err_pattern
     extra = {**site.sbatch, **spec.sbatch}
     merged = excluded.flag() if excluded is not None else None
     if merged:
@@ -186,7 +187,7 @@ def directives(spec: JobSpec, site: Site, folder: Path, origin: Origin | None = 
         flags.append(("gpus-per-node", res.gpus_per_node))
     if res.mem_gb is not None:
         flags.append(("mem", f"{int(res.mem_gb * 1024)}M"))
-    flags.append(("time", spec.time_limit_min(site)))
+    flags.append(("time", slurm_time(spec.time_limit_min(site))))
     if site.account and "account" not in extra:
         flags.append(("account", site.account))
     if site.qos and "qos" not in extra:
@@ -227,6 +228,7 @@ def launch_plan(spec: JobSpec, site: Site, folder: Path, array: bool = False,
                 container: ContainerPlan | None = None) -> LaunchPlan:
     """What the site's launcher needs to write its launch line (each rank in `container`, if any)."""
     out_pattern, err_pattern = log_patterns(folder, array)
+    err_pattern = out_pattern if spec.stderr_to_stdout else err_pattern
     box: dict[str, Any] = {}
     if container is not None:
         runtime = get_runtime(container.runtime)
@@ -302,7 +304,8 @@ def render_script(spec: JobSpec, site: Site, origin: Origin, excluded: Exclusion
 
 def render_local_plan(spec: JobSpec, site: Site, origin: Origin) -> str:
     """What a local-site submission will do (there is no script to show)."""
-    check_controls(spec.model_dump(mode="json"), "job")
+    # no script on this site: a folder with a newline (submitit allows one) is only a path here
+    check_controls(spec.model_dump(mode="json", exclude={"folder"}), "job")
     res = spec.resources
     folder = submitit_folder(spec, site)
     env = {**site.env, **spec.env}
@@ -313,9 +316,18 @@ def render_local_plan(spec: JobSpec, site: Site, origin: Origin) -> str:
         f"#   {get_launcher(site.launcher.kind).command(launch_plan(spec, site, folder))}",
         f"# environment: {' '.join(f'{k}={shlex.quote(v)}' for k, v in sorted(env.items())) or '(none added)'}",
         *([f"# from your shell (values not shown): {' '.join(spec.env_passthrough)}"] if spec.env_passthrough else []),
-        f"# time limit: {spec.time_limit_min(site)} min; collective timeout: {spec.timeout(site):g} s",
+        f"# time limit: {spec.time_limit_min(site):g} min; collective timeout: {spec.timeout(site):g} s",
     ]
     return "\n".join(lines) + "\n"
+
+
+def slurm_time(minutes: float) -> str:
+    """Slurm's ``--time`` for `minutes`: whole minutes as they are, a fraction as ``M:SS``
+    (submitit's ``timeout_min`` may be ``3 / 60``), never less than a second."""
+    if float(minutes).is_integer():
+        return str(int(minutes))
+    seconds = max(1, round(minutes * 60))
+    return f"{seconds // 60}:{seconds % 60:02d}"
 
 
 def render(spec: JobSpec, site: Site, origin: Origin, excluded: Exclusions | None = None,

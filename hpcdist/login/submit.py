@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -99,29 +99,46 @@ def _script_executor_class() -> Callable[[Path, str, int, int], Any]:
 
 
 @functools.cache
-def _local_executor_class() -> Callable[[Path], Any]:
+def _local_executor_class() -> Callable[..., Any]:
     """submitit's LocalExecutor with hpcdist's controller (``hpcdist.runtime.local_controller``):
-    the same environment submitit's ``start_controller`` passes, another module to run."""
+    the same environment submitit's ``start_controller`` passes, another module to run. The site's
+    and the job's variables are in the controller's environment (a plain Executor function has no
+    bootstrap to set them), the site's ``setup`` lines run in a shell before it as submitit's
+    ``local_setup`` does, and the preemption signal comes ``preemption.seconds_before_end`` before
+    the time limit."""
     import submitit
     from submitit.local.local import LocalJob
 
     class ControllerExecutor(submitit.LocalExecutor):
+        plan: Plan
+
         def _submit_command(self, command: str) -> Any:
+            import shlex
+
             ntasks = self.parameters.get("tasks_per_node", 1)
+            spec, site = self.plan.base, self.plan.site
             env = {
                 **os.environ,
+                **site.env,
+                **spec.env,
                 "SUBMITIT_LOCAL_NTASKS": str(ntasks),
                 "SUBMITIT_LOCAL_COMMAND": command,
-                "SUBMITIT_LOCAL_TIMEOUT_S": str(int(60 * self.parameters.get("timeout_min", 2.0))),
-                "SUBMITIT_LOCAL_SIGNAL_DELAY_S": str(int(self.parameters.get("signal_delay_s", 30))),
+                "SUBMITIT_LOCAL_TIMEOUT_S": str(max(1, round(60 * self.parameters.get("timeout_min", 2.0)))),
+                "SUBMITIT_LOCAL_SIGNAL_DELAY_S": str(site.preemption.seconds_before_end),
                 "SUBMITIT_LOCAL_NODEID": "0",
                 "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
-                "SUBMITIT_STDERR_TO_STDOUT": "",
+                "SUBMITIT_STDERR_TO_STDOUT": "1" if spec.stderr_to_stdout else "",
                 "SUBMITIT_EXECUTOR": "local",
+                "SUBMITIT_PREEMPTION_SIGNAL": site.preemption.signal,
                 "CUDA_VISIBLE_DEVICES": "",
                 "SUBMITIT_LOCAL_WITH_SHELL": "",
             }
-            process = subprocess.Popen([sys.executable, "-m", LOCAL_CONTROLLER, str(self.folder)], env=env)
+            controller = [sys.executable, "-m", LOCAL_CONTROLLER, str(self.folder)]
+            if site.setup:  # `exec`: the shell's process becomes the controller, whose id is the job's
+                line = " && ".join([*site.setup, "exec " + shlex.join(controller)])
+                process = subprocess.Popen(["/bin/sh", "-c", line], env=env)
+            else:
+                process = subprocess.Popen(controller, env=env)
             return LocalJob(folder=self.folder, job_id=str(process.pid), process=process, tasks=list(range(ntasks)))
 
     return ControllerExecutor
@@ -171,16 +188,26 @@ def _executor(plan: Plan) -> Any:
         executor = _script_executor_class()(plan.folder, plan.script, _tasks(plan.base),
                                             plan.site.preemption.max_requeues)
     else:
-        executor = _local_executor_class()(plan.folder)
+        executor = _local_executor_class()(plan.folder, max_num_timeout=plan.site.preemption.max_requeues)
+        executor.plan = plan
         os.environ[LAUNCH_TIME_VAR] = repr(time.time())
     executor.update_parameters(**plan.executor_parameters)
     return executor
 
 
-def schedule(plan: Plan) -> list[Submission]:
+Call = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+def schedule(plan: Plan, calls: Sequence[Call] | None = None) -> list[Submission]:
     """Submit the plan's script once, running its tasks (one spec each, as a Slurm job array when
-    it is one); one Submission per task, in order, each recorded in the job index."""
+    it is one); one Submission per task, in order, each recorded in the job index.
+
+    Each task runs hpcdist's rank function (the bootstrap, then the spec's kind), or, given
+    `calls` (one per task: a plain ``hpcdist.Executor`` function), that function itself, as
+    submitit runs it: no bootstrap, no torch, submitit's own checkpoint-and-requeue."""
     from hpcdist.runtime import run_rank  # the callable only; nothing runs here
+
+    todo: list[Call] = list(calls) if calls is not None else [(run_rank, (task, plan.site), {}) for task in plan.tasks]
 
     base, site, script = plan.base, plan.site, plan.script
     unset = [name for name in base.env_passthrough if name not in os.environ]
@@ -196,11 +223,12 @@ def schedule(plan: Plan) -> list[Submission]:
                 _detached_streams() if not plan.slurm else contextlib.nullcontext()):
             executor = _executor(plan)
             if not plan.array:
-                jobs = [executor.submit(run_rank, plan.tasks[0], site)]
+                fn, args, kwargs = todo[0]
+                jobs = [executor.submit(fn, *args, **kwargs)]
             else:
                 executor.array = True
                 with executor.batch():
-                    pending = [executor.submit(run_rank, task, site) for task in plan.tasks]
+                    pending = [executor.submit(fn, *args, **kwargs) for fn, args, kwargs in todo]
                 jobs = list(pending)
     except slurm.Refused as exc:
         raise SubmitError(f"the scheduler refused job {base.name!r}: {exc}") from exc

@@ -57,6 +57,8 @@ def read_state(sub: Submission) -> slurm.Reading:
     if sub.site.scheduler == "slurm":
         return slurm.read_state(sub.job_id)
     state = JobState.from_submitit_local(str(sub.job.state))
+    if state.final and sub.record is not None and sub.record.cancelled:  # `cancel` stopped its controller
+        return slurm.Reading(JobState.CANCELLED)
     return slurm.Reading(state.local_outcome(all(o.ok for o in outcomes(sub))) if state.final else state)
 
 
@@ -97,7 +99,9 @@ def outcomes(sub: Submission, state: JobState = JobState.UNKNOWN, end: Ending | 
         except Exception as exc:  # half-written, unreadable or untrusted (refused, one line): not a result
             out.append(TaskOutcome(rank, False, error=f"its result file is unreadable: {type(exc).__name__}: {exc}"))
             continue
-        if status == "success":
+        if status == "success" and sub.spec.params.get("direct"):  # the function's own return value
+            out.append(TaskOutcome(rank, True, summary={"returned": value}))
+        elif status == "success":
             out.append(TaskOutcome(rank, True, summary=dict(value or {})))
         else:
             from hpcdist.scheduler.postmortem import first_error_line

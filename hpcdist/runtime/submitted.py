@@ -14,6 +14,7 @@ said and the rank goes on (the image's torch is what the job asked for).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -26,11 +27,40 @@ WAIT_S = 60  # submitit waits as long for a pickle not yet visible on the node (
 
 
 def _private_dump(dump: Callable[..., Any]) -> Callable[..., Any]:
+    """submitit's result writer, 0600; a return value that cannot be pickled said as hpcdist says it
+    (submitit then writes that error as the task's result)."""
     def private(obj: Any, filename: Any) -> Any:
         with storage_umask(0o077):
-            return dump(obj, filename)
+            try:
+                return dump(obj, filename)
+            except Exception as exc:
+                if not (isinstance(obj, tuple) and len(obj) == 2 and obj[0] == "success"):
+                    raise
+                value = obj[1]
+                from hpcdist.errors import JobError
+
+                with contextlib.suppress(OSError):  # the half-written file would stop submitit writing the error
+                    os.unlink(filename)
+
+                rank = os.environ.get("SLURM_PROCID", os.environ.get("SUBMITIT_LOCAL_GLOBALID", "0"))
+                raise JobError(f"rank {rank}: its return value, a {type(value).__module__}.{type(value).__qualname__}, "
+                               f"cannot be pickled to travel back ({type(exc).__name__}: {exc}); return plain "
+                               f"data (numbers, strings, lists, dicts, tensors, arrays)") from exc
 
     return private
+
+
+def _code_dir() -> str | None:
+    """A direct Executor call's code snapshot (``HPCDIST_CODE_DIR``), checked as the ``python``
+    kind checks it, first on ``sys.path`` before submitit unpickles the call; or an error line."""
+    folder = os.environ.get("HPCDIST_CODE_DIR")
+    if not folder:
+        return None
+    from hpcdist.store.trust import trusted_tree
+
+    trusted_tree(folder)
+    sys.path.insert(0, folder)
+    return None
 
 
 def version_mismatch(submitted: str, here: dict[str, str]) -> tuple[str, str]:
@@ -86,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if check_only:
         return 0
+    try:
+        _code_dir()
+    except UntrustedFileError as exc:
+        print(f"hpcdist: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     submission.utils.cloudpickle_dump = _private_dump(submission.utils.cloudpickle_dump)
     submission.process_job(folder)
     return 0

@@ -8,11 +8,16 @@ local executor says ``RUNNING``, ``FINISHED``, ``INTERRUPTED``. Each is read her
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 
-class JobState(Enum):
-    """A job's state as hpcdist reasons about it; ``final`` states never change again."""
+class JobState(StrEnum):
+    """A job's state as hpcdist reasons about it; ``final`` states never change again.
+
+    A string enum: ``job.state == "RUNNING"`` holds, and ``submitit.helpers.monitor_jobs``'s
+    ``state.upper()`` works, as with submitit's plain strings. Its values are Slurm's words (which
+    submitit's Slurm jobs say too); a local job says them as well (COMPLETED, CANCELLED), not
+    submitit's local FINISHED/INTERRUPTED, so code written for one site reads the other alike."""
 
     PENDING = "PENDING"
     RUNNING = "RUNNING"

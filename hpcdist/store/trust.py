@@ -121,6 +121,15 @@ def trusted(path: Path | str, root: Path | str | None = None, *, private: bool =
         )
 
 
+def trusted_tree(folder: str | Path) -> None:
+    """A code snapshot runs only when no other user could have written any of it: the folder,
+    each file and folder in it, and the folders above."""
+    trusted(folder)
+    for base, dirs, files in os.walk(folder):
+        for name in [*dirs, *files]:
+            trusted(Path(base) / name, folder)
+
+
 @contextmanager
 def opened_plain(path: Path | str) -> Iterator[tuple[int, os.stat_result]]:
     """`path` opened for reading, and its fstat, without following a link or waiting on a FIFO
