@@ -15,6 +15,7 @@ Run: .venv/bin/python benchmarks/bench_executor.py [--slurm] [--trials 5]
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
@@ -34,9 +35,9 @@ def double(x: int) -> int:
 
 def executors(slurm: bool, root: Path) -> dict[str, Callable[[str], Any]]:
     """A fresh executor of each kind per workload, in its own folder."""
+    sets = {f"site.storage.{k}": str(root / "hpcdist" / k) for k in ("results", "checkpoints", "scratch", "logs")}
     if slurm:
         def ours(tag: str) -> Any:
-            sets = {f"site.storage.{k}": str(root / "hpcdist" / k) for k in ("results", "checkpoints", "scratch", "logs")}
             return hpcdist.Executor(folder=root / "hpcdist" / tag / "%j", site="local-slurm", timeout_min=5,
                                     set={"site.launcher.args": [], **sets})
 
@@ -46,7 +47,6 @@ def executors(slurm: bool, root: Path) -> dict[str, Callable[[str], Any]]:
             return ex
     else:
         def ours(tag: str) -> Any:
-            sets = {f"site.storage.{k}": str(root / "hpcdist" / k) for k in ("results", "checkpoints", "scratch", "logs")}
             return hpcdist.Executor(folder=root / "hpcdist" / tag / "%j", timeout_min=5, set=sets)
 
         def theirs(tag: str) -> Any:
@@ -54,6 +54,10 @@ def executors(slurm: bool, root: Path) -> dict[str, Callable[[str], Any]]:
             ex.update_parameters(timeout_min=5)
             return ex
     return {"hpcdist": ours, "submitit": theirs}
+
+
+def one(ex: Any) -> list[int]:
+    return [ex.submit(double, 21).result()]
 
 
 def timed(run: Callable[[], list[int]], expected: list[int]) -> float:
@@ -82,13 +86,12 @@ def main() -> None:
         figures = {}
         for who, make in makers.items():  # in turn, the same workload
             ex = make(name.split()[0] + who)
-            figures[who] = timed(lambda: work(ex), expected)
+            figures[who] = timed(functools.partial(work, ex), expected)
         rows.append((name, figures))
     singles: dict[str, list[float]] = {"hpcdist": [], "submitit": []}
     for trial in range(args.trials):
         for who, make in makers.items():
-            ex = make(f"one{trial}{who}")
-            singles[who].append(timed(lambda: [ex.submit(double, 21).result()], [42]))
+            singles[who].append(timed(functools.partial(one, make(f"one{trial}{who}")), [42]))
     rows.append((f"one submit to its result (median of {args.trials})",
                  {who: statistics.median(v) for who, v in singles.items()}))
     where = "local-slurm (4 nodes on this machine)" if args.slurm else "the local site (processes on this machine)"

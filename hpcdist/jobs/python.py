@@ -19,7 +19,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -230,3 +230,20 @@ def prepare(job: Job[PythonParams], site: Site) -> dict[str, Any]:
         if p.script:
             updates["script"] = str(dest / Path(p.script).resolve().relative_to(src))
     return updates
+
+
+def wants_context(fn: Callable[..., Any]) -> bool:
+    """Whether `fn`'s first parameter is annotated ``hpcdist.Context`` (as the class or, under
+    ``from __future__ import annotations``, as its name): such a function gets the group."""
+    import inspect
+
+    try:
+        first = next(iter(inspect.signature(fn).parameters.values()), None)
+    except (TypeError, ValueError):
+        return False
+    if first is None:
+        return False
+    note = first.annotation
+    if isinstance(note, str):
+        return note in ("hpcdist.Context", "Context", "hpcdist.api.Context")
+    return getattr(note, "__name__", None) == "Context" and str(getattr(note, "__module__", "")).startswith("hpcdist")

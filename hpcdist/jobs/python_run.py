@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpcdist.config.contract import after_first
 from hpcdist.errors import JobError
-from hpcdist.jobs.python import PythonParams, cwd_on_path
+from hpcdist.jobs.python import PythonParams, cwd_on_path, wants_context
 from hpcdist.runtime import group, stacks
 from hpcdist.runtime.reach import peer_named
 from hpcdist.runtime.requeue import Requeued
@@ -271,7 +271,7 @@ def _call(params: PythonParams) -> Any:
     with open(str(params.call), "rb") as f:
         fn, args, kwargs = cloudpickle.load(f)
     ctx = for_call()
-    if _wants_context(fn):
+    if wants_context(fn):
         args = (ctx, *args)
     value = fn(*args, **kwargs)
     try:
@@ -281,25 +281,6 @@ def _call(params: PythonParams) -> Any:
                        f"pickled to travel back ({type(exc).__name__}: {_first_line(exc)}); return plain data "
                        f"(numbers, strings, lists, dicts, tensors, arrays)") from exc
     return value
-
-
-def _wants_context(fn: Callable[..., Any]) -> bool:
-    """Whether `fn`'s first parameter is annotated ``hpcdist.Context`` (as a class or, under
-    ``from __future__ import annotations``, as its name)."""
-    import inspect
-
-    from hpcdist.api import Context
-
-    try:
-        first = next(iter(inspect.signature(fn).parameters.values()), None)
-    except (TypeError, ValueError):
-        return False
-    if first is None:
-        return False
-    note = first.annotation
-    if isinstance(note, str):
-        return note in ("hpcdist.Context", "Context", "hpcdist.api.Context")
-    return note is Context
 
 
 @contextmanager

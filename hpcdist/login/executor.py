@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpcdist.config.paths import JobPaths
 from hpcdist.errors import ConfigError
+from hpcdist.jobs.python import wants_context
 from hpcdist.login.submitit_params import site_for, translate
 
 if TYPE_CHECKING:
@@ -54,6 +55,12 @@ class Executor:
                  set: Mapping[str, Any] | None = None, **keys: Any) -> None:  # noqa: A002 (submitit's name)
         from hpcdist.config import load_site
 
+        if isinstance(folder, str) and "/" not in folder and "%" not in folder and not Path(folder).exists():
+            from hpcdist.config import site_names
+
+            if folder in site_names():
+                raise ConfigError(f"hpcdist.Executor({folder!r}): the first argument is the folder for the job's "
+                                  f"files (submitit's); for the site write hpcdist.Executor(site={folder!r})")
         self.folder = None if folder is None else Path(folder).expanduser().absolute()
         self._site_ref = site_for(site, cluster)
         self._site_sets = [f"{k[len('site.'):]}={_yaml(v)}" for k, v in (set or {}).items() if k.startswith("site.")]
@@ -253,23 +260,6 @@ class AutoExecutor(Executor):
 Call = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 CALL_JOB_VAR = "HPCDIST_CALL_JOB"  # a direct call's spec and site, for hpcdist.init() inside it
 CODE_DIR_VAR = "HPCDIST_CODE_DIR"  # a direct call's code snapshot, first on the rank's sys.path
-
-
-def wants_context(fn: Callable[..., Any]) -> bool:
-    """Whether `fn`'s first parameter is annotated ``hpcdist.Context`` (as the class or, under
-    ``from __future__ import annotations``, as its name): such a function gets the group."""
-    import inspect
-
-    try:
-        first = next(iter(inspect.signature(fn).parameters.values()), None)
-    except (TypeError, ValueError):
-        return False
-    if first is None:
-        return False
-    note = first.annotation
-    if isinstance(note, str):
-        return note in ("hpcdist.Context", "Context", "hpcdist.api.Context")
-    return getattr(note, "__name__", None) == "Context" and str(getattr(note, "__module__", "")).startswith("hpcdist")
 
 
 def _job_json(spec: JobSpec, site: Site) -> bytes:

@@ -280,8 +280,13 @@ class JobHandle:
                 os.kill(int(record.job_id), signal.SIGINT)  # submitit's own cancel: the controller stops its ranks
             except ProcessLookupError:
                 pass
-        if poll_until(lambda: True if not controller_alive(record.job_id, record.started) else None,
-                      wait_s, 0.2) is None:
+        process = self._process  # this process's child: ended only once reaped (its /proc entry empties first)
+
+        def ended() -> bool | None:
+            reaped = process is None or process.poll() is not None
+            return True if reaped and not controller_alive(record.job_id, record.started) else None
+
+        if poll_until(ended, wait_s, 0.2) is None:
             raise SubmitError(f"job {record.job_id}'s ranks still run {wait_s:g} s after the cancel; "
                               f"stop them with `kill {record.job_id}`")
         return f"cancelled job {record.job_id} ({record.name}) on site {record.site}"
