@@ -13,13 +13,14 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import BaseModel, ValidationError
-
 from hpcdist._paths import data_dir
-from hpcdist.config.site import REDACTED, Site, looks_secret, pin_launcher_args
-from hpcdist.config.spec import JobSpec, fit_to_site
 from hpcdist.errors import ConfigError
+
+if typing.TYPE_CHECKING:  # PyYAML, pydantic and the models load on first use: a rank's task runner and the
+    from pydantic import BaseModel  # local controller import ``hpcdist.config.contract`` without them
+
+    from hpcdist.config.site import Site
+    from hpcdist.config.spec import JobSpec
 
 __all__ = [
     "Site", "JobSpec", "load_site", "load_spec", "read_spec", "check_fits", "find_site", "apply_overrides",
@@ -58,10 +59,19 @@ def find_site(name_or_path: str | None) -> Path:
     )
 
 
+def __getattr__(name: str) -> Any:
+    if name in ("Site", "JobSpec"):
+        import importlib
+
+        return getattr(importlib.import_module(f"hpcdist.config.{'site' if name == 'Site' else 'spec'}"), name)
+    raise AttributeError(f"module 'hpcdist.config' has no attribute {name!r}")
+
+
 def safe_load(text: str) -> Any:
     """`yaml.safe_load`, through libyaml's parser when PyYAML has it (several times faster; the
     same safe constructor makes the values). A text it refuses is read again by the pure-Python
     loader, whose error names the offending character and the line where the problem is."""
+    import yaml
     loader = getattr(yaml, "CSafeLoader", None)
     if loader is not None:
         try:
@@ -73,6 +83,8 @@ def safe_load(text: str) -> Any:
 
 def read_yaml(path: Path) -> dict[str, Any]:
     """A YAML mapping from `path`, read with safe_load: tags such as !!python/object are refused."""
+    import yaml
+
     try:
         text = path.read_text()
     except OSError as exc:
@@ -96,6 +108,8 @@ def read_yaml(path: Path) -> dict[str, Any]:
 
 def apply_overrides(data: dict[str, Any], overrides: list[str], origin: str) -> dict[str, Any]:
     """`key.path=value` strings applied to a nested mapping; values are parsed as YAML scalars."""
+    import yaml
+
     out = _deepcopy(data)
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -123,6 +137,8 @@ def set_key(data: dict[str, Any], key: str, value: Any, not_a_mapping: typing.Ca
 
 
 def load_site(name_or_path: str | None = None, overrides: list[str] | None = None) -> Site:
+    from hpcdist.config.site import Site, pin_launcher_args
+
     path = find_site(name_or_path)
     data = apply_overrides(pin_launcher_args(read_yaml(path)), overrides or [], "site")
     return validate(Site, data, path)
@@ -136,6 +152,8 @@ def read_spec(path: str | Path, overrides: list[str] | None = None, rebase: Reba
     registry (``hpcdist.jobs.registry.resolve``) to parse with the kind's model. `rebase(data,
     folder)` makes the relative paths in `data` absolute: the file's against its folder, then
     those the overrides set against the current folder."""
+    from hpcdist.config.spec import JobSpec
+
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"job spec {str(path)!r} does not exist")
@@ -150,6 +168,8 @@ def read_spec(path: str | Path, overrides: list[str] | None = None, rebase: Reba
 
 def check_fits(spec: JobSpec, site: Site, origin: Path | str) -> None:
     """One ConfigError for the first thing that makes `spec` impossible on `site`."""
+    from hpcdist.config.spec import fit_to_site
+
     for key, value, allowed in fit_to_site(spec, site):
         raise ConfigError(f"{origin}: {key}: {value!r} is not possible on site {site.name!r}; allowed: {allowed}")
 
@@ -161,11 +181,13 @@ def load_spec(path: str | Path, site: Site, overrides: list[str] | None = None) 
     return spec
 
 
-M = typing.TypeVar("M", bound=BaseModel)
+M = typing.TypeVar("M", bound="BaseModel")
 
 
 def validate(model: type[M], data: object, path: Path | str, prefix: tuple[str, ...] = ()) -> M:
     """`data` as a `model`, or one ConfigError naming the file and each bad key path."""
+    from pydantic import ValidationError
+
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -188,6 +210,8 @@ def _describe(model: type[BaseModel], err: Any, prefix: tuple[str, ...]) -> str:
 
 def _shown(value: object) -> object:
     """A value for an error message: a mapping's secret-looking entries without their values."""
+    from hpcdist.config.site import REDACTED, looks_secret
+
     if isinstance(value, dict):
         return {k: REDACTED if isinstance(k, str) and looks_secret(k) else _shown(v) for k, v in value.items()}
     return value
@@ -195,6 +219,8 @@ def _shown(value: object) -> object:
 
 def _fields_at(model: type[BaseModel], loc: tuple[str, ...]) -> list[str]:
     """Field names of the model reached by walking `loc` from `model` (dict keys are names)."""
+    from pydantic import BaseModel
+
     current: Any = model
     for part in loc:
         if typing.get_origin(current) is dict:

@@ -23,6 +23,7 @@ from pydantic import (
 
 from hpcdist.config.base import ExpandedPath, Frozen
 from hpcdist.config.container import Container, RuntimeSite, sites_runtimes
+from hpcdist.config.user import current_user  # noqa: F401 (its home; config.site users name it here)
 from hpcdist.errors import ConfigError
 from hpcdist.launchers import launcher_names
 
@@ -231,18 +232,6 @@ FileMode = Annotated[
     AfterValidator(_file_mode),
     PlainSerializer(lambda m: f"{m:04o}", return_type=str),
 ]
-
-
-def current_user() -> str:
-    """This process's user name (its uid's, as the password database says; the uid if none): the
-    name of its folder in a shared storage root. Never ``$USER``, which a shell may leave as it was."""
-    import pwd
-
-    uid = os.geteuid()
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
 
 
 def _others_write(root: Path) -> bool:

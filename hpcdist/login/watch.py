@@ -140,7 +140,7 @@ def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
             raise SubmitError(Vanished.message(sub.job_id))
         return None
 
-    state = poll_until(ended, timeout_s, poll_s)
+    state = poll_until(ended, timeout_s, poll_s, first_s=0.1)  # 0.1, 0.2, 0.4, 0.8, then every poll_s
     if state is None:
         raise SubmitError(
             f"job {sub.job_id} did not finish within {timeout_s:g} s; it is still {job_state(sub).value}"

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from hpcdist.config.site import current_user
+from hpcdist.config.user import current_user
 from hpcdist.errors import HpcdistError
 
 __all__ = ["UntrustedFileError", "current_user", "denied_hint", "describe", "opened_plain", "owner_name",
