@@ -224,3 +224,16 @@ def test_a_checkpointable_preempted_on_the_cluster_is_requeued_and_resumes(slurm
     assert job.result(timeout_s=240) == "resumed 1"
     restarts = subprocess.run(["scontrol", "show", "job", job.job_id], capture_output=True, text=True).stdout
     assert "Restarts=1" in restarts, restarts
+
+
+def test_a_slurm_array_of_plain_functions_gives_each_item_its_own_job(slurm_storage: Path) -> None:
+    """One script for the whole array: each task still reads its own item's name and storage
+    when it calls ``hpcdist.init()`` (its checkpoints are its own)."""
+    ex = hpcdist.Executor(slurm_storage / "jobs" / "%j", site="local-slurm", timeout_min=5,
+                          set={**SLURM, **storage(slurm_storage)})
+    jobs = ex.map_array(lambda _: with_init(), range(2))
+    assert len({j.job_id.split("_")[0] for j in jobs}) == 1  # one Slurm job array
+    got = [j.result(timeout_s=240) for j in jobs]
+    names = [j.record.name for j in jobs]
+    assert names[0].endswith("_lambda_-0") and names[1].endswith("_lambda_-1"), names
+    assert [g["dir"] for g in got] == [str(slurm_storage / "checkpoints" / name) for name in names]

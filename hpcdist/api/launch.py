@@ -170,7 +170,7 @@ def _called_job(env: dict[str, str], site_ref: str | None, name: str | None,
     """In a function ``hpcdist.Executor`` ran directly (one task, no bootstrap): the job's name,
     timeout and site, from the 0600 file it names (``HPCDIST_CALL_JOB``); what the job was
     submitted with is refused in one line naming the executor's keyword, as in a bootstrapped call."""
-    path = env.get("HPCDIST_CALL_JOB")
+    path = env.get("HPCDIST_CALL_JOB", "").replace("%a", env.get("SLURM_ARRAY_TASK_ID", "0"))  # an array's task
     if not path:
         return None
     import json

@@ -216,7 +216,7 @@ class Executor:
         if array:
             specs = [s.model_copy(update={"name": item_name(s.name, i, len(specs))}) for i, s in enumerate(specs)]
         if calls is not None:
-            specs = [self._direct_env(s) for s in specs]
+            specs = self._direct_env(specs, shared=array and self.site.scheduler == "slurm" and len(specs) > 1)
         jobs = [resolve(s, self.site, origin=ORIGIN, check=False).spec for s in specs]
         origin = Origin(ORIGIN, self.site.name, tuple(f"site.{s}" for s in self._site_sets))
         if array and self.site.scheduler == "slurm" and len(jobs) > 1:
@@ -233,19 +233,24 @@ class Executor:
         return [JobHandle(s.record or find(s.job_id, self.site.name), s) for s in subs]
 
 
-    def _direct_env(self, spec: JobSpec) -> JobSpec:
-        """A direct call's spec with what its task reads: its spec and site in a 0600 file
-        (``hpcdist.init()`` inside), and its code snapshot (first on ``sys.path``)."""
+    def _direct_env(self, specs: list[JobSpec], shared: bool) -> list[JobSpec]:
+        """Direct calls' specs with what each task reads: its spec and site in a 0600 file
+        (``hpcdist.init()`` inside), and its code snapshot (first on ``sys.path``). A Slurm
+        array's tasks share one script: its variable names the files with ``%a``, which the task
+        reads as its ``SLURM_ARRAY_TASK_ID``."""
         from hpcdist.store.atomic import storage_umask
 
-        paths = JobPaths(self.site.storage, spec.name)
+        folder, stem = JobPaths(self.site.storage, specs[0].name).calls, uuid.uuid4().hex
         with storage_umask(self.site.storage.umask):
-            job_file = _write_private(paths.calls, ".json", _job_json(spec, self.site))
-        env = {**spec.env, CALL_JOB_VAR: str(job_file)}
-        code_dir = spec.params.get("code_dir")
-        if code_dir:
-            env[CODE_DIR_VAR] = code_dir
-        return spec.model_copy(update={"env": env})
+            files = [_write_private(folder, f"{stem}-{i}.json", _job_json(s, self.site)) for i, s in enumerate(specs)]
+        out = []
+        for spec, path in zip(specs, files, strict=True):
+            env = {**spec.env, CALL_JOB_VAR: str(folder / f"{stem}-%a.json") if shared else str(path)}
+            code_dir = spec.params.get("code_dir")
+            if code_dir:
+                env[CODE_DIR_VAR] = code_dir
+            out.append(spec.model_copy(update={"env": env}))
+        return out
 
 
 class AutoExecutor(Executor):
@@ -268,12 +273,12 @@ def _job_json(spec: JobSpec, site: Site) -> bytes:
     return json.dumps({"spec": spec.model_dump(mode="json"), "site": site.model_dump(mode="json")}).encode()
 
 
-def _write_private(folder: Path, suffix: str, payload: bytes) -> Path:
-    """`payload` in a new file of `folder`, the user's own (0700 folder, 0600 file)."""
+def _write_private(folder: Path, name: str, payload: bytes) -> Path:
+    """`payload` in the new file `name` of `folder`, the user's own (0700 folder, 0600 file)."""
     from hpcdist.store.trust import private_folder
 
     private_folder(folder)
-    path = folder / f"{uuid.uuid4().hex}{suffix}"
+    path = folder / name
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(payload)
@@ -388,4 +393,4 @@ def _write_call(folder: Path, fn: Callable[..., Any], args: tuple[Any, ...], kwa
         raise ConfigError(f"hpcdist.Executor.submit: the call of {getattr(fn, '__qualname__', fn)!r} cannot be "
                           f"pickled ({type(exc).__name__}: {exc}); pass plain data, or open files and "
                           f"connections inside the function") from exc
-    return _write_private(folder, ".pkl", payload)
+    return _write_private(folder, f"{uuid.uuid4().hex}.pkl", payload)

@@ -12,6 +12,7 @@ Paths in a record are absolute, so a job is found from any folder.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -119,8 +120,24 @@ def add(record: JobRecord) -> JobRecord | None:
         print(f"hpcdist: warning: job {record.job_id} is submitted but not in the job index ({exc}); "
               f"`hpcdist logs/wait/cancel {record.job_id}` will not find it", file=sys.stderr)
         return None
-    prune(record.site)
+    if _prune_due(record.site):
+        prune(record.site)
     return record
+
+
+PRUNE_EVERY_S = 3600.0  # reading every record at each submit made a busy index cost 50 ms a submit
+
+
+def _prune_due(site: str, keep: int = KEEP_RECORDS) -> bool:
+    """Whether the site's part of the index is over its count (a directory listing, no record
+    read), or was last pruned over PRUNE_EVERY_S ago (``.pruned``'s time)."""
+    folder = _path(site, "x").parent
+    try:
+        count = sum(1 for e in os.scandir(folder) if e.name.endswith(".json") and not e.name.startswith("."))
+        last = (folder / ".pruned").stat().st_mtime
+    except OSError:
+        return True
+    return count > keep or time.time() - last > PRUNE_EVERY_S
 
 
 def prune(site: str, keep: int = KEEP_RECORDS, keep_days: float = KEEP_DAYS) -> list[str]:
@@ -132,6 +149,8 @@ def prune(site: str, keep: int = KEEP_RECORDS, keep_days: float = KEEP_DAYS) -> 
     gone += [r for r in recs[-keep:] if r.ended and r.submitted < old]
     for r in gone:
         _path(r.site, r.job_id).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        _path(site, "x").parent.joinpath(".pruned").touch()
     return [r.job_id for r in gone]
 
 
