@@ -22,6 +22,7 @@ from submitit.helpers import Checkpointable, as_completed, monitor_jobs
 
 import hpcdist
 from hpcdist.errors import ConfigError
+from tests.support.train import preempt_and_release
 
 SLURM = {"site.launcher.args": []}  # srun without --mpi=pmix, as the rest of the suite
 
@@ -175,6 +176,15 @@ def test_checkpointable_is_called_at_the_time_limit_and_requeued(tmp_path: Path)
     assert "checkpointing" in (job.stdout() or "")
 
 
+def test_checkpointable_on_several_tasks_is_checkpointed_by_rank_zero_and_requeued(tmp_path: Path) -> None:
+    """The same contract where hpcdist's bootstrap runs the function (two tasks): rank 0 calls the
+    checkpoint at the signal, the job's call becomes the DelayedSubmission, every rank runs it."""
+    ex = local(tmp_path, tasks_per_node=2, timeout_min=30 / 60, signal_delay_s=20, max_num_timeout=1)
+    job = ex.submit(Resumable(), 12)  # the signal 10 s after each start; rank 1 sleeps on, then ends
+    assert job.results(timeout_s=120) == ["resumed 1", "resumed 1"]
+    assert "checkpointing" in (job.task(0).stdout() or "")
+
+
 @pytest.mark.parametrize(("keys", "message"), [
     ({"local_visible_gpus": [0]}, "visible_gpus=[0] has no meaning here"),
     ({"gpus_per_task": 1}, "ask gpus_per_node instead"),
@@ -210,18 +220,20 @@ def test_slurm_parameters_become_the_scripts_lines(slurm_storage: Path) -> None:
         ex.update_parameters(slurm_use_srun=False)
 
 
-def test_a_checkpointable_preempted_on_the_cluster_is_requeued_and_resumes(slurm_storage: Path) -> None:
-    """The site's preemption signal reaches the task: submitit's handler calls the checkpoint and
-    requeues the job through Slurm, which runs the DelayedSubmission it returned."""
-    ex = hpcdist.Executor(slurm_storage / "jobs" / "%j", site="local-slurm", timeout_min=5,
+@pytest.mark.parametrize("nodes", [1, 2], ids=["one task, run by submitit", "two nodes, hpcdist's bootstrap"])
+def test_a_checkpointable_preempted_on_the_cluster_is_requeued_and_resumes(slurm_storage: Path, nodes: int) -> None:
+    """The site's preemption signal reaches the tasks: the checkpoint is called (by submitit's
+    handler for one task, by rank 0 under hpcdist's bootstrap for several) and the job requeued
+    through Slurm, which runs the DelayedSubmission it returned on every task."""
+    ex = hpcdist.Executor(slurm_storage / "jobs" / "%j", site="local-slurm", timeout_min=5, nodes=nodes,
                           set={**SLURM, **storage(slurm_storage)})
     job = ex.submit(Resumable(), 120)
     deadline = time.monotonic() + 120
-    while "working" not in (job.stdout() or ""):
+    while "working" not in (job.task(0).stdout() or ""):
         assert time.monotonic() < deadline, f"the task never started: {job.state}"
         time.sleep(0.5)
-    subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True, timeout=30)
-    assert job.result(timeout_s=240) == "resumed 1"
+    preempt_and_release(job.job_id, "USR2")  # and Slurm's ~2-minute hold of a requeued job lifted
+    assert job.results(timeout_s=240) == ["resumed 1"] * nodes
     restarts = subprocess.run(["scontrol", "show", "job", job.job_id], capture_output=True, text=True).stdout
     assert "Restarts=1" in restarts, restarts
 

@@ -271,6 +271,8 @@ def _call(params: PythonParams) -> Any:
     with open(str(params.call), "rb") as f:
         fn, args, kwargs = cloudpickle.load(f)
     ctx = for_call()
+    if hasattr(fn, "__submitit_checkpoint__") or hasattr(fn, "checkpoint"):  # submitit's Checkpointable
+        _checkpoint_on_stop(ctx, fn, args, kwargs, str(params.call))
     if wants_context(fn):
         args = (ctx, *args)
     value = fn(*args, **kwargs)
@@ -281,6 +283,56 @@ def _call(params: PythonParams) -> Any:
                        f"pickled to travel back ({type(exc).__name__}: {_first_line(exc)}); return plain data "
                        f"(numbers, strings, lists, dicts, tensors, arrays)") from exc
     return value
+
+
+def _checkpoint_on_stop(ctx: Any, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], call: str) -> None:
+    """submitit's Checkpointable in a job of several tasks, as submitit's own handler does it:
+    on the site's preemption signal (a time limit or a preemption) rank 0 calls the callable's
+    ``__submitit_checkpoint__`` (else ``checkpoint``) with its arguments, the DelayedSubmission
+    it returns becomes the job's call (the 0600 pickle, replaced atomically), and the job is
+    requeued; the other ranks go on until the requeue ends them. Time-outs are bounded by
+    ``preemption.max_requeues``."""
+    import signal
+
+    from hpcdist.runtime import requeue as rq
+
+    def on_stop(signum: int, frame: Any) -> None:
+        rq._on_signal(signum, frame)  # ctx.should_stop() still sees it
+        if ctx.rank != 0:
+            return
+        kind = ctx._classify()
+        if ctx.requeue_count.after(kind).over(ctx.max_requeues):
+            raise JobError(f"timed out more than preemption.max_requeues={ctx.max_requeues} times: not requeued")
+        checkpoint = getattr(fn, "__submitit_checkpoint__", None) or fn.checkpoint  # submitit's order
+        delayed = checkpoint(*args, **kwargs)
+        if delayed is None:
+            raise JobError(f"{type(fn).__qualname__}.__submitit_checkpoint__ returned None: not requeued")
+        _replace_call(call, (delayed.function, delayed.args, delayed.kwargs))
+        log.warning("rank 0: %s checkpointed on SIG%s (%s); requeueing", type(fn).__qualname__,
+                    rq.signal_name(signum), kind)
+        try:
+            why = ctx._requeue() if ctx._requeue is not None else "nothing can requeue this launch"
+        except SystemExit as exc:  # the local site requeues by exit code 144
+            raise rq.Requeued(exc.code) from None
+        if why:
+            log.warning("%s", why)
+        raise rq.Requeued(1)
+
+    signal.signal(getattr(signal, f"SIG{ctx.job.site.preemption.signal}"), on_stop)
+    if rq.received():  # the signal came during the bootstrap
+        on_stop(rq.received(), None)
+
+
+def _replace_call(call: str, new: tuple[Any, ...]) -> None:
+    """The job's call pickle replaced by `new`, atomically and still the user's alone (0600)."""
+    import cloudpickle
+
+    from hpcdist.store.atomic import atomic_path
+
+    with atomic_path(Path(call)) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            cloudpickle.dump(new, f)
 
 
 @contextmanager
