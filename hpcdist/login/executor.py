@@ -228,6 +228,10 @@ class Executor:
                 slot = subs[i - max_parallel] if max_parallel and i >= max_parallel else None
                 with local_after(slot.record if slot is not None else None):
                     subs += sub.schedule(make(j, self.site, origin), None if calls is None else calls[i:i + 1])
+        if self.site.scheduler == "slurm":
+            from hpcdist.login.watch import watch_together
+
+            watch_together([s.job_id for s in subs])
         # Each job is queued: its handle holds its record even where the index could not keep it
         # (add() warned), so a job is never reported missing, and retried, once it is queued.
         return [JobHandle(s.record or find(s.job_id, self.site.name), s) for s in subs]

@@ -129,15 +129,16 @@ PRUNE_EVERY_S = 3600.0  # reading every record at each submit made a busy index 
 
 
 def _prune_due(site: str, keep: int = KEEP_RECORDS) -> bool:
-    """Whether the site's part of the index is over its count (a directory listing, no record
-    read), or was last pruned over PRUNE_EVERY_S ago (``.pruned``'s time)."""
+    """Whether the site's part of the index is a tenth over its count (a directory listing, no
+    record read: a full index is not read again at every submit), or was last pruned over
+    PRUNE_EVERY_S ago (``.pruned``'s time)."""
     folder = _path(site, "x").parent
     try:
         count = sum(1 for e in os.scandir(folder) if e.name.endswith(".json") and not e.name.startswith("."))
         last = (folder / ".pruned").stat().st_mtime
     except OSError:
         return True
-    return count > keep or time.time() - last > PRUNE_EVERY_S
+    return count > keep + max(10, keep // 10) or time.time() - last > PRUNE_EVERY_S
 
 
 def prune(site: str, keep: int = KEEP_RECORDS, keep_days: float = KEEP_DAYS) -> list[str]:

@@ -51,11 +51,33 @@ class Finished:
         return self.state is JobState.COMPLETED and all(o.ok for o in self.outcomes)
 
 
+# Every Slurm job this process waits for is read in one squeue (and one sacct) with the others it
+# waits for, at most every half second (submitit's SlurmInfoWatcher): 50 handles of one array
+# cost one query per poll, not 50. A final state is kept; it never changes.
+_SHARED = slurm.Watcher(ttl_s=0.5)
+_WATCHED: dict[str, None] = {}
+
+
+def watch_together(job_ids: list[str]) -> None:
+    """Jobs this process will wait for (an Executor's submissions): read together from now on."""
+    _WATCHED.update(dict.fromkeys(job_ids))
+
+
+def _slurm_reading(job_id: str) -> slurm.Reading:
+    known = _SHARED._read.get(job_id)
+    if known is not None and known[1].state.final:
+        return known[1]
+    _WATCHED[job_id] = None
+    live = [j for j in _WATCHED if j not in _SHARED._read or not _SHARED._read[j][1].state.final]
+    return _SHARED.readings(live)[job_id]
+
+
 def read_state(sub: Submission) -> slurm.Reading:
-    """The scheduler's current word on the job (Slurm: squeue, else sacct; local: submitit's
-    controller, then the ranks' results once it ended)."""
+    """The scheduler's current word on the job (Slurm: squeue, else sacct, read with the other
+    jobs this process waits for; local: submitit's controller, then the ranks' results once it
+    ended)."""
     if sub.site.scheduler == "slurm":
-        return slurm.read_state(sub.job_id)
+        return _slurm_reading(sub.job_id)
     state = JobState.from_submitit_local(str(sub.job.state))
     if state.final and sub.record is not None and sub.record.cancelled:  # `cancel` stopped its controller
         return slurm.Reading(JobState.CANCELLED)
