@@ -133,6 +133,18 @@ def outcomes(sub: Submission, state: JobState = JobState.UNKNOWN, end: Ending | 
     return out
 
 
+def every_rank_returned(sub: Submission) -> bool:
+    """Every rank of a Slurm job wrote a successful result (submitit's own test of done): the job
+    ended well, though Slurm may still say RUNNING or COMPLETING for a moment. A rank that
+    failed leaves the word to Slurm, whose accounting the cause line reads."""
+    if sub.site.scheduler != "slurm":
+        return False
+    ranks = ranks_ran(sub)
+    if not all(sub.job.task(rank).paths.result_pickle.exists() for rank in range(ranks)):
+        return False
+    return all(o.ok for o in outcomes(sub, JobState.COMPLETED))
+
+
 def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
          on_poll: Callable[[JobState], None] | None = None) -> Finished:
     """Block until the scheduler says the job ended; its final state and one outcome per rank.
@@ -158,6 +170,8 @@ def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
             on_poll(reading.state)
         if reading.state.final:
             return reading.state
+        if reading.state in (JobState.RUNNING, JobState.COMPLETING) and every_rank_returned(sub):
+            return JobState.COMPLETED  # Slurm's COMPLETED comes after its epilog; the results are in
         if sub.site.scheduler == "slurm" and vanished.gone(reading):
             raise SubmitError(Vanished.message(sub.job_id))
         return None
