@@ -86,14 +86,15 @@ def test_submitits_arguments_and_names_are_taken(tmp_path: Path) -> None:
     cluster's prefix ignored, ``local_setup`` run before the task, ``stderr_to_stdout``."""
     marker = tmp_path / "setup-ran"
     ex = local(tmp_path, timeout_min=1.5, slurm_partition="ignored-here", local_setup=[f"touch {marker}"],
-               stderr_to_stdout=True, cpus_per_task=1, mem_gb=1, nodes=1, tasks_per_node=1, name="named")
+               stderr_to_stdout=True, cpus_per_task=1, mem_gb=1, nodes=1, tasks_per_node=1, name="named",
+               gpus_per_node=0, python=sys.executable)
     job = ex.submit(task_rank, 3)
     assert job.result() == 0
     assert marker.exists()
     assert Path(job.paths.folder) == tmp_path / "jobs" / job.job_id
     out = job.stdout() or ""
     assert "out of task 0" in out and "err of task 0" in out, out  # stderr in the stdout file
-    assert job.record.name == "named" and ex.cluster == "local"
+    assert job.record.name == "named" and ex.cluster == "local" and ex.site.python == sys.executable
     auto = hpcdist.AutoExecutor(tmp_path / "auto", cluster="local")
     assert auto.submit(add, 2, 3).result() == 5
 
@@ -120,6 +121,13 @@ def test_a_job_of_several_tasks_has_submitits_job_api(tmp_path: Path) -> None:
     assert all(f"err of task {r}" in err for r in range(3)), err
     assert job.task(1).stdout() is not None and "out of task 1" in job.task(1).stdout()  # type: ignore[operator]
     assert asyncio.run(job.awaitable().results(poll_interval=0.2)) == [0, 10, 20]
+
+    single = local(tmp_path).submit(add, 2, 3)
+
+    async def as_they_come() -> list[int]:
+        return [await f for f in single.awaitable().results_as_completed(poll_interval=0.2)]
+
+    assert asyncio.run(as_they_come()) == [5]
 
 
 def test_failures_and_cancels_are_submitits_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -188,7 +189,8 @@ def _executor(plan: Plan) -> Any:
         executor = _script_executor_class()(plan.folder, plan.script, _tasks(plan.base),
                                             plan.site.preemption.max_requeues)
     else:
-        executor = _local_executor_class()(plan.folder, max_num_timeout=plan.site.preemption.max_requeues)
+        executor = _local_executor_class()(plan.folder, max_num_timeout=plan.site.preemption.max_requeues,
+                                           python=shlex.quote(plan.site.python) if plan.site.python else None)
         executor.plan = plan
         os.environ[LAUNCH_TIME_VAR] = repr(time.time())
     executor.update_parameters(**plan.executor_parameters)

@@ -134,10 +134,11 @@ def outcomes(sub: Submission, state: JobState = JobState.UNKNOWN, end: Ending | 
 
 
 def every_rank_returned(sub: Submission) -> bool:
-    """Every rank of a Slurm job wrote a successful result (submitit's own test of done): the job
-    ended well, though Slurm may still say RUNNING or COMPLETING for a moment. A rank that
-    failed leaves the word to Slurm, whose accounting the cause line reads."""
-    if sub.site.scheduler != "slurm":
+    """A direct ``hpcdist.Executor`` call on Slurm whose every task wrote a successful result:
+    done, as submitit's own jobs count it, though Slurm may still say RUNNING or COMPLETING for
+    a moment. hpcdist's own jobs wait for Slurm's word (its batch step may still fail after the
+    ranks), and so does a task that failed (the cause line reads Slurm's accounting)."""
+    if sub.site.scheduler != "slurm" or not sub.spec.params.get("direct"):
         return False
     ranks = ranks_ran(sub)
     if not all(sub.job.task(rank).paths.result_pickle.exists() for rank in range(ranks)):
@@ -164,14 +165,15 @@ def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
 
     def ended() -> JobState | None:
         reading = read_state(sub)
+        state = reading.state
+        if state in (JobState.RUNNING, JobState.COMPLETING) and every_rank_returned(sub):
+            state = JobState.COMPLETED  # a direct call's result is in; Slurm says so after its epilog
         if failures is not None:
             failures.poll(reading.state)  # a requeue after a node failure: exclude the node, or end
         if on_poll is not None:
-            on_poll(reading.state)
-        if reading.state.final:
-            return reading.state
-        if reading.state in (JobState.RUNNING, JobState.COMPLETING) and every_rank_returned(sub):
-            return JobState.COMPLETED  # Slurm's COMPLETED comes after its epilog; the results are in
+            on_poll(state)
+        if state.final:
+            return state
         if sub.site.scheduler == "slurm" and vanished.gone(reading):
             raise SubmitError(Vanished.message(sub.job_id))
         return None
