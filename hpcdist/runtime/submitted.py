@@ -123,7 +123,23 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     submission.utils.cloudpickle_dump = _private_dump(submission.utils.cloudpickle_dump)
     submission.process_job(folder)
+    leave(0)
     return 0
+
+
+def leave(code: int) -> None:
+    """The task's result is written (submitit renamed it into place): the process ends without
+    the interpreter's finalization, where a backend's threads (gloo's) can still abort it
+    (SIGABRT) after it succeeded, which srun then reports as a failed step of a job whose every
+    rank returned. atexit handlers, logging and the standard streams are run and flushed first."""
+    import atexit
+    import logging
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
