@@ -131,11 +131,15 @@ def leave(code: int) -> None:
     """The task's result is written (submitit renamed it into place): the process ends without
     the interpreter's finalization, where a backend's threads (gloo's) can still abort it
     (SIGABRT) after it succeeded, which srun then reports as a failed step of a job whose every
-    rank returned. atexit handlers, logging and the standard streams are run and flushed first."""
+    rank returned. atexit handlers, MPI's finalize (which mpirun waits for), logging and the
+    standard streams are run and flushed first."""
     import atexit
     import logging
 
     atexit._run_exitfuncs()
+    mpi = sys.modules.get("mpi4py.MPI")  # mpi4py finalizes MPI at the C level of exit, which os._exit skips
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
