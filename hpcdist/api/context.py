@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from hpcdist.api.checkpoints import Checkpoints
 from hpcdist.config.contract import LAUNCH_TIME_VAR
@@ -209,7 +209,13 @@ class Context:
         self.log.warning("rank %d leaves for the requeue", self.rank)
         self._write_results(complete=False)
         self._closed = True  # the claim stays: the requeued job (same id) takes it back
-        if self.is_main:
+        self.leave_for_requeue()
+
+    def leave_for_requeue(self) -> NoReturn:
+        """Rank 0 asks for the requeue (or says why Slurm requeues or ends the job itself); this
+        rank leaves without a result. ``requeue`` after its checkpoint, and a submitit
+        Checkpointable's handler (``hpcdist.jobs.python_run``) after the callable's own."""
+        if self.is_main and self._requeue is not None:
             try:
                 why = self._requeue()
             except SystemExit as exc:  # the local executor requeues by exit code 144

@@ -88,12 +88,7 @@ def _adopt(ctx: Context, *, site: str | None, name: str | None, timeout_s: float
     from hpcdist.errors import ConfigError
 
     ctx.implicit = False
-    fixed = {"site": (site, ctx.site_name), "name": (name, ctx.name), "timeout_s": (timeout_s, ctx.timeout_s)}
-    for key, (asked, actual) in fixed.items():
-        if asked is not None and asked != actual:
-            raise ConfigError(f"hpcdist.init({key}={asked!r}) in an Executor function: the job runs with "
-                              f"{key}={actual!r}, set when it was submitted; pass it there: "
-                              f"hpcdist.Executor({key}={asked!r})")
+    _refuse_changed({"site": (site, ctx.site_name), "name": (name, ctx.name), "timeout_s": (timeout_s, ctx.timeout_s)})
     if ctx._checkpoints is not None and (checkpoint_dir is not None or keep_last != ctx._keep_last):
         raise ConfigError(f"hpcdist.init(checkpoint_dir={checkpoint_dir!r}, keep_last={keep_last!r}) after the "
                           f"function used ctx.checkpoints (in {ctx._checkpoint_dir}); call hpcdist.init(...) "
@@ -136,12 +131,9 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
     if called is not None:
         name, timeout_s, site = called
         site_ref = site.name
-        os.umask(site.storage.umask)
-        from hpcdist.store import checksum
-
-        checksum.use_site(site.storage.checksum)
     elif site_ref := site_ref or env.get("HPCDIST_SITE"):
         site = load_site(site_ref)
+    if site_ref:
         os.umask(site.storage.umask)  # what this script writes to the site's storage gets storage.mode
         from hpcdist.store import checksum
 
@@ -177,20 +169,27 @@ def _called_job(env: dict[str, str], site_ref: str | None, name: str | None,
 
     from hpcdist.config.site import Site
     from hpcdist.config.spec import JobSpec
-    from hpcdist.errors import ConfigError
     from hpcdist.store.trust import trusted
 
     trusted(path)
     with open(path, "rb") as f:
         data = json.load(f)
     spec, site = JobSpec.model_validate(data["spec"]), Site.model_validate(data["site"])
-    fixed = {"site": (site_ref, site.name), "name": (name, spec.name), "timeout_s": (timeout_s, spec.timeout(site))}
+    _refuse_changed({"site": (site_ref, site.name), "name": (name, spec.name),
+                     "timeout_s": (timeout_s, spec.timeout(site))})
+    return spec.name, spec.timeout(site), site
+
+
+def _refuse_changed(fixed: dict[str, tuple[object, object]]) -> None:
+    """What an Executor function's ``init(...)`` asks against what its job was submitted with:
+    one ConfigError for the first that differs, naming the executor's keyword to pass it to."""
+    from hpcdist.errors import ConfigError
+
     for key, (asked, actual) in fixed.items():
         if asked is not None and asked != actual:
             raise ConfigError(f"hpcdist.init({key}={asked!r}) in an Executor function: the job runs with "
                               f"{key}={actual!r}, set when it was submitted; pass it there: "
                               f"hpcdist.Executor({key}={asked!r})")
-    return spec.name, spec.timeout(site), site
 
 
 def default_name(argv0: str | None = None) -> str:

@@ -72,6 +72,7 @@ def safe_load(text: str) -> Any:
     same safe constructor makes the values). A text it refuses is read again by the pure-Python
     loader, whose error names the offending character and the line where the problem is."""
     import yaml
+
     loader = getattr(yaml, "CSafeLoader", None)
     if loader is not None:
         try:

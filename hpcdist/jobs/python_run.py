@@ -300,23 +300,21 @@ def _checkpoint_on_stop(ctx: Any, fn: Any, args: tuple[Any, ...], kwargs: dict[s
         rq._on_signal(signum, frame)  # ctx.should_stop() still sees it
         if ctx.rank != 0:
             return
-        kind = ctx._classify()
-        if ctx.requeue_count.after(kind).over(ctx.max_requeues):
-            raise JobError(f"timed out more than preemption.max_requeues={ctx.max_requeues} times: not requeued")
+        if ctx._requeue is None:
+            raise JobError("a Checkpointable was stopped, but this launch was not started by submitit or Slurm: "
+                           "not requeued; resubmit it to resume from its checkpoint")
+        ctx.stop_kind = ctx._classify()
+        refusal = ctx.requeue_refusal()  # the site's bound on time-outs, as Context.requeue applies it
+        if refusal:
+            raise JobError(refusal)
         checkpoint = getattr(fn, "__submitit_checkpoint__", None) or fn.checkpoint  # submitit's order
         delayed = checkpoint(*args, **kwargs)
         if delayed is None:
             raise JobError(f"{type(fn).__qualname__}.__submitit_checkpoint__ returned None: not requeued")
         _replace_call(call, (delayed.function, delayed.args, delayed.kwargs))
         log.warning("rank 0: %s checkpointed on SIG%s (%s); requeueing", type(fn).__qualname__,
-                    rq.signal_name(signum), kind)
-        try:
-            why = ctx._requeue() if ctx._requeue is not None else "nothing can requeue this launch"
-        except SystemExit as exc:  # the local site requeues by exit code 144
-            raise rq.Requeued(exc.code) from None
-        if why:
-            log.warning("%s", why)
-        raise rq.Requeued(1)
+                    rq.signal_name(signum), ctx.stop_kind)
+        ctx.leave_for_requeue()
 
     signal.signal(getattr(signal, f"SIG{ctx.job.site.preemption.signal}"), on_stop)
     if rq.received():  # the signal came during the bootstrap

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from hpcdist.config.paths import JobPaths
 from hpcdist.errors import ConfigError
 from hpcdist.jobs.python import wants_context
-from hpcdist.login.submitit_params import site_for, translate
+from hpcdist.login.submitit_params import site_for, translate, yaml_value
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from hpcdist.jobs.registry import Job
     from hpcdist.login.jobhandle import JobHandle
     from hpcdist.login.jobindex import JobRecord
+    from hpcdist.login.submit import Call
 
 ORIGIN = "hpcdist.Executor"
 class Executor:
@@ -63,7 +64,8 @@ class Executor:
                                   f"files (submitit's); for the site write hpcdist.Executor(site={folder!r})")
         self.folder = None if folder is None else Path(folder).expanduser().absolute()
         self._site_ref = site_for(site, cluster)
-        self._site_sets = [f"{k[len('site.'):]}={_yaml(v)}" for k, v in (set or {}).items() if k.startswith("site.")]
+        self._site_sets = [f"{k.removeprefix('site.')}={yaml_value(v)}" for k, v in (set or {}).items()
+                           if k.startswith("site.")]
         if max_num_timeout is not None:
             self._site_sets.append(f"preemption.max_requeues={int(max_num_timeout)}")
         self.site: Site = load_site(self._site_ref, self._site_sets)
@@ -94,7 +96,7 @@ class Executor:
         self._array_parallelism = parallelism if parallelism is not None else self._array_parallelism
         data = _spec_data(base, spec_keys, sets)
         site = load_site(self._site_ref, self._site_sets + site_sets) if site_sets else self.site
-        self._check(data, site=site)
+        self._world_size = self._check(data, site=site).spec.resources.world_size
         self._data, self.site, self._site_sets = data, site, self._site_sets + site_sets
 
     def _check(self, data: Mapping[str, Any], params: Mapping[str, Any] | None = None,
@@ -156,15 +158,13 @@ class Executor:
             raise ConfigError(f"hpcdist.Executor.map_array: max_parallel={max_parallel}; give at least 1, or None")
         return self._submit_calls(calls, array=True, max_parallel=max_parallel or self._array_parallelism)
 
-    def _submit_calls(self, calls: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]],
-                      array: bool, max_parallel: int | None = None) -> list[JobHandle]:
+    def _submit_calls(self, calls: list[Call], array: bool, max_parallel: int | None = None) -> list[JobHandle]:
         if not calls:
             return []
         for fn, _, _ in calls:
             if not callable(fn):
                 raise ConfigError(f"hpcdist.Executor.submit: {fn!r} is a {type(fn).__name__}, not a function")
-        world = self._check(self._data).spec.resources.world_size
-        if world == 1 and not any(wants_context(fn) for fn, _, _ in calls):
+        if self._world_size == 1 and not any(wants_context(fn) for fn, _, _ in calls):
             return self._submit_direct(calls, array, max_parallel)
         return self._submit_all(calls, array, max_parallel)
     def _submit_direct(self, calls: list[Call], array: bool, max_parallel: int | None) -> list[JobHandle]:
@@ -266,7 +266,6 @@ class AutoExecutor(Executor):
         super().__init__(folder, cluster=cluster, **kwargs)
 
 
-Call = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 CALL_JOB_VAR = "HPCDIST_CALL_JOB"  # a direct call's spec and site, for hpcdist.init() inside it
 CODE_DIR_VAR = "HPCDIST_CODE_DIR"  # a direct call's code snapshot, first on the rank's sys.path
 
@@ -316,13 +315,6 @@ def _spec_data(base: Mapping[str, Any], keys: Mapping[str, Any], sets: Mapping[s
         if not key.startswith("site."):
             set_key(data, key, value, partial(_not_a_mapping, key))
     return data
-
-
-def _yaml(value: Any) -> str:
-    """A value as the YAML scalar `--set` reads (site keys go through the site loader's overrides)."""
-    import json
-
-    return value if isinstance(value, str) else json.dumps(value)
 
 
 def _base(spec: str | Path | Mapping[str, Any] | None) -> dict[str, Any]:

@@ -114,8 +114,6 @@ def _local_executor_class() -> Callable[..., Any]:
         plan: Plan
 
         def _submit_command(self, command: str) -> Any:
-            import shlex
-
             ntasks = self.parameters.get("tasks_per_node", 1)
             spec, site = self.plan.base, self.plan.site
             env = {

@@ -56,7 +56,7 @@ def translate(keys: Mapping[str, Any], site: Site, data: Mapping[str, Any]
             target = SITE_KEYS[name]
             if target == "setup":
                 value = [*site.setup, *value] if not isinstance(value, str) else [*site.setup, value]
-            sets.append(f"{target}={_yaml(value)}")
+            sets.append(f"{target}={yaml_value(value)}")
             continue
         if name in MEANINGLESS:
             why = MEANINGLESS[name]
@@ -105,6 +105,7 @@ def _spec_names() -> set[str]:
     return set(Resources.model_fields) | set(JobSpec.model_fields)
 
 
-def _yaml(value: Any) -> str:
-    """A value as the YAML scalar a site override reads."""
+def yaml_value(value: Any) -> str:
+    """A value as the YAML scalar a ``--set``-style override reads (site keys go through the
+    site loader's overrides)."""
     return value if isinstance(value, str) else json.dumps(value)

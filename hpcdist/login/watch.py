@@ -53,7 +53,7 @@ class Finished:
 
 # Every Slurm job this process waits for is read in one squeue (and one sacct) with the others it
 # waits for, at most every half second (submitit's SlurmInfoWatcher): 50 handles of one array
-# cost one query per poll, not 50. A final state is kept; it never changes.
+# cost one query per poll, not 50; the watcher keeps final states and asks only for the others.
 _SHARED = slurm.Watcher(ttl_s=0.5)
 _WATCHED: dict[str, None] = {}
 
@@ -64,12 +64,8 @@ def watch_together(job_ids: list[str]) -> None:
 
 
 def _slurm_reading(job_id: str) -> slurm.Reading:
-    known = _SHARED._read.get(job_id)
-    if known is not None and known[1].state.final:
-        return known[1]
     _WATCHED[job_id] = None
-    live = [j for j in _WATCHED if j not in _SHARED._read or not _SHARED._read[j][1].state.final]
-    return _SHARED.readings(live)[job_id]
+    return _SHARED.readings(list(_WATCHED))[job_id]
 
 
 def read_state(sub: Submission) -> slurm.Reading:

@@ -50,17 +50,16 @@ def _private_dump(dump: Callable[..., Any]) -> Callable[..., Any]:
     return private
 
 
-def _code_dir() -> str | None:
+def _code_dir() -> None:
     """A direct Executor call's code snapshot (``HPCDIST_CODE_DIR``), checked as the ``python``
-    kind checks it, first on ``sys.path`` before submitit unpickles the call; or an error line."""
+    kind checks it (UntrustedFileError), first on ``sys.path`` before submitit unpickles the call."""
     folder = os.environ.get("HPCDIST_CODE_DIR")
     if not folder:
-        return None
+        return
     from hpcdist.store.trust import trusted_tree
 
     trusted_tree(folder)
     sys.path.insert(0, folder)
-    return None
 
 
 def version_mismatch(submitted: str, here: dict[str, str]) -> tuple[str, str]:

@@ -307,7 +307,8 @@ class Reading:
 
 
 class Watcher:
-    """Reads the states of many jobs with one squeue and one sacct call, cached for `ttl_s`."""
+    """Reads the states of many jobs with one squeue and one sacct call, cached for `ttl_s` (a
+    final state for as long as the watcher lives)."""
 
     def __init__(self, ttl_s: float = 2.0) -> None:
         self.ttl_s = ttl_s
@@ -315,8 +316,11 @@ class Watcher:
         self.accounting_error = ""  # the last sacct failure, for a note under a table
 
     def readings(self, job_ids: Sequence[str]) -> dict[str, Reading]:
+        """Each job's reading: asked again once older than `ttl_s`, unless it is final (it never
+        changes), so many jobs waited for together cost one query per poll for those still going."""
         now = time.monotonic()
-        stale = [j for j in dict.fromkeys(job_ids) if j not in self._read or now - self._read[j][0] >= self.ttl_s]
+        stale = [j for j in dict.fromkeys(job_ids) if j not in self._read
+                 or not self._read[j][1].state.final and now - self._read[j][0] >= self.ttl_s]
         if stale:
             for job_id, reading in self._query(stale).items():
                 self._read[job_id] = (now, reading)
