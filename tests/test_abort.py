@@ -139,3 +139,58 @@ def test_training_whose_rank_hangs_names_the_step_and_the_checkpoint_to_resume_f
     assert Path(named.group(2)).exists(), named.group(2)
     log = next((root / "logs").rglob("*_0_log.err")).read_text()
     assert "aborting the rank (SIGABRT)" in log and "Traceback" not in log, log  # Python saw no exception
+
+
+def recorder(entries: list[dict[str, object]]) -> object:
+    """A stand-in for one of torch's flight-recorder dump functions (JSON bytes, as torch's)."""
+    import json
+
+    def dump(includeCollectives: bool = True, onlyActive: bool = False) -> bytes:  # noqa: N803 (torch's names)
+        return json.dumps({"entries": entries, "pg_status": {}}).encode()
+
+    return dump
+
+
+PENDING = {"profiling_name": "nccl:all_reduce", "state": "scheduled", "retired": False, "timeout_ms": 5000,
+           "time_created_ns": time.time_ns() - 6_000_000_000, "collective_seq_id": 2,
+           "process_group": ["0", "default_pg"]}
+
+
+def test_under_nccl_the_overdue_collective_is_read_from_nccls_own_recorder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA build has both recorders; under NCCL the generic one is empty (as on the H100), and
+    NCCL's holds the collective its watchdog timed out."""
+    import torch._C._distributed_c10d as c10d
+
+    monkeypatch.setattr(c10d, "_dump_fr_trace_json", recorder([]), raising=False)
+    monkeypatch.setattr(c10d, "_dump_nccl_trace_json", recorder([PENDING]), raising=False)
+    late = abort.overdue(None, "nccl")
+    assert late is not None and late.op == "all_reduce #2 (default_pg)" and late.limit_s == 5.0
+    assert abort.overdue(None, "gloo") is None  # gloo's collectives are in the generic recorder alone
+
+
+def test_a_rank_ends_itself_once_its_summary_and_nccls_dump_are_written(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL's abort came 15 to 72 s after the timeout: a rank whose summary is written ends
+    itself as soon as the flight recorder's dump of it is in the job's folder."""
+    from types import SimpleNamespace
+
+    dump = tmp_path / "flight_recorder_rank"
+    monkeypatch.setenv(abort.DUMP_FILE_VAR, str(dump))
+    (tmp_path / "flight_recorder_rank3").write_bytes(b"x" * 100)
+    summaries: list[str] = []
+    monkeypatch.setattr(abort, "overdue", lambda limit, backend: abort.Overdue("all_reduce #2 (default_pg)", 5.0))
+    monkeypatch.setattr(abort.Watch, "summarise", lambda self, late: summaries.append(late.op))
+
+    class Ended(Exception):
+        pass
+
+    def leave(code: int) -> None:
+        raise Ended(code)
+
+    monkeypatch.setattr(abort.os, "_exit", leave)
+    watch = abort.Watch(SimpleNamespace(backend="nccl", rank=3, timeout_s=5.0), None)  # type: ignore[arg-type]
+    t = time.monotonic()
+    with pytest.raises(Ended) as ended:
+        watch.run()
+    assert ended.value.args == (abort.ENDED_EXIT,) and summaries == ["all_reduce #2 (default_pg)"]
+    assert time.monotonic() - t < abort.GRACE_S  # the dump was there: it did not wait out the grace

@@ -175,6 +175,14 @@ def test_a_nested_function_ships_as_submitit_ships_it(tmp_path: Path) -> None:
     assert local(tmp_path).submit(inner, 1).result() == 6
 
 
+def test_a_job_shorter_than_the_sites_warning_runs_to_its_result(tmp_path: Path) -> None:
+    """A 2-minute job under the site's default warning of 120 s: the signal comes at half the
+    limit, not at the start (which stopped the job before its function ran, with an empty log)."""
+    job = local(tmp_path, timeout_min=2).submit(heavy_modules)
+    assert job.result()["torch"] is False
+    assert job.state == "COMPLETED"
+
+
 def test_checkpointable_is_called_at_the_time_limit_and_requeued(tmp_path: Path) -> None:
     """submitit's contract: at the time limit (less signal_delay_s) the callable's
     ``__submitit_checkpoint__`` is called and its DelayedSubmission runs again."""

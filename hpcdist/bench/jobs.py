@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from hpcdist.jobs.registry import Job, Problem
 
 Size = Annotated[int, BeforeValidator(parse_size)]
+# What to do when GPU buffers meet an MPI the site does not call CUDA-aware (here and at run time, mpi_path).
+CUDA_AWARE_HINT = ("set network.mpi_cuda_aware: true in the site config if the nodes' MPI is built with CUDA support "
+                   "(Open MPI: ompi_info --parsable --all | grep mpi_built_with_cuda_support:value)")
 Op = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "barrier"]
 PathName = Literal["torch", "mpi"]
 Mode = Literal["out_of_place", "in_place"]
@@ -145,6 +148,9 @@ def _paths_problems(job: Job[Any], site: Site) -> list[Problem]:
             ))
         if p.mpi_buffers == "cuda" and gpus == 0:
             out.append(("params.mpi_buffers", "cuda", "GPU buffers need resources.gpus_per_node > 0; use numpy"))
+        elif p.mpi_buffers == "cuda" and not site.network.mpi_cuda_aware:
+            out.append(("params.mpi_buffers", "cuda", f"the site's MPI is not CUDA-aware (network.mpi_cuda_aware is "
+                        f"false); use numpy, or {CUDA_AWARE_HINT}"))
         dtype = getattr(p, "dtype", "float32")
         if dtype in ("float16", "bfloat16"):
             out.append(("params.dtype", dtype, "MPI has no half-precision type; use float32, float64 or int32"))

@@ -16,15 +16,33 @@ from mpi4py import MPI
 from hpcdist.bench import pattern
 from hpcdist.bench.base import IN_PLACE, NO_BUFFER, Prepared, host_timed
 from hpcdist.bench.factors import Counts
+from hpcdist.bench.jobs import CUDA_AWARE_HINT
 from hpcdist.errors import BenchmarkError
 
 NP_DTYPES = {"float32": np.float32, "float64": np.float64, "int32": np.int32}
 
 
+def cuda_refusal(mpi: Any, site_cuda_aware: bool) -> str | None:
+    """Why GPU buffers must not be handed to this MPI, or None when they may: the library's own
+    answer where mpi4py can ask it (``MPI.Query_cuda_support``: mpi4py 4 on an MPI that has
+    ``MPIX_Query_cuda_support``), else the site's ``network.mpi_cuda_aware``. An MPI that is not
+    CUDA-aware reads a device pointer as host memory and crashes or returns garbage."""
+    query = getattr(mpi, "Query_cuda_support", None)
+    if query is not None:
+        return None if query() else ("params.mpi_buffers is 'cuda' but this MPI library is not CUDA-aware "
+                                     "(MPI.Query_cuda_support() is false); use mpi_buffers: numpy")
+    if site_cuda_aware:
+        return None
+    return ("params.mpi_buffers is 'cuda' but this MPI library cannot say whether it is CUDA-aware (mpi4py has no "
+            "MPI.Query_cuda_support for it) and the site's network.mpi_cuda_aware is false; use mpi_buffers: numpy, "
+            f"or {CUDA_AWARE_HINT}")
+
+
 class MPIPath:
     name = "mpi"
 
-    def __init__(self, comm: Any, buffers: str = "numpy", device: Any = None) -> None:
+    def __init__(self, comm: Any, buffers: str = "numpy", device: Any = None, cuda_aware: bool = False) -> None:
+        """`cuda_aware`: the site's ``network.mpi_cuda_aware``, asked when the library cannot be."""
         if comm is None:
             raise BenchmarkError("the MPI path needs mpi4py's COMM_WORLD, but MPI was not initialised for this job")
         self.comm = comm
@@ -33,13 +51,8 @@ class MPIPath:
         self.buffers = buffers
         self.device = device
         self.label = f"mpi/{buffers}"
-        if buffers == "cuda":
-            query = getattr(MPI, "Query_cuda_support", None)
-            if query is not None and not query():
-                raise BenchmarkError(
-                    "params.mpi_buffers is 'cuda' but this MPI library is not CUDA-aware "
-                    "(MPI.Query_cuda_support() is false); use mpi_buffers: numpy"
-                )
+        if buffers == "cuda" and (why := cuda_refusal(MPI, cuda_aware)):
+            raise BenchmarkError(why)
 
     def arrays(self) -> pattern.Arrays:
         if self.buffers == "cuda":

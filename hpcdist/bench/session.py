@@ -44,7 +44,7 @@ def make_paths(ctx: JobContext, names: Sequence[str], mpi_buffers: str) -> list[
         else:
             from hpcdist.bench.mpi_path import MPIPath
 
-            out.append(MPIPath(ctx.mpi_comm, mpi_buffers, ctx.device))
+            out.append(MPIPath(ctx.mpi_comm, mpi_buffers, ctx.device, ctx.site.network.mpi_cuda_aware))
     return out
 
 

@@ -23,60 +23,10 @@ from pydantic import (
 
 from hpcdist.config.base import ExpandedPath, Frozen
 from hpcdist.config.container import Container, RuntimeSite, sites_runtimes
+from hpcdist.config.env import REDACTED, EnvMap, EnvNames, looks_secret  # noqa: F401 (config.site users name them here)
 from hpcdist.config.user import current_user  # noqa: F401 (its home; config.site users name it here)
 from hpcdist.errors import ConfigError
 from hpcdist.launchers import launcher_names
-
-# Environment variable names a site may export; anything else is almost certainly a typo.
-_ENV_NAME_CHARS = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
-
-
-def _env_as_strings(value: object) -> object:
-    """YAML turns `OMP_NUM_THREADS: 1` into an int; the environment only holds strings."""
-    if isinstance(value, dict):
-        return {k: v if isinstance(v, str) else _yaml_scalar(v) for k, v in value.items()}
-    return value
-
-
-# Words that mark a variable's value as a secret (matched against the parts of its name
-# between underscores: HF_TOKEN, AWS_SECRET_ACCESS_KEY, WANDB_API_KEY, DB_PASSWORD...).
-_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASSPHRASE", "CREDENTIAL", "APIKEY")
-_SECRET_PARTS = frozenset({"KEY", "PASS", "PAT"})
-
-
-REDACTED = "REDACTED"  # written where a secret-looking variable's value would be
-
-
-def looks_secret(name: str) -> bool:
-    """Whether a variable's name says its value is a secret (then hpcdist never writes the value)."""
-    parts = name.upper().split("_")
-    words = any(p.removesuffix("S").endswith(w) for p in parts for w in _SECRET_WORDS)  # not TOKENIZERS_...
-    return words or any(p in _SECRET_PARTS for p in parts)
-
-
-def _env_name(key: str) -> str:
-    if not key or not set(key) <= _ENV_NAME_CHARS or key[0].isdigit():
-        raise ValueError(f"{key!r} is not a valid environment variable name")
-    return key
-
-
-def _env_names(value: dict[str, str]) -> dict[str, str]:
-    for key in value:
-        _env_name(key)
-        if looks_secret(key):
-            raise ValueError(
-                f"{key} looks like a secret, and a value under env is written into the job script "
-                f"and every result file; export {key} in the shell you submit from and list it "
-                f"under the job's env_passthrough instead"
-            )
-    return value
-
-
-# Variables to export: names checked, values as strings (shared by sites and job specs).
-EnvMap = Annotated[dict[str, str], BeforeValidator(_env_as_strings), AfterValidator(_env_names)]
-# Names of variables taken from the submitting shell: only the names are ever written.
-EnvNames = tuple[Annotated[str, AfterValidator(_env_name)], ...]
-
 
 _FROM_ENV = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*):-(?P<default>\d+)\}")
 
@@ -89,14 +39,29 @@ def _count_from_env(value: object) -> object:
     return value
 
 
+def _gpus_of_machine(value: object) -> object:
+    """``auto`` (the local site's): the GPUs this machine shows a job started from this shell
+    (``hpcdist.scheduler.local.machine_gpus``), counted when the site is loaded."""
+    if value == GPUS_AUTO:
+        from hpcdist.scheduler.local import machine_gpus
+
+        return len(machine_gpus(os.environ))
+    return value
+
+
+GPUS_AUTO = "auto"
+
+
 class Partition(Frozen):
     """One Slurm partition (or the single 'partition' of the local site)."""
 
     nodes: Annotated[int, BeforeValidator(_count_from_env)] = Field(
         ge=1, description="nodes in the partition (or ${VAR:-DEFAULT}: from the environment)")
     cpus_per_node: int = Field(ge=1)
+    reserved_cpus_per_node: int = Field(default=0, ge=0, description="CPUs per node kept for the system, not ranks")
     mem_gb: float | None = Field(default=None, gt=0)
-    gpus_per_node: int = Field(default=0, ge=0)
+    gpus_per_node: Annotated[int, BeforeValidator(_gpus_of_machine)] = Field(
+        default=0, ge=0, description="GPUs per node; auto (local site only): this machine's, counted at submit")
     gpu_type: str | None = None
     max_time_min: int = Field(default=60, ge=1)
 
@@ -183,6 +148,7 @@ class Network(Frozen):
     ib_hcas: tuple[str, ...] = ()
     link_rate_gbps: float | None = Field(default=None, gt=0, description="per-port link rate, Gb/s")
     socket_ifname: str | None = None
+    mpi_cuda_aware: bool = Field(default=False, description="its MPI takes GPU buffers (built with CUDA support)")
 
 
 def under(root: Path, *parts: str) -> Path:
@@ -290,6 +256,12 @@ class Preemption(Frozen):
     seconds_before_end: int = Field(default=120, ge=0)
     max_requeues: int = Field(default=3, ge=0)
 
+    def warning_s(self, limit_s: float) -> int:
+        """Seconds before the time limit that the signal comes: ``seconds_before_end``, or half
+        the limit where that would come at the start (a 2-minute job under the default 120 s
+        was signalled, and so stopped, as soon as it began)."""
+        return self.seconds_before_end if self.seconds_before_end < limit_s else int(limit_s // 2)
+
 
 class Health(Frozen):
     """What the site's node health record (``hpcdist.store.health``) does to later submissions."""
@@ -332,6 +304,18 @@ class Site(Frozen):
 
     _runtimes = field_validator("containers")(classmethod(lambda cls, v: sites_runtimes(v)))
 
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_gpus_here_only(cls, data: object) -> object:
+        """``gpus_per_node: auto`` counts the GPUs of the machine hpcdist runs on: the local
+        site's nodes, never a Slurm partition's (a login node's GPUs say nothing of them)."""
+        if isinstance(data, dict) and data.get("scheduler") != "local" and isinstance(data.get("partitions"), dict):
+            for name, part in data["partitions"].items():
+                if isinstance(part, dict) and part.get("gpus_per_node") == GPUS_AUTO:
+                    raise ValueError(f"partitions.{name}.gpus_per_node: auto counts this machine's GPUs, which only "
+                                     f"the local site runs on; give the GPUs of each node of partition {name!r}")
+        return data
+
     @field_validator("env")
     @classmethod
     def _no_socket_ifname(cls, value: dict[str, str]) -> dict[str, str]:
@@ -364,9 +348,3 @@ class Site(Frozen):
         """The named partition, or the site's default (first listed if none is set)."""
         chosen = name or self.defaults.partition or next(iter(self.partitions))
         return chosen, self.partitions[chosen]
-
-
-def _yaml_scalar(value: object) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    return str(value)

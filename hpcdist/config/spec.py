@@ -8,6 +8,7 @@ module knows nothing of job kinds.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +51,9 @@ class Resources(Frozen):
     min_nodes: int | None = Field(default=None, ge=1)
     tasks_per_node: int = Field(default=1, ge=1)
     gpus_per_node: int = Field(default=0, ge=0)
-    cpus_per_task: int = Field(default=1, ge=1)
+    cpus_per_task: int | None = Field(
+        default=None, ge=1, description="CPUs per rank; None: 1 for a CPU job, a GPU's share of the node's for a "
+        "GPU job (JobSpec.cpus_per_task)")
     mem_gb: float | None = Field(default=None, gt=0)
     # minutes; a fraction is allowed (submitit's ``timeout_min``): Slurm gets ``--time=M:SS``
     time_min: int | float | None = Field(default=None, gt=0)
@@ -65,6 +68,17 @@ class Resources(Frozen):
     @property
     def world_size(self) -> int:
         return self.nodes * self.tasks_per_node
+
+
+THREADS_VAR = "OMP_NUM_THREADS"  # each rank's thread count (torch's intra-op threads), from cpus_per_task
+
+
+def machine_cpus() -> int:
+    """The CPUs this process may run on (its affinity, which a container or cgroup narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 # A job name is a folder under every storage root and Slurm's job name: one plain name.
@@ -120,6 +134,31 @@ class JobSpec(Frozen):
         """Seconds any rendezvous or collective may wait before it fails."""
         return self.timeout_s if self.timeout_s is not None else site.defaults.timeout_s
 
+    def cpus_per_task(self, site: Site) -> int:
+        """CPUs each rank gets (``--cpus-per-task``, and ``OMP_NUM_THREADS`` by default): the one
+        place the default is decided. ``resources.cpus_per_task`` when given; else 1 for a job
+        without GPUs, and for a GPU job its GPUs' share of the node's CPUs less the site's
+        ``reserved_cpus_per_node`` (``(cpus_per_node - reserved) // gpus_per_node`` of the
+        partition: 14 on an 8-GPU node of 112 CPUs), so a job on part of a node leaves the other
+        GPUs their CPUs. On the local site the node is this machine: no more than its CPUs."""
+        res = self.resources
+        if res.cpus_per_task is not None:
+            return res.cpus_per_task
+        if not res.gpus_per_node:
+            return 1
+        _, part = site.partition(res.partition)
+        cpus = min(part.cpus_per_node, machine_cpus()) if site.scheduler == "local" else part.cpus_per_node
+        return max(1, (cpus - part.reserved_cpus_per_node) // max(res.tasks_per_node, part.gpus_per_node))
+
+    def rank_env(self, site: Site) -> dict[str, str]:
+        """The variables hpcdist exports to every rank: the site's env, the job's over it, and
+        ``OMP_NUM_THREADS`` from ``cpus_per_task`` unless one of them sets it or the job takes it
+        from the submitting shell (``env_passthrough``)."""
+        env = {**site.env, **self.env}
+        if THREADS_VAR not in env and THREADS_VAR not in self.env_passthrough:
+            env[THREADS_VAR] = str(self.cpus_per_task(site))
+        return env
+
     def time_limit_min(self, site: Site) -> float:
         return self.resources.time_min or site.defaults.time_min
 
@@ -145,13 +184,10 @@ def fit_to_site(spec: JobSpec, site: Site) -> list[tuple[str, object, str]]:
     if res.nodes > part.nodes:
         problems.append(("resources.nodes", res.nodes, f"at most {part.nodes} on partition {pname!r}"))
     if res.gpus_per_node > part.gpus_per_node:
-        problems.append(
-            (
-                "resources.gpus_per_node",
-                res.gpus_per_node,
-                f"at most {part.gpus_per_node} on partition {pname!r}",
-            )
-        )
+        here = " (the GPUs `nvidia-smi -L` lists on this machine, within CUDA_VISIBLE_DEVICES)" \
+            if site.scheduler == "local" else ""
+        problems.append(("resources.gpus_per_node", res.gpus_per_node,
+                         f"at most {part.gpus_per_node} on partition {pname!r}{here}"))
     elif res.gpus_per_node and res.tasks_per_node != res.gpus_per_node:
         problems.append(
             (
@@ -160,14 +196,14 @@ def fit_to_site(spec: JobSpec, site: Site) -> list[tuple[str, object, str]]:
                 f"{res.gpus_per_node} (one rank per GPU, as gpus_per_node={res.gpus_per_node})",
             )
         )
-    if res.tasks_per_node * res.cpus_per_task > part.cpus_per_node and site.scheduler == "slurm":
-        problems.append(
-            (
-                "resources.tasks_per_node",
-                res.tasks_per_node,
-                f"tasks_per_node x cpus_per_task <= {part.cpus_per_node} CPUs on partition {pname!r}",
-            )
-        )
+    if part.reserved_cpus_per_node >= part.cpus_per_node:
+        problems.append((f"site partitions.{pname}.reserved_cpus_per_node", part.reserved_cpus_per_node,
+                         f"fewer than its cpus_per_node {part.cpus_per_node} (the rest are the ranks')"))
+    cpus = spec.cpus_per_task(site)
+    if res.tasks_per_node * cpus > part.cpus_per_node and site.scheduler == "slurm":
+        key, value = ("cpus_per_task", cpus) if res.cpus_per_task else ("tasks_per_node", res.tasks_per_node)
+        problems.append((f"resources.{key}", value,
+                         f"tasks_per_node x cpus_per_task <= {part.cpus_per_node} CPUs on partition {pname!r}"))
     if part.mem_gb is not None and res.mem_gb is not None and res.mem_gb > part.mem_gb:
         problems.append(("resources.mem_gb", res.mem_gb, f"at most {part.mem_gb} on partition {pname!r}"))
     limit = spec.time_limit_min(site)

@@ -121,7 +121,7 @@ class NodeFailures:
             if nodes is not None:
                 res = self.spec.resources
                 update.update(NumNodes=str(nodes), NumTasks=str(nodes * res.tasks_per_node),
-                              NumCPUs=str(nodes * res.tasks_per_node * res.cpus_per_task))
+                              NumCPUs=str(nodes * res.tasks_per_node * self.spec.cpus_per_task(self.site)))
                 shrink = f", on {nodes} of its {res.nodes} nodes ({self.live_seen})"
             slurm.update_job(self.job_id, **update)
         self._record(verdict)

@@ -181,7 +181,7 @@ def directives(spec: JobSpec, site: Site, folder: Path, origin: Origin | None = 
         ("partition", partition),
         ("nodes", res.nodes),
         ("ntasks-per-node", res.tasks_per_node),
-        ("cpus-per-task", res.cpus_per_task),
+        ("cpus-per-task", spec.cpus_per_task(site)),
     ]
     if res.gpus_per_node:
         flags.append(("gpus-per-node", res.gpus_per_node))
@@ -196,8 +196,8 @@ def directives(spec: JobSpec, site: Site, folder: Path, origin: Origin | None = 
         ("output", out_pattern.replace("%t", "0")),
         ("error", err_pattern.replace("%t", "0")),
         ("open-mode", "append"),
-        ("signal", get_launcher(site.launcher.kind).signal_flag(site.preemption.signal,
-                                                                site.preemption.seconds_before_end)),
+        ("signal", get_launcher(site.launcher.kind).signal_flag(
+            site.preemption.signal, site.preemption.warning_s(60 * spec.time_limit_min(site)))),
         ("requeue", True),
     ]
     if size is not None:
@@ -241,7 +241,7 @@ def launch_plan(spec: JobSpec, site: Site, folder: Path, array: bool = False,
         stdout=out_pattern,
         stderr=err_pattern,
         args=site.launcher.line_args,
-        cpus_per_task=spec.resources.cpus_per_task,
+        cpus_per_task=spec.cpus_per_task(site),
         socket_ifname=site.network.socket_ifname,
         signal=site.preemption.signal,
         **box,
@@ -261,7 +261,7 @@ def render_script(spec: JobSpec, site: Site, origin: Origin, excluded: Exclusion
     launcher = get_launcher(site.launcher.kind)
     container = container or plan_for(spec, site)
     plan = launch_plan(spec, site, folder, array=origin.array_size is not None, container=container)
-    env = {**site.env, **spec.env, "SUBMITIT_PREEMPTION_SIGNAL": site.preemption.signal}
+    env = {**spec.rank_env(site), "SUBMITIT_PREEMPTION_SIGNAL": site.preemption.signal}
     if container is not None:
         submitted_with = " ".join(f"{k}={v}" for k, v in versions().items())
         env |= {CONTAINER_VAR: container.runtime, SUBMITTED_WITH_VAR: submitted_with}
@@ -308,7 +308,7 @@ def render_local_plan(spec: JobSpec, site: Site, origin: Origin) -> str:
     check_controls(spec.model_dump(mode="json", exclude={"folder"}), "job")
     res = spec.resources
     folder = submitit_folder(spec, site)
-    env = {**site.env, **spec.env}
+    env = spec.rank_env(site)
     lines = [
         f"# hpcdist {__version__}: site {site.name!r} runs jobs on this machine, without a scheduler",
         f"# Reproduce with: {origin.command()}",

@@ -28,7 +28,7 @@ from hpcdist.config.spec import JobSpec
 from hpcdist.errors import SubmitError
 from hpcdist.login import jobindex
 from hpcdist.scheduler import slurm
-from hpcdist.scheduler.local import LOCAL_CONTROLLER, process_started
+from hpcdist.scheduler.local import LOCAL_CONTROLLER, machine_gpus, process_started
 from hpcdist.store.atomic import storage_umask
 from hpcdist.store.trust import denied_hint
 
@@ -102,7 +102,10 @@ def _script_executor_class() -> Callable[[Path, str, int, int], Any]:
 @functools.cache
 def _local_executor_class() -> Callable[..., Any]:
     """submitit's LocalExecutor with hpcdist's controller (``hpcdist.runtime.local_controller``):
-    the same environment submitit's ``start_controller`` passes, another module to run. The site's
+    the same environment submitit's ``start_controller`` passes, another module to run. Every task
+    sees the job's GPUs, the first ``gpus_per_node`` of the machine's (``CUDA_VISIBLE_DEVICES``, as
+    submitit's ``visible_gpus``; none for a job that asks none), and takes ``cuda:LOCAL_RANK`` as
+    under torchrun (docs/gpus.md, the binding "none"). The site's
     and the job's variables are in the controller's environment (a plain Executor function has no
     bootstrap to set them), the site's ``setup`` lines run in a shell before it as submitit's
     ``local_setup`` does, and the preemption signal comes ``preemption.seconds_before_end`` before
@@ -116,20 +119,20 @@ def _local_executor_class() -> Callable[..., Any]:
         def _submit_command(self, command: str) -> Any:
             ntasks = self.parameters.get("tasks_per_node", 1)
             spec, site = self.plan.base, self.plan.site
+            limit_s = max(1, round(60 * self.parameters.get("timeout_min", 2.0)))
             env = {
                 **os.environ,
-                **site.env,
-                **spec.env,
+                "CUDA_VISIBLE_DEVICES": ",".join(machine_gpus(os.environ)[:spec.resources.gpus_per_node]),
+                **spec.rank_env(site),
                 "SUBMITIT_LOCAL_NTASKS": str(ntasks),
                 "SUBMITIT_LOCAL_COMMAND": command,
-                "SUBMITIT_LOCAL_TIMEOUT_S": str(max(1, round(60 * self.parameters.get("timeout_min", 2.0)))),
-                "SUBMITIT_LOCAL_SIGNAL_DELAY_S": str(site.preemption.seconds_before_end),
+                "SUBMITIT_LOCAL_TIMEOUT_S": str(limit_s),
+                "SUBMITIT_LOCAL_SIGNAL_DELAY_S": str(site.preemption.warning_s(limit_s)),
                 "SUBMITIT_LOCAL_NODEID": "0",
                 "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
                 "SUBMITIT_STDERR_TO_STDOUT": "1" if spec.stderr_to_stdout else "",
                 "SUBMITIT_EXECUTOR": "local",
                 "SUBMITIT_PREEMPTION_SIGNAL": site.preemption.signal,
-                "CUDA_VISIBLE_DEVICES": "",
                 "SUBMITIT_LOCAL_WITH_SHELL": "",
             }
             controller = [sys.executable, "-m", LOCAL_CONTROLLER, str(self.folder)]

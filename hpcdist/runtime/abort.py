@@ -8,16 +8,20 @@ node that did not answer, mark the health record, keep a benchmark's rows, every
 would wait for an exception that never comes.
 
 So a daemon thread started by the bootstrap reads torch's flight recorder (on for ``hpcdist
-stacks``) twice a second; when a collective of this rank has waited its timeout, NCCL's own test,
+stacks``; NCCL's own recorder under NCCL, ``hpcdist.runtime.stacks.flight_record``: the generic one
+holds nothing of NCCL's collectives) twice a second; when a collective of this rank has waited its
+timeout, NCCL's own test,
 it does that work at once, in the window before the abort: this rank's last words first (the
 error it would have raised, ``hpcdist.store.lastwords``, which the summary shows for a rank that
 left no result), then the roll call over the rendezvous store (``hpcdist.runtime.reach``: the
 nodes whose ranks did not answer are named, and marked in the health record by the lowest rank
 that answered), what the running ``phase`` keeps (a benchmark's rows so far), the last words
-again with all of that, and every rank's stack (``hpcdist.runtime.stacks``). The abort then comes
-from NCCL; a rank still alive ``GRACE_S`` later (error handling 0 or 2 never ends it) ends itself.
-``TORCH_NCCL_DUMP_ON_TIMEOUT`` is turned on (unless set), which holds the abort until the flight
-recorder's dump is written into the job's folder.
+again with all of that, and every rank's stack (``hpcdist.runtime.stacks``): within
+``reach.ROLL_CALL_S`` plus ``stacks.ANSWER_WAIT_S`` (8 s) of the timeout. The abort then comes
+from NCCL, or, once the flight recorder's dump is in the job's folder (``TORCH_NCCL_DUMP_ON_TIMEOUT``
+is turned on unless set) or at most ``GRACE_S`` after the summary, the rank ends itself (exit
+``ENDED_EXIT``): NCCL's own abort came 15 to 72 s after the timeout on an H100, and never with
+error handling 0 or 2. A rank so ends within its timeout plus about 25 s.
 
 Under gloo a timeout raises, and this thread does nothing, unless a test makes gloo end a rank as
 NCCL does (``IMITATE_ABORT_VAR``): the group's own timeout is then long, and a second thread
@@ -28,7 +32,6 @@ seconds after the job's timeout.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -37,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpcdist.config.contract import IMITATE_ABORT_VAR
@@ -49,7 +53,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("hpcdist")
 
 INTERVAL_S = 0.5  # how often the flight recorder is read
-GRACE_S = 120.0  # after the summary: NCCL aborts within 15 to 60 s; a rank still here then ends itself
+GRACE_S = 15.0  # after the summary, the longest a rank waits for NCCL's abort (and its dump) before it ends itself
+ENDED_EXIT = 124  # the exit status of a rank that ended itself after its summary
 DUMP_VAR, DUMP_FILE_VAR = "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE"
 
 
@@ -105,13 +110,14 @@ class Overdue:
     limit_s: float
 
 
-def overdue(limit_s: float | None) -> Overdue | None:
+def overdue(limit_s: float | None, backend: str = "nccl") -> Overdue | None:
     """The first collective of this rank, under NCCL, still waiting past its timeout (or past
-    `limit_s`, of any backend, when given); None when there is none or no flight recorder."""
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
+    `limit_s`, of any backend, when given), from `backend`'s flight recorder; None when there is
+    none or no flight recorder."""
+    from hpcdist.runtime.stacks import flight_record
 
-        entries = json.loads(_dump_fr_trace_json(includeCollectives=True, onlyActive=True)).get("entries", [])
+    try:
+        entries = flight_record(backend, only_active=True).get("entries", [])
     except Exception:  # no group yet, the recorder off, or torch changed its private API: nothing to see
         return None
     now = time.time_ns()
@@ -141,15 +147,33 @@ class Watch(threading.Thread):
     def run(self) -> None:
         limit = self.ctx.timeout_s if self.imitating else None
         while not self._done.wait(INTERVAL_S):
-            late = overdue(limit)
+            late = overdue(limit, self.ctx.backend)
             if late is not None:
                 self.fired.set()
                 self.summarise(late)
-                if not self._done.wait(GRACE_S):
-                    log.error("this rank was not ended %g s after its collective timed out: ending it", GRACE_S)
-                    logging.shutdown()
-                    os._exit(124)
+                # the test's imitated abort comes within GRACE_S; NCCL's dump, then this rank's end
+                stopped = self._done.wait(GRACE_S) if self.imitating else not self._dumped(GRACE_S)
+                if stopped:
+                    return
+                log.error("this rank's summary is written and NCCL has not ended it: ending it (exit %d)", ENDED_EXIT)
+                logging.shutdown()
+                sys.stderr.flush()
+                os._exit(ENDED_EXIT)
                 return
+
+    def _dumped(self, within_s: float) -> bool:
+        """Waits until the flight recorder's dump of this rank is written (a size that holds for
+        one interval) or `within_s` passed; False if the watch was stopped meanwhile."""
+        target = Path(os.environ.get(DUMP_FILE_VAR, "") + str(self.ctx.rank))
+        end, size = time.monotonic() + within_s, -1
+        while time.monotonic() < end:
+            if self._done.wait(INTERVAL_S):
+                return False
+            now = target.stat().st_size if os.environ.get(DUMP_FILE_VAR) and target.is_file() else -1
+            if now > 0 and now == size:
+                return True
+            size = now
+        return True
 
     def summarise(self, late: Overdue) -> None:
         from hpcdist.runtime import stacks
@@ -188,7 +212,7 @@ def _imitate(timeout_s: float, delay_s: float) -> None:
     """What NCCL's watchdog does, for tests on CPU: once a collective has waited the timeout, abort
     the rank from a thread of its own `delay_s` later, whether or not it completed since (the
     job thread stays blocked inside it, or goes on)."""
-    while (late := overdue(timeout_s)) is None:
+    while (late := overdue(timeout_s, "gloo")) is None:
         time.sleep(INTERVAL_S)
     time.sleep(delay_s)
     sys.stderr.write(f"imitated watchdog: {late.op} timed out {delay_s:g} s ago; aborting the rank (SIGABRT)\n")

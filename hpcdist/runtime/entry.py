@@ -34,7 +34,7 @@ def run_rank(spec: JobSpec, site: Site) -> dict[str, Any]:
 def run_job(job: Job[Any], site: Site) -> dict[str, Any]:
     """Run `job` on this rank; returns this rank's summary (rank 0's names the result file)."""
     spec = job.spec
-    os.environ.update({**site.env, **spec.env})
+    os.environ.update(spec.rank_env(site))
     os.umask(site.storage.umask)  # storage.mode for all this rank writes (a direct launch has the shell's umask)
     from hpcdist.store import checksum
 

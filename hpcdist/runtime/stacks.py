@@ -29,6 +29,7 @@ import threading
 import time
 import traceback
 from dataclasses import replace
+from typing import Any
 
 from hpcdist.config.paths import JobPaths
 from hpcdist.store.atomic import atomic_path
@@ -99,18 +100,46 @@ def capture(rank: int, host: str, why: str, exc: BaseException | None = None) ->
     return RankStack(rank, host, os.getpid(), "", time.time(), why, tuple(threads), collectives, note)
 
 
+# torch's flight recorders, by what each torch build exposes: NCCL's own (the collectives of a
+# CUDA build's NCCL groups: JSON from torch 2.4, a pickle in 2.3) holds what the generic one
+# (gloo's, torch 2.6 on) leaves empty under NCCL: on an H100 the generic dump had 0 entries and
+# no pg_status while NCCL's showed the pending all_reduce.
+_NCCL_DUMPS = (("_dump_nccl_trace_json", "json"), ("_dump_nccl_trace", "pickle"))
+_GENERIC_DUMPS = (("_dump_fr_trace_json", "json"), ("_dump_fr_trace", "pickle"))
+
+
+def flight_record(backend: str, only_active: bool = False) -> dict[str, Any]:
+    """torch's flight recorder for a group of `backend`, as a dict (``entries``, ``pg_status``):
+    NCCL's own recorder for ``nccl``, the generic one otherwise (or where the build has no NCCL's),
+    by the first dump function the build has. Raises where none can be read (no group yet, the
+    recorder off, or a private API torch changed): callers treat that as nothing to see."""
+    import torch._C._distributed_c10d as c10d
+
+    names = (*_NCCL_DUMPS, *_GENERIC_DUMPS) if backend == "nccl" else _GENERIC_DUMPS
+    for name, form in names:
+        dump = getattr(c10d, name, None)
+        if dump is None:
+            continue
+        if form == "json":
+            return dict(json.loads(dump(includeCollectives=True, onlyActive=only_active)))
+        import pickle
+
+        # torch's own bytes from this process, not data anyone else wrote
+        return dict(pickle.loads(dump(includeCollectives=True, includeStackTraces=False, onlyActive=only_active)))
+    raise RuntimeError(f"this torch has no flight recorder dump ({', '.join(n for n, _ in names)})")
+
+
 def last_collective() -> tuple[Collectives | None, str]:
     """torch's flight recorder on the default group: the last collective enqueued and completed
-    (it records gloo on CPU as well as NCCL in torch 2.13); or why there is none."""
+    (NCCL's own recorder under NCCL, the generic one, which records gloo, otherwise); or why
+    there is none."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None, ""
     if os.environ.get(FR_VAR, "0") in ("", "0"):
         return None, f"torch's flight recorder is off ({FR_VAR}=0): no collective sequence numbers"
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
-
-        dump = json.loads(_dump_fr_trace_json(includeCollectives=True))
+        dump = flight_record(str(dist.get_backend()))
         status = dump.get("pg_status", {}).get("0", {})
         enqueued, completed = int(status["last_enqueued_collective"]), int(status["last_completed_collective"])
     except Exception as exc:  # a private API: its absence or change is a note, never a failure

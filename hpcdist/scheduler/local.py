@@ -1,13 +1,19 @@
 """The local site's scheduler: submitit's local controller, one process per job on this machine.
 
 A local job's id is its controller's process id, which the system reuses; the controller's
-start time (``/proc/PID/stat``) tells it from a later process that got the same id.
-Standard library only.
+start time (``/proc/PID/stat``) tells it from a later process that got the same id. The job's GPUs
+are this machine's, as ``nvidia-smi -L`` lists them within the submitting shell's
+``CUDA_VISIBLE_DEVICES`` (``machine_gpus``). Standard library only.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
 LOCAL_CONTROLLER = "hpcdist.runtime.local_controller"
@@ -41,3 +47,37 @@ def controller_alive(pid: str, started: int | None = None) -> bool:
     except OSError:
         return False
     return any(name in cmdline for name in (LOCAL_CONTROLLER.encode(), b"submitit.local._local"))
+
+
+_GPU_LINE = re.compile(r"GPU (?P<index>\d+): .*\(UUID: (?P<uuid>[^)]+)\)")
+
+
+@functools.cache
+def _listed_gpus() -> tuple[tuple[str, str], ...]:
+    """(index, UUID) of each GPU ``nvidia-smi -L`` lists; () without nvidia-smi (no NVIDIA driver)
+    or when it fails. submitit's LocalExecutor counts with torch, a second's import at every submit;
+    nvidia-smi answers in tens of milliseconds, and only for a job that asks for GPUs."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return ()
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    return tuple((m["index"], m["uuid"]) for line in out.splitlines() if (m := _GPU_LINE.match(line.strip())))
+
+
+def machine_gpus(env: Mapping[str, str]) -> tuple[str, ...]:
+    """The GPUs a local job may have, as ``CUDA_VISIBLE_DEVICES`` names them: the entries of the
+    shell's own ``CUDA_VISIBLE_DEVICES`` (an index or a UUID, or its prefix, as CUDA takes them)
+    up to the first that names no listed GPU, where CUDA stops too; every listed GPU by index
+    when the variable is unset."""
+    listed = _listed_gpus()
+    if "CUDA_VISIBLE_DEVICES" not in env:
+        return tuple(index for index, _ in listed)
+    seen: list[str] = []
+    for entry in (e.strip() for e in env["CUDA_VISIBLE_DEVICES"].split(",")):
+        if not any(entry == index or (len(entry) > 4 and uuid.startswith(entry)) for index, uuid in listed):
+            break
+        seen.append(entry)
+    return tuple(seen)

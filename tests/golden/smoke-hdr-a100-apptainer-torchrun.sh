@@ -5,14 +5,14 @@
 #SBATCH --partition=booster
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=4
-#SBATCH --cpus-per-task=1
+#SBATCH --cpus-per-task=12
 #SBATCH --gpus-per-node=4
 #SBATCH --time=5
 #SBATCH --account=myproject
 #SBATCH --output=/p/project/myproject/hpcdist/logs/smoke/%j/%j_0_log.out
 #SBATCH --error=/p/project/myproject/hpcdist/logs/smoke/%j/%j_0_log.err
 #SBATCH --open-mode=append
-#SBATCH --signal=USR2@300
+#SBATCH --signal=USR2@150
 #SBATCH --requeue
 
 # ---- modules and site setup
@@ -57,4 +57,4 @@ fi
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME
-srun --unbuffered --output /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.out --error /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.err --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=4 apptainer exec --nv --bind /p/project/myproject/hpcdist/results:/p/project/myproject/hpcdist/results,/p/scratch/myproject/hpcdist/checkpoints:/p/scratch/myproject/hpcdist/checkpoints,/p/scratch/myproject/hpcdist/scratch:/p/scratch/myproject/hpcdist/scratch,/p/project/myproject/hpcdist/logs:/p/project/myproject/hpcdist/logs /scratch/images/pytorch.sif python3 -m hpcdist.runtime.agent --ifname ib0 --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint="$HPCDIST_HEAD_ADDR:$HPCDIST_RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" -m hpcdist.runtime.shim /p/project/myproject/hpcdist/logs/smoke/%j
+srun --unbuffered --output /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.out --error /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.err --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=48 apptainer exec --nv --bind /p/project/myproject/hpcdist/results:/p/project/myproject/hpcdist/results,/p/scratch/myproject/hpcdist/checkpoints:/p/scratch/myproject/hpcdist/checkpoints,/p/scratch/myproject/hpcdist/scratch:/p/scratch/myproject/hpcdist/scratch,/p/project/myproject/hpcdist/logs:/p/project/myproject/hpcdist/logs /scratch/images/pytorch.sif python3 -m hpcdist.runtime.agent --ifname ib0 --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint="$HPCDIST_HEAD_ADDR:$HPCDIST_RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" -m hpcdist.runtime.shim /p/project/myproject/hpcdist/logs/smoke/%j

@@ -5,14 +5,14 @@
 #SBATCH --partition=booster
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=4
-#SBATCH --cpus-per-task=1
+#SBATCH --cpus-per-task=12
 #SBATCH --gpus-per-node=4
 #SBATCH --time=5
 #SBATCH --account=myproject
 #SBATCH --output=/p/project/myproject/hpcdist/logs/smoke/%j/%j_0_log.out
 #SBATCH --error=/p/project/myproject/hpcdist/logs/smoke/%j/%j_0_log.err
 #SBATCH --open-mode=append
-#SBATCH --signal=USR2@300
+#SBATCH --signal=USR2@150
 #SBATCH --requeue
 
 # ---- modules and site setup
@@ -44,4 +44,4 @@ fi
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME
-srun --unbuffered --output /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.out --error /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.err --cpu-bind=v --mpi=pmix /opt/hpcdist/bin/python -u -m hpcdist.runtime.submitted /p/project/myproject/hpcdist/logs/smoke/%j
+srun --unbuffered --output /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.out --error /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.err --cpus-per-task=12 --cpu-bind=v --mpi=pmix /opt/hpcdist/bin/python -u -m hpcdist.runtime.submitted /p/project/myproject/hpcdist/logs/smoke/%j

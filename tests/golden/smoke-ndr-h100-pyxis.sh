@@ -5,7 +5,7 @@
 #SBATCH --partition=gpu
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
-#SBATCH --cpus-per-task=1
+#SBATCH --cpus-per-task=14
 #SBATCH --gpus-per-node=8
 #SBATCH --time=5
 #SBATCH --account=ml-research
@@ -54,4 +54,4 @@ fi
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME
-srun --unbuffered --output /shared/ml-research/hpcdist/logs/smoke/%j/%j_%t_log.out --error /shared/ml-research/hpcdist/logs/smoke/%j/%j_%t_log.err '--container-image=nvcr.io#nvidia/pytorch:24.10-py3' --container-mounts=/shared/ml-research/hpcdist/results:/shared/ml-research/hpcdist/results,/shared/ml-research/hpcdist/checkpoints:/shared/ml-research/hpcdist/checkpoints,/scratch/ml-research/hpcdist:/scratch/ml-research/hpcdist,/shared/ml-research/hpcdist/logs:/shared/ml-research/hpcdist/logs,/lustre/datasets:/data --no-container-mount-home --cpu-bind=cores --mpi=pmix python3 -u -m hpcdist.runtime.submitted /shared/ml-research/hpcdist/logs/smoke/%j
+srun --unbuffered --output /shared/ml-research/hpcdist/logs/smoke/%j/%j_%t_log.out --error /shared/ml-research/hpcdist/logs/smoke/%j/%j_%t_log.err --cpus-per-task=14 '--container-image=nvcr.io#nvidia/pytorch:24.10-py3' --container-mounts=/shared/ml-research/hpcdist/results:/shared/ml-research/hpcdist/results,/shared/ml-research/hpcdist/checkpoints:/shared/ml-research/hpcdist/checkpoints,/scratch/ml-research/hpcdist:/scratch/ml-research/hpcdist,/shared/ml-research/hpcdist/logs:/shared/ml-research/hpcdist/logs,/lustre/datasets:/data --no-container-mount-home --cpu-bind=cores --mpi=pmix python3 -u -m hpcdist.runtime.submitted /shared/ml-research/hpcdist/logs/smoke/%j
