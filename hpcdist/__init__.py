@@ -38,7 +38,8 @@ def init(**kwargs: Any) -> Context:
 
 
 def job(job_id: str | int, site: str | None = None) -> JobHandle:
-    """Re-attach to a submitted job by its id, from any process (``hpcdist.login.jobhandle``)."""
+    """Re-attach to a submitted job by its id, from any process (``hpcdist.login.jobhandle``);
+    `site`, when two sites have a job of that id, as `--site` takes it: a name or a YAML path."""
     from hpcdist.login.jobhandle import JobHandle as _JobHandle
 
     return _JobHandle.find(job_id, site)

@@ -52,6 +52,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def job_site_arg(p: argparse.ArgumentParser) -> None:
+    """`--site` of a command that finds a submitted job: a name or a YAML path, as submit takes
+    it (``hpcdist.login.jobindex.lookup``)."""
+    p.add_argument("--site", default=None, metavar="SITE",
+                   help="the job's site as given to submit, a name or a YAML path (needed when two sites "
+                        "have a job of that id)")
+
+
 def add_parser(subs: Any) -> None:
     """argparse only: building the parser imports neither side of the flow."""
     p = subs.add_parser("jobs", help="the jobs submitted from here: state, elapsed time, nodes, result")
@@ -66,11 +74,11 @@ def add_parser(subs: Any) -> None:
     which.add_argument("--all", action="store_true", help="every rank's logs, rank by rank")
     p.add_argument("-f", "--follow", action="store_true", help="follow the logs until the job ends")
     p.add_argument("--tail", type=int, default=None, metavar="K", help="only the last K lines of each file")
-    p.add_argument("--site", default=None, help="the job's site, when two sites have a job of that id")
+    job_site_arg(p)
     for name, what in (("wait", "wait for a job and print its per-rank summary (as submit --wait)"),
                        ("cancel", "cancel a job (scancel; on the local site, its ranks' processes)")):
         p = subs.add_parser(name, help=what)
         p.add_argument("job_id", help="the id `hpcdist submit` printed")
-        p.add_argument("--site", default=None, help="the job's site, when two sites have a job of that id")
+        job_site_arg(p)
         if name == "wait":
             p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")

@@ -19,13 +19,15 @@ from hpcdist.errors import JobError
 
 
 def add_parser(subs: Any) -> None:
+    from hpcdist.cli.jobs import job_site_arg
+
     p = subs.add_parser("stacks", help="every rank's Python stack of a running job, grouped: where a hang is")
     p.add_argument("job_id", help="the id `hpcdist submit` printed")
     p.add_argument("-v", "--verbose", action="store_true", help="every frame of each group's stack")
     p.add_argument("--json", action="store_true", help="every rank's threads and frames, and the groups, as JSON")
     p.add_argument("--wait", type=float, default=5.0, metavar="S",
                    help="how long to wait for the ranks' answers (default 5 s; they look once a second)")
-    p.add_argument("--site", default=None, help="the job's site, when two sites have a job of that id")
+    job_site_arg(p)
 
 
 def cmd_stacks(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ if typing.TYPE_CHECKING:  # PyYAML, pydantic and the models load on first use: a
 
 __all__ = [
     "Site", "JobSpec", "load_site", "load_spec", "read_spec", "check_fits", "find_site", "apply_overrides",
-    "site_names", "validate",
+    "site_names", "site_name", "is_site_path", "validate",
 ]
 
 DEFAULT_SITE = "local"
@@ -41,18 +41,28 @@ def site_names() -> list[str]:
     return sorted(names)
 
 
+def is_site_path(ref: str) -> bool:
+    """Whether `--site REF` is a path to a site YAML (`my-site.yaml`, `conf/site`) rather than a
+    site's name: the one rule every command that takes `--site` follows."""
+    return ref.endswith((".yaml", ".yml")) or os.sep in ref
+
+
+def _named_site_file(name: str) -> Path | None:
+    """The first `<name>.yaml` on the site search path, or None."""
+    return next((p for p in (d / f"{name}.yaml" for d in site_search_path()) if p.is_file()), None)
+
+
 def find_site(name_or_path: str | None) -> Path:
     """The file for a site name (`local-slurm`) or path (`my/site.yaml`)."""
     name = name_or_path or os.environ.get("HPCDIST_SITE") or DEFAULT_SITE
-    if name.endswith((".yaml", ".yml")) or os.sep in name:
+    if is_site_path(name):
         path = Path(name)
         if not path.is_file():
             raise ConfigError(f"site config {name!r} does not exist; pass a site name or a YAML file")
         return path
-    for d in site_search_path():
-        candidate = d / f"{name}.yaml"
-        if candidate.is_file():
-            return candidate
+    found = _named_site_file(name)
+    if found is not None:
+        return found
     raise ConfigError(
         f"unknown site {name!r}; known sites: {', '.join(site_names())} "
         f"(or pass a path to a site YAML, or add a directory to HPCDIST_SITE_PATH)"
@@ -143,6 +153,18 @@ def load_site(name_or_path: str | None = None, overrides: list[str] | None = Non
     path = find_site(name_or_path)
     data = apply_overrides(pin_launcher_args(read_yaml(path)), overrides or [], "site")
     return validate(Site, data, path)
+
+
+def site_name(ref: str) -> str:
+    """The name the site `--site REF` means is recorded under (``Site.name``: what `submit`
+    writes in the job index and `hpcdist jobs` shows), so a follow-up command given the same
+    `--site` as the submit finds its jobs. A path is loaded as `submit` loads it (a missing or bad
+    file is the same one-line ConfigError); so is a name that has a site config here, whose
+    `name:` may differ from its file's. A name with no config here is taken as it is: the index
+    may hold jobs of a site whose YAML was given by path, or lives on another search path."""
+    if not is_site_path(ref) and _named_site_file(ref) is None:
+        return ref
+    return load_site(ref).name
 
 
 Rebase = typing.Callable[[dict[str, Any], Path], dict[str, Any]]

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from submitit.core.utils import FailedJobError, UncompletedJobError
 
 from hpcdist.errors import JobError, SubmitError
-from hpcdist.login.jobindex import JobRecord, find, mark_ended, write
+from hpcdist.login.jobindex import JobRecord, find, lookup, mark_ended, write
 from hpcdist.polling import poll_until
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.local import controller_alive
@@ -107,7 +107,8 @@ class JobHandle:
 
     @classmethod
     def find(cls, job_id: str | int, site: str | None = None) -> JobHandle:
-        return cls(find(str(job_id), site))
+        """The indexed job `job_id`; `site` as `--site` takes it, a name or a site YAML's path."""
+        return cls(lookup(str(job_id), site))
 
     @property
     def job_id(self) -> str:

@@ -198,9 +198,19 @@ def _slurm_owner(job_id: str) -> str:
     return info.user if info is not None and info.user and info.user != current_user() else ""
 
 
+def lookup(job_id: str, site: str | None = None) -> JobRecord:
+    """The job a user names on the command line or to ``hpcdist.job``: `site` is what `--site`
+    takes, a site's name or its YAML's path, found under the name `submit` recorded
+    (``hpcdist.config.site_name``), so the same `--site` finds the job in every command."""
+    from hpcdist.config import site_name
+
+    return find(job_id, None if site is None else site_name(site))
+
+
 def find(job_id: str, site: str | None = None) -> JobRecord:
-    """The job `job_id` (on `site`, when given); one clear error when the index has none, or more
-    than one site has a job of that id."""
+    """The job `job_id` (on the site recorded as `site`, when given: ``JobRecord.site``; a user's
+    `--site` goes through ``lookup``); one clear error when the index has none, or more than one
+    site has a job of that id."""
     _check_name(job_id, "job id")
     if site is not None:
         paths = [_path(site, job_id)]

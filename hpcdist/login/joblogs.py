@@ -17,7 +17,7 @@ from pathlib import Path
 
 from hpcdist.errors import SubmitError
 from hpcdist.login.jobhandle import JobHandle
-from hpcdist.login.jobindex import JobRecord, find
+from hpcdist.login.jobindex import JobRecord, lookup
 from hpcdist.scheduler.slurm import Vanished
 
 POLL_S = 0.5
@@ -117,7 +117,7 @@ def follow(record: JobRecord, ranks: list[int], tail: int | None) -> None:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    record = find(args.job_id, args.site)
+    record = lookup(args.job_id, args.site)
     ranks = _ranks(record, args.rank, args.all)
     if args.tail is not None and args.tail < 0:
         raise SubmitError(f"--tail {args.tail}: give a number of lines, 0 or more")
