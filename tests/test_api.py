@@ -261,7 +261,8 @@ def test_a_claim_of_an_ended_slurm_job_is_stale(tmp_path: Path) -> None:
     assert mine.took_over is not None and mine.took_over.job_id == ended
 
 
-def test_a_second_job_on_the_same_checkpoints_fails_at_once(tmp_path: Path) -> None:
+def test_a_second_job_on_the_same_checkpoints_fails_at_once(tmp_path: Path, cpu_burner: int) -> None:
+    """On a loaded machine (two busy processes per CPU), as in a suite run beside other work."""
     root = tmp_path / "out"
     args = ["submit", "--site", "local", *storage_sets(root), "--wait", "--set", "timeout_s=30", "--"]
     first = Background([*args, str(API), "--steps", "400", "--step-s", "0.05"])

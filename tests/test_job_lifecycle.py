@@ -85,7 +85,8 @@ def test_submit_then_follow_wait_list_and_read_the_logs(place: tuple[str, Path])
     assert all(len(s.strip().splitlines()) == 2 for s in sections), every.out  # the header and one line
 
 
-def test_cancel_a_running_job(place: tuple[str, Path], tmp_path: Path) -> None:
+def test_cancel_a_running_job(place: tuple[str, Path], tmp_path: Path, cpu_burner: int) -> None:
+    """On a loaded machine (two busy processes per CPU), as in a suite run beside other work."""
     site, root = place
     script = root / "sleeper.py"
     script.write_text(SLEEPER)
@@ -110,6 +111,42 @@ def test_cancel_a_running_job(place: tuple[str, Path], tmp_path: Path) -> None:
     assert waited.code == 1 and f"job {jid} finished: CANCELLED" in waited.out, waited.text
     again = cli("cancel", jid)
     assert again.out.strip() == f"job {jid} (sleeper) already ended: CANCELLED; nothing to cancel"
+
+
+STUBBORN = """import signal, subprocess, sys, time
+for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                          "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(900)"])
+print(f"sleeping now; child {child.pid}", flush=True)
+time.sleep(900)
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, ended but not yet reaped by its parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_cancel_ends_every_process_of_a_local_job_that_ignores_it(tmp_path: Path) -> None:
+    """A rank that ignores SIGINT and SIGTERM, and a child of its own that does too: the cancel
+    kills what still runs after its grace (before: the ranks ran on for minutes)."""
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN)
+    submitted = cli("submit", "--site", "local", *storage_sets(tmp_path), "--", str(script))
+    assert submitted.code == 0, submitted.text
+    jid = job_id(submitted.out)
+    line = wait_for(lambda: re.search(r"child (\d+)", cli("logs", jid).out), WAIT, "the script's first line")
+    child = int(line[1])
+    cancelled = cli("cancel", jid, "--grace", "2")
+    assert cancelled.code == 0, cancelled.text
+    assert re.fullmatch(rf"cancelled job {jid} \(stubborn\) on site local; \d+ of its processes still ran 2 s after "
+                        rf"the cancel: killed \(SIGKILL\)", cancelled.out.strip()), cancelled.out
+    assert not running(child) and not running(int(jid))  # the rank's child, and the controller
+    wait_for(lambda: state_of(jid) == "CANCELLED", WAIT, f"job {jid} CANCELLED in `hpcdist jobs`", poll=1)
 
 
 def test_waiting_shows_the_training_step_without_a_terminal(place: tuple[str, Path], tokens: Path) -> None:  # noqa: F811

@@ -80,5 +80,9 @@ def add_parser(subs: Any) -> None:
         p = subs.add_parser(name, help=what)
         p.add_argument("job_id", help="the id `hpcdist submit` printed")
         job_site_arg(p)
+        if name == "cancel":
+            p.add_argument("--grace", type=float, default=None, metavar="SECONDS",
+                           help="local site: kill (SIGKILL) what of the job still runs this long after the cancel "
+                                "(default 10)")
         if name == "wait":
             p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")

@@ -29,12 +29,15 @@ from hpcdist.errors import JobError, SubmitError
 from hpcdist.login.jobindex import JobRecord, find, lookup, mark_ended, write
 from hpcdist.polling import poll_until
 from hpcdist.scheduler import slurm
-from hpcdist.scheduler.local import controller_alive
+from hpcdist.scheduler.local import controller_alive, group_members, leads_group, signal_group
 from hpcdist.scheduler.states import JobState
 
 if TYPE_CHECKING:
     from hpcdist.login.submit import Submission
     from hpcdist.login.watch import Finished, TaskOutcome
+
+CANCEL_GRACE_S = 10.0  # a local job's processes left this long after the cancel are killed (`cancel --grace`)
+KILL_WAIT_S = 10.0  # after SIGKILL, for the kernel to end them
 
 
 @functools.cache
@@ -264,8 +267,11 @@ class JobHandle:
         self.log_paths(rank)
         return "".join(path.read_text(errors="replace") for _, path in self.record.rank_files(rank))
 
-    def cancel(self, check: bool = True, wait_s: float = 15.0) -> str:
-        """Cancel the job (Slurm: scancel; local: its controller, which stops the ranks); what was done."""
+    def cancel(self, check: bool = True, grace_s: float = CANCEL_GRACE_S) -> str:
+        """Cancel the job (Slurm: scancel); what was done. A local job's controller is asked to
+        stop its ranks (SIGINT, submitit's own cancel); whatever of its process group still runs
+        `grace_s` later (a rank that ignores the signal, its children, a controller starved of
+        CPU) is killed (SIGKILL), so nothing of the job runs on."""
         record = self.record
         state = self.state
         if state.final:
@@ -276,18 +282,28 @@ class JobHandle:
         self.record = record = replace(record, cancelled=time.time())
         self.submission.record = record  # this handle's own reading says CANCELLED too
         write(record)  # first: whoever waits reads CANCELLED, not FAILED, once it is gone
+        pgid = int(record.job_id)
+        group = controller_alive(record.job_id, record.started) and leads_group(record.job_id)
         if controller_alive(record.job_id, record.started):
             try:
-                os.kill(int(record.job_id), signal.SIGINT)  # submitit's own cancel: the controller stops its ranks
+                os.kill(pgid, signal.SIGINT)  # submitit's own cancel: the controller stops its ranks
             except ProcessLookupError:
                 pass
         process = self._process  # this process's child: ended only once reaped (its /proc entry empties first)
 
         def ended() -> bool | None:
             reaped = process is None or process.poll() is not None
-            return True if reaped and not controller_alive(record.job_id, record.started) else None
+            gone = not group_members(pgid) if group else not controller_alive(record.job_id, record.started)
+            return True if reaped and gone else None
 
-        if poll_until(ended, wait_s, 0.2) is None:
-            raise SubmitError(f"job {record.job_id}'s ranks still run {wait_s:g} s after the cancel; "
+        done = f"cancelled job {record.job_id} ({record.name}) on site {record.site}"
+        if poll_until(ended, grace_s, 0.2) is not None:
+            return done
+        if not group:  # an older hpcdist's controller, in its submitter's process group
+            raise SubmitError(f"job {record.job_id}'s ranks still run {grace_s:g} s after the cancel; "
                               f"stop them with `kill {record.job_id}`")
-        return f"cancelled job {record.job_id} ({record.name}) on site {record.site}"
+        left = group_members(pgid)
+        signal_group(pgid, signal.SIGKILL)
+        if poll_until(ended, KILL_WAIT_S, 0.1) is None:
+            raise SubmitError(f"job {record.job_id}'s processes {left} still run after SIGKILL; see `ps -g {pgid}`")
+        return f"{done}; {len(left)} of its processes still ran {grace_s:g} s after the cancel: killed (SIGKILL)"

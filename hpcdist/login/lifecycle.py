@@ -258,5 +258,6 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    print(JobHandle.find(args.job_id, args.site).cancel())
+    handle = JobHandle.find(args.job_id, args.site)
+    print(handle.cancel() if args.grace is None else handle.cancel(grace_s=args.grace))
     return 0

@@ -136,11 +136,14 @@ def _local_executor_class() -> Callable[..., Any]:
                 "SUBMITIT_LOCAL_WITH_SHELL": "",
             }
             controller = [sys.executable, "-m", LOCAL_CONTROLLER, str(self.folder)]
+            # a session of its own: the job id leads the process group of every rank and its
+            # children, which a cancel ends whole; a Ctrl-C of the submitting shell leaves the
+            # job running, as it leaves a Slurm job (`hpcdist cancel` stops it)
             if site.setup:  # `exec`: the shell's process becomes the controller, whose id is the job's
                 line = " && ".join([*site.setup, "exec " + shlex.join(controller)])
-                process = subprocess.Popen(["/bin/sh", "-c", line], env=env)
+                process = subprocess.Popen(["/bin/sh", "-c", line], env=env, start_new_session=True)
             else:
-                process = subprocess.Popen(controller, env=env)
+                process = subprocess.Popen(controller, env=env, start_new_session=True)
             return LocalJob(folder=self.folder, job_id=str(process.pid), process=process, tasks=list(range(ntasks)))
 
     return ControllerExecutor

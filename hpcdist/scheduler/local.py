@@ -1,7 +1,9 @@
 """The local site's scheduler: submitit's local controller, one process per job on this machine.
 
 A local job's id is its controller's process id, which the system reuses; the controller's
-start time (``/proc/PID/stat``) tells it from a later process that got the same id. The job's GPUs
+start time (``/proc/PID/stat``) tells it from a later process that got the same id. The controller
+leads a process group of its own (the job id), which its ranks and their children join: a cancel
+ends that whole group (``group_alive``, ``signal_group``). The job's GPUs
 are this machine's, as ``nvidia-smi -L`` lists them within the submitting shell's
 ``CUDA_VISIBLE_DEVICES`` (``machine_gpus``). Standard library only.
 """
@@ -47,6 +49,47 @@ def controller_alive(pid: str, started: int | None = None) -> bool:
     except OSError:
         return False
     return any(name in cmdline for name in (LOCAL_CONTROLLER.encode(), b"submitit.local._local"))
+
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes (not zombies) of process group `pgid`; with no procfs, [pgid] while
+    the group answers a signal 0."""
+    proc = Path("/proc")
+    if not (proc / "self").is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except OSError:
+            return []
+        return [pgid]
+    out = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[-1].split()
+        except OSError:
+            continue
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            out.append(int(entry.name))
+    return out
+
+
+def leads_group(pid: str) -> bool:
+    """Whether process `pid` leads its own process group: a controller this hpcdist started,
+    which a cancel may end group and all (an older hpcdist's shared the submitter's group)."""
+    try:
+        return os.getpgid(int(pid)) == int(pid)
+    except (OSError, ValueError):
+        return False
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    """`sig` to every process of group `pgid`; nothing if the group is gone."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
 
 
 _GPU_LINE = re.compile(r"GPU (?P<index>\d+): .*\(UUID: (?P<uuid>[^)]+)\)")

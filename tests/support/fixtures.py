@@ -83,3 +83,21 @@ def separate_hosts(slurm_storage: Path) -> Path:
     if mode != "netns":
         missing(f"the local Slurm cluster's nodes are not separate hosts: {mode}")
     return slurm_storage
+
+
+@pytest.fixture
+def cpu_burner() -> Iterator[int]:
+    """Two busy processes per CPU for the test's length: the test's job runs on a loaded
+    machine (a cancel or a kill must not depend on the job's processes getting the CPU)."""
+    import os
+    import subprocess
+    import sys
+
+    count = 2 * (os.cpu_count() or 1)
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield count
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
