@@ -37,13 +37,16 @@ class InferParams(Frozen):
     model: GPTConfig | None = Field(default=None, description="if given, the checkpoint must hold this model")
     tp: int = Field(default=1, ge=1, description="tensor-parallel degree; the world size must be a multiple")
     load: Literal["broadcast", "shard"] = Field(
-        default="broadcast", description="rank 0 reads and broadcasts, or each rank reads its own shard"
+        default="broadcast", description="rank 0 reads and broadcasts a bucket at a time (each rank keeps its "
+        "shard of it), or each rank reads its own shard"
     )
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         default=None, description="the dtype the model and its KV cache run in; null: the checkpoint's own"
     )
-    bucket_mb: float = Field(default=64.0, gt=0, description="broadcast bucket size")
-    verify_received: bool = Field(default=True, description="every rank checks broadcast weights' checksums")
+    bucket_mb: float = Field(default=64.0, gt=0, description="what rank 0 reads and broadcasts at a time (the "
+                             "largest tensor where bigger); a rank's load peak is its shard plus one bucket")
+    verify_received: bool = Field(default=True,
+                                  description="each rank checks the shard it keeps against rank 0's hash of it")
     batch_size: int = Field(default=8, ge=1)
     max_new_tokens: int = Field(default=32, ge=1)
     temperature: float = Field(default=0.0, ge=0, description="0 is greedy")

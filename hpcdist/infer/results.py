@@ -15,10 +15,12 @@
 - ``/ranks`` table: ``rank``, ``host``, ``tp_rank``, ``dp_group``, ``requests``, ``new_tokens``,
   ``load_s``, ``generate_s``, ``tokens_per_s``, ``weight_bytes`` (the rank's shard),
   ``load_resident_bytes`` (how much the rank's resident host memory grew across loading: on CPUs
-  its shard, the whole model read or received having been freed), ``kv_cache_peak_bytes`` (its
+  its shard), ``load_peak_bytes`` (the most it grew meanwhile, on the rank's GPU where it has
+  one: its shard and one broadcast bucket, never the whole model), ``kv_cache_peak_bytes`` (its
   largest batch's cache), ``device_peak_bytes`` (CUDA's peak
   allocation on the rank's GPU; -1 on CPU);
-- ``/load`` attributes: ``method`` and its figures (``bytes``, ``seconds``, ``algbw_gbps``...);
+- ``/load`` attributes: ``method`` and its figures (``bytes``, ``seconds``, ``algbw_gbps``...; ``broadcast``'s
+  ``rounds``: the buckets rank 0 read and sent one after another);
 - ``/summary`` attributes: ``ttft``, ``per_token``, ``step`` and ``total`` ``_p50_s``/``_p99_s``,
   ``new_tokens``, ``wall_s``, ``tokens_per_s`` (overall).
 

@@ -5,7 +5,8 @@ rank uses that file, so a training job committing meanwhile cannot give ranks di
 every rank checks the spec against its header and prompts (same
 answer everywhere, so a bad input fails all ranks at once, before any weight moves); ranks
 form tensor-parallel groups of ``tp`` consecutive ranks (data-parallel across groups); weights
-arrive by broadcast from rank 0 or by per-rank shard reads; each group generates for its share
+arrive by broadcast from rank 0 a bucket at a time (``broadcast_load``) or by per-rank shard
+reads; each group generates for its share
 of the prompts; rank 0 gathers everything and writes the result file.
 """
 
@@ -22,17 +23,17 @@ from hpcdist.bench.factors import algbw
 from hpcdist.errors import BenchmarkError, CheckpointError, HpcdistError, JobError
 from hpcdist.infer import metrics
 from hpcdist.infer.broadcast import broadcast_state, describe, flat_buffer, in_buffer, iteration_figures
+from hpcdist.infer.broadcast_load import load_streamed
 from hpcdist.infer.generate import Sampling, generate
 from hpcdist.infer.jobs import BroadcastParams, InferParams, inspect, locate_checkpoint, problems_text
-from hpcdist.infer.shard_load import kv_layout, read_shard, shard_state
+from hpcdist.infer.shard_load import kv_layout, read_shard
 from hpcdist.infer.tp import TPGPT, TPGroup, weight_bytes
-from hpcdist.model.checkpoint import CheckpointHeader, read_full
+from hpcdist.model.checkpoint import CheckpointHeader
 from hpcdist.model.checkpoint import parameter_shapes as expected_shapes
 from hpcdist.progress import report_progress
 from hpcdist.store import checksum
 from hpcdist.store.discovery import resolve
-from hpcdist.store.hostmem import resident_bytes
-from hpcdist.store.tree import tensor_array
+from hpcdist.store.hostmem import mark_memory, peak_memory, resident_bytes
 
 if TYPE_CHECKING:
     from hpcdist.runtime.context import JobContext
@@ -72,51 +73,6 @@ def agree_on_checkpoint(ctx: JobContext, params: InferParams) -> InferParams:
     if found[1] is not None:
         raise JobError(f"infer_gpt cannot start: {problems_text([('params.checkpoint', params.checkpoint, found[1])])}")
     return params.model_copy(update={"checkpoint": found[0]})
-
-
-def load_broadcast(
-    ctx: JobContext, header: CheckpointHeader, params: InferParams
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Rank 0 reads (verifying checksums) and broadcasts in buckets; returns the full state and figures.
-
-    The other ranks know the layout from the header, so they allocate their receive buffer and
-    fault its pages in while rank 0 reads: a fresh buffer's page faults, paid during the
-    transfer, would cost about half of it on a virtual machine (`benchmarks/infer_broadcast.py`).
-    """
-    meta = [(name, tuple(shape), header.dtypes[name]) for name, shape in header.shapes.items()]  # as stored
-    buffer = None
-    if not ctx.is_main:
-        buffer = flat_buffer(meta, ctx.device)
-        if ctx.device.type == "cpu":
-            buffer.zero_()
-    t0 = time.perf_counter()
-    state = None
-    error = None
-    if ctx.is_main:
-        try:
-            state = read_full(header, verify=True)
-        except CheckpointError as exc:
-            error = str(exc)
-    read_s = time.perf_counter() - t0
-    digests = None  # a sharded checkpoint has a digest per chunk, none per tensor: rank 0's of what it verified
-    if header.sharded and params.verify_received and state is not None:
-        digests = {k: checksum.digest(tensor_array(state[k])) for k in header.shapes}
-    box: list[Any] = [error, digests]
-    dist.broadcast_object_list(box, src=0, device=ctx.device if ctx.device.type == "cuda" else None)
-    if box[0]:
-        raise CheckpointError(f"rank 0 could not read the checkpoint: {box[0]}")
-    digests = box[1] or header.digests
-    full, stats = broadcast_state(state, ctx.device, bucket_bytes=int(params.bucket_mb * (1 << 20)), meta=meta,
-                                  buffer=buffer)
-    wrong = 0
-    if params.verify_received:
-        wrong = sum(not checksum.matches(tensor_array(full[k]), digests[k]) for k in header.shapes)
-        flag = torch.tensor([float(wrong)], device=ctx.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0:
-            raise JobError(f"broadcast weights differ from the checkpoint on some rank ({int(flag.item())} tensors)")
-    figures = {"method": "broadcast", "read_s": read_s, "wrong": wrong, **stats.as_dict()}
-    return full, figures
 
 
 def load_shards(
@@ -166,17 +122,17 @@ def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
     dtype = model_dtype(header, params)
     t_load = time.perf_counter()
     resident = resident_bytes()
-    if params.load == "broadcast":
-        full, load = load_broadcast(ctx, header, params)
-        shard: dict[str, Any] = shard_state(full, cfg, tp.rank, tp.size)
-        del full  # the whole model: only this rank's shard stays (`shard` holds views of it until copied)
+    mark = mark_memory(ctx.device)
+    model = TPGPT(cfg, tp, device=ctx.device, dtype=dtype)
+    if params.load == "broadcast":  # a bucket at a time: no rank holds the whole model
+        load = load_streamed(header, model, ctx.device, int(params.bucket_mb * (1 << 20)), params.verify_received)
     else:
         shard, load = load_shards(ctx, header, tp)
-    model = TPGPT(cfg, tp, device=ctx.device, dtype=dtype)
-    model.load_shard(shard)
+        model.load_shard(shard)
+        del shard
+    load_peak = peak_memory(ctx.device) - mark
     if ctx.rank == 0:
         ctx.log.info("%s", kv_layout(cfg, tp.size))
-    del shard
     weights = weight_bytes(model)
     resident = resident_bytes() - resident  # on CPUs the weights it kept: its shard, not the whole model
     load_s = time.perf_counter() - t_load
@@ -251,6 +207,7 @@ def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
         "tokens_per_s": my_tokens / gen_s if gen_s > 0 else float("nan"),
         "weight_bytes": weights,  # this rank's shard, in the model's dtype
         "load_resident_bytes": resident,  # host memory the load left this rank holding
+        "load_peak_bytes": load_peak,  # the most it held meanwhile, beyond what it held before (GPU memory on GPUs)
         "kv_cache_peak_bytes": kv_peak,  # the largest batch's cache
         "device_peak_bytes": torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else -1,
     }

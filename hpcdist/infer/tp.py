@@ -233,6 +233,7 @@ class TPGPT(nn.Module):
         self.n_local = cfg.n_head // tp.size
         self.kv_local = kv_heads_per_rank(cfg, tp.size)
         self._layers = self._gather(pack=False)
+        self._loaded: set[str] = set()  # the tensors `load_shard` copied in so far
 
     @property
     def wte(self) -> nn.Embedding:
@@ -243,17 +244,21 @@ class TPGPT(nn.Module):
         return self.wte.weight.device
 
     @torch.no_grad()
-    def load_shard(self, state: dict[str, Any]) -> None:
-        """Copy this rank's tensors (names as in ``GPT.state_dict()``, shapes of this shard) in."""
+    def load_shard(self, state: dict[str, Any], last: bool = True) -> None:
+        """Copy this rank's tensors (names as in ``GPT.state_dict()``, shapes of this shard) in; a
+        streamed load passes a few at a time with `last` False, then `last` True to finish."""
         own = self.state_dict()
-        missing = sorted(set(own) - set(state))
-        if missing:
-            raise KeyError(f"shard lacks {missing[:3]}")
-        for key, param in own.items():
-            value = torch.as_tensor(state[key])
+        for key in (k for k in own if k in state):
+            value, param = torch.as_tensor(state[key]), own[key]
             if tuple(value.shape) != tuple(param.shape):
                 raise ValueError(f"{key}: shard has shape {tuple(value.shape)}, this rank expects {tuple(param.shape)}")
             param.copy_(value)
+            self._loaded.add(key)
+        if not last:
+            return
+        missing = sorted(set(own) - self._loaded)
+        if missing:
+            raise KeyError(f"shard lacks {missing[:3]}")
         if self.cfg.tied:
             v0 = self.tp.rank * self.vocab_local
             rows = self.wte.weight[v0 : v0 + self.vocab_local]

@@ -13,7 +13,9 @@ Also the process's resident memory now, and its peak since a mark (``resident_by
 ``mark_peak``, ``peak_resident_bytes``): what a rank holds after loading or building a model;
 they see torch's allocations, which ``tracemalloc`` does not. The mark resets Linux's high-water
 mark (``VmHWM``, by ``/proc/self/clear_refs``), so a peak reached before it (imports, an earlier
-model) does not hide the growth after it.
+model) does not hide the growth after it. ``mark_memory`` and ``peak_memory`` measure the same where a
+rank's tensors live: CUDA's allocator for a CUDA device, else the resident memory; and
+``release_free_heap`` gives back what a loop of allocations left on the C heap.
 """
 
 from __future__ import annotations
@@ -76,3 +78,43 @@ def peak_resident_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing where there
+    is none). A loop that frees blocks of a few MB every round keeps them resident otherwise: glibc
+    raises its mmap threshold to the size of a block freed, takes the next ones from the heap and
+    returns heap memory only from its top. A streamed load of a 203 MB checkpoint at tp=2 in 64 MB
+    buckets left each rank holding 79-99 MB for its 51 MB of weights without this, 54-56 MB with it,
+    and peaked at 143-164 MB without, 134-154 MB with (`infer_gpt`, 2-core build machine)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        import ctypes
+
+        _malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", False)
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None  # glibc's malloc_trim once looked up; False where the C library has none
+
+
+def mark_memory(device: Any) -> int:
+    """What this process holds now where `device` (a ``torch.device``) keeps tensors, with the peak
+    reset to it: CUDA's allocator for a CUDA device, else the resident memory (``mark_peak``)."""
+    if getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
+        return int(torch.cuda.memory_allocated(device))
+    return mark_peak()
+
+
+def peak_memory(device: Any) -> int:
+    """The peak since ``mark_memory(device)``, measured as it measured: ``peak_memory(d) -
+    mark_memory(d)`` is how much more the process held at most in between."""
+    if getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(device))
+    return peak_resident_bytes()

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpcdist.model.gpt import GPT, GPTConfig
-from hpcdist.store.hostmem import mark_peak, peak_resident_bytes
+from hpcdist.store.hostmem import mark_memory, peak_memory
 
 if TYPE_CHECKING:
     from hpcdist.runtime.context import JobContext
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 def build(cfg: GPTConfig, ctx: JobContext, parallel: ParallelParams, precision: Precision) -> tuple[GPT, nn.Module]:
     """The model (from torch's global generator, as ``GPT(cfg)``) and the module the steps run:
     under DDP a whole copy on every rank; under FSDP2 each rank's shard, never the whole."""
-    before = _mark(ctx.device)
+    before = mark_memory(ctx.device)
     if not parallel.fsdp:
         model = GPT(cfg).to(ctx.device)
         net = wrap(model, ctx, parallel, precision)
@@ -52,24 +52,8 @@ def build(cfg: GPTConfig, ctx: JobContext, parallel: ParallelParams, precision: 
     held, whole = held_bytes(model)
     ctx.log.info("model set-up: this rank holds %.1f MB of the model's %.1f MB of parameters; "
                  "its peak %s memory grew %.1f MB", held / 1e6, whole / 1e6,
-                 "GPU" if ctx.device.type == "cuda" else "host", (_peak(ctx.device) - before) / 1e6)
+                 "GPU" if ctx.device.type == "cuda" else "host", (peak_memory(ctx.device) - before) / 1e6)
     return model, net
-
-
-def _mark(device: torch.device) -> int:
-    """What the rank holds now where its model lives, with the peak reset to it."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return int(torch.cuda.memory_allocated(device))
-    return mark_peak()
-
-
-def _peak(device: torch.device) -> int:
-    """The rank's peak memory since ``_mark`` where its model lives: CUDA's allocator, else the
-    process's resident memory (which sees torch's allocations, unlike tracemalloc)."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return peak_resident_bytes()
 
 
 def init_shards(model: GPT) -> None:
