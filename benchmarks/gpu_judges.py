@@ -332,18 +332,27 @@ def judge_cuda_results(returned: Mapping[str, Any], attrs: Mapping[str, Any], ta
                    f"on {returned.get('device')}, written to {Path(str(returned.get('result', '-'))).name}")
 
 
+LOAD_BUCKET_BYTES = 64 * 2**20  # infer_gpt's default bucket_mb: what rank 0 reads and broadcasts at a time
+
+
 def judge_infer(dtype: str, params: int, vocab: int, d_model: int, weight_bytes: int, kv_bytes: int,
-                peak_bytes: int) -> Row:
-    """infer_gpt in bfloat16: the weights held at 2 bytes a value (with the head's transposed copy)."""
+                peak_bytes: int, load_peak_bytes: int) -> Row:
+    """infer_gpt in bfloat16: the weights held at 2 bytes a value (with the head's transposed copy),
+    and `load: broadcast` streamed: the load's device peak is the model plus about one bucket (a
+    bucket in flight and its received copy), never the checkpoint's whole float32 copy beside it."""
     want = 2 * (params + vocab * d_model)
     problems = []
     if dtype != "bfloat16":
         problems.append(f"dtype {dtype}")
     if not abs(weight_bytes - want) < 0.01 * want:
         problems.append(f"weights hold {weight_bytes / 1e6:.0f} MB, not {want / 1e6:.0f} MB")
+    bound = 1.05 * weight_bytes + 2 * LOAD_BUCKET_BYTES
+    if not 0 < load_peak_bytes <= bound:
+        problems.append(f"the load's device peak {load_peak_bytes / 1e6:.0f} MB is not within the weights and two "
+                        f"buckets ({bound / 1e6:.0f} MB): the model was not streamed")
     return verdict("infer_gpt bfloat16 memory", problems,
                    f"weights {weight_bytes / 1e6:.0f} MB, KV {kv_bytes / 1e6:.0f} MB, "
-                   f"device peak {peak_bytes / 1e6:.0f} MB",
+                   f"device peak {peak_bytes / 1e6:.0f} MB, load peak {load_peak_bytes / 1e6:.0f} MB",
                    f"dtype {dtype}; ({params / 1e6:.0f}M params + the head's transposed copy) x 2 bytes = "
                    f"{want / 1e6:.0f} MB; float32 would hold twice")
 

@@ -361,7 +361,8 @@ class Checker:
             ranks = read_table(f["ranks"])
             cfg = GPTConfig(**json.loads(f.attrs["model_config_json"]))
         self.add(judge_infer(dtype, cfg.num_params(), cfg.vocab_size, cfg.d_model, int(ranks["weight_bytes"][0]),
-                             int(ranks["kv_cache_peak_bytes"][0]), int(ranks["device_peak_bytes"][0])))
+                             int(ranks["kv_cache_peak_bytes"][0]), int(ranks["device_peak_bytes"][0]),
+                             int(ranks["load_peak_bytes"][0])))
 
     def staging(self) -> None:
         report = self.work / "staging.json"

@@ -338,9 +338,12 @@ def test_cuda_tensors_must_reach_the_result_file_as_numbers() -> None:
 def test_bfloat16_inference_must_hold_two_bytes_a_weight() -> None:
     params, vocab, d = 124_439_808, 50257, 768
     want = 2 * (params + vocab * d)
-    assert judges.judge_infer("bfloat16", params, vocab, d, want, 27_000_000, 836_000_000).status == "ok"
-    assert "weights hold" in judges.judge_infer("bfloat16", params, vocab, d, 2 * want, 1, 1).detail
-    assert "dtype float32" in judges.judge_infer("float32", params, vocab, d, want, 1, 1).detail
+    streamed = want + 70_000_000
+    assert judges.judge_infer("bfloat16", params, vocab, d, want, 27_000_000, 836_000_000, streamed).status == "ok"
+    assert "weights hold" in judges.judge_infer("bfloat16", params, vocab, d, 2 * want, 1, 1, streamed).detail
+    assert "dtype float32" in judges.judge_infer("float32", params, vocab, d, want, 1, 1, streamed).detail
+    whole = want + 4 * (params + vocab * d)  # the checkpoint's float32 copy held beside the model
+    assert "was not streamed" in judges.judge_infer("bfloat16", params, vocab, d, want, 1, 1, whole).detail
 
 
 STAGING = {"device": "cuda", "bytes": 1_082_130_432, **dict.fromkeys(judges.STAGING_CHECKS, True),
