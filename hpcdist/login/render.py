@@ -76,6 +76,8 @@ class Origin:
     @property
     def array_size(self) -> int | None:
         """How many tasks the job array has (None: not an array)."""
+        if not self.sweeps:  # the sweep module loads only for a sweep (every render asks this)
+            return self.tasks
         from hpcdist.config.sweep import tasks
 
         return len(tasks(self.sweeps)) or self.tasks
@@ -279,9 +281,10 @@ def render_script(spec: JobSpec, site: Site, origin: Origin, excluded: Exclusion
         "env": sorted(env.items()),
         "prelude": [Shell(line) for line in launcher.prelude(plan)],
         "launch_time_var": Shell(LAUNCH_TIME_VAR),
-        # A job that may run again on fewer nodes (hpcdist.login.nodefail shrinks it while it is pending):
-        # Slurm keeps the submission's task count in SLURM_NTASKS, which srun and mpirun read.
-        "tasks_per_node": spec.resources.tasks_per_node if spec.resources.min_nodes else 0,
+        # Any job may run again on fewer nodes (hpcdist.login.nodefail shrinks a pending one that resizes:
+        # min_nodes, its kind, or hpcdist checkpoints found only then): Slurm keeps the submission's task
+        # count in SLURM_NTASKS, which srun and mpirun read, so the script takes it from the run's nodes.
+        "tasks_per_node": spec.resources.tasks_per_node,
         "launch": [Shell(line) for line in launcher.command(plan).splitlines()],
         # the ranks run in an image without Slurm's commands: the batch step asks for them
         "container": container.runtime if container else "",

@@ -34,6 +34,9 @@ export OMP_NUM_THREADS=12
 export SUBMITIT_PREEMPTION_SIGNAL=USR2
 export UCX_TLS=rc,sm,cuda_copy,cuda_ipc
 export SUBMITIT_EXECUTOR=slurm
+# the nodes of this run (fewer after a node failure) times the tasks per node: srun inherits the
+# submission's count, and a run on fewer nodes fails "More processors requested than permitted"
+export SLURM_NTASKS=$((SLURM_JOB_NUM_NODES * 4)) SLURM_NPROCS=$((SLURM_JOB_NUM_NODES * 4))
 HPCDIST_HEAD_ADDR=$(/opt/hpcdist/bin/python -m hpcdist.runtime.agent --address ib0) || exit 1
 HPCDIST_RDZV_PORT=$(/opt/hpcdist/bin/python -m hpcdist.runtime.agent --free-port) || exit 1
 export HPCDIST_HEAD_ADDR HPCDIST_RDZV_PORT

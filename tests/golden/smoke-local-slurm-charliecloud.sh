@@ -21,6 +21,9 @@ export HPCDIST_SUBMITTED_WITH='(versions)'
 export OMP_NUM_THREADS=1
 export SUBMITIT_PREEMPTION_SIGNAL=USR2
 export SUBMITIT_EXECUTOR=slurm
+# the nodes of this run (fewer after a node failure) times the tasks per node: srun inherits the
+# submission's count, and a run on fewer nodes fails "More processors requested than permitted"
+export SLURM_NTASKS=$((SLURM_JOB_NUM_NODES * 2)) SLURM_NPROCS=$((SLURM_JOB_NUM_NODES * 2))
 
 # ---- each rank runs in a container (charliecloud, image /shared/images/pytorch); srun, mpirun and this
 # ---- script's own hpcdist steps run outside it, and so does what the ranks ask of Slurm, which

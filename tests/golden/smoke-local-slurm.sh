@@ -19,6 +19,9 @@
 export OMP_NUM_THREADS=1
 export SUBMITIT_PREEMPTION_SIGNAL=USR2
 export SUBMITIT_EXECUTOR=slurm
+# the nodes of this run (fewer after a node failure) times the tasks per node: srun inherits the
+# submission's count, and a run on fewer nodes fails "More processors requested than permitted"
+export SLURM_NTASKS=$((SLURM_JOB_NUM_NODES * 2)) SLURM_NPROCS=$((SLURM_JOB_NUM_NODES * 2))
 
 # ---- this run's nodes (its batch output is where a requeued run reads its earlier runs when it
 # ---- cannot read Slurm's accounting); a run Slurm requeued: its node failures recorded and

@@ -34,6 +34,9 @@ export OMP_NUM_THREADS=12
 export SUBMITIT_PREEMPTION_SIGNAL=USR2
 export UCX_NET_DEVICES=mlx5_0:1
 export SUBMITIT_EXECUTOR=slurm
+# the nodes of this run (fewer after a node failure) times the tasks per node: srun inherits the
+# submission's count, and a run on fewer nodes fails "More processors requested than permitted"
+export SLURM_NTASKS=$((SLURM_JOB_NUM_NODES * 8)) SLURM_NPROCS=$((SLURM_JOB_NUM_NODES * 8))
 
 # ---- each rank runs in a container (pyxis, image 'nvcr.io#nvidia/pytorch:24.10-py3'); srun, mpirun and this
 # ---- script's own hpcdist steps run outside it, and so does what the ranks ask of Slurm, which
