@@ -23,7 +23,11 @@ $(STAMP): pyproject.toml | $(PY)
 system-deps:
 	bash cluster/install-deps.sh
 
+# pip's editable install leaves hpcdist's own modules uncompiled; where PYTHONDONTWRITEBYTECODE is set
+# (as on this machine), every command then compiled them from source: `hpcdist render` took about 1.4x
+# the import of its libraries instead of 1.3x (docs/performance.md). Quick when nothing changed.
 install: system-deps $(STAMP)
+	$(PY) -m compileall -q hpcdist
 
 # The demo: smoke job, a token file from this repo's README and docs and Python's own documentation
 # (pydoc_data, on every install: nothing downloaded), ~3 minutes of training on 2 local ranks with

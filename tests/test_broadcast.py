@@ -93,8 +93,40 @@ def test_a_big_tensor_goes_alone_from_rank_zeros_storage() -> None:
     want = _digests(_big_source(DIRECT_BYTES))
     outs = run_ranks(2, _big)
     assert [o["digests"] for o in outs] == [want, want]
-    assert outs[0]["own"] == ["a", "big"]  # each alone in its bucket, sent as it lies; b and c packed
-    assert outs[0]["buckets"] == 3  # [a] [big] [b, c]
+    assert outs[0]["own"] == ["big"]  # alone in its bucket, sent as it lies
+    assert outs[0]["buckets"] == 2  # [big] [c, a, b]: the small ones together, `a` (before `big`) too
     # already laid out in the flat buffer, the big tensor shares the one bucket: nothing to copy either way
     assert [o["placed"] for o in outs] == [want, want]
     assert [o["placed_buckets"] for o in outs] == [1, 1]
+
+
+def _layers(n: int) -> dict[str, torch.Tensor]:
+    """A model's shape in small: per layer a weight just over the direct size and two small tensors."""
+    from hpcdist.infer.broadcast import DIRECT_BYTES
+
+    g = torch.Generator().manual_seed(5)
+    out = {}
+    for i in range(n):
+        out[f"ln{i}"] = torch.randn(64, generator=g)
+        out[f"w{i}"] = torch.randn(DIRECT_BYTES // 4 + 64, generator=g)
+        out[f"b{i}"] = torch.randn(64, generator=g)
+    return out
+
+
+def _layered(rank: int, world: int) -> dict[str, Any]:
+    from hpcdist.infer.broadcast import broadcast_state
+
+    src = _layers(4) if rank == 0 else None
+    got, stats = broadcast_state(src, torch.device("cpu"))  # a fresh buffer, one 64 MB bucket at most
+    own = sorted(k for k, v in got.items() if src is not None and v.data_ptr() == src[k].data_ptr())
+    return {"digests": _digests(got), "own": own, "buckets": stats.buckets}
+
+
+def test_a_layered_state_goes_in_one_broadcast_per_big_tensor_and_one_for_the_rest() -> None:
+    """Each collective costs rank 0 about what copying 1 MB does (gloo here): the 1 MiB weights go
+    as they lie and the eight small tensors, one between each pair of weights, in one bucket."""
+    want = _digests(_layers(4))
+    outs = run_ranks(2, _layered)
+    assert [o["digests"] for o in outs] == [want, want]
+    assert outs[0]["own"] == ["w0", "w1", "w2", "w3"]  # nothing of the weights copied on rank 0
+    assert outs[0]["buckets"] == 5

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -34,14 +35,19 @@ print(json.dumps({"code": code, "modules": sorted(sys.modules)}))
 """
 
 
-def modules_after(*argv: str) -> list[str]:
+def probe(*argv: str) -> tuple[list[str], str]:
+    """The modules loaded by `hpcdist ARGV` in a fresh interpreter, and what it wrote to stderr."""
     proc = subprocess.run(
         [sys.executable, "-c", PROBE, *argv], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True, text=True, timeout=120, check=True,
     )
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["code"] == 0, proc.stderr
-    return list(out["modules"])
+    return list(out["modules"]), proc.stderr
+
+
+def modules_after(*argv: str) -> list[str]:
+    return probe(*argv)[0]
 
 
 def heavy_in(modules: list[str]) -> list[str]:
@@ -58,6 +64,23 @@ def heavy_in(modules: list[str]) -> list[str]:
 )
 def test_login_commands_import_nothing_heavy(argv: tuple[str, ...]) -> None:
     assert heavy_in(modules_after(*argv)) == []
+
+
+def test_render_loads_logging_and_the_sweep_module_only_when_it_uses_them(tmp_path: Path) -> None:
+    """`render` is the first command every user runs (issue 42, item 4): the site's node health
+    record loads logging only to warn of a file it skips there, and the sweep module loads only
+    for `--sweep`; both still work when they are used."""
+    for site in ("local-slurm", "local"):
+        modules = modules_after("render", "jobs/smoke.yaml", "--site", site)
+        assert {"logging", "hpcdist.config.sweep"} & set(modules) == set()
+    planted = tmp_path / "node-health" / "n9.1.mark.json"
+    planted.parent.mkdir()
+    planted.write_text("not a mark")
+    modules, stderr = probe("render", "jobs/smoke.yaml", "--site", "local-slurm",
+                            "--set", f"site.storage.scratch={tmp_path}")
+    assert "logging" in modules and f"node health: skipped {planted}: not a mark hpcdist wrote" in stderr
+    swept = modules_after("render", "jobs/smoke.yaml", "--site", "local-slurm", "--sweep", "params.label=a,b")
+    assert "hpcdist.config.sweep" in swept
 
 
 def test_rendering_a_kind_imports_only_its_own_params_module() -> None:

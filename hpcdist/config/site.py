@@ -204,7 +204,7 @@ def _others_write(root: Path) -> bool:
     """True when users other than its owner may make entries in `root` (group- or world-writable)."""
     try:
         return bool(os.stat(root).st_mode & 0o022)
-    except OSError:  # not made yet: hpcdist makes it for this user alone
+    except OSError:  # not made yet: whoever makes it owns it, with ``Storage.folder_mode``
         return False
 
 
@@ -238,11 +238,16 @@ class Storage(Frozen):
     )
 
     @property
+    def folder_mode(self) -> int:
+        """`mode`'s folder form (x where r is set: 0750 for 0640): every folder hpcdist makes on
+        this storage, a missing root included, whichever command makes it first."""
+        return self.mode | (self.mode & 0o444) >> 2
+
+    @property
     def umask(self) -> int:
-        """The process umask that gives `mode` to new files and its folder form to new folders:
+        """The process umask that gives `mode` to new files and `folder_mode` to new folders:
         set by the submit side (and so, through sbatch, on the job) and by every rank."""
-        folders = self.mode | (self.mode & 0o444) >> 2
-        return 0o777 & ~folders
+        return 0o777 & ~self.folder_mode
 
     def path(self, root: StorageRoot, *parts: str) -> Path:
         """A path under this user's folder of one root, built from job names, ids and keys through ``under``."""

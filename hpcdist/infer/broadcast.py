@@ -1,14 +1,15 @@
 """Rank 0's weights to every rank, received into one flat buffer, sent with no copy where it can be.
 
-Every rank lays the state out the same way in one byte buffer (`layout`: tensors in order, each
-at a 64-byte aligned offset). The other ranks receive straight into it and get their tensors as
-views of it: no per-tensor allocation and no unpacking copy. Rank 0 sends a big tensor (at least
-``DIRECT_BYTES``) from its own storage in a broadcast of its own, and copies only the small ones
-(biases, layer norms) into shared buckets, so they do not each pay a collective's latency; a
-state already laid out in the buffer (`in_buffer`) is sent as it lies, with nothing packed.
-Packing every byte on rank 0 cost it about as much CPU as the transfer itself, and on two busy
-cores that did not overlap the sending. Every broadcast is started at once (async); they run on
-the backend's threads. A caller that repeats the transfer passes the buffer back in (`buffer=`):
+Every rank lays the state out the same way in one byte buffer (`layout`: the tensors from the
+biggest to the smallest, each at a 64-byte aligned offset). The other ranks receive straight into
+it and get their tensors as views of it: no per-tensor allocation and no unpacking copy. Rank 0
+sends a big tensor (`direct_bytes`) from its own storage in a broadcast of its own, and copies
+only the small ones (biases, layer norms), which lie together, into one shared bucket (or a few),
+so they do not each pay a collective's cost; a state already laid out in the buffer (`in_buffer`)
+is sent as it lies, with nothing packed. Packing every byte on rank 0 cost it about as much CPU
+as the transfer itself, and on two busy cores that did not overlap the sending. Every broadcast
+is started at once (async), the big tensors' first, while rank 0 packs the small ones; they run
+on the backend's threads. A caller that repeats the transfer passes the buffer back in (`buffer=`):
 touching a fresh buffer's pages costs about half the transfer time on a virtual machine.
 ``bucket_bytes`` <= 0 sends tensor by tensor (the baseline). The other ranks learn names, shapes
 and dtypes from a small object broadcast first (or `meta=`), so they need no checkpoint and no
@@ -32,10 +33,15 @@ from hpcdist.bench.factors import algbw, busbw
 Meta = list[tuple[str, tuple[int, ...], str]]  # name, shape, dtype
 ALIGN = 64  # bytes: each tensor's offset in the flat buffer, so any dtype can view its part
 # A tensor at least this big goes alone, from the source's own storage: copying it into a bucket
-# would cost more than one more collective. On gloo here a collective costs 0.1-0.5 ms (quiet to
-# busy machine) and a copy 0.1-0.2 ms per MB; at 4 MiB GPT-2 small goes in 74 broadcasts with
-# 32 MB copied, instead of 7 with all 498 MB copied.
-DIRECT_BYTES = 4 << 20
+# would cost more than one more collective. On gloo here a collective costs 0.15-0.35 ms and rank
+# 0 copies at 5.5-8 GB/s (`benchmarks/infer_broadcast.py --profile`): they tie near 1-2.5 MB. With
+# the small tensors together (`buffer_order`) GPT-2 small goes in 51 broadcasts with 0.5 MB copied
+# (74 with 32 MB copied at 4 MiB with them in between); from 1 to 4 MiB measured alike.
+DIRECT_BYTES = 1 << 20
+# On a GPU the size it had before, not measured (no two GPUs here): a device copy runs at 3x NVLink
+# and 20x InfiniBand and an NCCL call costs 10-30 us, which would put it near 10-45 MB there
+# (docs/performance.md, "Weight broadcast from rank 0").
+DIRECT_BYTES_GPU = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -96,17 +102,20 @@ def _sendable(tensor: torch.Tensor, shape: tuple[int, ...], dtype: str, device: 
 
 
 def _source_plan(
-    state: dict[str, torch.Tensor], meta: Meta, sizes: list[int], offsets: list[int], device: torch.device,
-    buffer: torch.Tensor | None, bucket_bytes: int,
+    state: dict[str, torch.Tensor], meta: Meta, order: list[int], sizes: list[int], offsets: list[int],
+    device: torch.device, buffer: torch.Tensor | None, bucket_bytes: int,
 ) -> list[list[int]]:
-    """The source's buckets: a big tensor (``DIRECT_BYTES``) that it can send from its own storage
-    goes alone; tensors already in place in `buffer` and small ones share buckets."""
+    """The source's buckets, as positions in `order` (the buffer's): a big tensor (`direct_bytes`)
+    that it can send from its own storage goes alone; tensors already in place in `buffer` and
+    small ones share buckets."""
+    direct = direct_bytes(device)
     alone = []
-    for (name, shape, dtype), n, off in zip(meta, sizes, offsets, strict=True):
+    for i in order:
+        name, shape, dtype = meta[i]
         t = state[name]
-        placed = buffer is not None and t.data_ptr() == buffer.data_ptr() + off
-        alone.append(n >= DIRECT_BYTES and not placed and _sendable(t, shape, dtype, device))
-    return plan_buckets(meta, bucket_bytes, alone)
+        placed = buffer is not None and t.data_ptr() == buffer.data_ptr() + offsets[i]
+        alone.append(sizes[i] >= direct and not placed and _sendable(t, shape, dtype, device))
+    return plan_buckets([meta[i] for i in order], bucket_bytes, alone)
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
@@ -117,13 +126,28 @@ def describe(state: dict[str, torch.Tensor]) -> Meta:
     return [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()]
 
 
+def direct_bytes(device: torch.device) -> int:
+    """The size from which rank 0 sends a tensor alone, as it lies, on `device`."""
+    return DIRECT_BYTES if device.type == "cpu" else DIRECT_BYTES_GPU
+
+
+def buffer_order(meta: Meta) -> list[int]:
+    """The tensors' indices in the flat buffer's order: from the biggest to the smallest (equal
+    sizes in `meta`'s order). Whatever the threshold, the small tensors lie together, so rank 0
+    packs them into one or a few buckets (not one between each pair of big tensors), and the big
+    ones, which go as they lie, are sent first while rank 0 packs the small ones."""
+    sizes = [_nbytes(shape, dtype) for _, shape, dtype in meta]
+    return sorted(range(len(meta)), key=lambda i: -sizes[i])
+
+
 def layout(meta: Meta) -> tuple[list[int], int]:
-    """Each tensor's byte offset in the flat buffer, and the buffer's size."""
-    offsets = []
+    """Each tensor's byte offset in the flat buffer (in `buffer_order`), and the buffer's size."""
+    offsets = [0] * len(meta)
     end = 0
-    for _, shape, dtype in meta:
+    for i in buffer_order(meta):
+        _, shape, dtype = meta[i]
         start = -(-end // ALIGN) * ALIGN
-        offsets.append(start)
+        offsets[i] = start
         end = start + _nbytes(shape, dtype)
     return offsets, end
 
@@ -223,16 +247,19 @@ def broadcast_state(
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     # The source alone knows which tensors are in place or big enough to go as they lie: it
-    # decides the buckets and tells the others in one small broadcast (a 1 where a bucket starts).
+    # decides the buckets and tells the others in one small broadcast (a 1 where a bucket starts,
+    # in the buffer's order); a bucket is a run of tensors that lie one after the other there.
+    order = buffer_order(meta)
     starts = torch.zeros(len(meta), dtype=torch.uint8, device=device)
     if is_src:
         assert state is not None
-        starts[[b[0] for b in _source_plan(state, meta, sizes, offsets, device, buffer, bucket_bytes)]] = 1
-    dist.broadcast(starts, src=src, group=group)
+        plan = _source_plan(state, meta, order, sizes, offsets, device, buffer, bucket_bytes)
+        starts[[b[0] for b in plan]] = 1
+    # the source does not wait for the plan to arrive before it starts sending (a round trip less)
+    works = [dist.broadcast(starts, src=src, group=group, async_op=is_src)]
     first = [i for i, v in enumerate(starts.tolist()) if v]
-    buckets = [list(range(a, b)) for a, b in zip(first, [*first[1:], len(meta)], strict=True)]
+    buckets = [order[a:b] for a, b in zip(first, [*first[1:], len(meta)], strict=True)]
     out: dict[str, torch.Tensor] = {}
-    works = []
     for bucket in buckets:  # every broadcast starts at once; the source packs the next while one goes
         if is_src:
             assert state is not None
@@ -245,8 +272,8 @@ def broadcast_state(
         assert buffer is not None
         out = {name: view for (name, _, _), view in zip(meta, _views(meta, buffer, offsets), strict=True)}
     for work in works:
-        assert work is not None
-        work.wait()
+        if work is not None:  # (None: the receivers' plan, received before)
+            work.wait()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0

@@ -2,13 +2,13 @@
 
 Editing the code after submitting (or before a requeue) then changes nothing in the job. In a
 git checkout only the files git would keep are copied (tracked plus untracked-not-ignored, as
-``git ls-files -co --exclude-standard`` lists them), and a git that fails there (not installed,
-"dubious ownership") is an error, never a reason to copy everything; elsewhere every file but
-caches and dot-files. Either way a file whose name looks secret (``.env``, ``credentials.json``,
-``*.pem``, ``id_rsa``, a name with ``secret``, ``token`` or ``password`` in it) or that is a
-link out of the tree is left out, and the caller says which. A copy is never more readable than
-its source (a 0600 file stays 0600 under a 0640 storage mode). A size limit keeps a data
-directory from being copied by mistake. Standard library only.
+``git ls-files -co --exclude-standard`` lists them, in another user's checkout too), and a git
+that fails there (not installed, a broken worktree) is an error, never a reason to copy
+everything; elsewhere every file but caches and dot-files. Either way a file whose name looks
+secret (``.env``, ``credentials.json``, ``*.pem``, ``id_rsa``, a name with ``secret``, ``token``
+or ``password`` in it) or that is a link out of the tree is left out, and the caller says which.
+A copy is never more readable than its source (a 0600 file stays 0600 under a 0640 storage
+mode). A size limit keeps a data directory from being copied by mistake. Standard library only.
 """
 
 from __future__ import annotations
@@ -108,11 +108,12 @@ def _git_files(src: Path) -> list[Path] | None:
     checkout = _checkout(src)
     if checkout is None:
         return None
-    fix = (f"fix git there (for \"dubious ownership\": git config --global --add safe.directory {checkout}), "
-           f"or set params.snapshot=false to run the code where it is")
+    fix = "fix git there, or set params.snapshot=false to run the code where it is"
     try:
-        proc = subprocess.run(
-            ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        proc = subprocess.run(  # a colleague's checkout (git's "dubious ownership") is listed too: its
+            # code is what the user asked to run, and its config can start no program here (fsmonitor off)
+            ["git", "-c", f"safe.directory={checkout}", "-c", "core.fsmonitor=false",
+             "ls-files", "-co", "--exclude-standard", "-z"],
             cwd=src, capture_output=True, check=False, timeout=60,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:

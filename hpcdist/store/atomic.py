@@ -9,6 +9,7 @@ file, if any, is untouched.
 from __future__ import annotations
 
 import os
+import stat
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -64,6 +65,23 @@ def storage_umask(mask: int) -> Iterator[None]:
         yield
     finally:
         os.umask(old)
+
+
+def make_folders(path: Path, mode: int) -> None:
+    """`path` and every missing folder above it, each made with `mode` whatever the process umask
+    (``Storage.folder_mode``: a storage root is as the site says, even when a command that does
+    not set the storage umask, such as a node mark from a login shell, makes it first). Folders
+    that exist are left as they are, as is one another process makes at the same moment."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode)
+        except FileExistsError:
+            continue
+        os.chmod(folder, mode | (os.stat(folder).st_mode & stat.S_ISGID))  # the parent's setgid stays
 
 
 def is_temporary(path: Path) -> bool:

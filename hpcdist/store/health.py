@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import re
 import socket
@@ -31,7 +30,7 @@ from typing import Literal, get_args
 from hpcdist.config.paths import node_health
 from hpcdist.config.site import Site, Storage
 from hpcdist.errors import ConfigError
-from hpcdist.store.atomic import atomic_path, is_temporary
+from hpcdist.store.atomic import atomic_path, is_temporary, make_folders
 
 Source = Literal["preflight", "node_failure", "timeout", "user"]
 SOURCES: tuple[str, ...] = get_args(Source)
@@ -40,7 +39,14 @@ KEEP_S = 30 * 24 * 3600.0  # a mark older than this is removed by the next write
 _NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SUFFIX = ".mark.json"
 MAX_MARK_BYTES = 16384  # a mark is a few hundred bytes; anything bigger is not one
-log = logging.getLogger("hpcdist")
+
+
+def _warn(message: str, *args: object) -> None:
+    """A skipped mark, on the "hpcdist" logger; logging loads here, not with the module: every
+    Slurm ``render`` reads the record, and hardly ever finds a file to skip."""
+    import logging
+
+    logging.getLogger("hpcdist").warning(message, *args)
 
 
 @dataclass(frozen=True)
@@ -68,11 +74,14 @@ class Mark:
 Where = Site | Storage | Path
 
 
+def _storage(where: Where) -> Storage | None:
+    return where.storage if isinstance(where, Site) else where if isinstance(where, Storage) else None
+
+
 def folder(where: Where) -> Path:
     """The record's folder: a site's or storage's ``node_health`` path, or a folder given as is."""
-    if isinstance(where, Site):
-        where = where.storage
-    return node_health(where) if isinstance(where, Storage) else Path(where)
+    storage = _storage(where)
+    return Path(str(where)) if storage is None else node_health(storage)
 
 
 def check_node(node: str) -> str:
@@ -88,9 +97,13 @@ def _one_line(text: str, limit: int = 400) -> str:
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
-def _make_folder(path: Path) -> None:
+def _make_folder(path: Path, storage: Storage | None) -> None:
+    """The record's folder, 0775 (the group marks and clears); a missing scratch root above it is
+    made as the site's ``storage.mode`` says, not as the marking shell's umask would leave it."""
     if path.is_dir():
         return
+    if storage is not None:
+        make_folders(path.parent, storage.folder_mode)
     path.mkdir(parents=True, exist_ok=True)
     try:
         os.chmod(path, FOLDER_MODE)  # the umask may have taken the group's bits
@@ -117,7 +130,7 @@ def mark(where: Where, node: str, reason: str, job_id: str = "", source: Source 
     user = current_user()  # a reader takes the author from the file's owner anyway
     entry = Mark(node, _one_line(reason), time.time(), _one_line(job_id, 40), source, user, socket.gethostname())
     path = folder(where)
-    _make_folder(path)
+    _make_folder(path, _storage(where))
     name = f"{node}.{time.time_ns()}-{os.getpid()}-{uuid.uuid4().hex[:8]}{_SUFFIX}"
     with atomic_path(path / name, mode=FILE_MODE) as tmp:
         with open(tmp, "w") as fh:
@@ -137,12 +150,12 @@ def _read(path: Path) -> Mark | None:
                  _one_line(str(data["job_id"]), 40), str(data["source"]), owner,
                  _one_line(str(data["host"]), 128))
     except _Skipped as exc:
-        log.warning("node health: skipped %s", exc)
+        _warn("node health: skipped %s", exc)
         return None
     except OSError:  # removed meanwhile
         return None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        log.warning("node health: skipped %s: not a mark hpcdist wrote (%s)", path, type(exc).__name__)
+        _warn("node health: skipped %s: not a mark hpcdist wrote (%s)", path, type(exc).__name__)
         return None
     return m if _NODE.fullmatch(m.node) and m.source in SOURCES else None
 
