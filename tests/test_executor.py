@@ -138,6 +138,20 @@ def python(code: str, *args: str, cwd: Path) -> dict[str, Any]:
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
+def test_a_notebook_that_started_mpi_submits_a_job_whose_ranks_are_their_own(slurm_storage: Path,
+                                                                              tmp_path: Path) -> None:
+    """A process that imported mpi4py (a singleton MPI_Init: PMIX_RANK=0 and the rest in its C
+    environment) submits a 2-node job: its tasks get srun's ranks, not the submitter's (before:
+    every task was rank 0 and waited 60 s for ranks 1-3)."""
+    script = tmp_path / "notebook.py"
+    script.write_text("from mpi4py import MPI\nassert MPI.Is_initialized()\n" + MAIN_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), json.dumps({**SLURM, **storage(slurm_storage)})],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["results"] == ["hi-0-10", "hi-1-10", "hi-2-10", "hi-3-10"]
+
+
 def test_a_main_function_runs_by_value_and_a_new_process_reattaches(slurm_storage: Path, tmp_path: Path) -> None:
     script = tmp_path / "notebook.py"
     script.write_text(MAIN_SCRIPT)

@@ -5,9 +5,16 @@ the GPU machine of issue 40; the answers a CUDA-aware library would give are sto
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import mpi4py
 import pytest
 
-pytest.importorskip("mpi4py")
+# The test process must not start MPI: a singleton MPI_Init puts PMIX_RANK=0 into this process's
+# environment, which every Slurm job it later submits (sbatch exports it) hands to each of its
+# tasks, so that every task took itself for rank 0. The refusal is decided before any MPI call.
+mpi4py.rc.initialize = False
+mpi4py.rc.finalize = False
 
 from mpi4py import MPI  # noqa: E402
 
@@ -16,6 +23,8 @@ from hpcdist.config import load_site  # noqa: E402
 from hpcdist.errors import BenchmarkError, ConfigError  # noqa: E402
 from hpcdist.jobs.registry import load_job  # noqa: E402
 from tests.support.cli import REPO  # noqa: E402
+
+WORLD = SimpleNamespace(Get_rank=lambda: 0, Get_size=lambda: 1)  # a communicator of one rank, no MPI started
 
 
 @pytest.fixture
@@ -30,7 +39,7 @@ def library(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
 
 
 def cuda_path(site_says: bool) -> MPIPath:
-    return MPIPath(MPI.COMM_WORLD, "cuda", "cuda:0", cuda_aware=site_says)
+    return MPIPath(WORLD, "cuda", "cuda:0", cuda_aware=site_says)
 
 
 def test_a_library_that_says_no_is_refused_whatever_the_site_says(library) -> None:  # type: ignore[no-untyped-def]
@@ -58,7 +67,7 @@ def test_a_library_that_says_yes_is_used(library) -> None:  # type: ignore[no-un
 
 def test_numpy_buffers_need_nothing(library) -> None:  # type: ignore[no-untyped-def]
     library(False)
-    assert MPIPath(MPI.COMM_WORLD, "numpy").label == "mpi/numpy"
+    assert MPIPath(WORLD, "numpy").label == "mpi/numpy"
 
 
 GPU_JOB = ["resources.partition=gpu", "resources.gpus_per_node=4", "resources.tasks_per_node=4",

@@ -19,7 +19,7 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hpcdist.errors import SubmitError
@@ -60,7 +60,8 @@ class Answer:
     why: str = ""  # "" when ok; else "`squeue` timed out after 30 s (3 tries)", "... exited 1: ..."
 
 
-def run(argv: Sequence[str], *, retry: bool = True, timeout: float | None = None) -> Answer:
+def run(argv: Sequence[str], *, retry: bool = True, timeout: float | None = None,
+        env: dict[str, str] | None = None) -> Answer:
     """`argv` (a Slurm command) with a timeout, tried again on failure unless `retry` is False
     (commands that must not run twice: sbatch, scontrol requeue). An unknown job id is an answer."""
     program = argv[0]
@@ -73,7 +74,7 @@ def run(argv: Sequence[str], *, retry: bool = True, timeout: float | None = None
         if attempt:
             time.sleep(min(0.5 * 2.0 ** (attempt - 1), 4.0))
         try:
-            proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=limit, check=False)
+            proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=limit, check=False, env=env)
         except subprocess.TimeoutExpired:
             why = f"`{program}` did not answer within {limit:g} s ({_TIMEOUT_HINT})"
             continue
@@ -234,9 +235,25 @@ class Refused(SubmitError):
     """sbatch did not queue the job (its own error line, or why it could not be asked)."""
 
 
+# What a launch (mpirun, srun --mpi=pmix, or a singleton MPI_Init in a notebook) sets for one
+# process: its place in *that* launch. sbatch exports the submitter's environment to every task,
+# where these came before srun's own: every task of a job submitted from such a process took
+# itself for rank 0 (PMIX_RANK=0) and waited for ranks that never joined.
+_LAUNCH_IDENTITY = ("PMIX_", "PMI_RANK", "PMI_SIZE", "PMI_FD", "OMPI_COMM_WORLD_", "OMPI_MCA_ess",
+                    "OMPI_MCA_orte_launch", "OMPI_MCA_orte_ess_")
+
+
+def submit_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment sbatch hands the job: the submitter's (`env`, Python's view of it, which a
+    library's later C-level setenv such as MPI_Init's does not reach), less the launch identity
+    of the submitting process."""
+    return {k: v for k, v in env.items() if not k.startswith(_LAUNCH_IDENTITY)}
+
+
 def sbatch(script: str | os.PathLike[str]) -> str:
     """Submit a batch script; Slurm's job id. Once, with the timeout: a retry could queue it twice."""
-    answer = run(["sbatch", "--parsable", os.fspath(script)], retry=False, timeout=max(timeout_s(), 60.0))
+    answer = run(["sbatch", "--parsable", os.fspath(script)], retry=False, timeout=max(timeout_s(), 60.0),
+                 env=submit_env(os.environ))
     if not answer.ok:
         raise Refused(answer.why)
     job_id = answer.out.strip().split(";")[0]  # --parsable: "ID" or "ID;CLUSTER"
