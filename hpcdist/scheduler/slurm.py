@@ -1,15 +1,11 @@
 """The one client of Slurm's commands: sbatch, squeue, sacct, scontrol, scancel, sinfo.
 
-Every call has a timeout and is tried again when it fails or times out (slurmctld restarting, a
-busy controller); what still fails after the last try means *unknown*, never *gone*: only a
-successful answer that does not list a job counts as its absence (``Reading.absent``). Job ids
-are checked once, here, before they reach a command line. ``Watcher`` batches the queries of
-many jobs into one squeue and one sacct call and caches them for a few seconds, as submitit's
-``SlurmInfoWatcher`` does, so a table of fifty jobs or fifty waiters cost two calls, not a hundred.
-
-The limits are settings, not constants spread through the code: ``HPCDIST_SLURM_TIMEOUT_S``
-(default 30 s a call) and ``HPCDIST_SLURM_TRIES`` (default 3). Standard library only: both sides
-import it (the nodes requeue and check claims through it).
+Every call has a timeout (``HPCDIST_SLURM_TIMEOUT_S``, 30 s) and is tried again when it fails or
+times out (``HPCDIST_SLURM_TRIES``, 3: slurmctld restarting, a busy controller); what still fails
+means *unknown*, never *gone*: only a successful answer that does not list a job counts as its
+absence (``Reading.absent``). Job ids are checked once, here, before they reach a command line.
+``Watcher`` batches the queries of many jobs into one squeue and one sacct call and caches them,
+as submitit's ``SlurmInfoWatcher`` does. Standard library only: the nodes requeue through it too.
 """
 
 from __future__ import annotations
@@ -85,7 +81,6 @@ def run(argv: Sequence[str], *, retry: bool = True, timeout: float | None = None
             return Answer(True, proc.stdout, proc.stderr)
         why = f"`{' '.join(argv[:2])}` exited {proc.returncode}: {proc.stderr.strip()[:300] or '(no message)'}"
     return Answer(False, why=why + (f" ({attempts} tries)" if attempts > 1 else ""))
-
 
 
 # ---------------------------------------------------------------- the queue and the accounting
@@ -235,18 +230,14 @@ class Refused(SubmitError):
     """sbatch did not queue the job (its own error line, or why it could not be asked)."""
 
 
-# What a launch (mpirun, srun --mpi=pmix, or a singleton MPI_Init in a notebook) sets for one
-# process: its place in *that* launch. sbatch exports the submitter's environment to every task,
-# where these came before srun's own: every task of a job submitted from such a process took
-# itself for rank 0 (PMIX_RANK=0) and waited for ranks that never joined.
+# A launch's identity of one process (mpirun, srun --mpi=pmix, a notebook's singleton MPI_Init):
+# exported by sbatch to every task, PMIX_RANK=0 made each task of the job take itself for rank 0.
 _LAUNCH_IDENTITY = ("PMIX_", "PMI_RANK", "PMI_SIZE", "PMI_FD", "OMPI_COMM_WORLD_", "OMPI_MCA_ess",
                     "OMPI_MCA_orte_launch", "OMPI_MCA_orte_ess_")
 
 
 def submit_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The environment sbatch hands the job: the submitter's (`env`, Python's view of it, which a
-    library's later C-level setenv such as MPI_Init's does not reach), less the launch identity
-    of the submitting process."""
+    """What sbatch hands the job: `env` as Python holds it (not MPI_Init's C setenv), less that identity."""
     return {k: v for k, v in env.items() if not k.startswith(_LAUNCH_IDENTITY)}
 
 
