@@ -52,8 +52,11 @@ def main() -> None:
         losses = list(state["losses"].tolist())
         ctx.log.info("resumed from step %d", start)
 
-    def state() -> dict[str, object]:
-        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "losses": torch.tensor(losses)}
+    def state() -> dict[str, object]:  # the same on every rank (DDP): each tensor written once across them
+        return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+    def mine() -> dict[str, object]:  # this rank's own losses come back to this rank
+        return {"losses": torch.tensor(losses)}
 
     for step in range(start + 1, args.steps + 1):
         x, y = batch(step, ctx.rank, ctx.device)
@@ -64,10 +67,10 @@ def main() -> None:
         losses.append(loss.item())
         time.sleep(args.step_s)
         if step % args.every == 0 or step == args.steps:
-            ctx.checkpoints.save(step, state())
+            ctx.checkpoints.save(step, state(), per_rank=mine())
         if ctx.should_stop() and step < args.steps:
             ctx.log.warning("stop requested: checkpointing at step %d and requeueing", step)
-            ctx.checkpoints.save(step, state())
+            ctx.checkpoints.save(step, state(), per_rank=mine())
             ctx.requeue()
     ctx.results.attrs.update(steps=args.steps, final_loss=losses[-1], resumed_from=start)
     ctx.results.table("loss", {"step": list(range(1, len(losses) + 1)), "loss": losses})

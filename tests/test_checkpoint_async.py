@@ -130,6 +130,58 @@ def test_a_pruning_error_reaches_every_rank_as_the_same_error(tmp_path: Path) ->
                                 f"checkpoints failed: Permission denied ({tmp_path / 'step_00000000.h5'})")
 
 
+# What rank 0 shares with the others (a save's error, load_latest's choice, a resume's choice, the
+# committed steps): the plain data share() takes, each kind as it must come back.
+PLAIN: list[object] = ["", "saving step 3 failed", (3, ""), (None, "none verified"), [(5, True, "x"), (4, False, "")],
+                       {"path": None}, {"path": "/c/step_00000005.h5", "older": ["/c/step_00000004.h5"]},
+                       {1: 2.5, "n": [1, 2], "f": [0.5], "none": None, "ok": True}, None, 7, 1.5, True, []]
+
+
+def _ranks_sharing_without_pickles(rank: int, world: int, directory: str) -> list[object]:
+    """``ctx.checkpoints`` on 2 ranks with torch's object collectives (the pickling ones) made to
+    fail: share() of each PLAIN value and of a value that is not data, then a save and load_latest."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    def crossed(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a pickle crossed between the ranks")
+
+    names = ("broadcast_object_list", "_object_to_tensor", "_tensor_to_object")
+    kept = {name: getattr(c10d, name) for name in names}  # an AttributeError here: torch renamed them
+    for name in names:
+        setattr(c10d, name, crossed)
+    dist.broadcast_object_list = crossed
+    ctx = rank_context(Path(directory), rank=rank, world=world, job_id="9", name="share",
+                       checkpoint_dir=Path(directory))
+    try:
+        got = [ctx.checkpoints.share(v if rank == 0 else "not rank 0's", "a value") for v in PLAIN]
+        try:
+            refused = str(ctx.checkpoints.share(Path(directory) if rank == 0 else None, "a path"))
+        except CheckpointError as exc:
+            refused = str(exc)
+        # rank 0's state in one file: at 2 ranks the default is the sharded save, whose planning is
+        # DCP's own (it gathers and scatters its plans as pickles; issue 42 item 2)
+        ctx.checkpoints.save(2, {"w": torch.arange(4.0)}, replicated=False)
+        latest = ctx.checkpoints.load_latest()
+        assert latest is not None
+        return [got, refused, latest[0], latest[1]["w"].tolist()]
+    finally:
+        for name in names:
+            setattr(c10d, name, kept[name])
+        dist.broadcast_object_list = kept["broadcast_object_list"]
+        ctx.release()
+
+
+def test_share_sends_data_not_pickles_and_every_rank_gets_what_rank_0_gave(tmp_path: Path) -> None:
+    """Issue 42 item 6: no rank unpickles what another process sent through ``ctx.checkpoints``."""
+    got = run_ranks(2, _ranks_sharing_without_pickles, str(tmp_path), timeout=60)
+    assert got[0][0] == got[1][0] == PLAIN  # == tells a tuple from a list and 1 from "1"
+    assert [type(v) for v in got[1][0]] == [type(v) for v in PLAIN]  # True stays a bool, not 1
+    assert got[0][1] == got[1][1]  # the same one-line error on every rank
+    assert got[1][1].startswith("rank 0 cannot share a path: PosixPath") and "is not plain data" in got[1][1]
+    assert got[0][2:] == got[1][2:] == [2, [0.0, 1.0, 2.0, 3.0]]
+
+
 def test_a_synchronous_save_waits_for_the_background_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Step 100 in the background (its write held for 1 s), then step 200 at once: 200 stays the
     latest, never the older step committed last."""

@@ -6,34 +6,36 @@ While rank 0 writes, verifies or scans, the other ranks wait on a group of their
 timeout is the checkpoint I/O budget (``io_timeout_s``), not the job's collective timeout: a
 large checkpoint on slow storage is not a hang, and every outcome, errors included, reaches
 every rank, which all raise the same one-line error.
-``save`` nests the state, encoded, under ``/state``; ``save_tree`` writes a store tree as it is at
-the file's root, for a layout another reader already knows (the GPT's ``/model`` that
-``infer_gpt`` reads). Either may run in the background: the caller waits only for the copy to
-host memory, and the next save, ``wait`` or ``Context.close`` learns how it ended.
+At one rank (or with ``replicated=False``) ``save`` nests the state, encoded, under ``/state``;
+``save_tree`` writes a store tree as it is at the file's root, for a layout another reader already
+knows (the GPT's ``/model`` that ``infer_gpt`` reads). Either may run in the background: the caller
+waits only for the copy to host memory, and the next save, ``wait`` or ``Context.close`` learns
+how it ended.
 
-Sharded state (DTensors of FSDP2 or tensor parallelism, or any state with ``sharded=True``) takes
-the other path, ``hpcdist.store.sharded``: every rank writes its own shards and rank 0 commits
-the one index, all through DCP on the checkpoint I/O group; ``load_latest(into=state)`` fills a
-state of any layout in place.
+At two ranks or more, and for DTensors (FSDP2, tensor parallelism), ``save`` takes the sharded
+path, ``hpcdist.store.sharded``: every rank writes its own part (each replicated value once) and
+rank 0 commits the one index, all through DCP on the checkpoint I/O group.
+``load_latest(into=state)`` fills a state of any layout in place; ``load_latest()`` gives every
+rank the whole state, read and verified once per node (``hpcdist.store.node_read``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hpcdist.api.codec import decode, encode
+from hpcdist.api.codec import broadcast_data, decode, encode
 from hpcdist.errors import CheckpointError
 from hpcdist.runtime.requeue import Requeues
 
 if TYPE_CHECKING:
-    import logging
-
     from hpcdist.store.checkpoints import SaveStats
     from hpcdist.store.claim import Claim
     from hpcdist.store.manager import CheckpointStore
+    from hpcdist.store.node_read import ReadStats
 
 
 class Owner(Protocol):
@@ -74,6 +76,8 @@ class Checkpoints:
                                                       report=ctx.log.warning)
         self.claim: Claim | None = None
         self.committed: list[SaveStats] = []  # rank 0: every save committed so far, oldest first
+        self.loaded: list[ReadStats] = []  # every whole sharded state this rank loaded (`load_latest()`)
+        self._sharing: Any = None  # the I/O group's ranks by node (``hpcdist.store.node_read.Sharing``)
         error = ""
         if ctx.is_main:
             try:
@@ -87,36 +91,36 @@ class Checkpoints:
                     ctx.log.warning("took over the stale claim of %s on %s", self.claim.took_over.describe(), directory)
             except CheckpointError as exc:
                 error = str(exc)
-        error = ctx.broadcast(error)
+        import torch.distributed as dist
+
+        if dist.is_initialized() and ctx.world_size > 1:  # on the job's group: the I/O group comes below
+            error = broadcast_data(error, ctx.is_main, "its claim on the directory")
         if error:
             raise CheckpointError(error)
         self.io_timeout_s = ctx.io_timeout_s or DEFAULT_IO_TIMEOUT_S
         self._io_group: Any = None
         self._sharded_pending: tuple[Any, Any] | None = None  # (ShardedWriter, Future) of a background save
         self._stager: Any = None  # host buffers of background sharded saves, reused
-        import torch.distributed as dist
-
+        self._in_flight = False  # every rank: a background save of rank 0's file may be in flight
         if dist.is_initialized() and ctx.world_size > 1:  # every rank makes it, here, in the same order
             from datetime import timedelta
 
             self._io_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.io_timeout_s))
 
     def share(self, value: Any, what: str = "a checkpoint") -> Any:
-        """Rank 0's `value` on every rank, waiting up to the I/O budget (rank 0 may be writing)."""
+        """Rank 0's `value` on every rank, waiting up to the I/O budget (rank 0 may be writing).
+        `value` is plain data, sent as data (``broadcast_data``); anything else is one
+        CheckpointError, raised on every rank."""
         if self._io_group is None:
             return value
-        import torch.distributed as dist
-
-        box = [value]
         try:
-            dist.broadcast_object_list(box, src=0, group=self._io_group)
+            return broadcast_data(value, self.ctx.is_main, what, self._io_group)
         except RuntimeError as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             raise CheckpointError(
                 f"rank {self.ctx.rank} waited for rank 0's checkpoint I/O ({what}) in {self.directory}: no answer "
                 f"within the budget of {self.io_timeout_s:g} s (checkpoint.io_timeout_s), or rank 0 is gone ({first})"
             ) from exc
-        return box[0]
 
     @property
     def directory(self) -> Path:
@@ -124,25 +128,27 @@ class Checkpoints:
 
     def save(self, step: int, state: Mapping[str, Any], *, attrs: Mapping[str, Any] | None = None,
              background: bool = False, sharded: bool | None = None, index: Mapping[str, Any] | None = None,
-             replicated: bool = False, per_rank: Mapping[str, Any] | None = None) -> Path:
-        """Commit `state` (a nested dict of tensors, arrays and plain values) as `step` on rank 0;
-        every rank returns once it is committed (once it is copied, with `background`), or raises
-        the same error. Returns where the checkpoint is (or will be once committed).
+             replicated: bool = True, per_rank: Mapping[str, Any] | None = None) -> Path:
+        """Commit `state` (a nested dict of tensors, arrays and plain values) as `step`; every rank
+        returns once it is committed (once it is copied, with `background`), or raises the same
+        error. Returns where the checkpoint is (or will be once committed).
 
-        A state holding DTensors (or any state, with `sharded=True`) is saved sharded: each rank
-        writes its own part, replicated tensors once, and rank 0 commits (``hpcdist.store.sharded``);
-        rank 0's `index`, a store tree of small values, is written into the index file beside the
-        shards' list, where ``hpcdist.store.read(path, groups=...)`` reads it without the shards.
-
-        `replicated=True` says `state` is the same on every rank (DDP's model and optimizer): it then
-        takes the same path, each tensor written once across the ranks, the work spread over them
-        (``sharded=True`` is the same). Without it (and without DTensors) the state is rank 0's, as
-        before: replication is declared, never assumed. `per_rank` holds the values that differ
-        between ranks (RNG states, a data loader's position): each rank's are written by that rank
-        and come back to the same rank (`load_latest`) beside the state, under their own keys.
+        What is not a DTensor is taken to be the same on every rank (DDP's model and optimizer;
+        DCP's rule), so at 2 ranks or more the state is saved sharded: each value written once, the
+        writing spread over the ranks, rank 0 committing (``hpcdist.store.sharded``). The ranks'
+        copies are compared first (``hpcdist.store.replicas``: a sample of each tensor's bytes, all
+        of them when the log is at DEBUG); a value that differs is saved as rank 0 holds it, as an
+        unsharded save would, and named in a warning. `replicated=False` (or `sharded=False`) saves
+        rank 0's state in one file instead; DTensors (FSDP2, tensor parallelism) are saved sharded
+        either way. `per_rank` holds the values that differ between ranks (RNG states, a data
+        loader's position): each rank's are written by that rank and come back to the same rank
+        (`load_latest`). Rank 0's `index`, a store tree of small values, goes into a sharded
+        checkpoint's index file, where ``hpcdist.store.read(path, groups=...)`` reads it alone.
         """
         if sharded is None:
-            sharded = _has_dtensor(state) or replicated or per_rank is not None
+            from hpcdist.store.replicas import holds_dtensor
+
+            sharded = holds_dtensor(state) or per_rank is not None or (replicated and self.ctx.world_size > 1)
         if sharded:
             full = dict(state)
             if per_rank:
@@ -171,16 +177,20 @@ class Checkpoints:
 
     def _save_sharded(self, step: int, state: dict[str, Any], attrs: Mapping[str, Any] | None,
                       background: bool, index: Mapping[str, Any] | None = None) -> Path:
-        from hpcdist.store import sharded
+        from hpcdist.store import replicas, sharded
 
         self.wait()  # the save before this one (either kind), and its error, on every rank
         writer = sharded.ShardedWriter(self.directory, step, attrs=self._commit_attrs(attrs),
                                        keep_last=self.store.keep_last,
                                        identity=self.store.commit_identity if self.ctx.is_main else None,
                                        tree=index if self.ctx.is_main else None)
+        state = sharded.prepare(state, writer, self._io_group, replicated=lambda key: key != PER_RANK,
+                                full=self.ctx.log.isEnabledFor(logging.DEBUG))  # each rank's own part
+        if writer.differing:
+            self.ctx.log.warning("checkpoint step %d: %s", step, replicas.report(writer.differing, self.ctx.rank))
         if background:
             if self._stager is None:
-                self._stager = sharded.Stager(self._io_group, replicated=lambda key: key != PER_RANK)
+                self._stager = sharded.Stager(self._io_group)
             self._sharded_pending = (writer, sharded.save_async(state, writer, self._io_group, self._stager))
         else:
             sharded.save_with(state, writer, self._io_group)
@@ -190,6 +200,7 @@ class Checkpoints:
     def _commit(self, step: int, make: Callable[[], Mapping[str, Any]], epoch: int,
                 attrs: Mapping[str, Any] | None, background: bool) -> Path:
         attrs = self._commit_attrs(attrs)
+        self._in_flight = self._in_flight or background
         error = ""
         if self.ctx.is_main:
             try:
@@ -215,6 +226,9 @@ class Checkpoints:
 
             sharded.wait(pending[1])
             self._record(pending[0].stats)
+        if not self._in_flight:  # no background save of rank 0's file since the last wait: nothing to share
+            return
+        self._in_flight = False
         error = ""
         if self.ctx.is_main:
             try:
@@ -237,7 +251,10 @@ class Checkpoints:
 
     def load_latest(self, into: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]] | None:
         """(step, state) of the newest committed checkpoint that verifies, or None: rank 0 picks
-        the step, every rank loads that one (never a newer one a concurrent writer commits).
+        the step, every rank loads that one (never a newer one a concurrent writer commits). Its
+        tensors are copy-on-write views of the checkpoint's pages, verified once per node
+        (``hpcdist.store.node_read``): ``load_state_dict`` copies them once, and a rank that
+        writes into one gets its own pages then.
 
         With `into`, a state of any layout (DTensors of another mesh or world size, plain tensors
         in one process) is filled in place from a sharded checkpoint, each rank reading and
@@ -246,10 +263,11 @@ class Checkpoints:
         """
         if into is not None:
             return self._load_sharded(into)
+        self.wait()  # a background save in flight uses the I/O group too
         latest, error = None, ""
         if self.ctx.is_main:
             try:
-                latest = self.store.load_latest(self.ctx.log.warning)
+                latest = self.store.load_latest(self.ctx.log.warning, mapped=True)  # views of the file's pages
             except Exception as exc:
                 error = f"looking for the latest checkpoint in {self.directory} failed: {type(exc).__name__}: {exc}"
         step, error = self.share((latest.step if latest is not None else None, error), "its choice of checkpoint")
@@ -257,12 +275,17 @@ class Checkpoints:
             raise CheckpointError(error)
         if step is None:
             return None
-        loaded = latest or self.store.load(step)
+        loaded = latest or self.store.load(step, mapped=True)
         self._restore_counts(loaded.attrs)
         from hpcdist.store import sharded
 
-        if sharded.is_sharded(loaded.attrs):  # the whole state on every rank: for states that fit
-            state = sharded.read_full(loaded.path)
+        if sharded.is_sharded(loaded.attrs):  # the whole state on every rank, read once per node
+            from hpcdist.store.node_read import Sharing
+
+            self._sharing = self._sharing or Sharing(self._io_group)
+            state, stats = self._sharing.read(loaded.path, loaded)
+            self.loaded.append(stats)
+            self.ctx.log.info("%s", stats.describe())
             mine = state.pop(PER_RANK, {}).get(_rank_key(self.ctx.rank))
             if _per_rank_keys(loaded.attrs, self.ctx.rank) is None:
                 self.ctx.log.warning("checkpoint step %d holds no per-rank values of rank %d (saved at another "
@@ -342,15 +365,3 @@ def _per_rank_keys(attrs: Mapping[str, Any], rank: int) -> list[str] | None:
     if not record:
         return []
     return [str(k) for k in record["keys"]] if rank < int(record["world_size"]) else None
-
-
-def _has_dtensor(value: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        return True
-    if isinstance(value, Mapping):
-        return any(_has_dtensor(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return any(_has_dtensor(v) for v in value)
-    return False

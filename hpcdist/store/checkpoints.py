@@ -230,8 +230,10 @@ def _open_failure(path: Path, exc: BaseException) -> CheckpointError:
     return CheckpointError(f"{path}: cannot be read as HDF5 ({text}); truncated or corrupt")
 
 
-def read(path: Path | str, *, groups: tuple[str, ...] | None = None, verify: bool = True) -> Checkpoint:
-    """Root attributes and the named groups (all when None) of a checkpoint, checksums verified."""
+def read(path: Path | str, *, groups: tuple[str, ...] | None = None, verify: bool = True,
+         mapped: bool = False) -> Checkpoint:
+    """Root attributes and the named groups (all when None) of a checkpoint, checksums verified;
+    with `mapped`, its arrays are copy-on-write views of the file (``rawio.read_indexed``)."""
     import h5py
 
     path = Path(path)
@@ -245,7 +247,8 @@ def read(path: Path | str, *, groups: tuple[str, ...] | None = None, verify: boo
             try:
                 if not isinstance(index, str):
                     raise CheckpointError(f"{path}: no index")
-                tree, nbytes = read_indexed(f, path, TreeIndex.from_json(index), names, verify=verify, where=path)
+                tree, nbytes = read_indexed(f, path, TreeIndex.from_json(index), names, verify=verify, where=path,
+                                            mapped=mapped)
             except (CheckpointError, OSError, KeyError, ValueError, TypeError):
                 # no index (an older file) or one that disagrees with the file: HDF5 is the truth
                 tree, nbytes = read_tree({name: f[name] for name in names}, verify=verify, where=path)

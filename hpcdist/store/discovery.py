@@ -47,11 +47,12 @@ class Scan:
         return self
 
 
-def scan(directory: Path | str, *, keep: bool = False) -> Scan:
+def scan(directory: Path | str, *, keep: bool = False, mapped: bool = False) -> Scan:
     """The newest committed checkpoint in `directory` whose checksums verify, and what was skipped.
 
     With `keep`, the verified read of that checkpoint is kept (`Scan.checkpoint`), so a caller
-    that loads it next does not read the file twice.
+    that loads it next does not read the file twice; with `mapped` too, its arrays are views of
+    the file (``checkpoints.read``).
     Only files of the run the pointer names are candidates (any file when no pointer says which):
     another run's files are skipped, never resumed.
     """
@@ -78,7 +79,7 @@ def scan(directory: Path | str, *, keep: bool = False) -> Scan:
                 skipped.append((path, f"written by another run ({_run_name(other)}; {POINTER} names "
                                       f"{_run_name(commit.run)})"))
                 continue
-            loaded = read(path, verify=True)
+            loaded = read(path, verify=True, mapped=mapped and keep)
         except CheckpointError as exc:
             skipped.append((path, str(exc).removeprefix(f"{path}: ")))
             continue

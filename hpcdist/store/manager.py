@@ -162,18 +162,21 @@ class CheckpointStore:
         """Whether an asynchronous save is in flight."""
         return self._pending is not None and not self._pending.done()
 
-    def load(self, step: int, *, groups: tuple[str, ...] | None = None, verify: bool = True) -> checkpoints.Checkpoint:
-        """The checkpoint of `step` (only the named top-level groups, when given), checksums verified."""
-        return checkpoints.read(self.path(step), groups=groups, verify=verify)
+    def load(self, step: int, *, groups: tuple[str, ...] | None = None, verify: bool = True,
+             mapped: bool = False) -> checkpoints.Checkpoint:
+        """The checkpoint of `step` (only the named top-level groups, when given), checksums verified;
+        `mapped`: arrays as copy-on-write views of the file (``checkpoints.read``)."""
+        return checkpoints.read(self.path(step), groups=groups, verify=verify, mapped=mapped)
 
     def scan(self) -> discovery.Scan:
         """The newest committed checkpoint that verifies, and every file skipped with why."""
         return discovery.scan(self.directory)
 
-    def load_latest(self, report: Callable[[str], None] | None = None) -> checkpoints.Checkpoint | None:
-        """The newest committed checkpoint that verifies (read once), or None; skipped files are
-        reported. The store then writes for that checkpoint's run (`continue_run`)."""
-        found = discovery.scan(self.directory, keep=True).tell(report)
+    def load_latest(self, report: Callable[[str], None] | None = None, *,
+                    mapped: bool = False) -> checkpoints.Checkpoint | None:
+        """The newest committed checkpoint that verifies (read once; `mapped`: see `load`), or None;
+        skipped files are reported. The store then writes for that checkpoint's run (`continue_run`)."""
+        found = discovery.scan(self.directory, keep=True, mapped=mapped).tell(report)
         if found.checkpoint is not None and found.run_id is not None:
             self.continue_run(found.run_id)
         return found.checkpoint

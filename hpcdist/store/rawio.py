@@ -462,13 +462,27 @@ def write_tree(f: h5py.Group, tree: Mapping[str, Any], raw: Path | None = None,
 # ---------------------------------------------------------------- reading
 
 
+def _mapping(fd: int) -> Any:
+    """The whole file `fd` mapped copy-on-write (None where it cannot be: read it instead)."""
+    import mmap
+
+    try:
+        size = os.fstat(fd).st_size
+        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
+    except (OSError, ValueError):
+        return None
+
+
 def read_indexed(
-    f: h5py.File, path: Path, index: TreeIndex, names: list[str], *, verify: bool, where: object
+    f: h5py.File, path: Path, index: TreeIndex, names: list[str], *, verify: bool, where: object,
+    mapped: bool = False,
 ) -> tuple[Tree, int]:
     """The top-level groups `names` of checkpoint file `f` (at `path`) read by its `index`.
 
     Group attributes and the `others` come through HDF5; each placed array is read with one
-    `os.preadv` into a new array while a thread pool hashes those already read. Raises
+    `os.preadv` into a new array while a thread pool hashes those already read; with `mapped`
+    each is instead a copy-on-write view of the file's pages (``MAP_PRIVATE``: no copy until one
+    is written; the arrays keep the file mapped while they live), hashed in place. Raises
     CheckpointError if the index disagrees with the file (a dataset moved or missing) and
     ChecksumError if bytes do not match their digest; the caller then reads through HDF5.
     """
@@ -506,9 +520,18 @@ def read_indexed(
             node(parent)[leaf] = from_bits(arr, index.dtypes[name]) if name in index.dtypes else arr
         fd = os.open(path, os.O_RDONLY)
         try:
+            view = _mapping(fd) if mapped else None
             for p in (p for p in index.placed if selected(p.name)):
-                arr = hostmem.empty(p.shape, np.dtype(p.dtype))  # 4 KiB pages: see hostmem
-                if arr.nbytes and os.preadv(fd, [arr.reshape(-1).view(np.uint8).data], p.offset) != arr.nbytes:
+                size = int(np.prod(p.shape, dtype=np.int64)) * np.dtype(p.dtype).itemsize
+                if view is not None and size and p.offset + size <= len(view):
+                    arr = np.frombuffer(view, np.dtype(p.dtype), size // np.dtype(p.dtype).itemsize, p.offset)
+                    arr = arr.reshape(p.shape)
+                elif view is not None and size:  # past the end of the mapping would be SIGBUS
+                    raise CheckpointError(f"{where}: dataset {p.name} lies past the end of the file; truncated")
+                else:
+                    arr = hostmem.empty(p.shape, np.dtype(p.dtype))  # 4 KiB pages: see hostmem
+                if view is None and arr.nbytes and (
+                        os.preadv(fd, [arr.reshape(-1).view(np.uint8).data], p.offset) != arr.nbytes):
                     raise CheckpointError(f"{where}: dataset {p.name} lies past the end of the file; truncated")
                 nbytes += arr.nbytes
                 checks.append((p.name, hash_like(hashing, arr, p.digest) if verify and p.digest else None, p.digest))

@@ -39,12 +39,14 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from hpcdist.errors import CheckpointError
-from hpcdist.store import checkpoints, values
+from hpcdist.store import checkpoints, replicas, values
 from hpcdist.store.directory import checkpoint_name, checkpoints_in, committed_in, step_of
 from hpcdist.store.sharded_layout import (
+    KEYS_ATTR,
     Chunk,
     _failure,
     is_sharded,
+    keys_record,
     purge_wait,
     shards_dir,
 )
@@ -71,12 +73,28 @@ def error_of(exc: BaseException) -> CheckpointError:
 def save(directory: Path | str, step: int, state: dict[str, Any], *, process_group: Any = None,
          attrs: Mapping[str, Any] | None = None, keep_last: int | None = None,
          epoch: int = 0, identity: Callable[[], Mapping[str, Any]] | None = None) -> checkpoints.SaveStats | None:
-    """Every rank of `process_group` saves its part of `state`; committed once. The coordinator's
-    SaveStats (None on other ranks). `identity`: the commit's run, job and claim check
-    (``CheckpointStore.commit_identity``)."""
+    """Every rank of `process_group` saves its part of `state` (each replicated value once, see
+    `prepare`); committed once. The coordinator's SaveStats (None on other ranks). `identity`: the
+    commit's run, job and claim check (``CheckpointStore.commit_identity``)."""
     writer = ShardedWriter(directory, step, epoch=epoch, attrs=attrs, keep_last=keep_last, identity=identity)
-    save_with(state, writer, process_group)
+    save_with(prepare(state, writer, process_group), writer, process_group)
     return writer.stats
+
+
+def prepare(state: dict[str, Any], writer: ShardedWriter, process_group: Any = None, *,
+            replicated: Callable[[str], bool] | None = None, full: bool = False) -> dict[str, Any]:
+    """What this rank hands DCP to save `state` through `writer` (a collective on `process_group`):
+    `state` less the replicated values (everything not a DTensor, under the top-level keys
+    `replicated` accepts) that other ranks write, after comparing them across the ranks
+    (``hpcdist.store.replicas``; every byte with `full`); the values this rank writes though the
+    ranks' copies differ go to ``writer.differing``. The index records the dict keys and empty
+    dicts that DCP's flattening loses (``sharded_layout.keys_record``)."""
+    record = keys_record(state)
+    if record:
+        writer.attrs[KEYS_ATTR] = record
+    split = replicas.split(state, process_group, replicated=replicated, full=full)
+    writer.differing = split.differing
+    return split.state
 
 
 def _no_dist() -> bool:
@@ -108,21 +126,16 @@ def save_with(state: dict[str, Any], writer: ShardedWriter, process_group: Any =
 class Stager(AsyncStager):
     """The host copy a background save blocks for, made into the previous save's buffers when the
     state has the same layout (no fresh pages to fault in, as `rawio.snapshot`'s `reuse`). Use one
-    per run and wait for a save before staging the next: the buffers are the save's source.
-
-    A value that is not a DTensor is the same on every rank of `process_group` (DCP's planner
-    writes it once): each rank copies only the ones it writes (`owners`: largest first, each to the
-    rank with the fewest bytes so far), so a replicated state's copy is split across the ranks
-    instead of made whole on each; DCP then plans the union. `replicated(path)` says which top-level
-    keys are so (all by default; a rank's own values, such as ``ctx.checkpoints``' per-rank ones, are not)."""
+    per run and wait for a save before staging the next: the buffers are the save's source. Given
+    the state `prepare` left this rank, each rank copies only the replicated values it writes, so
+    a replicated state's copy is split across the ranks instead of made whole on each."""
 
     _synchronize_after_execute = False
 
-    def __init__(self, process_group: Any = None, replicated: Callable[[str], bool] | None = None) -> None:
+    def __init__(self, process_group: Any = None) -> None:
         self._cache: Any = None
         self._layout: Any = None
         self.group = process_group
-        self.replicated = replicated or (lambda key: True)
 
     def synchronize_staging(self) -> None:  # staging is done when `stage` returns
         return None
@@ -133,7 +146,6 @@ class Stager(AsyncStager):
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
-        state_dict = self._mine(state_dict)
         layout = _layout(state_dict)
         cuda = torch.cuda.is_available()
         if self._cache is None or layout != self._layout:  # pinned on a GPU node: the copy runs at DMA speed
@@ -144,66 +156,7 @@ class Stager(AsyncStager):
         return staged
 
 
-    def _mine(self, state: dict[str, Any]) -> dict[str, Any]:
-        """`state` less the replicated values other ranks of the group write."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return state
-        world = dist.get_world_size(self.group)
-        if world < 2:
-            return state
-        leaves: list[tuple[tuple[str, ...], int]] = []
-        _replicated_leaves(state, (), leaves, self.replicated)
-        owner = owners(leaves, world)
-        rank = dist.get_rank(self.group)
-        return _keep(state, (), lambda path: owner.get(path, rank) == rank)
-
-
-def owners(leaves: list[tuple[tuple[str, ...], int]], world: int) -> dict[tuple[str, ...], int]:
-    """Which rank writes each replicated leaf (path, bytes): the largest first (ties by path), each to
-    the rank with the fewest bytes so far. The same on every rank given the same leaves."""
-    load = [0] * world
-    out: dict[tuple[str, ...], int] = {}
-    for path, nbytes in sorted(leaves, key=lambda item: (-item[1], item[0])):
-        rank = min(range(world), key=lambda r: load[r])
-        load[rank] += nbytes
-        out[path] = rank
-    return out
-
-
-def _is_dtensor(value: Any) -> bool:
-    return type(value).__name__ == "DTensor" or hasattr(value, "device_mesh")
-
-
-def _holds_dtensor(value: Any) -> bool:
-    if isinstance(value, Mapping):
-        return any(_holds_dtensor(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return any(_holds_dtensor(v) for v in value)
-    return _is_dtensor(value)
-
-
-def _replicated_leaves(value: Any, path: tuple[str, ...], out: list[tuple[tuple[str, ...], int]],
-                       replicated: Callable[[str], bool]) -> None:
-    if path and not replicated(path[0]):
-        return
-    if isinstance(value, Mapping):
-        for k, v in value.items():
-            _replicated_leaves(v, (*path, str(k)), out, replicated)
-    elif not _holds_dtensor(value):
-        out.append((path, int(value.nbytes) if isinstance(value, torch.Tensor) else 0))
-
-
-def _keep(value: dict[str, Any], path: tuple[str, ...], mine: Callable[[tuple[str, ...]], bool]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in value.items():
-        sub = (*path, str(k))
-        if isinstance(v, Mapping):
-            out[k] = _keep(dict(v), sub, mine)
-        elif mine(sub):
-            out[k] = v
-    return out
+owners = replicas.owners  # which rank writes each replicated value (its owner is ``hpcdist.store.replicas``)
 
 
 def _layout(value: Any) -> Any:
@@ -248,15 +201,13 @@ def load(index: Path | str, state: dict[str, Any], *, process_group: Any = None)
 
 
 def read_full(index: Path | str, keys: list[str] | None = None) -> dict[str, Any]:
-    """The whole state of a sharded checkpoint in this process (every tensor full, no process group);
-    with `keys`, only those entries (top-level names such as ``model``, or flattened ones), the
-    only bytes read."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    """The whole state of a sharded checkpoint in this process (every tensor full, every chunk
+    verified, no process group); with `keys`, only those entries (top-level names such as
+    ``model``, or flattened ones), the only bytes read. Dict keys come back as they were saved
+    (an optimizer's int keys), empty dicts too (``hpcdist.store.node_read``)."""
+    from hpcdist.store.node_read import read_state
 
-    state: dict[str, Any] = {}
-    with one_error():
-        _load_state_dict(state, ShardedReader(index), planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
-    return state
+    return read_state(index, keys=keys)[0]
 
 
 def load_latest(directory: Path | str, state: dict[str, Any], *, steps: list[int] | None = None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import uuid
@@ -35,6 +36,7 @@ SHARD_FORMAT = "hpcdist.checkpoint.shard"
 SUFFIX = ".shards"
 PURGE_MARK = ".purge-"  # a shard folder renamed for deletion in the background (`remove_orphans`)
 WINDOW_BYTES = 64 << 20  # chunks read ahead of their hashing, at most (or one chunk)
+KEYS_ATTR = "keys_json"  # root attribute of the index: the dict keys and empty dicts DCP's flattening loses
 
 
 def shards_dir(directory: Path, step: int) -> Path:
@@ -75,12 +77,14 @@ def folder_of(index: Path) -> Path:
     return index.with_name(index.name.removesuffix(".h5") + SUFFIX)
 
 
-def read_index(index: Path) -> tuple[dict[str, Any], str]:
+def read_index(index: Path, loaded: Any = None) -> tuple[dict[str, Any], str]:
     """The root attributes and the metadata JSON of the sharded checkpoint `index`, its format,
-    version and the JSON's own sha256 checked (the index's small groups verified as any checkpoint's)."""
+    version and the JSON's own sha256 checked (the index's small groups verified as any checkpoint's);
+    from `loaded`, the index as ``checkpoints.read`` already gave it, where the caller has it."""
     from hpcdist.store import checkpoints
 
-    loaded = checkpoints.read(index, groups=("sharded",))  # format and version checked
+    if loaded is None:
+        loaded = checkpoints.read(index, groups=("sharded",))  # format and version checked
     if not is_sharded(loaded.attrs):
         raise CheckpointError(f"{index}: not a sharded checkpoint (no {LAYOUT_ATTR} = {LAYOUT!r}); "
                               "read it with hpcdist.store.read")
@@ -259,7 +263,7 @@ def metadata_from_json(text: str) -> Metadata:
 
 
 def _nbytes(chunk: Chunk) -> int:
-    return int(np.prod(chunk.shape)) * np.dtype(chunk.dtype).itemsize
+    return math.prod(chunk.shape) * np.dtype(chunk.dtype).itemsize
 
 
 def _rank() -> int:
@@ -273,4 +277,86 @@ def _rank() -> int:
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
+
+# ---------------------------------------------------------------- what DCP's flattening loses
+
+
+def keys_record(state: Mapping[str, Any]) -> str:
+    """JSON of what DCP's flattening of `state` loses ("" when nothing): the int keys of each dict
+    that has some (an optimizer's ``state``), by the dict's path as DCP spells it (keys as strings,
+    list positions as ints), and the paths of the empty dicts (an optimizer's ``state`` before its
+    first step), which DCP does not save at all."""
+    ints: list[list[Any]] = []
+    empty: list[list[Any]] = []
+
+    def walk(value: Any, path: list[Any]) -> None:
+        if isinstance(value, Mapping):
+            if not value:
+                empty.append(path)
+            keys = [k for k in value if isinstance(k, int) and not isinstance(k, bool)]
+            if keys:
+                ints.append([path, keys])
+            for k, v in value.items():
+                walk(v, [*path, str(k)])
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, [*path, i])
+
+    walk(state, [])
+    return json.dumps({"ints": ints, "empty": empty}, separators=(",", ":")) if ints or empty else ""
+
+
+def restore_keys(state: dict[str, Any], record: str) -> None:
+    """Put back into `state` (as DCP's planner data rebuilt it) what `keys_record` recorded."""
+    if not record:
+        return
+    data = json.loads(record)
+    for path in data.get("empty", []):
+        if not path:
+            continue  # the state itself: the caller's dict
+        parent, key = _parent(state, path, make=True)
+        if parent is not None and _get(parent, key) is None:
+            if isinstance(parent, list):
+                parent.extend([None] * (int(key) + 1 - len(parent)))
+            parent[key] = {}
+    for path, keys in sorted(data.get("ints", []), key=lambda item: len(item[0])):
+        wanted = {str(k): int(k) for k in keys}
+        if not path:
+            renamed: dict[Any, Any] = {wanted.get(k, k) if isinstance(k, str) else k: v for k, v in state.items()}
+            state.clear()
+            state.update(renamed)
+            continue
+        parent, key = _parent(state, path, make=False)
+        inner = _get(parent, key) if parent is not None else None
+        if isinstance(inner, dict):
+            parent[key] = {wanted.get(k, k) if isinstance(k, str) else k: v for k, v in inner.items()}
+
+
+def _get(container: Any, key: Any) -> Any:
+    if isinstance(container, list):
+        return container[key] if isinstance(key, int) and key < len(container) else None
+    if key in container:
+        return container[key]
+    return container.get(int(key)) if isinstance(key, str) and key.lstrip("-").isdigit() else None
+
+
+def _parent(state: dict[str, Any], path: list[Any], *, make: bool) -> tuple[Any, Any]:
+    """The container holding `path`'s last step, and that step as the container spells it (a dict
+    key already turned back into an int is found as such); (None, None) where the path is gone."""
+    node: Any = state
+    for i, step in enumerate(path[:-1]):
+        nxt = _get(node, step)
+        if nxt is None:
+            if not make:
+                return None, None
+            nxt = [] if isinstance(path[i + 1], int) else {}
+            if isinstance(node, list):
+                node.extend([None] * (int(step) + 1 - len(node)))
+            node[step] = nxt
+        node = nxt
+    last = path[-1]
+    if isinstance(node, dict) and isinstance(last, str) and last not in node and last.lstrip("-").isdigit() \
+            and int(last) in node:
+        last = int(last)
+    return node, last
 

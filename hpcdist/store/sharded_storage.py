@@ -78,6 +78,7 @@ class ShardedWriter(StorageWriter):
         self.folder = shards_dir(self.directory, self.step)
         self.is_coordinator = False
         self.stats: checkpoints.SaveStats | None = None
+        self.differing: list[tuple[str, ...]] = []  # values this rank wrote though the ranks' copies differ
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.stats = None
