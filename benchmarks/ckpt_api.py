@@ -15,7 +15,7 @@ DCP's is its own documented pattern (``FileSystemWriter``, fsync on; its load ve
 
 After each load, both sides time the optimizer's next ``opt.step()`` (gradients kept from the
 first step): the first write into the state just loaded, where hpcdist's copy-on-write views of the
-checkpoint's pages (``hpcdist.store.node_read``) get pages of their own, which DCP's in-place load
+checkpoint's pages (``hpcdist.store.sharded.node_read``) get pages of their own, which DCP's in-place load
 into the optimizer's existing tensors never needs; ``load_and_step`` is the ratio of the two sums.
 
 Each ratio is DCP's time / hpcdist's (above 1: hpcdist faster), the slowest rank's time on each
@@ -87,7 +87,7 @@ def two_ranks(rank: int, world: int, mb: int, repeat: int, root: str) -> dict[st
     import torch.distributed.checkpoint as dcp
 
     from benchmarks.train_checkpoint_io import time_dd
-    from hpcdist.store import sharded
+    from hpcdist.store.sharded import checkpoint as sharded
 
     warnings.simplefilter("ignore")
     model, opt = ddp_state(mb, world)

@@ -4,9 +4,9 @@ States: "replicated" (a model and two AdamW moments as plain tensors, the same o
 DCP's planner writes each once) and "fsdp" (an MLP under FSDP2 ``fully_shard`` with its AdamW
 state, keyed by name through ``get_state_dict``). For each, alternating in every repeat:
 
-- save: ``dcp.save`` with ``FileSystemWriter`` (fsync on) vs ``hpcdist.store.sharded.save``
+- save: ``dcp.save`` with ``FileSystemWriter`` (fsync on) vs ``hpcdist.store.sharded.checkpoint.save``
   (fsync, sha256 per chunk, one commit);
-- load: ``dcp.load`` (no checksum) vs ``hpcdist.store.sharded.load`` (every chunk verified);
+- load: ``dcp.load`` (no checksum) vs ``hpcdist.store.sharded.checkpoint.load`` (every chunk verified);
 - blocked: time until ``dcp.async_save`` returns vs until ``sharded.save_async`` returns (the
   rest of the write goes on in a thread; both are waited for before the next step).
 
@@ -116,7 +116,7 @@ def bench(rank: int, world: int, kind: str, mb: int, repeat: int, root: str, api
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from hpcdist.store import sharded
+    from hpcdist.store.sharded import checkpoint as sharded
 
     warnings.simplefilter("ignore")
     state = replicated_state(mb) if kind == "replicated" else fsdp_state(mb, world)[0]

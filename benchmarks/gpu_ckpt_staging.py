@@ -27,8 +27,9 @@ import numpy as np
 import torch
 
 from hpcdist.model.checkpoint import model_tree
-from hpcdist.store import CheckpointStore, read, sharded
-from hpcdist.store.rawio import snapshot
+from hpcdist.store import CheckpointStore, read
+from hpcdist.store.checkpoint.rawio import snapshot
+from hpcdist.store.sharded import checkpoint as sharded
 
 # the checks of the report, each a bool; gpu_check's row fails on any that is not True
 CHECKS = ("model_tree_kept_on_device", "snapshot_pinned", "snapshot_equal", "buffers_reused",

@@ -32,7 +32,7 @@ from hpcdist import store
 from hpcdist.model.checkpoint import model_attrs, model_tree
 from hpcdist.model.gpt import GPT, GPTConfig
 from hpcdist.store import checksum
-from hpcdist.store.tree import flatten
+from hpcdist.store.checkpoint.tree import flatten
 from hpcdist.train import state as st
 
 

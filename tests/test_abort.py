@@ -26,7 +26,7 @@ from hpcdist.config.paths import JobPaths
 from hpcdist.runtime import abort
 from hpcdist.scheduler.postmortem import Ending, TaskEnd, no_result
 from hpcdist.scheduler.states import JobState
-from hpcdist.store import lastwords
+from hpcdist.store.site import lastwords
 from tests.support import train as fx
 from tests.support.cli import REPO, run_cli, storage_sets
 from tests.support.train import ckpt_dir, train_args, wait_for

@@ -19,7 +19,7 @@ import torch
 from hpcdist.api import Context, decode, encode
 from hpcdist.errors import CheckpointError
 from hpcdist.store import CheckpointStore
-from hpcdist.store.claim import Claim, Holder, read
+from hpcdist.store.checkpoint.claim import Claim, Holder, read
 from hpcdist.store.results import read_attrs, read_table
 from tests.support import train as fx
 from tests.support.cli import REPO, require_slurm, run_cli, storage_sets
@@ -89,7 +89,7 @@ def slow_background_writes(monkeypatch: pytest.MonkeyPatch, fault: str = "") -> 
     import errno
     import threading
 
-    from hpcdist.store import checkpoints as module
+    from hpcdist.store.checkpoint import single as module
 
     write = module.write_tree
 
@@ -158,7 +158,7 @@ def test_a_restart_after_a_node_failure_is_not_counted_as_a_time_out(tmp_path: P
     """Slurm's restart count 1: with no record of why, a time-out (the bound never lifts); the
     job's node failure record saying run 1 ended by a node death, none."""
     from hpcdist.runtime.requeue import Requeues
-    from hpcdist.store import node_failures
+    from hpcdist.store.site import node_failures
 
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     assert rank_context(tmp_path / "a", job_id="77").requeue_count == Requeues(1, 1)
@@ -292,7 +292,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]
 
 
 def final_model(root: Path) -> dict[str, np.ndarray]:
-    from hpcdist.store import sharded  # 2 ranks: the model is saved sharded, each tensor once
+    from hpcdist.store.sharded import checkpoint as sharded  # 2 ranks: the model is saved sharded, each tensor once
 
     path = CheckpointStore(root / "checkpoints" / "ddp_hpcdist").path(STEPS)
     return {k: v.numpy() for k, v in sharded.read_full(path)["model"].items()}

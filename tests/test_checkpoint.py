@@ -24,7 +24,7 @@ from hpcdist import store
 from hpcdist.errors import CheckpointError
 from hpcdist.model import checkpoint as gpt_ckpt
 from hpcdist.model.gpt import GPT, GPTConfig
-from hpcdist.store import directory as layout
+from hpcdist.store.checkpoint import directory as layout
 from tests.support.cli import REPO
 from tests.support.digests import digest_of
 

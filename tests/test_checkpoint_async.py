@@ -18,7 +18,7 @@ import torch
 
 from hpcdist.errors import CheckpointError
 from hpcdist.store import CheckpointStore
-from hpcdist.store import directory as layout
+from hpcdist.store.checkpoint import directory as layout
 from tests.support.cli import REPO
 from tests.support.infer import run_ranks
 from tests.support.rankctx import rank_context
@@ -93,7 +93,7 @@ def _ranks_saving(rank: int, world: int, directory: str, fault: str) -> str:
     out after 2 s; rank 0's write is slowed (`slow`) or its pruning fails (`prune`)."""
     import time as _time
 
-    from hpcdist.store import checkpoints as module
+    from hpcdist.store.checkpoint import single as module
 
     if rank == 0 and fault == "slow":
         write = module.write_tree
@@ -187,7 +187,7 @@ def test_a_synchronous_save_waits_for_the_background_one(tmp_path: Path, monkeyp
     latest, never the older step committed last."""
     import threading
 
-    from hpcdist.store import checkpoints as module
+    from hpcdist.store.checkpoint import single as module
 
     write = module.write_tree
 

@@ -1,4 +1,4 @@
-"""Checkpoint format 2 (``hpcdist.store.checksum``, ``hpcdist.store.values``): digests that name their
+"""Checkpoint format 2 (``hpcdist.store.checksum``, ``hpcdist.store.checkpoint.values``): digests that name their
 algorithm (XXH3-128 by default, sha256 by choice), plain values as JSON, never a pickle; format-1
 files (bare sha256, DCP's pickles) still load, a pickle that would run code is refused in one line
 and runs nothing; damage (a flipped byte, a truncated or missing shard) is found with either checksum."""
@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from hpcdist.errors import CheckpointError
-from hpcdist.store import CheckpointStore, read, sharded
+from hpcdist.store import CheckpointStore, read
+from hpcdist.store.sharded import checkpoint as sharded
 from tests.support.cli import REPO
 from tests.support.digests import digest_of
 
@@ -171,7 +172,7 @@ def test_damaged_shards_are_named_and_the_previous_step_used_with_either_checksu
 def test_an_unsharded_checkpoint_with_sha256_chosen_records_and_checks_sha256(tmp_path: Path) -> None:
     path = CheckpointStore(tmp_path).save(1, {"net": {"w": W}}).path
     fast = CheckpointStore(tmp_path / "s")
-    from hpcdist.store import checkpoints
+    from hpcdist.store.checkpoint import single as checkpoints
 
     slow = checkpoints.save(fast.directory, 1, {"net": {"w": W}}, checksum="sha256").path
     with h5py.File(path, "r") as f, h5py.File(slow, "r") as g:

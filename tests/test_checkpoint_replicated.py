@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from hpcdist.errors import CheckpointError
-from hpcdist.store import node_read, sharded
+from hpcdist.store.sharded import checkpoint as sharded
+from hpcdist.store.sharded import node_read
 from tests.support.rankctx import rank_context
 from tests.test_sharded_checkpoint import _quiet, equal, leave, spawn
 

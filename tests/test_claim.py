@@ -1,4 +1,4 @@
-"""The checkpoint directory's claim (``hpcdist.store.claim``): taken back only by a later start of
+"""The checkpoint directory's claim (``hpcdist.store.checkpoint.claim``): taken back only by a later start of
 the same job step or from a holder proven gone, atomically, and never on silence."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 
 from hpcdist.errors import CheckpointError
 from hpcdist.scheduler import slurm
-from hpcdist.store import claim as claim_mod
-from hpcdist.store.claim import Claim, Holder, read
+from hpcdist.store.checkpoint import claim as claim_mod
+from hpcdist.store.checkpoint.claim import Claim, Holder, read
 from tests.support.cli import require_slurm
 
 
@@ -125,7 +125,7 @@ def test_two_takers_of_one_stale_claim_cannot_both_win(tmp_path: Path) -> None:
 def test_a_holder_whose_claim_was_taken_commits_nothing_more(tmp_path: Path) -> None:
     import numpy as np
 
-    from hpcdist.store.manager import CheckpointStore
+    from hpcdist.store.checkpoint.manager import CheckpointStore
 
     store = CheckpointStore(tmp_path, keep_last=3)
     store.claim(here("local-7", restarts=0))

@@ -119,7 +119,7 @@ def test_a_sharded_checkpoint_has_the_header_and_the_full_read_of_a_whole_one(fs
 
 def _flip(index: Path, key: str, rank: int) -> None:
     """One bit of the chunk of `key` that `rank` wrote."""
-    from hpcdist.store import sharded
+    from hpcdist.store.sharded import checkpoint as sharded
 
     md = sharded.ShardedReader(index).read_metadata()
     chunk = next(c for i, c in md.storage_data.items() if i.fqn == f"model.{key}" and c.rank == rank)

@@ -18,7 +18,7 @@ from hpcdist.config import load_site
 from hpcdist.errors import ConfigError
 from hpcdist.infer.report import render_infer_report
 from hpcdist.jobs.registry import load_job
-from hpcdist.store.directory import checkpoint_name, write_pointer
+from hpcdist.store.checkpoint.directory import checkpoint_name, write_pointer
 from hpcdist.store.results import read_attrs, read_table
 from tests.support.cli import require_slurm
 from tests.support.infer import TINY, make_checkpoint

@@ -143,6 +143,29 @@ def test_the_store_imports_only_shared_packages() -> None:
     assert wrong == []
 
 
+# The store's concerns (issue 42): each folder imports the store's shared modules and only the
+# folders its concern builds on (sharded state on the checkpoint format, results on its HDF5 tree).
+STORE_SHARED = ("hpcdist.store.atomic", "hpcdist.store.checksum", "hpcdist.store.trust", "hpcdist.store.hostmem")
+STORE_FOLDERS = {
+    "hpcdist.store.checkpoint": (),
+    "hpcdist.store.sharded": ("hpcdist.store.checkpoint",),
+    "hpcdist.store.results": ("hpcdist.store.checkpoint.tree", "hpcdist.store.site"),
+    "hpcdist.store.site": (),
+}
+
+
+def test_each_store_folder_imports_only_what_its_concern_builds_on() -> None:
+    wrong = []
+    for a, targets in graph().items():
+        folder = next((f for f in STORE_FOLDERS if a == f or a.startswith(f + ".")), None)
+        if folder is None:
+            continue
+        allowed = (folder, *STORE_SHARED, *STORE_FOLDERS[folder])
+        wrong += [f"{a} -> {b}" for b in targets if b.startswith(STORE) and b != "hpcdist.store"
+                  and not any(b == x or b.startswith(x + ".") for x in allowed)]
+    assert sorted(wrong) == []
+
+
 def test_the_login_side_imports_no_command() -> None:
     wrong = sorted(f"{a} -> {b}" for a, targets in graph().items() if side(a) == "login"
                    for b in targets if b.startswith("hpcdist.cli"))

@@ -19,9 +19,10 @@ HEAVY = ("torch", "submitit", "numpy", "h5py", "mpi4py", "transformers")
 WORKLOADS = ("hpcdist.bench", "hpcdist.train", "hpcdist.infer", "hpcdist.model", "hpcdist.runtime",
              "hpcdist.checkpoint", "hpcdist.results", "hpcdist.store", "hpcdist.data.")
 # the docstring-only package of `hpcdist.model`;
-# the site's node health record every Slurm render reads (standard library only: the store's package is lazy)
+# the site's node health record every Slurm render reads (standard library only: the store's package is lazy,
+# its site folder's package a docstring)
 ALLOWED = ("hpcdist.model", "hpcdist.store", "hpcdist.store.atomic",
-           "hpcdist.store.health")
+           "hpcdist.store.site", "hpcdist.store.site.health")
 
 PROBE = """
 import contextlib, io, json, sys

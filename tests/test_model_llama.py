@@ -321,7 +321,7 @@ def test_finetune_an_imported_llama_then_export_gives_transformers_the_same_logi
     may train on a shorter context."""
     from transformers import AutoModelForCausalLM
 
-    from hpcdist.store import sharded
+    from hpcdist.store.sharded import checkpoint as sharded
     from tests.support.cli import run_cli, storage_sets
 
     def model_arrays(path: Path) -> dict[str, Any]:

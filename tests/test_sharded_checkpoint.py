@@ -1,4 +1,4 @@
-"""Sharded checkpoints (``hpcdist.store.sharded``, ``ctx.checkpoints`` with DTensors): FSDP2 on CPU
+"""Sharded checkpoints (``hpcdist.store.sharded.checkpoint``, ``ctx.checkpoints`` with DTensors): FSDP2 on CPU
 with gloo, real processes, real HDF5 files. Saved at 2 ranks, loaded at 4 ranks and in one
 process bit for bit; a rank killed mid-save; a flipped byte; DCP's own format in and out."""
 
@@ -26,7 +26,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from hpcdist.api.context import Context
 from hpcdist.errors import CheckpointError
 from hpcdist.runtime import teardown
-from hpcdist.store import CheckpointStore, sharded
+from hpcdist.store import CheckpointStore
+from hpcdist.store.sharded import checkpoint as sharded
 from tests.support.rankctx import rank_context
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -249,7 +250,7 @@ def _dumped(path: Path, dataset: str) -> tuple[str, str]:
 
 def test_bf16_chunks_are_stored_as_a_whole_checkpoint_stores_bf16_and_read_back_bit_identical(
         saved: Path, tmp_path: Path) -> None:
-    """The store's one encoding of a dtype NumPy lacks (``hpcdist.store.tree``): the bits as 16-bit
+    """The store's one encoding of a dtype NumPy lacks (``hpcdist.store.checkpoint.tree``): the bits as 16-bit
     unsigned integers named by the attribute ``torch_dtype``, in each rank's shard as in a whole checkpoint."""
     index = saved / "ckpt" / "step_00000003.h5"
     chunks = [c for i, c in sharded.ShardedReader(index).read_metadata().storage_data.items() if i.fqn == "half"]
@@ -403,8 +404,8 @@ def test_import_dcp_claims_the_directory_and_sets_aside_what_is_there(tmp_path: 
     then reads the import, with its own run id, never mixing it with the earlier run's steps)."""
     import time
 
-    from hpcdist.store import directory as layout
-    from hpcdist.store.claim import Claim, Holder
+    from hpcdist.store.checkpoint import directory as layout
+    from hpcdist.store.checkpoint.claim import Claim, Holder
     from tests.support.hf import cli
 
     mine = {"w": torch.arange(6.0)}

@@ -93,7 +93,7 @@ def test_arrays_written_in_batches_and_runs_read_back_by_plain_h5py(
     runs end at every limit) give the same HDF5 a plain `create_dataset` would: h5py reads every
     array and its digest back, and so does the indexed read."""
 
-    from hpcdist.store import rawio
+    from hpcdist.store.checkpoint import rawio
 
     monkeypatch.setattr(rawio, "BATCH_BYTES", 1000)
     monkeypatch.setattr(rawio, "RUN_BYTES", 4096)

@@ -20,8 +20,8 @@ from hpcdist.data.dataset import DistributedOrder, TokenWindows
 from hpcdist.model.checkpoint import load_model_state
 from hpcdist.model.config import GPTConfig
 from hpcdist.model.gpt import GPT
-from hpcdist.store import sharded
 from hpcdist.store.results import read_table
+from hpcdist.store.sharded import checkpoint as sharded
 from hpcdist.train import parallel
 from hpcdist.train.schedule import lr_factor
 from tests.support import train as fx

@@ -13,10 +13,10 @@ waits only for the copy to host memory, and the next save, ``wait`` or ``Context
 how it ended.
 
 At two ranks or more, and for DTensors (FSDP2, tensor parallelism), ``save`` takes the sharded
-path, ``hpcdist.store.sharded``: every rank writes its own part (each replicated value once) and
+path, ``hpcdist.store.sharded.checkpoint``: every rank writes its own part (each replicated value once) and
 rank 0 commits the one index, all through DCP on the checkpoint I/O group.
 ``load_latest(into=state)`` fills a state of any layout in place; ``load_latest()`` gives every
-rank the whole state, read and verified once per node (``hpcdist.store.node_read``).
+rank the whole state, read and verified once per node (``hpcdist.store.sharded.node_read``).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from hpcdist.errors import CheckpointError
 from hpcdist.runtime.requeue import Requeues
 
 if TYPE_CHECKING:
-    from hpcdist.store.checkpoints import SaveStats
-    from hpcdist.store.claim import Claim
-    from hpcdist.store.manager import CheckpointStore
-    from hpcdist.store.node_read import ReadStats
+    from hpcdist.store.checkpoint.claim import Claim
+    from hpcdist.store.checkpoint.manager import CheckpointStore
+    from hpcdist.store.checkpoint.single import SaveStats
+    from hpcdist.store.sharded.node_read import ReadStats
 
 
 class Owner(Protocol):
@@ -69,7 +69,7 @@ class Checkpoints:
     """The job's ``CheckpointStore`` as every rank uses it: rank 0 claims and writes, all load."""
 
     def __init__(self, ctx: Owner, directory: Path, keep_last: int | None) -> None:
-        from hpcdist.store.manager import CheckpointStore
+        from hpcdist.store.checkpoint.manager import CheckpointStore
 
         self.ctx = ctx
         self.store: CheckpointStore = CheckpointStore(directory, keep_last=keep_last, job_id=ctx.job_id,
@@ -77,13 +77,13 @@ class Checkpoints:
         self.claim: Claim | None = None
         self.committed: list[SaveStats] = []  # rank 0: every save committed so far, oldest first
         self.loaded: list[ReadStats] = []  # every whole sharded state this rank loaded (`load_latest()`)
-        self._sharing: Any = None  # the I/O group's ranks by node (``hpcdist.store.node_read.Sharing``)
+        self._sharing: Any = None  # the I/O group's ranks by node (``hpcdist.store.sharded.node_read.Sharing``)
         error = ""
         if ctx.is_main:
             try:
                 from dataclasses import replace
 
-                from hpcdist.store.claim import Holder
+                from hpcdist.store.checkpoint.claim import Holder
 
                 # the context's restart count: a requeue of this job takes its own claim back
                 self.claim = self.store.claim(replace(Holder.this_process(), restarts=ctx.restarts))
@@ -135,8 +135,8 @@ class Checkpoints:
 
         What is not a DTensor is taken to be the same on every rank (DDP's model and optimizer;
         DCP's rule), so at 2 ranks or more the state is saved sharded: each value written once, the
-        writing spread over the ranks, rank 0 committing (``hpcdist.store.sharded``). The ranks'
-        copies are compared first (``hpcdist.store.replicas``: a sample of each tensor's bytes, all
+        writing spread over the ranks, rank 0 committing (``hpcdist.store.sharded.checkpoint``). The ranks'
+        copies are compared first (``hpcdist.store.sharded.replicas``: a sample of each tensor's bytes, all
         of them when the log is at DEBUG); a value that differs is saved as rank 0 holds it, as an
         unsharded save would, and named in a warning. `replicated=False` (or `sharded=False`) saves
         rank 0's state in one file instead; DTensors (FSDP2, tensor parallelism) are saved sharded
@@ -146,7 +146,7 @@ class Checkpoints:
         checkpoint's index file, where ``hpcdist.store.read(path, groups=...)`` reads it alone.
         """
         if sharded is None:
-            from hpcdist.store.replicas import holds_dtensor
+            from hpcdist.store.sharded.replicas import holds_dtensor
 
             sharded = holds_dtensor(state) or per_rank is not None or (replicated and self.ctx.world_size > 1)
         if sharded:
@@ -177,8 +177,8 @@ class Checkpoints:
 
     def _save_sharded(self, step: int, state: dict[str, Any], attrs: Mapping[str, Any] | None,
                       background: bool, index: Mapping[str, Any] | None = None) -> Path:
-        from hpcdist.store import replicas, sharded
-
+        from hpcdist.store.sharded import checkpoint as sharded
+        from hpcdist.store.sharded import replicas
         self.wait()  # the save before this one (either kind), and its error, on every rank
         writer = sharded.ShardedWriter(self.directory, step, attrs=self._commit_attrs(attrs),
                                        keep_last=self.store.keep_last,
@@ -222,7 +222,7 @@ class Checkpoints:
         """Every rank returns once a background save in flight is committed, or raises its error."""
         pending, self._sharded_pending = self._sharded_pending, None
         if pending is not None:  # every rank holds one; DCP gives all of them the same outcome
-            from hpcdist.store import sharded
+            from hpcdist.store.sharded import checkpoint as sharded
 
             sharded.wait(pending[1])
             self._record(pending[0].stats)
@@ -253,7 +253,7 @@ class Checkpoints:
         """(step, state) of the newest committed checkpoint that verifies, or None: rank 0 picks
         the step, every rank loads that one (never a newer one a concurrent writer commits). Its
         tensors are copy-on-write views of the checkpoint's pages, verified once per node
-        (``hpcdist.store.node_read``): ``load_state_dict`` copies them once, and a rank that
+        (``hpcdist.store.sharded.node_read``): ``load_state_dict`` copies them once, and a rank that
         writes into one gets its own pages then.
 
         With `into`, a state of any layout (DTensors of another mesh or world size, plain tensors
@@ -277,10 +277,10 @@ class Checkpoints:
             return None
         loaded = latest or self.store.load(step, mapped=True)
         self._restore_counts(loaded.attrs)
-        from hpcdist.store import sharded
+        from hpcdist.store.sharded import checkpoint as sharded
 
         if sharded.is_sharded(loaded.attrs):  # the whole state on every rank, read once per node
-            from hpcdist.store.node_read import Sharing
+            from hpcdist.store.sharded.node_read import Sharing
 
             self._sharing = self._sharing or Sharing(self._io_group)
             state, stats = self._sharing.read(loaded.path, loaded)
@@ -297,7 +297,7 @@ class Checkpoints:
         """Fill `into` (any layout) in place from the committed sharded checkpoint `path`, one
         that rank 0 chose and every rank was told; its root attributes. Every rank reads and
         verifies only the chunks it needs; a failure on any rank is the same CheckpointError on all."""
-        from hpcdist.store import sharded
+        from hpcdist.store.sharded import checkpoint as sharded
 
         self.wait()  # a background save in flight uses the I/O group too
         return sharded.load(path, into, process_group=self._io_group)
@@ -308,13 +308,13 @@ class Checkpoints:
             self.ctx.restore_requeues(Requeues(int(count["requeues"]), int(count["timeouts"])), str(count["job_id"]))
 
     def _load_sharded(self, into: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
-        from hpcdist.store import sharded
+        from hpcdist.store.sharded import checkpoint as sharded
 
         self.wait()  # a background save in flight uses the I/O group too
         # committed steps, newest first: whether each is sharded, and its per-rank record
         steps: list[tuple[int, bool, str]] = []
         if self.ctx.is_main:
-            from hpcdist.store.checkpoints import read_header
+            from hpcdist.store.checkpoint.single import read_header
 
             for step in reversed(self.store.steps()):
                 try:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hpcdist.errors import CheckpointError
-from hpcdist.store.tree import as_tensor
+from hpcdist.store.checkpoint.tree import as_tensor
 
 _NONE = "__none__"
 _INT = "__int__"

@@ -219,7 +219,7 @@ def _new_local_id(world_size: int) -> str:
     rank, so each run of a script has its own result file and a rerun never replaces the last."""
     import torch.distributed as dist
 
-    from hpcdist.store.directory import new_run_id
+    from hpcdist.store.checkpoint.directory import new_run_id
 
     box = [f"local-{new_run_id()}"]
     if world_size > 1 and dist.is_initialized():

@@ -44,8 +44,8 @@ def load(file: str | Path) -> Result:
     """The result at `file`; a missing or foreign file is a BenchmarkError saying so."""
     import h5py
 
+    from hpcdist.store.checkpoint.tree import plain as _plain
     from hpcdist.store.results import read_facts, read_table
-    from hpcdist.store.tree import plain as _plain
 
     file = Path(file)
     if not file.is_file():

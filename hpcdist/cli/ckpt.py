@@ -1,5 +1,5 @@
 """``hpcdist ckpt export-dcp CHECKPOINT DIR`` and ``hpcdist ckpt import-dcp DIR -o CKPTDIR``:
-hpcdist checkpoints to and from ``torch.distributed.checkpoint``'s folders (``hpcdist.store.dcp``)."""
+hpcdist checkpoints to and from ``torch.distributed.checkpoint``'s folders (``hpcdist.store.sharded.dcp``)."""
 
 from __future__ import annotations
 
@@ -23,14 +23,14 @@ def add_parser(subs: Any) -> None:
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
     if args.ckpt_command == "export-dcp":
-        from hpcdist.store.dcp import export_dcp
+        from hpcdist.store.sharded.dcp import export_dcp
 
         path, entries = export_dcp(args.checkpoint, args.output)
         print(f"wrote {args.output}: {entries} entries of {path}; read it with torch.distributed.checkpoint.load "
               f"(storage_reader=FileSystemReader({str(args.output)!r}))")
         return 0
     from hpcdist.store import checksum
-    from hpcdist.store.dcp import import_dcp
+    from hpcdist.store.sharded.dcp import import_dcp
 
     stats = import_dcp(args.directory, args.output, args.step, report=print)
     print(f"committed {stats.path}: {stats.bytes / 1e6:.1f} MB from {args.directory} (sharded, a {checksum.chosen()} "

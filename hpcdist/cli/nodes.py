@@ -5,7 +5,7 @@ exclude it: a mark younger than the site's ``health.exclude_for_h``), with the s
 sinfo gives (``down*``, ``drained``, ``Not responding``), and the nodes Slurm itself gives a
 reason for; ``--json`` for scripts. ``--clear NODE`` (or ``--clear all``) forgets marks, and
 ``--mark NODE --reason TEXT`` adds one by hand (source ``user``). The record is
-``hpcdist.store.health``; Slurm is asked through ``hpcdist.scheduler.slurm``.
+``hpcdist.store.site.health``; Slurm is asked through ``hpcdist.scheduler.slurm``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _iso(when: float) -> str:
 
 def cmd_nodes(args: argparse.Namespace) -> int:
     from hpcdist.config import load_site
-    from hpcdist.store import health
+    from hpcdist.store.site import health
 
     site = load_site(args.site, [s.removeprefix("site.") for s in args.sets])
     if args.clear is not None:
@@ -55,7 +55,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
 
 def _show(site: Any, as_json: bool) -> int:
-    from hpcdist.store import health
+    from hpcdist.store.site import health
 
     window_s = site.health.exclude_for_h * 3600.0
     marks = health.marks(site)

@@ -30,7 +30,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     kind = _result_kind(args.result)
     if args.compare and not kind.startswith("bench_"):
-        from hpcdist.store.compare import format_results
+        from hpcdist.store.results.compare import format_results
 
         for other in args.compare:
             _result_kind(other)

@@ -65,11 +65,11 @@ class JobPaths:
         return self.progress / "stacks.request"
 
     def stack_file(self, rank: int) -> Path:
-        """One rank's answer: its threads' stacks as JSON (``hpcdist.store.stackrecord``)."""
+        """One rank's answer: its threads' stacks as JSON (``hpcdist.store.site.stackrecord``)."""
         return self.progress / f"stack_rank{rank}.json"
 
     def last_words(self, rank: int) -> Path:
-        """What one rank said before its backend ended it (``hpcdist.store.lastwords``): NCCL's
+        """What one rank said before its backend ended it (``hpcdist.store.site.lastwords``): NCCL's
         watchdog aborts a rank whose collective timed out, and the summary reads this instead."""
         return self.progress / f"last_words_rank{rank}.json"
 
@@ -129,6 +129,6 @@ def node_failure_record(result: Path) -> Path:
 
 
 def node_health(storage: Storage) -> Path:
-    """The site's node health record (``hpcdist.store.health``): one folder for every user of the
+    """The site's node health record (``hpcdist.store.site.health``): one folder for every user of the
     site, on shared storage beside the rendezvous files: ``<scratch>/node-health``."""
     return under(storage.scratch, "node-health")

@@ -235,7 +235,7 @@ def read_tokenizer(path: Path) -> ByteTokenizer | FileTokenizer:
     """The tokenizer stored in an HDF5 file's ``/tokenizer`` group (a token file or a checkpoint)."""
     import h5py
 
-    from hpcdist.store.tree import read_tree
+    from hpcdist.store.checkpoint.tree import read_tree
 
     try:
         with h5py.File(path, "r") as f:

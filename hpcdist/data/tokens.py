@@ -64,8 +64,8 @@ def prepare(
     import h5py
 
     from hpcdist.data.tokenizer import GROUP, load_tokenizer
-    from hpcdist.store.rawio import write_tree
-    from hpcdist.store.tree import sha256_of
+    from hpcdist.store.checkpoint.rawio import write_tree
+    from hpcdist.store.checkpoint.tree import sha256_of
 
     if not texts:
         raise JobError("data prepare: give at least one text file")

@@ -31,8 +31,8 @@ from hpcdist.infer.broadcast import BroadcastStats, Meta, broadcast_state, flat_
 from hpcdist.infer.shard_load import read_shard, shard_state
 from hpcdist.progress import report_progress
 from hpcdist.store import checksum
+from hpcdist.store.checkpoint.tree import tensor_array
 from hpcdist.store.hostmem import release_free_heap
-from hpcdist.store.tree import tensor_array
 
 if TYPE_CHECKING:
     from hpcdist.infer.tp import TPGPT

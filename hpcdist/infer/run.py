@@ -32,7 +32,7 @@ from hpcdist.model.checkpoint import CheckpointHeader
 from hpcdist.model.checkpoint import parameter_shapes as expected_shapes
 from hpcdist.progress import report_progress
 from hpcdist.store import checksum
-from hpcdist.store.discovery import resolve
+from hpcdist.store.checkpoint.discovery import resolve
 from hpcdist.store.hostmem import mark_memory, peak_memory, resident_bytes
 
 if TYPE_CHECKING:

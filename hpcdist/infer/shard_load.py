@@ -15,7 +15,7 @@ Megatron-style split of a block across ``tp`` ranks:
 
 The same plan slices an in-memory state (after a broadcast) and an HDF5 dataset (shard reads),
 so both paths give the same tensors on each rank, in the checkpoint's dtype (bfloat16 read as
-its bits and viewed as bfloat16, as the store does: `hpcdist.store.tree.typed`). From a sharded
+its bits and viewed as bfloat16, as the store does: `hpcdist.store.checkpoint.tree.typed`). From a sharded
 checkpoint (FSDP's) the plan's slices are read from the saved chunks they overlap.
 """
 
@@ -29,7 +29,7 @@ import numpy as np
 from hpcdist.model.checkpoint import MODEL_GROUP, CheckpointHeader
 from hpcdist.model.config import GPTConfig
 from hpcdist.store import checksum, hostmem
-from hpcdist.store.tree import as_tensor, typed
+from hpcdist.store.checkpoint.tree import as_tensor, typed
 
 Ranges = list[tuple[int, int]]
 
@@ -178,7 +178,7 @@ def _read_shard_of_chunks(header: CheckpointHeader, tp_rank: int, tp: int, keys:
     """`read_shard` of a sharded checkpoint (FSDP's): each tensor's part `tp_rank` holds is taken
     from the chunks it overlaps, each read whole with one ``os.preadv`` and checked against its own
     digest first."""
-    from hpcdist.store.sharded_layout import folder_of, read_chunk
+    from hpcdist.store.sharded.layout import folder_of, read_chunk
 
     assert header.pieces is not None
     folder = folder_of(header.path)

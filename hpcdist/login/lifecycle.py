@@ -202,9 +202,9 @@ def job_rows(recs: list[JobRecord]) -> tuple[list[JobRow], str]:
 
 
 def _excluded(record: JobRecord) -> str:
-    """The job's node failures (``hpcdist.store.node_failures``), one phrase each."""
+    """The job's node failures (``hpcdist.store.site.node_failures``), one phrase each."""
     from hpcdist.config.paths import node_failure_record
-    from hpcdist.store import node_failures
+    from hpcdist.store.site import node_failures
 
     if not record.result:
         return ""

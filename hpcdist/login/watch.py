@@ -88,7 +88,7 @@ def ranks_ran(sub: Submission) -> int:
     """How many ranks the job's last run had: the spec's world size, or fewer when it ran again
     without a node that died (``hpcdist.login.nodefail``; submitit fixed its task count at submission)."""
     from hpcdist.scheduler.hostlist import expand_hostlist
-    from hpcdist.store import node_failures
+    from hpcdist.store.site import node_failures
 
     if sub.site.scheduler != "slurm" or not node_failures.read(sub.paths.node_failures):
         return sub.spec.resources.world_size
@@ -188,7 +188,7 @@ def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
     stacks: list[str] = []
     if not (state is JobState.COMPLETED and all(o.ok for o in done)):
         from hpcdist.scheduler.postmortem import timeout_stacks  # only a job that failed is looked into
-        from hpcdist.store.stackrecord import stack_files
+        from hpcdist.store.site.stackrecord import stack_files
 
         stacks = timeout_stacks(stack_files(sub.paths, sub.spec.resources.world_size), sub.spec.resources.world_size)
     return Finished(state, done, end.headline() if end else "", tuple(stacks))

@@ -7,7 +7,7 @@ In a ``hpcdist.checkpoint`` file the GPT adds:
   (each with its digest, as every store dataset), in the tensor's own dtype: float32 as
   training writes it, bfloat16 or float16 as an imported model has it (bf16 stays bf16; the store
   keeps a dtype NumPy lacks as its bits with the dataset attribute ``torch_dtype``, see
-  ``hpcdist.store.tree``); every reader computes in float32. A tied head ``lm_head.weight``
+  ``hpcdist.store.checkpoint.tree``); every reader computes in float32. A tied head ``lm_head.weight``
   (GPT-2's; an untied one is stored as itself) is ``transformer.wte.weight`` and stored once:
   the group attribute ``tied_json`` maps each omitted key to the stored one;
 - the group ``/tokenizer`` (``hpcdist.data.tokenizer``): the tokenizer the model reads and
@@ -35,16 +35,16 @@ import numpy as np
 
 from hpcdist.errors import CheckpointError
 from hpcdist.model.config import GPTConfig
-from hpcdist.store import checkpoints as store
 from hpcdist.store import checksum
-from hpcdist.store.discovery import resolve
-from hpcdist.store.tree import ChecksumError, DatasetInfo, Tree, as_tensor, is_bits
+from hpcdist.store.checkpoint import single as store
+from hpcdist.store.checkpoint.discovery import resolve
+from hpcdist.store.checkpoint.tree import ChecksumError, DatasetInfo, Tree, as_tensor, is_bits
 
 if TYPE_CHECKING:
     import torch
 
     from hpcdist.data.tokenizer import ByteTokenizer, FileTokenizer
-    from hpcdist.store.sharded_layout import Piece
+    from hpcdist.store.sharded.layout import Piece
 
 MODEL_GROUP = "model"
 CONFIG_ATTR = "model_config_json"
@@ -90,7 +90,7 @@ def parameter_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
 
 
 def is_sharded(attrs: Mapping[str, Any]) -> bool:
-    """Whether root `attrs` are a sharded checkpoint's index (``hpcdist.store.sharded_layout``'s
+    """Whether root `attrs` are a sharded checkpoint's index (``hpcdist.store.sharded.layout``'s
     test, without its torch import: the login node reads headers)."""
     return attrs.get("layout") == "sharded"
 
@@ -203,7 +203,7 @@ def checkpoint_chat_template(path: Path) -> ChatTemplate | None:
 
 def load_model_state(path: Path, verify: bool = True) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     """The model config and a state dict ready for ``GPT.load_state_dict`` (strict); from a sharded
-    checkpoint (FSDP's, ``hpcdist.store.sharded``) its ``model`` tensors whole, always verified."""
+    checkpoint (FSDP's, ``hpcdist.store.sharded.checkpoint``) its ``model`` tensors whole, always verified."""
     header = store.read_header(path, MODEL_GROUP)
     if is_sharded(header.attrs):
         return _sharded_model_state(path, header.attrs)
@@ -225,7 +225,7 @@ def _sharded_model_state(path: Path, attrs: Mapping[str, Any]) -> tuple[GPTConfi
 
 def _sharded_model(path: Path) -> dict[str, torch.Tensor]:
     """The ``model`` entries of a sharded checkpoint, whole, every chunk verified."""
-    from hpcdist.store.sharded import read_full
+    from hpcdist.store.sharded.checkpoint import read_full
 
     state: dict[str, torch.Tensor] | None = read_full(path, keys=[MODEL_GROUP]).get(MODEL_GROUP)
     if not state:
@@ -238,7 +238,7 @@ def stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     ``model`` entries), read without its data."""
     header = store.read_header(path, MODEL_GROUP)
     if is_sharded(header.attrs):
-        from hpcdist.store.sharded_layout import read_index, tensors_of
+        from hpcdist.store.sharded.layout import read_index, tensors_of
 
         return {k: e.size for k, e in tensors_of(read_index(path)[1], MODEL_GROUP + ".").items()}
     return {k: d.shape for k, d in (header.datasets or {}).items()}
@@ -349,7 +349,7 @@ def _sharded_tensors(file: Path) -> tuple[dict[str, list[Piece]], dict[str, Data
     """The ``model`` tensors of the sharded checkpoint `file`: each one's chunks, and each described
     as a dataset (no digest of its own: its chunks have one each); None when it has none. Read
     without torch."""
-    from hpcdist.store.sharded_layout import read_index, tensors_of
+    from hpcdist.store.sharded.layout import read_index, tensors_of
 
     _, text = read_index(file)
     tensors = tensors_of(text, MODEL_GROUP + ".")

@@ -344,7 +344,7 @@ def export_pretrained(checkpoint: Path, out: Path) -> tuple[Path, ByteTokenizer 
     its tokenizer (a ``tokenizers`` one; the byte tokenizer has no such form and is left out)."""
     from hpcdist.data.tokenizer import FileTokenizer
     from hpcdist.model.checkpoint import checkpoint_chat_template, checkpoint_tokenizer, load_model_state
-    from hpcdist.store.discovery import resolve
+    from hpcdist.store.checkpoint.discovery import resolve
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

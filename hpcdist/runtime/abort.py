@@ -12,7 +12,7 @@ stacks``; NCCL's own recorder under NCCL, ``hpcdist.runtime.stacks.flight_record
 holds nothing of NCCL's collectives) twice a second; when a collective of this rank has waited its
 timeout, NCCL's own test,
 it does that work at once, in the window before the abort: this rank's last words first (the
-error it would have raised, ``hpcdist.store.lastwords``, which the summary shows for a rank that
+error it would have raised, ``hpcdist.store.site.lastwords``, which the summary shows for a rank that
 left no result), then the roll call over the rendezvous store (``hpcdist.runtime.reach``: the
 nodes whose ranks did not answer are named, and marked in the health record by the lowest rank
 that answered), what the running ``phase`` keeps (a benchmark's rows so far), the last words
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpcdist.config.contract import IMITATE_ABORT_VAR
-from hpcdist.store import lastwords
+from hpcdist.store.site import lastwords
 
 if TYPE_CHECKING:
     from hpcdist.config.paths import JobPaths

@@ -9,7 +9,7 @@ also gets the rank(s) and node behind that address.
 
 After a time-out (not a closed connection: a peer's kernel that resets the connection is alive,
 only its process died), the roll call also marks in the site's node health record
-(``hpcdist.store.health``, source ``timeout``) each node none of whose ranks answered, once: by
+(``hpcdist.store.site.health``, source ``timeout``) each node none of whose ranks answered, once: by
 the lowest rank that did answer, on the store's side of the break. A rank that cannot reach the
 store marks nothing: cut off itself, it cannot tell its own node from rank 0's.
 """
@@ -100,7 +100,7 @@ def _mark(site: Site, nodes: Sequence[str], job_id: str, reason: str) -> None:
     import logging
 
     from hpcdist.scheduler import slurm
-    from hpcdist.store import health
+    from hpcdist.store.site import health
 
     log = logging.getLogger("hpcdist")
     known = slurm.node_states() if site.scheduler == "slurm" else None

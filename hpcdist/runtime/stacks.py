@@ -33,7 +33,7 @@ from typing import Any
 
 from hpcdist.config.paths import JobPaths
 from hpcdist.store.atomic import atomic_path
-from hpcdist.store.stackrecord import (
+from hpcdist.store.site.stackrecord import (
     DIST,
     LIB,
     TIMEOUT_REQUEST,

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from hpcdist.scheduler.hostlist import expand_hostlist
 from hpcdist.scheduler.states import JobState
-from hpcdist.store import lastwords
-from hpcdist.store.stackrecord import describe, read_stacks
+from hpcdist.store.site import lastwords
+from hpcdist.store.site.stackrecord import describe, read_stacks
 
 if TYPE_CHECKING:
     from hpcdist.config.paths import JobPaths
@@ -203,7 +203,7 @@ class Ending:
         return replace(self, first=self.tasks[cause.rank])
 
     def heard(self, paths: JobPaths) -> Ending:
-        """This ending with the last words of the rank that went first (``hpcdist.store.lastwords``;
+        """This ending with the last words of the rank that went first (``hpcdist.store.site.lastwords``;
         after ``naming``): a rank its backend aborted (NCCL's watchdog: SIGABRT) is named by the
         error it wrote before."""
         got = lastwords.read(paths.last_words(self.first.rank)) if self.first is not None else None

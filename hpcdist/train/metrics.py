@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcdist.store.tree import plain
+from hpcdist.store.checkpoint.tree import plain
 
 STEP_COLUMNS = ("step", "epoch", "loss", "ppl", "grad_norm", "lr", "tokens_per_s", "step_time_s", "tokens_seen")
 VAL_COLUMNS = ("step", "loss", "ppl")

@@ -175,7 +175,7 @@ def check(job: Job[TrainParams], site: Site) -> list[Problem]:
         try:
             from hpcdist.data.tokenizer import mismatch
             from hpcdist.model.checkpoint import checkpoint_tokenizer, read_header
-            from hpcdist.store.discovery import resolve
+            from hpcdist.store.checkpoint.discovery import resolve
 
             path = resolve(params.init)
             wrong = mismatch(info.load_tokenizer(), params.data, checkpoint_tokenizer(path, read_header(path).config),

@@ -24,7 +24,7 @@ and the trainer's groups:
   metrics so far, one dataset per column, column order in the attribute ``columns_json``).
 
 Under FSDP (``params.parallel``) the model and optimizer are sharded and so is the checkpoint
-(``hpcdist.store.sharded``): every rank writes its own shards of ``model.<param name>`` and
+(``hpcdist.store.sharded.checkpoint``): every rank writes its own shards of ``model.<param name>`` and
 ``optimizer.state.<param name>.<key>`` (DCP's ``get_state_dict``, a tied head saved once as the
 embedding), and the index file holds every group above but ``/model`` and ``/optimizer``, as
 plain values rank 0 writes. A resume at any world size reads only each rank's new shard.
@@ -55,9 +55,9 @@ from hpcdist.model.checkpoint import (
 from hpcdist.runtime.requeue import Requeues
 from hpcdist.store import read as read_checkpoint
 from hpcdist.store import step_of
-from hpcdist.store.checkpoints import read_header
-from hpcdist.store.directory import POINTER
-from hpcdist.store.discovery import resolve
+from hpcdist.store.checkpoint.directory import POINTER
+from hpcdist.store.checkpoint.discovery import resolve
+from hpcdist.store.checkpoint.single import read_header
 from hpcdist.train import parallel
 from hpcdist.train import state as st
 from hpcdist.train.metrics import Metrics

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hpcdist.errors import CheckpointError
-from hpcdist.store.tree import Tree, as_tensor
+from hpcdist.store.checkpoint.tree import Tree, as_tensor
 
 
 def _names_by_index(model: nn.Module, opt: torch.optim.Optimizer) -> list[str]:

@@ -90,7 +90,7 @@ def _save_fsdp(rank: int, world: int, directory: str, cfg: GPTConfig, seed: int,
     from torch.distributed.fsdp import fully_shard
 
     from hpcdist.model.checkpoint import model_attrs
-    from hpcdist.store import sharded
+    from hpcdist.store.sharded import checkpoint as sharded
     from hpcdist.train.parallel import checkpoint_state
 
     model = make_model(cfg, seed)

@@ -15,7 +15,8 @@ import warnings
 
 import torch
 
-from hpcdist.store import CheckpointStore, sharded
+from hpcdist.store import CheckpointStore
+from hpcdist.store.sharded import checkpoint as sharded
 
 
 class Runs:

@@ -13,8 +13,7 @@ if _DIR:
     import fcntl
     from pathlib import Path
 
-    from hpcdist.store import directory, discovery
-
+    from hpcdist.store.checkpoint import directory, discovery
     _read = discovery.read_pointer
 
     def _read_then_commit(path: Path) -> tuple[Path | None, str]:

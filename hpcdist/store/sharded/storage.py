@@ -1,4 +1,4 @@
-"""DCP's ``StorageWriter`` / ``StorageReader`` for hpcdist's sharded checkpoints (``hpcdist.store.sharded``):
+"""DCP's ``StorageWriter`` / ``StorageReader`` for hpcdist's sharded checkpoints (``hpcdist.store.sharded.checkpoint``):
 each rank writes its own HDF5 file, the coordinator commits the index; reads verify each chunk."""
 
 from __future__ import annotations
@@ -23,10 +23,13 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from hpcdist.errors import CheckpointError
-from hpcdist.store import checkpoints, checksum, values
+from hpcdist.store import checksum
 from hpcdist.store.atomic import atomic_path
-from hpcdist.store.rawio import write_tree
-from hpcdist.store.sharded_layout import (
+from hpcdist.store.checkpoint import single as checkpoints
+from hpcdist.store.checkpoint import values
+from hpcdist.store.checkpoint.rawio import write_tree
+from hpcdist.store.checkpoint.tree import hash_like, hash_threads, pool, tensor_array
+from hpcdist.store.sharded.layout import (
     LAYOUT,
     LAYOUT_ATTR,
     SHARD_FORMAT,
@@ -44,7 +47,6 @@ from hpcdist.store.sharded_layout import (
     remove_orphans,
     shards_dir,
 )
-from hpcdist.store.tree import hash_like, hash_threads, pool, tensor_array
 
 # ---------------------------------------------------------------- writing
 
@@ -186,7 +188,7 @@ class ShardedReader(StorageReader):
     Every rank verifies every chunk it reads itself (XXH3-128 runs at memory speed: no rank uses
     bytes nobody checked, and no rank trusts another's verdict on bytes it read itself). Values
     come back as data: format 2's JSON, format 1's pickles only as ``torch.load(weights_only=True)``
-    does (``hpcdist.store.values``); nothing in a checkpoint is unpickled in full.
+    does (``hpcdist.store.checkpoint.values``); nothing in a checkpoint is unpickled in full.
     """
 
     def __init__(self, index: Path | str, process_group: Any = None) -> None:
@@ -328,7 +330,7 @@ def deliver(planner: LoadPlanner, req: Any, value: Any) -> None:
     if not isinstance(planner, DefaultLoadPlanner):
         raise CheckpointError(f"the load planner {type(planner).__name__} would unpickle the value "
                               f"{req.dest_index.fqn}; load hpcdist checkpoints with DCP's default planner "
-                              "(hpcdist.store.sharded.load)")
+                              "(hpcdist.store.sharded.checkpoint.load)")
     fqn = req.dest_index.fqn
     if planner.flatten_state_dict:
         set_element(planner.original_state_dict, planner.mappings[fqn], value)

@@ -16,7 +16,7 @@ This module owns that format: the attribute converters (`attr_value` in, `plain`
 flattening of a tree into datasets and attributes, reading through HDF5 with every
 digest checked (hashing in threads: hashlib releases the GIL) and describing a group without
 reading its data. Writing a tree, and the fast raw path of a checkpoint's arrays (``os.pwrite``,
-the `TreeIndex`, ``os.preadv``, `snapshot`), is ``hpcdist.store.rawio``. torch is never
+the `TreeIndex`, ``os.preadv``, `snapshot`), is ``hpcdist.store.checkpoint.rawio``. torch is never
 imported here: tensors are recognised by their methods and converted on the way in.
 """
 

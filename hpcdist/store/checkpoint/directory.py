@@ -11,7 +11,7 @@ Each file records its run too (the root attribute ``run_id``); only the files of
 run count as committed, so another run's files are never resumed or pruned in place of this
 run's. A run that starts fresh in a directory that holds files first moves them, pointer
 included, into ``previous/<their run>`` (`set_aside`). Which run a file belongs to is asked of
-the caller (`run_of`): nothing here opens an HDF5 file, the format is ``hpcdist.store.checkpoints``.
+the caller (`run_of`): nothing here opens an HDF5 file, the format is ``hpcdist.store.checkpoint.single``.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def set_aside(directory: Path, run: str | None) -> tuple[Path | None, list[Path]
     pointer = directory / POINTER
     if not files and not pointer.exists():
         return None, []
-    # A sharded checkpoint's shard folders (``hpcdist.store.sharded_layout.shards_dir``) go with its
+    # A sharded checkpoint's shard folders (``hpcdist.store.sharded.layout.shards_dir``) go with its
     # index, after it: the run stays whole and loadable there, and no later commit takes them for strays.
     folders = sorted(p for p in directory.glob("step_*.shards") if _NAME.match(p.name.removesuffix(".shards") + ".h5"))
     name = f"run-{run}" if run and "/" not in run and run not in (".", "..") else f"moved-{new_run_id()}"

@@ -1,4 +1,4 @@
-"""The layout of a sharded checkpoint (``hpcdist.store.sharded``): names, the per-chunk record
+"""The layout of a sharded checkpoint (``hpcdist.store.sharded.checkpoint``): names, the per-chunk record
 (`Chunk`), dtypes as stored, the index's metadata as JSON (never a pickle), reading one chunk,
 and retention of shard folders.
 
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hpcdist.errors import CheckpointError
-from hpcdist.store.directory import checkpoint_name, step_of
-from hpcdist.store.tree import as_tensor, pool, typed
+from hpcdist.store.checkpoint.directory import checkpoint_name, step_of
+from hpcdist.store.checkpoint.tree import as_tensor, pool, typed
 
 if TYPE_CHECKING:
     import torch
@@ -57,11 +57,11 @@ class Chunk:
     rank: int  # the rank that wrote it
     dataset: str  # HDF5 path in that file
     offset: int  # byte offset of its contiguous data; -1: read it through HDF5
-    dtype: str  # NumPy dtype as stored: a dtype NumPy lacks (bfloat16) as its bits (``hpcdist.store.tree``)
+    dtype: str  # NumPy dtype as stored: a dtype NumPy lacks (bfloat16) as its bits (``hpcdist.store.checkpoint.tree``)
     shape: tuple[int, ...]  # shape as stored: the tensor chunk's own
     torch_dtype: str  # the chunk's torch dtype ("torch.bfloat16"); "" for a value
     digest: str  # as recorded (``hpcdist.store.checksum``): "xxh3-128:<hex>", or format 1's bare sha256
-    encoding: str = ""  # a value's: "json" (``hpcdist.store.values``); "" for a tensor, or format 1's pickle
+    encoding: str = ""  # a value's: "json" (``hpcdist.store.checkpoint.values``); "" for a tensor, or format 1's pickle
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> Chunk:
@@ -81,7 +81,7 @@ def read_index(index: Path, loaded: Any = None) -> tuple[dict[str, Any], str]:
     """The root attributes and the metadata JSON of the sharded checkpoint `index`, its format,
     version and the JSON's own sha256 checked (the index's small groups verified as any checkpoint's);
     from `loaded`, the index as ``checkpoints.read`` already gave it, where the caller has it."""
-    from hpcdist.store import checkpoints
+    from hpcdist.store.checkpoint import single as checkpoints
 
     if loaded is None:
         loaded = checkpoints.read(index, groups=("sharded",))  # format and version checked
@@ -160,7 +160,7 @@ def _key(index: MetadataIndex) -> str:
 
 def _host(t: torch.Tensor) -> torch.Tensor:
     """A chunk to write: a contiguous CPU tensor (no copy when it is one already), which the store
-    writes in its one encoding (``hpcdist.store.tree``: a dtype NumPy lacks as its bits, with the
+    writes in its one encoding (``hpcdist.store.checkpoint.tree``: a dtype NumPy lacks as its bits, with the
     dataset attribute ``torch_dtype``, as in an unsharded checkpoint)."""
     return t.detach().cpu().contiguous()
 

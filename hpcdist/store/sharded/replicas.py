@@ -3,7 +3,7 @@
 DCP's rule is that a value that is not a DTensor is replicated (DDP's model and optimizer): its
 planner writes it once, by one rank, and never looks at the other ranks' copies, so a tensor that
 differs between ranks (a per-rank RNG state, a model not wrapped in DDP) is saved as whichever
-rank DCP chose. A sharded save (``hpcdist.store.sharded``) compares a fingerprint of each such
+rank DCP chose. A sharded save (``hpcdist.store.sharded.checkpoint``) compares a fingerprint of each such
 value across the ranks first (an ``all_gather`` of 32 bytes per value on the checkpoint's group):
 
 - the values every rank holds alike are spread over the ranks, largest first, each to the rank
@@ -151,7 +151,7 @@ def _parts(value: Any, full: bool, device: list[Any], where: str, torch: Any) ->
         for k, v in value.items():
             out += [f"{k!r}|".encode(), *_parts(v, full, device, f"{where}.{k}", torch)]
         return out
-    from hpcdist.store import values
+    from hpcdist.store.checkpoint import values
 
     try:
         return [b"value|", values.to_json(value, where)]
@@ -173,7 +173,7 @@ def split(state: dict[str, Any], process_group: Any = None, *, replicated: Calla
     import torch
     import torch.distributed as dist
 
-    from hpcdist.store.collective import gather
+    from hpcdist.store.checkpoint.collective import gather
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) < 2:
         return Split(state)

@@ -14,9 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcdist.errors import CheckpointError
-from hpcdist.store.checkpoints import RUN_ATTR, Checkpoint, read, run_of
-from hpcdist.store.directory import POINTER, checkpoints_in, read_commit, read_pointer, step_of, temporaries_in
-from hpcdist.store.tree import plain
+from hpcdist.store.checkpoint.directory import (
+    POINTER,
+    checkpoints_in,
+    read_commit,
+    read_pointer,
+    step_of,
+    temporaries_in,
+)
+from hpcdist.store.checkpoint.single import RUN_ATTR, Checkpoint, read, run_of
+from hpcdist.store.checkpoint.tree import plain
 
 log = logging.getLogger("hpcdist")
 

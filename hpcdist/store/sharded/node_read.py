@@ -38,10 +38,11 @@ from typing import Any
 import numpy as np
 
 from hpcdist.errors import CheckpointError
-from hpcdist.store import checksum, hostmem, values
-from hpcdist.store.collective import agree, local_ranks
-from hpcdist.store.replicas import owners
-from hpcdist.store.sharded_layout import (
+from hpcdist.store import checksum, hostmem
+from hpcdist.store.checkpoint import values
+from hpcdist.store.checkpoint.collective import agree, local_ranks
+from hpcdist.store.checkpoint.tree import as_tensor, hash_like, hash_threads, pool, typed
+from hpcdist.store.sharded.layout import (
     KEYS_ATTR,
     Chunk,
     Piece,
@@ -53,7 +54,7 @@ from hpcdist.store.sharded_layout import (
     restore_keys,
     tensors_of,
 )
-from hpcdist.store.tree import as_tensor, hash_like, hash_threads, pool, typed
+from hpcdist.store.sharded.replicas import owners
 
 SMALL_BYTES = 1 << 20  # smaller: each rank reads its copy (in runs) and hashes it inline; larger: mapped
 RUN_BYTES = 8 << 20  # small chunks read together, at most

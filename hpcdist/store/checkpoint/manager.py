@@ -10,16 +10,16 @@
     ...                                  # training goes on while it is written and committed
     store.wait()                         # the stats of the save in flight, or its error
 
-State is a nested dict (``hpcdist.store.tree``): tensors and arrays are stored with their
+State is a nested dict (``hpcdist.store.checkpoint.tree``): tensors and arrays are stored with their
 sha256, other values as attributes.
 
-A store writes for one *run* (``hpcdist.store.directory``): the run of the checkpoint
+A store writes for one *run* (``hpcdist.store.checkpoint.directory``): the run of the checkpoint
 `load_latest` (or `continue_run`) resumed; else, at the first save, the run of the committed
 checkpoint when this same job wrote it (a requeue that does not load), else a new run
 (`start_run`), which first moves the files it finds into ``previous/`` and says so in one line.
 Its saves, `steps` and pruning see only that run's files. The class only binds the module functions of
-``hpcdist.store.checkpoints``, ``directory`` and ``discovery`` to a directory and a retention;
-``claim`` takes the directory for one writer (``hpcdist.store.claim``).
+``hpcdist.store.checkpoint.single``, ``directory`` and ``discovery`` to a directory and a retention;
+``claim`` takes the directory for one writer (``hpcdist.store.checkpoint.claim``).
 """
 
 from __future__ import annotations
@@ -31,13 +31,14 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpcdist.store import checkpoints, discovery
-from hpcdist.store import directory as layout
-from hpcdist.store.rawio import snapshot
-from hpcdist.store.tree import Tree, pool
+from hpcdist.store.checkpoint import directory as layout
+from hpcdist.store.checkpoint import discovery
+from hpcdist.store.checkpoint import single as checkpoints
+from hpcdist.store.checkpoint.rawio import snapshot
+from hpcdist.store.checkpoint.tree import Tree, pool
 
 if TYPE_CHECKING:
-    from hpcdist.store.claim import Claim, Holder
+    from hpcdist.store.checkpoint.claim import Claim, Holder
 
 log = logging.getLogger("hpcdist")
 
@@ -201,7 +202,7 @@ class CheckpointStore:
         """Claim the directory for one writer (this process by default); a second run fails at
         once naming the holder; every later commit checks the claim is still this one. Release it
         with ``Claim.release`` when the run ends."""
-        from hpcdist.store.claim import Claim, Holder
+        from hpcdist.store.checkpoint.claim import Claim, Holder
 
         self._claim = Claim(self.directory, holder or Holder.this_process()).acquire()
         return self._claim

@@ -68,7 +68,7 @@ def encode(value: Any, where: str = "value") -> Any:
     torch = sys.modules.get("torch")
     if torch is not None:
         if isinstance(value, torch.Tensor):
-            from hpcdist.store.tree import tensor_array, torch_dtype_name
+            from hpcdist.store.checkpoint.tree import tensor_array, torch_dtype_name
 
             t = value.detach().cpu()
             name = str(t.dtype).removeprefix("torch.")
@@ -114,7 +114,7 @@ def decode(data: Any) -> Any:
     import torch
 
     if kind == "tensor":
-        from hpcdist.store.tree import from_bits
+        from hpcdist.store.checkpoint.tree import from_bits
 
         arr = _unarray(v)
         return from_bits(arr, v["torch_dtype"]).clone() if v["bits"] else torch.from_numpy(arr)

@@ -7,14 +7,14 @@ reads (only the chunks its own layout needs, at any mesh or world size). Layout 
 - ``step_00000120.shards/r<rank:05d>-<attempt>.h5``: one HDF5 file per rank, written under a
   temporary name, fdatasynced, renamed (``hpcdist.store.atomic``). Its ``/tensors/<fqn>/<offsets>``
   datasets are the tensor chunks that rank saved (``<offsets>`` joined by ``_``), its
-  ``/values/<fqn>`` the other values as UTF-8 JSON (``hpcdist.store.values``; format 1 kept DCP's
+  ``/values/<fqn>`` the other values as UTF-8 JSON (``hpcdist.store.checkpoint.values``; format 1 kept DCP's
   pickles under ``/bytes``); each carries its digest (``hpcdist.store.checksum``).
   ``<attempt>`` is new at every save, so a save that dies never touches a committed file.
 - ``step_00000120.h5``: the index, an ordinary ``hpcdist.checkpoint`` file (root attribute
   ``layout = "sharded"``) whose group ``/sharded`` holds ``metadata_json`` (every tensor's
   dtype, size and chunks, and for each chunk its file, dataset, byte offset and digest) with its
   own ``metadata_sha256``, and ``files``. The coordinator writes it in ``finish``, after every
-  rank's file is durable, through ``hpcdist.store.checkpoints.save``: the ``latest`` pointer,
+  rank's file is durable, through ``hpcdist.store.checkpoint.single.save``: the ``latest`` pointer,
   retention and discovery are the same as for unsharded checkpoints, and a crash of any rank
   before that leaves the previous commit the latest.
 
@@ -39,9 +39,11 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from hpcdist.errors import CheckpointError
-from hpcdist.store import checkpoints, replicas, values
-from hpcdist.store.directory import checkpoint_name, checkpoints_in, committed_in, step_of
-from hpcdist.store.sharded_layout import (
+from hpcdist.store.checkpoint import single as checkpoints
+from hpcdist.store.checkpoint import values
+from hpcdist.store.checkpoint.directory import checkpoint_name, checkpoints_in, committed_in, step_of
+from hpcdist.store.sharded import replicas
+from hpcdist.store.sharded.layout import (
     KEYS_ATTR,
     Chunk,
     _failure,
@@ -50,7 +52,7 @@ from hpcdist.store.sharded_layout import (
     purge_wait,
     shards_dir,
 )
-from hpcdist.store.sharded_storage import ShardedReader, ShardedWriter, deliver
+from hpcdist.store.sharded.storage import ShardedReader, ShardedWriter, deliver
 
 # ---------------------------------------------------------------- whole-checkpoint calls
 
@@ -86,7 +88,7 @@ def prepare(state: dict[str, Any], writer: ShardedWriter, process_group: Any = N
     """What this rank hands DCP to save `state` through `writer` (a collective on `process_group`):
     `state` less the replicated values (everything not a DTensor, under the top-level keys
     `replicated` accepts) that other ranks write, after comparing them across the ranks
-    (``hpcdist.store.replicas``; every byte with `full`); the values this rank writes though the
+    (``hpcdist.store.sharded.replicas``; every byte with `full`); the values this rank writes though the
     ranks' copies differ go to ``writer.differing``. The index records the dict keys and empty
     dicts that DCP's flattening loses (``sharded_layout.keys_record``)."""
     record = keys_record(state)
@@ -156,7 +158,7 @@ class Stager(AsyncStager):
         return staged
 
 
-owners = replicas.owners  # which rank writes each replicated value (its owner is ``hpcdist.store.replicas``)
+owners = replicas.owners  # which rank writes each replicated value (its owner is ``hpcdist.store.sharded.replicas``)
 
 
 def _layout(value: Any) -> Any:
@@ -204,8 +206,8 @@ def read_full(index: Path | str, keys: list[str] | None = None) -> dict[str, Any
     """The whole state of a sharded checkpoint in this process (every tensor full, every chunk
     verified, no process group); with `keys`, only those entries (top-level names such as
     ``model``, or flattened ones), the only bytes read. Dict keys come back as they were saved
-    (an optimizer's int keys), empty dicts too (``hpcdist.store.node_read``)."""
-    from hpcdist.store.node_read import read_state
+    (an optimizer's int keys), empty dicts too (``hpcdist.store.sharded.node_read``)."""
+    from hpcdist.store.sharded.node_read import read_state
 
     return read_state(index, keys=keys)[0]
 
@@ -242,7 +244,7 @@ def import_dcp(source: Path | str, directory: Path | str, step: int, **kw: Any) 
 
 class _DataOnly(_EmptyStateDictLoadPlanner):
     """DCP's planner for a whole folder, its pickled values loaded as data only (``weights_only=True``,
-    ``hpcdist.store.values``): a DCP folder someone else wrote runs nothing here."""
+    ``hpcdist.store.checkpoint.values``): a DCP folder someone else wrote runs nothing here."""
 
     def __init__(self, where: str) -> None:
         super().__init__()

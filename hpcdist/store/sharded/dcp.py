@@ -1,6 +1,6 @@
 """hpcdist checkpoints to and from ``torch.distributed.checkpoint``'s own folder format
 (``FileSystemWriter``: ``.metadata`` and ``__<rank>_<n>.distcp`` files), which torchtitan,
-Lightning and plain ``dcp.save`` / ``dcp.load`` read and write (``hpcdist.store.sharded``).
+Lightning and plain ``dcp.save`` / ``dcp.load`` read and write (``hpcdist.store.sharded.checkpoint``).
 
 Both run in one process, the whole state passing through its memory: for a state too big for
 that, read ours in place with ``dcp.load(state, storage_reader=ShardedReader(INDEX))``.
@@ -20,9 +20,9 @@ def export_dcp(checkpoint: Path, output: Path) -> tuple[Path, int]:
     top-level entries). Groups go as nested dicts, numeric arrays as tensors: an unsharded
     checkpoint's all, a sharded one's index values (a trainer's sampler, scheduler) and shards."""
     from hpcdist.errors import ConfigError
-    from hpcdist.store import sharded
-    from hpcdist.store.checkpoints import read, read_header
-    from hpcdist.store.discovery import resolve
+    from hpcdist.store.checkpoint.discovery import resolve
+    from hpcdist.store.checkpoint.single import read, read_header
+    from hpcdist.store.sharded import checkpoint as sharded
 
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise ConfigError(f"{output} already exists and is not an empty folder; give a new folder")
@@ -56,7 +56,7 @@ def _tensors(tree: dict[str, Any]) -> dict[str, Any]:
 def _save_dcp(state: dict[str, Any], output: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from hpcdist.store.sharded import one_error
+    from hpcdist.store.sharded.checkpoint import one_error
 
     output.mkdir(parents=True, exist_ok=True)
     with one_error():
@@ -70,8 +70,8 @@ def import_dcp(directory: Path, output: Path, step: int, report: Callable[[str],
     commits as a new run, the checkpoints already there first set aside into ``previous/`` (said in
     one line to `report`), so no run resumes, prunes or mixes with the imported step."""
     from hpcdist.errors import CheckpointError
-    from hpcdist.store import sharded
-    from hpcdist.store.manager import CheckpointStore
+    from hpcdist.store.checkpoint.manager import CheckpointStore
+    from hpcdist.store.sharded import checkpoint as sharded
 
     if not (directory / ".metadata").is_file():
         raise CheckpointError(f"{directory} is not a dcp.save folder (it has no .metadata); give the folder "

@@ -1,4 +1,5 @@
-"""Result files: versioned HDF5 with the run's facts as attributes, committed atomically.
+"""Result files: versioned HDF5 with the run's facts as attributes, committed atomically. Both
+sides: rank 0 writes them on the nodes; the login side reads them (`hpcdist report`, `--compare`).
 
 Layout (format ``hpcdist.result`` version 2), readable by ``h5dump`` as well as by hpcdist:
 
@@ -6,7 +7,7 @@ Layout (format ``hpcdist.result`` version 2), readable by ``h5dump`` as well as 
   ``world_size``, ``num_nodes``, ``created`` (UTC ISO 8601),
   ``complete`` (False while a run that died left partial rows), ``spec_json``, ``site_json``,
   ``version_*`` (hpcdist, python, torch, numpy, h5py, mpi, nccl); after a node failure
-  ``excluded_nodes`` and ``node_failures`` (``hpcdist.store.node_failures``);
+  ``excluded_nodes`` and ``node_failures`` (``hpcdist.store.site.node_failures``);
 - root datasets of strings, one entry per rank or per node (``LIST_FACTS``): ``/hosts`` (each
   rank's host), and for benchmarks ``/nodes`` and ``/rank_nodes``. They are datasets, not
   attributes, because HDF5 keeps attributes in a 64 KiB object header: about 4,000 host names;
@@ -18,7 +19,7 @@ Layout (format ``hpcdist.result`` version 2), readable by ``h5dump`` as well as 
 - benchmark results (``bench_layout`` attribute, version 1) add ``/interconnect``,
   ``/bench/<op>/<path>`` tables and ``/pairs/<path>`` matrices: see ``hpcdist.bench.record``.
 
-Attributes go through ``hpcdist.store.tree.attr_value`` and come back through ``plain``.
+Attributes go through ``hpcdist.store.checkpoint.tree.attr_value`` and come back through ``plain``.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ from typing import TYPE_CHECKING, Any
 from hpcdist._version import __version__
 from hpcdist.config.paths import node_failure_record
 from hpcdist.config.site import REDACTED, looks_secret
-from hpcdist.store import node_failures
 from hpcdist.store.atomic import atomic_path
-from hpcdist.store.tree import attr_value, host_value, plain
+from hpcdist.store.checkpoint.tree import attr_value, host_value, plain
+from hpcdist.store.site import node_failures
 
 if TYPE_CHECKING:
     import h5py

@@ -6,7 +6,7 @@ Format ``hpcdist.checkpoint`` version 2 (readable by ``h5dump`` and by plain ``h
   the same directory, flushed and fsynced, renamed onto its final name (``hpcdist.store.atomic``),
   and only then *committed* by atomically rewriting the pointer file ``<dir>/latest``, whose
   last line is the committed file's name (``step_00000120.h5``), after a line ``run <id>`` naming
-  the run that committed it (``hpcdist.store.directory``). A reader trusts only committed files:
+  the run that committed it (``hpcdist.store.checkpoint.directory``). A reader trusts only committed files:
   the one ``latest`` names, or older ones of the same run. Files newer than the pointer (a
   writer killed between rename and commit) and files of another run are ignored.
 - Root attributes: ``format = "hpcdist.checkpoint"``, ``format_version = 2``, ``step``,
@@ -17,10 +17,10 @@ Format ``hpcdist.checkpoint`` version 2 (readable by ``h5dump`` and by plain ``h
   layer adds ``model_config_json``, see ``hpcdist.model.checkpoint``).
 - Root attribute ``index_json`` (optional: files of earlier hpcdist 0.1.0 builds lack it):
   the tree's groups, and for each numeric dataset its path, byte offset in the file, dtype,
-  shape and digest (``hpcdist.store.rawio.TreeIndex``). Such datasets are contiguous and
+  shape and digest (``hpcdist.store.checkpoint.rawio.TreeIndex``). Such datasets are contiguous and
   uncompressed, so a reader can read them without walking HDF5 objects; any disagreement
   between index and file sends the reader back to the HDF5 structure, which stays the truth.
-- Below the root: the caller's tree (``hpcdist.store.tree``): groups, datasets each with a
+- Below the root: the caller's tree (``hpcdist.store.checkpoint.tree``): groups, datasets each with a
   ``checksum`` attribute (``"xxh3-128:<hex>"``), attributes. A read verifies every dataset it
   reads. Nothing in the file is a pickle: plain values are HDF5 attributes or JSON.
 
@@ -34,7 +34,7 @@ are read; anything else is not a checkpoint version. An hpcdist of format 1 meet
 file says in one line that it is newer than it reads.
 
 The directory itself (naming, the pointer, listing, pruning, discovery) is
-``hpcdist.store.directory``; ``CheckpointStore`` (``hpcdist.store``) ties both together.
+``hpcdist.store.checkpoint.directory``; ``CheckpointStore`` (``hpcdist.store``) ties both together.
 """
 
 from __future__ import annotations
@@ -52,15 +52,15 @@ from hpcdist._version import __version__
 from hpcdist.errors import CheckpointError
 from hpcdist.store import checksum as checksums
 from hpcdist.store.atomic import atomic_path
-from hpcdist.store.directory import checkpoint_name, prune, read_pointer, write_pointer
-from hpcdist.store.rawio import TreeIndex, read_indexed, write_tree
-from hpcdist.store.tree import DatasetInfo, Tree, attr_value, describe_group, plain, read_tree
+from hpcdist.store.checkpoint.directory import checkpoint_name, prune, read_pointer, write_pointer
+from hpcdist.store.checkpoint.rawio import TreeIndex, read_indexed, write_tree
+from hpcdist.store.checkpoint.tree import DatasetInfo, Tree, attr_value, describe_group, plain, read_tree
 
 FORMAT = "hpcdist.checkpoint"
 FORMAT_VERSION = 2  # 2: digests name their algorithm (xxh3-128 by default), no pickle in sharded values
 CHECKSUM_ATTR = checksums.ATTR  # root attribute: the algorithm of the file's digests (format 2)
 ROOT_ATTRS = ("format", "format_version", "step", "epoch", "created")
-RUN_ATTR = "run_id"  # root attribute: the run that wrote the file (`hpcdist.store.directory`)
+RUN_ATTR = "run_id"  # root attribute: the run that wrote the file (`hpcdist.store.checkpoint.directory`)
 JOB_ATTR = "job_id"  # root attribute: the job that wrote it (a requeue is the same job)
 INDEX_ATTR = "index_json"  # optional: where each array lies (`TreeIndex`), for the fast read
 # HDF5 gathers object headers in blocks of this size (2 KiB by default), so the arrays' bytes

@@ -1,6 +1,6 @@
 """The fast path of a checkpoint's arrays: raw writes and reads beside HDF5, and `snapshot`.
 
-`write_tree` writes a tree in the format of ``hpcdist.store.tree`` while a thread pool hashes
+`write_tree` writes a tree in the format of ``hpcdist.store.checkpoint.tree`` while a thread pool hashes
 its arrays (``hpcdist.store.checksum``). A checkpoint's numeric arrays are written without HDF5's copy: their contiguous
 storage is allocated when the dataset is created (through h5py's low-level API) and one writer
 thread puts their bytes there with ``os.pwritev``, starting the disk's writeback as it goes
@@ -34,7 +34,7 @@ import numpy as np
 
 from hpcdist.errors import CheckpointError
 from hpcdist.store import checksum, hostmem
-from hpcdist.store.tree import (
+from hpcdist.store.checkpoint.tree import (
     DTYPE_ATTR,
     Check,
     Tree,
