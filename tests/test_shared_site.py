@@ -165,7 +165,7 @@ def test_a_fifo_a_link_or_a_forged_author_in_the_health_folder_blocks_nothing(gr
                "open(os.path.join(d, 'n5.1-1-d.mark.json'), 'w').write('{garbled')\n"
                "open(os.path.join(d, 'n6.1-1-e.mark.json'), 'w').write(' ' * 100000)\n")
     assert as_user("bob", "-c", hostile, str(health), umask="002").code == 0
-    read = ("import sys; from pathlib import Path; from hpcdist.store import health\n"
+    read = ("import sys; from pathlib import Path; from hpcdist.store.site import health\n"
             "print([(m.node, m.user) for m in health.bad_nodes(Path(sys.argv[1]), 3600)])\n")
     got = as_user("alice", "-c", read, str(health), timeout=30)
     assert got.code == 0, got.text
