@@ -18,6 +18,7 @@ from hpcdist import progress
 from hpcdist.console import StatusLine
 from hpcdist.login import jobindex
 from hpcdist.login.watch import hms, slurm_seconds
+from hpcdist.scheduler.local import process_started
 from tests.support.cli import Run, job_id, run_cli, storage_sets
 from tests.support.train import Background, start_now, train, wait_for
 
@@ -123,14 +124,6 @@ time.sleep(900)
 """
 
 
-def running(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, ended but not yet reaped by its parent, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_cancel_ends_every_process_of_a_local_job_that_ignores_it(tmp_path: Path) -> None:
     """A rank that ignores SIGINT and SIGTERM, and a child of its own that does too: the cancel
     kills what still runs after its grace (before: the ranks ran on for minutes)."""
@@ -145,7 +138,8 @@ def test_cancel_ends_every_process_of_a_local_job_that_ignores_it(tmp_path: Path
     assert cancelled.code == 0, cancelled.text
     assert re.fullmatch(rf"cancelled job {jid} \(stubborn\) on site local; \d+ of its processes still ran 2 s after "
                         rf"the cancel: killed \(SIGKILL\)", cancelled.out.strip()), cancelled.out
-    assert not running(child) and not running(int(jid))  # the rank's child, and the controller
+    # neither the rank's child nor the controller runs (a zombie not yet reaped has no start time)
+    assert process_started(str(child)) is None and process_started(jid) is None
     wait_for(lambda: state_of(jid) == "CANCELLED", WAIT, f"job {jid} CANCELLED in `hpcdist jobs`", poll=1)
 
 

@@ -8,7 +8,6 @@ module knows nothing of job kinds.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,14 +70,6 @@ class Resources(Frozen):
 
 
 THREADS_VAR = "OMP_NUM_THREADS"  # each rank's thread count (torch's intra-op threads), from cpus_per_task
-
-
-def machine_cpus() -> int:
-    """The CPUs this process may run on (its affinity, which a container or cgroup narrows)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 # A job name is a folder under every storage root and Slurm's job name: one plain name.
@@ -147,7 +138,12 @@ class JobSpec(Frozen):
         if not res.gpus_per_node:
             return 1
         _, part = site.partition(res.partition)
-        cpus = min(part.cpus_per_node, machine_cpus()) if site.scheduler == "local" else part.cpus_per_node
+        if site.scheduler == "local":
+            from hpcdist.scheduler.local import machine_cpus
+
+            cpus = min(part.cpus_per_node, machine_cpus())
+        else:
+            cpus = part.cpus_per_node
         return max(1, (cpus - part.reserved_cpus_per_node) // max(res.tasks_per_node, part.gpus_per_node))
 
     def rank_env(self, site: Site) -> dict[str, str]:

@@ -283,8 +283,9 @@ class JobHandle:
         self.submission.record = record  # this handle's own reading says CANCELLED too
         write(record)  # first: whoever waits reads CANCELLED, not FAILED, once it is gone
         pgid = int(record.job_id)
-        group = controller_alive(record.job_id, record.started) and leads_group(record.job_id)
-        if controller_alive(record.job_id, record.started):
+        alive = controller_alive(record.job_id, record.started)
+        group = alive and leads_group(record.job_id)
+        if alive:
             try:
                 os.kill(pgid, signal.SIGINT)  # submitit's own cancel: the controller stops its ranks
             except ProcessLookupError:

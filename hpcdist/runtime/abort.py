@@ -159,7 +159,6 @@ class Watch(threading.Thread):
                 logging.shutdown()
                 sys.stderr.flush()
                 os._exit(ENDED_EXIT)
-                return
 
     def _dumped(self, within_s: float) -> bool:
         """Waits until the flight recorder's dump of this rank is written (a size that holds for

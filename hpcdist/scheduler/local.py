@@ -21,14 +21,20 @@ from pathlib import Path
 LOCAL_CONTROLLER = "hpcdist.runtime.local_controller"
 
 
-def process_started(pid: str) -> int | None:
-    """The start time of process `pid` in clock ticks since boot (``/proc/PID/stat`` field 22);
-    None when no such process runs (or it is a zombie), or there is no procfs."""
+def _stat(pid: str) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command's name (state first, then the parent,
+    the process group, ...); [] when no such process, or no procfs."""
     try:
         stat = (Path("/proc") / pid / "stat").read_text()
     except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[-1].split()
+        return []
+    return stat.rsplit(")", 1)[-1].split()
+
+
+def process_started(pid: str) -> int | None:
+    """The start time of process `pid` in clock ticks since boot (``/proc/PID/stat`` field 22);
+    None when no such process runs (or it is a zombie), or there is no procfs."""
+    fields = _stat(pid)
     return int(fields[19]) if len(fields) > 19 and fields[0] != "Z" else None
 
 
@@ -64,15 +70,19 @@ def group_members(pgid: int) -> list[int]:
         return [pgid]
     out = []
     for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[-1].split()
-        except OSError:
-            continue
+        fields = _stat(entry.name) if entry.name.isdigit() else []
         if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
             out.append(int(entry.name))
     return out
+
+
+def machine_cpus() -> int:
+    """The CPUs this process may run on (its affinity, which a container or cgroup narrows): the
+    local site's node, as ``machine_gpus`` gives its GPUs."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def leads_group(pid: str) -> bool:
