@@ -136,8 +136,10 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
     if site_ref:
         os.umask(site.storage.umask)  # what this script writes to the site's storage gets storage.mode
         from hpcdist.store import checksum
+        from hpcdist.store.trust import own_folders
 
         checksum.use_site(site.storage.checksum)
+        own_folders(site.storage)
     else:  # the default site's storage; the preemption signal submitit would use
         signal = env.get("SUBMITIT_PREEMPTION_SIGNAL", "USR2").removeprefix("SIG")
         site = load_site(None, [f"preemption.signal={signal}"])
@@ -169,11 +171,9 @@ def _called_job(env: dict[str, str], site_ref: str | None, name: str | None,
 
     from hpcdist.config.site import Site
     from hpcdist.config.spec import JobSpec
-    from hpcdist.store.trust import trusted
+    from hpcdist.store.trust import read_trusted
 
-    trusted(path)
-    with open(path, "rb") as f:
-        data = json.load(f)
+    data = json.loads(read_trusted(path, private=True))
     spec, site = JobSpec.model_validate(data["spec"]), Site.model_validate(data["site"])
     _refuse_changed({"site": (site_ref, site.name), "name": (name, spec.name),
                      "timeout_s": (timeout_s, spec.timeout(site))})

@@ -265,11 +265,9 @@ def _call(params: PythonParams) -> Any:
     import cloudpickle
 
     from hpcdist.api.launch import for_call
-    from hpcdist.store.trust import trusted
+    from hpcdist.store.trust import load_pickle
 
-    trusted(str(params.call))  # a call pickle another user could have replaced would run as this one
-    with open(str(params.call), "rb") as f:
-        fn, args, kwargs = cloudpickle.load(f)
+    fn, args, kwargs = load_pickle(str(params.call))  # read from what was checked: no one else's call runs
     ctx = for_call()
     if hasattr(fn, "__submitit_checkpoint__") or hasattr(fn, "checkpoint"):  # submitit's Checkpointable
         _checkpoint_on_stop(ctx, fn, args, kwargs, str(params.call))

@@ -153,7 +153,10 @@ def prepare(job: Job[Any], site: Site) -> Job[Any]:
     """`job` as it is submitted: the kind's submit-time step done (the ``python`` kind's code
     snapshot), its params parsed again with the updates."""
     from hpcdist.store.atomic import storage_umask
+    from hpcdist.store.trust import own_folders
 
+    with storage_umask(site.storage.umask):
+        own_folders(site.storage)  # <root>/<user> is this user's own, or one line naming who made it
     if job.kind.prepare is None:
         return job
     with storage_umask(site.storage.umask):  # what it writes to shared storage gets storage.mode
@@ -176,8 +179,12 @@ def load_jobs(path: str | Path, site: Site, overrides: list[str] | None = None,
     paths resolved against its folder, then the overrides applied (their paths against the
     current folder), the spec validated, its params parsed and the job checked against `site`."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"job spec {str(path)!r} does not exist")
+    try:
+        if not path.is_file():
+            raise ConfigError(f"job spec {str(path)!r} does not exist")
+    except PermissionError as exc:  # a folder above it this user cannot enter
+        raise ConfigError(f"job spec {str(path)!r} cannot be read ({exc.strerror}: a folder above it is not "
+                          f"open to you); copy it somewhere you can read, or ask its owner to open the folder") from exc
     data = rebase_paths(read_yaml(path), path.resolve().parent, site)
     jobs = []
     for extra in variants:

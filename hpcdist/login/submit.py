@@ -30,7 +30,7 @@ from hpcdist.login import jobindex
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.local import LOCAL_CONTROLLER, machine_gpus, process_started
 from hpcdist.store.atomic import storage_umask
-from hpcdist.store.trust import denied_hint
+from hpcdist.store.trust import denied_hint, own_folders
 
 if TYPE_CHECKING:
     from hpcdist.login.plan import Plan
@@ -227,6 +227,7 @@ def schedule(plan: Plan, calls: Sequence[Call] | None = None) -> list[Submission
     try:
         with storage_umask(site.storage.umask), (  # submitit's files, and the job's through sbatch
                 _detached_streams() if not plan.slurm else contextlib.nullcontext()):
+            own_folders(site.storage)  # <root>/<user>: this user's own, or one line naming who made it
             executor = _executor(plan)
             if not plan.array:
                 fn, args, kwargs = todo[0]

@@ -21,7 +21,7 @@ from hpcdist.polling import poll_until
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.slurm import Vanished
 from hpcdist.scheduler.states import JobState
-from hpcdist.store.trust import trusted  # a result pickle another user could have written: refused
+from hpcdist.store.trust import load_pickle  # a result pickle another user could have written: refused
 
 if TYPE_CHECKING:
     from hpcdist.scheduler.postmortem import Ending
@@ -101,14 +101,11 @@ def outcomes(sub: Submission, state: JobState = JobState.UNKNOWN, end: Ending | 
     """One outcome per rank, from submitit's result files (read directly: asking submitit's job
     would call sacct behind the scheduler client's back). A rank without a result is summarised
     by how srun saw it end, or else the first real error line of its log."""
-    from submitit.core.utils import pickle_load
-
     out = []
     for rank in range(ranks_ran(sub)):
         task = sub.job.task(rank)
         try:
-            trusted(task.paths.result_pickle)
-            status, value = pickle_load(task.paths.result_pickle)
+            status, value = load_pickle(task.paths.result_pickle)  # read from the file that was checked
         except FileNotFoundError:
             from hpcdist.scheduler.postmortem import no_result  # only a rank that failed is looked into
 

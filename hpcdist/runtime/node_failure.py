@@ -244,15 +244,13 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
 def _submitted(folder: str, env: Mapping[str, str]) -> tuple[str, JobSpec, Site, Path, Path]:
     """The job's id, spec and site, as submitit's pickle gives them to its ranks; its folder and
     batch output (rank 0's stdout)."""
-    from submitit.core.utils import DelayedSubmission
     from submitit.core.utils import JobPaths as SubmititPaths
 
     job_id = array_task_id(env) or env["SLURM_JOB_ID"]
     paths = SubmititPaths(folder, job_id=job_id)
-    from hpcdist.store.trust import trusted
+    from hpcdist.store.trust import load_pickle
 
-    trusted(paths.submitted_pickle)  # unpickled only when no one else could have written it
-    delayed = DelayedSubmission.load(paths.submitted_pickle)
+    delayed = load_pickle(paths.submitted_pickle)  # unpickled only when no one else could have written it
     spec, site = delayed.args[:2]
     return job_id, spec, site, paths.folder, SubmititPaths(folder, job_id=job_id, task_id=0).stdout
 

@@ -2,12 +2,23 @@
 
 A file is trusted when no one but this user (or root) could have written it: it is owned by this
 user or root, is not writable by group or others, and so is every folder above it, up to `root`
-(the storage root it lies under) or ``/``. A folder above that others may write is accepted only
-when it is sticky (``chmod +t``: no one renames or removes another's entry in it), as the admin's
-group root is (``chgrp GROUP ROOT; chmod 3770 ROOT``). Everything hpcdist reads back and would run
-asks `trusted` first (submitit's pickles, an executor call, a result pickle, the code snapshot,
-the rendezvous endpoint, a checkpoint folder); anything else is refused in one line naming the
-file, its owner and its mode, and nothing is read.
+(the storage root it lies under) or ``/``. Every such folder is owned by this user or root; a
+folder that others may write is accepted only when it is sticky as well (``chmod +t``: no one
+renames or removes another's entry in it), as the admin's group root is (``chgrp GROUP ROOT;
+chmod 3770 ROOT``). Sticky excuses a folder's write bits, never another owner: the owner of a
+sticky folder may rename anything in it.
+
+Checked once, read from what was checked: `read_trusted` and `opened_trusted` walk the path from
+``/`` one folder at a time (``openat(O_DIRECTORY|O_NOFOLLOW)`` below the folder's real path),
+check each open folder with ``fstat``, open the file itself with ``O_NOFOLLOW`` and read the
+bytes from that descriptor, so a swap of any folder or of the file between the check and the
+read changes nothing. Everything hpcdist reads back and would run goes through them (submitit's
+pickles, an executor call, a result pickle, the rendezvous endpoint and secret, a checkpoint
+folder); anything else is refused in one line naming the file, its owner and its mode, and
+nothing is read.
+
+A storage root that others may write holds one folder per user (``<root>/<user>``), which must
+be the user's own: `own_folder` makes it, or refuses one another user made, naming who.
 
 In a user namespace (a rank in a Charliecloud or Apptainer container, run by an ordinary user)
 the kernel shows every owner it does not map, root included, as the overflow uid (``nobody``):
@@ -27,18 +38,30 @@ import os
 import pwd
 import stat
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from hpcdist.config.user import current_user
 from hpcdist.errors import HpcdistError
 
-__all__ = ["UntrustedFileError", "current_user", "denied_hint", "describe", "opened_plain", "owner_name",
-           "private_folder", "problem", "trusted"]
+if TYPE_CHECKING:
+    from hpcdist.config.site import Storage
+
+__all__ = ["UntrustedFileError", "current_user", "denied_hint", "describe", "load_pickle", "opened_plain",
+           "opened_trusted", "own_folder", "own_folders", "owner_name", "private_folder", "problem", "read_trusted",
+           "trusted", "trusted_folder"]
+
+_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_PATH", 0)
+_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
 
 
 class UntrustedFileError(HpcdistError):
     """A file (or a folder above it) that another user could have written."""
+
+
+class _Refused(Exception):
+    """Why the walk stopped: the one line `problem` returns."""
 
 
 def owner_name(uid: int) -> str:
@@ -62,37 +85,8 @@ def _kind(mode: int) -> str:
     return "not a regular file" if not stat.S_ISREG(mode) else "a file"
 
 
-def problem(path: Path | str, root: Path | str | None = None, *, private: bool = False) -> str | None:
-    """Why `path` cannot be trusted (one line), or None when it can. `private`: the file itself
-    must also be unreadable by group and others (0600, as a rendezvous endpoint is). OSError
-    (FileNotFoundError) when `path` cannot be looked at."""
-    me = os.geteuid()
-    path = Path(os.path.abspath(path))
-    st = os.lstat(path)  # FileNotFoundError: the caller's "not there yet"
-
-    if stat.S_ISLNK(st.st_mode):
-        return f"{describe(path, st)} is a symbolic link: hpcdist reads no link it would run"
-    if st.st_uid not in (me, 0):
-        return f"{describe(path, st)} belongs to another user"
-    if st.st_mode & 0o022:
-        return f"{describe(path, st)} is writable by {_who(st.st_mode)}"
-    if private and st.st_mode & 0o077:
-        return f"{describe(path, st)} is readable by others; it must be 0600"
-    top = Path(os.path.abspath(root)) if root is not None else Path("/")
-    folder = path.parent
-    while True:
-        try:
-            fst = os.stat(folder)
-        except OSError as exc:
-            return f"{folder} cannot be checked ({exc.strerror})"
-        if fst.st_uid not in (me, 0, *_unmapped_root()) and not fst.st_mode & stat.S_ISVTX:
-            return f"folder {describe(folder, fst)} above {path.name} belongs to another user"
-        if fst.st_mode & 0o022 and not fst.st_mode & stat.S_ISVTX:
-            return (f"folder {describe(folder, fst)} above {path.name} is writable by {_who(fst.st_mode)} "
-                    f"and not sticky (anyone there may replace what is in it)")
-        if folder == top or folder.parent == folder:
-            return None
-        folder = folder.parent
+def _who(mode: int) -> str:
+    return " and ".join(w for w, bit in (("its group", 0o020), ("everyone", 0o002)) if mode & bit)
 
 
 @functools.cache
@@ -107,18 +101,147 @@ def _unmapped_root() -> tuple[int, ...]:
         return ()
 
 
-def _who(mode: int) -> str:
-    return " and ".join(w for w, bit in (("its group", 0o020), ("everyone", 0o002)) if mode & bit)
+def _folder_problem(folder: Path, st: os.stat_result, below: str) -> str | None:
+    if st.st_uid not in (os.geteuid(), 0, *_unmapped_root()):
+        return f"folder {describe(folder, st)} above {below} belongs to another user (who may rename anything in it)"
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        return (f"folder {describe(folder, st)} above {below} is writable by {_who(st.st_mode)} "
+                f"and not sticky (anyone there may replace what is in it)")
+    return None
+
+
+def _file_problem(path: Path, st: os.stat_result, private: bool, folder: bool = False) -> str | None:
+    if stat.S_ISLNK(st.st_mode):
+        return f"{describe(path, st)} is a symbolic link: hpcdist reads no link it would run"
+    if not (stat.S_ISDIR(st.st_mode) if folder else stat.S_ISREG(st.st_mode)):
+        return f"{describe(path, st)} is not a {'folder' if folder else 'regular file'}"
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"{describe(path, st)} belongs to another user"
+    if st.st_mode & 0o022:
+        return f"{describe(path, st)} is writable by {_who(st.st_mode)}"
+    if private and st.st_mode & 0o077:
+        return f"{describe(path, st)} is readable by others; it must be 0600"
+    return None
+
+
+@contextmanager
+def _walk(path: Path | str, root: Path | str | None, private: bool,
+          folder: bool) -> Iterator[tuple[int, os.stat_result]]:
+    """`path` opened and checked (see the module): its descriptor and fstat. _Refused with the
+    one line; FileNotFoundError when a part of it is not there."""
+    path = Path(os.path.abspath(path))
+    parent = Path(os.path.realpath(path.parent))  # links above the file are the site's (/scratch -> /lustre)
+    top = Path(os.path.realpath(root)) if root is not None else Path("/")
+    with ExitStack() as stack:
+        fd = stack.enter_context(_closing(os.open("/", _FOLDER)))
+        seen = [(Path("/"), os.fstat(fd))]
+        for part in parent.parts[1:]:
+            here = seen[-1][0] / part
+            try:
+                fd = stack.enter_context(_closing(os.open(part, _FOLDER, dir_fd=fd)))
+            except FileNotFoundError as exc:
+                raise FileNotFoundError(exc.errno, exc.strerror, str(here)) from None
+            except OSError as exc:  # ELOOP: a link put there after the real path was read
+                raise _Refused(f"folder {here} above {path.name} cannot be opened ({exc.strerror})") from exc
+            seen.append((here, os.fstat(fd)))
+        for here, st in reversed(seen):  # from the file's folder up to `root` (or /)
+            why = _folder_problem(here, st, path.name)
+            if why is not None:
+                raise _Refused(why)
+            if here == top:
+                break
+        try:
+            fd = stack.enter_context(_closing(os.open(path.name, _FOLDER if folder else _FILE, dir_fd=fd)))
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(exc.errno, exc.strerror, str(path)) from None
+        except OSError as exc:  # ELOOP (a link), ENOTDIR, EACCES
+            try:
+                st = os.stat(path.name, dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                raise _Refused(f"{path} cannot be opened ({exc.strerror})") from exc
+            raise _Refused(_file_problem(path, st, private, folder)
+                           or f"{describe(path, st)} cannot be opened ({exc.strerror})") from exc
+        st = os.fstat(fd)
+        why = _file_problem(path, st, private, folder)
+        if why is not None:
+            raise _Refused(why)
+        yield fd, st
+
+
+@contextmanager
+def _closing(fd: int) -> Iterator[int]:
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _refusal(path: Path | str, why: str) -> UntrustedFileError:
+    return UntrustedFileError(
+        f"refusing to read {path}: {why}; hpcdist runs or unpickles only files no other user could "
+        f"have written (yours, not group- or world-writable, in folders of yours or root's)"
+    )
+
+
+def problem(path: Path | str, root: Path | str | None = None, *, private: bool = False) -> str | None:
+    """Why `path` cannot be trusted (one line), or None when it can. `private`: the file itself
+    must also be unreadable by group and others (0600, as a rendezvous endpoint is). OSError
+    (FileNotFoundError) when `path` cannot be looked at."""
+    try:
+        with _walk(path, root, private, folder=os.path.isdir(path) and not os.path.islink(path)):
+            return None
+    except _Refused as exc:
+        return str(exc)
 
 
 def trusted(path: Path | str, root: Path | str | None = None, *, private: bool = False) -> None:
     """Raise UntrustedFileError (one line: file, owner, mode, what to do) unless `path` is trusted."""
     why = problem(path, root, private=private)
     if why is not None:
-        raise UntrustedFileError(
-            f"refusing to read {path}: {why}; hpcdist runs or unpickles only files no other user could "
-            f"have written (yours, not group- or world-writable, in folders of yours)"
-        )
+        raise _refusal(path, why)
+
+
+@contextmanager
+def opened_trusted(path: Path | str, root: Path | str | None = None, *,
+                   private: bool = False) -> Iterator[tuple[int, os.stat_result]]:
+    """`path` opened once and checked (UntrustedFileError otherwise): its descriptor and fstat,
+    to read from (``os.fdopen(os.dup(fd))``, or ``/proc/self/fd/N`` for a library that takes a
+    path: the same file, whatever is renamed meanwhile). FileNotFoundError when it is not there."""
+    try:
+        with _walk(path, root, private, folder=False) as opened:
+            yield opened
+    except _Refused as exc:
+        raise _refusal(path, str(exc)) from None
+
+
+def read_trusted(path: Path | str, root: Path | str | None = None, *, private: bool = False,
+                 limit: int | None = None) -> bytes:
+    """The bytes of `path`, read from the descriptor that was checked (`opened_trusted`). A file
+    over `limit` bytes is refused."""
+    with opened_trusted(path, root, private=private) as (fd, st):
+        if limit is not None and st.st_size > limit:
+            raise _refusal(path, f"{describe(Path(path), st)} is {st.st_size} bytes, more than the {limit} expected")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+
+
+def load_pickle(path: Path | str) -> Any:
+    """The object pickled in `path`, unpickled from the bytes `read_trusted` read: submitit's
+    pickles, an executor call, a result. The one place hpcdist unpickles a file."""
+    import pickle
+
+    return pickle.loads(read_trusted(path))
+
+
+@contextmanager
+def trusted_folder(path: Path | str, root: Path | str | None = None) -> Iterator[Path]:
+    """The folder `path`, checked and held open: ``/proc/self/fd/N``, through which its files are
+    read from the folder that was checked (a rename of it, or above it, changes nothing)."""
+    try:
+        with _walk(path, root, False, folder=True) as (fd, _):
+            yield Path(f"/proc/self/fd/{fd}")
+    except _Refused as exc:
+        raise _refusal(path, str(exc)) from None
 
 
 def trusted_tree(folder: str | Path) -> None:
@@ -135,7 +258,7 @@ def opened_plain(path: Path | str) -> Iterator[tuple[int, os.stat_result]]:
     """`path` opened for reading, and its fstat, without following a link or waiting on a FIFO
     (O_NOFOLLOW | O_NONBLOCK): a file in a folder others may write, looked at before a byte of it
     is read. OSError as ``os.open`` raises it (ELOOP for a link, FileNotFoundError)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    fd = os.open(path, _FILE)
     try:
         yield fd, os.fstat(fd)
     finally:
@@ -158,6 +281,42 @@ def private_folder(folder: Path) -> Path:
     return folder
 
 
+def own_folder(folder: Path, mode: int) -> Path:
+    """This user's folder of a storage root others may write (``<root>/<user>``): made with
+    `mode` when missing, and otherwise (or when another user made it first, in the same moment)
+    accepted only when it is a folder of this user's, checked with ``lstat``; a group- or
+    world-writable one of hers is closed (another member could have put names there for her
+    jobs to use). One another user made is refused, naming who and what to do."""
+    try:
+        folder.mkdir(mode)
+        os.chmod(folder, mode | (os.stat(folder).st_mode & stat.S_ISGID))
+    except FileExistsError:
+        pass
+    st = os.lstat(folder)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        who = owner_name(st.st_uid)
+        raise UntrustedFileError(
+            f"{describe(folder, st)} is your folder of a storage root shared by a group, but {who} made it: "
+            f"hpcdist keeps your files only in a folder of your own (its owner could rename or replace "
+            f"anything in it); {who} or the site's admin removes it (rm -r {folder}), then run again"
+        )
+    if st.st_mode & 0o022:
+        os.chmod(folder, stat.S_IMODE(st.st_mode) & ~0o022)
+    return folder
+
+
+def own_folders(storage: Storage) -> None:
+    """`own_folder` for each root of `storage` that holds a folder per user: what a submit, an
+    executor and ``hpcdist.init`` ask before they write a byte there."""
+    from hpcdist.store.atomic import make_folders
+
+    for name in ("logs", "results", "checkpoints", "scratch"):
+        base, mine = getattr(storage, name), storage.root(name)
+        if mine != base:
+            make_folders(base, storage.folder_mode)
+            own_folder(mine, storage.folder_mode)
+
+
 def denied_hint(exc: OSError) -> str:
     """For a PermissionError on shared storage: whose folder refused, and what to do; else ""."""
     if not isinstance(exc, PermissionError) or not exc.filename:
@@ -165,12 +324,16 @@ def denied_hint(exc: OSError) -> str:
     folder = Path(os.path.abspath(exc.filename))
     while not folder.exists() and folder.parent != folder:
         folder = folder.parent
+    where = folder if folder.is_dir() else folder.parent
     try:
-        st = os.stat(folder if folder.is_dir() else folder.parent)
+        st = os.stat(where)
     except OSError:
         return ""
     if st.st_uid == os.geteuid():
         return ""
-    where = folder if folder.is_dir() else folder.parent
-    return (f" ({describe(where, st)} is not yours to write; a storage root shared by a group is made by the site's "
-            f"admin: chgrp GROUP ROOT; chmod 3770 ROOT, after which each member's files go to ROOT/<user>)")
+    if where.name == current_user():
+        return (f" ({describe(where, st)} is your folder of a shared storage root, but {owner_name(st.st_uid)} "
+                f"made it; they or the site's admin remove it: rm -r {where})")
+    return (f" ({describe(where, st)} is not yours to write: {owner_name(st.st_uid)} made it their own; a storage "
+            f"root shared by a group is made by the site's admin: chgrp GROUP ROOT; chmod 3770 ROOT, after which "
+            f"each member's files go to ROOT/<user>)")
