@@ -48,6 +48,17 @@ def _submit(user: str, site: Path, *args: str, env: dict[str, str] | None = None
     return run.code, run.out, run.err
 
 
+EXECUTOR = """
+import sys
+import hpcdist
+from hpcdist.errors import HpcdistError
+try:
+    hpcdist.Executor(site=sys.argv[1], name="sq-exec", tasks_per_node=1).submit(abs, -1)
+except HpcdistError as exc:
+    sys.exit(f"hpcdist: error: {exc}")
+"""
+
+
 @pytest.mark.parametrize("mode", ["3770", "2750"])
 def test_a_folder_another_member_made_for_you_is_refused_naming_who_made_it(site: Path, mode: str) -> None:
     """Attacks 1 and 6: bob makes alice's <root>/alice before she ever uses the root. 3770: her
@@ -55,7 +66,11 @@ def test_a_folder_another_member_made_for_you_is_refused_naming_who_made_it(site
     telling her the admin must chmod the root."""
     squatted = site.parent / "logs" / "alice"
     assert run_as("bob", "sh", "-c", f"mkdir {squatted} && chmod {mode} {squatted}").code == 0
-    code, out, err = _submit("alice", site, "--set", f"name=sq-{mode}")
+    if mode == "3770":
+        code, out, err = _submit("alice", site, "--set", f"name=sq-{mode}")
+    else:  # from Python: the executor's calls are not written into bob's folder either
+        run = as_user("alice", "-c", EXECUTOR, str(site))
+        code, out, err = run.code, run.out, run.err
     assert code != 0, out
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert f"{squatted} (owner bob, mode {int(mode, 8) | 0o2000:04o})" in err or f"{squatted} (owner bob" in err, err
