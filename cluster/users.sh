@@ -3,7 +3,8 @@
 #   - ordinary accounts: alice and bob, members of group mlgroup, and carol, outside it; each
 #     known to Slurm's accounting (sacctmgr), with a 0700 home
 #   - the group storage root $GROUP_ROOT (root:mlgroup, 3770: setgid and sticky, as an admin
-#     makes a project folder) holding the four roots of site_configs/local-group.yaml, each 3770
+#     makes a project folder) holding the four roots of site_configs/local-group.yaml, each 3770,
+#     and the node-health record's folder scratch/node-health (root:mlgroup, 3770)
 #   - an hpcdist installation they can run: a venv at $USERS_VENV built from Debian's
 #     /usr/bin/python3 (this machine's default python lives in root's 0700 home), torch 2.13.0 (the
 #     CPU wheel on disk) and hpcdist's dependencies from this repository; tests put the
@@ -50,6 +51,16 @@ for dir in "$GROUP_ROOT" "$GROUP_ROOT"/{results,checkpoints,scratch,logs}; do
   chown root:"$GROUP" "$dir"
   chmod 3770 "$dir"
 done
+# The node-health record (hpcdist nodes) is the admin's folder too: hpcdist makes none on a group's
+# root. One a member made (an earlier build let the first mark make it) goes; marks in it were tests'.
+health=$GROUP_ROOT/scratch/node-health
+if [[ -L $health ]] || { [[ -e $health ]] && [[ $(stat -c %u "$health") != 0 ]]; }; then
+  rm -rf "$health"
+  log "removed $health, made by a member, not the admin"
+fi
+mkdir -p "$health"
+chown root:"$GROUP" "$health"
+chmod 3770 "$health"
 
 # What the accounts run: a venv outside root's home, rebuilt when pyproject.toml changes.
 stamp=$USERS_VENV/.hpcdist-deps

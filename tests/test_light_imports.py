@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,7 +75,7 @@ def test_render_loads_logging_and_the_sweep_module_only_when_it_uses_them(tmp_pa
     for site in ("local-slurm", "local"):
         modules = modules_after("render", "jobs/smoke.yaml", "--site", site)
         assert {"logging", "hpcdist.config.sweep"} & set(modules) == set()
-    planted = tmp_path / "node-health" / "n9.1.mark.json"
+    planted = tmp_path / "node-health" / f"n9.{time.time_ns()}-1-a.mark.json"
     planted.parent.mkdir()
     planted.write_text("not a mark")
     modules, stderr = probe("render", "jobs/smoke.yaml", "--site", "local-slurm",

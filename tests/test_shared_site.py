@@ -157,21 +157,23 @@ def test_a_replaced_call_or_submitit_pickle_is_refused_and_nothing_runs(group_fo
 
 def test_a_fifo_a_link_or_a_forged_author_in_the_health_folder_blocks_nothing(group_folder: Path) -> None:
     health = group_folder / "node-health"
-    hostile = ("import json, os, sys, time; d = sys.argv[1]; os.makedirs(d, exist_ok=True); os.chmod(d, 0o2775)\n"
-               "os.mkfifo(os.path.join(d, 'n1.1-1-a.mark.json'))\n"
-               "os.symlink('/dev/zero', os.path.join(d, 'n2.1-1-b.mark.json'))\n"
-               "open(os.path.join(d, 'n3.1-1-c.mark.json'), 'w').write(json.dumps({'node': 'n3', 'reason': 'slow', "
+    # the record's folder as its admin makes it (3770; bob owns the folder above, so he is its admin)
+    hostile = ("import json, os, sys, time; d = sys.argv[1]; os.makedirs(d, exist_ok=True); os.chmod(d, 0o3770)\n"
+               "t = time.time_ns()\n"
+               "os.mkfifo(os.path.join(d, f'n1.{t}-1-a.mark.json'))\n"
+               "os.symlink('/dev/zero', os.path.join(d, f'n2.{t}-1-b.mark.json'))\n"
+               "open(os.path.join(d, f'n3.{t}-1-c.mark.json'), 'w').write(json.dumps({'node': 'n3', 'reason': 'slow', "
                "'when': time.time(), 'job_id': '1', 'source': 'user', 'user': 'alice', 'host': 'x'}))\n"
-               "open(os.path.join(d, 'n5.1-1-d.mark.json'), 'w').write('{garbled')\n"
-               "open(os.path.join(d, 'n6.1-1-e.mark.json'), 'w').write(' ' * 100000)\n")
-    assert as_user("bob", "-c", hostile, str(health), umask="002").code == 0
+               "open(os.path.join(d, f'n5.{t}-1-d.mark.json'), 'w').write('{garbled')\n"
+               "open(os.path.join(d, f'n6.{t}-1-e.mark.json'), 'w').write(' ' * 100000)\n")
+    assert as_user("bob", "-c", hostile, str(health), umask="027").code == 0  # (a 0664 mark is skipped)
     read = ("import sys; from pathlib import Path; from hpcdist.store.site import health\n"
             "print([(m.node, m.user) for m in health.bad_nodes(Path(sys.argv[1]), 3600)])\n")
     got = as_user("alice", "-c", read, str(health), timeout=30)
     assert got.code == 0, got.text
     assert got.out.strip() == "[('n3', 'bob')]"  # the author is the file's owner, not what it says
     assert "a fifo" in got.err and "symbolic link" in got.err and "not a mark hpcdist wrote" in got.err
-    assert "n6.1-1-e.mark.json (owner bob, mode 0664): not a regular file of at most 16384 bytes" in got.err
+    assert "-1-e.mark.json (owner bob, mode 0640): not a regular file of at most 16384 bytes" in got.err
 
 
 def test_a_group_writable_storage_mode_is_refused_in_one_line() -> None:

@@ -41,7 +41,7 @@ def test_a_root_the_first_members_command_makes_has_the_sites_mode_and_the_group
                      "--mark", "n4", "--reason", "fan failure", umask="077")
     assert marked.code == 0, marked.text
     assert (_mode(fresh), _mode(fresh / "scratch")) == (0o750, 0o750)
-    assert (fresh / "scratch").owner() == "alice" and _mode(fresh / "scratch" / "node-health") == 0o775
+    assert (fresh / "scratch").owner() == "alice" and _mode(fresh / "scratch" / "node-health") == 0o750
     rendered = as_user("bob", "-m", "hpcdist.cli", "render", str(REPO / "jobs" / "smoke.yaml"), "--site",
                        "local-group", *roots)
     assert rendered.code == 0, rendered.text

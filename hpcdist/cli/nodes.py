@@ -3,8 +3,9 @@
 Lists every node the record marks (its newest mark, how many, and whether later submissions
 exclude it: a mark younger than the site's ``health.exclude_for_h``), with the state and reason
 sinfo gives (``down*``, ``drained``, ``Not responding``), and the nodes Slurm itself gives a
-reason for; ``--json`` for scripts. ``--clear NODE`` (or ``--clear all``) forgets marks, and
-``--mark NODE --reason TEXT`` adds one by hand (source ``user``). The record is
+reason for; ``--json`` for scripts. ``--clear NODE`` (or ``--clear all``) forgets marks (one's
+own removed; another member's overridden by a newer clear mark of one's own, as the record's
+rule is), and ``--mark NODE --reason TEXT`` adds one by hand (source ``user``). The record is
 ``hpcdist.store.site.health``; Slurm is asked through ``hpcdist.scheduler.slurm``.
 """
 
@@ -41,9 +42,13 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     site = load_site(args.site, [s.removeprefix("site.") for s in args.sets])
     if args.clear is not None:
         node = None if args.clear == "all" else args.clear
-        removed = health.clear(site, node)
-        print(f"forgot {removed} mark{'s' if removed != 1 else ''} of {args.clear if node else 'every node'} "
-              f"in {health.folder(site)}")
+        done = health.clear(site, node)
+        total = done.removed + done.overridden
+        said = (f" ({', '.join(done.authors)}'s: a clear mark of yours, newer, makes every reader ignore "
+                f"{'them' if done.overridden > 1 else 'it'}; the files stay until they expire or root removes them)"
+                if done.overridden else "")
+        print(f"forgot {total} mark{'s' if total != 1 else ''} of {args.clear if node else 'every node'} "
+              f"in {health.folder(site)}{said}")
         return 0
     if args.mark is not None:
         if not args.reason.strip():
