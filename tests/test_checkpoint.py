@@ -177,10 +177,12 @@ def test_writer_killed_mid_write_leaves_the_last_commit_intact(tmp_path: Path) -
 
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Iterator[Path]:
-    """A real 2 MiB file system (tmpfs), so writing fills it for real."""
+    """A real 2 MiB file system (tmpfs), so writing fills it for real; 0755 (a tmpfs is 1777 by
+    default: a folder everyone may write is no checkpoint folder to resume from)."""
     mnt = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
     mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", str(mnt)], capture_output=True,
+                          text=True)
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here (needs root): {proc.stderr.strip()}")
     try:

@@ -17,6 +17,9 @@ path, ``hpcdist.store.sharded.checkpoint``: every rank writes its own part (each
 rank 0 commits the one index, all through DCP on the checkpoint I/O group.
 ``load_latest(into=state)`` fills a state of any layout in place; ``load_latest()`` gives every
 rank the whole state, read and verified once per node (``hpcdist.store.sharded.node_read``).
+Either resumes only from checkpoints no one else could have written: each rank reads through its
+checkpoint folder, checked and held open (``hpcdist.store.checkpoint.owned``); another user's
+folder is one CheckpointError on every rank, another user's step is skipped with a warning.
 """
 
 from __future__ import annotations
@@ -268,6 +271,8 @@ class Checkpoints:
         if self.ctx.is_main:
             try:
                 latest = self.store.load_latest(self.ctx.log.warning, mapped=True)  # views of the file's pages
+            except CheckpointError as exc:  # a folder another user could have written, named: one line
+                error = str(exc)
             except Exception as exc:
                 error = f"looking for the latest checkpoint in {self.directory} failed: {type(exc).__name__}: {exc}"
         step, error = self.share((latest.step if latest is not None else None, error), "its choice of checkpoint")
@@ -275,7 +280,7 @@ class Checkpoints:
             raise CheckpointError(error)
         if step is None:
             return None
-        loaded = latest or self.store.load(step, mapped=True)
+        loaded = latest or self.store.load(step, mapped=True)  # each rank: only from a folder and file of yours
         self._restore_counts(loaded.attrs)
         from hpcdist.store.sharded import checkpoint as sharded
 
@@ -283,7 +288,7 @@ class Checkpoints:
             from hpcdist.store.sharded.node_read import Sharing
 
             self._sharing = self._sharing or Sharing(self._io_group)
-            state, stats = self._sharing.read(loaded.path, loaded)
+            state, stats = self._sharing.read(loaded.path, loaded, own=True)
             self.loaded.append(stats)
             self.ctx.log.info("%s", stats.describe())
             mine = state.pop(PER_RANK, {}).get(_rank_key(self.ctx.rank))
@@ -296,11 +301,12 @@ class Checkpoints:
     def load_sharded(self, path: Path, into: dict[str, Any]) -> dict[str, Any]:
         """Fill `into` (any layout) in place from the committed sharded checkpoint `path`, one
         that rank 0 chose and every rank was told; its root attributes. Every rank reads and
-        verifies only the chunks it needs; a failure on any rank is the same CheckpointError on all."""
+        verifies only the chunks it needs; a failure on any rank is the same CheckpointError on all.
+        Like every resume it reads only what no other user could have written (``sharded.load(own=True)``)."""
         from hpcdist.store.sharded import checkpoint as sharded
 
         self.wait()  # a background save in flight uses the I/O group too
-        return sharded.load(path, into, process_group=self._io_group)
+        return sharded.load(path, into, process_group=self._io_group, own=True)
 
     def _restore_counts(self, attrs: Mapping[str, Any]) -> None:
         count = json.loads(str(attrs.get(COUNT_ATTR, "{}")))
@@ -313,16 +319,15 @@ class Checkpoints:
         self.wait()  # a background save in flight uses the I/O group too
         # committed steps, newest first: whether each is sharded, and its per-rank record
         steps: list[tuple[int, bool, str]] = []
+        error = ""
         if self.ctx.is_main:
-            from hpcdist.store.checkpoint.single import read_header
-
-            for step in reversed(self.store.steps()):
-                try:
-                    attrs = read_header(self.store.path(step), "sharded").attrs
-                    steps.append((step, sharded.is_sharded(attrs), str(attrs.get(PER_RANK_ATTR, ""))))
-                except CheckpointError:
-                    steps.append((step, True, ""))  # unreadable: the load below reports it and goes on
-        steps = self.share(steps, "its list of committed checkpoints")
+            try:
+                steps = self._own_steps()
+            except (CheckpointError, OSError) as exc:
+                error = str(exc)
+        steps, error = self.share((steps, error), "its list of committed checkpoints")
+        if error:
+            raise CheckpointError(error)
         for step, is_sharded, per_rank in steps:
             if not is_sharded:  # never skip a newer unsharded step for an older sharded one
                 raise CheckpointError(
@@ -337,7 +342,7 @@ class Checkpoints:
             if mine:
                 view[PER_RANK] = {_rank_key(self.ctx.rank): mine}
             try:
-                attrs = sharded.load(self.store.path(step), view, process_group=self._io_group)
+                attrs = sharded.load(self.store.path(step), view, process_group=self._io_group, own=True)
             except CheckpointError as exc:
                 self.ctx.log.warning("checkpoint step %d not loaded: %s", step, exc)
                 continue
@@ -346,6 +351,28 @@ class Checkpoints:
             self._restore_counts(attrs)
             return step, into
         return None
+
+    def _own_steps(self) -> list[tuple[int, bool, str]]:
+        """Rank 0: the committed steps that are this user's own, newest first: whether each is
+        sharded, and its per-rank record; another user's is skipped with one warning (``owned``)."""
+        from hpcdist.store.checkpoint import owned
+        from hpcdist.store.checkpoint.single import read_header
+        from hpcdist.store.sharded import checkpoint as sharded
+
+        steps: list[tuple[int, bool, str]] = []
+        with self.store.opened() as here:
+            for step in reversed(self.store.steps()):
+                path = self.store.path(step)
+                why = owned.step_problem(here / path.name)
+                if why is not None:
+                    self.ctx.log.warning("skipping checkpoint %s: %s", path, why)
+                    continue
+                try:
+                    attrs = read_header(here / path.name, "sharded").attrs
+                    steps.append((step, sharded.is_sharded(attrs), str(attrs.get(PER_RANK_ATTR, ""))))
+                except CheckpointError:
+                    steps.append((step, True, ""))  # unreadable: the load below reports it and goes on
+        return steps
 
     def release(self) -> None:
         """Drop rank 0's claim (no collective: safe at exit and after a failure)."""

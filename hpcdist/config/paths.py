@@ -50,6 +50,11 @@ class JobPaths:
         return log_patterns(self.folder, array)
 
     @property
+    def store_key(self) -> Path:
+        """The job's store key (``job_key``), in its submitit folder."""
+        return job_key(self.folder, self.job_id)
+
+    @property
     def progress(self) -> Path:
         """Where rank 0 reports progress and the waiter reads it: ``logs/<name>/<job id>``."""
         return under(self.storage.root("logs"), self.name, self.job_id)
@@ -121,6 +126,13 @@ def _own_folder(path: Path, name: str) -> bool:
         return name != current_user() and path.is_dir() and not path.is_symlink() and path.stat().st_uid == os.geteuid()
     except OSError:
         return False
+
+
+def job_key(folder: Path, job_id: str) -> Path:
+    """The key that signs the job's messages in its rendezvous store (``hpcdist.runtime.signed_store``):
+    ``<job id>_store.key``, 0600, beside submitit's pickles in the job's folder (`folder`, its id
+    filled in), which may hold several jobs' files (an ``hpcdist.Executor`` folder without ``%j``)."""
+    return folder / f"{job_id}_store.key"
 
 
 def node_failure_record(result: Path) -> Path:

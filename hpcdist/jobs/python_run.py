@@ -144,15 +144,19 @@ class Watchdog(threading.Thread):
     writes one key; every rank polls it (one request per rank per interval) and, when it appears,
     prints why and exits, naming the rank that failed first. Every `beat_every` polls it also
     calls `beat` (``group.beat``): while this rank's code runs, rank 0, done with its own, keeps
-    the store up for it instead of leaving after ``timeout_s``.
+    the store up for it instead of leaving after ``timeout_s``. The key is signed
+    (``hpcdist.runtime.signed_store``): a failure someone else wrote there is logged and ignored,
+    and cannot keep a rank's own failure from being posted.
     """
 
     KEY = "hpcdist/failed"
 
     def __init__(self, store: Any, where: str, interval_s: float = 0.5,
                  beat: Callable[[], None] | None = None, beat_every: int = 2) -> None:
+        from hpcdist.runtime.signed_store import signed
+
         super().__init__(name="hpcdist-watchdog", daemon=True)
-        self.store, self.where, self.interval_s = store, where, interval_s
+        self.store, self.where, self.interval_s = signed(store), where, interval_s
         self.beat, self.beat_every = beat, beat_every
         self._done = threading.Event()
 
@@ -163,9 +167,10 @@ class Watchdog(threading.Thread):
             try:
                 if self.beat is not None and polls % self.beat_every == 1:
                     self.beat()
-                if not self.store.check([self.KEY]):
+                held = self.store.peek(self.KEY)  # a forged value reads as none, and never waits
+                if held is None:
                     continue
-                reason = self.store.get(self.KEY).decode()
+                reason = held.decode(errors="replace")
             except Exception as exc:  # rank 0, the store's server, is gone
                 reason = f"the job's store (rank 0) went away ({type(exc).__name__})"
             if self._done.is_set():
@@ -180,10 +185,9 @@ class Watchdog(threading.Thread):
         when another rank had failed first (this one's connections to it broke), `error` saying so."""
         self._done.set()
         try:
-            held = self.store.compare_set(self.KEY, "", str(error))
+            held = self.store.compare_set(self.KEY, "", str(error)).decode(errors="replace")
         except Exception:
             return error
-        held = held.decode(errors="replace") if isinstance(held, bytes) else str(held)
         after = after_first(held) if held != str(error) else ""
         return JobError(f"{error} {after}") if after else error
 

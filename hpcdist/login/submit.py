@@ -65,8 +65,17 @@ def _script_executor_class() -> Callable[[Path, str, int, int], Any]:
             tmp = uuid.uuid4().hex
             path = JobPaths.get_first_id_independent_folder(self.folder) / f".submission_file_{tmp}.sh"
             path.write_text(self._make_submission_file_text(command, tmp))
-            job = self.job_class(folder=self.folder, job_id=slurm.sbatch(path), tasks=list(range(self._num_tasks())))
+            key = None if self.array else _new_key(path.parent)  # an array's keys: one per task, below
+            try:
+                job_id = slurm.sbatch(path)
+            except BaseException:
+                if key is not None:
+                    key.unlink(missing_ok=True)
+                raise
+            job = self.job_class(folder=self.folder, job_id=job_id, tasks=list(range(self._num_tasks())))
             job.paths.move_temporary_file(path, "submission_file", keep_as_symlink=True)
+            if key is not None:  # before submitit moves its pickle into place, which the ranks wait for
+                _place_key(key, job)
             self._write_job_id(job.job_id, tmp)
             self._set_job_permissions(job.paths.folder)
             return job
@@ -81,22 +90,43 @@ def _script_executor_class() -> Callable[[Path, str, int, int], Any]:
             from submitit.core.utils import JobPaths
             from submitit.slurm.slurm import SlurmJob
 
-            pickles = []
+            pickles, keys = [], []
             for item in delayed:
                 path = JobPaths.get_first_id_independent_folder(self.folder) / f"{uuid.uuid4().hex}.pkl"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 item.set_timeout(self.parameters.get("time", 5), self.max_num_timeout)
                 item.dump(path)
                 pickles.append(path)
-            first = self._submit_command(self._submitit_command_str)
+                keys.append(_new_key(path.parent))
+            try:
+                first = self._submit_command(self._submitit_command_str)
+            except BaseException:
+                for key in keys:
+                    key.unlink(missing_ok=True)
+                raise
             ranks = list(range(self._tasks))
             jobs: list[Any] = [SlurmJob(folder=self.folder, job_id=f"{first.job_id}_{i}", tasks=ranks)
                                for i in range(len(delayed))]
-            for job, path in zip(jobs, pickles, strict=True):
+            for job, path, key in zip(jobs, pickles, keys, strict=True):
+                _place_key(key, job)  # each task's key before its pickle, which its ranks wait for
                 job.paths.move_temporary_file(path, "submitted_pickle")
             return jobs
 
     return ScriptExecutor
+
+
+def _new_key(folder: Path) -> Path:
+    """A job's store key (``hpcdist.runtime.signed_store``), made before the job is queued."""
+    from hpcdist.runtime import signed_store
+
+    return signed_store.new_key(folder)
+
+
+def _place_key(key: Path, job: Any) -> None:
+    """The key `key` as submitit's job `job`'s key file, once the scheduler named the job."""
+    from hpcdist.runtime import signed_store
+
+    signed_store.place_key(key, Path(job.paths.folder), str(job.job_id))
 
 
 @functools.cache

@@ -1,10 +1,11 @@
 """From rank facts to a torch.distributed process group, with no hang and no name lookup.
 
 Rank 0 opens a TCPStore on a free port (so two jobs sharing a node never collide), listening on
-the published address only, and publishes ``address:port`` with a secret nonce that every key
-of the job carries: over MPI when mpi4py is up (or its error, so no rank waits for an
-endpoint that will never come), else in a file on shared storage, else (no shared directory) on
-the first host of the node list with a port derived from the job id.
+the published address only, and publishes ``address:port``: over MPI when mpi4py is up (or its
+error, so no rank waits for an endpoint that will never come), else in a file on shared storage,
+else (no shared directory) on the first host of the node list with a port derived from the job id.
+hpcdist's own messages in the store are signed (``hpcdist.runtime.signed_store``): with the job's
+key file, or a key rank 0 sends with its endpoint.
 Every rank then checks in: a counter and one blocking wait per rank, so store requests grow
 linearly with the ranks; a rank that does not arrive within the timeout is named in the error
 that every other rank raises. Every wait here has the job's finite timeout.
@@ -20,8 +21,8 @@ import contextlib
 import json
 import logging
 import os
-import secrets
 import socket
+import time
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,13 +34,15 @@ from hpcdist.config.contract import LAUNCH_ID_VAR
 from hpcdist.config.site import SOCKET_IFNAME_VARS, under
 from hpcdist.errors import BootstrapError, cause_text
 from hpcdist.polling import poll_until
-from hpcdist.runtime import abort
+from hpcdist.runtime import abort, signed_store
 from hpcdist.runtime.rankinfo import RankInfo
 from hpcdist.store.atomic import atomic_path
 
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
+
+    Store = signed_store.SignedStore | dist.Store  # hpcdist's messages: signed in a job, plain in tests
 
 _POLL_S = 0.05
 _MPI_MESSAGE_BYTES = 4096  # rank 0's endpoint or error (600 characters at most: 6 bytes each escaped), as JSON
@@ -165,34 +168,37 @@ def open_store(
     key: str,
     mpi_comm: Any = None,
     ifname: str | None = None,
-) -> tuple[dist.Store, Endpoint]:
-    """The job's shared TCPStore, with rank 0 as the server, and how its address was learnt."""
+    key_file: Path | None = None,
+) -> tuple[signed_store.SignedStore, Endpoint]:
+    """The job's shared TCPStore, with rank 0 as the server, and how its address was learnt;
+    hpcdist's messages in it signed with the job's `key_file` or rank 0's key (``signed_store``)."""
     single_node = info.single_host
     if info.master_addr and info.master_port:
         # A launcher's agent may already serve a store there (torchrun: every rank is a client);
         # a hand-set env:// endpoint is served by rank 0.
         is_master = info.is_main and not info.agent_store
         store = _store(info.master_addr, info.master_port, info, timeout, is_master)
-        return _prefixed(store, key), Endpoint(info.master_addr, info.master_port, "env")
+        return _prefixed(store, key, signed_store.alone(key_file, "env")), Endpoint(info.master_addr,
+                                                                                   info.master_port, "env")
     if mpi_comm is not None:
-        return _mpi_rendezvous(mpi_comm, info, timeout, key, ifname)
+        return _mpi_rendezvous(mpi_comm, info, timeout, key, ifname, key_file)
     if rendezvous_dir is not None:
         path = endpoint_file(rendezvous_dir, key)
         if info.is_main:
             addr = own_address(ifname, single_node)
             store = _store(addr, 0, info, timeout, True)
-            nonce = secrets.token_hex(16)
+            secret, share = signed_store.for_rank0(key_file)
             _private(rendezvous_dir)
             with atomic_path(path, mode=0o600) as tmp:  # the owner's ranks only: it opens the job's store
-                tmp.write_text(json.dumps({"addr": addr, "port": store.port, "host": info.hostname, "nonce": nonce}))
-            return _prefixed(store, key, nonce), Endpoint(addr, store.port, "file")
+                tmp.write_text(json.dumps({"addr": addr, "port": store.port, "host": info.hostname, **share}))
+            return _prefixed(store, key, secret), Endpoint(addr, store.port, "file")
         found = _wait_for_file(path, timeout, info)
         if found.get("refused"):
             raise BootstrapError(f"rendezvous: rank {info.rank} on {info.hostname} refuses the endpoint: "
                                  f"{found['refused']}")
         endpoint = Endpoint(found["addr"], int(found["port"]), "file")
         store = _store(endpoint.addr, endpoint.port, info, timeout, False)
-        return _prefixed(store, key, str(found.get("nonce", ""))), endpoint
+        return _prefixed(store, key, signed_store.from_rank0(found, key_file, timeout, info.rank)), endpoint
     if not info.hosts and not single_node:
         raise BootstrapError(
             "rendezvous: no MPI, no shared rendezvous directory and no node list; "
@@ -201,12 +207,12 @@ def open_store(
     addr = "127.0.0.1" if single_node else _resolve(info.hosts[0])
     port = 20000 + zlib.crc32(key.encode()) % 20000
     store = _store(addr, port, info, timeout, info.is_main, listen_all=not single_node)
-    return _prefixed(store, key), Endpoint(addr, port, "hostlist")
+    return _prefixed(store, key, signed_store.alone(key_file, "hostlist")), Endpoint(addr, port, "hostlist")
 
 
 def _mpi_rendezvous(
-    comm: Any, info: RankInfo, timeout: float, key: str, ifname: str | None
-) -> tuple[dist.Store, Endpoint]:
+    comm: Any, info: RankInfo, timeout: float, key: str, ifname: str | None, key_file: Path | None
+) -> tuple[signed_store.SignedStore, Endpoint]:
     """Rank 0 serves the store and sends every rank its endpoint, or its error, over MPI."""
     if not info.is_main:
         got = _mpi_share(comm, None, info, timeout)
@@ -217,16 +223,16 @@ def _mpi_rendezvous(
             )
         endpoint = Endpoint(str(got["addr"]), int(got["port"]), "mpi")
         store = _store(endpoint.addr, endpoint.port, info, timeout, False)
-        return _prefixed(store, key, str(got.get("nonce", ""))), endpoint
+        return _prefixed(store, key, signed_store.from_rank0(got, key_file, timeout, info.rank)), endpoint
     try:
         addr = own_address(ifname, info.single_host)
         server = _store(addr, 0, info, timeout, True)
     except BaseException as exc:
         _mpi_share(comm, {"error": cause_text(exc)[:500], "host": info.hostname[:100]}, info, timeout)
         raise
-    nonce = secrets.token_hex(16)
-    _mpi_share(comm, {"addr": addr, "port": server.port, "nonce": nonce}, info, timeout)
-    return _prefixed(server, key, nonce), Endpoint(addr, server.port, "mpi")
+    secret, share = signed_store.for_rank0(key_file)
+    _mpi_share(comm, {"addr": addr, "port": server.port, **share}, info, timeout)
+    return _prefixed(server, key, secret), Endpoint(addr, server.port, "mpi")
 
 
 def _mpi_share(comm: Any, message: dict[str, Any] | None, info: RankInfo, timeout: float) -> dict[str, Any]:
@@ -252,17 +258,14 @@ def _mpi_share(comm: Any, message: dict[str, Any] | None, info: RankInfo, timeou
     return dict(json.loads(bytes(buf).rstrip(b"\0")))
 
 
-def _prefixed(store: dist.Store, key: str, nonce: str = "") -> dist.Store:
-    """Keys of this launch only: a torchrun restart or a requeue starts on a clean namespace.
-
-    With a `nonce` (rank 0's secret, sent in the 0600 endpoint file or the MPI message) no one
-    else who reaches the port can name a key of the job: not set its failure key, not rewrite
-    its host table. Under torchrun, env:// and the host-list fallback there is no private channel,
-    and the keys are the launch's only.
-    """
+def _prefixed(store: dist.Store, key: str, secret: bytes | None) -> signed_store.SignedStore:
+    """Keys of this launch only (a torchrun restart or a requeue starts on a clean namespace),
+    hpcdist's values signed with `secret`: anyone who reaches the port can name the keys, and
+    list them, but not write a value hpcdist takes for its own."""
     import torch.distributed as dist
 
-    return dist.PrefixStore(f"hpcdist/{key}" + (f"/{nonce}" if nonce else ""), store)
+    prefix = f"hpcdist/{key}"
+    return signed_store.SignedStore(dist.PrefixStore(prefix, store), secret, prefix)
 
 
 def _resolve(host: str) -> str:
@@ -324,13 +327,13 @@ def _read_endpoint(path: Path) -> dict[str, Any] | None:
             return None
 
 
-def check_in(store: dist.Store, info: RankInfo, timeout: float) -> dict[int, str]:
+def check_in(store: Store, info: RankInfo, timeout: float) -> dict[int, str]:
     """Every rank announces itself and waits for all others; returns rank -> host (`take_seats`
     without GPUs)."""
     return take_seats(store, info, timeout)[0]
 
 
-def take_seats(store: dist.Store, info: RankInfo, timeout: float, gpus: Sequence[str] = (),
+def take_seats(store: Store, info: RankInfo, timeout: float, gpus: Sequence[str] = (),
                prefer: int = 0) -> tuple[dict[int, str], int | None]:
     """Every rank announces itself and waits for all others; returns rank -> host, and under NCCL
     this rank's GPU: an index into `gpus`, the UUIDs of the GPUs it sees, in CUDA's order.
@@ -344,7 +347,9 @@ def take_seats(store: dist.Store, info: RankInfo, timeout: float, gpus: Sequence
     Requests grow linearly with the ranks: each rank sets its key and bumps a counter; the last
     to arrive marks the roll complete; rank 0 then reads every key in one request and publishes
     the host table, which every other rank waits for (one blocking wait, no polling).
-    A rank missing after `timeout` is named in the error every waiting rank raises.
+    A rank missing after `timeout` is named in the error every waiting rank raises. The count
+    only says when to look: rank 0 reads the signed seats themselves (``signed_store``), so a
+    forged count or seat delays the roll, never changes it.
     """
     seat = f"{info.hostname} {prefer} {','.join(gpus)}" if gpus else info.hostname
     store.set(f"hpcdist/join/{info.rank}", seat)
@@ -391,7 +396,7 @@ def take_seats(store: dist.Store, info: RankInfo, timeout: float, gpus: Sequence
     return dict(enumerate(hosts)), (placed[info.rank] if gpus else None)
 
 
-def _all_refused(store: dist.Store, info: RankInfo, timeout: float) -> None:
+def _all_refused(store: Store, info: RankInfo, timeout: float) -> None:
     """Every rank has read rank 0's refusal before rank 0, the store's server, leaves with it: else a
     rank still waiting would see only the store close."""
     _count_in(store, "hpcdist/refused", info.world_size)
@@ -430,13 +435,13 @@ def _rank_keys(prefix: str, world_size: int) -> list[str]:
     return [f"{prefix}/{r}" for r in range(world_size)]
 
 
-def _count_in(store: dist.Store, counter: str, world_size: int) -> None:
+def _count_in(store: Store, counter: str, world_size: int) -> None:
     """Add this rank to `counter`; the rank that completes it sets ``<counter>/all`` for the waiters."""
     if store.add(counter, 1) == world_size:
         store.set(f"{counter}/all", "1")
 
 
-def _missing(store: dist.Store, keys: list[str]) -> list[int] | None:
+def _missing(store: Store, keys: list[str]) -> list[int] | None:
     """The ranks whose key is absent (one request per rank: only after a failed wait); None when
     the store itself no longer answers."""
     try:
@@ -451,21 +456,22 @@ def _ranks(ranks: list[int]) -> str:
 
 def rendezvous(info: RankInfo, timeout: float, env: Mapping[str, str], rendezvous_dir: Path | None,
                ifname: str | None, mpi_comm: Any = None, gpus: Sequence[str] = (),
-               prefer: int = 0) -> tuple[dist.Store, Endpoint, dict[int, str], int | None]:
+               prefer: int = 0) -> tuple[signed_store.SignedStore, Endpoint, dict[int, str], int | None]:
     """The whole rendezvous, the one sequence every bootstrap runs (a job's, and ``hpcdist.init()``
     outside one): rank 0's store opened and published, every rank checked in (with the GPUs it
     sees under NCCL: see ``take_seats``), the endpoint file removed; the store, its endpoint, every
     rank's host and this rank's GPU (an index into `gpus`; None without)."""
     key = rendezvous_key(dict(env), info)
     store, endpoint = open_store(info, timeout, rendezvous_dir=rendezvous_dir, key=key, mpi_comm=mpi_comm,
-                                 ifname=ifname)
+                                 ifname=ifname, key_file=signed_store.key_file(env, info.job_id))
+    signed_store.use(store)  # the roll call after a failure answers through it
     hosts_by_rank, gpu = take_seats(store, info, timeout, gpus, prefer)
     forget_endpoint(rendezvous_dir, key, info)
     return store, endpoint, hosts_by_rank, gpu
 
 
 def init_process_group(
-    store: dist.Store, info: RankInfo, backend: str, timeout: float, device: torch.device | None = None
+    store: Store, info: RankInfo, backend: str, timeout: float, device: torch.device | None = None
 ) -> None:
     """torch.distributed's default group over `store`; under NCCL bound to `device`, the rank's
     device as ``hpcdist.runtime.device`` chose it (the bootstrap's), never re-derived here."""
@@ -480,7 +486,7 @@ def init_process_group(
         kwargs["device_id"] = device
     dist.init_process_group(
         backend=backend,
-        store=dist.PrefixStore("pg", store),
+        store=dist.PrefixStore("pg", signed_store.plain(store)),  # torch's keys: its own, unsigned
         rank=info.rank,
         world_size=info.world_size,
         timeout=timedelta(seconds=abort.group_timeout(timeout, backend, os.environ)),  # a test's imitated NCCL
@@ -488,40 +494,41 @@ def init_process_group(
     )
 
 
-def check_out(store: dist.Store, info: RankInfo, failed: bool = False) -> None:
+def check_out(store: Store, info: RankInfo, failed: bool = False) -> None:
     """This rank is done (or failed: it will not finish), so rank 0 need not wait for it."""
     store.set(f"hpcdist/done/{info.rank}", "failed" if failed else "1")
-    _count_in(store, "hpcdist/done", info.world_size)
 
 
-def beat(store: dist.Store, info: RankInfo) -> None:
-    """This rank is alive and working: rank 0's end-of-job wait goes on while its count grows."""
-    store.add(f"hpcdist/beat/{info.rank}", 1)
+def beat(store: Store, info: RankInfo) -> None:
+    """This rank is alive and working: rank 0's end-of-job wait goes on while its beat changes (a
+    signed value, not a counter: a forged beat is ignored)."""
+    store.set(f"hpcdist/beat/{info.rank}", str(time.monotonic_ns()))
 
 
-def finish(store: dist.Store, info: RankInfo, timeout: float) -> list[int]:
+def finish(store: Store, info: RankInfo, timeout: float) -> list[int]:
     """A last check-out so rank 0 (the store's server) leaves only after every rank is done.
 
-    Rank 0 waits in rounds of `timeout`: a rank that is still working (its ``beat`` count grew
-    during the round, as the python job's watchdog makes it) is waited for, however long it
-    takes, up to the job's own time limit, since closing the store would stop it. Past a round
-    in which a missing rank showed no sign of life rank 0 leaves anyway, the job's work being
-    done and only the farewell late, but says so: a warning names the ranks that never checked
-    out, which are returned.
+    Rank 0 waits in rounds of `timeout` for every rank's signed check-out: a rank that is still
+    working (its ``beat`` changed during the round, as the python job's watchdog makes it) is
+    waited for, however long it takes, up to the job's own time limit, since closing the store
+    would stop it. Past a round in which a missing rank showed no sign of life rank 0 leaves
+    anyway, the job's work being done and only the farewell late, but says so: a warning names
+    the ranks that never checked out, which are returned.
     """
     check_out(store, info)
     if not info.is_main:
         return []
     beats = _rank_keys("hpcdist/beat", info.world_size)
     seen = _beats(store, beats)
+    done = _rank_keys("hpcdist/done", info.world_size)
     while True:
         try:
-            store.wait(["hpcdist/done/all"], timedelta(seconds=timeout))
+            store.wait(done, timedelta(seconds=timeout))
             return []
         except Exception as exc:  # noqa: BLE001 - timed out (the server is this process)
-            missing = _missing(store, _rank_keys("hpcdist/done", info.world_size)) or []
+            missing = _missing(store, done) or []
             now = _beats(store, beats)
-            working = [r for r in missing if now[r] > seen[r]]
+            working = [r for r in missing if now[r] != seen[r]]
             if working:
                 log.info("check-out: rank(s) %s still working after rank 0 finished; waiting for them",
                          _ranks(working))
@@ -535,6 +542,6 @@ def finish(store: dist.Store, info: RankInfo, timeout: float) -> list[int]:
             return missing
 
 
-def _beats(store: dist.Store, keys: list[str]) -> list[int]:
-    """Each rank's ``beat`` count (0 for a rank that never beat)."""
-    return [store.add(k, 0) for k in keys]
+def _beats(store: Store, keys: list[str]) -> list[bytes | None]:
+    """Each rank's last ``beat`` (None for a rank that never beat)."""
+    return [signed_store.signed(store).peek(k) for k in keys]

@@ -11,6 +11,8 @@
   time (``LAUNCH_TIME_VAR``), as the Slurm script does before each run's launcher.
 - A job given ``LOCAL_AFTER_VAR`` (an array item beyond ``max_parallel``) waits for that job's
   controller to end before its ranks first start.
+- The job's store key (``hpcdist.runtime.signed_store``) is made in its folder before its ranks
+  first start: the job id, this controller's PID, is known only here.
 
 ``hpcdist.login.submit`` starts it as ``python -m hpcdist.runtime.local_controller FOLDER`` where
 submitit starts ``submitit.local._local``; everything else is submitit's.
@@ -28,6 +30,7 @@ from submitit.local.local import Controller
 
 from hpcdist.config.contract import LAUNCH_ID_VAR, LAUNCH_TIME_VAR, LOCAL_AFTER_VAR, LOCAL_RESTARTS_VAR
 from hpcdist.launchers import SUBMITIT_RUNNER
+from hpcdist.runtime.signed_store import make_key
 from hpcdist.scheduler.local import controller_alive
 
 
@@ -37,6 +40,8 @@ class JobController(Controller):
     def start_tasks(self) -> None:
         self.folder = Path(str(self.folder).replace("%j", self.pid))
         self.folder.mkdir(parents=True, exist_ok=True)
+        if self.starts == 0:  # a requeue keeps it; a folder an earlier job of this reused PID left gets a new one
+            make_key(self.folder, self.pid)
         after = os.environ.pop(LOCAL_AFTER_VAR, "")
         if after and self.starts == 0:  # an array item's slot: the item before it ends first
             pid, _, started = after.partition(":")

@@ -34,7 +34,12 @@ ROLL_CALL_S = 5.0
 def _default_store() -> Any:
     import torch.distributed as dist
 
-    try:  # the store the default group was made over (hpcdist's rendezvous store)
+    from hpcdist.runtime import signed_store
+
+    job = signed_store.job_store()
+    if job is not None:  # the job's rendezvous store: the answers signed, a forged one not counted
+        return job
+    try:  # the store the default group was made over (a group made outside hpcdist's rendezvous)
         return dist.distributed_c10d._get_default_store()
     except Exception:  # no group, or torch moved the helper: no roll call, no claim
         return None
@@ -53,13 +58,13 @@ def roll_call(rank: int, host_of_rank: Sequence[str], wait_s: float = ROLL_CALL_
 
     def call() -> None:
         nonlocal missing
-        import torch.distributed as dist
+        from hpcdist.runtime.signed_store import signed
 
-        roll = dist.PrefixStore("hpcdist/rollcall", store)
-        roll.set(str(rank), "1")
+        roll = signed(store)
+        roll.set(f"hpcdist/rollcall/{rank}", "1")
         deadline = time.monotonic() + wait_s
         while True:
-            missing = [r for r in range(world) if not roll.check([str(r)])]
+            missing = [r for r in range(world) if not roll.check([f"hpcdist/rollcall/{r}"])]
             if not missing or time.monotonic() > deadline:
                 break
             time.sleep(0.1)

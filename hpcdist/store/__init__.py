@@ -16,7 +16,8 @@ A folder per concern (tests/test_layout.py keeps them apart); beside them what a
   ``rawio`` (arrays by ``os.pwrite``/``os.preadv``, the index), ``directory`` (steps, the
   ``latest`` pointer, runs, retention), ``single`` (save, commit, read, verify, headers),
   ``discovery`` (the newest committed step that verifies), ``manager`` (``CheckpointStore``),
-  ``claim`` (one writer per directory), ``collective`` (tensor-only collectives);
+  ``claim`` (one writer per directory), ``collective`` (tensor-only collectives), ``owned``
+  (a run resumes only from checkpoints no one else could have written);
 - ``sharded/``: sharded state through DCP's storage layer: ``checkpoint``, ``storage``,
   ``layout``, ``replicas`` (which rank writes a replicated value), ``node_read`` (each byte read
   and verified once per node), ``dcp`` (DCP's own folders);

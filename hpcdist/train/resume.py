@@ -57,6 +57,7 @@ from hpcdist.store import read as read_checkpoint
 from hpcdist.store import step_of
 from hpcdist.store.checkpoint.directory import POINTER
 from hpcdist.store.checkpoint.discovery import resolve
+from hpcdist.store.checkpoint.owned import shown
 from hpcdist.store.checkpoint.single import read_header
 from hpcdist.train import parallel
 from hpcdist.train import state as st
@@ -68,14 +69,25 @@ if TYPE_CHECKING:
 
 def choose_checkpoint(run: Run) -> dict[str, Any]:
     """Rank 0's decision: the checkpoint to resume from, or an error every rank raises."""
-    ctx, cp = run.ctx, run.params.checkpoint
+    cp = run.params.checkpoint
     store = run.api.checkpoints.store
-    directory = store.directory
     if not cp.resume and _first_start(run):
         # what is there moves to previous/ (one line): a requeue before this run's first commit cannot resume it
         store.start_run(why="params.checkpoint.resume is false")
         return {"path": None}
-    found = store.scan()
+    with store.opened() as here:  # only a folder of yours, each file read through it (``owned``)
+        choice = _choose(run, here)
+    if "error" in choice:  # named as the user names the folder, not by its descriptor
+        choice["error"] = shown(choice["error"], here, store.directory)
+    return choice
+
+
+def _choose(run: Run, here: Path) -> dict[str, Any]:
+    """`choose_checkpoint` in the checkpoint folder held open as `here`."""
+    ctx, cp = run.ctx, run.params.checkpoint
+    store = run.api.checkpoints.store
+    directory = store.directory
+    found = store.scan(within=here)
     for line in found.report():
         ctx.log.warning(line)
     removed = store.remove_temporaries()
@@ -93,16 +105,17 @@ def choose_checkpoint(run: Run) -> dict[str, Any]:
             ctx.log.warning("no usable checkpoint in %s: starting fresh (params.checkpoint.if_unusable)", directory)
         store.start_run()
         return {"path": None}
+    latest = here / found.latest.name  # the file that was checked, whatever is renamed meanwhile
     try:
-        check_shapes(found.latest, parameter_shapes(run.cfg), stored_shapes(found.latest))
+        check_shapes(found.latest, parameter_shapes(run.cfg), stored_shapes(latest))
     except CheckpointError as exc:
         return {"error": str(exc)}
-    written_sharded = is_sharded(read_header(found.latest, MODEL_GROUP).attrs)
+    written_sharded = is_sharded(read_header(latest, MODEL_GROUP).attrs)
     if written_sharded != run.sharded:
         kinds = ("FSDP (sharded)", "DDP (whole)") if written_sharded else ("DDP (whole)", "FSDP (sharded)")
         return {"error": f"{found.latest} was written by a {kinds[0]} run and this run is {kinds[1]}: resume with "
                 f"the params.parallel that wrote it (any world size), or use a fresh checkpoint directory"}
-    recorded = read_checkpoint(found.latest, groups=(TOKENIZER,)).tree.get(TOKENIZER)
+    recorded = read_checkpoint(latest, groups=(TOKENIZER,)).tree.get(TOKENIZER)
     wrong = mismatch(run.tokenizer, run.params.data, recorded, found.latest) if recorded and run.tokenizer else None
     if wrong:  # a checkpoint from before tokenizers travelled records none: nothing to compare
         return {"error": wrong + " (or use a fresh checkpoint directory)"}
@@ -144,10 +157,12 @@ def _first_start(run: Run) -> bool:
     return not ours
 
 
-def _choose(run: Run) -> dict[str, Any]:
+def _decide(run: Run) -> dict[str, Any]:
     """`choose_checkpoint`, with any failure (an unreadable directory) an error every rank raises."""
     try:
         return choose_checkpoint(run)
+    except CheckpointError as exc:  # a folder another user could have written: one line naming it
+        return {"error": str(exc)}
     except Exception as exc:
         where = run.api.checkpoints.directory
         return {"error": f"choosing a checkpoint in {where} failed: {type(exc).__name__}: {exc}"}
@@ -156,7 +171,7 @@ def _choose(run: Run) -> dict[str, Any]:
 def resume(run: Run) -> None:
     """Every rank restores the checkpoint rank 0 chose (checksums verified), or starts fresh."""
     ctx = run.ctx
-    choice = run.api.checkpoints.share(_choose(run) if ctx.is_main else None, "its choice of checkpoint")
+    choice = run.api.checkpoints.share(_decide(run) if ctx.is_main else None, "its choice of checkpoint")
     if "error" in choice:
         raise CheckpointError(choice["error"])
     if choice["path"] is None:
@@ -165,9 +180,10 @@ def resume(run: Run) -> None:
             start_from_init(run)
         return
     path = Path(choice["path"])
-    if run.sharded:
+    if run.sharded:  # each shard read through the checked folder (``sharded.load(own=True)``)
         path = _load_shards(run, [path, *map(Path, choice["older"])])
-    loaded = read_checkpoint(path, verify=True)  # a sharded checkpoint's index: every group but the shards
+    # each rank reads it through its checkpoint folder, checked and held open: yours, whatever is renamed
+    loaded = run.api.checkpoints.store.load(step_of(path) or 0)  # a sharded checkpoint's index: all but shards
     tree = loaded.tree
     if not run.sharded:
         run.model.load_state_dict(state_dict_of(tree[MODEL_GROUP]))

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hpcdist.errors import CheckpointError
+from hpcdist.store.checkpoint import owned
 
 CLAIM_NAME = ".claim"
 
@@ -133,8 +134,10 @@ class Claim:
         return f"Claim({str(self.directory)!r}, {self.holder.describe()})"
 
     def acquire(self) -> Claim:
-        """Claim the directory, or raise a CheckpointError naming the holder and what to do."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        """Claim the directory, or raise a CheckpointError naming the holder and what to do (or,
+        for a folder another user could have written, whose it is: ``owned.held``)."""
+        owned.make_folder(self.directory)
+        owned.check_folder(self.directory)  # a run writes into, and resumes from, a folder of its own only
         for _ in range(5):  # a takeover races with another taker at most a few times
             if self._create():
                 return self

@@ -49,8 +49,8 @@ def step_of(path: Path) -> int | None:
 
 def write_pointer(directory: Path, name: str, run: str = "") -> None:
     """Commit `name` (of run `run`): atomically replace `<directory>/latest`."""
-    with atomic_path(Path(directory) / POINTER) as tmp:
-        with open(tmp, "w") as f:
+    with atomic_path(Path(directory) / POINTER) as tmp:  # 0644 less the umask: no one else may write it
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), "w") as f:
             f.write((f"{RUN_KEY} {run}\n" if run else "") + name + "\n")
             f.flush()
 

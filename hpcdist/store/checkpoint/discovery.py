@@ -2,8 +2,10 @@
 
 `scan` reports, as data, every file it skipped and why (truncated, flipped byte, written after
 the last commit, written by another run, dangling or empty pointer, temporaries of killed
-writers); `find_latest` logs the same. `resolve` is the non-verifying lookup for a user-given
-path: a file, or the file a directory's ``latest`` names.
+writers, another user's file or pointer); `find_latest` logs the same. Both read only the user's
+own folder, through the folder held open (``hpcdist.store.checkpoint.owned``). `resolve` is the
+non-verifying lookup for a user-given path (a colleague's too): a file, or the file a directory's
+``latest`` names.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from pathlib import Path
 from hpcdist.errors import CheckpointError
 from hpcdist.store.checkpoint.directory import (
     POINTER,
+    Commit,
     checkpoints_in,
     read_commit,
     read_pointer,
     step_of,
     temporaries_in,
 )
+from hpcdist.store.checkpoint.owned import held, pointer_problem, shown, step_problem
 from hpcdist.store.checkpoint.single import RUN_ATTR, Checkpoint, read, run_of
 from hpcdist.store.checkpoint.tree import plain
 
@@ -54,24 +58,45 @@ class Scan:
         return self
 
 
-def scan(directory: Path | str, *, keep: bool = False, mapped: bool = False) -> Scan:
+def scan(directory: Path | str, *, keep: bool = False, mapped: bool = False, within: Path | None = None) -> Scan:
     """The newest committed checkpoint in `directory` whose checksums verify, and what was skipped.
 
     With `keep`, the verified read of that checkpoint is kept (`Scan.checkpoint`), so a caller
     that loads it next does not read the file twice; with `mapped` too, its arrays are views of
     the file (``checkpoints.read``).
     Only files of the run the pointer names are candidates (any file when no pointer says which):
-    another run's files are skipped, never resumed.
+    another run's files are skipped, never resumed. Only this user's own are read at all
+    (``hpcdist.store.checkpoint.owned``): a folder another user could have written is one
+    CheckpointError, nothing read; a step file or pointer of another's in her own folder is
+    skipped, said why. The folder is read through `within` when the caller holds it open
+    (``owned.held(directory)``), else held here for the scan.
     """
     directory = Path(directory)
-    files = checkpoints_in(directory)
+    if within is not None:
+        return _shown(_scan(within, keep, mapped), within, directory)
+    if not directory.is_dir():
+        return Scan(None)
+    with held(directory) as here:
+        return _shown(_scan(here, keep, mapped), here, directory)
+
+
+def _scan(directory: Path, keep: bool, mapped: bool) -> Scan:
+    """`scan` of a held folder (paths through ``/proc/self/fd/N``; `_shown` names them as the user does)."""
+    skipped: list[tuple[Path, str]] = []
+    files = []
+    for p in checkpoints_in(directory):
+        why = step_problem(p)
+        if why is None:
+            files.append(p)
+        else:
+            skipped.append((p, why))
     temporaries = temporaries_in(directory)
-    commit = read_commit(directory)
-    pointer, problem = commit.path, commit.problem
+    why = pointer_problem(directory / POINTER)
+    commit = Commit(None, None, f"ignoring {directory / POINTER}: {why}") if why else read_commit(directory)
+    pointer, problem_ = commit.path, commit.problem
     if not files:
         has_pointer = (directory / POINTER).exists()
-        return Scan(None, pointer_problem=problem if has_pointer else "", temporaries=temporaries)
-    skipped: list[tuple[Path, str]] = []
+        return Scan(None, skipped, pointer_problem=problem_ if has_pointer else "", temporaries=temporaries)
     if pointer is not None:
         limit = step_of(pointer) or 0
         for p in files:
@@ -91,8 +116,21 @@ def scan(directory: Path | str, *, keep: bool = False, mapped: bool = False) -> 
             skipped.append((path, str(exc).removeprefix(f"{path}: ")))
             continue
         run = str(plain(loaded.attrs.get(RUN_ATTR, "")))
-        return Scan(path, skipped, problem, temporaries, loaded if keep else None, run)
-    return Scan(None, skipped, problem, temporaries)
+        return Scan(path, skipped, problem_, temporaries, loaded if keep else None, run)
+    return Scan(None, skipped, problem_, temporaries)
+
+
+def _shown(found: Scan, here: Path, directory: Path) -> Scan:
+    """`found` with the paths through the held folder `here` named as `directory`'s."""
+    def named(path: Path) -> Path:
+        return directory / path.name if path.parent == here else path
+
+    if found.checkpoint is not None:
+        found.checkpoint.path = named(found.checkpoint.path)
+    return Scan(None if found.latest is None else named(found.latest),
+                [(named(p), shown(why, here, directory)) for p, why in found.skipped],
+                shown(found.pointer_problem, here, directory), [named(p) for p in found.temporaries],
+                found.checkpoint, found.run_id)
 
 
 def _run_name(run: str) -> str:

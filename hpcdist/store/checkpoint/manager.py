@@ -17,7 +17,9 @@ A store writes for one *run* (``hpcdist.store.checkpoint.directory``): the run o
 `load_latest` (or `continue_run`) resumed; else, at the first save, the run of the committed
 checkpoint when this same job wrote it (a requeue that does not load), else a new run
 (`start_run`), which first moves the files it finds into ``previous/`` and says so in one line.
-Its saves, `steps` and pruning see only that run's files. The class only binds the module functions of
+Its saves, `steps` and pruning see only that run's files. It resumes (`load_latest`, `load`, `scan`)
+only from checkpoints no one else could have written, read through the directory held open
+(`opened`; ``hpcdist.store.checkpoint.owned``). The class only binds the module functions of
 ``hpcdist.store.checkpoint.single``, ``directory`` and ``discovery`` to a directory and a retention;
 ``claim`` takes the directory for one writer (``hpcdist.store.checkpoint.claim``).
 """
@@ -28,11 +30,13 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpcdist.errors import CheckpointError
 from hpcdist.store.checkpoint import directory as layout
-from hpcdist.store.checkpoint import discovery
+from hpcdist.store.checkpoint import discovery, owned
 from hpcdist.store.checkpoint import single as checkpoints
 from hpcdist.store.checkpoint.rawio import snapshot
 from hpcdist.store.checkpoint.tree import Tree, pool
@@ -163,21 +167,40 @@ class CheckpointStore:
         """Whether an asynchronous save is in flight."""
         return self._pending is not None and not self._pending.done()
 
+    def opened(self) -> AbstractContextManager[Path]:
+        """The directory checked and held open (``owned.held``: yours, no one else may write it; a
+        CheckpointError naming its owner otherwise): the path to read its files through, whatever
+        is renamed meanwhile."""
+        return owned.held(self.directory)
+
     def load(self, step: int, *, groups: tuple[str, ...] | None = None, verify: bool = True,
-             mapped: bool = False) -> checkpoints.Checkpoint:
+             mapped: bool = False, within: Path | None = None) -> checkpoints.Checkpoint:
         """The checkpoint of `step` (only the named top-level groups, when given), checksums verified;
-        `mapped`: arrays as copy-on-write views of the file (``checkpoints.read``)."""
-        return checkpoints.read(self.path(step), groups=groups, verify=verify, mapped=mapped)
+        `mapped`: arrays as copy-on-write views of the file (``checkpoints.read``). Read through the
+        held directory (`within`, else `opened` here); a file another user could have written is
+        refused (``owned``)."""
+        if within is None:
+            with self.opened() as here:
+                return self.load(step, groups=groups, verify=verify, mapped=mapped, within=here)
+        path = self.path(step)
+        why = owned.step_problem(within / path.name)
+        if why is not None:
+            raise CheckpointError(f"checkpoint {path}: {why}")
+        loaded = checkpoints.read(within / path.name, groups=groups, verify=verify, mapped=mapped)
+        loaded.path = path
+        return loaded
 
-    def scan(self) -> discovery.Scan:
-        """The newest committed checkpoint that verifies, and every file skipped with why."""
-        return discovery.scan(self.directory)
+    def scan(self, within: Path | None = None) -> discovery.Scan:
+        """The newest committed checkpoint that verifies, and every file skipped with why (through
+        the held directory `within`, when the caller holds it: `opened`)."""
+        return discovery.scan(self.directory, within=within)
 
-    def load_latest(self, report: Callable[[str], None] | None = None, *,
-                    mapped: bool = False) -> checkpoints.Checkpoint | None:
+    def load_latest(self, report: Callable[[str], None] | None = None, *, mapped: bool = False,
+                    within: Path | None = None) -> checkpoints.Checkpoint | None:
         """The newest committed checkpoint that verifies (read once; `mapped`: see `load`), or None;
-        skipped files are reported. The store then writes for that checkpoint's run (`continue_run`)."""
-        found = discovery.scan(self.directory, keep=True, mapped=mapped).tell(report)
+        skipped files are reported. The store then writes for that checkpoint's run (`continue_run`).
+        Only this user's own checkpoints are read (``discovery.scan``)."""
+        found = discovery.scan(self.directory, keep=True, mapped=mapped, within=within).tell(report)
         if found.checkpoint is not None and found.run_id is not None:
             self.continue_run(found.run_id)
         return found.checkpoint

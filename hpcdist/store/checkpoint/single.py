@@ -53,6 +53,7 @@ from hpcdist.errors import CheckpointError
 from hpcdist.store import checksum as checksums
 from hpcdist.store.atomic import atomic_path
 from hpcdist.store.checkpoint.directory import checkpoint_name, prune, read_pointer, write_pointer
+from hpcdist.store.checkpoint.owned import drop_group_write, make_folder
 from hpcdist.store.checkpoint.rawio import TreeIndex, read_indexed, write_tree
 from hpcdist.store.checkpoint.tree import DatasetInfo, Tree, attr_value, describe_group, plain, read_tree
 
@@ -117,7 +118,7 @@ def save(
     algorithm = checksums.check_name(checksum) if checksum else checksums.chosen()
     t0 = time.perf_counter()
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        make_folder(directory)  # never group- or world-writable: a run resumes only from what no one else wrote
         with atomic_path(final) as tmp:
             f = h5py.File(tmp, "w", libver=LIBVER, meta_block_size=META_BLOCK_BYTES)
             try:
@@ -141,6 +142,7 @@ def save(
                     f.close()  # its flush fails too when the disk is full: report what stopped the write
                 raise
             f.close()
+            drop_group_write(tmp)
             if before_commit is not None:
                 before_commit()
         nbytes = final.stat().st_size

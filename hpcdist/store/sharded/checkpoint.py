@@ -191,11 +191,12 @@ def wait(future: Any) -> None:
         future.result()
 
 
-def load(index: Path | str, state: dict[str, Any], *, process_group: Any = None) -> dict[str, Any]:
-    """Fill `state` (any layout) in place from the sharded checkpoint `index`; its root attributes."""
+def load(index: Path | str, state: dict[str, Any], *, process_group: Any = None, own: bool = False) -> dict[str, Any]:
+    """Fill `state` (any layout) in place from the sharded checkpoint `index`; its root attributes.
+    `own`: a resume, which reads only what no other user could have written (`ShardedReader`)."""
     import torch.distributed.checkpoint as dcp
 
-    reader = ShardedReader(index, process_group)
+    reader = ShardedReader(index, process_group, own=own)
     with one_error():
         dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=_no_dist())
     reader.read_metadata()
@@ -222,7 +223,7 @@ def load_latest(directory: Path | str, state: dict[str, Any], *, steps: list[int
         steps = [step_of(p) or 0 for p in committed_in(directory)]
     for step in steps:
         try:
-            load(directory / checkpoint_name(step), state, process_group=process_group)
+            load(directory / checkpoint_name(step), state, process_group=process_group, own=True)
             return step
         except CheckpointError as exc:
             if report is not None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hpcdist.errors import CheckpointError
+from hpcdist.store.checkpoint import owned
 from hpcdist.store.checkpoint.directory import checkpoint_name, step_of
 from hpcdist.store.checkpoint.tree import as_tensor, pool, typed
 
@@ -127,27 +128,41 @@ def tensors_of(text: str, prefix: str = "") -> dict[str, TensorEntry]:
             for fqn, t in data["tensors"].items() if fqn.startswith(prefix)}
 
 
-def read_chunk(folder: Path, chunk: Chunk, what: str, into: np.ndarray | None = None) -> np.ndarray:
+def open_shard(folder: Path, name: str, source: Path | None = None) -> int:
+    """The shard file `name` of the shard folder `folder`, opened for reading. With `source` (that
+    folder as reached through the run's held checkpoint folder, ``owned.held``) it is opened there
+    and must be this user's own, as must the shard folder (``owned``: a resume reads nothing that
+    another user could have written)."""
+    if source is None:
+        return os.open(folder / name, os.O_RDONLY | os.O_CLOEXEC)
+    why = owned.problem(source, folder=True)
+    if why is not None:
+        raise CheckpointError(f"shard folder {folder}: {why}")
+    return owned.open_own(source / name, folder / name)
+
+
+def read_chunk(folder: Path, chunk: Chunk, what: str, into: np.ndarray | None = None,
+               source: Path | None = None) -> np.ndarray:
     """One chunk's bytes as stored (into `into`, a byte view of its destination, when given), not
     yet verified: one ``os.preadv`` at its offset (through HDF5 for an empty one). `what` names it
-    in errors ("tensor model.wte.weight")."""
+    in errors ("tensor model.wte.weight"); `source`: where to open it, checked (`open_shard`)."""
     path = folder / chunk.file
     try:
-        if chunk.offset >= 0:
-            arr = into if into is not None else np.empty(chunk.shape, dtype=np.dtype(chunk.dtype))
-            fd = os.open(path, os.O_RDONLY)
-            try:
+        fd = open_shard(folder, chunk.file, source)
+        try:
+            if chunk.offset >= 0:
+                arr = into if into is not None else np.empty(chunk.shape, dtype=np.dtype(chunk.dtype))
                 got = os.preadv(fd, [arr.reshape(-1).view(np.uint8).data], chunk.offset) if arr.nbytes else 0
-            finally:
-                os.close(fd)
-            if got != arr.nbytes:
-                raise CheckpointError(f"{path}: {what} (written by rank {chunk.rank}) lies past the end "
-                                      f"of the file; truncated (read by rank {_rank()})")
-        else:
-            import h5py
+                if got != arr.nbytes:
+                    raise CheckpointError(f"{path}: {what} (written by rank {chunk.rank}) lies past the end "
+                                          f"of the file; truncated (read by rank {_rank()})")
+            else:
+                import h5py
 
-            with h5py.File(path, "r") as f:
-                arr = np.asarray(f[chunk.dataset][()])
+                with h5py.File(f"/proc/self/fd/{fd}", "r") as f:  # the file opened (and checked) above
+                    arr = np.asarray(f[chunk.dataset][()])
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read {what} (written by rank {chunk.rank}): "
                               f"{exc.strerror or exc} (read by rank {_rank()})") from exc

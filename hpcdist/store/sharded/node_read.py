@@ -39,7 +39,7 @@ import numpy as np
 
 from hpcdist.errors import CheckpointError
 from hpcdist.store import checksum, hostmem
-from hpcdist.store.checkpoint import values
+from hpcdist.store.checkpoint import owned, values
 from hpcdist.store.checkpoint.collective import agree, local_ranks
 from hpcdist.store.checkpoint.tree import as_tensor, hash_like, hash_threads, pool, typed
 from hpcdist.store.sharded.layout import (
@@ -49,6 +49,7 @@ from hpcdist.store.sharded.layout import (
     TensorEntry,
     _nbytes,
     folder_of,
+    open_shard,
     read_chunk,
     read_index,
     restore_keys,
@@ -87,26 +88,30 @@ class Sharing:
         self.group = group
         self.ranks: tuple[int, ...] | None = None
 
-    def read(self, index: Path | str, loaded: Any = None) -> tuple[dict[str, Any], ReadStats]:
+    def read(self, index: Path | str, loaded: Any = None, own: bool = False) -> tuple[dict[str, Any], ReadStats]:
         """`read_state` of `index` (read already as `loaded`) on every rank of the group."""
         if self.group is not None and self.ranks is None:
             self.ranks = local_ranks(self.group)
-        return read_state(index, group=self.group, node=self.ranks, loaded=loaded)
+        return read_state(index, group=self.group, node=self.ranks, loaded=loaded, own=own)
 
 
 def read_state(index: Path | str, *, group: Any = None, node: tuple[int, ...] | None = None,
-               keys: list[str] | None = None, loaded: Any = None) -> tuple[dict[str, Any], ReadStats]:
+               keys: list[str] | None = None, loaded: Any = None,
+               own: bool = False) -> tuple[dict[str, Any], ReadStats]:
     """The whole state of the sharded checkpoint `index` and what this rank did for it. With
     `group` (a collective: every rank calls it) the ranks in `node` (group ranks on this host,
     `local_ranks`) split the checking; with `keys`, only those entries (top-level names, or
-    flattened ones) are read; `loaded`: the index file as ``checkpoints.read`` gave it already."""
+    flattened ones) are read; `loaded`: the index file as ``checkpoints.read`` gave it already
+    (the caller checked it). `own` (a resume): the shards are read through the checkpoint folder
+    held open and checked, and must be this user's own (``layout.open_shard``); a refusal is a
+    failed read that every rank agrees on."""
     import torch.distributed as dist
 
     t0 = time.perf_counter()
     index = Path(index)
     rank = dist.get_rank(group) if group is not None else 0
     attrs, text = read_index(index, loaded)
-    reader = _Reader(index, attrs, text, keys, rank)
+    reader = _Reader(index, attrs, text, keys, rank, own)
     ranks = node if node and group is not None else (rank,)
     stats = reader.stats
     stats.bytes = sum(t.nbytes for t in reader.tensors.values()) + sum(_nbytes(c) for _, c in reader.values)
@@ -168,8 +173,11 @@ class _Tensor:
 class _Reader:
     """One rank's reads of one checkpoint: what it holds (`flat`), what it checks, what it read."""
 
-    def __init__(self, index: Path, attrs: dict[str, Any], text: str, keys: list[str] | None, rank: int) -> None:
+    def __init__(self, index: Path, attrs: dict[str, Any], text: str, keys: list[str] | None, rank: int,
+                 own: bool = False) -> None:
         self.index, self.folder, self.rank, self.attrs = index, folder_of(index), rank, attrs
+        self.own, self.held = own, contextlib.ExitStack()  # the checkpoint folder, held while shards are opened
+        self.source: Path | None = None  # the shard folder through it, once held
         data = json.loads(text)
         self.paths: dict[str, tuple[Any, ...]] = {k: tuple(v) for k, v in (data.get("planner_data") or {}).items()}
         wanted = (lambda fqn: True) if keys is None else (lambda fqn: _wanted(fqn, self.paths.get(fqn, ()), keys))
@@ -195,12 +203,22 @@ class _Reader:
                        f"{self.rank}: the file is corrupt")
         return bad
 
+    def _shards(self) -> Path | None:
+        """Where a resume opens the shard files: the shard folder through the held checkpoint folder."""
+        if self.own and self.source is None:
+            try:
+                self.source = self.held.enter_context(owned.held(self.index.parent)) / self.folder.name
+            except OSError as exc:
+                raise CheckpointError(f"{self.index.parent}: cannot open it: {exc.strerror or exc} "
+                                      f"(read by rank {self.rank})") from exc
+        return self.source
+
     def _source(self, chunk: Chunk) -> int:
         """The shard file `chunk` lies in, opened once per load (`close`)."""
         if chunk.file not in self.fds:
             path = self.folder / chunk.file
             try:
-                self.fds[chunk.file] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                self.fds[chunk.file] = open_shard(self.folder, chunk.file, self._shards())
             except OSError as exc:
                 raise CheckpointError(f"{path}: cannot read it (written by rank {chunk.rank}): {exc.strerror or exc} "
                                       f"(read by rank {self.rank})") from exc
@@ -211,6 +229,7 @@ class _Reader:
             os.close(fd)
         self.fds.clear()
         self.maps.clear()
+        self.held.close()
 
     def _pread(self, chunk: Chunk, into: np.ndarray, at: int) -> None:
         got = os.preadv(self._source(chunk), [into.reshape(-1).view(np.uint8).data], at) if into.nbytes else 0
@@ -223,7 +242,7 @@ class _Reader:
         if chunk.offset >= 0:
             self._pread(chunk, arr, chunk.offset)
         else:  # an empty array: through HDF5
-            arr = read_chunk(self.folder, chunk, what)
+            arr = read_chunk(self.folder, chunk, what, source=self._shards())
         self.stats.bytes_read += arr.nbytes
         checks.append((chunk, what, self._hash(arr, chunk)))
         return arr

@@ -25,8 +25,8 @@ from torch.futures import Future
 from hpcdist.errors import CheckpointError
 from hpcdist.store import checksum
 from hpcdist.store.atomic import atomic_path
+from hpcdist.store.checkpoint import owned, values
 from hpcdist.store.checkpoint import single as checkpoints
-from hpcdist.store.checkpoint import values
 from hpcdist.store.checkpoint.rawio import write_tree
 from hpcdist.store.checkpoint.tree import hash_like, hash_threads, pool, tensor_array
 from hpcdist.store.sharded.layout import (
@@ -126,7 +126,7 @@ class ShardedWriter(StorageWriter):
                 tree["tensors"].setdefault(_key(item.index), {})[offsets] = data
                 where.append((item.index, f"/tensors/{_key(item.index)}/{offsets}", arr, str(data.dtype)))
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            owned.make_folder(self.folder)  # no group or world write: a resume reads only what no one else wrote
             with atomic_path(final) as tmp:
                 f = h5py.File(tmp, "w", libver=checkpoints.LIBVER, meta_block_size=checkpoints.META_BLOCK_BYTES)
                 try:
@@ -136,6 +136,7 @@ class ShardedWriter(StorageWriter):
                     index = write_tree(f, tree, raw=tmp, algorithm=self.checksum)
                 finally:
                     f.close()
+                owned.drop_group_write(tmp)
         except Exception as exc:
             raise CheckpointError(
                 f"rank {rank} writing its shard {final} of step {self.step} failed: {type(exc).__name__}: {exc}; "
@@ -189,12 +190,18 @@ class ShardedReader(StorageReader):
     bytes nobody checked, and no rank trusts another's verdict on bytes it read itself). Values
     come back as data: format 2's JSON, format 1's pickles only as ``torch.load(weights_only=True)``
     does (``hpcdist.store.checkpoint.values``); nothing in a checkpoint is unpickled in full.
+
+    With `own` (a resume: the run's own checkpoint), the index and every shard are read through
+    the checkpoint folder held open and checked (``owned.held``), each rank for the reads it does,
+    and any of them that another user could have written is refused: DCP gathers that error, as
+    any rank's, to every rank.
     """
 
-    def __init__(self, index: Path | str, process_group: Any = None) -> None:
+    def __init__(self, index: Path | str, process_group: Any = None, *, own: bool = False) -> None:
         super().__init__()
         self.group = process_group
         self.index = Path(index)
+        self.own = own
         self.folder = folder_of(self.index)
         self.attrs: dict[str, Any] = {}
         self._metadata: Metadata | None = None
@@ -202,11 +209,18 @@ class ShardedReader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.__init__(Path(checkpoint_id), self.group)  # type: ignore[misc]
+            self.__init__(Path(checkpoint_id), self.group, own=self.own)  # type: ignore[misc]
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
-            self.attrs, text = read_index(self.index)
+            if self.own:
+                with owned.held(self.index.parent) as here:
+                    why = owned.problem(here / self.index.name)
+                    if why is not None:
+                        raise CheckpointError(f"checkpoint {self.index}: {why}")
+                    self.attrs, text = read_index(here / self.index.name)
+            else:
+                self.attrs, text = read_index(self.index)
             self._metadata = metadata_from_json(text)
         return self._metadata
 
@@ -222,12 +236,16 @@ class ShardedReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read and verify this rank's chunks. A mismatch on any rank fails the load on every rank:
         DCP gathers every rank's ``read_data`` outcome (``_DistWrapper.all_gather("read", ...)``)."""
-        self._read_all(plan, planner)
+        if self.own:
+            with owned.held(self.index.parent) as here:
+                self._read_all(plan, planner, here / self.folder.name)
+        else:
+            self._read_all(plan, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+    def _read_all(self, plan: LoadPlan, planner: LoadPlanner, source: Path | None = None) -> None:
         md = self.read_metadata()
         storage: dict[MetadataIndex, Chunk] = md.storage_data
         by_chunk: dict[MetadataIndex, list[Any]] = defaultdict(list)
@@ -245,7 +263,7 @@ class ShardedReader(StorageReader):
                 chunk = storage[index]
                 target = self._whole_target(chunk, reqs, planner)
                 into = None if target is None else target.reshape(-1).view(torch.uint8).numpy()
-                arr = self._read_chunk(chunk, index.fqn, into)
+                arr = self._read_chunk(chunk, index.fqn, into, source)
                 self.bytes_hashed += arr.nbytes
                 window.append((index, hash_like(hashing, arr, chunk.digest), arr, target))
                 held += arr.nbytes
@@ -308,9 +326,11 @@ class ShardedReader(StorageReader):
             planner.commit_tensor(req, target)
         return arr.nbytes
 
-    def _read_chunk(self, chunk: Chunk, fqn: str, into: np.ndarray | None = None) -> np.ndarray:
-        """One chunk's bytes (into `into`, a byte view of its target, when given), not yet verified."""
-        arr = read_chunk(self.folder, chunk, f"tensor {fqn}", into)
+    def _read_chunk(self, chunk: Chunk, fqn: str, into: np.ndarray | None = None,
+                    source: Path | None = None) -> np.ndarray:
+        """One chunk's bytes (into `into`, a byte view of its target, when given), not yet verified;
+        `source`: the shard folder through the held checkpoint folder (``layout.open_shard``)."""
+        arr = read_chunk(self.folder, chunk, f"tensor {fqn}", into, source)
         self.bytes_read += arr.nbytes
         return arr
 

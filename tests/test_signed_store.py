@@ -1,0 +1,190 @@
+"""hpcdist's messages in the rendezvous store carry an HMAC (``hpcdist.runtime.signed_store``): an
+altered value, a value moved to another key or another launch, one signed with another job's key
+are refused and logged; a forgery set first never blocks the genuine message. Real TCPStores, one
+process, no users (tests/test_shared_site_store.py runs the attack as another user)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from hpcdist.config.paths import job_key
+from hpcdist.errors import BootstrapError
+from hpcdist.runtime import group, signed_store
+from hpcdist.runtime.rankinfo import RankInfo
+from hpcdist.runtime.signed_store import SignedStore
+
+PREFIX = "hpcdist/77.0.0.0"
+
+
+@pytest.fixture
+def server() -> Iterator[dist.TCPStore]:
+    yield dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+
+
+def client(server: dist.TCPStore) -> dist.TCPStore:
+    """Another connection to the store: a rank, or someone else who reached the port."""
+    return dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=10))
+
+
+def job(server: dist.TCPStore, secret: bytes = b"k" * 32, prefix: str = PREFIX) -> SignedStore:
+    return SignedStore(dist.PrefixStore(prefix, client(server)), secret, prefix)
+
+
+@pytest.fixture
+def warnings(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The warnings hpcdist logs, as they are logged (from any thread)."""
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    logging.getLogger("hpcdist").addHandler(handler)
+    yield said
+    logging.getLogger("hpcdist").removeHandler(handler)
+
+
+def test_altered_moved_and_replayed_values_are_refused(server: dist.TCPStore, warnings: list[str]) -> None:
+    mine, intruder = job(server), client(server)
+    mine.set("hpcdist/hosts", json.dumps(["n1", "n2"]))
+    assert json.loads(mine.get("hpcdist/hosts")) == ["n1", "n2"]
+    genuine = intruder.get(f"{PREFIX}/hpcdist/hosts")
+    assert b"k" * 8 not in genuine and len(genuine) == 64 + len(json.dumps(["n1", "n2"]))
+
+    intruder.set(f"{PREFIX}/hpcdist/hosts", genuine.replace(b"n2", b"ev"))  # altered
+    intruder.set(f"{PREFIX}/hpcdist/failed", genuine)  # a genuine value moved to another key
+    job(server, prefix="hpcdist/77.0.1.0").set("hpcdist/join/1", "n1")  # another launch (a requeue) of the job
+    intruder.set(f"{PREFIX}/hpcdist/join/1", intruder.get("hpcdist/77.0.1.0/hpcdist/join/1"))
+    job(server, secret=b"o" * 32).set("hpcdist/join/0", "evil")  # signed with another job's key
+    for key in ("hpcdist/hosts", "hpcdist/failed", "hpcdist/join/1", "hpcdist/join/0"):
+        assert mine.peek(key) is None and not mine.check([key]), key
+        assert sum(f"ignored a forged or altered value of {PREFIX}/{key} in the job's store" in w
+                   for w in warnings) == 1, (key, warnings)  # once per value, however often it is read
+    with pytest.raises(TimeoutError, match=f"no genuine value of {PREFIX}/hpcdist/hosts within 0.3 s"):
+        mine.wait(["hpcdist/hosts"], timedelta(seconds=0.3))
+    assert not any("k" * 8 in w for w in warnings)
+
+
+def test_a_forgery_set_first_never_blocks_the_genuine_message(server: dist.TCPStore, warnings: list[str]) -> None:
+    reader, writer, intruder = job(server), job(server), client(server)
+    intruder.set(f"{PREFIX}/hpcdist/hosts", '["evil"]')
+    got: list[bytes] = []
+    thread = threading.Thread(target=lambda: (reader.wait(["hpcdist/hosts"], timedelta(seconds=10)),
+                                              got.append(reader.get("hpcdist/hosts"))))
+    thread.start()
+    while not warnings:  # the reader has read the forgery and waits on: now the genuine value comes
+        thread.join(0.01)
+        assert thread.is_alive()
+    writer.set("hpcdist/hosts", '["n1"]')
+    thread.join(10)
+    assert got == [b'["n1"]']
+
+
+def test_the_first_genuine_failure_wins_and_a_forged_one_is_replaced(server: dist.TCPStore) -> None:
+    rank1, rank2, intruder = job(server), job(server), client(server)
+    intruder.set(f"{PREFIX}/hpcdist/failed", "rank 0 on n1: forged")
+    assert rank1.compare_set("hpcdist/failed", "", "rank 1 on n2: boom") == b"rank 1 on n2: boom"
+    assert rank2.compare_set("hpcdist/failed", "", "rank 2 on n3: later") == b"rank 1 on n2: boom"
+    assert rank2.peek("hpcdist/failed") == b"rank 1 on n2: boom"
+
+
+def test_counters_and_an_unsigned_store_pass_through(server: dist.TCPStore) -> None:
+    plain = SignedStore(dist.PrefixStore(PREFIX, client(server)), None, PREFIX)
+    plain.set("a", "1")
+    assert client(server).get(f"{PREFIX}/a") == b"1" and plain.get("a") == b"1"
+    assert job(server).add("hpcdist/joined", 2) == 2 and plain.add("hpcdist/joined", 1) == 3
+    assert plain.peek("absent") is None and plain.compare_set("b", "", "x") == b"x"
+
+
+def test_the_key_file_is_the_users_own_0600_file(tmp_path: Path) -> None:
+    folder = tmp_path / "logs" / "smoke" / "812"
+    path = signed_store.place_key(signed_store.new_key(tmp_path / "logs" / "smoke"), folder, "812")
+    assert path == job_key(folder, "812") == folder / "812_store.key"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and not list((tmp_path / "logs" / "smoke").glob(".*"))
+    key = signed_store.read_key(path)
+    assert key is not None and len(key) == 32 and key.hex() == path.read_text()
+    env = {"SUBMITIT_FOLDER": str(tmp_path / "logs" / "smoke" / "%j")}
+    assert signed_store.key_file(env, "812") == path and signed_store.key_file({}, "812") is None
+    assert signed_store.read_key(folder / "9_store.key") is None  # not there (yet)
+    os.chmod(path, 0o640)
+    with pytest.raises(BootstrapError, match=r"store key: refusing to read .*812_store.key: .* it must be 0600"):
+        signed_store.read_key(path)
+
+
+def _info(rank: int, world: int = 2) -> RankInfo:
+    return RankInfo(launcher="slurm", rank=rank, world_size=world, local_rank=rank, local_world_size=world,
+                    node_rank=0, num_nodes=1, hostname=f"h{rank}", job_id="77")
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+def test_no_key_name_holds_the_secret(tmp_path: Path, keyed: bool) -> None:
+    """The job's key file, or else rank 0's key sent in the 0600 endpoint file: never in a key name
+    (the nonce that was, and `list_keys()` showed to anyone)."""
+    key = signed_store.make_key(tmp_path / "job", "77") if keyed else None
+    rdir = tmp_path / "rendezvous"
+    stores: dict[int, SignedStore] = {}
+    sent: list[dict[str, object]] = []
+
+    def rank(r: int) -> None:
+        store, _ = group.open_store(_info(r), 10, rendezvous_dir=rdir, key="77.0.0.0", key_file=key)
+        if r == 0:
+            sent.append(json.loads((rdir / "77.0.0.0.json").read_text()))
+        stores[r] = store
+        group.check_in(store, _info(r), 10)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    secret = stores[0].secret
+    assert secret is not None and stores[1].secret == secret
+    assert ("keyed" in sent[0]) == keyed and ("nonce" in sent[0]) != keyed
+    names = client_of(stores[0]).list_keys()
+    assert any(n.endswith("hpcdist/joined/all") for n in names)
+    assert all(secret.hex() not in n and n.startswith(f"{PREFIX}/") for n in names), names
+
+
+def client_of(store: SignedStore) -> dist.TCPStore:
+    return store.plain.underlying_store  # type: ignore[no-any-return]
+
+
+def test_a_forged_seat_and_count_before_a_rank_joins_do_not_change_the_roll(server: dist.TCPStore,
+                                                                            warnings: list[str]) -> None:
+    """The intruder sets rank 1's seat and bumps the count before rank 1 arrives: rank 0, seeing the
+    count complete, reads the seats, ignores the forged one and waits for rank 1's own."""
+    intruder = client(server)
+    intruder.set(f"{PREFIX}/hpcdist/join/1", "evil")
+    intruder.add(f"{PREFIX}/hpcdist/joined", 1)
+    got: dict[int, object] = {}
+
+    def rank(r: int) -> None:
+        got[r] = group.check_in(job(server), _info(r), 10)
+
+    first = threading.Thread(target=rank, args=(0,))
+    first.start()
+    while not any("hpcdist/join/1" in w for w in warnings):
+        first.join(0.01)
+        assert first.is_alive()
+    rank(1)
+    first.join(10)
+    assert got == {0: {0: "h0", 1: "h1"}, 1: {0: "h0", 1: "h1"}}
+
+
+def test_a_forged_roll_call_answer_does_not_hide_a_silent_rank(server: dist.TCPStore) -> None:
+    from hpcdist.runtime.reach import roll_call
+
+    client(server).set(f"{PREFIX}/hpcdist/rollcall/1", "1")  # "n2 answered", says someone else
+    said = roll_call(0, ["n1", "n2"], wait_s=0.3, store=job(server))
+    assert said.startswith("no answer within 0.3 s from n2 (rank 1)"), said
