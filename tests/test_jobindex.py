@@ -41,3 +41,20 @@ def test_a_local_job_whose_files_were_deleted_shows_what_it_ended_as(tmp_path: P
     assert row["state"] == "COMPLETED", row  # before: FAILED (no result files left to read)
     assert row["logs"] == job.record.folder and row["result"] == str(job.submission.paths.result())
     assert hpcdist.job(job.job_id).state is hpcdist.JobState.COMPLETED
+
+
+def test_a_record_another_hpcdist_version_wrote_is_listed_and_named_not_a_traceback() -> None:
+    """A record whose spec this version cannot load (a field a newer hpcdist added: a member's
+    job index, read by two versions during an upgrade): `jobs` lists it, `wait` says so in one line."""
+    done = jobindex.write(record(90, time.time()))
+    payload = json.loads(done.read_text())
+    payload["spec"] = {"name": "j90", "kind": "smoke", "field_of_a_newer_version": {}}
+    done.write_text(json.dumps(payload))
+    listed = run_cli("jobs")
+    assert listed.code == 0 and "Traceback" not in listed.text, listed.text
+    assert "5090" in listed.out and "UNKNOWN" in listed.out, listed.out
+    waited = run_cli("wait", "5090", "--site", "local")
+    assert waited.code != 0 and "Traceback" not in waited.text, waited.text
+    assert len(waited.err.strip().splitlines()) == 1, waited.err
+    assert "written by another hpcdist version" in waited.err, waited.err
+    done.unlink()

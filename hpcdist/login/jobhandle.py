@@ -74,7 +74,13 @@ def attach(record: JobRecord) -> Submission:
     else:
         job = _attached_local_class()(folder=record.folder, job_id=record.job_id, tasks=tasks)
         job.record = record
-    spec, site = JobSpec.model_validate(record.spec), Site.model_validate(record.site_model)
+    try:
+        spec, site = JobSpec.model_validate(record.spec), Site.model_validate(record.site_model)
+    except ValueError as exc:  # pydantic's ValidationError: a record another hpcdist version wrote
+        first = str(exc).splitlines()[1:2] or [""]
+        raise JobError(f"job {record.job_id}'s record in hpcdist's job index was written by another hpcdist "
+                       f"version and does not load in this one ({first[0].strip()}); follow it with that version, "
+                       f"or read its files in {record.folder}") from exc
     return Submission(job=job, spec=spec, site=site, script="")
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpcdist.errors import HpcdistError
 from hpcdist.login import plan as plan_
 from hpcdist.login import submit as sub_
 from hpcdist.login.jobhandle import JobHandle
@@ -185,7 +186,11 @@ def job_rows(recs: list[JobRecord]) -> tuple[list[JobRow], str]:
     rows = []
     for r in recs:
         if r.scheduler != "slurm":
-            state = JobHandle(r).state
+            try:
+                state = JobHandle(r).state
+            except HpcdistError:  # a record another hpcdist version wrote: listed, its state unknown
+                rows.append(JobRow(r, JobState.UNKNOWN.value, "-", r.host))
+                continue
             end = time.time() if state is JobState.RUNNING else _last_write(r)
             rows.append(JobRow(r, state.value, hms(end - r.submitted), r.host))
             continue
