@@ -80,6 +80,7 @@ class Context:
         self._checkpoints: Checkpoints | None = None
         self._requeue, self._own_group = job.requeue, own_group
         self._closed = False
+        self._tracking: Any = None  # the job's tracker run (hpcdist.track), opened by the first track() on rank 0
         self.implicit = False  # made by the runner for an Executor function: its first own init(...) sets its arguments
         # The requeue count: Slurm's own count as a floor, the checkpoint's when one is restored.
         self.restarts, self.max_requeues = rq.restart_count(os.environ), site.preemption.max_requeues
@@ -119,6 +120,27 @@ class Context:
         if self._checkpoints is None:
             self._checkpoints = Checkpoints(self, self._checkpoint_dir, self._keep_last)
         return self._checkpoints
+
+    def track(self, step: int, **metrics: float) -> None:
+        """Log `metrics` (numbers) at `step` to every tracker the job names (``tracking:``): rank 0's
+        values, other ranks' calls do nothing. Sent by a background thread: a tracker that is down
+        costs a warning a minute. After a restart, log from the step the checkpoint resumed at."""
+        run = self.tracking_run()
+        if run is not None:
+            run.metrics(step, metrics)
+
+    def tracking_run(self) -> Any:
+        """The job's ``hpcdist.track.Run`` on rank 0 (None elsewhere, or when the job names no tracker)."""
+        if self._tracking is None and self.is_main and not self._closed:
+            from hpcdist.track import open_run
+
+            self._tracking = open_run(self.job.spec, self.job.site, self.job_id, self.rank) or False
+        return self._tracking or None
+
+    def _end_tracking(self, finished: bool) -> None:
+        if self._tracking:  # a requeue waits less: Slurm's kill may follow soon
+            self._tracking.close(finished, timeout_s=20.0 if finished else 10.0)
+        self._tracking = False
 
     def should_stop(self) -> bool:
         """True on every rank once any rank received the preemption signal or SIGTERM (a
@@ -208,6 +230,7 @@ class Context:
             dist.barrier()  # the checkpoint is committed and every rank knows it
         self.log.warning("rank %d leaves for the requeue", self.rank)
         self._write_results(complete=False)
+        self._end_tracking(finished=False)
         self._closed = True  # the claim stays: the requeued job (same id) takes it back
         self.leave_for_requeue()
 
@@ -233,6 +256,9 @@ class Context:
         if self._checkpoints is not None:
             self._checkpoints.wait()
         self._write_results(complete=True)
+        if self._tracking and self.results.path.exists():
+            self._tracking.artifact(self.results.path)
+        self._end_tracking(finished=True)
         if self._checkpoints is not None:
             self._checkpoints.release()
         import torch.distributed as dist
@@ -253,6 +279,7 @@ class Context:
         background save in flight is waited for first (on rank 0), so the claim is never dropped
         while a write goes on; its error, if it failed, is logged."""
         self._closed = True
+        self._end_tracking(finished=False)
         if self._checkpoints is None:
             return
         try:

@@ -75,6 +75,7 @@ class BenchRecord:
         self.network = network
         self.tables: dict[str, Table] = {}
         self.matrices: dict[str, Matrix] = {}
+        self.tracking: Any = None  # the job's tracker run (hpcdist.track), when the job names one
 
     def table(self, name: str, **attrs: Any) -> Table:
         if name not in self.tables:
@@ -83,6 +84,9 @@ class BenchRecord:
 
     def add_row(self, name: str, row: dict[str, Any]) -> None:
         self.tables[name].rows.append(row)
+        if self.tracking is not None:  # step: the row's number in the job (W&B takes only rising steps)
+            figures = {f"{name}/{k}": row[k] for k in ("size", "busbw_gbps", "algbw_gbps", "time_us") if k in row}
+            self.tracking.metrics(sum(len(t.rows) for t in self.tables.values()), figures)
 
     def flush(self, complete: bool, verdict: str | None = None) -> Path:
         """Write the whole file again (small: rows only, no buffers); readers see old or new, never half."""

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from hpcdist import track
 from hpcdist.bench.base import CommPath
 from hpcdist.bench.measure import Watchdog, maybe_fault
 from hpcdist.bench.record import BenchRecord, rank_layout
@@ -86,6 +87,7 @@ class Session:
             network = {k: (json.dumps(v) if isinstance(v, (list, tuple)) else v) for k, v in network.items()}
             self.record = BenchRecord(ctx.result_path(), attrs, self.interconnect, network)
             self.record.flush(complete=False)
+            self.record.tracking = track.open_run(ctx.spec, ctx.site, ctx.job_id, ctx.rank)  # each row's bandwidth
             self.watchdog.note = f"; the rows measured before it are in {self.record.path} (complete=False)"
 
     # ---- figures each row is compared with
@@ -156,6 +158,9 @@ class Session:
         out: dict[str, Any] = {}
         if self.record is not None:
             self.record.flush(complete=True, verdict=verdict)
+            if self.record.tracking is not None:
+                self.record.tracking.artifact(self.record.path)
+                self.record.tracking.close(finished=True)
             out["result"] = str(self.record.path)
             out["verdict"] = verdict
         box = [shortfalls]

@@ -104,6 +104,13 @@ class JobPaths:
         return old if new != old and not new.exists() and _own_folder(old, self.name) else new
 
     @property
+    def tracking(self) -> Path:
+        """The job's experiment-tracker run (``hpcdist.config.tracking``): its identity, made once at
+        submit, TensorBoard's event files and W&B's offline run; stable across requeues and the
+        resubmissions that resume, like the checkpoints: ``<logs>/<name>/tracking``."""
+        return under(self.storage.root("logs"), self.name, "tracking")
+
+    @property
     def rendezvous(self) -> Path:
         """Where rank 0 publishes its endpoint (one file per launch, removed after check-in): this
         user's own 0700 folder (``hpcdist.store.trust.private_folder``)."""

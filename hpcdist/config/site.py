@@ -24,6 +24,7 @@ from pydantic import (
 from hpcdist.config.base import ExpandedPath, Frozen
 from hpcdist.config.container import Container, RuntimeSite, sites_runtimes
 from hpcdist.config.env import REDACTED, EnvMap, EnvNames, looks_secret  # noqa: F401 (config.site users name them here)
+from hpcdist.config.tracking import Tracking
 from hpcdist.config.user import current_user  # noqa: F401 (its home; config.site users name it here)
 from hpcdist.errors import ConfigError
 from hpcdist.launchers import launcher_names
@@ -306,6 +307,7 @@ class Site(Frozen):
     python: str | None = Field(default=None, description="interpreter on the nodes")
     containers: dict[str, RuntimeSite] = Field(default_factory=dict, description="the container runtimes it has")
     container: Container | None = Field(default=None, description="every job's container, unless the job's own")
+    tracking: Tracking | None = Field(default=None, description="every job's experiment trackers, unless its own")
 
     _runtimes = field_validator("containers")(classmethod(lambda cls, v: sites_runtimes(v)))
 

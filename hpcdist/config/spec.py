@@ -19,6 +19,7 @@ from hpcdist.config.container import NONE, Container, outermost
 from hpcdist.config.paths import JobPaths
 from hpcdist.config.sbatch import SbatchOptions
 from hpcdist.config.site import EnvMap, EnvNames, Frozen, Site
+from hpcdist.config.tracking import Tracking
 from hpcdist.containers import Bind, ContainerPlan, get_runtime
 
 
@@ -97,6 +98,8 @@ class JobSpec(Frozen):
     folder: str | None = Field(default=None, description="where the job's pickles and per-rank logs go (submitit's "
                                "folder; %j is the job id); default <storage.logs>/<name>/%j")
     stderr_to_stdout: bool = Field(default=False, description="each rank's stderr into its stdout file")
+    tracking: Tracking | None = Field(default=None, description="experiment trackers (mlflow, tensorboard, wandb); "
+                                      "over the site's tracking:")
 
     @field_validator("folder")
     @classmethod
@@ -154,6 +157,10 @@ class JobSpec(Frozen):
         if THREADS_VAR not in env and THREADS_VAR not in self.env_passthrough:
             env[THREADS_VAR] = str(self.cpus_per_task(site))
         return env
+
+    def trackers(self, site: Site) -> Tracking:
+        """The trackers this job logs to: its own ``tracking`` over the site's default."""
+        return (self.tracking or Tracking()).over(site.tracking)
 
     def time_limit_min(self, site: Site) -> float:
         return self.resources.time_min or site.defaults.time_min

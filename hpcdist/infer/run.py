@@ -249,6 +249,9 @@ def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
         end_token=end_token,
         dtype=str(dtype).removeprefix("torch."),
     )
+    from hpcdist import track
+
+    track.report(ctx, figures, path)  # latency percentiles and throughput, to the trackers the job names
     first = tokenizer.decode(all_requests[0]["output_ids"])
     summary.update(
         {

@@ -26,7 +26,7 @@ from hpcdist.config.paths import JobPaths, log_patterns
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import SubmitError
-from hpcdist.login import jobindex
+from hpcdist.login import jobindex, tracking
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.local import LOCAL_CONTROLLER, machine_gpus, process_started
 from hpcdist.store.atomic import storage_umask
@@ -258,6 +258,8 @@ def schedule(plan: Plan, calls: Sequence[Call] | None = None) -> list[Submission
         with storage_umask(site.storage.umask), (  # submitit's files, and the job's through sbatch
                 _detached_streams() if not plan.slurm else contextlib.nullcontext()):
             own_folders(site.storage)  # <root>/<user>: this user's own, or one line naming who made it
+            for task in plan.tasks:  # the job's tracker run, once (a resubmission that resumes keeps it)
+                tracking.prepare(task, site)
             executor = _executor(plan)
             if not plan.array:
                 fn, args, kwargs = todo[0]

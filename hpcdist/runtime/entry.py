@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import Any
 
-from hpcdist import progress
+from hpcdist import progress, track
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import HpcdistError
@@ -35,6 +35,7 @@ def run_job(job: Job[Any], site: Site) -> dict[str, Any]:
     """Run `job` on this rank; returns this rank's summary (rank 0's names the result file)."""
     spec = job.spec
     os.environ.update(spec.rank_env(site))
+    os.environ.update(track.environment(spec, site))  # the job's tracker run, for a script's own clients
     os.umask(site.storage.umask)  # storage.mode for all this rank writes (a direct launch has the shell's umask)
     from hpcdist.store import checksum
 

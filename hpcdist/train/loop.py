@@ -186,6 +186,7 @@ def run(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
 def loop(r: Run) -> dict[str, Any]:
     ctx, params = r.ctx, r.params
     start_step = r.step
+    r.tracked_checkpoints = len(r.metrics.rows["checkpoints"])  # those before this start were sent by it
     progress = (
         Progress("train", params.steps, start=r.step, log=ctx.log, every=params.log_every) if ctx.is_main else None
     )
@@ -214,6 +215,8 @@ def loop(r: Run) -> dict[str, Any]:
                 lr=lr, tokens_per_s=r.tokens_per_step / seconds, step_time_s=seconds,
                 tokens_seen=r.tokens_seen,
             )
+            r.api.track(r.step, loss=loss, grad_norm=grad_norm, lr=lr, tokens_per_s=r.tokens_per_step / seconds,
+                        step_time_s=seconds, tokens_seen=r.tokens_seen, epoch=r.epoch)  # rank 0's, to the trackers
             if r.order.epoch_ends_before(r.position):
                 if ctx.is_main:
                     ep = r.metrics.epochs()
@@ -231,6 +234,7 @@ def loop(r: Run) -> dict[str, Any]:
                 with _named(r, f"validation at step {r.step} (all_reduce)"):
                     val = evaluate(r)
                 r.metrics.add("val", step=r.step, loss=val, ppl=perplexity(val))
+                r.api.track(r.step, val_loss=val)
                 if ctx.is_main:
                     ctx.log.info("step %d: validation loss %.4f (ppl %.2f)", r.step, val, perplexity(val))
             with _named(r, f"training step {r.step} (stop agreement all_reduce)"):
@@ -247,6 +251,7 @@ def loop(r: Run) -> dict[str, Any]:
                 how = "sharded checkpoint save" if r.sharded else "checkpoint gather to rank 0"
                 with _named(r, f"training step {r.step} ({how})"):
                     save(r, final=bool(stop) or r.step == params.steps)
+                _track_checkpoints(r)
             if stop:
                 break
     finally:
@@ -257,6 +262,16 @@ def loop(r: Run) -> dict[str, Any]:
     complete = r.step >= params.steps
     result = _finish(r, complete)
     return _summary(r, complete, result, stop)
+
+
+def _track_checkpoints(r: Run) -> None:
+    """Each checkpoint's save time and rate to the trackers, from the metrics' checkpoint rows."""
+    rows = r.metrics.rows["checkpoints"]
+    for row in rows[r.tracked_checkpoints:]:
+        values = dict(zip(("step", "op", "bytes", "seconds", "mb_per_s"), row, strict=False))
+        r.api.track(int(values["step"]), **{f"checkpoint_{values['op']}_s": values["seconds"],
+                                           f"checkpoint_{values['op']}_mb_per_s": values["mb_per_s"]})
+    r.tracked_checkpoints = len(rows)
 
 
 def _newest_commit(r: Run) -> Path | None:

@@ -1,0 +1,155 @@
+"""Experiment trackers a job names (``tracking:`` in the job spec, the site's as a default), and the
+run identity one job keeps across its requeues and resubmissions (both sides).
+
+The login side makes the identity once at submit (``hpcdist.login.tracking``) and writes it to
+``JobPaths.tracking``; every rank reads it back: the node side's trackers (``hpcdist.track``)
+log to that run, and ``environment`` gives an unchanged script the variables the trackers' own
+clients read (``MLFLOW_RUN_ID``, ``WANDB_RUN_ID``, ...), so each restart continues the same run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from hpcdist.config.base import Frozen
+
+IDENTITY_FILE = "run.json"  # in JobPaths.tracking
+TENSORBOARD_DIR_VAR = "HPCDIST_TENSORBOARD_DIR"  # TensorBoard has no variable of its own: hpcdist names one
+# what each tracker needs installed (its extra: pip install 'hpcdist[NAME]') and imports only when named
+MODULES = {"mlflow": "mlflow", "tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+class MlflowTracking(Frozen):
+    """An MLflow tracking server: its URI and the experiment (default: the job's name)."""
+
+    uri: str = Field(min_length=1, description="the tracking server, e.g. http://mlflow.example:5000")
+    experiment: str | None = Field(default=None, description="the experiment; default the job's name")
+
+
+class WandbTracking(Frozen):
+    """Weights & Biases: the project, and online (needs the nodes to reach the server) or offline."""
+
+    project: str = Field(min_length=1)
+    entity: str | None = None
+    mode: Literal["online", "offline"] = "offline"
+
+
+class Tracking(Frozen):
+    """The trackers a job logs to: any of MLflow, TensorBoard (event files under the job's
+    tracking folder) and W&B."""
+
+    mlflow: MlflowTracking | None = None
+    tensorboard: bool = False
+    wandb: WandbTracking | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n, on in (("mlflow", self.mlflow), ("tensorboard", self.tensorboard), ("wandb", self.wandb))
+                if on]
+
+    def over(self, base: Tracking | None) -> Tracking:
+        """This job's trackers over the site's default (each tracker the job names replaces the site's)."""
+        if base is None:
+            return self
+        mine = self.model_dump(exclude_unset=True)
+        return Tracking.model_validate({**base.model_dump(exclude_unset=True), **mine})
+
+    def missing(self) -> list[str]:
+        """The named trackers whose package is not installed here (nothing is imported)."""
+        return [n for n in self.names if not _installed(MODULES[n])]
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a module blocked in sys.modules (None) is not there either
+        return False
+
+
+def not_installed_message(missing: list[str]) -> str:
+    extras = ",".join(missing)
+    return (f"tracking names {', '.join(missing)}, not installed in this Python: pip install 'hpcdist[{extras}]' "
+            f"(on the login node and in the nodes' Python), or drop it from tracking:")
+
+
+@dataclass
+class Identity:
+    """One job's run in its trackers, made once at submit: what every restart logs to."""
+
+    key: str  # hpcdist's own id of the run (a W&B run id as it is)
+    name: str  # the job's name: the run's display name
+    created: float
+    job_ids: list[str] = field(default_factory=list)  # the jobs that logged to it (submissions that resumed)
+    mlflow_uri: str = ""
+    mlflow_experiment: str = ""
+    mlflow_experiment_id: str = ""
+    mlflow_run_id: str = ""
+    wandb_project: str = ""
+    wandb_entity: str = ""
+    wandb_mode: str = ""
+    git_commit: str = ""  # of the folder the job was submitted from, when it is a git checkout
+
+    def matches(self, tracking: Tracking, name: str) -> bool:
+        """Whether this run is the one `tracking` asks for (a changed server or project starts a new one)."""
+        m, w = tracking.mlflow, tracking.wandb
+        same_mlflow = m is None or (self.mlflow_uri == m.uri and self.mlflow_experiment == (m.experiment or name))
+        same_wandb = w is None or (self.wandb_project == w.project and self.wandb_mode == w.mode)
+        return self.name == name and same_mlflow and same_wandb and (m is None or bool(self.mlflow_run_id))
+
+
+def identity_path(folder: Path) -> Path:
+    return folder / IDENTITY_FILE
+
+
+def read_identity(folder: Path) -> Identity | None:
+    """The job's run identity in its tracking folder (``JobPaths.tracking``), or None (none, or unreadable)."""
+    try:
+        data = json.loads(identity_path(folder).read_text())
+        return Identity(**data)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def write_identity(folder: Path, identity: Identity) -> None:
+    """Write it whole or not at all (a temporary name, fsync, then rename), readable by the user only."""
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    final = identity_path(folder)
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, json.dumps(asdict(identity), indent=1).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+
+
+def environment(tracking: Tracking, identity: Identity | None, folder: Path) -> dict[str, str]:
+    """The variables that point the trackers' own clients at the job's run: an unchanged script that
+    calls ``mlflow.start_run()`` or ``wandb.init()`` continues the same run after a requeue."""
+    if identity is None:
+        return {}
+    env: dict[str, str] = {}
+    if tracking.mlflow is not None and identity.mlflow_run_id:
+        env.update(MLFLOW_TRACKING_URI=identity.mlflow_uri, MLFLOW_RUN_ID=identity.mlflow_run_id,
+                   MLFLOW_EXPERIMENT_NAME=identity.mlflow_experiment)
+    if tracking.wandb is not None:
+        env.update(WANDB_RUN_ID=identity.key, WANDB_RESUME="allow", WANDB_DIR=str(folder),
+                   WANDB_PROJECT=identity.wandb_project, WANDB_MODE=identity.wandb_mode, WANDB_NAME=identity.name)
+        if identity.wandb_entity:
+            env["WANDB_ENTITY"] = identity.wandb_entity
+    if tracking.tensorboard:
+        env[TENSORBOARD_DIR_VAR] = str(tensorboard_dir(folder))
+    return env
+
+
+def tensorboard_dir(folder: Path) -> Path:
+    """The one event-file folder of the job's run (``purge_step`` drops what a restart logs again)."""
+    return folder / "tensorboard"

@@ -1,0 +1,116 @@
+"""The job's experiment-tracker run, made once at submit (login side): the one place a run starts.
+
+A job that names trackers (``JobSpec.trackers``) gets a run identity in its tracking folder
+(``JobPaths.tracking``) before it is queued. A requeue never comes back here (same job, same
+folder); a resubmission of the same spec that resumes its checkpoints reuses the identity, so
+MLflow, W&B and TensorBoard see one run per job; one that starts afresh (no checkpoint) gets a
+new run. The MLflow run is created here, on the login node, with the MLflow client: its id must
+exist before any rank (or an unchanged script reading ``MLFLOW_RUN_ID``) starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from hpcdist.config.tracking import Identity, Tracking, not_installed_message, read_identity, write_identity
+from hpcdist.errors import SubmitError
+
+if TYPE_CHECKING:
+    from hpcdist.config.paths import JobPaths
+    from hpcdist.config.site import Site
+    from hpcdist.config.spec import JobSpec
+
+# How long submit waits for an MLflow server (the client's own default retries for minutes).
+MLFLOW_TIMEOUT_S = 15
+
+
+def check_installed(spec: JobSpec, site: Site) -> None:
+    """One SubmitError when the job names a tracker whose package is not installed."""
+    missing = spec.trackers(site).missing()
+    if missing:
+        raise SubmitError(f"job {spec.name!r}: {not_installed_message(missing)}")
+
+
+def prepare(spec: JobSpec, site: Site) -> Identity | None:
+    """The job's run identity, written to its tracking folder: the one it has when it resumes its
+    checkpoints under the same trackers, else a new one. None when the job names no tracker."""
+    tracking = spec.trackers(site)
+    if not tracking.names:
+        return None
+    check_installed(spec, site)
+    paths = spec.paths(site)
+    folder = paths.tracking
+    known = read_identity(folder)
+    if known is not None and known.matches(tracking, spec.name) and _resumes(paths):
+        return known
+    identity = Identity(key=uuid.uuid4().hex[:16], name=spec.name, created=time.time(), git_commit=_git_commit())
+    if tracking.mlflow is not None:
+        _mlflow_run(identity, tracking, spec)
+    if tracking.wandb is not None:
+        w = tracking.wandb
+        identity.wandb_project, identity.wandb_entity, identity.wandb_mode = w.project, w.entity or "", w.mode
+    write_identity(folder, identity)
+    return identity
+
+
+def _resumes(paths: JobPaths) -> bool:
+    """Whether the job will resume: its checkpoint folder holds a checkpoint (the job's own check
+    of which one verifies comes on the node; a run that starts afresh anyway keeps the run)."""
+    try:
+        return any(p.name.startswith("step_") for p in paths.checkpoints.iterdir())
+    except OSError:
+        return False
+
+
+def _git_commit() -> str:
+    """The commit of the current folder's git checkout ("" outside one, or without git)."""
+    try:
+        proc = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return proc.stdout.strip() if proc.returncode == 0 else ""
+
+
+@contextlib.contextmanager
+def _bounded_client() -> Iterator[None]:
+    """The MLflow client's requests fail within MLFLOW_TIMEOUT_S instead of its minutes of retries."""
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
+    os.environ.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="1", MLFLOW_HTTP_REQUEST_TIMEOUT=str(MLFLOW_TIMEOUT_S))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _mlflow_run(identity: Identity, tracking: Tracking, spec: JobSpec) -> None:
+    """Create the job's MLflow run (and its experiment, the first time) on the tracking server."""
+    assert tracking.mlflow is not None
+    uri, experiment = tracking.mlflow.uri, tracking.mlflow.experiment or spec.name
+    from hpcdist._version import __version__
+
+    try:
+        with _bounded_client():
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(tracking_uri=uri)
+            found = client.get_experiment_by_name(experiment)
+            experiment_id = found.experiment_id if found is not None else client.create_experiment(experiment)
+            run = client.create_run(experiment_id, run_name=spec.name, tags={
+                "hpcdist.job_name": spec.name, "hpcdist.kind": spec.kind, "hpcdist.version": __version__,
+                "hpcdist.run_key": identity.key, "hpcdist.git_commit": identity.git_commit})
+    except Exception as exc:
+        raise SubmitError(f"job {spec.name!r}: could not create its MLflow run on {uri} (experiment "
+                          f"{experiment!r}): {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; "
+                          f"check tracking.mlflow.uri and that the server is up") from exc
+    identity.mlflow_uri, identity.mlflow_experiment = uri, experiment
+    identity.mlflow_experiment_id, identity.mlflow_run_id = experiment_id, run.info.run_id

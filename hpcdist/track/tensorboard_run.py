@@ -1,0 +1,45 @@
+"""The job's TensorBoard run: one event-file folder per job (``tensorboard_dir``), written with
+torch's ``SummaryWriter``. A restart opens it with ``purge_step`` at its first step, so what an
+earlier start logged from that step on is dropped by TensorBoard's reader: each step once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hpcdist.config.tracking import tensorboard_dir
+from hpcdist.track.base import Item
+
+
+class TensorboardTracker:
+    name = "tensorboard"
+
+    def __init__(self, folder: Path, high_water: int | None):
+        self.dir, self.high_water = tensorboard_dir(folder), high_water
+        self._writer: Any = None
+
+    def writer(self, first_step: int) -> Any:
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = first_step if self.high_water is not None else None  # a restart: drop what it logs again
+            self._writer = SummaryWriter(str(self.dir), purge_step=purge)
+        return self._writer
+
+    def send(self, items: list[Item]) -> None:
+        metrics = [i for i in items if i.what == "metrics"]
+        if self._writer is None and not metrics:
+            return  # opened at its first step, which sets purge_step
+        writer = self.writer(metrics[0].step if metrics else 0)
+        for i in items:
+            if i.what == "metrics":
+                for key, value in i.values.items():
+                    writer.add_scalar(key, value, i.step)
+            elif i.what == "params":
+                writer.add_text("hpcdist/params", "```\n" + json.dumps(i.values, indent=1) + "\n```")
+        writer.flush()
+
+    def finish(self, finished: bool) -> None:
+        if self._writer is not None:
+            self._writer.close()
