@@ -17,7 +17,6 @@ modules, each half would need the other's details.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -300,31 +299,20 @@ def _private(folder: Path) -> None:
 
 def _read_endpoint(path: Path) -> dict[str, Any] | None:
     """The published endpoint; None while rank 0 has not written it (atomically) yet; or
-    ``{"refused": why}`` at once for a file that is not this user's own regular 0600 file in a
-    folder no one else may write (a planted endpoint would make its writer rank 0 of the job)."""
-    import stat
+    ``{"refused": why}`` at once for a file that is not this user's own regular 0600 file in
+    folders no one else may write (a planted endpoint would make its writer rank 0 of the job):
+    read from the descriptor that was checked (``hpcdist.store.trust.read_trusted``)."""
+    from hpcdist.store.trust import UntrustedFileError, read_trusted
 
-    from hpcdist.store.trust import describe, opened_plain, problem
-
-    with contextlib.ExitStack() as stack:
-        try:
-            fd, st = stack.enter_context(opened_plain(path))
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            return {"refused": f"{path} cannot be opened ({exc.strerror}): not a file of yours"}
-        try:
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077 \
-                    or st.st_size > 65536:
-                return {"refused": f"{describe(path, st)} is not your own regular 0600 file; nothing was read from it"}
-            why = problem(path, path.parent.parent)
-            if why is not None:
-                return {"refused": why}
-            with os.fdopen(os.dup(fd), "rb") as f:
-                data = json.loads(f.read())
-            return dict(data) if isinstance(data, dict) else {"refused": f"{path} holds no endpoint"}
-        except (OSError, ValueError):
-            return None
+    try:
+        data = json.loads(read_trusted(path, path.parent.parent, private=True, limit=65536))
+    except FileNotFoundError:
+        return None
+    except UntrustedFileError as exc:
+        return {"refused": f"{exc}; nothing was read from it"}
+    except (OSError, ValueError):
+        return None
+    return dict(data) if isinstance(data, dict) else {"refused": f"{path} holds no endpoint"}
 
 
 def check_in(store: Store, info: RankInfo, timeout: float) -> dict[int, str]:
