@@ -24,7 +24,11 @@ alternating which goes first); the seconds are the medians of each side's times.
 Deleting old checkpoints is outside the timings on both sides (rank 0 removes DCP's folders
 between rounds; hpcdist's pruned shards are deleted in the background and waited for untimed).
 Each round ends with ``dd conv=fsync`` of the same bytes by rank 0 (``dd_s``): what the disk gives
-one writer then, since both sides write the same bytes to it.
+one writer then, since both sides write the same bytes to it; and with every rank's share of them
+written by ``dd conv=fsync`` at once (``dd_ranks_s``, the slowest rank's): the disk's own ceiling for
+the split both sides make, against which each side's save is a fraction (``save_vs_dd_ranks``: 1 is
+the disk's speed, and no save of these bytes is faster than DCP's by more than DCP's own distance
+from it).
 
 With ``--ranks 1``: one process, the same calls, against ``dd conv=fsync`` of the same bytes
 (save) and ``torch.load(weights_only=True)`` of ``torch.save`` of the same state (verified load),
@@ -95,7 +99,7 @@ def two_ranks(rank: int, world: int, mb: int, repeat: int, root: str) -> dict[st
     ctx = api_context(rank, world, base)
     group = ctx.checkpoints._io_group
     times: dict[str, list[float]] = {k: [] for k in ("save_dcp", "save_ours", "load_dcp", "load_ours",
-                                                     "step_dcp", "step_ours", "dd")}
+                                                     "step_dcp", "step_ours", "dd", "dd_ranks")}
 
     def load_ours() -> None:
         found = ctx.checkpoints.load_latest()
@@ -128,6 +132,9 @@ def two_ranks(rank: int, world: int, mb: int, repeat: int, root: str) -> dict[st
             shutil.rmtree(folder, ignore_errors=True)
             times["dd"].append(time_dd(base / "dd.bin", max(1, round(nbytes(model, opt) / 2**20)))[0])
             (base / "dd.bin").unlink()
+        share = base / f"dd{rank}.bin"  # the disk's own ceiling for the split both sides make: each rank its share
+        times["dd_ranks"].append(timed(lambda: time_dd(share, max(1, round(nbytes(model, opt) / world / 2**20)))))
+        share.unlink()
         dist.barrier(group)
     stats = ctx.checkpoints.loaded[-1] if getattr(ctx.checkpoints, "loaded", None) else None
     ctx.close()
@@ -214,7 +221,9 @@ def main() -> None:
         row = {"ranks": 2, "mb": round(size / 1e6, 1), "save": round(ratio("save_dcp", "save_ours"), 3),
                "load": round(ratio("load_dcp", "load_ours"), 3),
                "load_and_step": round(ratio("resume_dcp", "resume_ours"), 3),
-               "dd_s": round(med["dd"], 4),
+               "dd_s": round(med["dd"], 4), "dd_ranks_s": round(med["dd_ranks"], 4),
+               "save_vs_dd_ranks": round(ratio("dd_ranks", "save_ours"), 3),
+               "dcp_save_vs_dd_ranks": round(ratio("dd_ranks", "save_dcp"), 3),
                "hpcdist_s": {k: round(med[f"{k}_ours"], 4) for k in ("save", "load", "step")},
                "dcp_s": {k: round(med[f"{k}_dcp"], 4) for k in ("save", "load", "step")},
                "read_mb_per_rank": [o["read_mb"] for o in out]}
@@ -237,6 +246,9 @@ def main() -> None:
     if args.ranks == 2:
         print(f"save:          DCP / hpcdist = {row['save']:.2f}  ({med['save_dcp']:.3f} s / {med['save_ours']:.3f} s; "
               f"dd conv=fsync of the same bytes, one writer: {med['dd']:.3f} s)")
+        print(f"save against the disk's own ceiling, each rank's share by dd conv=fsync at once "
+              f"({med['dd_ranks']:.3f} s): hpcdist {row['save_vs_dd_ranks']:.2f}, "
+              f"DCP {row['dcp_save_vs_dd_ranks']:.2f}")
         print(f"verified load: DCP / hpcdist = {row['load']:.2f}  ({med['load_dcp']:.3f} s / {med['load_ours']:.3f} s)")
         print(f"load + the first opt.step(): DCP / hpcdist = {row['load_and_step']:.2f}  (step alone "
               f"{med['step_dcp']:.3f} s / {med['step_ours']:.3f} s: its first write into what was loaded)")
