@@ -67,11 +67,12 @@ def storage_umask(mask: int) -> Iterator[None]:
         os.umask(old)
 
 
-def make_folders(path: Path, mode: int) -> None:
+def make_folders(path: Path, mode: int, *, umask: bool = False) -> None:
     """`path` and every missing folder above it, each made with `mode` whatever the process umask
     (``Storage.folder_mode``: a storage root is as the site says, even when a command that does
-    not set the storage umask, such as a node mark from a login shell, makes it first). Folders
-    that exist are left as they are, as is one another process makes at the same moment."""
+    not set the storage umask, such as a node mark from a login shell, makes it first), or, with
+    `umask`, less what the umask takes. Folders that exist are left as they are, as is one another
+    process makes at the same moment."""
     missing = []
     while not path.exists():
         missing.append(path)
@@ -80,6 +81,8 @@ def make_folders(path: Path, mode: int) -> None:
         try:
             folder.mkdir(mode)
         except FileExistsError:
+            continue
+        if umask:
             continue
         os.chmod(folder, mode | (os.stat(folder).st_mode & stat.S_ISGID))  # the parent's setgid stays
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from hpcdist.errors import CheckpointError
 from hpcdist.store import trust
+from hpcdist.store.atomic import make_folders
 
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 SHARDS = ".shards"  # a sharded step's folder beside its index (``hpcdist.store.sharded.layout.shards_dir``)
@@ -162,15 +163,7 @@ def check_folder(directory: Path | str) -> None:
 def make_folder(directory: Path) -> None:
     """`directory` and the folders above it that are missing, made without group or world write
     (mode 0755, less what the umask takes): a run's own checkpoints are never refused for it."""
-    missing = []
-    while not directory.exists():
-        missing.append(directory)
-        directory = directory.parent
-    for folder in reversed(missing):
-        try:
-            folder.mkdir(0o755)
-        except FileExistsError:
-            continue
+    make_folders(directory, 0o755, umask=True)
 
 
 def drop_group_write(path: Path) -> None:
