@@ -190,8 +190,13 @@ def test_train_gpt_preempted_twice_is_one_run_with_each_step_once(train_root: Pa
     assert logged == [100, 200, 300, 400]
     from mlflow.tracking import MlflowClient
 
-    artifacts = [a.path for a in MlflowClient(mlflow_server.uri).list_artifacts(run.info.run_id)]
-    assert artifacts == [result_path(result.out).name]
+    client, result_file = MlflowClient(mlflow_server.uri), result_path(result.out)
+    plot = f"train_gpt_{result_file.stem}_loss.png"  # the plot `hpcdist report --plot` makes
+    artifacts = sorted(a.path for a in client.list_artifacts(run.info.run_id))
+    assert artifacts == sorted([result_file.name, plot])
+    assert Path(client.download_artifacts(run.info.run_id, plot, str(root))).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    spec, site = (json.loads(run.data.tags[f"hpcdist.{k}_json"]) for k in ("spec", "site"))  # whole, as JSON
+    assert spec["params"]["steps"] == STEPS and spec["resources"]["nodes"] == 2 and site["name"] == "local-slurm"
 
     folder = root / "logs" / "train_gpt" / "tracking"
     logged, values = tensorboard_scalars(folder / "tensorboard", "loss")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -81,6 +81,8 @@ class Context:
         self._requeue, self._own_group = job.requeue, own_group
         self._closed = False
         self._tracking: Any = None  # the job's tracker run (hpcdist.track), opened by the first track() on rank 0
+        # files made from the written result at close (a built-in job's plots), each sent as an artifact
+        self.result_artifacts: list[Callable[[Path], list[Path]]] = []
         self.implicit = False  # made by the runner for an Executor function: its first own init(...) sets its arguments
         # The requeue count: Slurm's own count as a floor, the checkpoint's when one is restored.
         self.restarts, self.max_requeues = rq.restart_count(os.environ), site.preemption.max_requeues
@@ -258,6 +260,15 @@ class Context:
         self._write_results(complete=True)
         if self._tracking and self.results.path.exists():
             self._tracking.artifact(self.results.path)
+            for make in self.result_artifacts:
+                try:
+                    made = make(self.results.path)
+                except Exception as exc:  # a plot that fails costs the trackers that file, not the job
+                    self.log.warning("tracking: no %s for the trackers: %s: %s", getattr(make, "__name__", "file"),
+                                     type(exc).__name__, exc)
+                    continue
+                for path in made:
+                    self._tracking.artifact(path)
         self._end_tracking(finished=True)
         if self._checkpoints is not None:
             self._checkpoints.release()

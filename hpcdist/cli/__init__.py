@@ -47,6 +47,7 @@ COMMANDS: tuple[Entry, ...] = (
     Entry("report", "inspect", "hpcdist.cli.report"),
     Entry("stacks", "inspect", "hpcdist.cli.stacks"),
     Entry("nodes", "inspect", "hpcdist.cli.nodes"),
+    Entry("track", "inspect", "hpcdist.cli.track"),
     Entry("data", "data and models", "hpcdist.cli.data"),
     Entry("model", "data and models", "hpcdist.cli.model"),
     Entry("ckpt", "data and models", "hpcdist.cli.ckpt"),

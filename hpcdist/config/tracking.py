@@ -24,6 +24,10 @@ IDENTITY_FILE = "run.json"  # in JobPaths.tracking
 TENSORBOARD_DIR_VAR = "HPCDIST_TENSORBOARD_DIR"  # TensorBoard has no variable of its own: hpcdist names one
 # what each tracker needs installed (its extra: pip install 'hpcdist[NAME]') and imports only when named
 MODULES = {"mlflow": "mlflow", "tensorboard": "tensorboard", "wandb": "wandb"}
+# W&B writes its offline file from its own process (wandb-core), every 15 s by default; Slurm's
+# SIGTERM (a requeue, a preemption) ends that process at once, so what it had not written is lost.
+# Every second instead: a start loses at most its last second (W&B's private setting, by its variable).
+WANDB_FLUSH_VAR, WANDB_FLUSH_S = "WANDB__TRANSACTION_LOG_FLUSH_INTERVAL", "1"
 
 
 class MlflowTracking(Frozen):
@@ -143,6 +147,7 @@ def environment(tracking: Tracking, identity: Identity | None, folder: Path) -> 
     if tracking.wandb is not None:
         env.update(WANDB_RUN_ID=identity.key, WANDB_RESUME="allow", WANDB_DIR=str(folder),
                    WANDB_PROJECT=identity.wandb_project, WANDB_MODE=identity.wandb_mode, WANDB_NAME=identity.name)
+        env[WANDB_FLUSH_VAR] = WANDB_FLUSH_S
         if identity.wandb_entity:
             env["WANDB_ENTITY"] = identity.wandb_entity
     if tracking.tensorboard:

@@ -5,21 +5,33 @@ A job that names trackers (``JobSpec.trackers``) gets a run identity in its trac
 folder); a resubmission of the same spec that resumes its checkpoints reuses the identity, so
 MLflow, W&B and TensorBoard see one run per job; one that starts afresh (no checkpoint) gets a
 new run. The MLflow run is created here, on the login node, with the MLflow client: its id must
-exist before any rank (or an unchanged script reading ``MLFLOW_RUN_ID``) starts.
+exist before any rank (or an unchanged script reading ``MLFLOW_RUN_ID``) starts. After the job,
+``wandb_sync_command`` is W&B's own sync of the job's offline folders (``hpcdist track sync``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpcdist.config.tracking import Identity, Tracking, not_installed_message, read_identity, write_identity
-from hpcdist.errors import SubmitError
+from hpcdist.config.tracking import (
+    IDENTITY_FILE,
+    Identity,
+    Tracking,
+    not_installed_message,
+    read_identity,
+    write_identity,
+)
+from hpcdist.errors import JobError, SubmitError
 
 if TYPE_CHECKING:
     from hpcdist.config.paths import JobPaths
@@ -114,3 +126,35 @@ def _mlflow_run(identity: Identity, tracking: Tracking, spec: JobSpec) -> None:
                           f"check tracking.mlflow.uri and that the server is up") from exc
     identity.mlflow_uri, identity.mlflow_experiment = uri, experiment
     identity.mlflow_experiment_id, identity.mlflow_run_id = experiment_id, run.info.run_id
+
+
+def wandb_offline_runs(folder: Path) -> list[Path]:
+    """The job's W&B offline run folders under its tracking folder, oldest start first: one per
+    start (W&B names each ``offline-run-<YYYYmmdd_HHMMSS>-<run id>[-N]`` and never reuses one)."""
+    identity = read_identity(folder)
+    if identity is None or not identity.wandb_project:
+        raise JobError(f"{folder}: no W&B run here (no {IDENTITY_FILE} naming one): was the job submitted with "
+                       f"tracking.wandb? Only such a job has offline runs to sync")
+    pattern = re.compile(rf"offline-run-(\d{{8}}_\d{{6}})-{re.escape(identity.key)}(?:-(\d+))?")
+    found = []
+    for path in (folder / "wandb").glob("offline-run-*"):
+        m = pattern.fullmatch(path.name)
+        if m and path.is_dir():
+            found.append(((m[1], int(m[2] or 0)), path))
+    if not found:
+        raise JobError(f"{folder / 'wandb'}: no offline folder of W&B run {identity.key}: the job has not started "
+                       f"yet, or logs to W&B online (tracking.wandb.mode: {identity.wandb_mode or 'unset'})")
+    return [path for _, path in sorted(found)]
+
+
+def wandb_sync_command(folder: Path) -> list[str]:
+    """W&B's own ``wandb sync`` over the job's offline folders in the order they started: W&B syncs
+    the files of one run id one after another, in that order, into the one run."""
+    runs = wandb_offline_runs(folder)
+    wandb = Path(sys.executable).with_name("wandb")
+    if not wandb.is_file():
+        found = shutil.which("wandb")
+        if found is None:
+            raise JobError(f"no `wandb` command beside {sys.executable} or on PATH: pip install 'hpcdist[wandb]'")
+        wandb = Path(found)
+    return [str(wandb), "sync", *(str(p) for p in runs)]

@@ -59,6 +59,11 @@ class Run:
     def params(self, values: dict[str, Any]) -> None:
         self._put(Item("params", values={k: str(v)[:500] for k, v in values.items()}))
 
+    def tags(self, values: dict[str, str]) -> None:
+        """Values kept whole (JSON), which a later start may change: MLflow tags, W&B config,
+        TensorBoard text."""
+        self._put(Item("tags", values=dict(values)))
+
     def artifact(self, path: Path) -> None:
         self._put(Item("artifact", path=Path(path)))
 
@@ -107,6 +112,8 @@ def open_run(spec: JobSpec, site: Site, job_id: str, rank: int) -> Run | None:
     channels = [Channel(_tracker(name, tracking, identity, folder, job_id), folder) for name in tracking.names]
     run = Run(channels)
     run.params({**job_params(spec, site), "hpcdist.git_commit": identity.git_commit})
+    # the whole job and site, as the result file keeps them (its spec_json and site_json attributes)
+    run.tags({"hpcdist.spec_json": spec.model_dump_json(), "hpcdist.site_json": site.model_dump_json()})
     return run
 
 

@@ -15,9 +15,10 @@ HIGH_WATER_FILE = "steps.json"
 
 @dataclass(frozen=True)
 class Item:
-    """One thing to send: metrics at a step, parameters, or a file."""
+    """One thing to send: metrics at a step, parameters, tags (values that may change: the job's
+    spec and site as JSON), or a file."""
 
-    what: Literal["metrics", "params", "artifact"]
+    what: Literal["metrics", "params", "tags", "artifact"]
     step: int = 0
     values: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None

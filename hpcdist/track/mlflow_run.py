@@ -16,6 +16,7 @@ from hpcdist.config.tracking import Identity
 from hpcdist.track.base import Item
 
 BATCH = 1000  # MLflow's limit of metrics in one log_batch
+TAG_MAX = 8000  # MLflow's limit of a tag's value (mlflow.utils.validation.MAX_TAG_VAL_LENGTH)
 
 
 class MlflowTracker:
@@ -50,6 +51,12 @@ class MlflowTracker:
         for i in items:
             if i.what == "artifact" and i.path is not None and i.path.exists():
                 client.log_artifact(run_id, str(i.path))
+            elif i.what == "tags":
+                for key, value in i.values.items():
+                    if len(value) <= TAG_MAX:
+                        client.set_tag(run_id, key, value)
+                    else:  # MLflow refuses a longer tag: the value whole as a file of the run
+                        client.log_text(run_id, value, f"{key}.json")
 
     def _mark_replayed(self, steps: list[int]) -> None:
         if self.high_water is None:

@@ -18,6 +18,7 @@ class TensorboardTracker:
     def __init__(self, folder: Path, high_water: int | None):
         self.dir, self.high_water = tensorboard_dir(folder), high_water
         self._writer: Any = None
+        self._held: list[Item] = []  # what came before the first step (parameters): written with it
 
     def writer(self, first_step: int) -> Any:
         if self._writer is None:
@@ -30,7 +31,9 @@ class TensorboardTracker:
     def send(self, items: list[Item]) -> None:
         metrics = [i for i in items if i.what == "metrics"]
         if self._writer is None and not metrics:
-            return  # opened at its first step, which sets purge_step
+            self._held += items  # opened at its first step, which sets purge_step
+            return
+        items, self._held = self._held + items, []
         writer = self.writer(metrics[0].step if metrics else 0)
         for i in items:
             if i.what == "metrics":
@@ -38,6 +41,9 @@ class TensorboardTracker:
                     writer.add_scalar(key, value, i.step)
             elif i.what == "params":
                 writer.add_text("hpcdist/params", "```\n" + json.dumps(i.values, indent=1) + "\n```")
+            elif i.what == "tags":
+                for key, value in i.values.items():
+                    writer.add_text(key, "```\n" + value + "\n```")
         writer.flush()
 
     def finish(self, finished: bool) -> None:

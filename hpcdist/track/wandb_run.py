@@ -1,11 +1,13 @@
 """The job's W&B run: one run id for the job (the identity's key), ``resume="allow"``, its files
 under the job's tracking folder (``WANDB_DIR``). Offline, W&B cannot resume: each start writes its
-own ``offline-run-<time>-<id>`` folder there, all of the one run, synced in order from the login
-node (docs/tracking.md). W&B takes no step that goes back and cannot rewind offline, so a restart
-from an older checkpoint leaves out the steps it took before (their earlier values stay)."""
+own ``offline-run-<time>-<id>`` folder there (wandb never reuses one), all of the one run, synced
+in order from the login node by ``hpcdist track sync`` (docs/tracking.md). W&B takes no step that
+goes back and cannot rewind offline, so a restart from an older checkpoint leaves out the steps it
+took before (their earlier values stay)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, cast
 
@@ -36,14 +38,14 @@ class WandbTracker:
     def send(self, items: list[Item]) -> None:
         fresh = self._run is None
         for i in items:
-            if i.what == "params" and fresh:
-                self._config.update(i.values)  # the run's config, given at init
+            if i.what in ("params", "tags") and fresh:
+                self._config.update(_config(i))  # the run's config, given at init
         run = self.run()
         for i in items:
             if i.what == "metrics" and (self.high_water is None or i.step > self.high_water):
                 run.log(i.values, step=i.step)
-            elif i.what == "params" and not fresh:
-                run.config.update(i.values, allow_val_change=True)
+            elif i.what in ("params", "tags") and not fresh:
+                run.config.update(_config(i), allow_val_change=True)
             elif i.what == "artifact" and i.path is not None and i.path.exists():
                 run.save(str(i.path), base_path=str(i.path.parent), policy="now")
 
@@ -52,3 +54,16 @@ class WandbTracker:
             if not finished:
                 self._run.mark_preempting()  # W&B's state for a run that a requeue resumes
             self._run.finish()
+
+
+def _config(item: Item) -> dict[str, Any]:
+    """Parameters as they are; tags (JSON) as the values they hold, which W&B shows nested."""
+    if item.what != "tags":
+        return dict(item.values)
+    out: dict[str, Any] = {}
+    for key, value in item.values.items():
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out

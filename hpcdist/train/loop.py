@@ -308,11 +308,20 @@ def _finish(r: Run, complete: bool) -> Path | None:
     """Close the run's context: rank 0's result is written, the claim released; rank 0's result path."""
     if r.ctx.is_main:
         fill_result(r, complete)
+        if complete:
+            r.api.result_artifacts.append(partial(_loss_plot, folder=r.ctx.paths.tracking))
     r.api.close()
     if not r.ctx.is_main:
         return None
     r.ctx.log.info("result written to %s", r.api.results.path)
     return r.api.results.path
+
+
+def _loss_plot(result: Path, folder: Path) -> list[Path]:
+    """The loss plot `hpcdist report --plot` makes, for the trackers (in the job's tracking folder)."""
+    from hpcdist.train.report import plot_train
+
+    return plot_train(result, folder)
 
 
 def _count_preemption(r: Run) -> None:

@@ -46,6 +46,7 @@ def fill_result(r: Run, complete: bool) -> None:
     mfu = _mfu(r, median_tok_s)
     if mfu is not None:
         attrs["mfu"] = mfu
+        r.api.track(r.step, mfu=mfu)  # to the trackers too, at the last step (GPUs only: see _mfu)
     results.table("train/steps", steps)
     results.table("train/val", val)
     results.table("train/epochs", r.metrics.epochs())
