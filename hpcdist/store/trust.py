@@ -57,7 +57,12 @@ _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os,
 
 
 class UntrustedFileError(HpcdistError):
-    """A file (or a folder above it) that another user could have written."""
+    """A file (or a folder above it) that another user could have written; `why` is the one line
+    saying so, without the advice around it."""
+
+    def __init__(self, message: str, why: str = "") -> None:
+        super().__init__(message)
+        self.why = why or message
 
 
 class _Refused(Exception):
@@ -179,7 +184,7 @@ def _closing(fd: int) -> Iterator[int]:
 def _refusal(path: Path | str, why: str) -> UntrustedFileError:
     return UntrustedFileError(
         f"refusing to read {path}: {why}; hpcdist runs or unpickles only files no other user could "
-        f"have written (yours, not group- or world-writable, in folders of yours or root's)"
+        f"have written (yours, not group- or world-writable, in folders of yours or root's)", why
     )
 
 
@@ -245,12 +250,18 @@ def trusted_folder(path: Path | str, root: Path | str | None = None) -> Iterator
 
 
 def trusted_tree(folder: str | Path) -> None:
-    """A code snapshot runs only when no other user could have written any of it: the folder,
-    each file and folder in it, and the folders above."""
-    trusted(folder)
-    for base, dirs, files in os.walk(folder):
-        for name in [*dirs, *files]:
-            trusted(Path(base) / name, folder)
+    """A code snapshot runs only when no other user could have written any of it: the folder and
+    the folders above (`trusted_folder`), then each file and folder in it, looked at (``lstat``)
+    through the folder held open: one walk from ``/``, not one per file."""
+    folder = Path(os.path.abspath(folder))
+    with trusted_folder(folder) as here:
+        for base, dirs, files in os.walk(here):
+            for name, is_dir in [*((d, True) for d in dirs), *((f, False) for f in files)]:
+                held = Path(base) / name
+                shown = folder / held.relative_to(here)
+                why = _file_problem(shown, os.lstat(held), private=False, folder=is_dir)
+                if why is not None:
+                    raise _refusal(shown, why)
 
 
 @contextmanager

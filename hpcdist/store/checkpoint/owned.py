@@ -109,11 +109,11 @@ def open_own(path: Path, shown: Path | None = None) -> int:
 
 
 def _refusal(directory: Path, exc: trust.UntrustedFileError) -> str:
+    why = exc.why  # what the check that refused it found: no second walk
     try:
-        why = trust.problem(directory) or str(exc)
         st: os.stat_result | None = os.lstat(directory)
     except OSError:
-        why, st = str(exc), None
+        st = None
     if st is not None and not _mine(st.st_uid):
         who = trust.owner_name(st.st_uid)
         todo = (f"if it is not yours, move it aside (mv {directory} {directory}.{who}, or ask {who} or the site's "
