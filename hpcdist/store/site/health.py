@@ -365,16 +365,10 @@ def clear(where: Where, node: str | None) -> Cleared:
     rec = _record(where)
     if not _ready(rec, make=False):
         return Cleared(0)
-    me, removed = os.geteuid(), 0
-    for name, n, _, kind in _NAMES.findall("\n".join(_listing(rec.path))):
-        if node not in (None, n) or (kind == "clear" and me != 0):  # one's own clear marks still override
-            continue
-        try:
-            if me == 0 or os.lstat(rec.path / name).st_uid == me:
-                os.unlink(rec.path / name)
-                removed += kind == "mark"
-        except OSError:
-            pass  # removed meanwhile
+    ours = [(name, kind) for name, n, _, kind in _NAMES.findall("\n".join(_listing(rec.path))) if node in (None, n)]
+    removed = _remove_own(rec.path, [name for name, kind in ours if kind == "mark"])
+    if os.geteuid() == 0:  # a member's own clear marks still override; root's clear leaves none
+        _remove_own(rec.path, [name for name, kind in ours if kind == "clear"])
     standing, notes = _scan(rec, KEEP_S, node)
     _said(notes)
     from hpcdist.store.trust import current_user
@@ -388,13 +382,18 @@ def clear(where: Where, node: str | None) -> Cleared:
 def prune(where: Where, older_than_s: float) -> int:
     """Remove the marks older than `older_than_s` that this user may remove (her own; root: any);
     how many. The times in their names say it, so nothing is read."""
-    path, me, removed = folder(where), os.geteuid(), 0
-    cutoff = _ns(time.time() - older_than_s)
-    for name, _, ns, _ in _NAMES.findall("\n".join(_listing(path))):
+    path, cutoff = folder(where), _ns(time.time() - older_than_s)
+    return _remove_own(path, [name for name, _, ns, _ in _NAMES.findall("\n".join(_listing(path))) if ns < cutoff])
+
+
+def _remove_own(path: Path, names: list[str]) -> int:
+    """Remove the files `names` of the folder `path` that this user may (her own; root: any); how many."""
+    me, removed = os.geteuid(), 0
+    for name in names:
         try:
-            if ns < cutoff and (me == 0 or os.lstat(path / name).st_uid == me):
+            if me == 0 or os.lstat(path / name).st_uid == me:
                 os.unlink(path / name)
                 removed += 1
         except OSError:
-            pass  # gone already
+            pass  # removed meanwhile
     return removed
