@@ -210,13 +210,11 @@ def loop(r: Run) -> dict[str, Any]:
             r.step += 1
             r.position += r.order.global_batch
             r.tokens_seen += r.tokens_per_step
-            r.metrics.add(
-                "steps", step=r.step, epoch=r.epoch, loss=loss, ppl=perplexity(loss), grad_norm=grad_norm,
-                lr=lr, tokens_per_s=r.tokens_per_step / seconds, step_time_s=seconds,
-                tokens_seen=r.tokens_seen,
-            )
-            r.api.track(r.step, loss=loss, grad_norm=grad_norm, lr=lr, tokens_per_s=r.tokens_per_step / seconds,
-                        step_time_s=seconds, tokens_seen=r.tokens_seen, epoch=r.epoch)  # rank 0's, to the trackers
+            measured = {"epoch": r.epoch, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                        "tokens_per_s": r.tokens_per_step / seconds, "step_time_s": seconds,
+                        "tokens_seen": r.tokens_seen}
+            r.metrics.add("steps", step=r.step, ppl=perplexity(loss), **measured)
+            r.api.track(r.step, **measured)  # the same figures, rank 0's, to the trackers
             if r.order.epoch_ends_before(r.position):
                 if ctx.is_main:
                     ep = r.metrics.epochs()
