@@ -109,6 +109,15 @@ def readme_round_trip(rank: int, world: int, port: int, root: Path) -> None:
     out["alone"] = (stats.bytes, stats.bytes_read, stats.node_ranks, stats.fallback,
                     equal(opt.state_dict()["state"], state["opt"]["state"]))
 
+    # a save that fails on one rank (rank 1's own value cannot be written): every rank raises its
+    # error, none waits, and nothing of the save is committed
+    try:
+        ctx.checkpoints.save(6, {"model": m.state_dict()}, per_rank={"note": object() if rank else "fine"})
+        out["failed_save"] = ""
+    except CheckpointError as exc:
+        out["failed_save"] = str(exc)
+    out["after_failed_save"] = sorted(p.name for p in ctx.checkpoints.directory.glob("step_*.h5"))
+
     # a flipped byte in a tensor that is read once per node: the same error on every rank
     index = ctx.checkpoints.store.path(5)
     if rank == 0:
@@ -190,6 +199,14 @@ def test_where_files_cannot_be_mapped_every_rank_reads_everything_itself_and_say
         size, read, node_ranks, fallback, differs = got["alone"]
         assert size == read == stored_bytes(root, 5) and node_ranks == 1 and differs == []
         assert fallback.startswith(f"rank 0 cannot map {root / 'ckpt'}") and "No such device" in fallback
+
+
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank_with_its_error_and_commits_nothing(
+        ranks: tuple[Path, list[dict[str, Any]]]) -> None:
+    _, out = ranks
+    assert out[0]["failed_save"] == out[1]["failed_save"] != ""  # rank 1's error, on both
+    assert "note" in out[0]["failed_save"] and "object" in out[0]["failed_save"]
+    assert out[0]["after_failed_save"][-1] == "step_00000005.h5"  # step 6 was never committed
 
 
 def test_a_flipped_byte_in_a_shared_tensor_fails_load_latest_on_every_rank_alike(

@@ -1,6 +1,7 @@
 """Small collectives of a checkpoint's process group, sent as tensors (no rank unpickles what
-another sent): every rank's outcome of a step (`agree`), and which ranks share this rank's host
-(`local_ranks`). A group that fails or times out is one CheckpointError naming the operation."""
+another sent): every rank's outcome of a step (`agree`), every rank's text (`gather_text`), and
+which ranks share this rank's host (`local_ranks`). A group that fails or times out is one
+CheckpointError naming the operation."""
 
 from __future__ import annotations
 
@@ -42,6 +43,19 @@ def gather(group: Any, tensor: Any, what: str) -> list[Any]:
         raise CheckpointError(f"rank {dist.get_rank(group)}: {what}: another rank did not answer within the "
                               f"checkpoint I/O budget, or is gone ({first})") from exc
     return every
+
+
+def gather_text(group: Any, text: str, what: str) -> list[str]:
+    """Every rank's `text` (any length), on every rank: its length, then its UTF-8 bytes padded
+    to the longest (two ``all_gather``s of tensors; no pickle)."""
+    import torch
+
+    raw = text.encode()
+    sizes = [int(n.item()) for n in gather(group, torch.tensor([len(raw)], dtype=torch.int64), what)]
+    mine = torch.zeros(max(1, *sizes), dtype=torch.uint8)  # gloo gathers no empty tensor
+    if raw:
+        mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return [bytes(t[:n].numpy()).decode() for t, n in zip(gather(group, mine, what), sizes, strict=True)]
 
 
 def agree(group: Any, status: int, message: str, what: str) -> list[tuple[int, str]]:

@@ -118,9 +118,16 @@ def one_error() -> Iterator[None]:
 
 
 def save_with(state: dict[str, Any], writer: ShardedWriter, process_group: Any = None) -> None:
-    """`save` through a given writer: every rank returns once committed, or raises the same error."""
+    """`save` through a given writer: every rank returns once committed, or raises the same error.
+    A state of replicated values (no DTensor) from `prepare` skips DCP's planning round
+    (``hpcdist.store.sharded.direct``); DTensors go through ``dcp.save``."""
     import torch.distributed.checkpoint as dcp
 
+    if not _no_dist() and not replicas.holds_dtensor(state):
+        from hpcdist.store.sharded import direct
+
+        direct.save(state, writer, process_group)
+        return
     with one_error():
         dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=_no_dist())
 

@@ -95,12 +95,17 @@ class ShardedWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         from dataclasses import replace
 
-        attempt = uuid.uuid4().hex[:8]  # one per save: a failed save never overwrites a committed file
-        # The commit's identity before any rank writes: a new run sets the earlier run's files aside
-        # (shard folders included) now, not after this save's shards went into a folder of theirs.
+        attempt = self.begin()
+        return [replace(plan, storage_data=(attempt, i)) for i, plan in enumerate(plans)]
+
+    def begin(self) -> str:
+        """The coordinator's start of a save, before any rank writes: the attempt's name (one per
+        save: a failed save never overwrites a committed file) and the commit's identity, asked for
+        now so that a new run sets the earlier run's files aside (shard folders included) before
+        this save's shards go into a folder of theirs."""
         if self.identity is not None:
             self._identity = dict(self.identity())
-        return [replace(plan, storage_data=(attempt, i)) for i, plan in enumerate(plans)]
+        return uuid.uuid4().hex[:8]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         import h5py
@@ -159,8 +164,11 @@ class ShardedWriter(StorageWriter):
         """Commit: the index written last, atomically, then retention; stray shard files removed."""
         chunks = {r.index: r.storage_data for rs in results for r in rs}
         metadata.storage_data = chunks
-        text = metadata_to_json(metadata)
-        files = sorted({c.file for c in chunks.values()})
+        self.commit(metadata_to_json(metadata), sorted({c.file for c in chunks.values()}))
+
+    def commit(self, text: str, files: list[str]) -> None:
+        """The index of the shards `files` with the metadata `text` (``sharded_layout``'s JSON),
+        written last, atomically, then retention; stray shard files removed."""
         tree = {**self.tree, "sharded": {
             "metadata_json": text, "metadata_sha256": hashlib.sha256(text.encode()).hexdigest(), "files": files,
             "folder": self.folder.name}}
