@@ -35,6 +35,22 @@ for user in "${MEMBERS[@]}"; do
   id -nG "$user" | tr ' ' '\n' | grep -qx "$GROUP" || usermod -a -G "$GROUP" "$user"
 done
 
+# Rootless podman for the members (docs/containers.md): their subuid/subgid ranges come with useradd.
+# This machine's nodes share one kernel with cgroup v1 and v2 mounted side by side ("hybrid"), which
+# crun refuses ("cgroups in hybrid mode not supported"): runc, with cgroupfs (no limits, rootless on
+# v1); storage on the kernel's own overlay (/dev/fuse is root's here, so no fuse-overlayfs); and
+# --ipc=host needs /dev/mqueue, which a node's service manager mounts and this machine does not.
+if command -v podman >/dev/null; then
+  for user in "${MEMBERS[@]}"; do
+    conf=/home/$user/.config/containers
+    runuser -u "$user" -- mkdir -p "$conf"
+    printf '[storage]\ndriver = "overlay"\n' | runuser -u "$user" -- tee "$conf/storage.conf" >/dev/null
+    printf '[engine]\nruntime = "runc"\ncgroup_manager = "cgroupfs"\n' |
+      runuser -u "$user" -- tee "$conf/containers.conf" >/dev/null
+  done
+  mountpoint -q /dev/mqueue || { mkdir -p /dev/mqueue && mount -t mqueue mqueue /dev/mqueue; }
+fi
+
 # Slurm's accounting: an association per user under the cluster's root account.
 known=$(sacctmgr -n -P show assoc format=user 2>/dev/null | sort -u)
 for user in "${MEMBERS[@]}" "$OUTSIDER"; do

@@ -57,7 +57,7 @@ def test_smoke_in_the_image_on_two_nodes(slurm_storage: Path, launcher: list[str
     assert re.search(r'rank 3: ok \{"host": "n2", "sum": 6.0, "mpi_sum": ' + ("6" if mpi else "null"), result.out)
     line = launch_line(slurm_storage, "smoke", job_id(result.out))
     assert "ch-run --bind=/var/tmp/hpcdist-shared:/var/tmp/hpcdist-shared" in line  # the roots' mount point
-    assert f"{IMAGE} -- python3 " in line
+    assert f"{IMAGE} -- env -u PYTHONPATH PYTHONNOUSERSITE=1 python3 " in line
 
 
 @pytest.mark.slurm

@@ -34,11 +34,12 @@ CASES = {
         "container.runtime=charliecloud", "container.image=/shared/images/pytorch",
         "container.mounts=[/shared/datasets]"]),
     "smoke-ndr-h100-pyxis": ("jobs/smoke.yaml", "ndr-h100", [
-        "container.runtime=pyxis", "container.image=nvcr.io#nvidia/pytorch:24.10-py3",
+        "container.runtime=pyxis", "container.image=/shared/ml-research/images/pytorch-24.10-hpcdist.sqsh",
         "container.mounts=[/lustre/datasets:/data]", "resources.gpus_per_node=8", "resources.tasks_per_node=8"]),
     "smoke-hdr-a100-apptainer-torchrun": ("jobs/smoke.yaml", "hdr-a100", [
         "site.launcher.kind=torchrun", "site.launcher.args=[]", "resources.nodes=2", "resources.gpus_per_node=4",
-        "resources.tasks_per_node=4", "container.runtime=apptainer", "container.image=/scratch/images/pytorch.sif"]),
+        "resources.tasks_per_node=4", "container.runtime=apptainer",
+        "container.image=/p/project/myproject/images/pytorch-24.10-hpcdist.sif"]),
 }
 
 

@@ -6,14 +6,15 @@ and may give every job a default ``container:``; a job's own ``container:`` sect
 key (``--set container.image=...`` on a site with a default runtime is enough), and
 ``runtime: none`` runs it outside. What each rank must see inside is bound at the same path:
 the site's storage roots (results, checkpoints, scratch and logs: submitit's pickles and the
-code snapshot are there), the site's mounts for the runtime (PMIx's server folder, Slurm's
-``TmpFS``), then the job's. ``config.spec`` merges a job's container with its site's and checks
+code snapshot are there), the site's PMIx folder for the runtime (``pmix_dir``) and its mounts,
+then the job's. ``config.spec`` merges a job's container with its site's and checks
 it (no I/O); ``login.plan.placed`` checks the image and the mounts on disk at submit.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -45,11 +46,20 @@ def _runtime(value: str | None) -> str | None:
     return value
 
 
+def _folder(value: str | None) -> str | None:
+    if value is not None and (not value.startswith("/") or "," in value or ":" in value):
+        raise ValueError(f"{value!r} is not an absolute folder (no ',' or ':'), e.g. /var/spool/slurmd/pmix")
+    return value
+
+
 class RuntimeSite(Frozen):
-    """One runtime as the site has it: extra arguments for it, and what every container of it binds."""
+    """One runtime as the site has it: extra arguments for it, what every container of it binds,
+    and Slurm's PMIx folder, which a launcher with ``--mpi=pmix`` needs inside (``config.spec``)."""
 
     args: tuple[str, ...] = Field(default=(), description="extra arguments, e.g. [--set-env=/etc/ch.env]")
-    mounts: tuple[Mount, ...] = Field(default=(), description="bound in every job's container (PMIx's folder)")
+    mounts: tuple[Mount, ...] = Field(default=(), description="bound in every job's container")
+    pmix_dir: Annotated[str | None, AfterValidator(_folder)] = Field(
+        default=None, description="Slurm's PMIx folder, bound at its path (mpi.conf PMIxCliTmpDirBase, else TmpFS)")
 
 
 class Container(Frozen):
@@ -58,7 +68,7 @@ class Container(Frozen):
     runtime: Annotated[str | None, AfterValidator(_runtime)] = Field(
         default=None, description=f"{' | '.join(runtime_names())} | none")
     image: str | None = Field(default=None, min_length=1, description="a path, or what the runtime takes "
-                              "(pyxis: nvcr.io#nvidia/pytorch:24.10-py3)")
+                              "(pyxis: a .sqsh with hpcdist, docs/containers.md)")
     mounts: tuple[Mount, ...] = Field(default=(), description="host folders bound inside, beside hpcdist's own")
     python: str | None = Field(default=None, min_length=1, description="the image's Python (default python3)")
 
@@ -112,4 +122,4 @@ def fold_onto_image(plan: ContainerPlan) -> tuple[ContainerPlan, list[str]]:
             missing.append(b.target)
         else:
             binds.append(Bind(str(point), str(point)))
-    return ContainerPlan(plan.runtime, plan.image, plan.python, outermost(binds), plan.args, plan.gpus), missing
+    return replace(plan, binds=outermost(binds)), missing

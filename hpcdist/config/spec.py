@@ -16,11 +16,13 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from hpcdist.config.container import NONE, Container, outermost
+from hpcdist.config.contract import LAUNCH_TIME_VAR, RESTART_COUNT_VAR
 from hpcdist.config.paths import JobPaths
 from hpcdist.config.sbatch import SbatchOptions
-from hpcdist.config.site import EnvMap, EnvNames, Frozen, Site
+from hpcdist.config.site import EnvMap, EnvNames, Frozen, Site, under
 from hpcdist.config.tracking import Tracking
-from hpcdist.containers import Bind, ContainerPlan, get_runtime
+from hpcdist.containers import CONTAINER_VAR, SUBMITTED_WITH_VAR, Bind, ContainerPlan, get_runtime
+from hpcdist.launchers import get_launcher
 
 
 @dataclass(frozen=True)
@@ -252,7 +254,33 @@ def container_problems(spec: JobSpec, site: Site) -> list[tuple[str, object, str
     if get_runtime(box.runtime).srun_only and site.launcher.kind not in ("srun", "torchrun"):
         return [("container.runtime", box.runtime, f"a launcher that starts its ranks with srun ({box.runtime} is an "
                  f"srun plugin), not launcher.kind {site.launcher.kind!r}")]
+    if uses_pmix(site) and site.containers[box.runtime].pmix_dir is None:
+        # enroot gives a container its own /tmp and binds PMIx's folder only through its optional
+        # 50-slurm-pmi.sh hook; Apptainer and podman bind nothing of it: a rank could not reach its server
+        return [(f"site containers.{box.runtime}.pmix_dir", None, "Slurm's PMIx folder (mpi.conf PMIxCliTmpDirBase, "
+                 "else slurm.conf TmpFS, e.g. /tmp), bound in the container: the launcher runs srun --mpi=pmix")]
     return []
+
+
+def uses_pmix(site: Site) -> bool:
+    """Whether the site's srun starts its ranks with Slurm's PMIx plugin (``--mpi=pmix``, ``pmix_v4``)."""
+    args = site.launcher.line_args if site.launcher.kind == "srun" else ()
+    return any(a.startswith("--mpi=pmix") or (a == "--mpi" and b.startswith("pmix"))
+               for a, b in zip(args, (*args[1:], ""), strict=False))
+
+
+# What the ranks read that an image's own values must not replace: hpcdist's and submitit's
+# job-wide variables (the job script exports them), and Slurm's that a rank's bootstrap reads
+# besides its launcher's table (requeues, arrays).
+_JOB_WIDE = (CONTAINER_VAR, SUBMITTED_WITH_VAR, LAUNCH_TIME_VAR, "SUBMITIT_EXECUTOR", "SUBMITIT_PREEMPTION_SIGNAL")
+_SLURM_READ = (RESTART_COUNT_VAR, "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_SUBMIT_DIR")
+
+
+def _task_names(site: Site) -> tuple[str, ...]:
+    """Every variable the site launcher's environment tables read (``hpcdist.launchers``)."""
+    tables = get_launcher(site.launcher.kind).env_tables
+    names = {n for t in tables for n in (*t.detect, *(v for vs in t.fields.values() for v in vs))}
+    return tuple(sorted(names | set(_SLURM_READ)))
 
 
 def plan_for(spec: JobSpec, site: Site) -> ContainerPlan | None:
@@ -263,7 +291,17 @@ def plan_for(spec: JobSpec, site: Site) -> ContainerPlan | None:
         return None
     runtime = site.containers[box.runtime]
     roots = [str(getattr(site.storage, r)) for r in ("results", "checkpoints", "scratch", "logs")]
-    binds = [Bind(r, r) for r in roots] + [Bind.parse(m) for m in (*runtime.mounts, *box.mounts)]
+    pmix = [runtime.pmix_dir] if runtime.pmix_dir else []
+    binds = [Bind(r, r) for r in roots] + [Bind.parse(m) for m in (*pmix, *runtime.mounts, *box.mounts)]
+    env = spec.rank_env(site)
+    # Charliecloud's ranks keep the host's $HOME (ch-run binds nothing over it); the others get a
+    # writable one under the job's scratch, bound with the scratch root
+    home = None if box.runtime == "charliecloud" else str(under(site.storage.root("scratch"), spec.name, "home"))
     return ContainerPlan(box.runtime, box.image, box.python or "python3", outermost(binds), runtime.args,
-                         gpus=spec.resources.gpus_per_node > 0)
+                         gpus=spec.resources.gpus_per_node > 0,
+                         names=tuple(sorted({*env, *spec.env_passthrough, *_JOB_WIDE})),
+                         task_names=_task_names(site), home=home,
+                         pythonpath="PYTHONPATH" in env or "PYTHONPATH" in spec.env_passthrough,
+                         usersite="PYTHONNOUSERSITE" in env or "PYTHONNOUSERSITE" in spec.env_passthrough,
+                         pmix_dir=runtime.pmix_dir, infiniband=bool(site.network.ib_hcas))
 

@@ -289,7 +289,8 @@ def render_script(spec: JobSpec, site: Site, origin: Origin, excluded: Exclusion
         # the ranks run in an image without Slurm's commands: the batch step asks for them
         "container": container.runtime if container else "",
         "image": container.image if container else "",
-        "container_prelude": [Shell(line) for line in get_runtime(container.runtime).prelude()] if container else [],
+        "container_prelude": ([Shell(line) for line in get_runtime(container.runtime).prelude(container)]
+                              if container else []),
         "requeue_asked": REQUEUE_ASKED,
         "runner": SUBMITIT_RUNNER,
         # after a requeue: hpcdist.runtime.node_failure decides, once per run, whether it may go on

@@ -29,7 +29,7 @@ export SLURM_NTASKS=$((SLURM_JOB_NUM_NODES * 2)) SLURM_NPROCS=$((SLURM_JOB_NUM_N
 # ---- script's own hpcdist steps run outside it, and so does what the ranks ask of Slurm, which
 # ---- the image has no commands for: a requeue they asked for happens when the launch has ended
 export USER="${USER:-$(id -un)}"  # ch-run will not start without it
-export OMPI_MCA_btl_vader_single_copy_mechanism=none  # Open MPI's CMA: refused in user namespaces
+export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_btl_sm_single_copy_mechanism=none
 hpcdist_requeue_asked() { /opt/hpcdist/bin/python -m hpcdist.runtime.requeue /var/tmp/hpcdist-shared/logs/smoke/%j; }
 trap hpcdist_requeue_asked EXIT
 # a user namespace shows root and other users alike as nobody: the job's pickle checked here first
@@ -46,4 +46,4 @@ fi
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME
-srun --unbuffered --output /var/tmp/hpcdist-shared/logs/smoke/%j/%j_%t_log.out --error /var/tmp/hpcdist-shared/logs/smoke/%j/%j_%t_log.err --mpi=pmix ch-run --bind=/var/tmp/hpcdist-shared/results:/var/tmp/hpcdist-shared/results --bind=/var/tmp/hpcdist-shared/checkpoints:/var/tmp/hpcdist-shared/checkpoints --bind=/var/tmp/hpcdist-shared/scratch:/var/tmp/hpcdist-shared/scratch --bind=/var/tmp/hpcdist-shared/logs:/var/tmp/hpcdist-shared/logs --bind=/var/tmp/hpcdist-slurm/tmpfs:/var/tmp/hpcdist-slurm/tmpfs --bind=/shared/datasets:/shared/datasets /shared/images/pytorch -- python3 -u -m hpcdist.runtime.submitted /var/tmp/hpcdist-shared/logs/smoke/%j
+srun --unbuffered --output /var/tmp/hpcdist-shared/logs/smoke/%j/%j_%t_log.out --error /var/tmp/hpcdist-shared/logs/smoke/%j/%j_%t_log.err --mpi=pmix ch-run --bind=/var/tmp/hpcdist-shared/results:/var/tmp/hpcdist-shared/results --bind=/var/tmp/hpcdist-shared/checkpoints:/var/tmp/hpcdist-shared/checkpoints --bind=/var/tmp/hpcdist-shared/scratch:/var/tmp/hpcdist-shared/scratch --bind=/var/tmp/hpcdist-shared/logs:/var/tmp/hpcdist-shared/logs --bind=/var/tmp/hpcdist-slurm/tmpfs:/var/tmp/hpcdist-slurm/tmpfs --bind=/shared/datasets:/shared/datasets /shared/images/pytorch -- env -u PYTHONPATH PYTHONNOUSERSITE=1 python3 -u -m hpcdist.runtime.submitted /var/tmp/hpcdist-shared/logs/smoke/%j
