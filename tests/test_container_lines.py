@@ -361,3 +361,22 @@ def test_a_member_runs_ranks_in_rootless_podman_and_they_see_the_jobs_variables(
             assert r["cwd"] == "/home/alice"  # the submit directory, not the image's /
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_charliecloud_image_keeps_its_own_path_and_library_path_and_nothing_else_of_its_env(
+        tmp_path: Path) -> None:
+    image = image_dir(tmp_path)
+    (image / "ch").mkdir()
+    (image / "ch" / "environment").write_text(  # as ch-image writes an OCI image's ENV
+        "PATH=/opt/conda/bin:/usr/bin:/bin\nLD_LIBRARY_PATH=/opt/conda/lib\nNCCL_DEBUG=IMAGE\n")
+    result = run_cli("render", "jobs/smoke.yaml", "--site", "local-slurm", "--set", "container.runtime=charliecloud",
+                     "--set", f"container.image={image}")
+    assert result.code == 0, result.text
+    words = launch(result.out)
+    assert "--set-env=PATH=/opt/conda/bin:/usr/bin:/bin" in words
+    assert "--set-env=LD_LIBRARY_PATH=/opt/conda/lib" in words
+    assert not any("NCCL_DEBUG" in w for w in words)  # the job's value stays the job's
+    (image / "ch" / "environment").unlink()  # an image cluster/image.sh built: the host's, as before
+    result = run_cli("render", "jobs/smoke.yaml", "--site", "local-slurm", "--set", "container.runtime=charliecloud",
+                     "--set", f"container.image={image}")
+    assert result.code == 0 and "--set-env" not in result.out

@@ -123,3 +123,26 @@ def fold_onto_image(plan: ContainerPlan) -> tuple[ContainerPlan, list[str]]:
         else:
             binds.append(Bind(str(point), str(point)))
     return replace(plan, binds=outermost(binds)), missing
+
+
+IMAGE_PATHS = ("PATH", "LD_LIBRARY_PATH")  # what an image's programs and libraries are found by
+
+
+def with_image_paths(plan: ContainerPlan) -> ContainerPlan:
+    """A Charliecloud image directory's own ``PATH`` and ``LD_LIBRARY_PATH`` (from ``/ch/environment``,
+    which ``ch-image`` writes from an OCI image's ``ENV``) set inside with ``--set-env=NAME=VALUE``:
+    ch-run passes the host's (charliecloud.io ch-run(1), "Environment variables": the image's are
+    set only with ``--set-env``), so a conda or NGC-derived image's ``/opt/.../bin`` would be missing.
+    Only these two: the image's other values would win over the job's. An image without the file
+    (built by ``cluster/image.sh``, or a SquashFS file): unchanged."""
+    root = Path(plan.image)
+    env = root / "ch" / "environment"
+    if plan.runtime != "charliecloud" or not root.is_dir() or not env.is_file():
+        return plan
+    sets = []
+    for line in env.read_text(errors="replace").splitlines():
+        name, eq, value = line.partition("=")
+        if eq and name in IMAGE_PATHS and "$" not in value:  # ch-run expands $ in --set-env values
+            sets.append(f"--set-env={name}={value}")
+    return replace(plan, args=(*sets, *plan.args)) if sets else plan
+

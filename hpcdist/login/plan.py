@@ -78,8 +78,9 @@ def make(base: JobSpec, site: Site, origin: Origin, tasks: Sequence[JobSpec] = (
 def placed(spec: JobSpec, site: Site) -> ContainerPlan | None:
     """The job's container checked on disk before anything is queued: the image is there, every
     mount's source is, and a Charliecloud image directory has a folder for every bind (each moved
-    onto the image's empty mount point that holds it, ``config.container.fold_onto_image``)."""
-    from hpcdist.config.container import fold_onto_image
+    onto the image's empty mount point that holds it, ``config.container.fold_onto_image``), and
+    is given its own ``PATH`` and ``LD_LIBRARY_PATH`` (``config.container.with_image_paths``)."""
+    from hpcdist.config.container import fold_onto_image, with_image_paths
     from hpcdist.config.spec import container_for, plan_for
     from hpcdist.containers import Bind, get_runtime
 
@@ -100,7 +101,7 @@ def placed(spec: JobSpec, site: Site) -> ContainerPlan | None:
         made = " ".join(f"{box.image.rstrip('/')}{t}" for t in missing)
         raise SubmitError(f"image {box.image} has no folder to bind {', '.join(missing)} onto (Charliecloud binds "
                           f"only onto a folder the image has); make the mount point(s) once: mkdir -p {made}")
-    return folded
+    return with_image_paths(folded)
 
 
 # ---------------------------------------------------------------- loading, in one pass
