@@ -28,6 +28,11 @@ wrote benchmarks/gpu_jobs.py. The rows, and what fails them:
 - GPT-2 small (124M) trained by ``train_gpt``, bf16 and fp16: not the precision asked, a loss
   that is not finite or does not fall, and for fp16 a loss scaler that never stepped (its state in
   the final checkpoint: disabled, growth tracker 0, or more than half the steps skipped);
+- train_gpt / plain compiled loop: the bf16 run's tokens/s (median of its ``log_every`` windows, the
+  first left out) against benchmarks/train_vs_plain.py's plain loop (the same model written plainly,
+  the same batch, ``torch.compile``, fused AdamW, TF32), submitted as a script in the same check:
+  fails below 1.0x, or when either side is not compiled bf16 on the GPU; MFU (6N + 6LTD per token,
+  the GPU's bf16 peak: 989 TFLOP/s for H100 SXM and H200) is reported beside it, 40 % the goal;
 - checkpoint save, then resume: the fp16 run again, stopped half way (``params.run_steps``) and
   resubmitted: the checkpoint must verify, the second job must read it at the half-way step, and
   every step's loss must equal the uninterrupted run's within ``RESUME_ATOL + RESUME_RTOL x |loss|``
@@ -191,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             c.guarded("watchdog abort: hpcdist's summary, the job ends", c.nccl_abort)
             c.guarded("bench", c.bench)
             c.guarded("train GPT-2 small", c.train)
+            c.guarded("train_gpt / plain compiled loop (GPT-2 small, bf16), MFU", c.speed)
             c.guarded("resume = uninterrupted, bit for bit (params.deterministic)", c.determinism)
             c.guarded("torchrun-style DDP script (examples/ddp_gpu.py)", c.ddp_example)
             c.guarded("two ranks on one GPU refused (bootstrap only)", c.duplicate_gpu)

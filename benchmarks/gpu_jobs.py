@@ -139,6 +139,21 @@ def read_steps(result: Path) -> dict[int, float]:
         return step_losses(read_table(f["train/steps"]))
 
 
+def window_rate(result: Path, window: int) -> float:
+    """The median tokens/s of a train_gpt run's windows of `window` steps (its ``log_every``: the
+    rows of a window share its time), the first one (warm-up, compilation) left out; nan with none."""
+    import statistics
+
+    import h5py
+
+    from hpcdist.store.results import read_table
+
+    with h5py.File(result, "r") as f:
+        t = read_table(f["train/steps"])
+    rates = [float(v) for s, v in zip(t["step"], t["tokens_per_s"], strict=True) if int(s) % window == 0][1:]
+    return statistics.median(rates) if rates else float("nan")
+
+
 def resume_steps(result: Path) -> list[int]:
     """The steps at which a train_gpt run read a checkpoint (its ``train/checkpoints`` rows of op read)."""
     import h5py

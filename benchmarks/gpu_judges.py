@@ -210,6 +210,57 @@ def judge_training(check: str, attrs: Mapping[str, Any], losses: Sequence[float]
                    detail)
 
 
+SPEED_RATIO = 1.0  # train_gpt / the plain compiled loop, tokens/s: the row's pass mark
+MFU_GOAL = 0.40  # the figure to reach on an H100 for GPT-2 small, micro 16, bf16 (said, not a pass mark)
+
+
+def issue_flops_per_token(cfg: Mapping[str, Any]) -> float:
+    """6N + 6LTD per token (N every parameter, L layers, T context, D d_model): the figure the
+    issue's table and the reference loop are quoted in (hpcdist's own MFU uses PaLM's 12LHQT)."""
+    from hpcdist.model.config import GPTConfig
+
+    c = GPTConfig.model_validate(dict(cfg))
+    return 6.0 * c.num_params() + 6.0 * c.n_layer * c.context * c.d_model
+
+
+def judge_speed(check: str, attrs: Mapping[str, Any], ours: float, reference: Mapping[str, Any] | None,
+                peak: float | None) -> Row:
+    """train_gpt's tokens/s (`ours`: the median of its windows after the first; `attrs` its result)
+    against the plain reference loop's (`reference`: train_vs_plain.py --plain-only's JSON), both
+    compiled, bf16, on the GPU, in the same check: passes at ``SPEED_RATIO``; MFU is reported."""
+    problems = []
+    if reference is None:
+        return Row(check, "fail", "", "the reference loop wrote no figures")
+    if attrs.get("precision") != "bf16" or reference.get("precision") != "bf16":
+        problems.append(f"precision {attrs.get('precision')} vs reference {reference.get('precision')}, not bf16")
+    if not attrs.get("compiled") or not reference.get("compile"):
+        problems.append(f"not both compiled (train_gpt {attrs.get('compiled')}, reference {reference.get('compile')})")
+    if not str(reference.get("device", "")).startswith("cuda"):
+        problems.append(f"the reference ran on {reference.get('device')}, not the GPU")
+    plain = float(reference.get("plain_tokens_per_s", float("nan")))
+    if not (finite(ours) and ours > 0 and finite(plain) and plain > 0):
+        return Row(check, "fail", "", f"no throughput: train_gpt {ours}, reference {plain} tokens/s")
+    ratio = ours / plain
+    if ratio < SPEED_RATIO:
+        problems.append(f"train_gpt is {ratio:.3f}x the reference, below {SPEED_RATIO:.2f}x")
+    flops = issue_flops_per_token(json_dict(attrs.get("model_config_json", "{}")))
+    util, ref_util = (mfu(flops, x, peak) for x in (ours, plain))
+    goal = "" if util is None or util >= MFU_GOAL else f"; below the {MFU_GOAL:.0%} goal"
+    return verdict(check, problems, f"{ratio:.3f}x, MFU {percent(util)}",
+                   f"train_gpt {ours:,.0f} vs reference {plain:,.0f} tokens/s; MFU (6N + 6LTD, {peak} TFLOP/s) "
+                   f"{percent(util)} vs {percent(ref_util)}{goal}")
+
+
+def percent(x: float | None) -> str:
+    return f"{x:.1%}" if x is not None else "n/a"
+
+
+def json_dict(text: Any) -> dict[str, Any]:
+    import json
+
+    return dict(json.loads(str(text)))
+
+
 def judge_saved(check: str, code: int, attrs: Mapping[str, Any], checkpoints: Mapping[int, Path], stop: int,
                 verified: str | None, failure: str = "") -> Row:
     """The first half of a resumed run: it stopped at `stop` (params.run_steps) with a checkpoint

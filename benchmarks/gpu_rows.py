@@ -27,6 +27,7 @@ from benchmarks.gpu_jobs import (
     scaler_state,
     submitted,
     why,
+    window_rate,
 )
 from benchmarks.gpu_judges import (
     Row,
@@ -41,6 +42,7 @@ from benchmarks.gpu_judges import (
     judge_nccl,
     judge_resume,
     judge_saved,
+    judge_speed,
     judge_staging,
     judge_training,
 )
@@ -68,6 +70,7 @@ class Checker:
         self.quick = quick
         self.gpus = gpus
         self.rows: list[Row] = []
+        self.bf16_run: Path | None = None  # the bf16 training row's result: the speed row's train_gpt side
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
     def storage(self, name: str) -> list[str]:
@@ -237,12 +240,44 @@ class Checker:
             self.add(judge_training(check, read_attrs(job.result), list(read_steps(job.result).values()), precision,
                                     peak, scaler))
             whole = job.result
+            if precision == "bf16":
+                self.bf16_run = job.result
         check = "resume = uninterrupted fp16 run (within tolerance)"
         if whole is None:
             self.add(Row(check, "fail", "", "no uninterrupted fp16 run to compare with"))
             return
         self.add(self.resume_pair("gpt2-fp16-resumed", ("gpt2-fp16", whole), [*sets, "params.precision=fp16"], steps,
                                   exact=False, check=check, save_check="checkpoint save (CUDA state, run_steps)"))
+
+    def speed(self, window: int = 10) -> None:
+        """train_gpt / the plain compiled loop (benchmarks/train_vs_plain.py, submitted as a script),
+        tokens/s, GPT-2 small, micro 16, bf16: train_gpt's side is the bf16 training row's run
+        (compiled: params.compile auto on CUDA), or a run of its own when that row wrote none."""
+        import torch
+
+        from hpcdist.store.results import read_attrs
+        from hpcdist.train.metrics import peak_tflops
+
+        check = "train_gpt / plain compiled loop (GPT-2 small, bf16), MFU"
+        steps = 20 if self.quick else 60
+        ours = self.bf16_run
+        if ours is None:
+            job = self.submit("gpt2-speed", ["jobs/train_gpt.yaml"], [*self.train_sets(steps, log_every=window),
+                                                                       "params.precision=bf16"], timeout=420)
+            if job.code != 0 or job.result is None:
+                self.add(Row(check, "fail", "", f"train_gpt failed: {job.why}"))
+                return
+            ours = job.result
+        report = self.work / "reference.json"
+        ref = self.submit("plain-ref", ["--", str(ROOT / "benchmarks" / "train_vs_plain.py"), "--plain-only",
+                                        "--device", "cuda" if self.gpus else "cpu", "--compile", "--precision", "bf16",
+                                        "--micro", "16", "--model", json.dumps(GPT2_SMALL), "--steps", str(steps),
+                                        "--window", str(window), "--repeat", "1", "--tokens", str(self.tokens()),
+                                        "--json", str(report)], self.gpu_sets(1, backend=False), timeout=420)
+        reference = json.loads(report.read_text()) if ref.code == 0 and report.exists() else None
+        peak = peak_tflops(torch.cuda.get_device_name(0), "bf16") if self.gpus else None
+        row = judge_speed(check, read_attrs(ours), window_rate(ours, window), reference, peak)
+        self.add(row if reference is not None else Row(check, "fail", "", f"the reference loop failed: {ref.why}"))
 
     def determinism(self) -> None:
         """params.deterministic: a run stopped half way and resumed equals the uninterrupted one, bit for bit."""

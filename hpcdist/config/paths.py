@@ -117,6 +117,12 @@ class JobPaths:
         return under(self.storage.root("scratch"), "rendezvous")
 
     @property
+    def compile_cache(self) -> Path:
+        """Where ``torch.compile`` keeps compiled code (``TORCHINDUCTOR_CACHE_DIR``) unless the user set
+        it: this user's own 0700 folder in scratch, shared by her jobs, so a requeue reuses it."""
+        return under(self.storage.root("scratch"), "torchinductor")
+
+    @property
     def calls(self) -> Path:
         """Where ``hpcdist.Executor`` puts the pickled calls of this job name."""
         return under(self.storage.root("logs"), self.name, "calls")

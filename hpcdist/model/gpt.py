@@ -10,6 +10,14 @@ is tied to the token embedding unless ``tied`` is false.
 Each parameter's initial values come from a generator of its own, seeded by the model's seed and
 the parameter's name (``initial_value``): a model built on the meta device and sharded (FSDP2)
 gets each rank's part of exactly the weights the whole model would have, one parameter at a time.
+
+On GPUs the head multiplies by a vocabulary padded to a multiple of ``VOCAB_MULTIPLE`` (GPT-2's
+50257 -> 50304, what tensor cores tile well), zero rows added to the weight for the matmul only
+(on CPUs, where the extra copy costs more than the alignment gives, it does not pad): the
+parameters, their state dict, checkpoints and exports keep the real vocabulary, and the logits are
+cut back to it, so the padded rows reach neither the loss nor sampling. ``compile_parts`` compiles
+each block and the head with its loss (torchtitan's per-block ``torch.compile``), the modules DDP and
+FSDP2 wrap staying eager, so their hooks still run per block.
 """
 
 from __future__ import annotations
@@ -26,7 +34,31 @@ from hpcdist.errors import ConfigError
 from hpcdist.model import rope
 from hpcdist.model.config import GPTConfig
 
-__all__ = ["GPTConfig", "GPT", "make_norm"]
+__all__ = ["GPTConfig", "GPT", "make_norm", "padded_vocab", "head_logits", "head_loss"]
+
+VOCAB_MULTIPLE = 64  # the head's matmul width is padded to a multiple of this
+
+
+def padded_vocab(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """The vocabulary the head multiplies by: `vocab_size` rounded up to `multiple` (50257 -> 50304)."""
+    return -(-vocab_size // multiple) * multiple
+
+
+def head_logits(x: torch.Tensor, weight: torch.Tensor, vocab_size: int, multiple: int = 1) -> torch.Tensor:
+    """Logits over the real vocabulary (a view of the padded matmul's output, no copy): `weight`
+    (vocab_size, d) gets zero rows up to ``padded_vocab(vocab_size, multiple)`` for the matmul only."""
+    pad = padded_vocab(vocab_size, multiple) - weight.shape[0]
+    if pad > 0:
+        weight = F.pad(weight, (0, 0, 0, pad))
+    return F.linear(x, weight)[..., :vocab_size]
+
+
+def head_loss(
+    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int, multiple: int = 1
+) -> torch.Tensor:
+    """The mean next-token cross entropy, in float32, over the real vocabulary."""
+    logits = head_logits(x, weight, vocab_size, multiple)
+    return F.cross_entropy(logits.float().reshape(-1, vocab_size), targets.reshape(-1))
 
 
 def make_norm(cfg: GPTConfig) -> nn.Module:
@@ -112,6 +144,19 @@ class GPT(nn.Module):
             self.register_buffer("inv_freq", rope.inv_freq(cfg), persistent=False)
         if not self.lm_head.weight.is_meta:  # on the meta device the caller initialises (``init_weights``)
             self.init_weights()
+        self._head_loss: Callable[..., torch.Tensor] = head_loss
+        self.compiled = False
+
+    def compile_parts(self, **options: object) -> None:
+        """``torch.compile`` each block and the head with its loss, in place (before DDP or FSDP2
+        wraps the model): the blocks share one compiled graph, and the loss is computed from the
+        padded head's output without a float32 copy of the logits in memory."""
+        blocks = self.transformer["h"]
+        assert isinstance(blocks, nn.ModuleList)
+        for block in blocks:
+            block.compile(**options)
+        self._head_loss = torch.compile(head_loss, **options)  # type: ignore[call-overload]
+        self.compiled = True
 
     def initial_value(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Parameter `name`'s whole initial value, on the CPU: GPT-2's init (normal, std 0.02, the
@@ -146,8 +191,9 @@ class GPT(nn.Module):
             buf = self.get_buffer("inv_freq")
             buf.copy_(rope.inv_freq(self.cfg, "cpu"))
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits (batch, time, vocab) for token ids (batch, time)."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch, time, vocab) for token ids (batch, time); with `targets` (batch, time),
+        the mean cross entropy instead (float32), the head and loss computed together."""
         b, t = idx.shape
         why = self.cfg.check_length(t)
         if why is not None:
@@ -164,4 +210,8 @@ class GPT(nn.Module):
         assert isinstance(blocks, nn.ModuleList)
         for block in blocks:
             x = block(x, rot)
-        return self.lm_head(self.transformer["ln_f"](x))
+        x = self.transformer["ln_f"](x)
+        multiple = VOCAB_MULTIPLE if x.is_cuda else 1
+        if targets is not None:
+            return self._head_loss(x, self.lm_head.weight, targets, self.cfg.vocab_size, multiple)
+        return head_logits(x, self.lm_head.weight, self.cfg.vocab_size, multiple)

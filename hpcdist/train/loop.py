@@ -8,8 +8,10 @@ others, then all ranks train under DDP or FSDP2 (``params.parallel``, ``hpcdist.
 At each step boundary the ranks agree on ``should_stop()`` (the site's signal or SIGTERM); when
 it is set they write a checkpoint and the job requeues, up to ``preemption.max_requeues`` times
 for time-outs. Rank 0's ``results`` hold the metrics, written when the run ends.
-It runs a little over 350 lines: the step loop, its failure naming and the stop/requeue
-ending are one flow, read top to bottom (resume, result and state are their own modules).
+A step does not wait for the device: its loss and gradient norm stay there until the loop logs
+(``hpcdist.train.window``), and the model's blocks and head are compiled on GPUs
+(``hpcdist.train.speed``). It runs under 400 lines: the step loop, its failure naming and the
+stop/requeue ending are one flow, read top to bottom (resume, result and state are their own modules).
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ from hpcdist.errors import HpcdistError, JobError
 from hpcdist.model.gpt import GPTConfig
 from hpcdist.runtime import abort
 from hpcdist.runtime.reach import failure_message
-from hpcdist.train import parallel
+from hpcdist.train import parallel, speed
 from hpcdist.train.metrics import add_rank_log_file, perplexity
-from hpcdist.train.params import TrainParams, effective_precision, model_config
+from hpcdist.train.params import TrainParams, effective_compile, effective_precision, model_config
 from hpcdist.train.result import fill_result
 from hpcdist.train.resume import resume, save
 from hpcdist.train.run import Run
 from hpcdist.train.schedule import lr_factor, scaled_lr
+from hpcdist.train.window import Window, stop_every
 
 if TYPE_CHECKING:
     from hpcdist.api import Context
@@ -64,12 +67,15 @@ def deterministic_kernels() -> None:
 def build(ctx: JobContext, api: Context, params: TrainParams) -> Run:
     info = describe(params.data)
     cfg: GPTConfig = model_config(params, info.vocab_size)
+    cache = speed.compile_cache(ctx) if effective_compile(params.compile, ctx.device.type) else None
     if params.deterministic:
         deterministic_kernels()
+    speed.fast_matmuls(ctx.device)
     bf16_ok = ctx.device.type == "cuda" and torch.cuda.is_bf16_supported()
     precision = effective_precision(params.precision, ctx.device.type, bf16_ok)
     torch.manual_seed(params.seed)  # the same initial weights on every rank
-    model, net = parallel.build(cfg, ctx, params.parallel, precision)  # FSDP2: each rank's shard only
+    compile_parts = partial(speed.compile_model, deterministic=params.deterministic) if cache else None
+    model, net = parallel.build(cfg, ctx, params.parallel, precision, compile_parts)  # FSDP2: each rank's shard only
     decay = [p for _, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for _, p in model.named_parameters() if p.dim() < 2]
     o = params.optim
@@ -78,9 +84,9 @@ def build(ctx: JobContext, api: Context, params: TrainParams) -> Run:
     val = TokenWindows(params.data, "val", cfg.context)
     order = DistributedOrder(len(train), ctx.world_size, ctx.rank, b.micro, b.accum, params.seed)
     peak = scaled_lr(o.lr, o.lr_scaling, order.global_batch, o.reference_batch or b.micro * b.accum)
-    opt = torch.optim.AdamW(
+    opt = speed.adamw(
         [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=peak, betas=o.betas, eps=o.eps,
+        ctx.device, lr=peak, betas=o.betas, eps=o.eps,
     )
     factor = partial(lr_factor, warmup=o.warmup_steps, total=params.steps, min_ratio=o.min_lr_ratio)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
@@ -90,14 +96,16 @@ def build(ctx: JobContext, api: Context, params: TrainParams) -> Run:
     np.random.seed(params.seed + 1 + ctx.rank)
     random.seed(params.seed + 1 + ctx.rank)
     return Run(api, params, cfg, model, net, opt, sched, scaler, order, train, val, peak, precision,
-               mixed=parallel.mixed_precision(ctx, params.parallel, precision), tokenizer=info.load_tokenizer())
+               mixed=parallel.mixed_precision(ctx, params.parallel, precision), tokenizer=info.load_tokenizer(),
+               compile_cache=cache)
 
 
 # ---------------------------------------------------------------- steps
 
 
-def train_step(run: Run) -> tuple[float, float]:
-    """One optimizer step over `accum` micro-batches; returns the mean loss over ranks and grad norm."""
+def train_step(run: Run) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over `accum` micro-batches; this rank's mean loss and the gradient norm,
+    as device tensors: nothing here waits for the device (``hpcdist.train.window``)."""
     run.net.train()
     micro = run.order.step_samples(run.epoch, run.position)
     device = run.ctx.device
@@ -108,8 +116,7 @@ def train_step(run: Run) -> tuple[float, float]:
         # Reduce only on the last micro-batch: the others accumulate locally.
         with parallel.gradient_sync(run.net, m == last):
             with run.autocast():
-                logits = run.net(x)
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+                loss = run.net(x, y)  # the head and the loss together, over the real vocabulary
             run.scaler.scale(loss / len(micro)).backward()
         total += loss.detach()
     run.scaler.unscale_(run.opt)
@@ -122,9 +129,7 @@ def train_step(run: Run) -> tuple[float, float]:
     run.scaler.update()
     run.opt.zero_grad(set_to_none=True)
     run.sched.step()
-    mean = total / len(micro)
-    dist.all_reduce(mean)
-    return float(mean.item()) / run.ctx.world_size, float(grad_norm.item())
+    return total / len(micro), grad_norm
 
 
 @torch.no_grad()
@@ -197,25 +202,29 @@ def loop(r: Run) -> dict[str, Any]:
             r.cfg.context, r.peak_lr, r.precision,
         )
     stop = ""
+    window, check_every = Window(), 1
     try:
         while r.step < params.steps:
-            t0 = time.perf_counter()
+            window.start()
             lr = float(r.opt.param_groups[0]["lr"])  # what this step uses: the metric is the optimizer's, not a formula
             comm = "FSDP all-gather/reduce-scatter" if r.sharded else "gradient all_reduce"
             with _named(r, f"training step {r.step + 1} ({comm})"):
                 loss, grad_norm = train_step(r)
-            if r.ctx.device.type == "cuda":
-                torch.cuda.synchronize(r.ctx.device)
-            seconds = time.perf_counter() - t0
             r.step += 1
             r.position += r.order.global_batch
             r.tokens_seen += r.tokens_per_step
-            measured = {"epoch": r.epoch, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-                        "tokens_per_s": r.tokens_per_step / seconds, "step_time_s": seconds,
-                        "tokens_seen": r.tokens_seen}
-            r.metrics.add("steps", step=r.step, ppl=perplexity(loss), **measured)
-            r.api.track(r.step, **measured)  # the same figures, rank 0's, to the trackers
-            if r.order.epoch_ends_before(r.position):
+            window.add(r.step, r.epoch, lr, r.tokens_seen, loss, grad_norm)
+            epoch_ends = r.order.epoch_ends_before(r.position)
+            every = params.eval.every
+            evaluates = bool(every and r.step % every == 0) or r.step == params.steps
+            saves = r.step % params.checkpoint.every == 0 or r.step == params.steps
+            run_ends = bool(params.run_steps) and r.step - start_step >= (params.run_steps or 0)
+            if (r.step == start_step + 1 or r.step % params.log_every == 0 or epoch_ends or evaluates or saves
+                    or run_ends or r.step % check_every == 0):  # a stop is agreed only at these steps
+                with _named(r, f"training step {r.step} (loss all_reduce)"):
+                    step_s = _flush(r, window, progress, first=r.step == start_step + 1)
+                check_every = stop_every(params.log_every, step_s)
+            if epoch_ends:
                 if ctx.is_main:
                     ep = r.metrics.epochs()
                     i = int(np.flatnonzero(ep["epoch"] == r.epoch)[-1]) if len(ep["epoch"]) else 0
@@ -224,28 +233,26 @@ def loop(r: Run) -> dict[str, Any]:
                         r.epoch, ep["mean_loss"][i], ep["ppl"][i], ep["tokens_per_s"][i],
                     )
                 r.epoch, r.position = r.epoch + 1, 0
-            if progress is not None:
-                progress.update(r.step, f"loss {loss:.4f}  lr {lr:.2e}  "
-                                f"{r.tokens_per_step / seconds:,.0f} tok/s  grad_norm {grad_norm:.3f}")
-            every = params.eval.every
-            if (every and r.step % every == 0) or r.step == params.steps:
+            if evaluates:
                 with _named(r, f"validation at step {r.step} (all_reduce)"):
                     val = evaluate(r)
                 r.metrics.add("val", step=r.step, loss=val, ppl=perplexity(val))
                 r.api.track(r.step, val_loss=val)
                 if ctx.is_main:
                     ctx.log.info("step %d: validation loss %.4f (ppl %.2f)", r.step, val, perplexity(val))
-            with _named(r, f"training step {r.step} (stop agreement all_reduce)"):
-                stopping = r.api.should_stop()
+            stopping = False
+            if r.step % check_every == 0 or saves or run_ends:
+                with _named(r, f"training step {r.step} (stop agreement all_reduce)"):
+                    stopping = r.api.should_stop()
             if stopping and r.step < params.steps:
                 stop = "preempted"
             elif stopping:  # at the last step: just finish
                 r.api.ignore_stop()
-            elif params.run_steps and r.step - start_step >= params.run_steps and r.step < params.steps:
+            elif run_ends and r.step < params.steps:
                 stop = "run_steps"
             if stop == "preempted":
                 _count_preemption(r)
-            if stop or r.step % params.checkpoint.every == 0 or r.step == params.steps:
+            if stop or saves:
                 how = "sharded checkpoint save" if r.sharded else "checkpoint gather to rank 0"
                 with _named(r, f"training step {r.step} ({how})"):
                     save(r, final=bool(stop) or r.step == params.steps)
@@ -260,6 +267,26 @@ def loop(r: Run) -> dict[str, Any]:
     complete = r.step >= params.steps
     result = _finish(r, complete)
     return _summary(r, complete, result, stop)
+
+
+def _flush(r: Run, window: Window, progress: Progress | None, first: bool) -> float:
+    """The window's steps into the metrics and the trackers, and the progress line (the one host
+    wait of the window); the mean step time, the same on every rank. The first step of a run is
+    its own window, and says how long it took: with compiling, that is mostly compile time."""
+    rows, step_s = window.flush(r.ctx.world_size, r.tokens_per_step)
+    for row in rows:
+        r.metrics.add("steps", ppl=perplexity(row["loss"]), **row)
+        r.api.track(row["step"], **{k: v for k, v in row.items() if k != "step"})  # rank 0's, to the trackers
+    last = rows[-1]
+    if first and r.ctx.is_main:
+        why = (f"includes torch.compile's work on the blocks and the head: compiling them, or loading the code "
+               f"cached in {r.compile_cache} by an earlier run"
+               if r.compile_cache is not None else "eager: no compilation (params.compile)")
+        r.ctx.log.info("step %d took %.2f s: %s", last["step"], step_s, why)
+    if progress is not None:
+        progress.update(last["step"], f"loss {last['loss']:.4f}  lr {last['lr']:.2e}  "
+                        f"{last['tokens_per_s']:,.0f} tok/s  grad_norm {last['grad_norm']:.3f}")
+    return step_s
 
 
 def _track_checkpoints(r: Run) -> None:

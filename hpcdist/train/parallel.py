@@ -21,7 +21,7 @@ into a state of this run's layout, so it reshards to any world size.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,16 +36,22 @@ if TYPE_CHECKING:
     from hpcdist.train.params import ParallelParams, Precision
 
 
-def build(cfg: GPTConfig, ctx: JobContext, parallel: ParallelParams, precision: Precision) -> tuple[GPT, nn.Module]:
+def build(cfg: GPTConfig, ctx: JobContext, parallel: ParallelParams, precision: Precision,
+          compile_parts: Callable[[GPT], Any] | None = None) -> tuple[GPT, nn.Module]:
     """The model (from torch's global generator, as ``GPT(cfg)``) and the module the steps run:
-    under DDP a whole copy on every rank; under FSDP2 each rank's shard, never the whole."""
+    under DDP a whole copy on every rank; under FSDP2 each rank's shard, never the whole.
+    `compile_parts` (``hpcdist.train.speed.compile_model``) compiles the model's parts before either wraps it."""
     before = mark_memory(ctx.device)
     if not parallel.fsdp:
         model = GPT(cfg).to(ctx.device)
+        if compile_parts is not None:
+            compile_parts(model)
         net = wrap(model, ctx, parallel, precision)
     else:
         with torch.device("meta"):
             model = GPT(cfg)
+        if compile_parts is not None:
+            compile_parts(model)
         net = wrap(model, ctx, parallel, precision)
         model.to_empty(device=ctx.device)
         init_shards(model)
@@ -92,8 +98,11 @@ def held_bytes(model: nn.Module) -> tuple[int, int]:
 
 
 def wrap(model: nn.Module, ctx: JobContext, parallel: ParallelParams, precision: Precision) -> nn.Module:
-    """The module the steps run: DDP around `model`, or `model` itself sharded in place by FSDP2."""
+    """The module the steps run: DDP around `model`, or `model` itself sharded in place by FSDP2;
+    one rank alone runs `model` as it is (DDP's gradient buckets would only copy and wait)."""
     if not parallel.fsdp:
+        if ctx.world_size == 1:
+            return model
         return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -126,7 +135,7 @@ def mixed_precision(ctx: JobContext, parallel: ParallelParams, precision: Precis
 @contextlib.contextmanager
 def gradient_sync(net: nn.Module, sync: bool) -> Iterator[None]:
     """Reduce gradients in this backward (`sync`), or only accumulate them locally."""
-    if sync:
+    if sync or not isinstance(net, DDP) and not hasattr(net, "set_requires_gradient_sync"):  # one rank: no sync
         yield
     elif isinstance(net, DDP):
         with net.no_sync():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from hpcdist.config.site import ExpandedPath, Frozen
 from hpcdist.config.spec import SpecPath
@@ -141,7 +141,16 @@ class TrainParams(Frozen):
         default=False,
         description="repeatable to the bit on GPUs (a rerun, or a resume, gives the same losses): deterministic "
         "kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG) and attention by SDPA's math "
-        "backend, whose backward has no atomics; slower. CPU runs are repeatable without it",
+        "backend, whose backward has no atomics; compiled code too (inductor's deterministic mode: no "
+        "autotuning by timing, atomic kernels fall back to torch's deterministic ones); slower. CPU runs are "
+        "repeatable without it",
+    )
+    compile: Literal["auto"] | bool = Field(
+        default="auto",
+        description="torch.compile each transformer block and the head with its loss (the module DDP or FSDP2 "
+        "wraps stays eager); auto: on for GPUs, off for CPUs, where compiling takes longer than it saves. "
+        "The first step includes the compilation (the log says how long it took); the compiled code is kept "
+        "in the user's scratch (TORCHINDUCTOR_CACHE_DIR, unless set), so a requeue or resubmission reuses it",
     )
     eval: EvalParams = EvalParams()
     checkpoint: CheckpointParams = CheckpointParams()
@@ -150,6 +159,13 @@ class TrainParams(Frozen):
         default=None, ge=1, description="stop after this many steps in this run (checkpointed); resume later"
     )
     peak_tflops: float | None = Field(default=None, gt=0, description="per-GPU peak, for model FLOPs utilisation")
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_word(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.lower() not in ("auto", "true", "false"):
+            raise ValueError(f"{value!r} is not auto, true or false")
+        return value.lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> TrainParams:
@@ -248,6 +264,11 @@ def effective_precision(requested: str, device_type: str, bf16_supported: bool) 
     if requested not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"unknown precision {requested!r}; use auto, fp32, bf16 or fp16")
     return requested  # type: ignore[return-value]
+
+
+def effective_compile(requested: Literal["auto"] | bool, device_type: str) -> bool:
+    """Whether a run on `device_type` compiles: `requested`, with ``auto`` on for CUDA only."""
+    return device_type == "cuda" if requested == "auto" else bool(requested)
 
 
 def model_config(params: TrainParams, vocab_size: int) -> Any:

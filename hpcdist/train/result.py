@@ -39,6 +39,7 @@ def fill_result(r: Run, complete: bool) -> None:
         params_json=r.params.model_dump_json(),
         precision=r.precision,
         precision_requested=r.params.precision,
+        compiled=r.compile_cache is not None,
         requeues=r.requeues,
         timeouts=r.timeouts,
         checkpoint=str(r.last_checkpoint or ""),
