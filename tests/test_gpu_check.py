@@ -76,11 +76,15 @@ def test_mfu_is_achieved_flops_over_the_peak() -> None:
 def test_the_peak_is_the_named_parts_at_the_runs_precision() -> None:
     """By the exact name torch gives: an H100 PCIe or NVL is not rated as the SXM part, an A10G not as
     an A10; an fp32 run is rated against the FP32 rate, not bf16's."""
-    from hpcdist.train.metrics import peak_tflops
+    from hpcdist.train.metrics import peak_tflops, rated_precision
 
     assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.0 and peak_tflops("NVIDIA H200", "bf16") == 989.0
     assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0 and peak_tflops("NVIDIA H100 NVL", "bf16") == 835.0
     assert peak_tflops("NVIDIA H100 80GB HBM3", "fp32") == 67.0
+    # an fp32 run with TF32 matmuls (train_gpt's on CUDA) is rated at the TF32 peak, not plain FP32's
+    assert rated_precision("fp32", "high") == "tf32" and rated_precision("fp32", "highest") == "fp32"
+    assert rated_precision("bf16", "high") == "bf16"
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "tf32") == 494.7
     assert peak_tflops("NVIDIA A10G", "bf16") is None and peak_tflops("Tesla T4", "bf16") is None
 
 

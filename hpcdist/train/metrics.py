@@ -25,14 +25,16 @@ TABLES = {"steps": STEP_COLUMNS, "val": VAL_COLUMNS, "checkpoints": CKPT_COLUMNS
 
 # Dense (no sparsity) peak TFLOP/s per GPU, for model FLOPs utilisation when not given: by the exact
 # name torch.cuda.get_device_name gives (a substring would rate an H100 PCIe or NVL as the SXM part,
-# an A10G as an A10), per precision. fp32 is the plain FP32 rate: torch's matmuls do not use TF32
-# unless asked. NVIDIA data sheets: H100/H200 (SXM, PCIe, NVL), A100 (40/80 GB), L40S, A10.
-_H100_SXM = {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}
-_NVL = {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0}
-_A100 = {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}
+# an A10G as an A10), per precision. fp32 is the plain FP32 rate, tf32 the tensor cores' rate for
+# float32 matmuls when torch is asked for them (``rated_precision``; train_gpt asks on CUDA, as
+# ``hpcdist.train.speed.fast_matmuls`` says), both dense (the data sheets' TF32 figure is with
+# sparsity: half of it). NVIDIA data sheets: H100/H200 (SXM, PCIe, NVL), A100 (40/80 GB), L40S, A10.
+_H100_SXM = {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 67.0}
+_NVL = {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0}
+_A100 = {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "NVIDIA H100 80GB HBM3": _H100_SXM,
-    "NVIDIA H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
+    "NVIDIA H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
     "NVIDIA H100 NVL": _NVL,
     "NVIDIA H200": _H100_SXM,
     "NVIDIA H200 NVL": _NVL,
@@ -40,9 +42,16 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "NVIDIA A100-SXM4-40GB": _A100,
     "NVIDIA A100 80GB PCIe": _A100,
     "NVIDIA A100-PCIE-40GB": _A100,
-    "NVIDIA L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6},
-    "NVIDIA A10": {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2},
+    "NVIDIA L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},
+    "NVIDIA A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
 }
+
+
+def rated_precision(precision: str, matmul_precision: str) -> str:
+    """The precision a run's peak is read at: an fp32 run whose float32 matmuls use TF32
+    (``torch.get_float32_matmul_precision()`` other than ``highest``) at the TF32 rate, so that its
+    MFU is not rated against the plain FP32 peak it no longer runs at."""
+    return "tf32" if precision == "fp32" and matmul_precision != "highest" else precision
 
 
 def peak_tflops(device_name: str, precision: str) -> float | None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hpcdist.train.metrics import peak_tflops
+from hpcdist.train.metrics import peak_tflops, rated_precision
 
 if TYPE_CHECKING:
     from hpcdist.train.run import Run
@@ -60,7 +60,8 @@ def _mfu(r: Run, tokens_per_s: float) -> float | None:
         return None
     peak = r.params.peak_tflops
     if peak is None:
-        peak = peak_tflops(torch.cuda.get_device_name(r.ctx.device), r.precision)
+        rated = rated_precision(r.precision, torch.get_float32_matmul_precision())
+        peak = peak_tflops(torch.cuda.get_device_name(r.ctx.device), rated)
     if peak is None:
         return None
     return r.cfg.flops_per_token() * tokens_per_s / (peak * 1e12 * r.ctx.world_size)
