@@ -112,7 +112,9 @@ def train_step(run: Run) -> tuple[torch.Tensor, torch.Tensor]:
     total = torch.zeros((), device=device)
     last = len(micro) - 1
     for m, idx in enumerate(micro):
-        x, y = (t.to(device, non_blocking=True) for t in run.train.batch(idx))
+        # from pinned memory on CUDA: a copy from pageable memory may wait for the device (CUDA's
+        # "API synchronization behavior"); pinned, the step queues it and goes on
+        x, y = (_pinned(t, device).to(device, non_blocking=True) for t in run.train.batch(idx))
         # Reduce only on the last micro-batch: the others accumulate locally.
         with parallel.gradient_sync(run.net, m == last):
             with run.autocast():
@@ -132,6 +134,10 @@ def train_step(run: Run) -> tuple[torch.Tensor, torch.Tensor]:
     return total / len(micro), grad_norm
 
 
+def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.pin_memory() if device.type == "cuda" else t
+
+
 @torch.no_grad()
 def evaluate(run: Run) -> float:
     run.model.eval()
@@ -145,7 +151,7 @@ def evaluate(run: Run) -> float:
         x, y = (t.to(device) for t in run.val.batch(idx))
         with run.autocast():
             logits = run.model(x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1), reduction="sum")
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum")
         acc += torch.stack([loss.double(), torch.tensor(float(y.numel()), device=device, dtype=torch.float64)])
     dist.all_reduce(acc)
     run.model.train()
