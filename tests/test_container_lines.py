@@ -380,3 +380,18 @@ def test_a_charliecloud_image_keeps_its_own_path_and_library_path_and_nothing_el
     result = run_cli("render", "jobs/smoke.yaml", "--site", "local-slurm", "--set", "container.runtime=charliecloud",
                      "--set", f"container.image={image}")
     assert result.code == 0 and "--set-env" not in result.out
+
+
+def test_a_path_with_a_comma_in_pyxis_or_apptainers_list_of_binds_is_refused_in_one_line(tmp_path: Path) -> None:
+    image = tmp_path / "pt.sqsh"
+    image.write_text("")
+    for site, runtime in (("ndr-h100", "pyxis"), ("hdr-a100", "apptainer")):
+        result = run_cli("render", "jobs/smoke.yaml", "--site", site, "--set", f"container.runtime={runtime}",
+                         "--set", f"container.image={image}", "--set", "site.storage.results=/srv/a,b/results")
+        assert result.code == 2 and "\n" not in result.err.strip(), result.text
+        assert f"'/srv/a,b/results' has a comma, which {runtime} reads as the end of a bind" in result.err
+    here = tmp_path / "runs,2024"  # pyxis binds the submit directory too
+    here.mkdir()
+    result = run_cli("render", str(REPO / "jobs/smoke.yaml"), "--site", "ndr-h100", "--set",
+                     f"container.image={image}", cwd=here)
+    assert result.code == 2 and f"'{here}' has a comma" in result.err and "submit from a path without one" in result.err
