@@ -34,6 +34,7 @@ from tests.support.train import (
     TWO_NODES,
     Background,
     preempt_and_release,
+    preempted_once,
     rank_log,
     slurm_job,
     train_args,
@@ -285,16 +286,11 @@ def test_an_unchanged_script_continues_its_mlflow_run_after_a_requeue(train_root
     require_slurm()
     root = train_root / "plain-script"
     state = root / "state.txt"
-    job = Background(["submit", "--site", "local-slurm", "--wait", *storage_sets(root),
-                      "--set", f"tracking.mlflow={{uri: '{mlflow_server.uri}', experiment: plain}}",
-                      "--", str(PLAIN_MLFLOW), str(state), "60"])
-    try:
-        wait_for(lambda: state.exists() and int(state.read_text() or 0) >= 10, 120, "step 10 of the script")
-        jid = next(p.name for p in (root / "logs" / "mlflow_plain").iterdir() if p.name.isdigit())
-        preempt_and_release(jid, "requeue")
-        result = job.finish(timeout=120)
-    finally:
-        job.kill()
+    jid, result = preempted_once(
+        ["submit", "--site", "local-slurm", "--wait", *storage_sets(root),
+         "--set", f"tracking.mlflow={{uri: '{mlflow_server.uri}', experiment: plain}}",
+         "--", str(PLAIN_MLFLOW), str(state), "60"], root, "mlflow_plain",
+        lambda: state.exists() and int(state.read_text() or 0) >= 10, "step 10 of the script", "requeue", finish_s=120)
     assert result.code == 0, result.text
     out = "".join(p.read_text() for p in (root / "logs" / "mlflow_plain" / jid).glob("*_log.out"))
     started = re.findall(r"mlflow run (\w+) from step (\d+)", out)

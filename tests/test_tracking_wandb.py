@@ -18,7 +18,7 @@ from google.protobuf.message import DecodeError
 from tests.support import train as fx
 from tests.support import wandb_log
 from tests.support.cli import require_slurm, run_cli, storage_sets
-from tests.support.train import Background, preempt_and_release, wait_for
+from tests.support.train import preempted_once
 from tests.test_tracking import read_key
 
 train_root = fx.train_root
@@ -46,15 +46,10 @@ def test_an_unchanged_script_continues_its_wandb_run_after_a_requeue(train_root:
     require_slurm()
     root = train_root / "plain-wandb"
     state, folder = root / "state.txt", root / "logs" / "wandb_plain" / "tracking"
-    job = Background(["submit", "--site", "local-slurm", "--wait", *storage_sets(root),
-                      "--set", "tracking.wandb={project: plain}", "--", str(PLAIN_WANDB), str(state), "150"])
-    try:
-        wait_for(lambda: len(logged_steps(folder)) >= 10, 120, "step 10 in the script's offline W&B file")
-        jid = next(p.name for p in (root / "logs" / "wandb_plain").iterdir() if p.name.isdigit())
-        preempt_and_release(jid, "requeue")
-        result = job.finish(timeout=120)
-    finally:
-        job.kill()
+    jid, result = preempted_once(
+        ["submit", "--site", "local-slurm", "--wait", *storage_sets(root), "--set", "tracking.wandb={project: plain}",
+         "--", str(PLAIN_WANDB), str(state), "150"], root, "wandb_plain",
+        lambda: len(logged_steps(folder)) >= 10, "step 10 in the script's offline W&B file", "requeue", finish_s=120)
     assert result.code == 0, result.text
     out = "".join(p.read_text() for p in (root / "logs" / "wandb_plain" / jid).glob("*_log.out"))
     started = re.findall(r"wandb run (\w+) from step (\d+)", out)

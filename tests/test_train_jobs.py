@@ -32,7 +32,7 @@ from tests.support.train import (
     differing,
     final_checkpoint,
     model_arrays,
-    preempt_and_release,
+    preempted_slurm_run,
     rank_log,
     train,
     train_args,
@@ -211,15 +211,7 @@ def test_gradient_accumulation_gives_the_update_of_one_large_batch(train_root: P
 def test_slurm_preempted_job_requeues_and_resumes_bit_for_bit(train_root: Path, tokens: Path, reference: Path) -> None:
     require_slurm()
     root = train_root / "slurm-preempt"
-    job = Background(train_args(root, tokens, "--set", "resources.nodes=2", "--set", "resources.tasks_per_node=1",
-                                site="local-slurm"))
-    try:
-        wait_for(lambda: "step 20/400" in rank_log(root), 120, "step 20 in rank 0's log")
-        jid = next(p.name for p in (root / "logs" / "train_gpt").iterdir() if p.name.isdigit())
-        preempt_and_release(jid, "USR2")
-        result = job.finish(timeout=180)
-    finally:
-        job.kill()
+    jid, result = preempted_slurm_run(root, tokens, "USR2")
     assert_completed_after_one_requeue(jid, result, ranks=2)
     log = rank_log(root, 0)
     stopped = int(re.search(r"USR2 signal received: checkpointing at step (\d+)", log).group(1))  # type: ignore[union-attr]

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -198,8 +198,9 @@ def assert_completed_after_one_requeue(jid: str, result: Any, ranks: int) -> Non
 TWO_NODES = ["--set", "resources.nodes=2", "--set", "resources.tasks_per_node=1"]
 
 
-def slurm_job(root: Path) -> str:
-    return next(p.name for p in (root / "logs" / "train_gpt").iterdir() if p.name.isdigit())
+def slurm_job(root: Path, name: str = "train_gpt") -> str:
+    """The Slurm job id of job `name`'s run under `root` (its folder in the logs root)."""
+    return next(p.name for p in (root / "logs" / name).iterdir() if p.name.isdigit())
 
 
 def stopped_at(log: str, signal_name: str) -> int:
@@ -208,14 +209,23 @@ def stopped_at(log: str, signal_name: str) -> int:
     return int(match.group(1))
 
 
-def preempted_slurm_run(root: Path, tokens: Path, how: str, *sets: str) -> tuple[str, Any]:
-    """A 2-node training job on the cluster, preempted `how` (``preempt_and_release``) once rank 0
-    logged step 20, waited to its end: (job id, the submit command's result)."""
-    job = Background(train_args(root, tokens, *TWO_NODES, *sets, site="local-slurm"))
+def preempted_once(args: list[str], root: Path, name: str, ready: Callable[[], bool], what: str, how: str,
+                   finish_s: float = 180) -> tuple[str, Any]:
+    """`hpcdist ARGS` (a ``submit --wait`` of job `name` into `root`) in the background, preempted
+    `how` (``preempt_and_release``) once `ready` holds (`what`, within 120 s), waited to its end:
+    (job id, the submit command's result)."""
+    job = Background(args)
     try:
-        wait_for(lambda: "step 20/400" in rank_log(root), 120, "step 20 in rank 0's log")
-        jid = slurm_job(root)
+        wait_for(ready, 120, what)
+        jid = slurm_job(root, name)
         preempt_and_release(jid, how)
-        return jid, job.finish(timeout=180)
+        return jid, job.finish(timeout=finish_s)
     finally:
         job.kill()
+
+
+def preempted_slurm_run(root: Path, tokens: Path, how: str, *sets: str) -> tuple[str, Any]:
+    """A 2-node training job on the cluster, preempted `how` once rank 0 logged step 20, waited to
+    its end: (job id, the submit command's result)."""
+    return preempted_once(train_args(root, tokens, *TWO_NODES, *sets, site="local-slurm"), root, "train_gpt",
+                          lambda: "step 20/400" in rank_log(root), "step 20 in rank 0's log", how)
