@@ -176,6 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "hpcdist-out" / "gpu-check")
     ap.add_argument("--quick", action="store_true", help="fewer steps and smaller sizes")
+    ap.add_argument("--only", action="append", default=[], metavar="WORDS",
+                    help="run only the rows whose name contains WORDS (repeatable), to rerun a failed row: "
+                         "'infer_gpt' (its checkpoint then comes from 'train GPT-2', which it needs)")
     args = ap.parse_args(argv)
     ok, what = has_gpu()
     if not ok:
@@ -189,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "python": sys.version.split()[0]}
     with tempfile.TemporaryDirectory(prefix="hpcdist-gpu-check-") as tmp:
         c = Checker(Path(tmp), args.quick)
+        if args.only:
+            c.only = [w.lower() for w in args.only]
         c.add(packages)
         if packages.status == "ok":
             c.guarded("hpcdist env", c.env_discovery)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -139,19 +140,39 @@ def read_steps(result: Path) -> dict[int, float]:
         return step_losses(read_table(f["train/steps"]))
 
 
-def window_rate(result: Path, window: int) -> float:
-    """The median tokens/s of a train_gpt run's windows of `window` steps (its ``log_every``: the
-    rows of a window share its time), the first one (warm-up, compilation) left out; nan with none."""
-    import statistics
-
+def window_rates(result: Path, window: int) -> dict[int, float]:
+    """{last step: tokens/s} of a train_gpt run's windows of `window` steps (its ``log_every``: the
+    rows of a window share its time), the first one (warm-up, compilation) left out."""
     import h5py
 
     from hpcdist.store.results import read_table
 
     with h5py.File(result, "r") as f:
         t = read_table(f["train/steps"])
-    rates = [float(v) for s, v in zip(t["step"], t["tokens_per_s"], strict=True) if int(s) % window == 0][1:]
+    rates = {int(s): float(v) for s, v in zip(t["step"], t["tokens_per_s"], strict=True) if int(s) % window == 0}
+    return dict(list(rates.items())[1:])
+
+
+def window_rate(result: Path, window: int) -> float:
+    """The median of `window_rates`; nan with none."""
+    import statistics
+
+    rates = list(window_rates(result, window).values())
     return statistics.median(rates) if rates else float("nan")
+
+
+def after_save(result: Path, window: int, saved_at: int) -> str:
+    """The median window after a checkpoint saved in the background at step `saved_at` against
+    those before it, as the row's words (the save's write, hash and commit overlap the next steps)."""
+    import statistics
+
+    rates = window_rates(result, window)
+    before = [v for s, v in rates.items() if s <= saved_at]
+    after = [v for s, v in rates.items() if s > saved_at]
+    if not before or not after:
+        return f"no windows on both sides of the step-{saved_at} save"
+    ratio = statistics.median(after) / statistics.median(before)
+    return f"windows after the step-{saved_at} background save {ratio:.2f}x those before"
 
 
 def resume_steps(result: Path) -> list[int]:
@@ -193,6 +214,25 @@ def model_digest(checkpoint: Path) -> str:
         for name in sorted(names):
             h.update(name.encode() + b"\0" + f["model"][name][()].tobytes())
     return h.hexdigest()
+
+
+def largest_tensor_bytes(checkpoint: Path) -> int:
+    """The biggest tensor of a train_gpt checkpoint, in the dtype it is stored in: the bucket
+    ``infer_gpt``'s ``load: broadcast`` sends it in when it is bigger than ``bucket_mb``."""
+    import torch
+
+    from hpcdist.model.checkpoint import read_header
+
+    header = read_header(checkpoint)
+    return max(math.prod(shape) * getattr(torch, header.dtypes[name]).itemsize
+               for name, shape in header.shapes.items())
+
+
+def first_step_s(log: str) -> float | None:
+    """How long a train_gpt run's first step took, from its rank log (``step N took X s: ...``):
+    with compiling, mostly compile time, or loading the compiled code from the cache."""
+    m = re.search(r"step \d+ took ([0-9.]+) s", log)
+    return float(m.group(1)) if m else None
 
 
 def torch_nccl_settings(log: str) -> dict[str, int]:

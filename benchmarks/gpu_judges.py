@@ -387,20 +387,24 @@ LOAD_BUCKET_BYTES = 64 * 2**20  # infer_gpt's default bucket_mb: what rank 0 rea
 
 
 def judge_infer(dtype: str, params: int, vocab: int, d_model: int, weight_bytes: int, kv_bytes: int,
-                peak_bytes: int, load_peak_bytes: int) -> Row:
+                peak_bytes: int, load_peak_bytes: int, largest_tensor_bytes: int) -> Row:
     """infer_gpt in bfloat16: the weights held at 2 bytes a value (with the head's transposed copy),
-    and `load: broadcast` streamed: the load's device peak is the model plus about one bucket (a
-    bucket in flight and its received copy), never the checkpoint's whole float32 copy beside it."""
+    and `load: broadcast` streamed: the load's device peak is the model plus one bucket in flight
+    and its shard on the way into the model (hpcdist.infer.broadcast_load), never the checkpoint's
+    whole float32 copy beside it. A tensor bigger than a bucket (GPT-2's float32 embedding, 154 MB,
+    against 64 MiB buckets) goes as a bucket of its own: `largest_tensor_bytes`, in the checkpoint's
+    dtype, is then the bucket."""
     want = 2 * (params + vocab * d_model)
     problems = []
     if dtype != "bfloat16":
         problems.append(f"dtype {dtype}")
     if not abs(weight_bytes - want) < 0.01 * want:
         problems.append(f"weights hold {weight_bytes / 1e6:.0f} MB, not {want / 1e6:.0f} MB")
-    bound = 1.05 * weight_bytes + 2 * LOAD_BUCKET_BYTES
+    bucket = max(LOAD_BUCKET_BYTES, largest_tensor_bytes)
+    bound = 1.05 * weight_bytes + 2 * bucket
     if not 0 < load_peak_bytes <= bound:
         problems.append(f"the load's device peak {load_peak_bytes / 1e6:.0f} MB is not within the weights and two "
-                        f"buckets ({bound / 1e6:.0f} MB): the model was not streamed")
+                        f"buckets of {bucket / 1e6:.0f} MB ({bound / 1e6:.0f} MB): the model was not streamed")
     return verdict("infer_gpt bfloat16 memory", problems,
                    f"weights {weight_bytes / 1e6:.0f} MB, KV {kv_bytes / 1e6:.0f} MB, "
                    f"device peak {peak_bytes / 1e6:.0f} MB, load peak {load_peak_bytes / 1e6:.0f} MB",

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,10 @@ from benchmarks.gpu_jobs import (
     ABORT_SCRIPT,
     NCCL_REPORT_SCRIPT,
     Job,
+    after_save,
     checkpoints_of,
+    first_step_s,
+    largest_tensor_bytes,
     model_digest,
     read_steps,
     resume_steps,
@@ -53,6 +57,13 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[1]
 GPT2_SMALL: dict[str, Any] = {"n_layer": 12, "n_head": 12, "d_model": 768, "context": 1024, "vocab_size": 50257}
 ABORT_TIMEOUT_S = 5
+WINDOW = 10  # train_gpt's log_every in these runs: the steps of one timed window
+
+
+def compile_cost(job: Job) -> str:
+    """A train_gpt job's first step as its rank log gives it (compiling, or loading the cache)."""
+    took = first_step_s(job.logs())
+    return f"first step {took:.1f} s" if took is not None else "first step not logged"
 
 
 class Checker:
@@ -71,6 +82,7 @@ class Checker:
         self.gpus = gpus
         self.rows: list[Row] = []
         self.bf16_run: Path | None = None  # the bf16 training row's result: the speed row's train_gpt side
+        self.only: list[str] = []  # words: run only the rows whose name holds one (gpu_check.py --only)
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
     def storage(self, name: str) -> list[str]:
@@ -120,6 +132,10 @@ class Checker:
         print(f"  {row.check}: {row.status} {row.figure} {row.detail}", flush=True)
 
     def guarded(self, check: str, fn: Callable[[], None]) -> None:
+        """Run one row (a few, for `bench` and `train`); a failure is a row. With `only`, just the
+        rows whose name contains one of its words."""
+        if self.only and not any(w in check.lower() for w in self.only):
+            return
         try:
             fn()
         except Exception as exc:  # a failed check is a row, the others still run
@@ -208,7 +224,7 @@ class Checker:
         return tokens
 
     def train_sets(self, steps: int, micro: int = 16, model: Mapping[str, Any] = GPT2_SMALL,
-                   every: int | None = None, log_every: int = 10) -> list[str]:
+                   every: int | None = None, log_every: int = WINDOW) -> list[str]:
         shape = "params.model={" + ", ".join(f"{k}: {v}" for k, v in model.items()) + "}"
         return [*self.gpu_sets(1), f"params.data={self.tokens()}", shape, f"params.steps={steps}",
                 f"params.batch.micro={micro}", "params.batch.accum=1",
@@ -229,16 +245,21 @@ class Checker:
         whole: Path | None = None
         for precision in ("bf16", "fp16"):
             check = f"train GPT-2 small {precision}" + (" + loss scaler" if precision == "fp16" else "")
-            job = self.submit(f"gpt2-{precision}", ["jobs/train_gpt.yaml"], [*sets, f"params.precision={precision}"],
-                              timeout=420)
+            # the bf16 run is the speed row's train_gpt side: its one save comes after its last timed
+            # window, as the reference loop saves nothing; the fp16 run saves half way too (resume, infer)
+            job = self.submit(f"gpt2-{precision}", ["jobs/train_gpt.yaml"],
+                              [*(self.train_sets(steps, every=steps) if precision == "bf16" else sets),
+                               f"params.precision={precision}"], timeout=420)
             if job.code != 0 or job.result is None:
                 self.add(Row(check, "fail", "", job.why))
                 continue
             ckpts = checkpoints_of(self.work / f"gpt2-{precision}" / "checkpoints")
             scaler = scaler_state(ckpts[max(ckpts)]) if ckpts else {}
             peak = peak_tflops(torch.cuda.get_device_name(0), precision) if self.gpus else None
-            self.add(judge_training(check, read_attrs(job.result), list(read_steps(job.result).values()), precision,
-                                    peak, scaler))
+            row = judge_training(check, read_attrs(job.result), list(read_steps(job.result).values()), precision,
+                                 peak, scaler)
+            saved = f"; {after_save(job.result, WINDOW, steps // 2)}" if precision == "fp16" else ""
+            self.add(replace(row, detail=f"{row.detail}; {compile_cost(job)}{saved}"))
             whole = job.result
             if precision == "bf16":
                 self.bf16_run = job.result
@@ -249,7 +270,7 @@ class Checker:
         self.add(self.resume_pair("gpt2-fp16-resumed", ("gpt2-fp16", whole), [*sets, "params.precision=fp16"], steps,
                                   exact=False, check=check, save_check="checkpoint save (CUDA state, run_steps)"))
 
-    def speed(self, window: int = 10) -> None:
+    def speed(self, window: int = WINDOW) -> None:
         """train_gpt / the plain compiled loop (benchmarks/train_vs_plain.py, submitted as a script),
         tokens/s, GPT-2 small, micro 16, bf16: train_gpt's side is the bf16 training row's run
         (compiled: params.compile auto on CUDA), or a run of its own when that row wrote none."""
@@ -323,8 +344,9 @@ class Checker:
             return Row(check, "fail", "", f"no final checkpoint of step {steps} (uninterrupted {a}, resumed {b})")
         scalers = (scaler_state(a), scaler_state(b)) if not exact else None
         digests = (model_digest(a), model_digest(b)) if exact else None
-        return judge_resume(check, read_steps(whole[1]), read_steps(second.result), resume_steps(second.result),
-                            half, exact=exact, scalers=scalers, digests=digests)
+        row = judge_resume(check, read_steps(whole[1]), read_steps(second.result), resume_steps(second.result),
+                           half, exact=exact, scalers=scalers, digests=digests)
+        return replace(row, detail=f"{row.detail}; {compile_cost(first)}, resumed {compile_cost(second)}")
 
     # -- a user's torchrun-style script
     def ddp_example(self) -> None:
@@ -397,7 +419,7 @@ class Checker:
             cfg = GPTConfig(**json.loads(f.attrs["model_config_json"]))
         self.add(judge_infer(dtype, cfg.num_params(), cfg.vocab_size, cfg.d_model, int(ranks["weight_bytes"][0]),
                              int(ranks["kv_cache_peak_bytes"][0]), int(ranks["device_peak_bytes"][0]),
-                             int(ranks["load_peak_bytes"][0])))
+                             int(ranks["load_peak_bytes"][0]), largest_tensor_bytes(ckpts[max(ckpts)])))
 
     def staging(self) -> None:
         report = self.work / "staging.json"

@@ -9,11 +9,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import h5py
 import pytest
 
 from benchmarks import gpu_check as gc
@@ -385,12 +387,21 @@ def test_cuda_tensors_must_reach_the_result_file_as_numbers() -> None:
 def test_bfloat16_inference_must_hold_two_bytes_a_weight() -> None:
     params, vocab, d = 124_439_808, 50257, 768
     want = 2 * (params + vocab * d)
+    embedding = 4 * vocab * d  # the checkpoint's float32 embedding: 154 MB, bigger than a 64 MiB bucket
     streamed = want + 70_000_000
-    assert judges.judge_infer("bfloat16", params, vocab, d, want, 27_000_000, 836_000_000, streamed).status == "ok"
-    assert "weights hold" in judges.judge_infer("bfloat16", params, vocab, d, 2 * want, 1, 1, streamed).detail
-    assert "dtype float32" in judges.judge_infer("float32", params, vocab, d, want, 1, 1, streamed).detail
+    assert judges.judge_infer("bfloat16", params, vocab, d, want, 27_000_000, 836_000_000, streamed,
+                              embedding).status == "ok"
+    # the H100's figure (2026-11-27): the model and the embedding's own bucket beside it
+    assert judges.judge_infer("bfloat16", params, vocab, d, 326_000_000, 27_000_000, 488_000_000, 488_000_000,
+                              embedding).status == "ok"
+    assert "weights hold" in judges.judge_infer("bfloat16", params, vocab, d, 2 * want, 1, 1, streamed,
+                                                embedding).detail
+    assert "dtype float32" in judges.judge_infer("float32", params, vocab, d, want, 1, 1, streamed, embedding).detail
     whole = want + 4 * (params + vocab * d)  # the checkpoint's float32 copy held beside the model
-    assert "was not streamed" in judges.judge_infer("bfloat16", params, vocab, d, want, 1, 1, whole).detail
+    assert "was not streamed" in judges.judge_infer("bfloat16", params, vocab, d, want, 1, 1, whole, embedding).detail
+    # with small tensors only, the bound is two 64 MiB buckets beside the model
+    assert "was not streamed" in judges.judge_infer("bfloat16", params, vocab, d, want, 1, 1,
+                                                    want + 3 * judges.LOAD_BUCKET_BYTES, 1 << 20).detail
 
 
 STAGING = {"device": "cuda", "bytes": 1_082_130_432, **dict.fromkeys(judges.STAGING_CHECKS, True),
@@ -442,7 +453,16 @@ def test_on_cpu_the_resume_rows_jobs_run_and_a_resumed_run_equals_the_whole_one(
     (row,) = c.rows
     assert row.status == "ok", row
     assert "read back at [4]" in row.detail and "final weights identical" in row.detail
+    assert re.search(r"first step [0-9.]+ s, resumed first step [0-9.]+ s", row.detail), row.detail
     final = jobs.checkpoints_of(tmp_path / "det-resumed" / "checkpoints")[8]
+    with h5py.File(final) as f:  # the bucket infer_gpt's streamed load sends its biggest tensor in
+        sizes: list[int] = []
+        f["model"].visititems(lambda _, d: sizes.append(d.nbytes) if isinstance(d, h5py.Dataset) else None)
+    assert jobs.largest_tensor_bytes(final) == max(sizes)
+    (whole,) = (tmp_path / "det-whole" / "results").rglob("*.h5")  # log_every 1, saved at steps 4 and 8
+    assert list(jobs.window_rates(whole, 1)) == [2, 3, 4, 5, 6, 7, 8]  # step 1 (compiling, warm-up) left out
+    assert re.fullmatch(r"windows after the step-4 background save [0-9.]+x those before", jobs.after_save(whole, 1, 4))
+    assert "no windows on both sides" in jobs.after_save(whole, 1, 8)
     assert jobs.scaler_state(final) == {}  # fp32 on CPU: no scaler, which an fp16 row would fail
     assert "not enabled" in judges.scaler_problems(jobs.scaler_state(final), 8)[0]
 
@@ -465,3 +485,25 @@ def test_on_cpu_the_staging_script_runs_through_submit_and_is_judged(tmp_path: P
     report = json.loads((tmp_path / "staging.json").read_text())
     assert report["snapshot_equal"] and report["background_save_equal"] and report["stager_equal"]
     assert report["buffers_reused"]
+
+
+def test_only_runs_the_rows_it_names(tmp_path: Path) -> None:
+    """`gpu_check.py --only WORDS`: a row whose name holds none of the words does not run."""
+    c = gpu_rows.Checker(tmp_path, quick=True, gpus=0)
+    c.only = ["infer_gpt"]
+    ran: list[str] = []
+    c.guarded("train GPT-2 small", lambda: ran.append("train"))
+    c.guarded("infer_gpt bfloat16 memory", lambda: ran.append("infer"))
+    assert ran == ["infer"]
+
+
+def test_the_step_profile_sorts_the_kernels_an_h100_ran() -> None:
+    """benchmarks/gpu_step_profile.py's classes, on kernel names from its H100 run (2026-11-27):
+    cuDNN's flash attention is attention, though its name holds sm90 like the matmuls'."""
+    from benchmarks.gpu_step_profile import kernel_class
+
+    assert kernel_class("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_TNT") == "matmul"
+    assert kernel_class("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64") == "attention"
+    assert kernel_class("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::") == "optimizer"
+    assert kernel_class("triton_poi_fused__log_softmax__log_softmax_backward_data__to_copy").startswith("triton")
+    assert kernel_class("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor") == "other"
