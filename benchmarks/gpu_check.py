@@ -1,6 +1,6 @@
 """Every GPU path of hpcdist, started as a user starts it, on a machine with GPUs and no network (< 10 min).
 
-    make gpu-check            # or: python benchmarks/gpu_check.py [--out DIR] [--quick]
+    make gpu-check            # or: python benchmarks/gpu_check.py [--out DIR] [--quick] [--only WORDS]...
 
 Each row starts its job through the front door on the ``local`` site: ``hpcdist submit --site local
 --set resources.gpus_per_node=N --set resources.tasks_per_node=N ... --wait`` (the command line, run
@@ -29,8 +29,9 @@ wrote benchmarks/gpu_jobs.py. The rows, and what fails them:
   that is not finite or does not fall, and for fp16 a loss scaler that never stepped (its state in
   the final checkpoint: disabled, growth tracker 0, or more than half the steps skipped);
 - train_gpt / plain compiled loop: the bf16 run's tokens/s (median of its ``log_every`` windows, the
-  first left out) against benchmarks/train_vs_plain.py's plain loop (the same model written plainly,
-  the same batch, ``torch.compile``, fused AdamW, TF32), submitted as a script in the same check:
+  first left out; it saves only after its last window, as the reference saves nothing) against
+  benchmarks/train_vs_plain.py's plain loop (the same model written plainly, the same batch,
+  ``torch.compile``, fused AdamW, TF32), submitted as a script in the same check:
   fails below 1.0x, or when either side is not compiled bf16 on the GPU; MFU (6N + 6LTD per token,
   the GPU's bf16 peak: 989 TFLOP/s for H100 SXM and H200) is reported beside it, 40 % the goal;
 - checkpoint save, then resume: the fp16 run again, stopped half way (``params.run_steps``) and
@@ -44,7 +45,8 @@ wrote benchmarks/gpu_jobs.py. The rows, and what fails them:
   or a loss that does not fall;
 - two ranks on one GPU (bootstrap only): not hpcdist's one-line refusal on both ranks;
 - CUDA tensors to ``ctx.results`` (``hpcdist.Executor``): the values not in the result file;
-- ``infer_gpt`` in bfloat16: not 2 bytes a weight;
+- ``infer_gpt`` in bfloat16: not 2 bytes a weight, or a load that did not stream (its device peak
+  above the model and two buckets, a bucket 64 MiB or the checkpoint's largest tensor);
 - checkpoint staging (``benchmarks/gpu_ckpt_staging.py`` through ``submit``): a copy not pinned,
   not reused, not bit for bit, or slower than a pageable ``.cpu()``;
 - generation against ``transformers`` (in process): greedy tokens that differ.
@@ -177,8 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "hpcdist-out" / "gpu-check")
     ap.add_argument("--quick", action="store_true", help="fewer steps and smaller sizes")
     ap.add_argument("--only", action="append", default=[], metavar="WORDS",
-                    help="run only the rows whose name contains WORDS (repeatable), to rerun a failed row: "
-                         "'infer_gpt' (its checkpoint then comes from 'train GPT-2', which it needs)")
+                    help="run only the rows whose name contains WORDS (repeatable), to rerun a failed row; "
+                         "--only 'train GPT-2' --only infer_gpt: the inference row reads the fp16 run's checkpoint")
     args = ap.parse_args(argv)
     ok, what = has_gpu()
     if not ok:
