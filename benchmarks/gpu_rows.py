@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +32,7 @@ from benchmarks.gpu_jobs import (
     submitted,
     why,
     window_rate,
+    window_rates,
 )
 from benchmarks.gpu_judges import (
     Row,
@@ -58,6 +59,11 @@ ROOT = Path(__file__).resolve().parents[1]
 GPT2_SMALL: dict[str, Any] = {"n_layer": 12, "n_head": 12, "d_model": 768, "context": 1024, "vocab_size": 50257}
 ABORT_TIMEOUT_S = 5
 WINDOW = 10  # train_gpt's log_every in these runs: the steps of one timed window
+
+
+def thousands(rates: Iterable[float]) -> str:
+    """Tokens/s figures in thousands, one after another: a row's windows, to see one that stands out."""
+    return " ".join(f"{x / 1e3:.0f}" for x in rates) or "none"
 
 
 def compile_cost(job: Job) -> str:
@@ -297,8 +303,13 @@ class Checker:
                                         "--json", str(report)], self.gpu_sets(1, backend=False), timeout=420)
         reference = json.loads(report.read_text()) if ref.code == 0 and report.exists() else None
         peak = peak_tflops(torch.cuda.get_device_name(0), "bf16") if self.gpus else None
+        if reference is None:
+            self.add(Row(check, "fail", "", f"the reference loop failed: {ref.why}"))
+            return
         row = judge_speed(check, read_attrs(ours), window_rate(ours, window), reference, peak)
-        self.add(row if reference is not None else Row(check, "fail", "", f"the reference loop failed: {ref.why}"))
+        windows = (f"train_gpt {thousands(window_rates(ours, window).values())}, "
+                   f"reference {thousands(reference.get('plain_window_rates', []))}")
+        self.add(replace(row, detail=f"{row.detail}; each window, k tokens/s: {windows}"))
 
     def determinism(self) -> None:
         """params.deterministic: a run stopped half way and resumed equals the uninterrupted one, bit for bit."""

@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"model": args.model, "micro": args.micro, "steps": args.steps, "window": args.window,
                            "device": args.device, "precision": args.precision, "compile": args.compile,
                            "threads": args.threads, "torch": torch.__version__,
-                           "plain_tokens_per_s": statistics.median(plain), "plain_windows": len(plain)}
+                           "plain_tokens_per_s": statistics.median(plain), "plain_windows": len(plain),
+                           "plain_window_rates": [round(x) for x in plain]}
     print(f"plain PyTorch loop: {out['plain_tokens_per_s']:,.0f} tokens/s (median of {len(plain)} windows)")
     if ours:
         out["train_gpt_tokens_per_s"] = statistics.median(ours)

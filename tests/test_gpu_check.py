@@ -281,6 +281,9 @@ def test_the_speed_rows_script_runs_the_plain_loop_alone(tmp_path: Path) -> None
     figures = json.loads(out.read_text())
     assert figures["plain_windows"] == 2 and figures["plain_tokens_per_s"] > 0 and figures["device"] == "cpu"
     assert "ratio" not in figures
+    rates = figures["plain_window_rates"]  # each window, shown in the row beside train_gpt's
+    assert len(rates) == 2 and sorted(rates)[0] <= figures["plain_tokens_per_s"] <= sorted(rates)[1]
+    assert gpu_rows.thousands([432_691.0, 368_638.0]) == "433 369" and gpu_rows.thousands([]) == "none"
 
 
 def test_the_first_half_must_stop_at_run_steps_with_a_checkpoint_that_verifies(tmp_path: Path) -> None:
