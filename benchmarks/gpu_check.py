@@ -29,7 +29,7 @@ wrote benchmarks/gpu_jobs.py. The rows, and what fails them:
   that is not finite or does not fall, and for fp16 a loss scaler that never stepped (its state in
   the final checkpoint: disabled, growth tracker 0, or more than half the steps skipped);
 - train_gpt / plain compiled loop: the bf16 run's tokens/s (median of its ``log_every`` windows, the
-  first left out; it saves only after its last window, as the reference saves nothing) against
+  first left out; 120 steps; it saves only after its last window, as the reference saves nothing) against
   benchmarks/train_vs_plain.py's plain loop (the same model written plainly, the same batch,
   ``torch.compile``, fused AdamW, TF32), submitted as a script in the same check:
   fails below 1.0x, or when either side is not compiled bf16 on the GPU; MFU (6N + 6LTD per token,

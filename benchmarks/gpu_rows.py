@@ -59,6 +59,8 @@ ROOT = Path(__file__).resolve().parents[1]
 GPT2_SMALL: dict[str, Any] = {"n_layer": 12, "n_head": 12, "d_model": 768, "context": 1024, "vocab_size": 50257}
 ABORT_TIMEOUT_S = 5
 WINDOW = 10  # train_gpt's log_every in these runs: the steps of one timed window
+SPEED_STEPS = 120  # the bf16 run's and the reference loop's: 11 timed windows of 10 steps after the
+# first, about 4.5 s of steps at 38 ms, so that one slow window moves neither side's median
 
 
 def thousands(rates: Iterable[float]) -> str:
@@ -246,7 +248,7 @@ class Checker:
         from hpcdist.store.results import read_attrs
         from hpcdist.train.metrics import peak_tflops
 
-        steps = 20 if self.quick else 60
+        steps, speed = (20, 20) if self.quick else (60, SPEED_STEPS)
         sets = self.train_sets(steps)
         whole: Path | None = None
         for precision in ("bf16", "fp16"):
@@ -254,7 +256,7 @@ class Checker:
             # the bf16 run is the speed row's train_gpt side: its one save comes after its last timed
             # window, as the reference loop saves nothing; the fp16 run saves half way too (resume, infer)
             job = self.submit(f"gpt2-{precision}", ["jobs/train_gpt.yaml"],
-                              [*(self.train_sets(steps, every=steps) if precision == "bf16" else sets),
+                              [*(self.train_sets(speed, every=speed) if precision == "bf16" else sets),
                                f"params.precision={precision}"], timeout=420)
             if job.code != 0 or job.result is None:
                 self.add(Row(check, "fail", "", job.why))
@@ -286,11 +288,12 @@ class Checker:
         from hpcdist.train.metrics import peak_tflops
 
         check = "train_gpt / plain compiled loop (GPT-2 small, bf16), MFU"
-        steps = 20 if self.quick else 60
+        steps = 20 if self.quick else SPEED_STEPS  # the bf16 row's run's, which saves only at its end
         ours = self.bf16_run
         if ours is None:
-            job = self.submit("gpt2-speed", ["jobs/train_gpt.yaml"], [*self.train_sets(steps, log_every=window),
-                                                                       "params.precision=bf16"], timeout=420)
+            job = self.submit("gpt2-speed", ["jobs/train_gpt.yaml"],
+                              [*self.train_sets(steps, every=steps, log_every=window), "params.precision=bf16"],
+                              timeout=420)
             if job.code != 0 or job.result is None:
                 self.add(Row(check, "fail", "", f"train_gpt failed: {job.why}"))
                 return
