@@ -12,8 +12,9 @@ site never makes, and says "(bootstrap only)" in its name; the generation row ru
 Each row's verdict is a pure function of what its job wrote (result attributes and tables,
 checkpoints, log lines): the ``judge_*`` functions of benchmarks/gpu_judges.py, tested on CPU with
 one passing input and one for each way the subject can break (tests/test_gpu_check.py); the rows
-that start the jobs are benchmarks/gpu_rows.py, and the jobs' scripts and the readers of what they
-wrote benchmarks/gpu_jobs.py. The rows, and what fails them:
+that start the jobs are benchmarks/gpu_rows.py (the training rows benchmarks/gpu_train_rows.py),
+and the jobs' scripts and the readers of what they wrote benchmarks/gpu_jobs.py. The rows, and
+what fails them:
 
 - ``hpcdist env``: not the GPUs torch counts;
 - NCCL group (backend auto): a script through ``submit`` reports the default group's backend and
@@ -202,9 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             c.guarded("NCCL group (backend auto)", c.nccl_group)
             c.guarded("watchdog abort: hpcdist's summary, the job ends", c.nccl_abort)
             c.guarded("bench", c.bench)
-            c.guarded("train GPT-2 small", c.train)
-            c.guarded("train_gpt / plain compiled loop (GPT-2 small, bf16), MFU", c.speed)
-            c.guarded("resume = uninterrupted, bit for bit (params.deterministic)", c.determinism)
+            c.guarded("train GPT-2 small", c.training.train)
+            c.guarded("train_gpt / plain compiled loop (GPT-2 small, bf16), MFU", c.training.speed)
+            c.guarded("resume = uninterrupted, bit for bit (params.deterministic)", c.training.determinism)
             c.guarded("torchrun-style DDP script (examples/ddp_gpu.py)", c.ddp_example)
             c.guarded("two ranks on one GPU refused (bootstrap only)", c.duplicate_gpu)
             c.guarded("CUDA tensors to ctx.results (hpcdist.Executor)", partial(c.cuda_results, _cuda_results_job))

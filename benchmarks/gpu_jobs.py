@@ -4,8 +4,8 @@
 The NCCL report script and `nccl_report`, which reads the line it prints, live together here.
 Beside them: the run summary's failed line, the log lines torch's ProcessGroupNCCL prints, and a
 train_gpt run's result tables and checkpoints (losses, resume steps, loss-scaler state, a digest
-of the weights). The judges (benchmarks/gpu_judges.py) and the rows (benchmarks/gpu_rows.py)
-read through these, so each format is parsed in one place.
+of the weights). The judges (benchmarks/gpu_judges.py) and the rows (benchmarks/gpu_rows.py,
+gpu_train_rows.py) read through these, so each format is parsed in one place.
 """
 
 from __future__ import annotations

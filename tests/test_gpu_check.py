@@ -21,7 +21,7 @@ import pytest
 from benchmarks import gpu_check as gc
 from benchmarks import gpu_jobs as jobs
 from benchmarks import gpu_judges as judges
-from benchmarks import gpu_rows
+from benchmarks import gpu_rows, gpu_train_rows
 from tests.support.cli import REPO
 
 
@@ -283,7 +283,7 @@ def test_the_speed_rows_script_runs_the_plain_loop_alone(tmp_path: Path) -> None
     assert "ratio" not in figures
     rates = figures["plain_window_rates"]  # each window, shown in the row beside train_gpt's
     assert len(rates) == 2 and sorted(rates)[0] <= figures["plain_tokens_per_s"] <= sorted(rates)[1]
-    assert gpu_rows.thousands([432_691.0, 368_638.0]) == "433 369" and gpu_rows.thousands([]) == "none"
+    assert gpu_train_rows.thousands([432_691.0, 368_638.0]) == "433 369" and gpu_train_rows.thousands([]) == "none"
 
 
 def test_the_first_half_must_stop_at_run_steps_with_a_checkpoint_that_verifies(tmp_path: Path) -> None:
@@ -452,7 +452,7 @@ def test_on_cpu_the_resume_rows_jobs_run_and_a_resumed_run_equals_the_whole_one(
     """The deterministic resume row's three submits (whole; run_steps then resubmitted), read back
     from their result files and checkpoints: on CPU, with a tiny model, bit for bit."""
     c = gpu_rows.Checker(tmp_path, quick=True, gpus=0)
-    c.determinism()
+    c.training.determinism()
     (row,) = c.rows
     assert row.status == "ok", row
     assert "read back at [4]" in row.detail and "final weights identical" in row.detail
