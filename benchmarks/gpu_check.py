@@ -10,11 +10,11 @@ site's GPU count. One row starts ranks through the bootstrap alone, to fake a bi
 site never makes, and says "(bootstrap only)" in its name; the generation row runs in this process.
 
 Each row's verdict is a pure function of what its job wrote (result attributes and tables,
-checkpoints, log lines): the ``judge_*`` functions of benchmarks/gpu_judges.py, tested on CPU with
-one passing input and one for each way the subject can break (tests/test_gpu_check.py); the rows
-that start the jobs are benchmarks/gpu_rows.py (the training rows benchmarks/gpu_train_rows.py),
-and the jobs' scripts and the readers of what they wrote benchmarks/gpu_jobs.py. The rows, and
-what fails them:
+checkpoints, log lines): the ``judge_*`` functions of benchmarks/gpu_judges.py (on training,
+benchmarks/gpu_train_judges.py), tested on CPU with one passing input and one for each way the
+subject can break (tests/test_gpu_check.py); the rows that start the jobs are
+benchmarks/gpu_rows.py (the training rows benchmarks/gpu_train_rows.py), and the jobs' scripts and
+the readers of what they wrote benchmarks/gpu_jobs.py. The rows, and what fails them:
 
 - ``hpcdist env``: not the GPUs torch counts;
 - NCCL group (backend auto): a script through ``submit`` reports the default group's backend and

@@ -25,7 +25,8 @@ from benchmarks.gpu_jobs import (
     window_rate,
     window_rates,
 )
-from benchmarks.gpu_judges import Row, judge_resume, judge_saved, judge_speed, judge_training
+from benchmarks.gpu_judges import Row
+from benchmarks.gpu_train_judges import judge_resume, judge_saved, judge_speed, judge_training
 
 if TYPE_CHECKING:
     from benchmarks.gpu_rows import Checker
@@ -80,8 +81,8 @@ class TrainingRows:
             # the bf16 run is the speed row's train_gpt side: its one save comes after its last timed
             # window, as the reference loop saves nothing; the fp16 run saves half way too (resume, infer)
             job = self.c.submit(f"gpt2-{precision}", ["jobs/train_gpt.yaml"],
-                              [*(self.train_sets(speed, every=speed) if precision == "bf16" else sets),
-                               f"params.precision={precision}"], timeout=420)
+                                [*(self.train_sets(speed, every=speed) if precision == "bf16" else sets),
+                                 f"params.precision={precision}"], timeout=420)
             if job.code != 0 or job.result is None:
                 self.c.add(Row(check, "fail", "", job.why))
                 continue
@@ -99,8 +100,9 @@ class TrainingRows:
         if whole is None:
             self.c.add(Row(check, "fail", "", "no uninterrupted fp16 run to compare with"))
             return
-        self.c.add(self.resume_pair("gpt2-fp16-resumed", ("gpt2-fp16", whole), [*sets, "params.precision=fp16"], steps,
-                                  exact=False, check=check, save_check="checkpoint save (CUDA state, run_steps)"))
+        self.c.add(self.resume_pair("gpt2-fp16-resumed", ("gpt2-fp16", whole), [*sets, "params.precision=fp16"],
+                                    steps, exact=False, check=check,
+                                    save_check="checkpoint save (CUDA state, run_steps)"))
 
     def speed(self, window: int = WINDOW) -> None:
         """train_gpt / the plain compiled loop (benchmarks/train_vs_plain.py, submitted as a script),
@@ -116,8 +118,8 @@ class TrainingRows:
         ours = self.bf16_run
         if ours is None:
             job = self.c.submit("gpt2-speed", ["jobs/train_gpt.yaml"],
-                              [*self.train_sets(steps, every=steps, log_every=window), "params.precision=bf16"],
-                              timeout=420)
+                                [*self.train_sets(steps, every=steps, log_every=window), "params.precision=bf16"],
+                                timeout=420)
             if job.code != 0 or job.result is None:
                 self.c.add(Row(check, "fail", "", f"train_gpt failed: {job.why}"))
                 return

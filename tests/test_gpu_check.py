@@ -22,6 +22,7 @@ from benchmarks import gpu_check as gc
 from benchmarks import gpu_jobs as jobs
 from benchmarks import gpu_judges as judges
 from benchmarks import gpu_rows, gpu_train_rows
+from benchmarks import gpu_train_judges as train_judges
 from tests.support.cli import REPO
 
 
@@ -211,7 +212,7 @@ SCALER = {"scale": 32768.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth
 
 
 def test_a_training_row_needs_the_precision_every_step_and_a_finite_falling_loss() -> None:
-    row = judges.judge_training("t", TRAIN_ATTRS, FALLING, "bf16", 989.0)
+    row = train_judges.judge_training("t", TRAIN_ATTRS, FALLING, "bf16", 989.0)
     assert row.status == "ok" and "190,000 tokens/s" in row.figure and "10.900 -> 6.400" in row.detail
     broken = {
         "precision fp32, not bf16": ({**TRAIN_ATTRS, "precision": "fp32"}, FALLING),
@@ -221,13 +222,13 @@ def test_a_training_row_needs_the_precision_every_step_and_a_finite_falling_loss
         "1 step losses recorded": (TRAIN_ATTRS, [10.9]),
     }
     for problem, (attrs, losses) in broken.items():
-        row = judges.judge_training("t", attrs, losses, "bf16", 989.0)
+        row = train_judges.judge_training("t", attrs, losses, "bf16", 989.0)
         assert row.status == "fail" and problem in row.detail, (problem, row)
 
 
 def test_an_fp16_row_needs_a_loss_scaler_that_stepped() -> None:
     fp16 = {**TRAIN_ATTRS, "precision": "fp16"}
-    row = judges.judge_training("t", fp16, FALLING, "fp16", 989.0, SCALER)
+    row = train_judges.judge_training("t", fp16, FALLING, "fp16", 989.0, SCALER)
     assert row.status == "ok" and "loss scale 32768 (1 steps skipped, 59 since)" in row.detail
     broken = {
         "the loss scaler was not enabled": {},
@@ -236,7 +237,7 @@ def test_an_fp16_row_needs_a_loss_scaler_that_stepped() -> None:
         "the loss scale is nan": {**SCALER, "scale": float("nan")},
     }
     for problem, state in broken.items():
-        row = judges.judge_training("t", fp16, FALLING, "fp16", 989.0, state)
+        row = train_judges.judge_training("t", fp16, FALLING, "fp16", 989.0, state)
         assert row.status == "fail" and problem in row.detail, (problem, row)
 
 
@@ -248,10 +249,10 @@ REFERENCE = {"plain_tokens_per_s": 443_915.0, "compile": True, "precision": "bf1
 def test_the_speed_row_needs_train_gpt_at_least_as_fast_as_the_compiled_plain_loop() -> None:
     """The issue's own figures: the compiled plain loop's 443,915 tokens/s is 36.1 % MFU (6N + 6LTD,
     989 TFLOP/s); train_gpt at 460,000 passes at 1.036x, its MFU below the 40 % goal said."""
-    row = judges.judge_speed("s", SPEED_ATTRS, 460_000.0, REFERENCE, 989.0)
+    row = train_judges.judge_speed("s", SPEED_ATTRS, 460_000.0, REFERENCE, 989.0)
     assert row.status == "ok" and row.figure == "1.036x, MFU 37.4%", row
     assert "vs 36.1%" in row.detail and "below the 40% goal" in row.detail
-    assert "goal" not in judges.judge_speed("s", SPEED_ATTRS, 530_000.0, REFERENCE, 989.0).detail
+    assert "goal" not in train_judges.judge_speed("s", SPEED_ATTRS, 530_000.0, REFERENCE, 989.0).detail
     broken = {
         "below 1.00x": (SPEED_ATTRS, 200_480.0, REFERENCE),
         "not bf16": ({**SPEED_ATTRS, "precision": "fp32"}, 460_000.0, REFERENCE),
@@ -262,7 +263,7 @@ def test_the_speed_row_needs_train_gpt_at_least_as_fast_as_the_compiled_plain_lo
         "the reference loop wrote no figures": (SPEED_ATTRS, 460_000.0, None),
     }
     for problem, (attrs, ours, reference) in broken.items():
-        row = judges.judge_speed("s", attrs, ours, reference, 989.0)
+        row = train_judges.judge_speed("s", attrs, ours, reference, 989.0)
         assert row.status == "fail" and problem in row.detail, (problem, row)
 
 
@@ -290,13 +291,13 @@ def test_the_first_half_must_stop_at_run_steps_with_a_checkpoint_that_verifies(t
     ckpt = tmp_path / "step_00000030.h5"
     ckpt.write_bytes(b"x" * 1000)
     half = {"final_step": 30, "complete": False}
-    assert judges.judge_saved("s", 0, half, {30: ckpt}, 30, None).status == "ok"
-    assert "not at run_steps 30" in judges.judge_saved("s", 0, {"final_step": 60, "complete": True}, {30: ckpt}, 30,
-                                                       None).detail
-    assert "no checkpoint of step 30" in judges.judge_saved("s", 0, half, {20: ckpt}, 30, None).detail
-    unverified = judges.judge_saved("s", 0, half, {30: ckpt}, 30, "CheckpointError")
+    assert train_judges.judge_saved("s", 0, half, {30: ckpt}, 30, None).status == "ok"
+    done = {"final_step": 60, "complete": True}
+    assert "not at run_steps 30" in train_judges.judge_saved("s", 0, done, {30: ckpt}, 30, None).detail
+    assert "no checkpoint of step 30" in train_judges.judge_saved("s", 0, half, {20: ckpt}, 30, None).detail
+    unverified = train_judges.judge_saved("s", 0, half, {30: ckpt}, 30, "CheckpointError")
     assert "does not verify: CheckpointError" in unverified.detail
-    assert judges.judge_saved("s", 1, half, {30: ckpt}, 30, None, "exit 1: boom").detail == "exit 1: boom"
+    assert train_judges.judge_saved("s", 1, half, {30: ckpt}, 30, None, "exit 1: boom").detail == "exit 1: boom"
 
 
 WHOLE = {s: 11.0 - 0.1 * s for s in range(1, 9)}
@@ -304,7 +305,7 @@ WHOLE = {s: 11.0 - 0.1 * s for s in range(1, 9)}
 
 def test_an_exact_resume_must_match_every_step_and_the_weights_bit_for_bit() -> None:
     resumed = dict(WHOLE)
-    ok = judges.judge_resume("r", WHOLE, resumed, [4], 4, exact=True, digests=("ab", "ab"))
+    ok = train_judges.judge_resume("r", WHOLE, resumed, [4], 4, exact=True, digests=("ab", "ab"))
     assert ok.status == "ok" and "final weights identical" in ok.detail
     nudged = {**WHOLE, 6: math.nextafter(WHOLE[6], 0.0)}  # one ulp
     broken = {
@@ -314,20 +315,20 @@ def test_an_exact_resume_must_match_every_step_and_the_weights_bit_for_bit() -> 
         "the final weights differ": (resumed, [4], ("ab", "cd")),
     }
     for problem, (losses, read_at, digests) in broken.items():
-        row = judges.judge_resume("r", WHOLE, losses, read_at, 4, exact=True, digests=digests)
+        row = train_judges.judge_resume("r", WHOLE, losses, read_at, 4, exact=True, digests=digests)
         assert row.status == "fail" and problem in row.detail, (problem, row)
 
 
 def test_a_resume_without_determinism_must_match_within_the_stated_tolerance() -> None:
     noise = {s: v + 1e-4 for s, v in WHOLE.items()}
-    assert judges.judge_resume("r", WHOLE, noise, [4], 4, exact=False, scalers=(SCALER, SCALER)).status == "ok"
-    edge = {s: v + judges.RESUME_ATOL + judges.RESUME_RTOL * abs(v) * 0.99 for s, v in WHOLE.items()}
-    assert judges.judge_resume("r", WHOLE, edge, [4], 4, exact=False).status == "ok"
+    assert train_judges.judge_resume("r", WHOLE, noise, [4], 4, exact=False, scalers=(SCALER, SCALER)).status == "ok"
+    edge = {s: v + train_judges.RESUME_ATOL + train_judges.RESUME_RTOL * abs(v) * 0.99 for s, v in WHOLE.items()}
+    assert train_judges.judge_resume("r", WHOLE, edge, [4], 4, exact=False).status == "ok"
     lost_moments = {s: v + (0.3 if s > 4 else 0.0) for s, v in WHOLE.items()}
-    row = judges.judge_resume("r", WHOLE, lost_moments, [4], 4, exact=False, scalers=(SCALER, SCALER))
+    row = train_judges.judge_resume("r", WHOLE, lost_moments, [4], 4, exact=False, scalers=(SCALER, SCALER))
     assert row.status == "fail" and "4 steps outside" in row.detail
     reset = {**SCALER, "scale": 65536.0, "_growth_tracker": 30}
-    row = judges.judge_resume("r", WHOLE, noise, [4], 4, exact=False, scalers=(SCALER, reset))
+    row = train_judges.judge_resume("r", WHOLE, noise, [4], 4, exact=False, scalers=(SCALER, reset))
     assert row.status == "fail" and "the loss scaler's final state differs" in row.detail
 
 
@@ -467,7 +468,7 @@ def test_on_cpu_the_resume_rows_jobs_run_and_a_resumed_run_equals_the_whole_one(
     assert re.fullmatch(r"windows after the step-4 background save [0-9.]+x those before", jobs.after_save(whole, 1, 4))
     assert "no windows on both sides" in jobs.after_save(whole, 1, 8)
     assert jobs.scaler_state(final) == {}  # fp32 on CPU: no scaler, which an fp16 row would fail
-    assert "not enabled" in judges.scaler_problems(jobs.scaler_state(final), 8)[0]
+    assert "not enabled" in train_judges.scaler_problems(jobs.scaler_state(final), 8)[0]
 
 
 def test_on_cpu_the_nccl_row_runs_its_script_and_fails_on_the_gloo_group(tmp_path: Path) -> None:
