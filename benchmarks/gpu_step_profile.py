@@ -16,6 +16,7 @@ import argparse
 import collections
 import sys
 import time
+from pathlib import Path
 
 MATMUL = ("gemm", "nvjet", "sm90", "cutlass", "xmma", "cublas")
 ATTENTION = ("flash", "fmha", "attention", "sdpa")
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from benchmarks.gpu_judges import mfu
+    from benchmarks.gpu_train_judges import issue_flops_per_token, percent
     from hpcdist.model.config import GPTConfig
     from hpcdist.model.gpt import GPT
     from hpcdist.train.metrics import peak_tflops
@@ -81,13 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         step()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t) / args.steps * 1e3
-    params = sum(p.numel() for p in model.parameters())
-    flops = 6 * params + 6 * cfg.n_layer * cfg.context * cfg.d_model
     tokens_s = args.micro * cfg.context / step_ms * 1e3
     peak = peak_tflops(torch.cuda.get_device_name(0), "bf16")
-    mfu = f"{flops * tokens_s / (peak * 1e12):.1%}" if peak else "n/a (peak unknown)"
+    util = mfu(issue_flops_per_token(cfg.model_dump()), tokens_s, peak)
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, micro {args.micro}: {step_ms:.1f} ms a step, "
-          f"{tokens_s:,.0f} tokens/s, MFU (6N + 6LTD, {peak} TFLOP/s) {mfu}")
+          f"{tokens_s:,.0f} tokens/s, MFU (6N + 6LTD, {peak} TFLOP/s) {percent(util)}")
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.profiled):
@@ -108,10 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, us in kernels.most_common(12):
         print(f"    {us / args.profiled / 1e3:6.2f} ms  {name}")
     if per_step.get("matmul"):
-        print(f"matmuls at {6 * params * args.micro * cfg.context / (per_step['matmul'] / 1e3) / 1e12:.0f} TFLOP/s "
-              f"(6N a token over their time)")
+        print(f"matmuls at {6 * cfg.num_params() * args.micro * cfg.context / (per_step['matmul'] / 1e3) / 1e12:.0f} "
+              f"TFLOP/s (6N a token over their time)")
     return 0
 
 
 if __name__ == "__main__":
+    root = str(Path(__file__).resolve().parents[1])  # benchmarks.gpu_judges, hpcdist
+    if root not in sys.path:
+        sys.path.insert(0, root)
     sys.exit(main())

@@ -112,10 +112,9 @@ def plain_run(tokens: Path, model: dict[str, int], micro: int, steps: int, windo
 def hpcdist_run(work: Path, tokens: Path, model: dict[str, int], micro: int, steps: int, window: int,
                 threads: int, precision: str = "fp32", compile: str = "false",
                 sets: tuple[str, ...] = ()) -> list[float]:
-    """train_gpt through ``hpcdist submit --site local --wait``: tokens/s of each `window` of steps (its rows)."""
-    import h5py
-
-    from hpcdist.store.results import read_table
+    """train_gpt through ``hpcdist submit --site local --wait``: tokens/s of each `window` of steps
+    (its rows), the first window (warm-up, compilation) left out."""
+    from benchmarks.gpu_jobs import window_rates
 
     shape = "{" + ", ".join(f"{k}: {v}" for k, v in model.items()) + "}"
     args = ["submit", "jobs/train_gpt.yaml", "--site", "local", "--wait",
@@ -131,10 +130,7 @@ def hpcdist_run(work: Path, tokens: Path, model: dict[str, int], micro: int, ste
     match = re.search(r"result: (\S+)", proc.stdout)
     if proc.returncode != 0 or match is None:
         raise SystemExit(f"train_gpt failed:\n{proc.stdout}\n{proc.stderr}")
-    with h5py.File(match.group(1), "r") as f:
-        table = read_table(f["train/steps"])
-    # one row per step, each window's rows share its time: one figure per window, the first step alone
-    return [float(v) for s, v in zip(table["step"], table["tokens_per_s"], strict=True) if int(s) % window == 0]
+    return list(window_rates(Path(match.group(1)), window).values())
 
 
 def prepare_tokens(work: Path) -> Path:
@@ -175,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                                args.compile)[1:]
             if not args.plain_only:
                 ours += hpcdist_run(work / f"run{i}", tokens, args.model, args.micro, args.steps, args.window,
-                                    args.threads, args.precision, str(args.compile).lower())[1:]
+                                    args.threads, args.precision, str(args.compile).lower())
     out: dict[str, Any] = {"model": args.model, "micro": args.micro, "steps": args.steps, "window": args.window,
                            "device": args.device, "precision": args.precision, "compile": args.compile,
                            "threads": args.threads, "torch": torch.__version__,

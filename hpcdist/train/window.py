@@ -43,9 +43,6 @@ class Window:
         self.losses.append(loss.detach().reshape(()))
         self.norms.append(grad_norm.detach().reshape(()).float())
 
-    def __len__(self) -> int:
-        return len(self.steps)
-
     def flush(self, world_size: int, tokens_per_step: int) -> tuple[list[dict[str, Any]], float]:
         """Every step's row (``epoch, loss, grad_norm, lr, tokens_per_s, step_time_s, tokens_seen``
         and ``step``), the losses averaged over the ranks (a collective: every rank flushes at the
