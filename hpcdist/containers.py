@@ -132,6 +132,11 @@ class Runtime:
         """Shell lines the job script runs before the launch line: the cache home made."""
         return [f"mkdir -p -m 700 {shlex.quote(plan.home)}  # the ranks' $HOME inside"] if plan.home else []
 
+    def listed_paths(self, plan: ContainerPlan, submit_dir: str) -> list[str]:
+        """The paths this runtime writes into one comma-separated list (a comma in one would cut it
+        in two, so ``login.plan.placed`` refuses it); none by default."""
+        return []
+
     def inside(self, plan: ContainerPlan, unset: tuple[str, ...] = ()) -> list[str]:
         """``env`` words run inside the image just before its Python: set last, they win over
         whatever the image and the runtime set (env(1), POSIX). ``PYTHONPATH`` dropped (the host's,
@@ -217,6 +222,9 @@ class Apptainer(Runtime):
         return [self.command, "exec", *(["--nv"] if plan.gpus else []), "--no-home", *_q(binds), *_q(plan.args),
                 shlex.quote(plan.image), *self.inside(plan)]
 
+    def listed_paths(self, plan: ContainerPlan, submit_dir: str) -> list[str]:
+        return [p for b in plan.binds for p in (b.source, b.target)]  # --bind A:B,C:D
+
     def prelude(self, plan: ContainerPlan) -> list[str]:
         names = " ".join(_q(_names(plan, per_task=False)))
         force = [f'for v in {names}; do if [ -n "${{!v+x}}" ]; then export "APPTAINERENV_$v=${{!v}}"; fi; done'
@@ -254,6 +262,10 @@ class Pyxis(Runtime):
         return [shlex.quote(f"--container-image={plan.image}"), mount_word, f"--container-workdir={SUBMIT_DIR}",
                 *_q(["--no-container-mount-home", f"--container-env={','.join(_names(plan, per_task=True))}",
                      *plan.args])]
+
+    def listed_paths(self, plan: ContainerPlan, submit_dir: str) -> list[str]:
+        # --container-mounts=A:B,C:D,SUBMIT_DIR:SUBMIT_DIR
+        return [*(p for b in plan.binds for p in (b.source, b.target)), submit_dir]
 
     def wrap(self, plan: ContainerPlan) -> list[str]:
         return self.inside(plan, unset=ENROOT_TORCH_VARS)

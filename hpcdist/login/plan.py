@@ -76,9 +76,6 @@ def make(base: JobSpec, site: Site, origin: Origin, tasks: Sequence[JobSpec] = (
     return Plan(base, tasks, site, origin, render(base, site, origin, excluded, placed(base, site)), excluded)
 
 
-LIST_RUNTIMES = ("pyxis", "apptainer")  # --container-mounts=A,B / --bind A,B (hpcdist.containers)
-
-
 def placed(spec: JobSpec, site: Site) -> ContainerPlan | None:
     """The job's container checked on disk before anything is queued: the image is there, every
     mount's source is, and a Charliecloud image directory has a folder for every bind (each moved
@@ -91,7 +88,8 @@ def placed(spec: JobSpec, site: Site) -> ContainerPlan | None:
     box = plan_for(spec, site)
     if box is None:
         return None
-    if (get_runtime(box.runtime).image_is_path or box.image.startswith(("/", "./"))) and not Path(box.image).exists():
+    runtime = get_runtime(box.runtime)
+    if (runtime.image_is_path or box.image.startswith(("/", "./"))) and not Path(box.image).exists():
         raise SubmitError(f"container.image {box.image!r} does not exist here; give the path of the image "
                           f"(a {box.runtime} image on shared storage), e.g. --set container.image=/shared/images/NAME")
     own = container_for(spec, site)
@@ -100,13 +98,10 @@ def placed(spec: JobSpec, site: Site) -> ContainerPlan | None:
         if not Path(source).exists():
             raise SubmitError(f"container mount {mount!r}: {source} does not exist here; "
                               f"make it, or drop it from container.mounts")
-    if box.runtime in LIST_RUNTIMES:  # their binds are one comma-separated list (and pyxis's holds the submit dir)
-        listed = [*(p for b in box.binds for p in (b.source, b.target)),
-                  *([os.getcwd()] if box.runtime == "pyxis" else [])]
-        bad = next((p for p in listed if "," in p), None)
-        if bad is not None:
-            raise SubmitError(f"{bad!r} has a comma, which {box.runtime} reads as the end of a bind in its list of "
-                              f"mounts; {'submit from' if bad == os.getcwd() else 'use'} a path without one")
+    bad = next((p for p in runtime.listed_paths(box, os.getcwd()) if "," in p), None)
+    if bad is not None:  # pyxis's and Apptainer's binds are one comma-separated list (hpcdist.containers)
+        raise SubmitError(f"{bad!r} has a comma, which {box.runtime} reads as the end of a bind in its list of "
+                          f"mounts; {'submit from' if bad == os.getcwd() else 'use'} a path without one")
     folded, missing = fold_onto_image(box)
     if missing:
         made = " ".join(f"{box.image.rstrip('/')}{t}" for t in missing)
