@@ -1,9 +1,9 @@
 """The `python` kind's submit-time promises, as a user meets them.
 
 A module that cannot import is one error at submit; the code snapshot leaves secrets and links
-out of the tree and never widens a mode, a git checkout whose git fails is an error, and an
-import the job will read live from the submit folder is a warning; a rank that finishes long
-after rank 0 is not killed.
+out of the tree and never widens a mode, and never copies hpcdist's own output (its storage under
+the code folder); a git checkout whose git fails is an error, and an import the job will read live
+from the submit folder is a warning; a rank that finishes long after rank 0 is not killed.
 """
 
 from __future__ import annotations
@@ -91,6 +91,31 @@ def test_the_snapshot_leaves_secrets_out_keeps_modes_and_names_live_imports(tmp_
         assert re.search(rf"{re.escape(name)} \([^)]*{why}", left), left
     live = [line for line in result.err.splitlines() if "outside the snapshot" in line]
     assert len(live) == 1 and f"imports helpers from {proj / 'helpers.py'}" in live[0], result.err
+
+
+@pytest.mark.parametrize("storage", ["default", "set"])
+def test_a_second_submit_snapshots_none_of_the_firsts_output(tmp_path: Path, storage: str) -> None:
+    """PyTorch's DDP tutorial in a folder of its own, not a git checkout, submitted twice from
+    there: the local site's default storage (``hpcdist-out/``), or every root set under the folder
+    by other names. The second snapshot holds the script alone, the first job's checkpoint does not
+    count against the size limit, and no warning names the first job's files."""
+    code = tmp_path / "tutorial"
+    code.mkdir()
+    (code / "multinode.py").write_text("print('trained')\n")
+    sets = [] if storage == "default" else storage_sets(code / "runs")
+    ckpt = code / ("hpcdist-out/checkpoints" if storage == "default" else "runs/checkpoints") / "multinode"
+    argv = ("submit", "--site", "local", *sets, "--set", "params.snapshot_max_mb=1", "--wait", "--", "multinode.py")
+    first = run_cli(*argv, cwd=code)
+    assert first.code == 0, first.text
+    ckpt.mkdir(parents=True)
+    (ckpt / "step_100.h5").write_bytes(b"\0" * 2_000_000)  # over the limit, were it copied
+    second = run_cli(*argv, cwd=code)
+    assert second.code == 0, second.text
+    assert "warning" not in second.err, second.err
+    logs = code / ("hpcdist-out/logs" if storage == "default" else "runs/logs") / "multinode"
+    snaps = sorted(logs.glob("code-*"), key=lambda p: p.stat().st_mtime)
+    assert len(snaps) == 2, snaps
+    assert sorted(str(p.relative_to(snaps[1])) for p in snaps[1].rglob("*")) == ["multinode.py"]
 
 
 def test_a_rank_finishing_long_after_rank_0_is_not_killed(local_storage: list[str]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -249,6 +249,12 @@ class Storage(Frozen):
         """The process umask that gives `mode` to new files and `folder_mode` to new folders:
         set by the submit side (and so, through sbatch, on the job) and by every rank."""
         return 0o777 & ~self.folder_mode
+
+    @property
+    def roots(self) -> tuple[Path, ...]:
+        """Every root as configured (results, checkpoints, scratch, logs): what a code snapshot
+        never copies (``hpcdist.jobs.snapshot``) and a container binds."""
+        return tuple(getattr(self, name) for name in get_args(StorageRoot))
 
     def path(self, root: StorageRoot, *parts: str) -> Path:
         """A path under this user's folder of one root, built from job names, ids and keys through ``under``."""

@@ -290,7 +290,7 @@ def plan_for(spec: JobSpec, site: Site) -> ContainerPlan | None:
     if box is None or box.runtime is None or box.image is None or box.runtime not in site.containers:
         return None
     runtime = site.containers[box.runtime]
-    roots = [str(getattr(site.storage, r)) for r in ("results", "checkpoints", "scratch", "logs")]
+    roots = [str(r) for r in site.storage.roots]
     pmix = [runtime.pmix_dir] if runtime.pmix_dir else []
     binds = [Bind(r, r) for r in roots] + [Bind.parse(m) for m in (*pmix, *runtime.mounts, *box.mounts)]
     env = spec.rank_env(site)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, StrictStr, model_validator
 
+from hpcdist.config.paths import UNSUBMITTED
 from hpcdist.config.site import Frozen
 from hpcdist.config.spec import SpecPath
 
@@ -137,6 +138,17 @@ def code_root(params: PythonParams) -> tuple[Path, str] | None:
     return origin.parent, ""
 
 
+def outputs(job: Job[PythonParams], site: Site) -> list[Path]:
+    """Where hpcdist writes, which no code snapshot copies: the site's storage roots and the
+    spec's own ``folder`` (up to its first part that holds the job id)."""
+    out = list(site.storage.roots)
+    if job.spec.folder:
+        parts = Path(job.spec.folder).parts
+        fixed = next((i for i, part in enumerate(parts) if UNSUBMITTED in part), len(parts))
+        out.append(Path(*parts[:fixed]))
+    return out
+
+
 def check(job: Job[PythonParams], site: Site) -> list[Problem]:
     """What makes the target impossible to run, found before anything is queued."""
     from hpcdist.jobs import snapshot
@@ -159,7 +171,7 @@ def check(job: Job[PythonParams], site: Site) -> list[Problem]:
     if root is not None and p.script and not Path(p.script).resolve().is_relative_to(root[0]):
         return [("params.snapshot", str(root[0]), f"a directory holding the script {p.script}, or false")]
     if root is not None:
-        size, count = snapshot.measure(root[0])
+        size, count = snapshot.measure(root[0], outputs(job, site))
         if size > p.snapshot_max_mb * 1e6:
             return [(
                 "params.snapshot", str(root[0]),
@@ -221,7 +233,8 @@ def prepare(job: Job[PythonParams], site: Site) -> dict[str, Any]:
     if root is not None:
         src, keep = root
         _warn_live_imports(p, src)
-        dest, left_out = snapshot.make(src, job.spec.paths(site).new_snapshot(), keep, p.snapshot_max_mb)
+        made = job.spec.paths(site).new_snapshot()
+        dest, left_out = snapshot.make(src, made, keep, p.snapshot_max_mb, outputs(job, site))
         if left_out:
             names = ", ".join(f"{rel} ({why})" for rel, why in sorted(left_out.items()))
             print(f"hpcdist: warning: the code snapshot of {src} leaves out {names}; the job cannot read "

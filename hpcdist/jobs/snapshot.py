@@ -6,7 +6,11 @@ git checkout only the files git would keep are copied (tracked plus untracked-no
 that fails there (not installed, a broken worktree) is an error, never a reason to copy
 everything; elsewhere every file but caches and dot-files. Either way a file whose name looks
 secret (``.env``, ``credentials.json``, ``*.pem``, ``id_rsa``, a name with ``secret``, ``token``
-or ``password`` in it) or that is a link out of the tree is left out, and the caller says which.
+or ``password`` in it) or that is a link out of the tree is left out, and the caller says which. hpcdist's own output
+is never copied, and not mentioned: the storage roots (and a job's own folder) that lie inside the
+code folder, and any ``hpcdist-out/`` (the local site's default storage, under the folder it is
+run from), so a second submit from the same folder copies no logs, results, checkpoints or
+earlier snapshots of the first.
 A copy is never more readable than its source (a 0600 file stays 0600 under a 0640 storage
 mode). A size limit keeps a data directory from being copied by mistake. Standard library only.
 """
@@ -18,11 +22,13 @@ import re
 import shutil
 import stat
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcdist.errors import ConfigError
 
+OUTPUT_DIR = "hpcdist-out"  # the local site's storage (site_configs/local.yaml), under the folder hpcdist runs in
 _SKIP_DIRS = {"__pycache__", ".git", ".hg", ".svn", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
 # Names that hold secrets by convention, and the words and suffixes that mark one.
 _SECRET_NAMES = {
@@ -62,15 +68,30 @@ def secret_reason(rel: Path) -> str | None:
     return None
 
 
-def files(src: Path) -> Listing:
+def _output_folders(src: Path, outputs: Sequence[Path]) -> set[Path]:
+    """Which of `outputs` (hpcdist's output folders) lie inside `src`, relative to it; one that
+    is `src` itself, or holds it, is no folder of the code's to leave out."""
+    root = src.resolve()
+    inside = (p.resolve() for p in outputs)
+    return {p.relative_to(root) for p in inside if p != root and p.is_relative_to(root)}
+
+
+def _is_output(rel: Path, folders: set[Path]) -> bool:
+    return OUTPUT_DIR in rel.parts or any(rel.is_relative_to(f) for f in folders)
+
+
+def files(src: Path, outputs: Sequence[Path] = ()) -> Listing:
     """The files of `src` to copy, relative to it (git's view in a checkout, else all but caches
-    and dot-files), less secret-looking names and links that leave `src`."""
+    and dot-files), less secret-looking names, links that leave `src`, and hpcdist's own output
+    (`outputs`, the storage roots, and any ``hpcdist-out/``), which is left out unsaid."""
+    folders = _output_folders(src, outputs)
     listed = _git_files(src)
     left_out: dict[Path, str] = {}
     if listed is None:
         listed = []
         for dirpath, dirnames, filenames in os.walk(src):
             base = Path(dirpath).relative_to(src)
+            dirnames[:] = [d for d in dirnames if not _is_output(base / d, folders)]  # never walked
             for d in sorted(dirnames):
                 if d.startswith(".") and d not in _SKIP_DIRS:
                     left_out[base / d] = "a dot-folder"
@@ -84,7 +105,7 @@ def files(src: Path) -> Listing:
                 listed.append(base / f)
     root = src.resolve()
     kept = []
-    for rel in listed:
+    for rel in (r for r in listed if not _is_output(r, folders)):
         why = secret_reason(rel)
         if why is None and not (src / rel).resolve().is_relative_to(root):
             why = "a link out of the tree"
@@ -127,16 +148,17 @@ def _git_files(src: Path) -> list[Path] | None:
     return [Path(n) for n in names if (src / n).is_file()]  # deleted-but-tracked files are skipped
 
 
-def measure(src: Path) -> tuple[int, int]:
+def measure(src: Path, outputs: Sequence[Path] = ()) -> tuple[int, int]:
     """Bytes and number of files a snapshot of `src` would copy."""
-    listed = files(src).files
+    listed = files(src, outputs).files
     return sum((src / f).stat().st_size for f in listed), len(listed)
 
 
-def make(src: Path, dest: Path, keep: str, max_mb: float) -> tuple[Path, dict[Path, str]]:
-    """Copy `src` into `dest` (into ``dest/keep`` when `keep` names a package); returns `dest` and
-    what was left out (path relative to `src` -> why)."""
-    listing = files(src)
+def make(src: Path, dest: Path, keep: str, max_mb: float,
+         outputs: Sequence[Path] = ()) -> tuple[Path, dict[Path, str]]:
+    """Copy `src` into `dest` (into ``dest/keep`` when `keep` names a package), less hpcdist's
+    `outputs`; returns `dest` and what was left out (path relative to `src` -> why)."""
+    listing = files(src, outputs)
     size = sum((src / f).stat().st_size for f in listing.files)
     if size > max_mb * 1e6:
         raise ConfigError(
