@@ -125,3 +125,16 @@ def test_sbatch_accepts_a_gpu_jobs_cpus(slurm_storage: Path) -> None:
     assert cpus_lines(result.out) == ("#SBATCH --cpus-per-task=2", "--cpus-per-task=2")
     proc = subprocess.run(["sbatch", "--test-only"], input=result.out, text=True, capture_output=True)
     assert proc.returncode == 0 and "to start at" in proc.stderr, proc.stderr
+
+
+def test_a_cpu_job_on_a_gpu_partition_is_told_so_in_one_line() -> None:
+    """The built-in train_gpt spec (2 ranks, no GPUs asked) on the shipped ndr-h100 site, whose
+    partition gpu has 8 a node: `render` says so on stderr, never in the script; asking them, nothing."""
+    note = ("hpcdist: note: this job asks no GPUs on partition gpu, which has 8 a node, so its ranks get none; "
+            "add --set resources.gpus_per_node=2 to give each rank one (gpus_per_node=8 with tasks_per_node=8 "
+            "uses them all)")
+    plain = run_cli("render", "jobs/train_gpt.yaml", "--site", "ndr-h100")
+    assert plain.code == 0 and note in plain.err.splitlines(), plain.text
+    assert "asks no GPUs" not in plain.out and "#SBATCH --gpus-per-node" not in plain.out
+    asked = run_cli("render", "jobs/train_gpt.yaml", "--site", "ndr-h100", "--set", "resources.gpus_per_node=2")
+    assert asked.code == 0 and "#SBATCH --gpus-per-node=2" in asked.out and "note:" not in asked.err, asked.text

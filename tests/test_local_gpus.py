@@ -1,6 +1,7 @@
 """The local site's GPUs are the machine's: counted at submit (``nvidia-smi -L``, within the
 shell's ``CUDA_VISIBLE_DEVICES``), given to the tasks of a job that asks for them and hidden from
-one that asks none; asking more than there are is one error at submit.
+one that asks none, which submit says in one line, and the failure summary again when a rank
+fails on CUDA finding no GPU; asking more than there are is one error at submit.
 
 This machine has no GPU: a stand-in ``nvidia-smi`` on PATH lists two, and each rank's
 environment is read back through the front door (``hpcdist submit``, ``hpcdist.Executor``).
@@ -105,3 +106,35 @@ def test_every_rank_of_a_submitted_script_sees_the_jobs_gpus(two_gpus: dict[str,
         assert (f"rank {rank}: FAILED BootstrapError: job asks for GPUs (gpus_per_node=2, backend=auto) but on "
                 in result.out), result.out
     assert result.out.count("CUDA_VISIBLE_DEVICES='0,1' is set but torch sees no usable GPU") == 2, result.out
+
+
+H200 = ("#!/bin/sh\n[ \"$1\" = -L ] || exit 9\n"
+        "echo 'GPU 0: NVIDIA H200 (UUID: GPU-5c2a9e31-7d44-4b0e-a1f3-9e8d2c6b4a10)'\n")
+UNASKED = ("this job asks no GPUs on a machine with 1, so its ranks get none; "
+           "add --set resources.gpus_per_node=1 to give each rank one")
+
+
+@pytest.mark.parametrize(("error", "said"), [("RuntimeError('No CUDA GPUs are available')", True),
+                                             ("ValueError('bad batch size')", False)])
+def test_a_job_that_asks_no_gpu_on_a_gpu_machine_is_told_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            error: str, said: bool) -> None:
+    """PyTorch's DDP tutorial, unchanged (`multinode.py 3 1`), on an H200 machine: it asks no GPU, so
+    it gets none and fails as under submitit and Slurm, but submit says why in one line, and the
+    summary says it again when the rank failed on CUDA finding no GPU (not for another error).
+    This machine has no GPU: a stand-in ``nvidia-smi`` on PATH lists one H200, as the real one would."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(H200)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    script = tmp_path / "multinode.py"
+    script.write_text(f"import sys\nprint('epochs', sys.argv[1:])\nraise {error}\n")
+    result = run_cli("submit", "--site", "local", *storage_sets(tmp_path / "out"), "--wait", "--", str(script),
+                     "3", "1", env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    assert result.code == 1, result.text
+    lines = result.out.splitlines()
+    assert f"  note: {UNASKED}" in lines, result.out  # at submit, before the job ran
+    assert lines.index(f"  note: {UNASKED}") < next(i for i, ln in enumerate(lines) if " finished: FAILED" in ln)
+    summary = f"  note: CUDA found no GPU in the ranks: {UNASKED}"
+    assert (summary in lines) is said, result.out
+    assert "rank 0: FAILED" in result.out and error.split("(")[0] in result.out, result.out

@@ -51,7 +51,10 @@ def cmd_render(args: argparse.Namespace) -> int:
         tasks = [j.spec for j in plan.sweep_jobs(req, site, on_missing=_warn)] if req.sweeps else []
     if tasks and site.scheduler != "slurm":  # a local site runs a sweep's tasks one at a time: the first
         tasks, origin = [], dataclasses.replace(origin, sweeps=())
-    sys.stdout.write(plan.make(job.spec, site, origin, tasks).script)
+    made = plan.make(job.spec, site, origin, tasks)
+    if made.gpu_note:
+        print(f"hpcdist: note: {made.gpu_note}", file=sys.stderr)
+    sys.stdout.write(made.script)
     return 0
 
 

@@ -52,6 +52,8 @@ def print_finished(job_id: str, finished: Finished, excluded: list[str] | None =
         print("  stacks at the timeout (`hpcdist stacks` groups them the same way):")
         for line in finished.stacks:
             print(f"    {line}")
+    if finished.note:
+        print(f"  note: {finished.note}")
     return 0 if finished.ok else 1
 
 
@@ -77,17 +79,20 @@ def submit(req: plan_.Request, paths: list[str], chain: bool, wait: bool, wait_t
     print(f"  logs:   {out}")
     print(f"          {err}")
     print(f"  result: {submission.result_path}")
-    _print_excluded(made)
+    _print_notes(made)
     if not wait:
         return 0
     finished = watch(submission, timeout_s=wait_timeout)
     return print_finished(submission.job_id, finished, describe(submission.paths))
 
 
-def _print_excluded(made: plan_.Plan) -> None:
-    """The nodes the site's health record kept the job from, and why (as the script's comments)."""
+def _print_notes(made: plan_.Plan) -> None:
+    """The nodes the site's health record kept the job from, and why (as the script's comments);
+    GPUs the job leaves unasked on a node that has them."""
     for line in made.excluded.lines():
         print(f"  node health: {line}")
+    if made.gpu_note:
+        print(f"  note: {made.gpu_note}")
 
 
 def _chain(req: plan_.Request, paths: list[str], chain: bool, wait: bool, wait_timeout: float | None) -> int:
@@ -113,7 +118,7 @@ def _chain(req: plan_.Request, paths: list[str], chain: bool, wait: bool, wait_t
         waits = f" after job {after[0]}" if after else ""
         print(f"chain {n}/{len(links)}: submitted job {submission.job_id} ({job.spec.name}, kind {job.spec.kind})"
               f"{waits}; result: {submission.result_path}")
-        _print_excluded(link)
+        _print_notes(link)
         after = [] if local else [submission.job_id]  # the local site orders the links by waiting
         submissions.append(submission)
     if local:
@@ -150,7 +155,7 @@ def _sweep(req: plan_.Request, wait: bool, wait_timeout: float | None) -> int:
         limit = f", at most {req.max_parallel} at a time" if req.max_parallel else ""
         print(f"submitted job array {subs[0].job_id.split('_')[0]} ({base.spec.name}, kind {base.spec.kind}, "
               f"{len(subs)} tasks{limit}) to site {site.name}")
-        _print_excluded(made)
+        _print_notes(made)
     failed = 0
     for i, spec in enumerate(tasks):
         if site.scheduler != "slurm":

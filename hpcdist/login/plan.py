@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,11 @@ class Plan:
         return self.base.paths(self.site).folder
 
     @property
+    def gpu_note(self) -> str:
+        """What `render` and `submit` say of a job that asks no GPUs where the node has some."""
+        return unasked_gpus(self.base, self.site)
+
+    @property
     def executor_parameters(self) -> dict[str, Any]:
         """What submitit's executor is given (``update_parameters``)."""
         res, minutes = self.base.resources, self.base.time_limit_min(self.site)
@@ -74,6 +80,38 @@ def make(base: JobSpec, site: Site, origin: Origin, tasks: Sequence[JobSpec] = (
                           f"{site.name!r}; a local site runs a sweep's tasks one at a time")
     excluded = for_job(base, site)  # the one read of the site's health record for this plan
     return Plan(base, tasks, site, origin, render(base, site, origin, excluded, placed(base, site)), excluded)
+
+
+# What a rank says when CUDA finds no GPU: torch's lazy init with CUDA_VISIBLE_DEVICES empty, no
+# driver, the runtime's cudaErrorNoDevice, NCCL's process group, and torch.load onto a GPU.
+_NO_GPU = re.compile(r"No CUDA GPUs are available|Found no NVIDIA driver|no CUDA-capable device is detected|"
+                     r"only supported with GPUs, no GPUs found|torch\.cuda\.is_available\(\) is False")
+
+
+def unasked_gpus(spec: JobSpec, site: Site) -> str:
+    """One line when `spec` asks no GPUs on a node that has them (the local machine's, counted
+    by ``gpus_per_node: auto``, or a partition's as the site lists them): its ranks get none, as
+    submitit and Slurm give none to a job that asks none; "" otherwise."""
+    res = spec.resources
+    name, part = site.partition(res.partition)
+    gpus, tasks = part.gpus_per_node, res.tasks_per_node
+    if res.gpus_per_node or not gpus:
+        return ""
+    where = f"a machine with {gpus}" if site.scheduler == "local" else f"partition {name}, which has {gpus} a node"
+    if tasks > gpus:
+        fix = f"add --set resources.gpus_per_node={gpus} --set resources.tasks_per_node={gpus} (a rank per GPU)"
+    else:
+        fix = f"add --set resources.gpus_per_node={tasks} to give each rank one"
+        if tasks < gpus:
+            fix += f" (gpus_per_node={gpus} with tasks_per_node={gpus} uses them all)"
+    return f"this job asks no GPUs on {where}, so its ranks get none; {fix}"
+
+
+def no_gpu_note(errors: Sequence[str], spec: JobSpec, site: Site) -> str:
+    """For the summary of a job whose rank failed on CUDA finding no GPU (`errors`: the failed
+    ranks' errors and tracebacks): why, where the job asked none on a node that has some; else ""."""
+    note = unasked_gpus(spec, site)
+    return f"CUDA found no GPU in the ranks: {note}" if note and any(_NO_GPU.search(e) for e in errors) else ""
 
 
 def placed(spec: JobSpec, site: Site) -> ContainerPlan | None:

@@ -44,6 +44,7 @@ class Finished:
     outcomes: list[TaskOutcome]
     cause: str = ""  # which rank and host went first and how, and Slurm's cause (cancelled, ...)
     stacks: tuple[str, ...] = ()  # every rank's stack when a collective or the rendezvous timed out, grouped
+    note: str = ""  # a rank found no GPU in a job that asked none on a node that has some (``plan.no_gpu_note``)
 
     @property
     def ok(self) -> bool:
@@ -183,12 +184,15 @@ def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
         state, end = end.state(state), end.naming(outcomes(sub, end.state(state), end)).heard(sub.paths)
     done = outcomes(sub, state, end)
     stacks: list[str] = []
+    note = ""
     if not (state is JobState.COMPLETED and all(o.ok for o in done)):
-        from hpcdist.scheduler.postmortem import timeout_stacks  # only a job that failed is looked into
+        from hpcdist.login.plan import no_gpu_note  # only a job that failed is looked into
+        from hpcdist.scheduler.postmortem import timeout_stacks
         from hpcdist.store.site.stackrecord import stack_files
 
         stacks = timeout_stacks(stack_files(sub.paths, sub.spec.resources.world_size), sub.spec.resources.world_size)
-    return Finished(state, done, end.headline() if end else "", tuple(stacks))
+        note = no_gpu_note([f"{o.error}\n{o.traceback}" for o in done if not o.ok], sub.spec, sub.site)
+    return Finished(state, done, end.headline() if end else "", tuple(stacks), note)
 
 
 def _slurm_ending(sub: Submission) -> Ending:
