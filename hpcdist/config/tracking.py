@@ -15,8 +15,9 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
+from urllib.parse import unquote, urlparse
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from hpcdist.config.base import Frozen
 
@@ -33,8 +34,25 @@ WANDB_FLUSH_VAR, WANDB_FLUSH_S = "WANDB__TRANSACTION_LOG_FLUSH_INTERVAL", "1"
 class MlflowTracking(Frozen):
     """An MLflow tracking server: its URI and the experiment (default: the job's name)."""
 
-    uri: str = Field(min_length=1, description="the tracking server, e.g. http://mlflow.example:5000")
+    uri: str = Field(min_length=1, description="the tracking server, e.g. http://mlflow.example:5000, or a "
+                     "SQLite file on shared storage, sqlite:////shared/mlflow/mlflow.db")
     experiment: str | None = Field(default=None, description="the experiment; default the job's name")
+
+    @field_validator("uri")
+    @classmethod
+    def _not_a_file_store(cls, value: str) -> str:
+        """MLflow's file store (a ``file:`` URI or a bare path) is refused here, before submit: MLflow 3
+        keeps it in maintenance mode and opens it only under the opt-out ``MLFLOW_ALLOW_FILE_STORE``,
+        which the login node and every rank would need; a SQLite file on the same shared storage
+        does what it did (one file, no server, a run that continues across restarts)."""
+        parsed = urlparse(value)
+        if parsed.scheme not in ("", "file"):
+            return value
+        path = unquote(parsed.path).rstrip("/")
+        folder = path if path.startswith("/") else "<a shared folder>"
+        raise ValueError(f"MLflow's file store, which MLflow 3 no longer opens (maintenance mode); on a shared file "
+                         f"system use a SQLite file there, sqlite:///{folder}/mlflow.db (no server; a requeued job "
+                         f"continues its run), or a tracking server's http:// address")
 
 
 class WandbTracking(Frozen):

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import unquote
 
 from hpcdist.config.tracking import (
     IDENTITY_FILE,
@@ -116,7 +117,8 @@ def _mlflow_run(identity: Identity, tracking: Tracking, spec: JobSpec) -> None:
 
             client = MlflowClient(tracking_uri=uri)
             found = client.get_experiment_by_name(experiment)
-            experiment_id = found.experiment_id if found is not None else client.create_experiment(experiment)
+            experiment_id = found.experiment_id if found is not None else client.create_experiment(
+                experiment, artifact_location=_artifacts_beside(uri, experiment))
             run = client.create_run(experiment_id, run_name=spec.name, tags={
                 "hpcdist.job_name": spec.name, "hpcdist.kind": spec.kind, "hpcdist.version": __version__,
                 "hpcdist.run_key": identity.key, "hpcdist.git_commit": identity.git_commit})
@@ -126,6 +128,16 @@ def _mlflow_run(identity: Identity, tracking: Tracking, spec: JobSpec) -> None:
                           f"check tracking.mlflow.uri and that the server is up") from exc
     identity.mlflow_uri, identity.mlflow_experiment = uri, experiment
     identity.mlflow_experiment_id, identity.mlflow_run_id = experiment_id, run.info.run_id
+
+
+def _artifacts_beside(uri: str, experiment: str) -> str | None:
+    """Where a new experiment on a SQLite file keeps its runs' artifacts: beside that file, in
+    ``mlartifacts/<experiment>`` (MLflow's own default is ``./mlruns`` of the submitting folder,
+    which the nodes may not share). None for a server, whose own setting decides."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    database = Path(unquote(uri.removeprefix("sqlite:///")).split("?")[0]).absolute()
+    return (database.parent / "mlartifacts" / re.sub(r"[^\w.-]", "_", experiment)).as_uri()
 
 
 def wandb_offline_runs(folder: Path) -> list[Path]:

@@ -12,7 +12,7 @@ another's bytes):
 1. the coordinator starts the save (``ShardedWriter.begin``: the attempt's name, the run identity)
    and every rank learns the attempt, or the coordinator's error, before anything is written;
 2. every rank writes its HDF5 file (``ShardedWriter.write_data``) and sends its part of the
-   index (``sharded.layout``'s metadata JSON, with its chunks), or its error;
+   index (``sharded.layout``'s metadata JSON, with its chunks) and its file's size, or its error;
 3. the coordinator merges the parts and commits (``ShardedWriter.commit``); every rank returns
    once committed, or raises the same CheckpointError (the lowest failing rank's).
 
@@ -72,7 +72,7 @@ def save(state: dict[str, Any], writer: ShardedWriter, process_group: Any = None
 
 
 def _write(planner: Any, writer: ShardedWriter, attempt: str, rank: int) -> str:
-    """This rank's file written; its part of the index (metadata JSON with its chunks)."""
+    """This rank's file written; its part of the index (metadata JSON with its chunks) and its size."""
     from dataclasses import replace
 
     local = planner.create_local_plan()
@@ -81,11 +81,13 @@ def _write(planner: Any, writer: ShardedWriter, attempt: str, rank: int) -> str:
     results = writer.write_data(plan, planner)
     results.wait()
     metadata.storage_data = {r.index: r.storage_data for r in results.value()}
-    return json.dumps({"metadata": metadata_to_json(metadata)})
+    size = sum(r.size_in_bytes for r in results.value())  # the file's (``ShardedWriter.write_data``)
+    return json.dumps({"metadata": metadata_to_json(metadata), "bytes": size})
 
 
-def _merge(parts: list[dict[str, Any]]) -> tuple[str, list[str]]:
-    """The ranks' parts of the index as one metadata JSON, and the files its chunks lie in."""
+def _merge(parts: list[dict[str, Any]]) -> tuple[str, list[str], int]:
+    """The ranks' parts of the index as one metadata JSON, the files its chunks lie in, and
+    their bytes together."""
     merged: dict[str, Any] = {"tensors": {}, "bytes": [], "chunks": [], "planner_data": {}}
     for part in parts:
         md = json.loads(part["metadata"])
@@ -98,7 +100,7 @@ def _merge(parts: list[dict[str, Any]]) -> tuple[str, list[str]]:
         merged["chunks"] += md["chunks"]
         merged["planner_data"].update(md["planner_data"] or {})
     files = sorted({chunk[3]["file"] for chunk in merged["chunks"]})
-    return json.dumps(merged, separators=(",", ":")), files
+    return json.dumps(merged, separators=(",", ":")), files, sum(part["bytes"] for part in parts)
 
 
 def _raise_first(parts: list[dict[str, Any]]) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 import uuid
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
 from concurrent import futures
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +58,8 @@ class ShardedWriter(StorageWriter):
 
     `attrs` become root attributes of the index (the commit's metadata: the requeue count, a run
     identity), `keep_last` the retention applied once committed. `stats` is the coordinator's
-    `SaveStats` once `finish` committed.
+    `SaveStats` once `finish` committed: the bytes of every rank's shard file and of the index
+    together, and the seconds from the writer's making (the save's start) to the commit.
     """
 
     def __init__(self, directory: Path | str, step: int, *, epoch: int = 0, attrs: Mapping[str, Any] | None = None,
@@ -79,12 +82,14 @@ class ShardedWriter(StorageWriter):
         self._identity: dict[str, Any] | None = None  # asked for once, at planning
         self.folder = shards_dir(self.directory, self.step)
         self.is_coordinator = False
+        self.started = time.perf_counter()  # the save's start: a writer is made for each save
         self.stats: checkpoints.SaveStats | None = None
         self.differing: list[tuple[str, ...]] = []  # values this rank wrote though the ranks' copies differ
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.stats = None
         self._identity = None
+        self.started = time.perf_counter()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -93,8 +98,6 @@ class ShardedWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        from dataclasses import replace
-
         attempt = self.begin()
         return [replace(plan, storage_data=(attempt, i)) for i, plan in enumerate(plans)]
 
@@ -142,6 +145,7 @@ class ShardedWriter(StorageWriter):
                 finally:
                     f.close()
                 owned.drop_group_write(tmp)
+                size = tmp.stat().st_size
         except Exception as exc:
             raise CheckpointError(
                 f"rank {rank} writing its shard {final} of step {self.step} failed: {type(exc).__name__}: {exc}; "
@@ -154,8 +158,12 @@ class ShardedWriter(StorageWriter):
                          p.digest if p else checksum.digest(arr, self.checksum),
                          "" if torch_dtype else values.ENCODING)
 
-        results = [WriteResult(index=idx, size_in_bytes=arr.nbytes, storage_data=chunk(path, arr, tdt))
-                   for idx, path, arr, tdt in where]
+        # each item's bytes in the file, the file's own (HDF5's headers, the index) with its first
+        # item: the results' sizes add up to the file's, which reaches the coordinator with them
+        overhead = size - sum(arr.nbytes for _, _, arr, _ in where)
+        results = [WriteResult(index=idx, size_in_bytes=arr.nbytes + (overhead if i == 0 else 0),
+                               storage_data=chunk(path, arr, tdt))
+                   for i, (idx, path, arr, tdt) in enumerate(where)]
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
@@ -164,19 +172,23 @@ class ShardedWriter(StorageWriter):
         """Commit: the index written last, atomically, then retention; stray shard files removed."""
         chunks = {r.index: r.storage_data for rs in results for r in rs}
         metadata.storage_data = chunks
-        self.commit(metadata_to_json(metadata), sorted({c.file for c in chunks.values()}))
+        self.commit(metadata_to_json(metadata), sorted({c.file for c in chunks.values()}),
+                    sum(r.size_in_bytes for rs in results for r in rs))
 
-    def commit(self, text: str, files: list[str]) -> None:
+    def commit(self, text: str, files: list[str], shard_bytes: int = 0) -> None:
         """The index of the shards `files` with the metadata `text` (``sharded_layout``'s JSON),
-        written last, atomically, then retention; stray shard files removed."""
+        written last, atomically, then retention; stray shard files removed. `shard_bytes`: the
+        shard files' sizes together (every rank's), counted in `stats` with the index's."""
         tree = {**self.tree, "sharded": {
             "metadata_json": text, "metadata_sha256": hashlib.sha256(text.encode()).hexdigest(), "files": files,
             "folder": self.folder.name}}
         attrs = {**self.attrs, LAYOUT_ATTR: LAYOUT}
         identity = self._identity if self._identity is not None else (
             dict(self.identity()) if self.identity is not None else {})
-        self.stats = checkpoints.save(self.directory, self.step, tree, epoch=self.epoch, attrs=attrs,
-                                      keep_last=self.keep_last, checksum=self.checksum, **identity)
+        before = time.perf_counter() - self.started  # the shards' part; the index's is its stats' seconds
+        stats = checkpoints.save(self.directory, self.step, tree, epoch=self.epoch, attrs=attrs,
+                                 keep_last=self.keep_last, checksum=self.checksum, **identity)
+        self.stats = replace(stats, bytes=stats.bytes + shard_bytes, seconds=before + stats.seconds)
         for stray in self.folder.iterdir():  # earlier failed attempts at this step, and their temporaries
             if stray.name not in files:
                 stray.unlink(missing_ok=True)
