@@ -29,7 +29,6 @@ host, nothing secret; its author is its file's owner, not what it says.
 from __future__ import annotations
 
 import errno
-import heapq
 import json
 import math
 import os
@@ -46,7 +45,6 @@ from typing import Literal, get_args
 from hpcdist.config.paths import node_health
 from hpcdist.config.site import Site, Storage
 from hpcdist.errors import ConfigError
-from hpcdist.store.atomic import atomic_path, make_folders
 
 Source = Literal["preflight", "node_failure", "timeout", "user"]
 SOURCES: tuple[str, ...] = get_args(Source)
@@ -178,6 +176,8 @@ def _ready(rec: _Record, make: bool) -> bool:
     `make`; on the group's, the admin's folder or a HealthRecordError saying what the admin runs."""
     if not rec.shared:
         if make:
+            from hpcdist.store.atomic import make_folders  # writers only: every Slurm render reads the record
+
             make_folders(rec.path, rec.storage.folder_mode if rec.storage is not None else 0o750)
         return rec.path.is_dir()
     try:
@@ -193,6 +193,7 @@ def _ready(rec: _Record, make: bool) -> bool:
 
 def _write(rec: _Record, node: str, ns: int, kind: str, entry: Mark) -> None:
     """A mark (or clear mark) file of this user's; a folder she may not write is one line."""
+    from hpcdist.store.atomic import atomic_path
     from hpcdist.store.trust import describe
 
     name = f"{node}.{ns}-{os.getpid()}-{uuid.uuid4().hex[:8]}.{kind}.json"
@@ -297,7 +298,8 @@ def _scan(rec: _Record, within_s: float, node: str | None = None) -> tuple[list[
     found = _NAMES.findall(text)
     since = _ns((now := time.time()) - within_s)
     wanted = [f for f in found if f[2] >= since and (node is None or f[1] == node)]
-    chosen = heapq.nlargest(MAX_READ, wanted, key=itemgetter(2))  # dated ahead or not: no more than MAX_READ
+    # dated ahead or not: no more than MAX_READ (heapq.nlargest's own equivalent; no heapq for every render)
+    chosen = sorted(wanted, key=itemgetter(2), reverse=True)[:MAX_READ]
     marks: list[Mark] = []
     cleared: dict[str, float] = {}
     skipped: list[str] = []
