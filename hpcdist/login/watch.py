@@ -10,6 +10,7 @@ progress; in place on a terminal, a line per change (at most every 10 s) in a pi
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -284,5 +285,10 @@ def watch(sub: Submission, submitted: float | None = None, timeout_s: float | No
     watcher = _Watcher(sub, time.time() if submitted is None else submitted, every_s)
     try:
         return wait(sub, timeout_s=timeout_s, on_poll=watcher)
+    except KeyboardInterrupt:  # Ctrl-C stops the waiting, not the job (as for a Slurm job's squeue)
+        watcher.line.close()
+        print(f"stopped waiting; job {sub.job_id} ({sub.spec.name}) goes on: `hpcdist wait {sub.job_id}` follows it "
+              f"again, `hpcdist cancel {sub.job_id}` stops it", file=sys.stderr, flush=True)
+        raise
     finally:
         watcher.line.close()

@@ -13,6 +13,11 @@
   controller to end before its ranks first start.
 - The job's store key (``hpcdist.runtime.signed_store``) is made in its folder before its ranks
   first start: the job id, this controller's PID, is known only here.
+- It hears SIGINT however it was started. A shell without job control (a script's ``cmd &``,
+  ``nohup``, many CI runners) starts background commands with SIGINT ignored, and Python keeps an
+  ignore it inherits: the SIGINT of ``hpcdist cancel`` (submitit's own cancel) then stopped
+  nothing, and the cancel killed the job after its grace instead. Its ranks, started after the
+  handler is set, begin with SIGINT at its default, as in a terminal.
 
 ``hpcdist.login.submit`` starts it as ``python -m hpcdist.runtime.local_controller FOLDER`` where
 submitit starts ``submitit.local._local``; everything else is submitit's.
@@ -21,6 +26,7 @@ submitit starts ``submitit.local._local``; everything else is submitit's.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import uuid
@@ -57,6 +63,7 @@ class JobController(Controller):
 
 
 def main() -> None:
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # before submitit's own SIGTERM handler
     JobController(Path(sys.argv[1])).run()
 
 

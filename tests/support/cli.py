@@ -31,11 +31,27 @@ class Run:
         return self.out + self.err
 
 
-def run_cli(*args: str, cwd: Path = REPO, timeout: float = 240, env: dict[str, str] | None = None) -> Run:
-    """`hpcdist ARGS...` in a subprocess, as a user would type it."""
+# `python -m hpcdist.cli` with SIGINT set first (exec keeps an ignore; a default is Python's
+# KeyboardInterrupt), whatever the suite itself was started with
+_WITH_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, getattr(signal, sys.argv[1])); "
+                "os.execv(sys.executable, [sys.executable, '-m', 'hpcdist.cli', *sys.argv[2:]])")
+
+
+def cli_argv(*args: str, sigint: str | None = None) -> list[str]:
+    """The command line of `hpcdist ARGS...`; `sigint` "SIG_DFL" starts it as a terminal starts a
+    foreground command (Ctrl-C reaches it), "SIG_IGN" as a shell without job control starts a
+    background one (a script's `cmd &`, nohup, many CI runners); None: as this process has it."""
+    if sigint is None:
+        return [sys.executable, "-m", "hpcdist.cli", *args]
+    return [sys.executable, "-c", _WITH_SIGINT, sigint, *args]
+
+
+def run_cli(*args: str, cwd: Path = REPO, timeout: float = 240, env: dict[str, str] | None = None,
+            sigint: str | None = None) -> Run:
+    """`hpcdist ARGS...` in a subprocess, as a user would type it (`sigint`: see ``cli_argv``)."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     proc = subprocess.run(
-        [sys.executable, "-m", "hpcdist.cli", *args],
+        cli_argv(*args, sigint=sigint),
         cwd=cwd,
         env=full_env,
         capture_output=True,

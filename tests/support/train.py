@@ -8,7 +8,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -20,7 +19,7 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.support.cli import REPO, SHARED, Run, run_cli, storage_sets
+from tests.support.cli import REPO, SHARED, Run, cli_argv, run_cli, storage_sets
 
 STEPS = 400
 # A 1-layer GPT of ~25k parameters: 400 steps take a few seconds on one core per rank.
@@ -120,8 +119,8 @@ class Background:
 
     def __init__(self, args: list[str]) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hpcdist.cli", *args], cwd=REPO, env=env,
+        self.proc = subprocess.Popen(  # as a terminal starts it: `kill` is a Ctrl-C, wherever the suite runs
+            cli_argv(*args, sigint="SIG_DFL"), cwd=REPO, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         self._out: list[str] = []
@@ -142,6 +141,7 @@ class Background:
         return Run(self.proc.returncode, "".join(self._out), "".join(self._err))
 
     def kill(self) -> None:
+        """A user's Ctrl-C: `submit --wait` stops waiting and leaves the job running."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             self.proc.wait(timeout=10)
