@@ -1,0 +1,140 @@
+"""What a member leaves in a folder another member submits from, and what a submit leaves for the
+group to read (issue 54, items 6 and 7), run as the test bed's ordinary users: bob plants,
+alice is the victim, through the `hpcdist` command she types and `hpcdist.Executor`. The local
+site only; her storage lies in the group root, whose folders the group may enter (0750)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.support.cli import REPO, Run
+from tests.support.members import GROUP_ROOT, USERS_VENV, as_user, require_members, run_as
+
+HOOK = REPO / "tests" / "scripts" / "snapshot_hook"
+READ = "import sys; print(len(open(sys.argv[1], 'rb').read()))"
+
+
+def hpcdist(user: str, *args: str, cwd: Path, env: dict[str, str] | None = None) -> Run:
+    """The `hpcdist` command as `user` types it (the venv's entry script: this checkout first)."""
+    return run_as(user, str(USERS_VENV / "bin" / "hpcdist"), *args, cwd=cwd,
+                  env={"PYTHONPATH": str(REPO), **(env or {})})
+
+
+@dataclass
+class Place:
+    shared: Path  # bob's folder in the group root, 2770: a project folder the group writes
+    home: Path  # a folder of alice's under her 0700 home
+    code: Path  # her code there (0755), its files 0644: only the home keeps the group out
+    store: Path  # her storage roots, made by her command in the group root
+    sets: list[str]
+
+
+@pytest.fixture
+def place() -> Iterator[Place]:
+    require_members()
+    tag = uuid.uuid4().hex[:8]
+    shared = GROUP_ROOT / "scratch" / f"t-proj-{tag}"
+    home, store = Path(f"/home/alice/t-{tag}"), GROUP_ROOT / "scratch" / f"t-store-{tag}"
+    try:
+        shared.mkdir()
+        shutil.chown(shared, "bob", "mlgroup")
+        shared.chmod(0o2770)
+        code = home / "code"
+        code.mkdir(parents=True)
+        (code / "train.py").write_text("import colorsys, mymodule\nprint('ran', mymodule.X, colorsys.__file__)\n")
+        (code / "mymodule.py").write_text("X = 7\n")
+        for path in (home, code, *code.iterdir()):
+            shutil.chown(path, "alice", "alice")
+        home.chmod(0o700)
+        sets = [a for key in ("results", "checkpoints", "scratch", "logs")
+                for a in ("--set", f"site.storage.{key}={store / key}")]
+        yield Place(shared, home, code, store, sets)
+    finally:
+        for folder in (shared, home, store, store.parent / f"{store.name}-fifos"):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+CALL = """
+import sys, hpcdist
+def echo(secret):
+    return len(secret)
+roots = {f"site.storage.{k}": f"{sys.argv[1]}/{k}" for k in ("results", "checkpoints", "scratch", "logs")}
+job = hpcdist.Executor(site="local", name="echo", set=roots).submit(echo, "SECRET-123")
+print(job.result(timeout_s=120))
+print(job.paths.submitted_pickle)
+"""
+
+
+def test_a_direct_executor_calls_pickle_is_hers_alone(place: Place) -> None:
+    """Item 6: the pickle of alice's direct Executor call, which holds its arguments, was 0640 in
+    a folder the group enters, and bob read 'SECRET-123' from it. Now it is 0600, as the result."""
+    got = as_user("alice", "-c", CALL, str(place.store), cwd=place.code)
+    assert got.code == 0, got.text
+    count, pickle = got.out.strip().splitlines()[-2:]
+    assert count == "10"
+    assert oct(os.stat(pickle).st_mode & 0o777) == "0o600"
+    assert {oct(p.stat().st_mode & 0o777) for p in Path(pickle).parent.glob("*_result.pkl")} == {"0o600"}
+    read = as_user("bob", "-c", READ, pickle)
+    assert read.code != 0 and "Permission denied" in read.err, read.text
+
+
+def test_the_snapshot_copies_no_link_swapped_in_and_is_hers_alone(place: Place) -> None:
+    """Item 7: alice submits bob's script in the group folder; between the snapshot's listing and
+    its copy bob swaps notes.txt for a link to her token, which landed in the snapshot. Now the
+    copy opens no link, and the submit stops in one line naming the file. And her own code, kept
+    from the group by her 0700 home only, became group-readable in the snapshot: now 0700/0600."""
+    token = place.home / "hf" / "token"
+    token.parent.mkdir(mode=0o700)
+    token.write_text("hf_TOKEN_OF_ALICE")
+    token.chmod(0o600)
+    for path in (token.parent, token):
+        shutil.chown(path, "alice", "alice")
+    plant = ("import sys; open(sys.argv[1] + '/train.py', 'w').write('print(1)'); "
+             "open(sys.argv[1] + '/notes.txt', 'w').write('notes')")
+    assert as_user("bob", "-c", plant, str(place.shared), umask="002").code == 0
+    fifos = place.store.parent / f"{place.store.name}-fifos"  # where alice and the test reach
+    fifos.mkdir()
+    fifos.chmod(0o777)
+    go, done = fifos / "go", fifos / "done"
+    for fifo in (go, done):
+        os.mkfifo(fifo)
+        fifo.chmod(0o666)
+    swap = ("import os, sys; os.symlink(sys.argv[1], sys.argv[2] + '.new'); "
+            "os.rename(sys.argv[2] + '.new', sys.argv[2])")
+    swapped: list[Run] = []
+
+    def attacker() -> None:
+        with open(go) as f:
+            f.read()
+        swapped.append(as_user("bob", "-c", swap, str(token), str(place.shared / "notes.txt")))
+        with open(done, "w") as f:
+            f.write("ok")
+
+    thread = threading.Thread(target=attacker, daemon=True)
+    thread.start()
+    env = {"PYTHONPATH": f"{HOOK}:{REPO}", "HPCDIST_TEST_SNAPSHOT_GO": str(go), "HPCDIST_TEST_SNAPSHOT_DONE": str(done)}
+    got = run_as("alice", str(USERS_VENV / "bin" / "hpcdist"), "submit", "--site", "local", *place.sets, "--wait",
+                 "--", str(place.shared / "train.py"), cwd=place.home, env=env)
+    thread.join(10)
+    assert swapped and swapped[0].code == 0, (swapped, got.text)
+    copied = [p for p in (place.store / "logs").rglob("*") if p.is_file() and b"hf_TOKEN" in p.read_bytes()]
+    assert not copied, copied
+    assert got.code == 2 and len(got.err.strip().splitlines()) == 1, got.text
+    assert f"{place.shared / 'notes.txt'}" in got.err and "a link" in got.err, got.err
+
+    mine = hpcdist("alice", "submit", "--site", "local", *place.sets, "--wait", "--", str(place.code / "train.py"),
+                   cwd=place.home)
+    assert mine.code == 0 and "1/1 ranks succeeded" in mine.out, mine.text
+    (snap,) = (place.store / "logs" / "train").glob("code-*")
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (snap, *snap.glob("*.py"))}  # (and the rank's __pycache__)
+    assert modes == {snap.name: "0o700", "train.py": "0o600", "mymodule.py": "0o600"}, modes
+    read = as_user("bob", "-c", READ, str(snap / "train.py"))
+    assert read.code != 0 and "Permission denied" in read.err, read.text
