@@ -1,5 +1,5 @@
 """What a member leaves in a folder another member submits from, and what a submit leaves for the
-group to read (issue 54, items 6 and 7), run as the test bed's ordinary users: bob plants,
+group to read (issue 54, items 2, 6 and 7), run as the test bed's ordinary users: bob plants,
 alice is the victim, through the `hpcdist` command she types and `hpcdist.Executor`. The local
 site only; her storage lies in the group root, whose folders the group may enter (0750)."""
 
@@ -60,6 +60,33 @@ def place() -> Iterator[Place]:
     finally:
         for folder in (shared, home, store, store.parent / f"{store.name}-fifos"):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+SITE = ("name: local\nscheduler: local\npartitions: {local: {nodes: 1, cpus_per_node: 4}}\nlauncher: {kind: local}\n"
+        "storage: {results: out/results, checkpoints: out/checkpoints, scratch: out/scratch, logs: out/logs}\n")
+
+
+def test_a_site_config_in_a_folder_others_write_is_refused_and_her_own_is_named(place: Place) -> None:
+    """Item 2: bob's site_configs/local.yaml in the group folder ran its setup: line as alice for
+    the default site and for --site local. Now it is refused in one line naming it, its owner and
+    mode, and nothing runs; her own in a folder of hers is used, said in one line."""
+    marker = place.shared / "ran"
+    plant = ("import os, sys; os.makedirs(sys.argv[1] + '/site_configs'); "
+             "open(sys.argv[1] + '/site_configs/local.yaml', 'w').write(sys.argv[2])")
+    planted = SITE + f"setup: ['touch {marker}']\n"
+    assert as_user("bob", "-c", plant, str(place.shared), planted, umask="002").code == 0
+    for site in ([], ["--site", "local"]):
+        got = hpcdist("alice", "submit", *site, *place.sets, "--", str(place.code / "train.py"), cwd=place.shared)
+        assert got.code == 2 and len(got.err.strip().splitlines()) == 1, got.text
+        assert f"{place.shared}/site_configs/local.yaml (owner bob, mode 0664)" in got.err, got.err
+        assert not marker.exists()
+    mine = place.code / "site_configs"
+    assert run_as("alice", "mkdir", str(mine)).code == 0
+    assert as_user("alice", "-c", "import sys; open(sys.argv[1], 'w').write(sys.argv[2])", str(mine / "local.yaml"),
+                   SITE).code == 0
+    got = hpcdist("alice", "render", "--site", "local", "--", "train.py", cwd=place.code)
+    assert got.code == 0, got.text
+    assert got.err.count("shadows") == 1 and f"site 'local' is {mine / 'local.yaml'}" in got.err, got.err
 
 
 CALL = """
