@@ -1,5 +1,5 @@
 """What a member leaves in a folder another member submits from, and what a submit leaves for the
-group to read (issue 54, items 2, 6 and 7), run as the test bed's ordinary users: bob plants,
+group to read (issue 54, items 1, 2, 6 and 7), run as the test bed's ordinary users: bob plants,
 alice is the victim, through the `hpcdist` command she types and `hpcdist.Executor`. The local
 site only; her storage lies in the group root, whose folders the group may enter (0750)."""
 
@@ -60,6 +60,47 @@ def place() -> Iterator[Place]:
     finally:
         for folder in (shared, home, store, store.parent / f"{store.name}-fifos"):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+PLANT = """
+import os, sys
+marker, folder = sys.argv[1], sys.argv[2]
+line = "import os; open({!r}, 'a').write('{} ran as ' + str(os.getuid()) + chr(10))\\n"
+os.makedirs(os.path.join(folder, "hpcdist"))
+for name, path in (("json", "json.py"), ("colorsys", "colorsys.py"), ("hpcdist", "hpcdist/__init__.py")):
+    open(os.path.join(folder, path), "w").write(line.format(marker, name))
+"""
+
+
+def test_modules_a_member_plants_in_the_submit_folder_are_never_imported(place: Place) -> None:
+    """Item 1: bob's json.py, colorsys.py and hpcdist/ in the group folder alice submits from ran as
+    her in submit's import check, the local controller and her rank. Now no Python hpcdist starts
+    has that folder first on its path (-P), her script's import of colorsys is the standard
+    library's, and mymodule beside her script comes from the snapshot; submit says in one line that
+    the folder is left off the path."""
+    marker = place.shared / "ran"
+    assert as_user("bob", "-c", PLANT, str(marker), str(place.shared), umask="002").code == 0
+    got = hpcdist("alice", "submit", "--site", "local", *place.sets, "--wait", "--", str(place.code / "train.py"),
+                  cwd=place.shared)
+    assert not marker.exists(), marker.read_text() + got.text
+    assert got.code == 0 and "1/1 ranks succeeded" in got.out, got.text
+    said = [line for line in got.err.splitlines() if str(place.shared) in line]
+    assert len(said) == 1 and f"{place.shared} (owner bob, mode 2770)" in said[0], got.err
+    assert "the job imports nothing from it" in said[0], said
+    logs = "".join(p.read_text() for p in (place.store / "logs").rglob("*_0_log.out"))
+    assert "ran 7 /usr/lib/python3" in logs, logs
+
+
+def test_a_module_found_only_in_a_folder_others_write_is_one_error_at_submit(place: Place) -> None:
+    """Item 1, `-m`: alice's `-m pkg.train` in the group folder is found nowhere else, and the
+    folder is not searched (bob could have put pkg/ there): one line saying why and what to do."""
+    plant = ("import os, sys; os.makedirs(sys.argv[1] + '/pkg'); open(sys.argv[1] + '/pkg/__init__.py', 'w'); "
+             "open(sys.argv[1] + '/pkg/train.py', 'w').write('print(1)')")
+    assert as_user("alice", "-c", plant, str(place.shared), umask="002").code == 0
+    got = hpcdist("alice", "render", "--site", "local", *place.sets, "--", "-m", "pkg.train", cwd=place.shared)
+    assert got.code == 2 and len(got.err.strip().splitlines()) == 1, got.text
+    assert f"the current folder is not searched: {place.shared} (owner bob, mode 2770) belongs to another user" \
+        in got.err and "submit from a folder of your own" in got.err, got.err
 
 
 SITE = ("name: local\nscheduler: local\npartitions: {local: {nodes: 1, cpus_per_node: 4}}\nlauncher: {kind: local}\n"

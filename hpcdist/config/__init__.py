@@ -60,11 +60,11 @@ def _named_site_file(name: str) -> Path | None:
 
 
 def _check_here(path: Path, name: str) -> None:
-    from hpcdist.store import trust
-
     shipped = data_dir("site_configs") / f"{name}.yaml"
     if shipped.is_file() and shipped.resolve() == path.resolve():
         return  # hpcdist's own folder (a run from its source tree)
+    from hpcdist.store import trust
+
     why = trust.problem(path)
     if why is not None:
         raise ConfigError(

@@ -26,6 +26,7 @@ from hpcdist.config.paths import JobPaths, log_patterns
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import SubmitError
+from hpcdist.launchers import SAFE_PATH
 from hpcdist.login import jobindex, tracking
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.local import LOCAL_CONTROLLER, machine_gpus, process_started
@@ -165,7 +166,7 @@ def _local_executor_class() -> Callable[..., Any]:
                 "SUBMITIT_PREEMPTION_SIGNAL": site.preemption.signal,
                 "SUBMITIT_LOCAL_WITH_SHELL": "",
             }
-            controller = [sys.executable, "-m", LOCAL_CONTROLLER, str(self.folder)]
+            controller = [sys.executable, *SAFE_PATH, "-m", LOCAL_CONTROLLER, str(self.folder)]
             # a session of its own: the job id leads the process group of every rank and its
             # children, which a cancel ends whole; a Ctrl-C of the submitting shell leaves the
             # job running, as it leaves a Slurm job (`hpcdist cancel` stops it)
