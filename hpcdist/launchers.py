@@ -33,6 +33,7 @@ ranks with it.
 from __future__ import annotations
 
 import shlex
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,13 @@ class RankInfo(Protocol):
     def world_size(self) -> int: ...
     @property
     def node_rank(self) -> int: ...
+
+# Python's -P (3.11+; PYTHONSAFEPATH): no folder first on sys.path, neither the working folder
+# (`-m`, `-c`) nor a script's. Every Python hpcdist starts has it: the submit folder may be one that
+# others write (a group's project folder), and a json.py or hpcdist/ put there would run as the user
+# on the login node and on every rank, before any check. The user's code comes from its snapshot,
+# put first by hpcdist.jobs.python. A Python 3.10 has no -P (docs/shared-sites.md).
+SAFE_PATH: tuple[str, ...] = ("-P",) if sys.version_info >= (3, 11) else ()
 
 # The module each rank runs: submitit's task runner, or the shim that fixes its variables first.
 SUBMITIT_RUNNER = "hpcdist.runtime.submitted"  # submitit's task runner, behind the trust check
@@ -129,9 +137,17 @@ class LaunchPlan:
     srun_container: tuple[str, ...] = ()
     rank_python: str | None = None
 
+    def host(self) -> str:
+        """What starts the host's Python for the script's own steps (``SAFE_PATH``'s flag after it)."""
+        return " ".join([shlex.quote(self.python), *SAFE_PATH])
+
+    def worker(self) -> str:
+        """The Python a rank runs in (the image's, in a container), with ``SAFE_PATH``'s flag."""
+        return " ".join([shlex.quote(self.rank_python or self.python), *SAFE_PATH])
+
     def rank(self) -> str:
         """What starts a rank's Python: the host's, or the image's behind the runtime's words."""
-        return " ".join([*self.container, shlex.quote(self.rank_python or self.python)])
+        return " ".join([*self.container, self.worker()])
 
 
 class Launcher:
@@ -319,7 +335,7 @@ class TorchrunLauncher(Launcher):
     def prelude(self, plan: LaunchPlan) -> list[str]:
         """The head node's address and a port free on it for this job's c10d store (a fixed port,
         torchrun's 29400, would put two jobs with the same head node on one store)."""
-        agent = f"{shlex.quote(plan.python)} -m {AGENT}"
+        agent = f"{plan.host()} -m {AGENT}"
         if plan.socket_ifname is None:
             find = 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1'
         else:
@@ -336,7 +352,8 @@ class TorchrunLauncher(Launcher):
             *ifname,
             '--nnodes="$SLURM_JOB_NUM_NODES"', f"--nproc-per-node={plan.tasks_per_node}", "--rdzv-backend=c10d",
             '--rdzv-endpoint="$HPCDIST_HEAD_ADDR:$HPCDIST_RDZV_PORT"', '--rdzv-id="$SLURM_JOB_ID"', *_q(plan.args),
-            f"-m {SHIM}", shlex.quote(str(plan.folder)),
+            # torchrun starts `python -u -m SHIM`, the working folder first: the worker's Python named instead
+            f"--no-python {plan.worker()} -u -m {SHIM}", shlex.quote(str(plan.folder)),
         ])
 
     def task_env(self, info: RankInfo) -> dict[str, str]:
@@ -361,4 +378,4 @@ class LocalLauncher(Launcher):
     )
 
     def command(self, plan: LaunchPlan) -> str:
-        return f"{shlex.quote(plan.python)} -u -m {SUBMITIT_RUNNER} {shlex.quote(str(plan.folder))}"
+        return f"{plan.host()} -u -m {SUBMITIT_RUNNER} {shlex.quote(str(plan.folder))}"

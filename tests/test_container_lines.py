@@ -200,7 +200,9 @@ def test_the_launcher_stays_outside_and_the_rank_runs_inside(launcher: str) -> N
 def sys_python(site) -> str:  # type: ignore[no-untyped-def]
     import sys
 
-    return site.python or sys.executable
+    from hpcdist.launchers import SAFE_PATH
+
+    return " ".join([site.python or sys.executable, *SAFE_PATH])  # -P: no working folder first on its path
 
 
 def test_a_site_default_container_and_a_job_opting_out() -> None:

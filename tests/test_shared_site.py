@@ -184,7 +184,7 @@ def test_a_group_writable_storage_mode_is_refused_in_one_line() -> None:
     assert "0660 lets the group write" in got.err
 
 
-def test_the_snapshot_leaves_secret_names_out_and_is_never_more_readable_than_its_source(tmp_path: Path) -> None:
+def test_the_snapshot_leaves_secret_names_out_and_is_the_users_alone(tmp_path: Path) -> None:
     from hpcdist.jobs import snapshot
     from hpcdist.store.atomic import storage_umask
 
@@ -201,8 +201,8 @@ def test_the_snapshot_leaves_secret_names_out_and_is_never_more_readable_than_it
     assert sorted(str(p) for p in left_out) == sorted(secrets)
     kept = ["notes.txt", "private", "tokenizer.json", "tokenizer.py", "train.py"]
     assert sorted(p.name for p in dest.iterdir()) == kept
-    assert _mode(dest / "private") == 0o700  # not 0750: the group could not read it in the source either
-    assert _mode(dest / "private" / "model.py") == 0o640
+    assert _mode(dest) == _mode(dest / "private") == 0o700  # the user's alone, whatever storage.mode says
+    assert _mode(dest / "private" / "model.py") == _mode(dest / "train.py") == 0o600
 
 
 def test_checkpoints_at_the_place_of_earlier_builds_are_found_there(tmp_path: Path) -> None:

@@ -162,10 +162,11 @@ def test_job_files_are_group_readable_not_world_readable(request: pytest.Fixture
     root, _ = job(request, where)
     seen = modes_of(root)
     private = {p: m for p, m in seen.items()
-               if p.endswith(("_result.pkl", "_store.key")) or p == "scratch/rendezvous"}
-    assert private and set(private.values()) == {"600", "700"}, private  # return values, store keys, the rendezvous
+               if p.endswith(("_result.pkl", "_submitted.pkl", "_store.key")) or p == "scratch/rendezvous"}
+    # return values, the call (function and arguments), store keys, the rendezvous
+    assert private and set(private.values()) == {"600", "700"}, private
     assert any(p.endswith("_store.key") for p in private), private  # the key that signs the job's store messages
-    # results, logs, the submitted pickles, snapshot, scratch: storage.mode
+    # results, logs, scratch: storage.mode
     wrong = {p: m for p, m in seen.items() if p not in private and m != ("750" if (root / p).is_dir() else "640")}
     assert len(seen) > len(private) and not wrong, wrong
 

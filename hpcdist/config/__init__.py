@@ -31,7 +31,8 @@ DEFAULT_SITE = "local"
 
 
 def site_search_path() -> list[Path]:
-    """Where `--site NAME` looks: $HPCDIST_SITE_PATH, ./site_configs, then the shipped sites."""
+    """Where `--site NAME` looks: $HPCDIST_SITE_PATH, ./site_configs (only from a folder no one
+    else can write: `_named_site_file`), then the shipped sites."""
     dirs = [Path(p) for p in os.environ.get("HPCDIST_SITE_PATH", "").split(os.pathsep) if p]
     return [*dirs, Path.cwd() / "site_configs", data_dir("site_configs")]
 
@@ -48,8 +49,38 @@ def is_site_path(ref: str) -> bool:
 
 
 def _named_site_file(name: str) -> Path | None:
-    """The first `<name>.yaml` on the site search path, or None."""
-    return next((p for p in (d / f"{name}.yaml" for d in site_search_path()) if p.is_file()), None)
+    """The first `<name>.yaml` on the site search path, or None. One in ``./site_configs`` is read
+    only where no one else could have written it (``hpcdist.store.trust``: yours or root's, no
+    group or world write, in folders of yours or root's): its ``setup:`` lines run as you. Another
+    is one ConfigError naming it, its owner and mode; one that shadows a shipped site is said once."""
+    found = next((p for p in (d / f"{name}.yaml" for d in site_search_path()) if p.is_file()), None)
+    if found is not None and found.parent == Path.cwd() / "site_configs":
+        _check_here(found, name)
+    return found
+
+
+def _check_here(path: Path, name: str) -> None:
+    shipped = data_dir("site_configs") / f"{name}.yaml"
+    if shipped.is_file() and shipped.resolve() == path.resolve():
+        return  # hpcdist's own folder (a run from its source tree)
+    from hpcdist.store import trust
+
+    why = trust.problem(path)
+    if why is not None:
+        raise ConfigError(
+            f"site {name!r}: refusing {trust.describe(path, path.lstat())} in the current folder: {why}; its "
+            f"setup: lines would run as you; run from a folder of your own, or pass a file you trust as --site "
+            f"PATH (or its folder in HPCDIST_SITE_PATH)"
+        )
+    if shipped.is_file():
+        _say_shadowed(path, name, shipped)
+
+
+@functools.cache
+def _say_shadowed(path: Path, name: str, shipped: Path) -> None:
+    import sys
+
+    print(f"hpcdist: note: site {name!r} is {path}, which shadows the shipped one ({shipped})", file=sys.stderr)
 
 
 def find_site(name_or_path: str | None) -> Path:

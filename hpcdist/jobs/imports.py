@@ -24,6 +24,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpcdist.launchers import SAFE_PATH
+
 TIMEOUT_S = 60.0
 
 
@@ -43,7 +45,7 @@ def inspect(*, module: str | None, function: str | None, path: list[str], snapsh
                "snapshot": str(snapshot) if snapshot else None}
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", _CHILD, json.dumps(request)],
+            [sys.executable, *SAFE_PATH, "-c", _CHILD, json.dumps(request)],  # only `path` first on sys.path
             capture_output=True, text=True, timeout=timeout_s, check=False,
             env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
         )

@@ -98,8 +98,12 @@ class PythonParams(Frozen):
 
 @contextmanager
 def cwd_on_path(extra: str | None = None) -> Iterator[None]:
-    """`python -m` semantics: the working directory (and `extra`) importable while inside."""
-    added = [p for p in (extra, os.getcwd()) if p and p not in sys.path]
+    """`python -m` semantics: `extra` (the code snapshot, or the script's folder in it), then the
+    working directory, importable while inside; the working directory only where no one else could
+    have written a module into it (``hpcdist.store.trust.cwd_problem``)."""
+    from hpcdist.store.trust import importable_cwd
+
+    added = [p for p in (extra, *importable_cwd()) if p and p not in sys.path]
     sys.path[:0] = added
     try:
         yield
@@ -187,18 +191,27 @@ def _import_problem(p: PythonParams) -> Problem | None:
     """The target's import, checked in a child process (``hpcdist.jobs.imports``): a module's
     packages, source and top-level imports; a function's module imported and the name callable."""
     from hpcdist.jobs import imports
+    from hpcdist.store.trust import cwd_problem, importable_cwd
 
     name = p.module_name or ""
     key = "params.module" if p.module else "params.function"
     with cwd_on_path():
+        failed: Exception | None = None
         try:
             found = importlib.util.find_spec(name)
         except (ImportError, ValueError) as exc:  # a parent package that does not import
-            return (key, name, f"an importable module; importing it failed: {type(exc).__name__}: {exc}")
+            found, failed = None, exc
+        closed = cwd_problem() if found is None else None
+        if closed:
+            return (key, name, f"an importable module from the installed packages; the current folder is not "
+                               f"searched: {closed}, so a module there could be anyone's; submit from a folder "
+                               f"of your own (or install the package)")
+        if failed is not None:
+            return (key, name, f"an importable module; importing it failed: {type(failed).__name__}: {failed}")
         if found is None:
             return (key, name, f"an importable module from {os.getcwd()} or the installed packages; "
                                f"check the name and that its package has an __init__.py")
-    report = imports.inspect(module=p.module, function=p.function, path=[os.getcwd()], snapshot=None)
+    report = imports.inspect(module=p.module, function=p.function, path=importable_cwd(), snapshot=None)
     if report.error is None:
         return None
     if p.function:
@@ -210,9 +223,10 @@ def _import_problem(p: PythonParams) -> Problem | None:
 def _warn_live_imports(p: PythonParams, src: Path) -> None:
     """At submit: say which of the code's imports the job will read live from the submit folder."""
     from hpcdist.jobs import imports
+    from hpcdist.store.trust import importable_cwd
 
     path = [str(Path(p.script).resolve().parent)] if p.script else []
-    report = imports.inspect(module=None, function=None, path=[*path, os.getcwd()], snapshot=src)
+    report = imports.inspect(module=None, function=None, path=[*path, *importable_cwd()], snapshot=src)
     for name, where in sorted(report.outside.items()):
         print(
             f"hpcdist: warning: the code imports {name} from {where}, outside the snapshot of {src}: the job "
@@ -224,12 +238,18 @@ def _warn_live_imports(p: PythonParams, src: Path) -> None:
 def prepare(job: Job[PythonParams], site: Site) -> dict[str, Any]:
     """At submit: the code snapshot made, and the params the ranks run (paths made absolute)."""
     from hpcdist.jobs import snapshot
+    from hpcdist.store.trust import cwd_problem
 
     p = job.params
     updates: dict[str, Any] = {"snapshot": False}
     root = code_root(p)
     if p.script:
         updates["script"] = str(Path(p.script).resolve())
+    closed = cwd_problem()
+    if closed:
+        print(f"hpcdist: warning: the current folder is left off the job's import path: {closed}; the job imports "
+              f"nothing from it, only from its code snapshot and the installed packages (files it opens by "
+              f"relative path are still read there)", file=sys.stderr)
     if root is not None:
         src, keep = root
         _warn_live_imports(p, src)

@@ -11,8 +11,11 @@ is never copied, and not mentioned: the storage roots (and a job's own folder) t
 code folder, and any ``hpcdist-out/`` (the local site's default storage, under the folder it is
 run from), so a second submit from the same folder copies no logs, results, checkpoints or
 earlier snapshots of the first.
-A copy is never more readable than its source (a 0600 file stays 0600 under a 0640 storage
-mode). A size limit keeps a data directory from being copied by mistake. Standard library only.
+The copy is the user's alone (folders 0700, files 0600), whatever the storage mode: what kept a
+file from the group may be a folder above the code, which the copy does not have; and it is
+copied from a file opened without following links, so a file swapped for a link after the listing
+copies nothing from outside the tree. A size limit keeps a data directory from being copied by
+mistake. Standard library only.
 """
 
 from __future__ import annotations
@@ -157,7 +160,11 @@ def measure(src: Path, outputs: Sequence[Path] = ()) -> tuple[int, int]:
 def make(src: Path, dest: Path, keep: str, max_mb: float,
          outputs: Sequence[Path] = ()) -> tuple[Path, dict[Path, str]]:
     """Copy `src` into `dest` (into ``dest/keep`` when `keep` names a package), less hpcdist's
-    `outputs`; returns `dest` and what was left out (path relative to `src` -> why)."""
+    `outputs`; returns `dest` and what was left out (path relative to `src` -> why). The copy is
+    the user's alone (folders 0700, files 0600, 0700 where the source is executable by its owner):
+    what kept a file from the group in the source may be a folder above the code, which the copy
+    does not have. Each file is opened without following a link and copied from what was opened:
+    one swapped for a link (or a folder above it for one) since the listing stops the copy."""
     listing = files(src, outputs)
     size = sum((src / f).stat().st_size for f in listing.files)
     if size > max_mb * 1e6:
@@ -165,20 +172,57 @@ def make(src: Path, dest: Path, keep: str, max_mb: float,
             f"params.snapshot: {src} holds {size / 1e6:.1f} MB in {len(listing.files)} files, over "
             f"params.snapshot_max_mb={max_mb:g}; leave data out of the code directory or raise the limit"
         )
+    dest.parent.mkdir(parents=True, exist_ok=True)
     target = dest / keep if keep else dest
-    target.mkdir(parents=True, exist_ok=True)
-    _narrow(target, src)
-    for rel in listing.files:
-        out = target / rel
-        for part in reversed(rel.parents[:-1]):  # each folder as no wider than its source (0700 stays 0700)
-            if not (target / part).is_dir():
-                (target / part).mkdir()
-                _narrow(target / part, src / part)
-        shutil.copyfile(src / rel, out)  # contents only: the mode comes from the site's storage.mode ...
-        _narrow(out, src / rel)  # ... and is never wider than the source's
+    for folder in (dest, target):
+        if not folder.is_dir():
+            folder.mkdir(mode=0o700)
+    root = src.resolve()
+    top = os.open(root, _FOLDER)
+    try:
+        for rel in listing.files:
+            for part in reversed(rel.parents[:-1]):
+                if not (target / part).is_dir():
+                    (target / part).mkdir(mode=0o700)
+            _copy(top, root, src / rel, target / rel)
+    except ConfigError:
+        shutil.rmtree(dest, ignore_errors=True)  # no half snapshot left behind
+        raise
+    finally:
+        os.close(top)
     return dest, listing.left_out
 
 
-def _narrow(made: Path, source: Path) -> None:
-    """`made`'s mode (storage.mode's) less what `source` does not allow (never more readable)."""
-    os.chmod(made, stat.S_IMODE(made.stat().st_mode) & (stat.S_IMODE(source.stat().st_mode) | stat.S_ISGID))
+_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
+
+
+def _copy(top: int, root: Path, source: Path, out: Path) -> None:
+    """`source` (a file of the tree `root`, opened as `top`) copied to the new file `out`: the
+    file a link inside the tree names (its real path, read now) opened one folder at a time
+    below `top` with ``O_NOFOLLOW``, checked with ``fstat`` for a regular file, and read from
+    that descriptor; anything else is one ConfigError naming `source`."""
+    real = Path(os.path.realpath(source))
+    changed = (f"params.snapshot: {source} changed while the code snapshot was copied (now {{}}); nothing was "
+               f"submitted: make sure no one else can write the code folder, then submit again")
+    if not real.is_relative_to(root):
+        raise ConfigError(changed.format(f"a link to {real}, out of the tree"))
+    held: list[int] = []
+    try:
+        fd = top
+        parts = real.relative_to(root).parts
+        for i, part in enumerate(parts):
+            fd = os.open(part, _FOLDER if i < len(parts) - 1 else _FILE, dir_fd=fd)
+            held.append(fd)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(changed.format("not a regular file"))
+        mode = 0o700 if st.st_mode & stat.S_IXUSR else 0o600
+        with os.fdopen(os.dup(fd), "rb") as f_in, \
+                os.fdopen(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode), "wb") as f_out:
+            shutil.copyfileobj(f_in, f_out)
+    except OSError as exc:  # ELOOP: a link in its place; ENOTDIR: a folder above it replaced
+        raise ConfigError(changed.format(f"a link or not a folder: {exc.strerror}")) from exc
+    finally:
+        for fd in held:
+            os.close(fd)

@@ -294,7 +294,7 @@ def render_script(spec: JobSpec, site: Site, origin: Origin, excluded: Exclusion
         "requeue_asked": REQUEUE_ASKED,
         "runner": SUBMITIT_RUNNER,
         # after a requeue: hpcdist.runtime.node_failure decides, once per run, whether it may go on
-        "python": plan.python,
+        "python": Shell(plan.host()),
         "restart_check": RESTART_CHECK,
         "folder": str(folder),
     }

@@ -26,6 +26,7 @@ from hpcdist.config.paths import JobPaths, log_patterns
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import SubmitError
+from hpcdist.launchers import SAFE_PATH
 from hpcdist.login import jobindex, tracking
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.local import LOCAL_CONTROLLER, machine_gpus, process_started
@@ -165,7 +166,7 @@ def _local_executor_class() -> Callable[..., Any]:
                 "SUBMITIT_PREEMPTION_SIGNAL": site.preemption.signal,
                 "SUBMITIT_LOCAL_WITH_SHELL": "",
             }
-            controller = [sys.executable, "-m", LOCAL_CONTROLLER, str(self.folder)]
+            controller = [sys.executable, *SAFE_PATH, "-m", LOCAL_CONTROLLER, str(self.folder)]
             # a session of its own: the job id leads the process group of every rank and its
             # children, which a cancel ends whole; a Ctrl-C of the submitting shell leaves the
             # job running, as it leaves a Slurm job (`hpcdist cancel` stops it)
@@ -255,7 +256,7 @@ def schedule(plan: Plan, calls: Sequence[Call] | None = None) -> list[Submission
     if plan.slurm and shutil.which("sbatch") is None:
         raise SubmitError(f"site {site.name!r} uses Slurm but `sbatch` is not on PATH; run on a login node")
     try:
-        with storage_umask(site.storage.umask), (  # submitit's files, and the job's through sbatch
+        with storage_umask(site.storage.umask), _private_pickles(), (  # submitit's files, and the job's through sbatch
                 _detached_streams() if not plan.slurm else contextlib.nullcontext()):
             own_folders(site.storage)  # <root>/<user>: this user's own, or one line naming who made it
             for task in plan.tasks:  # the job's tracker run, once (a resubmission that resumes keeps it)
@@ -296,6 +297,28 @@ def make_record(sub: Submission, origin: Origin) -> jobindex.JobRecord:
         spec=sub.spec.model_dump(mode="json"), site_model=sub.site.model_dump(mode="json"),
         started=process_started(sub.job_id) if sub.site.scheduler != "slurm" else None,
     )
+
+
+@contextlib.contextmanager
+def _private_pickles() -> Iterator[None]:
+    """submitit's pickles of the job's call (``<id>_submitted.pkl``: the function and its arguments,
+    an ``hpcdist.Executor`` call's values included) written 0600 whatever ``storage.mode`` says, as
+    the ranks write the result pickles (``hpcdist.runtime.submitted``): submitit writes each through
+    ``utils.cloudpickle_dump``, which it looks up when it writes, under a new name that it then
+    renames into place, so the file is the user's alone from its first byte."""
+    from submitit.core import utils
+
+    dump = utils.cloudpickle_dump
+
+    def private(obj: Any, filename: Any) -> None:
+        with storage_umask(0o077):
+            dump(obj, filename)
+
+    utils.cloudpickle_dump = private
+    try:
+        yield
+    finally:
+        utils.cloudpickle_dump = dump
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ from pathlib import Path
 from submitit.local.local import Controller
 
 from hpcdist.config.contract import LAUNCH_ID_VAR, LAUNCH_TIME_VAR, LOCAL_AFTER_VAR, LOCAL_RESTARTS_VAR
-from hpcdist.launchers import SUBMITIT_RUNNER
+from hpcdist.launchers import SAFE_PATH, SUBMITIT_RUNNER
 from hpcdist.runtime.signed_store import make_key
 from hpcdist.scheduler.local import controller_alive
 
@@ -59,6 +59,9 @@ class JobController(Controller):
         self.starts += 1
         # each task through hpcdist's runner: submitit's behind the trust check, its result pickle 0600
         self.command = [SUBMITIT_RUNNER if part == "submitit.core._submit" else part for part in self.command]
+        if "-m" in self.command and not set(SAFE_PATH) & set(self.command):  # no working folder first on its path
+            at = self.command.index("-m")
+            self.command[at:at] = list(SAFE_PATH)
         super().start_tasks()
 
 

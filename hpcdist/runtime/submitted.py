@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m hpcdist.runtime.submitted [--check] FOLDER", file=sys.stderr)
         return 2
     folder = args[0]
+    from hpcdist.store.trust import importable_cwd
+
+    sys.path[:0] = importable_cwd()  # `python -m`'s first entry, which -P left off, where no one else writes it
     from hpcdist.containers import CONTAINER_VAR, SUBMITTED_WITH_VAR, versions
 
     if os.environ.get(CONTAINER_VAR) and os.environ.get(SUBMITTED_WITH_VAR) and not check_only:

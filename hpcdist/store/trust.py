@@ -48,9 +48,9 @@ from hpcdist.errors import HpcdistError
 if TYPE_CHECKING:
     from hpcdist.config.site import Storage
 
-__all__ = ["UntrustedFileError", "current_user", "denied_hint", "describe", "load_pickle", "opened_plain",
-           "opened_trusted", "own_folder", "own_folders", "owner_name", "private_folder", "problem", "read_trusted",
-           "trusted", "trusted_folder"]
+__all__ = ["UntrustedFileError", "current_user", "cwd_problem", "denied_hint", "describe", "importable_cwd",
+           "load_pickle", "opened_plain", "opened_trusted", "own_folder", "own_folders", "owner_name", "private_folder",
+           "problem", "read_trusted", "trusted", "trusted_folder"]
 
 _FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_PATH", 0)
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
@@ -262,6 +262,23 @@ def trusted_tree(folder: str | Path) -> None:
                 why = _file_problem(shown, os.lstat(held), private=False, folder=is_dir)
                 if why is not None:
                     raise _refusal(shown, why)
+
+
+def cwd_problem() -> str | None:
+    """Why the working folder may not be on an import path, in one line (its owner and mode), or
+    None when it may: another user could have put a module in it (a group's project folder, 2770;
+    a folder of someone else's; one below such a folder), which would shadow the standard library,
+    hpcdist or the user's own code. Every Python hpcdist starts has ``-P`` (``launchers.SAFE_PATH``),
+    which leaves the working folder off its path; this says whether hpcdist may put it back."""
+    try:
+        return problem(os.getcwd())
+    except OSError as exc:
+        return f"the current folder cannot be looked at ({exc.strerror})"
+
+
+def importable_cwd() -> list[str]:
+    """The working folder as an import path entry (``python -m``'s), when no one else could write it."""
+    return [] if cwd_problem() else [os.getcwd()]
 
 
 @contextmanager

@@ -37,8 +37,8 @@ export SUBMITIT_EXECUTOR=slurm
 # the nodes of this run (fewer after a node failure) times the tasks per node: srun inherits the
 # submission's count, and a run on fewer nodes fails "More processors requested than permitted"
 export SLURM_NTASKS=$((SLURM_JOB_NUM_NODES * 4)) SLURM_NPROCS=$((SLURM_JOB_NUM_NODES * 4))
-HPCDIST_HEAD_ADDR=$(/opt/hpcdist/bin/python -m hpcdist.runtime.agent --address ib0) || exit 1
-HPCDIST_RDZV_PORT=$(/opt/hpcdist/bin/python -m hpcdist.runtime.agent --free-port) || exit 1
+HPCDIST_HEAD_ADDR=$(/opt/hpcdist/bin/python -P -m hpcdist.runtime.agent --address ib0) || exit 1
+HPCDIST_RDZV_PORT=$(/opt/hpcdist/bin/python -P -m hpcdist.runtime.agent --free-port) || exit 1
 export HPCDIST_HEAD_ADDR HPCDIST_RDZV_PORT
 
 # ---- each rank runs in a container (apptainer, image /p/project/myproject/images/pytorch-24.10-hpcdist.sif); srun, mpirun and this
@@ -46,20 +46,20 @@ export HPCDIST_HEAD_ADDR HPCDIST_RDZV_PORT
 # ---- the image has no commands for: a requeue they asked for happens when the launch has ended
 mkdir -p -m 700 /p/scratch/myproject/hpcdist/scratch/smoke/home  # the ranks' $HOME inside
 for v in HPCDIST_CONTAINER HPCDIST_LAUNCH_TIME HPCDIST_SUBMITTED_WITH NCCL_DEBUG NCCL_IB_HCA NCCL_IB_TIMEOUT NCCL_NET_GDR_LEVEL OMP_NUM_THREADS SUBMITIT_EXECUTOR SUBMITIT_PREEMPTION_SIGNAL UCX_TLS; do if [ -n "${!v+x}" ]; then export "APPTAINERENV_$v=${!v}"; fi; done  # over the image's values
-hpcdist_requeue_asked() { /opt/hpcdist/bin/python -m hpcdist.runtime.requeue /p/project/myproject/hpcdist/logs/smoke/%j; }
+hpcdist_requeue_asked() { /opt/hpcdist/bin/python -P -m hpcdist.runtime.requeue /p/project/myproject/hpcdist/logs/smoke/%j; }
 trap hpcdist_requeue_asked EXIT
 # a user namespace shows root and other users alike as nobody: the job's pickle checked here first
-/opt/hpcdist/bin/python -m hpcdist.runtime.submitted --check /p/project/myproject/hpcdist/logs/smoke/%j || exit 1
+/opt/hpcdist/bin/python -P -m hpcdist.runtime.submitted --check /p/project/myproject/hpcdist/logs/smoke/%j || exit 1
 
 # ---- this run's nodes (its batch output is where a requeued run reads its earlier runs when it
 # ---- cannot read Slurm's accounting); a run Slurm requeued: its node failures recorded and
 # ---- bounded here, before any rank starts (hpcdist.runtime.node_failure)
 echo "hpcdist: run $((${SLURM_RESTART_COUNT:-0} + 1)) on ${SLURM_JOB_NODELIST} at $(date +%Y-%m-%dT%H:%M:%S)"
 if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
-  /opt/hpcdist/bin/python -m hpcdist.runtime.node_failure /p/project/myproject/hpcdist/logs/smoke/%j || exit $?
+  /opt/hpcdist/bin/python -P -m hpcdist.runtime.node_failure /p/project/myproject/hpcdist/logs/smoke/%j || exit $?
 fi
 
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME
-srun --unbuffered --output /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.out --error /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.err --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=48 apptainer exec --nv --no-home --bind /p/project/myproject/hpcdist/results:/p/project/myproject/hpcdist/results,/p/scratch/myproject/hpcdist/checkpoints:/p/scratch/myproject/hpcdist/checkpoints,/p/scratch/myproject/hpcdist/scratch:/p/scratch/myproject/hpcdist/scratch,/p/project/myproject/hpcdist/logs:/p/project/myproject/hpcdist/logs,/tmp:/tmp /p/project/myproject/images/pytorch-24.10-hpcdist.sif env -u PYTHONPATH PYTHONNOUSERSITE=1 HOME=/p/scratch/myproject/hpcdist/scratch/smoke/home python3 -m hpcdist.runtime.agent --ifname ib0 --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint="$HPCDIST_HEAD_ADDR:$HPCDIST_RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" -m hpcdist.runtime.shim /p/project/myproject/hpcdist/logs/smoke/%j
+srun --unbuffered --output /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.out --error /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.err --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=48 apptainer exec --nv --no-home --bind /p/project/myproject/hpcdist/results:/p/project/myproject/hpcdist/results,/p/scratch/myproject/hpcdist/checkpoints:/p/scratch/myproject/hpcdist/checkpoints,/p/scratch/myproject/hpcdist/scratch:/p/scratch/myproject/hpcdist/scratch,/p/project/myproject/hpcdist/logs:/p/project/myproject/hpcdist/logs,/tmp:/tmp /p/project/myproject/images/pytorch-24.10-hpcdist.sif env -u PYTHONPATH PYTHONNOUSERSITE=1 HOME=/p/scratch/myproject/hpcdist/scratch/smoke/home python3 -P -m hpcdist.runtime.agent --ifname ib0 --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint="$HPCDIST_HEAD_ADDR:$HPCDIST_RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" --no-python python3 -P -u -m hpcdist.runtime.shim /p/project/myproject/hpcdist/logs/smoke/%j

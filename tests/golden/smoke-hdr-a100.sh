@@ -41,10 +41,10 @@ export SLURM_NTASKS=$((SLURM_JOB_NUM_NODES * 4)) SLURM_NPROCS=$((SLURM_JOB_NUM_N
 # ---- bounded here, before any rank starts (hpcdist.runtime.node_failure)
 echo "hpcdist: run $((${SLURM_RESTART_COUNT:-0} + 1)) on ${SLURM_JOB_NODELIST} at $(date +%Y-%m-%dT%H:%M:%S)"
 if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
-  /opt/hpcdist/bin/python -m hpcdist.runtime.node_failure /p/project/myproject/hpcdist/logs/smoke/%j || exit $?
+  /opt/hpcdist/bin/python -P -m hpcdist.runtime.node_failure /p/project/myproject/hpcdist/logs/smoke/%j || exit $?
 fi
 
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME
-srun --unbuffered --output /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.out --error /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.err --cpus-per-task=12 --cpu-bind=v --mpi=pmix /opt/hpcdist/bin/python -u -m hpcdist.runtime.submitted /p/project/myproject/hpcdist/logs/smoke/%j
+srun --unbuffered --output /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.out --error /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.err --cpus-per-task=12 --cpu-bind=v --mpi=pmix /opt/hpcdist/bin/python -P -u -m hpcdist.runtime.submitted /p/project/myproject/hpcdist/logs/smoke/%j

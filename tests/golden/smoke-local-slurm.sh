@@ -28,10 +28,10 @@ export SLURM_NTASKS=$((SLURM_JOB_NUM_NODES * 2)) SLURM_NPROCS=$((SLURM_JOB_NUM_N
 # ---- bounded here, before any rank starts (hpcdist.runtime.node_failure)
 echo "hpcdist: run $((${SLURM_RESTART_COUNT:-0} + 1)) on ${SLURM_JOB_NODELIST} at $(date +%Y-%m-%dT%H:%M:%S)"
 if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
-  /opt/hpcdist/bin/python -m hpcdist.runtime.node_failure /var/tmp/hpcdist-shared/logs/smoke/%j || exit $?
+  /opt/hpcdist/bin/python -P -m hpcdist.runtime.node_failure /var/tmp/hpcdist-shared/logs/smoke/%j || exit $?
 fi
 
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME
-srun --unbuffered --output /var/tmp/hpcdist-shared/logs/smoke/%j/%j_%t_log.out --error /var/tmp/hpcdist-shared/logs/smoke/%j/%j_%t_log.err --mpi=pmix /opt/hpcdist/bin/python -u -m hpcdist.runtime.submitted /var/tmp/hpcdist-shared/logs/smoke/%j
+srun --unbuffered --output /var/tmp/hpcdist-shared/logs/smoke/%j/%j_%t_log.out --error /var/tmp/hpcdist-shared/logs/smoke/%j/%j_%t_log.err --mpi=pmix /opt/hpcdist/bin/python -P -u -m hpcdist.runtime.submitted /var/tmp/hpcdist-shared/logs/smoke/%j

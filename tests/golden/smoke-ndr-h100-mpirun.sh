@@ -40,13 +40,13 @@ export SLURM_NTASKS=$((SLURM_JOB_NUM_NODES * 2)) SLURM_NPROCS=$((SLURM_JOB_NUM_N
 # ---- bounded here, before any rank starts (hpcdist.runtime.node_failure)
 echo "hpcdist: run $((${SLURM_RESTART_COUNT:-0} + 1)) on ${SLURM_JOB_NODELIST} at $(date +%Y-%m-%dT%H:%M:%S)"
 if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
-  /opt/hpcdist/bin/python -m hpcdist.runtime.node_failure /shared/ml-research/hpcdist/logs/smoke/%j || exit $?
+  /opt/hpcdist/bin/python -P -m hpcdist.runtime.node_failure /shared/ml-research/hpcdist/logs/smoke/%j || exit $?
 fi
 
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME
-mpirun -np "$SLURM_NTASKS" --map-by ppr:2:node /opt/hpcdist/bin/python -u -m hpcdist.runtime.shim /shared/ml-research/hpcdist/logs/smoke/%j &
+mpirun -np "$SLURM_NTASKS" --map-by ppr:2:node /opt/hpcdist/bin/python -P -u -m hpcdist.runtime.shim /shared/ml-research/hpcdist/logs/smoke/%j &
 HPCDIST_LAUNCHER_PID=$!
 trap 'kill -USR2 "$HPCDIST_LAUNCHER_PID"' USR2
 until wait "$HPCDIST_LAUNCHER_PID"; HPCDIST_STATUS=$?; ! kill -0 "$HPCDIST_LAUNCHER_PID" 2>/dev/null; do :; done

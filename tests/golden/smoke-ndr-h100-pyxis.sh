@@ -43,20 +43,20 @@ export SLURM_NTASKS=$((SLURM_JOB_NUM_NODES * 8)) SLURM_NPROCS=$((SLURM_JOB_NUM_N
 # ---- the image has no commands for: a requeue they asked for happens when the launch has ended
 mkdir -p -m 700 /scratch/ml-research/hpcdist/smoke/home  # the ranks' $HOME inside
 export NVIDIA_VISIBLE_DEVICES="${NVIDIA_VISIBLE_DEVICES:-all}" NVIDIA_DRIVER_CAPABILITIES="${NVIDIA_DRIVER_CAPABILITIES:-compute,utility}"  # enroot's 98-nvidia.sh hook
-hpcdist_requeue_asked() { /opt/hpcdist/bin/python -m hpcdist.runtime.requeue /shared/ml-research/hpcdist/logs/smoke/%j; }
+hpcdist_requeue_asked() { /opt/hpcdist/bin/python -P -m hpcdist.runtime.requeue /shared/ml-research/hpcdist/logs/smoke/%j; }
 trap hpcdist_requeue_asked EXIT
 # a user namespace shows root and other users alike as nobody: the job's pickle checked here first
-/opt/hpcdist/bin/python -m hpcdist.runtime.submitted --check /shared/ml-research/hpcdist/logs/smoke/%j || exit 1
+/opt/hpcdist/bin/python -P -m hpcdist.runtime.submitted --check /shared/ml-research/hpcdist/logs/smoke/%j || exit 1
 
 # ---- this run's nodes (its batch output is where a requeued run reads its earlier runs when it
 # ---- cannot read Slurm's accounting); a run Slurm requeued: its node failures recorded and
 # ---- bounded here, before any rank starts (hpcdist.runtime.node_failure)
 echo "hpcdist: run $((${SLURM_RESTART_COUNT:-0} + 1)) on ${SLURM_JOB_NODELIST} at $(date +%Y-%m-%dT%H:%M:%S)"
 if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
-  /opt/hpcdist/bin/python -m hpcdist.runtime.node_failure /shared/ml-research/hpcdist/logs/smoke/%j || exit $?
+  /opt/hpcdist/bin/python -P -m hpcdist.runtime.node_failure /shared/ml-research/hpcdist/logs/smoke/%j || exit $?
 fi
 
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME
-srun --unbuffered --output /shared/ml-research/hpcdist/logs/smoke/%j/%j_%t_log.out --error /shared/ml-research/hpcdist/logs/smoke/%j/%j_%t_log.err --cpus-per-task=14 --container-image=/shared/ml-research/images/pytorch-24.10-hpcdist.sqsh --container-mounts=/shared/ml-research/hpcdist/results:/shared/ml-research/hpcdist/results,/shared/ml-research/hpcdist/checkpoints:/shared/ml-research/hpcdist/checkpoints,/scratch/ml-research/hpcdist:/scratch/ml-research/hpcdist,/shared/ml-research/hpcdist/logs:/shared/ml-research/hpcdist/logs,/tmp:/tmp,/lustre/datasets:/data,"$SLURM_SUBMIT_DIR":"$SLURM_SUBMIT_DIR" --container-workdir="$SLURM_SUBMIT_DIR" --no-container-mount-home --container-env=HPCDIST_CONTAINER,HPCDIST_LAUNCH_TIME,HPCDIST_SUBMITTED_WITH,NCCL_CROSS_NIC,NCCL_IB_HCA,NCCL_IB_QPS_PER_CONNECTION,NCCL_NVLS_ENABLE,OMP_NUM_THREADS,PMIX_RANK,SLURM_ARRAY_JOB_ID,SLURM_ARRAY_TASK_ID,SLURM_JOBID,SLURM_JOB_ID,SLURM_JOB_NODELIST,SLURM_JOB_NUM_NODES,SLURM_LOCALID,SLURM_NNODES,SLURM_NODEID,SLURM_NODELIST,SLURM_NTASKS,SLURM_PROCID,SLURM_RESTART_COUNT,SLURM_STEP_NODELIST,SLURM_STEP_NUM_NODES,SLURM_STEP_NUM_TASKS,SLURM_STEP_TASKS_PER_NODE,SLURM_SUBMIT_DIR,SLURM_TASKS_PER_NODE,SUBMITIT_EXECUTOR,SUBMITIT_PREEMPTION_SIGNAL,UCX_NET_DEVICES --cpu-bind=cores --mpi=pmix env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u MASTER_ADDR -u MASTER_PORT -u PYTHONPATH PYTHONNOUSERSITE=1 HOME=/scratch/ml-research/hpcdist/smoke/home python3 -u -m hpcdist.runtime.submitted /shared/ml-research/hpcdist/logs/smoke/%j
+srun --unbuffered --output /shared/ml-research/hpcdist/logs/smoke/%j/%j_%t_log.out --error /shared/ml-research/hpcdist/logs/smoke/%j/%j_%t_log.err --cpus-per-task=14 --container-image=/shared/ml-research/images/pytorch-24.10-hpcdist.sqsh --container-mounts=/shared/ml-research/hpcdist/results:/shared/ml-research/hpcdist/results,/shared/ml-research/hpcdist/checkpoints:/shared/ml-research/hpcdist/checkpoints,/scratch/ml-research/hpcdist:/scratch/ml-research/hpcdist,/shared/ml-research/hpcdist/logs:/shared/ml-research/hpcdist/logs,/tmp:/tmp,/lustre/datasets:/data,"$SLURM_SUBMIT_DIR":"$SLURM_SUBMIT_DIR" --container-workdir="$SLURM_SUBMIT_DIR" --no-container-mount-home --container-env=HPCDIST_CONTAINER,HPCDIST_LAUNCH_TIME,HPCDIST_SUBMITTED_WITH,NCCL_CROSS_NIC,NCCL_IB_HCA,NCCL_IB_QPS_PER_CONNECTION,NCCL_NVLS_ENABLE,OMP_NUM_THREADS,PMIX_RANK,SLURM_ARRAY_JOB_ID,SLURM_ARRAY_TASK_ID,SLURM_JOBID,SLURM_JOB_ID,SLURM_JOB_NODELIST,SLURM_JOB_NUM_NODES,SLURM_LOCALID,SLURM_NNODES,SLURM_NODEID,SLURM_NODELIST,SLURM_NTASKS,SLURM_PROCID,SLURM_RESTART_COUNT,SLURM_STEP_NODELIST,SLURM_STEP_NUM_NODES,SLURM_STEP_NUM_TASKS,SLURM_STEP_TASKS_PER_NODE,SLURM_SUBMIT_DIR,SLURM_TASKS_PER_NODE,SUBMITIT_EXECUTOR,SUBMITIT_PREEMPTION_SIGNAL,UCX_NET_DEVICES --cpu-bind=cores --mpi=pmix env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u MASTER_ADDR -u MASTER_PORT -u PYTHONPATH PYTHONNOUSERSITE=1 HOME=/scratch/ml-research/hpcdist/smoke/home python3 -P -u -m hpcdist.runtime.submitted /shared/ml-research/hpcdist/logs/smoke/%j

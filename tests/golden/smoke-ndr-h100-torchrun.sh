@@ -34,8 +34,8 @@ export SUBMITIT_EXECUTOR=slurm
 # the nodes of this run (fewer after a node failure) times the tasks per node: srun inherits the
 # submission's count, and a run on fewer nodes fails "More processors requested than permitted"
 export SLURM_NTASKS=$((SLURM_JOB_NUM_NODES * 2)) SLURM_NPROCS=$((SLURM_JOB_NUM_NODES * 2))
-HPCDIST_HEAD_ADDR=$(/opt/hpcdist/bin/python -m hpcdist.runtime.agent --address eth0) || exit 1
-HPCDIST_RDZV_PORT=$(/opt/hpcdist/bin/python -m hpcdist.runtime.agent --free-port) || exit 1
+HPCDIST_HEAD_ADDR=$(/opt/hpcdist/bin/python -P -m hpcdist.runtime.agent --address eth0) || exit 1
+HPCDIST_RDZV_PORT=$(/opt/hpcdist/bin/python -P -m hpcdist.runtime.agent --free-port) || exit 1
 export HPCDIST_HEAD_ADDR HPCDIST_RDZV_PORT
 
 # ---- this run's nodes (its batch output is where a requeued run reads its earlier runs when it
@@ -43,10 +43,10 @@ export HPCDIST_HEAD_ADDR HPCDIST_RDZV_PORT
 # ---- bounded here, before any rank starts (hpcdist.runtime.node_failure)
 echo "hpcdist: run $((${SLURM_RESTART_COUNT:-0} + 1)) on ${SLURM_JOB_NODELIST} at $(date +%Y-%m-%dT%H:%M:%S)"
 if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
-  /opt/hpcdist/bin/python -m hpcdist.runtime.node_failure /shared/ml-research/hpcdist/logs/smoke/%j || exit $?
+  /opt/hpcdist/bin/python -P -m hpcdist.runtime.node_failure /shared/ml-research/hpcdist/logs/smoke/%j || exit $?
 fi
 
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME
-srun --unbuffered --output /shared/ml-research/hpcdist/logs/smoke/%j/%j_%t_log.out --error /shared/ml-research/hpcdist/logs/smoke/%j/%j_%t_log.err --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=2 /opt/hpcdist/bin/python -m hpcdist.runtime.agent --ifname eth0 --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint="$HPCDIST_HEAD_ADDR:$HPCDIST_RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" -m hpcdist.runtime.shim /shared/ml-research/hpcdist/logs/smoke/%j
+srun --unbuffered --output /shared/ml-research/hpcdist/logs/smoke/%j/%j_%t_log.out --error /shared/ml-research/hpcdist/logs/smoke/%j/%j_%t_log.err --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=2 /opt/hpcdist/bin/python -P -m hpcdist.runtime.agent --ifname eth0 --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint="$HPCDIST_HEAD_ADDR:$HPCDIST_RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" --no-python /opt/hpcdist/bin/python -P -u -m hpcdist.runtime.shim /shared/ml-research/hpcdist/logs/smoke/%j
