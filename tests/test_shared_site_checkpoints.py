@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import REPO
 from tests.support.members import GROUP_ROOT, as_user, finish, require_members, spawn
 
 CHECKPOINTS = GROUP_ROOT / "checkpoints"
@@ -226,3 +227,58 @@ def test_a_swap_of_her_folder_between_the_check_and_the_read_changes_nothing(
     assert run.code == 0, run.text
     assert folder.owner() == "bob"  # the swap happened: the path now names bob's run
     assert json.loads(run.out.strip().splitlines()[-1]) == {"loaded": [2, ALICE_BASE + 2]}, run.text
+
+
+@pytest.fixture
+def project() -> Iterator[Path]:
+    """alice's working folder (the local site's hpcdist-out/ goes there) holding a project folder
+    everyone may write (bob's, 0777), where alice keeps her infer_gpt spec and prompts."""
+    require_members()
+    top = Path(f"/tmp/hpcdist-t-{uuid.uuid4().hex[:8]}")
+    top.mkdir(mode=0o755)
+    shutil.chown(top, "alice")
+    try:
+        shared = top / "project"
+        shared.mkdir()
+        shared.chmod(0o777)
+        shutil.chown(shared, "bob", "bob")
+        spec = (REPO / "jobs" / "infer_gpt.yaml").read_text()
+        for name, text in (("infer.yaml", spec), ("prompts.txt", "Hello\n")):
+            (shared / name).write_text(text)
+            shutil.chown(shared / name, "alice", "alice")
+        yield shared
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def _checkpoint(folder: Path, owner: str, seed: int) -> None:
+    """A tiny model's checkpoint of `owner`'s in `folder` (and the folders made for it below /tmp/hpcdist-t-*)."""
+    from tests.support.infer import make_checkpoint
+
+    make_checkpoint(folder, seed=seed)
+    top = folder.parents[len(folder.parents) - 3]
+    for path in (*[p for p in folder.parents if p.is_relative_to(top) and p != top], folder, *folder.rglob("*")):
+        shutil.chown(path, owner, owner)
+
+
+def test_a_relative_checkpoint_beside_a_spec_in_a_folder_others_write_is_not_loaded(project: Path) -> None:
+    """bob's train_gpt/ beside alice's infer.yaml in a folder he may write (before: her job generated
+    from it, even with her own <checkpoints>/train_gpt there, and without a word)."""
+    top = project.parent
+    _checkpoint(project / "train_gpt", "bob", seed=1)
+    submit = ("-m", "hpcdist.cli", "submit", str(project / "infer.yaml"), "--site", "local",
+              "--set", "resources.tasks_per_node=1", "--set", "params.tp=1", "--set", "params.max_new_tokens=2")
+    mine = top / "hpcdist-out" / "checkpoints" / "train_gpt"
+    refused = as_user("alice", *submit, cwd=top)
+    assert refused.code == 2 and f"{mine}" in refused.err, refused.text  # not there: nothing of bob's instead
+    assert f"not {project / 'train_gpt'}: {project} (owner bob, mode 0777) belongs to another user" in refused.err
+    assert not (top / "hpcdist-out" / "results").exists()
+
+    _checkpoint(mine, "alice", seed=2)
+    ran = as_user("alice", *submit, "--wait", cwd=top)
+    assert ran.code == 0 and "1/1 ranks succeeded" in ran.out, ran.text
+    assert ran.err.count(f"params.checkpoint: 'train_gpt' is {mine}, not {project / 'train_gpt'}") == 1, ran.err
+    from hpcdist.store.results import read_attrs
+
+    (result,) = (top / "hpcdist-out" / "results" / "infer_gpt").glob("*.h5")
+    assert Path(read_attrs(result)["checkpoint"]).is_relative_to(mine)

@@ -76,6 +76,12 @@ os.write(fd, json.dumps({"node": "n3", "reason": "for ever", "when": when, "job_
                          "user": "bob", "host": "x"}).encode())
 os.close(fd)
 os.utime(path, (when, when))
+soon = time.time() + 240  # 4 minutes ahead: a clock that runs fast, within the slack
+path = os.path.join(sys.argv[1], f"n6.{int(soon * 1e9)}-1-deadbeef.mark.json")
+fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o640)
+os.write(fd, json.dumps({"node": "n6", "reason": "fast clock", "when": soon, "job_id": "", "source": "user",
+                         "user": "bob", "host": "x"}).encode())
+os.close(fd)
 shared = os.path.join(sys.argv[1], f"n5.{time.time_ns()}-1-deadbeef.mark.json")  # anyone in the group could rewrite it
 open(shared, "w").write(json.dumps({"node": "n5", "reason": "x", "when": time.time(), "job_id": "", "source": "user",
                                     "user": "bob", "host": "x"}))
@@ -83,23 +89,26 @@ os.chmod(shared, 0o664)
 """
 
 
-def test_a_mark_dated_2100_counts_from_when_it_was_written_and_expires(scratch: Path) -> None:
+def test_a_mark_dated_2100_is_ignored_and_one_a_few_minutes_ahead_counts_from_when_written(scratch: Path) -> None:
     before = time.time()
     assert as_user("bob", "-c", PLANT_2100, str(scratch / "node-health")).code == 0
     shown = nodes("alice", scratch, "--json")
     assert "/n5." in shown.err and "(owner bob, mode 0664): group- or world-writable" in shown.err, shown.text
-    assert [row["node"] for row in json.loads(shown.out)["nodes"]] == ["n3"]
-    row = listed("alice", scratch)["n3"]
+    assert (f"ignored 1 marks in {scratch / 'node-health'} dated more than 5 minutes ahead of now "
+            "(up to 2100-01-01, bob's)") in shown.err and shown.err.count("node health:") == 1, shown.err
+    assert [row["node"] for row in json.loads(shown.out)["nodes"]] == ["n6"]  # n3 is dated 2100: no mark
+    row = listed("alice", scratch)["n6"]
     assert row["excluded"], row
     (said,) = row["marks"]
     assert said["user"] == "bob" and before - 5 <= said["when"] <= time.time()  # counted from when bob wrote it
     until = calendar.timegm(time.strptime(row["excluded_until"], "%Y-%m-%dT%H:%M:%SZ"))
-    assert until <= time.time() + 24 * 3600 + 5, row["excluded_until"]  # 24 h from now, not 2100
-    assert "#SBATCH --exclude=n3" in render("alice", scratch).out
+    assert until <= time.time() + 24 * 3600 + 5, row["excluded_until"]  # 24 h from now, not 4 minutes later
+    rendered = render("alice", scratch)
+    assert "#SBATCH --exclude=n6\n" in rendered.out, rendered.text
     time.sleep(0.1)  # longer than a window of 0.00001 h (36 ms): bob's mark is older than that now
     expired = render("alice", scratch, "site.health.exclude_for_h=0.00001")
     assert expired.code == 0 and "--exclude" not in expired.out, expired.text
-    assert not listed("alice", scratch, "--set", "site.health.exclude_for_h=0.00001")["n3"]["excluded"]
+    assert not listed("alice", scratch, "--set", "site.health.exclude_for_h=0.00001")["n6"]["excluded"]
 
 
 def test_a_member_clears_a_colleagues_mark_by_the_documented_rule_and_root_removes_it(scratch: Path) -> None:
@@ -156,6 +165,41 @@ def test_twenty_thousand_junk_files_give_one_warning_and_a_bounded_read(scratch:
     assert "5000 entries of" in warned[0] and "are not marks by their names" in warned[0]
     rendered = render("alice", scratch)
     assert "#SBATCH --exclude=n2" in rendered.out and rendered.err.count("node health:") == 1, rendered.text
+
+
+FUTURE_FLOOD = """
+import json, os, sys, time
+folder, now = sys.argv[1], time.time()
+for i in range(20000):  # named for 2286, the last time 19 digits hold: first by name for ever
+    node = "n1" if i < 300 else f"x{i}"
+    path = os.path.join(folder, f"{node}.{9999999999000000000 - i}-1-{i:08x}.mark.json")
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o640)
+    if i < 300:  # real marks of n1, but for their date
+        os.write(fd, json.dumps({"node": node, "reason": "for ever", "when": now, "job_id": "", "source": "user",
+                                 "user": "bob", "host": "x"}).encode())
+    os.close(fd)
+"""
+
+
+def test_marks_dated_2286_hide_neither_a_colleagues_mark_nor_a_clear_mark(scratch: Path) -> None:
+    """bob marks n1 once today, then writes 20,000 names dated 2286, 300 of them marks of n1 (before:
+    the 256 newest by name were all his, so "no node is marked bad", alice's n2 went unread and her
+    clear of n1 was never read either)."""
+    record = scratch / "node-health"
+    assert nodes("alice", scratch, "--mark", "n2", "--reason", "ECC errors").code == 0
+    assert nodes("bob", scratch, "--mark", "n1", "--reason", "today").code == 0
+    assert as_user("bob", "-c", FUTURE_FLOOD, str(record), umask="027").code == 0
+    got = as_user("alice", "-c", COUNT_OPENS, str(record), "nodes", "--site", "local-group",
+                  "--set", f"site.storage.scratch={scratch}", "--json")
+    *warned, counted = got.err.strip().splitlines()
+    assert counted.split()[1:] == ["2", "0"], got.text  # the two real marks opened, none of bob's 20,000
+    assert len(warned) == 1 and "ignored 20000 marks in" in warned[0] and "(up to 2286-11-20, bob's)" in warned[0]
+    rows = {row["node"]: row for row in json.loads(got.out)["nodes"]}
+    assert sorted(rows) == ["n1", "n2"] and [m["reason"] for m in rows["n1"]["marks"]] == ["today"], rows
+    cleared = nodes("alice", scratch, "--clear", "n1")
+    assert cleared.code == 0 and "bob's: a clear mark of yours, newer" in cleared.out, cleared.text
+    assert sorted(listed("alice", scratch)) == ["n2"]
+    assert "#SBATCH --exclude=n2\n" in render("bob", scratch).out
 
 
 def test_a_health_folder_a_member_made_is_refused_with_the_admins_command(bare_scratch: Path) -> None:

@@ -181,3 +181,50 @@ def test_a_pickle_swapped_between_the_check_and_the_read_changes_nothing(site: P
         assert code == 0 and "1/1 ranks succeeded" in out, out + err
     else:  # alice's result was read; a later look at the file (now bob's) refuses it, naming it
         assert "1/1 ranks succeeded" in out or "(owner bob, mode 0644) belongs to another user" in out, out
+
+
+LEFT_BEHIND = """
+import json, sys
+from pathlib import Path
+from hpcdist.config.tracking import read_identity
+from hpcdist.errors import HpcdistError
+from hpcdist.runtime.requeue import requeued_runs
+from hpcdist.store.site import node_failures
+folder = Path(sys.argv[1])
+try:
+    read_identity(folder / "tracking")
+    print("IDENTITY read")
+except HpcdistError as exc:
+    print("IDENTITY refused", exc)
+print("FAILURES", len(node_failures.read(folder / "1.node_failures.json")))
+print("REQUEUES", sorted(requeued_runs(folder / "requeues.txt")))
+"""
+
+
+def test_files_a_member_left_in_a_folder_that_was_once_the_groups_are_not_read() -> None:
+    """bob's files in alice's job folder (made while her <root>/alice was group-writable): his
+    tracking identity (its server gets her metrics), node failure record and requeue record (issue
+    54, item 9). Called as alice through the readers themselves: the trackers are not installed in
+    the test bed's venv, and the records are read for Slurm jobs only (hpcdist jobs, the requeued
+    run's check)."""
+    require_members()
+    root = GROUP_ROOT / "logs" / f"t-left-{uuid.uuid4().hex[:8]}"
+    try:
+        root.mkdir()
+        shutil.chown(root, "alice", "mlgroup")
+        root.chmod(0o2770)  # once the group's
+        plant = ("import json, os, sys; d = sys.argv[1]; os.makedirs(d + '/tracking'); "
+                 "open(d + '/tracking/run.json', 'w').write(json.dumps({'key': 'k', 'name': 'x', 'created': 0, "
+                 "'mlflow_uri': 'http://bob.example:5000'})); "
+                 "open(d + '/1.node_failures.json', 'w').write(json.dumps([{'node': 'n1', 'when': 'x', 'run': 1, "
+                 "'excluded_at': 0}])); open(d + '/requeues.txt', 'w').write('run 1 requeued: x\\n')")
+        assert as_user("bob", "-c", plant, str(root / "job"), umask="022").code == 0
+        root.chmod(0o750)  # hers again (own_folder closes it): bob's files stay
+        got = as_user("alice", "-c", LEFT_BEHIND, str(root / "job"))
+        assert got.code == 0, got.text
+        assert "IDENTITY refused" in got.out and "belongs to another user" in got.out, got.out
+        assert "FAILURES 0" in got.out and "REQUEUES []" in got.out, got.out
+        assert got.err.count("ignoring the node failure record") == 1, got.err
+        assert got.err.count("ignoring the job's requeue record") == 1, got.err
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -164,17 +164,12 @@ def _called_job(env: dict[str, str], site_ref: str | None, name: str | None,
     """In a function ``hpcdist.Executor`` ran directly (one task, no bootstrap): the job's name,
     timeout and site, from the 0600 file it names (``HPCDIST_CALL_JOB``); what the job was
     submitted with is refused in one line naming the executor's keyword, as in a bootstrapped call."""
-    path = env.get("HPCDIST_CALL_JOB", "").replace("%a", env.get("SLURM_ARRAY_TASK_ID", "0"))  # an array's task
-    if not path:
+    from hpcdist.runtime.submitted import call_job
+
+    called = call_job(env)
+    if called is None:
         return None
-    import json
-
-    from hpcdist.config.site import Site
-    from hpcdist.config.spec import JobSpec
-    from hpcdist.store.trust import read_trusted
-
-    data = json.loads(read_trusted(path, private=True))
-    spec, site = JobSpec.model_validate(data["spec"]), Site.model_validate(data["site"])
+    spec, site = called
     _refuse_changed({"site": (site_ref, site.name), "name": (name, spec.name),
                      "timeout_s": (timeout_s, spec.timeout(site))})
     return spec.name, spec.timeout(site), site

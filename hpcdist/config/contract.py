@@ -13,6 +13,7 @@ LOCAL_RESTARTS_VAR = "HPCDIST_LOCAL_RESTART_COUNT"  # local site: how often the 
 # for fault tests on CPU: gloo made to end a rank as NCCL's watchdog does (hpcdist.runtime.abort):
 # its collectives never raise, and the rank aborts (SIGABRT) this many seconds after the timeout
 IMITATE_ABORT_VAR = "HPCDIST_TEST_ABORT_AFTER_S"
+CALL_JOB_VAR = "HPCDIST_CALL_JOB"  # a direct Executor call's spec and site (a 0600 JSON file), read on its node
 LOCAL_AFTER_VAR = "HPCDIST_LOCAL_AFTER"  # local site: "PID:START" of a job to wait for first (map_array's max_parallel)
 
 

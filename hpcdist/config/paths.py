@@ -116,11 +116,11 @@ class JobPaths:
         user's own 0700 folder (``hpcdist.store.trust.private_folder``)."""
         return under(self.storage.root("scratch"), "rendezvous")
 
-    @property
-    def compile_cache(self) -> Path:
-        """Where ``torch.compile`` keeps compiled code (``TORCHINDUCTOR_CACHE_DIR``) unless the user set
-        it: this user's own 0700 folder in scratch, shared by her jobs, so a requeue reuses it."""
-        return under(self.storage.root("scratch"), "torchinductor")
+    def cache(self, name: str) -> Path:
+        """Where torch or Triton keeps what it compiles (``hpcdist.runtime.caches``: ``torchinductor``
+        for ``TORCHINDUCTOR_CACHE_DIR``, ...) unless the user set its variable: this user's own 0700
+        folder in scratch, shared by her jobs, so a requeue reuses it."""
+        return under(self.storage.root("scratch"), name)
 
     @property
     def calls(self) -> Path:

@@ -131,26 +131,31 @@ def identity_path(folder: Path) -> Path:
 
 
 def read_identity(folder: Path) -> Identity | None:
-    """The job's run identity in its tracking folder (``JobPaths.tracking``), or None (none, or unreadable)."""
+    """The job's run identity in its tracking folder (``JobPaths.tracking``), or None (none, or
+    unreadable). Read only when no other user could have written it (``hpcdist.store.trust``: a
+    file left in a folder that was once the group's would send her metrics and credentials to
+    whoever wrote it): UntrustedFileError names it otherwise."""
+    from hpcdist.store.trust import read_trusted
+
     try:
-        data = json.loads(identity_path(folder).read_text())
+        data = json.loads(read_trusted(identity_path(folder), limit=1 << 20))
         return Identity(**data)
     except (OSError, ValueError, TypeError):
         return None
 
 
 def write_identity(folder: Path, identity: Identity) -> None:
-    """Write it whole or not at all (a temporary name, fsync, then rename), readable by the user only."""
+    """Write it whole or not at all, readable by the user only: a temporary name no one can guess,
+    made with O_EXCL and written without following a link (``hpcdist.store.atomic``), then renamed."""
+    from hpcdist.store.atomic import atomic_path
+
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    final = identity_path(folder)
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, json.dumps(asdict(identity), indent=1).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)
+    with atomic_path(identity_path(folder), mode=0o600) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
+        try:
+            os.write(fd, json.dumps(asdict(identity), indent=1).encode())
+        finally:
+            os.close(fd)
 
 
 def environment(tracking: Tracking, identity: Identity | None, folder: Path) -> dict[str, str]:

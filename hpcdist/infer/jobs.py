@@ -31,7 +31,7 @@ class InferParams(Frozen):
     checkpoint: Annotated[str, SpecPath(site_root="checkpoints", hint="run the training job first (it writes "
                                         "storage.checkpoints/<its name>), e.g. in a --chain")] = Field(
         description="a step_*.h5 file or a checkpoint directory (its 'latest' is followed); a relative "
-        "path is looked up under the site's storage.checkpoints first, then the spec file's folder"
+        "path is looked up under your storage.checkpoints first, then beside the spec file if its folder is yours alone"
     )
     prompts: Annotated[str, SpecPath()] = Field(description="prompt file: one prompt per line, or .jsonl")
     model: GPTConfig | None = Field(default=None, description="if given, the checkpoint must hold this model")
@@ -95,15 +95,12 @@ class BroadcastParams(Frozen):
 
 
 def locate_checkpoint(value: str, site: Site) -> Path:
-    """A relative checkpoint path names a directory under this user's checkpoint storage if one
-    exists there (``checkpoint: train_gpt`` is that job's checkpoints, your own), else under the
-    cwd; a colleague's is named by its absolute path."""
+    """A checkpoint path as the spec loader left it (``hpcdist.jobs.registry.site_relative``):
+    absolute, or relative to this user's checkpoint storage (``checkpoint: train_gpt`` is that
+    job's checkpoints, your own), never to the folder a rank runs in; a colleague's is named by
+    its absolute path."""
     path = Path(value)
-    if not path.is_absolute():
-        under = site.storage.root("checkpoints") / path
-        if under.exists():
-            return under
-    return path
+    return path if path.is_absolute() else site.storage.root("checkpoints") / path
 
 
 def inspect(params: InferParams, site: Site, world_size: int) -> Inspected:

@@ -203,7 +203,7 @@ def path_fields(model: type[BaseModel]) -> dict[str, SpecPath]:
 
 def rebase_paths(data: dict[str, Any], folder: Path, site: Site) -> dict[str, Any]:
     """`data` (a spec mapping) with each relative path of its kind's path fields made absolute
-    against `folder`; a value ``SpecPath.site_root`` keeps (see there) stays as it is."""
+    against `folder`; one ``SpecPath.site_root`` marks is resolved once by ``site_relative``."""
     if data.get("kind") not in _KINDS or not isinstance(data.get("params"), dict):
         return data
     params = dict(data["params"])
@@ -211,10 +211,32 @@ def rebase_paths(data: dict[str, Any], folder: Path, site: Site) -> dict[str, An
         value = params.get(name)
         if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
             continue
-        if mark.site_root is not None and not (folder / value).exists():
-            continue  # under the site's storage (now, or once an earlier job wrote it)
-        params[name] = os.path.normpath(folder / value)
+        params[name] = (site_relative(f"params.{name}", value, folder, site, mark.site_root)
+                        if mark.site_root is not None else os.path.normpath(folder / value))
     return {**data, "params": params}
+
+
+def site_relative(key: str, value: str, folder: Path, site: Site, root: Literal["checkpoints", "results"]) -> str:
+    """A relative `value` of a field that names something under this user's storage `root` (a
+    checkpoint): that entry when it exists; else the one beside the spec (`folder`) when that
+    folder is the user's own (no one else may write it or a folder above it: a colleague's
+    ``train_gpt/`` beside her spec is not what her job loads); else left relative, for the job's
+    storage alone (an earlier job of a chain writes it). Where both exist, or the one beside the
+    spec is refused, one warning names what is used."""
+    from hpcdist.store.trust import problem
+
+    stored, beside = site.storage.root(root) / value, folder / value
+    if not beside.exists():
+        return str(stored) if stored.exists() else value
+    why = problem(folder)
+    if why is None and not stored.exists():
+        return os.path.normpath(beside)
+    import logging
+
+    ignored = f"not {beside}, which is also there" if why is None else f"not {beside}: {why}"
+    logging.getLogger("hpcdist").warning("%s: %r is %s, %s", key, value, stored if stored.exists() else
+                                         f"looked up in {stored} on the nodes", ignored)
+    return str(stored) if stored.exists() else value
 
 
 def missing_inputs(job: Job[Any], site: Site) -> list[tuple[str, str, Path, str]]:
@@ -227,8 +249,7 @@ def missing_inputs(job: Job[Any], site: Site) -> list[tuple[str, str, Path, str]
             continue
         path = Path(value).expanduser()
         if mark.site_root is not None and not path.is_absolute():
-            under = site.storage.root(mark.site_root) / path
-            path = under if under.exists() or not path.exists() else path
+            path = site.storage.root(mark.site_root) / path  # never the current folder (site_relative)
         if not path.exists():
             out.append((f"params.{name}", value, path, mark.hint))
     return out

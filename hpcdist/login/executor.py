@@ -29,6 +29,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpcdist.config.contract import CALL_JOB_VAR
 from hpcdist.config.paths import JobPaths
 from hpcdist.errors import ConfigError
 from hpcdist.jobs.python import wants_context
@@ -268,7 +269,6 @@ class AutoExecutor(Executor):
         super().__init__(folder, cluster=cluster, **kwargs)
 
 
-CALL_JOB_VAR = "HPCDIST_CALL_JOB"  # a direct call's spec and site, for hpcdist.init() inside it
 CODE_DIR_VAR = "HPCDIST_CODE_DIR"  # a direct call's code snapshot, first on the rank's sys.path
 
 

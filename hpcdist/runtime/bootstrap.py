@@ -18,7 +18,7 @@ from hpcdist.config.contract import FAULT_EXIT_VAR, LAUNCH_TIME_VAR
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import BootstrapError
-from hpcdist.runtime import abort, group, requeue, stacks
+from hpcdist.runtime import abort, caches, group, requeue, stacks
 from hpcdist.runtime.context import JobContext
 from hpcdist.runtime.device import cuda_index, visible_entries
 from hpcdist.runtime.rankinfo import RankInfo
@@ -103,6 +103,8 @@ def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *
     t_entry = time.time()
     info = RankInfo.from_env(env)
     rank_logger("hpcdist", info, env)
+    # torch's caches in this user's own scratch, before torch is imported (the script's own process: no TMPDIR)
+    (caches.use_private if standalone else caches.for_rank)(spec.paths(site))
     launch = float(env.get(LAUNCH_TIME_VAR, "nan"))
     if not standalone:  # `hpcdist stacks` and a timeout's summary: answered from now on, the rendezvous included
         paths = spec.paths(site, info.job_id or "local")

@@ -147,16 +147,23 @@ def record_requeue(path: Path, run: int, how: str) -> None:
     requeued run's node failure check trusts where Slurm's accounting cannot be read. Best effort."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)  # never through a link
+        with os.fdopen(fd, "a") as f:
             f.write(f"run {run} requeued: {how} at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
     except OSError as exc:
         log.warning("could not note the requeue in %s: %s", path, exc)
 
 
 def requeued_runs(path: Path) -> set[int]:
-    """The runs noted by `record_requeue` (none when the file is not there or cannot be read)."""
+    """The runs noted by `record_requeue` (none when the file is not there or cannot be read, or
+    when another user could have written it: ``hpcdist.store.trust``, said in a warning)."""
+    from hpcdist.store.trust import UntrustedFileError, read_trusted
+
     try:
-        text = path.read_text(errors="replace")
+        text = read_trusted(path, limit=1 << 20).decode(errors="replace")
+    except UntrustedFileError as exc:
+        log.warning("ignoring the job's requeue record: %s", exc.why)
+        return set()
     except OSError:
         return set()
     return {int(m.group(1)) for m in re.finditer(r"^run (\d+) requeued", text, re.MULTILINE)}

@@ -18,10 +18,15 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
+from hpcdist.config.contract import CALL_JOB_VAR
 from hpcdist.store.atomic import storage_umask
+
+if TYPE_CHECKING:
+    from hpcdist.config.site import Site
+    from hpcdist.config.spec import JobSpec
 
 WAIT_S = 60  # submitit waits as long for a pickle not yet visible on the node (shared storage lags)
 
@@ -60,6 +65,32 @@ def _code_dir() -> None:
 
     trusted_tree(folder)
     sys.path.insert(0, folder)
+
+
+def call_job(env: Mapping[str, str]) -> tuple[JobSpec, Site] | None:
+    """A direct Executor call's spec and site, from the 0600 file ``HPCDIST_CALL_JOB`` names (an
+    array's tasks: ``%a``, its ``SLURM_ARRAY_TASK_ID``); None in any other task."""
+    path = env.get(CALL_JOB_VAR, "").replace("%a", env.get("SLURM_ARRAY_TASK_ID", "0"))
+    if not path:
+        return None
+    import json
+
+    from hpcdist.config.site import Site
+    from hpcdist.config.spec import JobSpec
+    from hpcdist.store.trust import read_trusted
+
+    data = json.loads(read_trusted(path, private=True))
+    return JobSpec.model_validate(data["spec"]), Site.model_validate(data["site"])
+
+
+def _caches() -> None:
+    """A direct Executor call has no bootstrap: its rank's caches and TMPDIR are set here, from its
+    site, before submitit unpickles the call (``hpcdist.runtime.caches``)."""
+    called = call_job(os.environ)
+    if called is not None:
+        from hpcdist.runtime import caches
+
+        caches.for_rank(called[0].paths(called[1]))
 
 
 def version_mismatch(submitted: str, here: dict[str, str]) -> tuple[str, str]:
@@ -120,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         _code_dir()
+        _caches()
     except UntrustedFileError as exc:
         print(f"hpcdist: error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -6,27 +6,22 @@ matrices in TF32 and steps a fused AdamW on GPUs; ``train_gpt`` does the same, s
 what that loop's do. Compiling is per block and for the head with its loss
 (``GPT.compile_parts``), before DDP or FSDP2 wraps the model, as torchtitan does: the wrappers'
 hooks still run between blocks. The compiled code goes to ``TORCHINDUCTOR_CACHE_DIR``, by default
-the user's own folder in the site's scratch (``JobPaths.compile_cache``), so a requeued or
+the user's own folder in the site's scratch (``hpcdist.runtime.caches``), so a requeued or
 resubmitted run loads it instead of compiling again.
 """
 
 from __future__ import annotations
 
-import getpass
-import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hpcdist.store.trust import private_folder
+from hpcdist.runtime.caches import COMPILE_VAR, use_private
 
 if TYPE_CHECKING:
     from hpcdist.model.gpt import GPT
     from hpcdist.runtime.context import JobContext
-
-CACHE_VAR = "TORCHINDUCTOR_CACHE_DIR"
 
 
 def fast_matmuls(device: torch.device) -> None:
@@ -47,21 +42,9 @@ def adamw(groups: list[dict[str, Any]], device: torch.device, **options: Any) ->
 
 def compile_cache(ctx: JobContext) -> Path:
     """The folder inductor caches compiled code in: ``TORCHINDUCTOR_CACHE_DIR`` when the user set
-    it, else this user's private folder in the site's scratch, set for this process (a requeue
-    and a resubmission of any job of this user find it there)."""
-    try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-        default = default_cache_dir()
-    except ImportError:  # an older torch: its default is this folder too
-        default = os.path.join(tempfile.gettempdir(), "torchinductor_" + getpass.getuser())
-    # torch fills the variable with its default (a folder in /tmp, lost with the node) once anything
-    # asks for it, torch.use_deterministic_algorithms included: that is not the user's choice
-    if os.environ.get(CACHE_VAR) and os.environ[CACHE_VAR] != default:
-        return Path(os.environ[CACHE_VAR])
-    folder = private_folder(ctx.paths.compile_cache)
-    os.environ[CACHE_VAR] = str(folder)
-    return folder
+    it, else this user's private folder in the site's scratch, which every rank's bootstrap set
+    (``hpcdist.runtime.caches``): a requeue and a resubmission of any job of this user find it there."""
+    return use_private(ctx.paths)[COMPILE_VAR]
 
 
 def compile_model(model: GPT, deterministic: bool) -> None:

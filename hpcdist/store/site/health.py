@@ -17,17 +17,20 @@ host, nothing secret; its author is its file's owner, not what it says.
   another's mark with a clear mark of her own (``<node>.<time>-....clear.json``): readers ignore
   a node's marks older than its newest clear mark. Root removes any file.
 - A mark counts from the earlier of the times in its name and its text, or from its file's
-  ctime (set by the kernel, never ahead) where those are later; never from later than now: a
-  mark dated 2100 counts from when it was written. Marks older than ``KEEP_S`` are removed by
-  the next writer that may.
+  ctime (set by the kernel, never ahead) where those are later; never from later than now. A
+  name dated more than ``FUTURE_SLACK_S`` ahead of the reader's clock is no mark at all: it is
+  ignored, and said in the read's warning (a mark named for 2286 would otherwise sort first for
+  ever, and a flood of them hide every real mark and clear mark). Marks older than ``KEEP_S``
+  are removed by the next writer that may.
 - A read is bounded: one ``os.listdir``, the names parsed in one regular-expression pass; a
-  name older than the window is passed over; of the rest the ``MAX_READ`` newest by name are
-  opened (``O_NOFOLLOW | O_NONBLOCK``, ``fstat``: a regular file of at most ``MAX_MARK_BYTES``).
-  What was skipped or left unread is named in one warning.
+  name older than the window, or dated ahead, is passed over; of the rest the ``MAX_READ``
+  newest by name are opened (``O_NOFOLLOW | O_NONBLOCK``, ``fstat``: a regular file of at most
+  ``MAX_MARK_BYTES``). What was skipped or left unread is named in one warning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -54,6 +57,7 @@ KEEP_S = 30 * 24 * 3600.0  # a mark older than this is removed by the next write
 MAX_READ = 256  # mark files one read opens at most: the newest by the time in their names
 MAX_MARK_BYTES = 16384  # a mark is a few hundred bytes; anything bigger is not one
 CLOCK_SLACK_S = 60.0  # how far a writer's clock may run ahead of the file server's
+FUTURE_SLACK_S = 300.0  # a name dated further ahead of this reader's clock is ignored: no one wrote it then
 _NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # name, node, time in ns (19 digits: 2001 to 2286), kind; over the whole listing at once (the node
 # checked by _NODE where it is read: a lazy, unbounded pattern is several times faster)
@@ -296,9 +300,10 @@ def _scan(rec: _Record, within_s: float, node: str | None = None) -> tuple[list[
     names = _listing(rec.path)
     text = "\n".join(names)
     found = _NAMES.findall(text)
-    since = _ns((now := time.time()) - within_s)
-    wanted = [f for f in found if f[2] >= since and (node is None or f[1] == node)]
-    # dated ahead or not: no more than MAX_READ (heapq.nlargest's own equivalent; no heapq for every render)
+    since, ahead = _ns((now := time.time()) - within_s), _ns(now + FUTURE_SLACK_S)
+    future = [f for f in found if f[2] > ahead and (node is None or f[1] == node)]
+    wanted = [f for f in found if since <= f[2] <= ahead and (node is None or f[1] == node)]
+    # the MAX_READ newest not dated ahead (heapq.nlargest's own equivalent; no heapq for every render)
     chosen = sorted(wanted, key=itemgetter(2), reverse=True)[:MAX_READ]
     marks: list[Mark] = []
     cleared: dict[str, float] = {}
@@ -324,10 +329,27 @@ def _scan(rec: _Record, within_s: float, node: str | None = None) -> tuple[list[
         notes.append(f"{len(wanted) - len(chosen)} more files in {rec.path} left unread (a read opens the newest "
                      f"{MAX_READ}; the folder holds {len(names)} entries): the site's admin removes what is not a "
                      f"mark (ls -lt {rec.path})")
+    if future:
+        notes.append(_future_note(rec.path, future))
     others = len(names) - len(found) - text.count("\n.") - text.startswith(".")  # temporaries begin with "."
     if others > 0 and node is None:
         notes.append(f"{others} entries of {rec.path} are not marks by their names, left unread")
     return [m for m in marks if m.when > cleared.get(m.node, -1.0)], notes
+
+
+def _future_note(path: Path, future: list[tuple[str, str, str, str]]) -> str:
+    """What a read says of the names dated ahead of now, which it ignored: how many, how far, whose."""
+    from hpcdist.store.trust import owner_name
+
+    latest = sorted(future, key=itemgetter(2), reverse=True)
+    owners = set()
+    for name, *_ in latest[:_LISTED]:
+        with contextlib.suppress(OSError):  # removed meanwhile
+            owners.add(f"{owner_name(os.lstat(path / name).st_uid)}'s")
+    stamp = time.strftime("%Y-%m-%d", time.gmtime(int(latest[0][2]) / 1e9))
+    return (f"ignored {len(future)} marks in {path} dated more than {FUTURE_SLACK_S / 60:g} minutes ahead of now "
+            f"(up to {', '.join([stamp, *sorted(owners)])}): no one wrote them then; the site's admin removes "
+            f"them (ls -lt {path})")
 
 
 def _said(notes: list[str]) -> None:
