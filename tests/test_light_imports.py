@@ -22,7 +22,8 @@ WORKLOADS = ("hpcdist.bench", "hpcdist.train", "hpcdist.infer", "hpcdist.model",
 # the docstring-only package of `hpcdist.model`;
 # the site's node health record every Slurm render reads (standard library only: the store's package is lazy,
 # its site folder's package a docstring; its writer, `hpcdist.store.atomic`, loads only to write a mark)
-ALLOWED = ("hpcdist.model", "hpcdist.store", "hpcdist.store.site", "hpcdist.store.site.health")
+ALLOWED = ("hpcdist.model", "hpcdist.store", "hpcdist.store.site", "hpcdist.store.site.health",
+           "hpcdist.store.site.health_marks")
 
 PROBE = """
 import contextlib, io, json, sys

@@ -40,13 +40,21 @@ import stat
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from hpcdist.config.user import current_user
 from hpcdist.errors import HpcdistError
 
-if TYPE_CHECKING:
-    from hpcdist.config.site import Storage
+
+class StorageRoots(Protocol):
+    """What ``own_folders`` reads of a site's storage (``hpcdist.config.site.Storage``), named by
+    its shape: the config reads a tracking identity through this module, so importing it here would
+    close a circle."""
+
+    @property
+    def folder_mode(self) -> int: ...
+
+    def root(self, name: Any) -> Path: ...
 
 __all__ = ["UntrustedFileError", "current_user", "cwd_problem", "denied_hint", "describe", "importable_cwd",
            "load_pickle", "opened_plain", "opened_trusted", "own_folder", "own_folders", "owner_name", "private_folder",
@@ -333,7 +341,7 @@ def own_folder(folder: Path, mode: int) -> Path:
     return folder
 
 
-def own_folders(storage: Storage) -> None:
+def own_folders(storage: StorageRoots) -> None:
     """`own_folder` for each root of `storage` that holds a folder per user: what a submit, an
     executor and ``hpcdist.init`` ask before they write a byte there."""
     from hpcdist.store.atomic import make_folders

@@ -30,63 +30,40 @@ host, nothing secret; its author is its file's owner, not what it says.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
-import math
 import os
-import re
 import socket
 import stat
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from operator import itemgetter
 from pathlib import Path
-from typing import Literal, get_args
 
 from hpcdist.config.paths import node_health
 from hpcdist.config.site import Site, Storage
 from hpcdist.errors import ConfigError
+from hpcdist.store.site.health_marks import (  # noqa: F401  (MAX_READ, FUTURE_SLACK_S: the record's bounds)
+    FILE_NAMES,
+    FUTURE_SLACK_S,
+    MAX_READ,
+    NODE_NAME,
+    SOURCES,
+    Mark,
+    Source,
+    listing,
+    name_time,
+    one_line,
+    read_folder,
+)
 
-Source = Literal["preflight", "node_failure", "timeout", "user"]
-SOURCES: tuple[str, ...] = get_args(Source)
 SHARED_FOLDER_MODE = 0o3770  # the admin's folder on a group's scratch root (docs/shared-sites.md)
 FILE_MODE = 0o640  # a mark in the group's folder: the group reads it, only its author writes it
 KEEP_S = 30 * 24 * 3600.0  # a mark older than this is removed by the next writer
-MAX_READ = 256  # mark files one read opens at most: the newest by the time in their names
-MAX_MARK_BYTES = 16384  # a mark is a few hundred bytes; anything bigger is not one
-CLOCK_SLACK_S = 60.0  # how far a writer's clock may run ahead of the file server's
-FUTURE_SLACK_S = 300.0  # a name dated further ahead of this reader's clock is ignored: no one wrote it then
-_NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-# name, node, time in ns (19 digits: 2001 to 2286), kind; over the whole listing at once (the node
-# checked by _NODE where it is read: a lazy, unbounded pattern is several times faster)
-_NAMES = re.compile(r"^(([\w.-]+?)\.(\d{19})-[\w-]+\.(mark|clear)\.json)$", re.M | re.A)
-_LISTED = 5  # skipped files a warning names one by one
 
 
 class HealthRecordError(ConfigError):
     """The node health record's folder is not one hpcdist may write: missing where only the site's
     admin may make it, not the admin's, or not writable by this user."""
-
-
-@dataclass(frozen=True)
-class Mark:
-    """One node found bad once: by whom (`source`, `job_id`, `user`, `host`), when and why."""
-
-    node: str
-    reason: str
-    when: float  # seconds since the epoch
-    job_id: str
-    source: str
-    user: str = ""
-    host: str = ""
-
-    def describe(self) -> str:
-        """``n2: preflight, job 812, 2026-11-24 02:40 UTC: all_reduce busbw 0.1 GB/s below ...``"""
-        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.when))
-        job = f", job {self.job_id}" if self.job_id else ""
-        return f"{self.node}: {self.source}{job}, {stamp}: {self.reason}"
 
 
 @dataclass(frozen=True)
@@ -112,15 +89,10 @@ def folder(where: Where) -> Path:
 
 
 def check_node(node: str) -> str:
-    if not _NODE.fullmatch(node):
+    if not NODE_NAME.fullmatch(node):
         raise ConfigError(f"{node!r} is not a node name: one host name as Slurm lists it "
                           "(letters, digits, '.', '_', '-'), e.g. n3")
     return node
-
-
-def _one_line(text: str, limit: int = 400) -> str:
-    flat = " ".join("".join(c if c.isprintable() else " " for c in text).split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -231,60 +203,10 @@ def mark(where: Where, node: str, reason: str, job_id: str = "", source: Source 
     from hpcdist.store.trust import current_user
 
     ns = time.time_ns()
-    entry = Mark(node, _one_line(reason), ns / 1e9, _one_line(job_id, 40), source, current_user(), socket.gethostname())
+    entry = Mark(node, one_line(reason), ns / 1e9, one_line(job_id, 40), source, current_user(), socket.gethostname())
     _write(rec, node, ns, "mark", entry)
     prune(rec.path, KEEP_S)
     return entry
-
-
-class _Skipped(Exception):
-    """An entry of the group's folder that is no mark: a link, a FIFO, a device, a huge file."""
-
-    def __init__(self, why: str, owner: str = "") -> None:
-        super().__init__(why)
-        self.owner = owner
-
-
-def _read(path: Path, node: str, named_s: float, now: float) -> Mark | None:
-    """A mark (or clear mark) as its author wrote it, its time clamped (module docstring), or None
-    when it was removed meanwhile; _Skipped for anything hpcdist did not write, so no newline
-    reaches a job script and no odd node name reaches ``--exclude``."""
-    from hpcdist.store.trust import describe, opened_plain, owner_name
-
-    try:
-        with opened_plain(path) as (fd, st):
-            owner = owner_name(st.st_uid)
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MARK_BYTES:
-                raise _Skipped(f"{describe(path, st)}: not a regular file of at most {MAX_MARK_BYTES} bytes", owner)
-            if st.st_mode & 0o022:
-                raise _Skipped(f"{describe(path, st)}: group- or world-writable, so its owner may not be its "
-                               "author", owner)
-            raw = os.read(fd, MAX_MARK_BYTES + 1)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
-            raise _Skipped(f"{path}: a symbolic link, not a mark") from exc
-        return None  # removed meanwhile
-    try:
-        data = json.loads(raw)
-        said = float(data["when"])
-        m = Mark(str(data["node"]), _one_line(str(data["reason"])), said, _one_line(str(data["job_id"]), 40),
-                 str(data["source"]), owner, _one_line(str(data["host"]), 128))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise _Skipped(f"{path}: not a mark hpcdist wrote ({type(exc).__name__})", owner) from exc
-    if m.node != node or not _NODE.fullmatch(node) or m.source not in SOURCES or not math.isfinite(said):
-        raise _Skipped(f"{path}: not a mark hpcdist wrote (its node, source or time)", owner)
-    claimed = min(named_s, said)
-    when = claimed if claimed <= st.st_ctime + CLOCK_SLACK_S else st.st_ctime  # dated ahead: from when written
-    return Mark(m.node, m.reason, min(when, now), m.job_id, m.source, m.user, m.host)
-
-
-def _listing(path: Path) -> list[str]:
-    return os.listdir(path) if path.is_dir() else []
-
-
-def _ns(seconds: float) -> str:
-    """A time as the 19 digits of the names (strings of one length compare as the numbers do)."""
-    return f"{max(0, int(seconds * 1e9)):019d}"
 
 
 def _scan(rec: _Record, within_s: float, node: str | None = None) -> tuple[list[Mark], list[str]]:
@@ -297,59 +219,7 @@ def _scan(rec: _Record, within_s: float, node: str | None = None) -> tuple[list[
             return [], []
         if why is not None:
             return [], [f"ignoring {why}; {rec.admin_command(True)}"]
-    names = _listing(rec.path)
-    text = "\n".join(names)
-    found = _NAMES.findall(text)
-    since, ahead = _ns((now := time.time()) - within_s), _ns(now + FUTURE_SLACK_S)
-    future = [f for f in found if f[2] > ahead and (node is None or f[1] == node)]
-    wanted = [f for f in found if since <= f[2] <= ahead and (node is None or f[1] == node)]
-    # the MAX_READ newest not dated ahead (heapq.nlargest's own equivalent; no heapq for every render)
-    chosen = sorted(wanted, key=itemgetter(2), reverse=True)[:MAX_READ]
-    marks: list[Mark] = []
-    cleared: dict[str, float] = {}
-    skipped: list[str] = []
-    owners: set[str] = set()
-    for name, n, named, kind in chosen:
-        try:
-            m = _read(rec.path / name, n, int(named) / 1e9, now)
-        except _Skipped as exc:
-            skipped.append(str(exc))
-            owners.add(exc.owner)
-            continue
-        if m is None or now - m.when > within_s:
-            continue
-        if kind == "clear":
-            cleared[n] = max(cleared.get(n, 0.0), m.when)
-        else:
-            marks.append(m)
-    notes = [f"skipped {s}" for s in skipped[:_LISTED]]
-    if len(skipped) > _LISTED:
-        notes.append(f"and {len(skipped) - _LISTED} more that are not marks ({', '.join(sorted(owners - {''}))}'s)")
-    if len(wanted) > len(chosen):
-        notes.append(f"{len(wanted) - len(chosen)} more files in {rec.path} left unread (a read opens the newest "
-                     f"{MAX_READ}; the folder holds {len(names)} entries): the site's admin removes what is not a "
-                     f"mark (ls -lt {rec.path})")
-    if future:
-        notes.append(_future_note(rec.path, future))
-    others = len(names) - len(found) - text.count("\n.") - text.startswith(".")  # temporaries begin with "."
-    if others > 0 and node is None:
-        notes.append(f"{others} entries of {rec.path} are not marks by their names, left unread")
-    return [m for m in marks if m.when > cleared.get(m.node, -1.0)], notes
-
-
-def _future_note(path: Path, future: list[tuple[str, str, str, str]]) -> str:
-    """What a read says of the names dated ahead of now, which it ignored: how many, how far, whose."""
-    from hpcdist.store.trust import owner_name
-
-    latest = sorted(future, key=itemgetter(2), reverse=True)
-    owners = set()
-    for name, *_ in latest[:_LISTED]:
-        with contextlib.suppress(OSError):  # removed meanwhile
-            owners.add(f"{owner_name(os.lstat(path / name).st_uid)}'s")
-    stamp = time.strftime("%Y-%m-%d", time.gmtime(int(latest[0][2]) / 1e9))
-    return (f"ignored {len(future)} marks in {path} dated more than {FUTURE_SLACK_S / 60:g} minutes ahead of now "
-            f"(up to {', '.join([stamp, *sorted(owners)])}): no one wrote them then; the site's admin removes "
-            f"them (ls -lt {path})")
+    return read_folder(rec.path, within_s, node)
 
 
 def _said(notes: list[str]) -> None:
@@ -389,7 +259,7 @@ def clear(where: Where, node: str | None) -> Cleared:
     rec = _record(where)
     if not _ready(rec, make=False):
         return Cleared(0)
-    ours = [(name, kind) for name, n, _, kind in _NAMES.findall("\n".join(_listing(rec.path))) if node in (None, n)]
+    ours = [(name, kind) for name, n, _, kind in FILE_NAMES.findall("\n".join(listing(rec.path))) if node in (None, n)]
     removed = _remove_own(rec.path, [name for name, kind in ours if kind == "mark"])
     if os.geteuid() == 0:  # a member's own clear marks still override; root's clear leaves none
         _remove_own(rec.path, [name for name, kind in ours if kind == "clear"])
@@ -406,8 +276,8 @@ def clear(where: Where, node: str | None) -> Cleared:
 def prune(where: Where, older_than_s: float) -> int:
     """Remove the marks older than `older_than_s` that this user may remove (her own; root: any);
     how many. The times in their names say it, so nothing is read."""
-    path, cutoff = folder(where), _ns(time.time() - older_than_s)
-    return _remove_own(path, [name for name, _, ns, _ in _NAMES.findall("\n".join(_listing(path))) if ns < cutoff])
+    path, cutoff = folder(where), name_time(time.time() - older_than_s)
+    return _remove_own(path, [name for name, _, ns, _ in FILE_NAMES.findall("\n".join(listing(path))) if ns < cutoff])
 
 
 def _remove_own(path: Path, names: list[str]) -> int:
