@@ -206,3 +206,34 @@ def test_the_snapshot_copies_no_link_swapped_in_and_is_hers_alone(place: Place) 
     assert modes == {snap.name: "0o700", "train.py": "0o600", "mymodule.py": "0o600"}, modes
     read = as_user("bob", "-c", READ, str(snap / "train.py"))
     assert read.code != 0 and "Permission denied" in read.err, read.text
+
+
+DENIED = """
+import sys, hpcdist
+from hpcdist.errors import HpcdistError
+roots = {f"site.storage.{k}": f"{sys.argv[1]}/{k}" for k in ("results", "checkpoints", "scratch", "logs")}
+try:
+    hpcdist.Executor(site="local", name="echo", set=roots).submit(len, "x")
+except HpcdistError as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_an_executor_call_on_storage_that_is_not_hers_is_one_error_naming_whose(place: Place) -> None:
+    """A storage root the admin made their own (root, 0755) and never opened to the group: alice's
+    `hpcdist.Executor` call ended in a raw PermissionError from deep in pathlib (issue 54, found on
+    the way; issue 55's first finding); now the error `hpcdist submit` gives: whose folder, what
+    the admin runs."""
+    root = place.store.parent / f"{place.store.name}-admins"
+    root.mkdir()
+    root.chmod(0o755)  # not the group root's setgid either
+    try:
+        got = as_user("alice", "-c", DENIED, str(root), cwd=place.code)
+        assert got.code == 0 and "Traceback" not in got.err, got.text
+        assert got.out.strip() == (
+            f"SubmitError could not submit len to site local: [Errno 13] Permission denied: '{root}/logs' "
+            f"({root} (owner root, mode 0755) is not yours to write: root made it their own; a storage root shared "
+            f"by a group is made by the site's admin: chgrp GROUP ROOT; chmod 3770 ROOT, after which each member's "
+            f"files go to ROOT/<user>)"), got.out
+    finally:
+        shutil.rmtree(root)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpcdist.config.contract import CALL_JOB_VAR
 from hpcdist.config.paths import JobPaths
-from hpcdist.errors import ConfigError
+from hpcdist.errors import ConfigError, SubmitError
 from hpcdist.jobs.python import wants_context
 from hpcdist.login.submitit_params import site_for, translate, yaml_value
 
@@ -165,9 +165,15 @@ class Executor:
         for fn, _, _ in calls:
             if not callable(fn):
                 raise ConfigError(f"hpcdist.Executor.submit: {fn!r} is a {type(fn).__name__}, not a function")
-        if self._world_size == 1 and not any(wants_context(fn) for fn, _, _ in calls):
-            return self._submit_direct(calls, array, max_parallel)
-        return self._submit_all(calls, array, max_parallel)
+        try:
+            if self._world_size == 1 and not any(wants_context(fn) for fn, _, _ in calls):
+                return self._submit_direct(calls, array, max_parallel)
+            return self._submit_all(calls, array, max_parallel)
+        except OSError as exc:  # a storage folder not this user's: one line saying whose, as `hpcdist submit`
+            from hpcdist.store.trust import denied_hint
+
+            name = getattr(calls[0][0], "__qualname__", repr(calls[0][0]))
+            raise SubmitError(f"could not submit {name} to site {self.site.name}: {exc}{denied_hint(exc)}") from exc
     def _submit_direct(self, calls: list[Call], array: bool, max_parallel: int | None) -> list[JobHandle]:
         """One task and no group asked for: submitit runs the function itself on the node, as its
         own executors do (no bootstrap, no torch, submitit's checkpoint-and-requeue). Its package
