@@ -56,6 +56,7 @@ class StorageRoots(Protocol):
 
     def root(self, name: Any) -> Path: ...
 
+
 __all__ = ["UntrustedFileError", "current_user", "cwd_problem", "denied_hint", "describe", "importable_cwd",
            "load_pickle", "opened_plain", "opened_trusted", "own_folder", "own_folders", "owner_name", "private_folder",
            "problem", "read_trusted", "trusted", "trusted_folder"]
