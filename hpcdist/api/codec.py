@@ -3,17 +3,17 @@
 State (model and optimizer state_dicts, RNG states, nested lists and tuples, None, int keys)
 becomes a ``hpcdist.store`` tree with ``encode`` and comes back with ``decode``, arrays as CPU
 tensors. The same spelling carries rank 0's plain values to the other ranks as JSON
-(``broadcast_data``), never as a pickle. torch is imported only by ``decode`` and
-``broadcast_data``.
+(``broadcast_data``, through ``hpcdist.runtime.plain``), never as a pickle. torch is imported
+only by ``decode`` and ``broadcast_data``.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
 from hpcdist.errors import CheckpointError
+from hpcdist.runtime.plain import DataError, broadcast_plain
 from hpcdist.store.checkpoint.tree import as_tensor
 
 _NONE = "__none__"
@@ -66,31 +66,11 @@ def decode(value: Any) -> Any:
 def broadcast_data(value: Any, is_main: bool, what: str, group: Any = None) -> Any:
     """Rank 0's `value` on every rank of `group` (None: the job's group): plain data (None, bool,
     int, float, str, and lists, tuples and dicts of them, str or int keys), which comes back as
-    it went. It travels as JSON in a tensor (its length first; tuples, None and int keys spelled
-    as ``encode`` spells them), never as a pickle, so no rank unpickles what another process sent
-    (docs/shared-sites.md). A value that is not plain data is one CheckpointError on every rank;
-    torch's RuntimeError when the group fails or times out."""
-    import torch
-    import torch.distributed as dist
-
-    text = ""
-    if is_main:
-        try:
-            text = json.dumps({"value": encode(value)})
-        except (CheckpointError, TypeError, ValueError) as exc:
-            text = json.dumps({"refused": f"rank 0 cannot share {what}: {type(value).__name__} {value!r:.80} is not "
-                                          f"plain data (None, bool, int, float, str, lists, tuples, dicts) ({exc})"})
-    # where the group's backend takes tensors (NCCL: this rank's GPU), as broadcast_object_list does
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-    data = text.encode()
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=0, group=group)
-    buffer = torch.empty(int(size.item()), dtype=torch.uint8)
-    if is_main:
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    buffer = buffer.to(device) if device is not None else buffer
-    dist.broadcast(buffer, src=0, group=group)
-    got = json.loads(buffer.cpu().numpy().tobytes())
-    if "refused" in got:
-        raise CheckpointError(got["refused"])
-    return value if is_main else decode(got["value"])
+    it went. It travels as JSON in a tensor (``hpcdist.runtime.plain``), never as a pickle, so no
+    rank unpickles what another process sent (docs/shared-sites.md). A value that is not plain
+    data is one CheckpointError on every rank; torch's RuntimeError when the group fails or
+    times out."""
+    try:
+        return broadcast_plain(value if is_main else None, src=0, group=group, what=what)
+    except DataError as exc:
+        raise CheckpointError(str(exc)) from exc
