@@ -187,14 +187,16 @@ class Context:
                 f"not requeued{kept}: resubmit the same spec to continue, or raise resources.time_min")
 
     def broadcast(self, value: Any) -> Any:
-        """Rank 0's `value` on every rank (picklable objects)."""
+        """Rank 0's `value` on every rank: plain data (``hpcdist.runtime.plain``: None, bool, int,
+        float, str, bytes, lists, tuples, dicts, numpy arrays, tensors, which come back on the CPU),
+        sent as JSON, never as a pickle; anything else is one DataError on every rank."""
         import torch.distributed as dist
+
+        from hpcdist.runtime.plain import broadcast_plain
 
         if not dist.is_initialized() or self.world_size == 1:
             return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return broadcast_plain(value, src=0)
 
     @property
     def can_requeue(self) -> bool:

@@ -214,12 +214,13 @@ def _new_local_id(world_size: int) -> str:
     rank, so each run of a script has its own result file and a rerun never replaces the last."""
     import torch.distributed as dist
 
+    from hpcdist.runtime.plain import broadcast_plain
     from hpcdist.store.checkpoint.directory import new_run_id
 
-    box = [f"local-{new_run_id()}"]
+    run_id = f"local-{new_run_id()}"
     if world_size > 1 and dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
-    return str(box[0])
+        run_id = broadcast_plain(run_id, src=0, what="the run's id")
+    return str(run_id)
 
 
 def _release_at_exit(ctx: Context) -> None:

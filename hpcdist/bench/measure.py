@@ -52,6 +52,17 @@ class Local:
     times: np.ndarray  # seconds per iteration
     wrong: int
 
+    def as_plain(self) -> dict[str, Any]:
+        """As plain data, the shape it travels in to rank 0 (``hpcdist.runtime.plain``: no pickles)."""
+        return {"local_times": np.asarray(self.times), "local_wrong": int(self.wrong)}
+
+    @staticmethod
+    def from_plain(value: Any) -> Any:
+        """The Local `as_plain` spelled; any other value as it is (a measurement may return rows)."""
+        if isinstance(value, dict) and value.keys() == {"local_times", "local_wrong"}:
+            return Local(value["local_times"], value["local_wrong"])
+        return value
+
 
 def measure(
     path: CommPath, op: str, c: Counts, mode: str, dtype: str, warmup: int, iters: int, check: bool

@@ -9,14 +9,13 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
 from hpcdist import track
 from hpcdist.bench.base import CommPath
-from hpcdist.bench.measure import Watchdog, maybe_fault
+from hpcdist.bench.measure import Local, Watchdog, maybe_fault
 from hpcdist.bench.record import BenchRecord, rank_layout
 from hpcdist.errors import BenchmarkError, HpcdistError
 from hpcdist.runtime import abort
+from hpcdist.runtime.plain import all_gather_plain, broadcast_plain
 from hpcdist.runtime.reach import roll_call, timed_out
 
 if TYPE_CHECKING:
@@ -60,8 +59,7 @@ class Session:
         self.rank = ctx.rank
         self.paths = make_paths(ctx, params.paths, getattr(params, "mpi_buffers", "numpy"))
         mine = (ctx.info.node_rank, node_name(ctx), [vars(p) | {"rate_gbps": p.rate_gbps} for p in ib_ports()])
-        facts: list[Any] = [None] * ctx.world_size
-        dist.all_gather_object(facts, mine)
+        facts = all_gather_plain(mine, what="its node and InfiniBand ports")
         self.node_of_rank = [f[1] for f in facts]
         self.nodes, layout = rank_layout(tuple(self.node_of_rank), ctx.hosts)
         self.watchdog = Watchdog(ctx.timeout_s, ctx.log, ctx.rank)
@@ -125,7 +123,8 @@ class Session:
             with self.watchdog.guard(what), abort.phase(what, "BenchmarkError", self._keep_rows(what)):
                 maybe_fault(self.rank, op, size, self.ctx.log)
                 local = fn()
-                return path.gather(local)
+                got = path.gather(local.as_plain() if isinstance(local, Local) else local)
+                return None if got is None else [Local.from_plain(v) for v in got]
         except HpcdistError:
             raise
         except Exception as exc:
@@ -163,12 +162,11 @@ class Session:
                 self.record.tracking.close(finished=True)
             out["result"] = str(self.record.path)
             out["verdict"] = verdict
-        box = [shortfalls]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] and enforce:
+        shortfalls = broadcast_plain(shortfalls, src=0, what="the shortfalls")
+        if shortfalls and enforce:
             where = f" (result: {self.record.path})" if self.record is not None else ""
             raise BenchmarkError(
-                "below the site's minimum: " + "; ".join(box[0]) + where
+                "below the site's minimum: " + "; ".join(shortfalls) + where
                 + "; check those nodes or links, or lower the site's baselines if the hardware changed"
             )
         return out

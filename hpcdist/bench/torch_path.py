@@ -17,6 +17,7 @@ import torch.distributed as dist
 from hpcdist.bench import pattern
 from hpcdist.bench.base import IN_PLACE, NO_BUFFER, Prepared, host_timed
 from hpcdist.bench.factors import Counts
+from hpcdist.runtime.plain import broadcast_plain, gather_plain
 
 # torch 2.13 renamed the tensor forms of all_gather and reduce_scatter; older releases have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -105,14 +106,10 @@ class TorchPath:
         dist.barrier()
 
     def gather(self, obj: Any) -> list[Any] | None:
-        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0)
-        return out
+        return gather_plain(obj, dst=0, what="its figures")
 
     def bcast(self, obj: Any) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return broadcast_plain(obj, src=0)
 
     def bytes_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hpcdist.bench.factors import algbw, busbw
+from hpcdist.runtime.plain import broadcast_plain
 
 Meta = list[tuple[str, tuple[int, ...], str]]  # name, shape, dtype
 ALIGN = 64  # bytes: each tensor's offset in the flat buffer, so any dtype can view its part
@@ -232,9 +233,8 @@ def broadcast_state(
     """
     is_src = dist.get_rank() == src
     if meta is None:
-        box: list[Meta | None] = [describe(state) if is_src and state is not None else None]
-        dist.broadcast_object_list(box, src=src, group=group, device=device if device.type == "cuda" else None)
-        meta = box[0]
+        meta = broadcast_plain(describe(state) if is_src and state is not None else None, src=src, group=group,
+                               device=device if device.type == "cuda" else None, what="the state's layout")
         assert meta is not None
     offsets, total = layout(meta)
     if buffer is not None and (buffer.numel() < total or buffer.dtype != torch.uint8 or buffer.device != device):

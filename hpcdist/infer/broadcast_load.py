@@ -30,6 +30,7 @@ from hpcdist.errors import CheckpointError, HpcdistError, JobError
 from hpcdist.infer.broadcast import BroadcastStats, Meta, broadcast_state, flat_buffer, layout, plan_buckets
 from hpcdist.infer.shard_load import read_shard, shard_state
 from hpcdist.progress import report_progress
+from hpcdist.runtime.plain import all_gather_plain, broadcast_plain
 from hpcdist.store import checksum
 from hpcdist.store.checkpoint.tree import tensor_array
 from hpcdist.store.hostmem import release_free_heap
@@ -91,7 +92,7 @@ def load_streamed(header: CheckpointHeader, model: TPGPT, device: torch.device, 
             t0 = time.perf_counter()
             state, box = _read(header, keys, tp.size, verify)
             read_s += time.perf_counter() - t0
-        dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+        box = broadcast_plain(box, src=0, device=device if device.type == "cuda" else None, what="the shard digests")
         if box[0]:
             raise CheckpointError(f"rank 0 could not read the checkpoint: {box[0]}")
         got, stats = broadcast_state(state, device, bucket_bytes=bucket_bytes, meta=part, buffer=buffer)
@@ -106,8 +107,7 @@ def load_streamed(header: CheckpointHeader, model: TPGPT, device: torch.device, 
         report_progress("load weights", n + 1, len(parts), unit="bucket")
     model.load_shard({}, last=True)  # every tensor in: the head and the layers' packed weights made
     if verify:
-        counts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(counts, wrong)
+        counts = all_gather_plain(wrong, what="its count of wrong tensors")
         bad = {r: c for r, c in enumerate(counts) if c}
         if bad:
             raise JobError(f"broadcast weights differ from the checkpoint on ranks {sorted(bad)} "

@@ -31,6 +31,7 @@ from hpcdist.infer.tp import TPGPT, TPGroup, weight_bytes
 from hpcdist.model.checkpoint import CheckpointHeader
 from hpcdist.model.checkpoint import parameter_shapes as expected_shapes
 from hpcdist.progress import report_progress
+from hpcdist.runtime.plain import all_gather_plain, broadcast_plain
 from hpcdist.store import checksum
 from hpcdist.store.checkpoint.discovery import resolve
 from hpcdist.store.hostmem import mark_memory, peak_memory, resident_bytes
@@ -55,9 +56,7 @@ def tp_groups(ctx: JobContext, tp: int) -> TPGroup:
 
 
 def _agree(ctx: JobContext, local: Any) -> list[Any]:
-    box: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(box, local)
-    return box
+    return all_gather_plain(local, what="its figures")
 
 
 def agree_on_checkpoint(ctx: JobContext, params: InferParams) -> InferParams:
@@ -69,7 +68,8 @@ def agree_on_checkpoint(ctx: JobContext, params: InferParams) -> InferParams:
             found[0] = str(resolve(locate_checkpoint(params.checkpoint, ctx.site)))
         except HpcdistError as exc:
             found[1] = str(exc)
-    dist.broadcast_object_list(found, src=0, device=ctx.device if ctx.device.type == "cuda" else None)
+    found = broadcast_plain(found, src=0, device=ctx.device if ctx.device.type == "cuda" else None,
+                            what="the checkpoint it resolved")
     if found[1] is not None:
         raise JobError(f"infer_gpt cannot start: {problems_text([('params.checkpoint', params.checkpoint, found[1])])}")
     return params.model_copy(update={"checkpoint": found[0]})
@@ -292,7 +292,8 @@ def run_broadcast(ctx: JobContext, params: BroadcastParams) -> dict[str, Any]:
     box: list[Any] = [
         (describe(src_state), [checksum.digest(v.cpu().numpy()) for v in src_state.values()]) if src_state else None
     ]
-    dist.broadcast_object_list(box, src=0, device=ctx.device if ctx.device.type == "cuda" else None)
+    box = broadcast_plain(box, src=0, device=ctx.device if ctx.device.type == "cuda" else None,
+                          what="the state's layout and digests")
     meta, digests = box[0]
     buffer = flat_buffer(meta, ctx.device)  # allocated once, like the single-buffer figure it is compared with
     if src_state is not None:  # rank 0's tensors become views of it: nothing to pack per iteration

@@ -12,6 +12,7 @@ from pydantic import Field
 
 from hpcdist.config.site import Frozen
 from hpcdist.errors import JobError
+from hpcdist.runtime.plain import all_gather_plain
 
 if TYPE_CHECKING:
     from hpcdist.runtime.context import JobContext
@@ -45,8 +46,7 @@ def run(ctx: JobContext, params: SmokeParams) -> dict[str, Any]:
         mpi_sum = ctx.mpi_comm.allreduce(ctx.rank, op=MPI.SUM)
         if mpi_sum != expected:
             raise JobError(f"MPI allreduce of ranks gave {mpi_sum}, expected {expected}")
-    timings: list[dict[str, float]] = [{}] * ctx.world_size
-    dist.all_gather_object(timings, ctx.timings)
+    timings: list[dict[str, float]] = all_gather_plain(ctx.timings, what="its start-up timings")
     out: dict[str, Any] = {"sum": value.item(), "mpi_sum": mpi_sum}
     if ctx.is_main:
         path = ctx.result_path()

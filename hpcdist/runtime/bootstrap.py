@@ -142,9 +142,9 @@ def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *
     if standalone and dist.is_initialized():  # the script's launcher made the group (env://)
         if backend == "nccl":
             device = adopt_device(device)  # before the object collective below
-        hosts: list[Any] = [None] * info.world_size
-        dist.all_gather_object(hosts, info.hostname)
-        hosts_by_rank = dict(enumerate(hosts))
+        from hpcdist.runtime.plain import all_gather_plain
+
+        hosts_by_rank = dict(enumerate(all_gather_plain(info.hostname, what="its host name")))
     elif standalone and info.world_size == 1:
         store, hosts_by_rank = dist.HashStore(), {0: info.hostname}
     else:

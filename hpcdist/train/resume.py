@@ -36,8 +36,6 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
 from hpcdist.data.tokenizer import GROUP as TOKENIZER
 from hpcdist.data.tokenizer import mismatch
 from hpcdist.errors import CheckpointError
@@ -52,6 +50,7 @@ from hpcdist.model.checkpoint import (
     state_dict_of,
     stored_shapes,
 )
+from hpcdist.runtime.plain import gather_plain
 from hpcdist.runtime.requeue import Requeues
 from hpcdist.store import read as read_checkpoint
 from hpcdist.store import step_of
@@ -266,8 +265,7 @@ def save(run: Run, *, final: bool = True) -> Path | None:
     for: a run never ends with a checkpoint in flight. Returns the newest committed checkpoint.
     """
     ctx = run.ctx
-    rngs: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
-    dist.gather_object(st.rng_tree(ctx.device), rngs, dst=0)
+    rngs = gather_plain(st.rng_tree(ctx.device), dst=0, what="its random generators' state")
     tree: dict[str, Any] = {}
     if ctx.is_main:
         assert rngs is not None
