@@ -207,3 +207,23 @@ def test_modules_are_of_a_readable_size_or_say_why() -> None:
         if lines > MAX_LINES and "lines:" not in doc:
             long.append(f"{name}: {lines} lines")
     assert long == []
+
+
+# torch's collectives that pickle on the sender and unpickle on every receiver (issue 54 item 4)
+OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+                      "broadcast_object", "recv_object_list", "send_object_list")
+
+
+def test_no_rank_unpickles_what_another_sends() -> None:
+    """Plain data between ranks goes through ``hpcdist.runtime.plain`` (JSON in tensors): a call or
+    a reference to one of torch's object collectives anywhere in the package is refused, so the
+    next exchange someone adds cannot let a process on the job's store run code as the user."""
+    found = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            named = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+            if isinstance(node, ast.alias):
+                named = node.name.rpartition(".")[2]
+            if named in OBJECT_COLLECTIVES:
+                found.append(f"{name}:{getattr(node, 'lineno', 0)}: {named}")
+    assert found == []
