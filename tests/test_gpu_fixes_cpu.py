@@ -30,7 +30,7 @@ from hpcdist.bench.torch_path import TorchPath
 from hpcdist.config import load_site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import BootstrapError
-from hpcdist.runtime import bootstrap, requeue
+from hpcdist.runtime import bootstrap, plain, requeue
 from tests import test_device
 from tests.test_bench_p2p_order import InOrderWire, Op
 from tests.test_group import run_ranks
@@ -146,10 +146,10 @@ def test_the_bidirectional_test_of_the_torch_path_finishes_in_nccls_order(nccl_p
 def test_init_after_the_scripts_own_nccl_group_runs_its_collectives_on_the_ranks_gpu(
         fake_cuda: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     """A torchrun-style script makes its NCCL group, without a ``set_device`` of its own, then
-    calls ``hpcdist.init()``: local rank 1 of 4, every GPU visible, is ``cuda:1``, and the object
-    collectives ``init`` runs on that group (every rank's host, the run id) must use ``cuda:1``
-    too. NCCL runs an object collective on the current device: left at ``cuda:0``, every rank
-    would put its objects on GPU 0."""
+    calls ``hpcdist.init()``: local rank 1 of 4, every GPU visible, is ``cuda:1``, and the
+    exchanges of plain data ``init`` runs on that group (every rank's host, the run id) must use
+    ``cuda:1`` too. Under NCCL they run on the current device: left at ``cuda:0``, every rank
+    would put its messages on GPU 0."""
     fake_cuda["count"] = 4
 
     def current() -> int:  # set_device's last device, cuda:0 before any
@@ -158,17 +158,18 @@ def test_init_after_the_scripts_own_nccl_group_runs_its_collectives_on_the_ranks
     monkeypatch.setattr(torch.cuda, "current_device", current)
     seen: list[tuple[str, int]] = []
 
-    def all_gather_object(out: list[Any], obj: Any, group: Any = None) -> None:
-        seen.append(("all_gather_object", current()))
-        out[:] = [obj] * len(out)
+    def all_gather_plain(value: Any, group: Any = None, device: Any = None, what: str = "") -> list[Any]:
+        seen.append(("all_gather_plain", current()))  # device None: plain takes the current one for NCCL
+        return [value] * 4
 
-    def broadcast_object_list(objs: list[Any], src: int = 0, group: Any = None, device: Any = None) -> None:
-        seen.append(("broadcast_object_list", current()))
+    def broadcast_plain(value: Any, src: int, group: Any = None, device: Any = None, what: str = "") -> Any:
+        seen.append(("broadcast_plain", current()))
+        return value
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)  # the script's own init_process_group("nccl")
     monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", lambda: object())  # bound to no device
-    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
-    monkeypatch.setattr(dist, "broadcast_object_list", broadcast_object_list)
+    monkeypatch.setattr(plain, "all_gather_plain", all_gather_plain)
+    monkeypatch.setattr(plain, "broadcast_plain", broadcast_plain)
     monkeypatch.setattr(requeue, "watch", lambda names: [])  # the test process keeps its signal handlers
     monkeypatch.setattr("atexit.register", lambda *a, **k: None)
     for var in [v for v in os.environ if v.startswith(("SLURM", "SUBMITIT_", "OMPI_", "PMI", "HPCDIST_",
@@ -183,8 +184,8 @@ def test_init_after_the_scripts_own_nccl_group_runs_its_collectives_on_the_ranks
     ctx = hpcdist.init()
     try:
         assert (ctx.rank, ctx.backend, str(ctx.device)) == (1, "nccl", "cuda:1")
-        assert ("all_gather_object", 1) in seen
-        assert all(index == 1 for _, index in seen), f"object collectives on the wrong GPU: {seen}"
+        assert ("all_gather_plain", 1) in seen
+        assert all(index == 1 for _, index in seen), f"collectives of plain data on the wrong GPU: {seen}"
     finally:
         forget(ctx)
 

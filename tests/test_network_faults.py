@@ -130,8 +130,10 @@ def test_cut_link_under_a_backend_that_aborts_as_nccl_does(separate_hosts: Path)
     assert job.returncode == 1, out + err
     assert "Traceback" not in read_logs(logs)  # Python saw no exception: the ranks were aborted
     assert re.search(r"rank 0: FAILED BenchmarkError: all_reduce at size \d+ B .* failed on rank 0 \(n1\): "
-                     # the cut meets the all_reduce, or gather_object of its timings after it (all_gather, gather)
-                     r"TimeoutError: (all_reduce|all_gather|gather) #\d+ \(default_pg\) did not complete within 5 s; "
+                     # the cut meets the all_reduce, or the gather of its timings after it (runtime.plain's
+                     # gather_plain: gather, broadcast, gather)
+                     r"TimeoutError: (all_reduce|all_gather|gather|broadcast) #\d+ \(default_pg\) "
+                     r"did not complete within 5 s; "
                      r"the backend \(imitating NCCL's watchdog\) ends this rank; "
                      r"no answer within 5 s from n2 \(rank 1\).*"
                      r"\(complete=False\) \(then killed by SIGABRT on n1\)", out), out

@@ -71,7 +71,7 @@ def visible_gpus() -> list[str]:
 def adopt_device(device: Any) -> Any:
     """Make `device` this rank's current CUDA device before any collective runs, also under a group
     the script made itself (``hpcdist.init()`` after its own ``init_process_group``): otherwise
-    every rank's object collectives run on ``cuda:0``. A group bound to a device keeps that one."""
+    every rank's exchanges of plain data run on ``cuda:0``. A group bound to a device keeps that one."""
     import torch
     import torch.distributed as dist
 
@@ -141,7 +141,7 @@ def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *
     endpoint: group.Endpoint | None = None
     if standalone and dist.is_initialized():  # the script's launcher made the group (env://)
         if backend == "nccl":
-            device = adopt_device(device)  # before the object collective below
+            device = adopt_device(device)  # before the exchange of host names below
         from hpcdist.runtime.plain import all_gather_plain
 
         hosts_by_rank = dict(enumerate(all_gather_plain(info.hostname, what="its host name")))
