@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from hpcdist.errors import CheckpointError
-from hpcdist.runtime.plain import DataError, broadcast_plain
 from hpcdist.store.checkpoint.tree import as_tensor
 
 _NONE = "__none__"
@@ -70,6 +69,8 @@ def broadcast_data(value: Any, is_main: bool, what: str, group: Any = None) -> A
     rank unpickles what another process sent (docs/shared-sites.md). A value that is not plain
     data is one CheckpointError on every rank; torch's RuntimeError when the group fails or
     times out."""
+    from hpcdist.runtime.plain import DataError, broadcast_plain
+
     try:
         return broadcast_plain(value if is_main else None, src=0, group=group, what=what)
     except DataError as exc:

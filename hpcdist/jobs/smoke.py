@@ -12,7 +12,6 @@ from pydantic import Field
 
 from hpcdist.config.site import Frozen
 from hpcdist.errors import JobError
-from hpcdist.runtime.plain import all_gather_plain
 
 if TYPE_CHECKING:
     from hpcdist.runtime.context import JobContext
@@ -32,6 +31,7 @@ def run(ctx: JobContext, params: SmokeParams) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from hpcdist.runtime.plain import all_gather_plain
     from hpcdist.store.results import result_file, write_table
 
     value = torch.tensor([float(ctx.rank)], device=ctx.device)
