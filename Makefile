@@ -45,10 +45,14 @@ demo: install
 	$(VENV)/bin/hpcdist report $$(ls -t hpcdist-out/results/demo_gpt/*.h5 | head -n 1) --plot $(DEMO)
 	$(VENV)/bin/hpcdist report $$(ls -t hpcdist-out/results/demo_infer/*.h5 | head -n 1)
 
+# The main cluster, then the three variant clusters beside it (cluster/README.md, "Variants"), which
+# use its munged, slurmdbd and the accounts users.sh makes.
 cluster-up: system-deps
 	bash cluster/up.sh
+	bash cluster/variants.sh up
 
 cluster-down:
+	bash cluster/variants.sh down
 	bash cluster/down.sh
 
 # The Charliecloud image the container tests run ranks in (cluster/README.md): built once, then
