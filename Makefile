@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh Debian 12 machine (as root):
 #   make demo   - virtual environment, hpcdist, then smoke, train (~3 min) and generate on the local site
-#   make test   - the above plus Debian packages, the local Slurm cluster and its container image, then the suite
+#   make test   - the above plus Debian packages, the local Slurm cluster (and its three variants) and its container image, then the suite
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hpcdist-installed
