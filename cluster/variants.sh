@@ -183,9 +183,9 @@ prepare() {
 # ---------------------------------------------------------------------------------------
 # Accounting through up.sh's slurmdbd: the cluster's record (before its slurmctld registers) and,
 # for gpus, its accounts, users and QOS.
-sacctmgr_add() { # sacctmgr -i ARGS, where "nothing new" is no failure
+sacctmgr_add() { # sacctmgr -i ARGS, where "nothing new" or "nothing modified" is no failure
   local out
-  out=$(sacctmgr -i "$@" 2>&1) || grep -qi 'nothing new\|already exist' <<<"$out" ||
+  out=$(sacctmgr -i "$@" 2>&1) || grep -qi 'nothing new\|nothing modified\|already exist' <<<"$out" ||
     fail "sacctmgr $*: $out" "$MAIN_STATE/log/slurmdbd.log"
 }
 
