@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh Debian 12 machine (as root):
 #   make demo   - virtual environment, hpcdist, then smoke, train (~3 min) and generate on the local site
-#   make test   - the above plus Debian packages, the local Slurm cluster and its container image, then the suite
+#   make test   - the above plus Debian packages, the local Slurm cluster (and its three variants) and its container image, then the suite
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hpcdist-installed
@@ -45,10 +45,14 @@ demo: install
 	$(VENV)/bin/hpcdist report $$(ls -t hpcdist-out/results/demo_gpt/*.h5 | head -n 1) --plot $(DEMO)
 	$(VENV)/bin/hpcdist report $$(ls -t hpcdist-out/results/demo_infer/*.h5 | head -n 1)
 
+# The main cluster, then the three variant clusters beside it (cluster/README.md, "Variants"), which
+# use its munged, slurmdbd and the accounts users.sh makes.
 cluster-up: system-deps
 	bash cluster/up.sh
+	bash cluster/variants.sh up
 
 cluster-down:
+	bash cluster/variants.sh down
 	bash cluster/down.sh
 
 # The Charliecloud image the container tests run ranks in (cluster/README.md): built once, then

@@ -19,6 +19,10 @@ unset i
 # half a minute; longer than a link cut the network tests make (about the job's 10 s timeout).
 SLURMD_TIMEOUT=20
 SLURM_ETC=/etc/slurm
+# The three extra, smaller clusters of cluster/variants.sh (README.md, "Variants"): one state folder
+# and one config folder each, below these. up.sh counts their daemons as known, not as strays.
+VARIANTS_STATE=${HPCDIST_SLURM_VARIANTS_STATE:-/var/tmp/hpcdist-slurm-variants}
+VARIANTS_ETC=/etc/slurm-variants
 
 # Accounting database (local socket only; the password never leaves this machine).
 DB_NAME=slurm_acct_db
@@ -59,6 +63,19 @@ node_veth() { echo "hpv-$1"; }                           # n2 -> hpv-n2 (host en
 in_netns() { nsenter --net="/run/netns/$(node_netns "$1")" "${@:2}"; }
 
 log() { echo "[cluster] $*" >&2; }
+
+# fail MSG LOGFILE...: report MSG with the tail of each daemon log, then exit non-zero.
+fail() {
+  local msg=$1 f
+  shift
+  log "FAILED: $msg"
+  for f in "$@"; do
+    [[ -r $f ]] || continue
+    echo "----- tail of $f -----" >&2
+    tail -n 30 "$f" >&2
+  done
+  exit 1
+}
 
 # proc_is PID COMM: true when PID is a live process whose command name is COMM. Zombies do
 # not count: a daemon that failed after forking can linger as one until PID 1 reaps it.

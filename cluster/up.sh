@@ -20,24 +20,13 @@ command -v slurmctld >/dev/null || { log "Slurm is not installed: run $HERE/inst
 
 HOST=$(hostname -s)
 
-# fail MSG LOGFILE...: report MSG with the tail of each daemon log, then exit non-zero.
-fail() {
-  local msg=$1 f
-  shift
-  log "FAILED: $msg"
-  for f in "$@"; do
-    [[ -r $f ]] || continue
-    echo "----- tail of $f -----" >&2
-    tail -n 30 "$f" >&2
-  done
-  exit 1
-}
-
 # ensure_not_running COMM: fail when a COMM process runs that none of our pid files names
-# (say one started with another HPCDIST_SLURM_STATE): a second daemon would lose the port.
+# (say one started with another HPCDIST_SLURM_STATE): a second daemon would lose the port. The
+# variants' daemons (variants.sh: their own ports) are known too.
 ensure_not_running() {
   local comm=$1 ours=" " f d pid
-  for f in "$STATE"/run/*.pid; do ours+="$(cat "$f" 2>/dev/null) "; done
+  # (|| true: a pattern that matches nothing stays as it is, and a failed cat would end the script)
+  for f in "$STATE"/run/*.pid "$VARIANTS_STATE"/*/run/*.pid; do ours+="$(cat "$f" 2>/dev/null || true) "; done
   for d in /proc/[0-9]*; do
     pid=${d#/proc/}
     proc_is "$pid" "$comm" && [[ $ours != *" $pid "* ]] || continue

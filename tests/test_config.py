@@ -31,8 +31,10 @@ def test_shipped_sites_load() -> None:
     assert len(h100.network.ib_hcas) == 8 and h100.env["NCCL_IB_HCA"].count("mlx5_") == 8
 
 
-def test_local_is_the_default_site(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_is_the_default_site_where_srun_is_not_on_path(monkeypatch: pytest.MonkeyPatch,
+                                                            tmp_path: Path) -> None:
     monkeypatch.delenv("HPCDIST_SITE", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no srun: this is not a Slurm login node
     site = load_site(None)
     assert site.name == "local" and site.scheduler == "local"
 
@@ -54,7 +56,7 @@ def test_unknown_key_names_path_and_allowed_keys(tmp_path: Path) -> None:
         load_site(str(path))
     msg = str(err.value)
     assert str(path) in msg and "partitions.gpu.gpus_per_nod: unknown key" in msg
-    assert "allowed keys: cpus_per_node, gpu_type, gpus_per_node" in msg
+    assert "allowed keys: cpus_per_node, gpu_nodes, gpu_type, gpus_per_node" in msg
 
 
 def test_wrong_type_names_value(tmp_path: Path) -> None:
@@ -115,3 +117,13 @@ def test_cli_error_is_one_line_without_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in result.text
     debug = run_cli("--debug", "render", str(SMOKE), "--site", "local-slurm", "--set", "resources.nodes=9")
     assert "Traceback" in debug.err and debug.code != 0
+
+
+def test_a_default_partition_the_site_lacks_is_one_short_line(tmp_path: Path) -> None:
+    """Issue 55: it was one line of 1,171 characters holding the whole site as a dict."""
+    text = (REPO / "site_configs" / "local-slurm.yaml").read_text().replace("partition: cpu", "partition: batch")
+    path = write(tmp_path, "s.yaml", text)
+    with pytest.raises(ConfigError) as err:
+        load_site(str(path))
+    said = "(top level): defaults.partition 'batch' is not one of the partitions ['cpu', 'gpu']"
+    assert str(err.value) == f"{path}: {said}"

@@ -137,4 +137,4 @@ def test_a_cpu_job_on_a_gpu_partition_is_told_so_in_one_line() -> None:
     assert plain.code == 0 and note in plain.err.splitlines(), plain.text
     assert "asks no GPUs" not in plain.out and "#SBATCH --gpus-per-node" not in plain.out
     asked = run_cli("render", "jobs/train_gpt.yaml", "--site", "ndr-h100", "--set", "resources.gpus_per_node=2")
-    assert asked.code == 0 and "#SBATCH --gpus-per-node=2" in asked.out and "note:" not in asked.err, asked.text
+    assert asked.code == 0 and "#SBATCH --gpus-per-node=h100:2" in asked.out and "note:" not in asked.err, asked.text

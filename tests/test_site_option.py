@@ -13,15 +13,16 @@ import hpcdist
 from hpcdist.scheduler.states import JobState
 from tests.support.cli import REPO, Run, job_id, run_cli
 
-NAME = "mine"  # the site's own name, unlike its file's: what submit records in the job index
+NAME = "mine"  # the site's file's name: what submit records in the job index, whatever its name: says
 
 
 def own_site(tmp_path: Path) -> Path:
-    """A copy of the local site named NAME, its storage under tmp_path, in conf/my-site.yaml."""
+    """A copy of the local site, its name: left as the copied file's (issue 55's finding: its
+    jobs were recorded to that site), its storage under tmp_path, in conf/mine.yaml."""
     data = yaml.safe_load((REPO / "site_configs" / "local.yaml").read_text())
-    data["name"] = NAME
+    data["name"] = "local"
     data["storage"] = {key: str(tmp_path / "store" / key) for key in ("results", "checkpoints", "scratch", "logs")}
-    path = tmp_path / "conf" / "my-site.yaml"
+    path = tmp_path / "conf" / f"{NAME}.yaml"
     path.parent.mkdir()
     path.write_text(yaml.safe_dump(data))
     return path
@@ -44,8 +45,8 @@ def test_every_command_finds_the_job_with_the_site_yaml_it_was_submitted_with(tm
     # the absolute path, the path relative to where the user is, the file's name on the search
     # path, and the name the site records
     search = {"HPCDIST_SITE_PATH": str(path.parent)}
-    for site, cwd, env in ((str(path), REPO, None), ("my-site.yaml", path.parent, None),
-                           ("my-site", REPO, search), (NAME, REPO, None)):
+    for site, cwd, env in ((str(path), REPO, None), (f"{NAME}.yaml", path.parent, None),
+                           (NAME, REPO, search), (NAME, REPO, None)):
         got = follow_ups(jid, site, cwd, env)
         where = f"--site {site}"
         assert got["logs"].code == 0 and "[rank 0/2" in got["logs"].out, (where, got["logs"].text)
@@ -55,7 +56,7 @@ def test_every_command_finds_the_job_with_the_site_yaml_it_was_submitted_with(tm
         assert got["cancel"].out.strip() == f"job {jid} (smoke) already ended: COMPLETED; nothing to cancel", where
         assert got["stacks"].code == 2, (where, got["stacks"].text)  # found, and not running
         assert f"error: job {jid} is COMPLETED, not RUNNING" in got["stacks"].err, (where, got["stacks"].text)
-        if site != NAME:  # `nodes` and `render` load the site itself: a name needs its YAML on the search path
+        if site != NAME or env:  # `nodes` and `render` load the site itself: a name needs its YAML on the search path
             assert got["nodes"].code == 0, (where, got["nodes"].text)
             assert str(tmp_path / "store" / "scratch") in got["nodes"].out, (where, got["nodes"].out)
             assert got["render"].code == 0, (where, got["render"].text)
@@ -74,3 +75,11 @@ def test_a_site_path_that_does_not_exist_is_one_line_naming_it(command: str, tmp
     assert result.err.strip().splitlines() == [
         f"hpcdist: error: site config '{missing}' does not exist; pass a site name or a YAML file"
     ], result.text
+
+
+def test_with_no_site_named_and_no_srun_on_path_jobs_run_on_this_machine(tmp_path: Path) -> None:
+    bare = tmp_path / "bin"  # not a Slurm login node: the local site, without a word (submitit's rule)
+    bare.mkdir()
+    shown = run_cli("render", "jobs/smoke.yaml", env={"HPCDIST_SITE": "", "PATH": str(bare)})
+    assert shown.code == 0, shown.text
+    assert "site 'local' runs jobs on this machine" in shown.out and "srun" not in shown.err

@@ -122,7 +122,7 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
     import torch
     import torch.distributed as dist
 
-    from hpcdist.config import load_site, validate
+    from hpcdist.config import DEFAULT_SITE, load_site, validate
     from hpcdist.config.spec import JobSpec
     from hpcdist.runtime.bootstrap import bootstrap
 
@@ -142,7 +142,7 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
         own_folders(site.storage)
     else:  # the default site's storage; the preemption signal submitit would use
         signal = env.get("SUBMITIT_PREEMPTION_SIGNAL", "USR2").removeprefix("SIG")
-        site = load_site(None, [f"preemption.signal={signal}"])
+        site = load_site(DEFAULT_SITE, [f"preemption.signal={signal}"])  # never discovered again on each rank
     own = not dist.is_initialized()
     spec = validate(JobSpec, {
         "name": name or default_name(), "kind": "python",

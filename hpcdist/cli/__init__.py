@@ -37,6 +37,7 @@ class Entry:
 GROUPS = ("set up", "submit", "follow", "inspect", "data and models")
 COMMANDS: tuple[Entry, ...] = (
     Entry("sites", "set up", "hpcdist.cli.setup"),
+    Entry("site", "set up", "hpcdist.cli.site"),
     Entry("env", "set up", "hpcdist.cli.setup"),
     Entry("render", "submit", "hpcdist.cli.submit"),
     Entry("submit", "submit", "hpcdist.cli.submit"),

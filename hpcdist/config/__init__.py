@@ -32,14 +32,19 @@ DEFAULT_SITE = "local"
 
 def site_search_path() -> list[Path]:
     """Where `--site NAME` looks: $HPCDIST_SITE_PATH, ./site_configs (only from a folder no one
-    else can write: `_named_site_file`), then the shipped sites."""
+    else can write: `_named_site_file`), the user's own (``hpcdist site init`` writes there:
+    ``~/.config/hpcdist/sites``), then the shipped sites."""
+    from hpcdist.config.discovered import user_sites_dir
+
     dirs = [Path(p) for p in os.environ.get("HPCDIST_SITE_PATH", "").split(os.pathsep) if p]
-    return [*dirs, Path.cwd() / "site_configs", data_dir("site_configs")]
+    return [*dirs, Path.cwd() / "site_configs", user_sites_dir(), data_dir("site_configs")]
 
 
 def site_names() -> list[str]:
+    from hpcdist.config.discovered import SLURM, auto_site
+
     names = {p.stem for d in site_search_path() if d.is_dir() for p in d.glob("*.yaml")}
-    return sorted(names)
+    return sorted(names | ({SLURM} if auto_site() == SLURM else set()))
 
 
 def is_site_path(ref: str) -> bool:
@@ -84,8 +89,14 @@ def _say_shadowed(path: Path, name: str, shipped: Path) -> None:
 
 
 def find_site(name_or_path: str | None) -> Path:
-    """The file for a site name (`local-slurm`) or path (`my/site.yaml`)."""
-    name = name_or_path or os.environ.get("HPCDIST_SITE") or DEFAULT_SITE
+    """The file for a site name (`local-slurm`) or path (`my/site.yaml`); ``slurm``: the cluster
+    srun talks to, as discovered (``hpcdist.config.discovered``). None (and no $HPCDIST_SITE):
+    ``slurm`` where srun is on PATH, else ``local``, said once on stderr."""
+    from hpcdist.config import discovered
+
+    name = name_or_path or os.environ.get("HPCDIST_SITE") or _auto_site()
+    if name == discovered.SLURM and _named_site_file(name) is None:
+        return discovered.discovered_site()
     if is_site_path(name):
         path = Path(name)
         if not path.is_file():
@@ -98,6 +109,19 @@ def find_site(name_or_path: str | None) -> Path:
         f"unknown site {name!r}; known sites: {', '.join(site_names())} "
         f"(or pass a path to a site YAML, or add a directory to HPCDIST_SITE_PATH)"
     )
+
+
+@functools.cache
+def _auto_site() -> str:
+    import sys
+
+    from hpcdist.config.discovered import SLURM, auto_site
+
+    chosen = auto_site()
+    if chosen == SLURM:
+        print("hpcdist: no site named: Slurm's srun is on PATH, so jobs go to that cluster, read from it "
+              "(`hpcdist sites --show slurm`); --site local runs them on this machine", file=sys.stderr)
+    return chosen
 
 
 def __getattr__(name: str) -> Any:
@@ -183,19 +207,20 @@ def load_site(name_or_path: str | None = None, overrides: list[str] | None = Non
 
     path = find_site(name_or_path)
     data = apply_overrides(pin_launcher_args(read_yaml(path)), overrides or [], "site")
-    return validate(Site, data, path)
+    # a site is named as it was named, by its file (`--site mine.yaml` is site `mine`, whatever its
+    # name: says), so a copied site file never files its jobs under the site it was copied from
+    return validate(Site, {**data, "name": path.stem}, path)
 
 
 def site_name(ref: str) -> str:
     """The name the site `--site REF` means is recorded under (``Site.name``: what `submit`
     writes in the job index and `hpcdist jobs` shows), so a follow-up command given the same
-    `--site` as the submit finds its jobs. A path is loaded as `submit` loads it (a missing or bad
-    file is the same one-line ConfigError); so is a name that has a site config here, whose
-    `name:` may differ from its file's. A name with no config here is taken as it is: the index
-    may hold jobs of a site whose YAML was given by path, or lives on another search path."""
-    if not is_site_path(ref) and _named_site_file(ref) is None:
-        return ref
-    return load_site(ref).name
+    `--site` as the submit finds its jobs. A site is named by its file (``load_site``): a path's
+    stem (a missing file is the same one-line ConfigError as at submit), a name as it is, and
+    ``slurm`` the discovered cluster's name."""
+    if is_site_path(ref) or ref == "slurm":
+        return find_site(ref).stem
+    return ref
 
 
 Rebase = typing.Callable[[dict[str, Any], Path], dict[str, Any]]
@@ -259,6 +284,8 @@ def _describe(model: type[BaseModel], err: Any, prefix: tuple[str, ...]) -> str:
     if err["type"] == "missing":
         return f"{key}: required key is missing"
     msg = err["msg"].removeprefix("Value error, ")
+    if not loc:  # a check of the whole file names its values itself; the file as a dict would be a page
+        return f"{key}: {msg}"
     return f"{key}: {msg} (got {_shown(err.get('input'))!r})"
 
 

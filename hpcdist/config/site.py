@@ -63,8 +63,20 @@ class Partition(Frozen):
     mem_gb: float | None = Field(default=None, gt=0)
     gpus_per_node: Annotated[int, BeforeValidator(_gpus_of_machine)] = Field(
         default=0, ge=0, description="GPUs per node; auto (local site only): this machine's, counted at submit")
-    gpu_type: str | None = None
+    gpu_type: str | None = Field(default=None, description="the GRES type (gpu:a100:4): jobs ask for it by name")
+    gpu_nodes: int | None = Field(default=None, ge=1, description="how many of its nodes have the GPUs; "
+                                  "unset: all of them")
     max_time_min: int = Field(default=60, ge=1)
+
+    @model_validator(mode="after")
+    def _gpu_nodes_within(self) -> Partition:
+        if self.gpu_nodes is not None and self.gpu_nodes > self.nodes:
+            raise ValueError(f"gpu_nodes {self.gpu_nodes} is more than its nodes {self.nodes}")
+        return self
+
+    @property
+    def nodes_with_gpus(self) -> int:
+        return self.nodes if self.gpu_nodes is None else self.gpu_nodes
 
 
 class Launcher(Frozen):
@@ -299,6 +311,10 @@ class Site(Frozen):
     partitions: dict[str, Partition]
     account: str | None = None
     qos: str | None = None
+    qos_max_time_min: int | None = Field(default=None, ge=1, description="the QOS's MaxWall: no job may ask more")
+    gpu_request: Literal["gpus-per-node", "gres"] = Field(
+        default="gpus-per-node",
+        description="how jobs ask for GPUs: --gpus-per-node (select/cons_tres) or --gres=gpu:N")
     modules: tuple[str, ...] = ()
     setup: tuple[str, ...] = Field(default=(), description="shell lines run before the launch")
     env: EnvMap = Field(default_factory=dict)

@@ -193,6 +193,9 @@ def fit_to_site(spec: JobSpec, site: Site) -> list[tuple[str, object, str]]:
             if site.scheduler == "local" else ""
         problems.append(("resources.gpus_per_node", res.gpus_per_node,
                          f"at most {part.gpus_per_node} on partition {pname!r}{here}"))
+    elif res.gpus_per_node and res.nodes > part.nodes_with_gpus:
+        problems.append(("resources.nodes", res.nodes, f"at most {part.nodes_with_gpus} with GPUs on partition "
+                         f"{pname!r} (its other nodes have none)"))
     elif res.gpus_per_node and res.tasks_per_node != res.gpus_per_node:
         problems.append(
             (
@@ -216,6 +219,9 @@ def fit_to_site(spec: JobSpec, site: Site) -> list[tuple[str, object, str]]:
         problems.append(
             ("resources.time_min", limit, f"at most {part.max_time_min} min on partition {pname!r}")
         )
+    if site.qos_max_time_min is not None and limit > site.qos_max_time_min and "qos" not in spec.sbatch:
+        problems.append(("resources.time_min", limit, f"at most {site.qos_max_time_min} min under QOS "
+                         f"{site.qos!r} (its MaxWall; a job over it waits in the queue for ever)"))
     if spec.backend == "nccl" and res.gpus_per_node == 0:
         problems.append(("backend", "nccl", "gloo or auto when the job asks for no GPUs"))
     return problems + container_problems(spec, site)

@@ -170,7 +170,7 @@ def directives(spec: JobSpec, site: Site, folder: Path, origin: Origin | None = 
     site extras and the job's own ``sbatch:`` options (the job's win) last, sorted, with the
     nodes the site's health record keeps the job from added to its ``exclude`` (`excluded`)."""
     res = spec.resources
-    partition, _ = site.partition(res.partition)
+    partition, part = site.partition(res.partition)
     size = origin.array_size if origin else None
     out_pattern, err_pattern = log_patterns(folder, array=size is not None)
     err_pattern = out_pattern if spec.stderr_to_stdout else err_pattern
@@ -186,7 +186,8 @@ def directives(spec: JobSpec, site: Site, folder: Path, origin: Origin | None = 
         ("cpus-per-task", spec.cpus_per_task(site)),
     ]
     if res.gpus_per_node:
-        flags.append(("gpus-per-node", res.gpus_per_node))
+        typed = f"{part.gpu_type}:{res.gpus_per_node}" if part.gpu_type else str(res.gpus_per_node)
+        flags.append(("gres", f"gpu:{typed}") if site.gpu_request == "gres" else ("gpus-per-node", typed))
     if res.mem_gb is not None:
         flags.append(("mem", f"{int(res.mem_gb * 1024)}M"))
     flags.append(("time", slurm_time(spec.time_limit_min(site))))

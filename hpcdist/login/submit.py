@@ -255,6 +255,10 @@ def schedule(plan: Plan, calls: Sequence[Call] | None = None) -> list[Submission
         )
     if plan.slurm and shutil.which("sbatch") is None:
         raise SubmitError(f"site {site.name!r} uses Slurm but `sbatch` is not on PATH; run on a login node")
+    if plan.slurm:
+        from hpcdist.login.site_check import against_cluster
+
+        against_cluster(base, site)
     try:
         with storage_umask(site.storage.umask), _private_pickles(), (  # submitit's files, and the job's through sbatch
                 _detached_streams() if not plan.slurm else contextlib.nullcontext()):
@@ -271,7 +275,9 @@ def schedule(plan: Plan, calls: Sequence[Call] | None = None) -> list[Submission
                     pending = [executor.submit(fn, *args, **kwargs) for fn, args, kwargs in todo]
                 jobs = list(pending)
     except slurm.Refused as exc:
-        raise SubmitError(f"the scheduler refused job {base.name!r}: {exc}") from exc
+        said = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        raise SubmitError(f"the scheduler refused job {base.name!r}: {said} (`hpcdist site check {site.name}` "
+                          f"compares site {site.name!r} with the cluster)") from exc
     except OSError as exc:
         raise SubmitError(f"could not submit job {base.name!r}: {exc}{denied_hint(exc)}") from exc
     origin = plan.origin

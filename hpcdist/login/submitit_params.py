@@ -80,7 +80,9 @@ def translate(keys: Mapping[str, Any], site: Site, data: Mapping[str, Any]
 
 
 def site_for(site: str | None, cluster: str | None) -> str | None:
-    """The site an executor runs on, from hpcdist's `site` and submitit's `cluster`."""
+    """The site an executor runs on, from hpcdist's `site` and submitit's `cluster`: None names
+    none (``$HPCDIST_SITE``, else Slurm where srun is on PATH, else local: submitit's rule);
+    "slurm" with no Slurm site named is the cluster srun talks to, as discovered."""
     if cluster is None or cluster == "local" and site is None:
         return "local" if cluster == "local" else site
     if cluster not in ("local", "slurm", "debug"):
@@ -89,9 +91,11 @@ def site_for(site: str | None, cluster: str | None) -> str | None:
     if cluster == "debug":
         raise ConfigError("hpcdist.Executor: cluster='debug' (submitit's in-process executor) has no hpcdist "
                           "equivalent; use cluster='local' (processes on this machine)")
-    ref = site or os.environ.get("HPCDIST_SITE")
     from hpcdist.config import load_site
 
+    ref = site or os.environ.get("HPCDIST_SITE")
+    if ref is None and cluster == "slurm":
+        return "slurm"
     chosen = load_site(ref)
     if (chosen.scheduler == "slurm") != (cluster == "slurm"):
         raise ConfigError(f"hpcdist.Executor: cluster={cluster!r} but site {chosen.name!r} is a "

@@ -88,7 +88,7 @@ def _check_out_failed(store: Any, ctx: JobContext, wait_s: float = 2.0) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Direct launch: every rank loads the spec and site itself."""
-    from hpcdist.config import load_site
+    from hpcdist.config import DEFAULT_SITE, load_site
     from hpcdist.jobs.registry import load_job
 
     parser = argparse.ArgumentParser(prog="python -m hpcdist.runtime.entry")
@@ -97,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="sets", action="append", default=[])
     args = parser.parse_args(argv)
     try:
-        site = load_site(args.site, [s[5:] for s in args.sets if s.startswith("site.")])
+        # no site named: the local site's, as before an allocation's ranks each read the cluster
+        ref = args.site or os.environ.get("HPCDIST_SITE") or DEFAULT_SITE
+        site = load_site(ref, [s[5:] for s in args.sets if s.startswith("site.")])
         job = load_job(args.job, site, [s for s in args.sets if not s.startswith("site.")])
         out = run_job(job, site)
     except HpcdistError as exc:

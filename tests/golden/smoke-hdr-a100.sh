@@ -6,7 +6,7 @@
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=4
 #SBATCH --cpus-per-task=12
-#SBATCH --gpus-per-node=4
+#SBATCH --gpus-per-node=a100:4
 #SBATCH --time=5
 #SBATCH --account=myproject
 #SBATCH --output=/p/project/myproject/hpcdist/logs/smoke/%j/%j_0_log.out

@@ -6,7 +6,7 @@
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
 #SBATCH --cpus-per-task=14
-#SBATCH --gpus-per-node=8
+#SBATCH --gpus-per-node=h100:8
 #SBATCH --time=5
 #SBATCH --account=ml-research
 #SBATCH --qos=normal

@@ -42,7 +42,17 @@ def user_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     cache = tmp_path_factory.mktemp("cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_CACHE_HOME", str(cache))
+        patch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config")))  # `hpcdist site init` writes here
         yield cache
+
+
+@pytest.fixture(autouse=True)
+def default_site(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The site of a test's job that names none: ``local``. With no $HPCDIST_SITE hpcdist takes
+    Slurm wherever srun is on PATH, as it is on this machine; the tests of that rule unset it
+    (``tests/test_site_discovery.py``)."""
+    monkeypatch.setenv("HPCDIST_SITE", "local")
+    return "local"
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from tests.support.cli import REPO, Run, missing
@@ -53,7 +54,9 @@ def run_as(user: str, *argv: str, umask: str = "022", cwd: Path | None = None, t
     """The command `argv` as `user`, in a clean environment (HOME, USER, LOGNAME, PATH and `env`)
     with the shell umask `umask`, as that user would type it."""
     home = Path(f"/home/{user}")
-    extra = [f"{k}={v}" for k, v in (env or {}).items()]
+    # the suite's site for jobs that name none (tests/support/fixtures.default_site), unless `env` says otherwise
+    inherited = {"HPCDIST_SITE": os.environ["HPCDIST_SITE"]} if os.environ.get("HPCDIST_SITE") else {}
+    extra = [f"{k}={v}" for k, v in {**inherited, **(env or {})}.items()]
     cmd = ["runuser", "-u", user, "--", "env", "-i", f"HOME={home}", f"USER={user}", f"LOGNAME={user}",
            "PATH=/usr/local/bin:/usr/bin:/bin", *extra, "sh", "-c", f'umask {umask} && exec "$@"', "sh", *argv]
     proc = subprocess.run(cmd, cwd=cwd or home, capture_output=True, text=True, timeout=timeout, check=False)
@@ -71,3 +74,38 @@ def spawn(user: str, *args: str, umask: str = "022") -> subprocess.Popen[str]:
 def finish(proc: subprocess.Popen[str], timeout: float = 300) -> Run:
     out, err = proc.communicate(timeout=timeout)
     return Run(proc.returncode, out, err)
+
+
+# What hpcdist says where a job names no site and srun is on PATH (hpcdist.config._auto_site)
+NO_SITE_LINE = "no site named: Slurm's srun is on PATH"
+
+
+@dataclass
+class Member:
+    """An ordinary user in a project folder of hers, typing `hpcdist` and `python` there."""
+
+    user: str
+    folder: Path  # a project folder of hers, in her home
+    env: dict[str, str]  # no site named; her own config and cache folders for this test
+
+    def hpcdist(self, *args: str, timeout: float = 240) -> Run:
+        return run_as(self.user, str(USERS_VENV / "bin" / "hpcdist"), *args, cwd=self.folder, env=self.env,
+                      timeout=timeout)
+
+    def python(self, *args: str, timeout: float = 240) -> Run:
+        return run_as(self.user, str(USERS_VENV / "bin" / "python"), *args, cwd=self.folder, env=self.env,
+                      timeout=timeout)
+
+
+def member_in(folder: Path, files: dict[str, str], user: str = "alice", **env: str) -> Member:
+    """`user`'s new project `folder` holding jobs/smoke.yaml and `files` (name: text), with no site
+    named in her environment (`env` added) and her config and cache folders inside it."""
+    folder.mkdir(parents=True)
+    shutil.copy(REPO / "jobs" / "smoke.yaml", folder / "smoke.yaml")
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    for path in (folder, *folder.iterdir()):
+        shutil.chown(path, user, user)
+    return Member(user, folder, {"PYTHONPATH": str(REPO), "HPCDIST_SITE": "",
+                                 "XDG_CONFIG_HOME": str(folder / ".config"), "XDG_CACHE_HOME": str(folder / ".cache"),
+                                 **env})
