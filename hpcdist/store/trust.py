@@ -9,8 +9,10 @@ chmod 3770 ROOT``). Sticky excuses a folder's write bits, never another owner: t
 sticky folder may rename anything in it.
 
 Checked once, read from what was checked: `read_trusted` and `opened_trusted` walk the path from
-``/`` one folder at a time (``openat(O_DIRECTORY|O_NOFOLLOW)`` below the folder's real path),
-check each open folder with ``fstat``, open the file itself with ``O_NOFOLLOW`` and read the
+``/`` one folder at a time (``openat(O_DIRECTORY|O_NOFOLLOW)``), follow a link on the way only
+where no one but the user or root could repoint it (the link theirs, in a folder that passes the
+test above; ``/scratch -> /lustre`` does, ``hpc -> /scratch/alice`` in a group's 2770 project
+folder does not), check each open folder with ``fstat``, open the file itself with ``O_NOFOLLOW`` and read the
 bytes from that descriptor, so a swap of any folder or of the file between the check and the
 read changes nothing. Everything hpcdist reads back and would run goes through them (submitit's
 pickles, an executor call, a result pickle, the rendezvous endpoint and secret, a checkpoint
