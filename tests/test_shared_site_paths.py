@@ -1,5 +1,5 @@
 """What a member leaves in a folder another member submits from, and what a submit leaves for the
-group to read (issue 54, items 1, 2, 6 and 7), run as the test bed's ordinary users: bob plants,
+group to read (issue 54, items 1, 2, 5, 6 and 7), run as the test bed's ordinary users: bob plants,
 alice is the victim, through the `hpcdist` command she types and `hpcdist.Executor`. The local
 site only; her storage lies in the group root, whose folders the group may enter (0750)."""
 
@@ -237,3 +237,91 @@ def test_an_executor_call_on_storage_that_is_not_hers_is_one_error_naming_whose(
             f"files go to ROOT/<user>)"), got.out
     finally:
         shutil.rmtree(root)
+
+
+def _her_store(place: Place) -> list[str]:
+    """alice's real storage folder (hers, 0750, in the group root) and the --set of each root
+    under `<link>/`, the link named by the caller."""
+    assert run_as("alice", "mkdir", "-m", "0750", str(place.store)).code == 0
+    keys = ("results", "checkpoints", "scratch", "logs")
+    return [a for key in keys for a in ("--set", f"site.storage.{key}={{}}/{key}")]
+
+
+@pytest.mark.parametrize("maker", ["bob", "alice"])
+def test_storage_through_a_link_a_member_can_repoint_is_refused_at_submit(place: Place, maker: str) -> None:
+    """Item 5: alice's storage reached through `hpc -> <her folder>` in bob's 2770 project folder.
+    The link was followed unchecked: bob repointed it under her running job and her rank's next
+    import loaded his copy. Now, whoever made the link, her submit is one line naming it, its
+    owner and mode and its folder, and the real path to use; nothing is written or run."""
+    sets = _her_store(place)
+    link = place.shared / "hpc"
+    assert run_as(maker, "ln", "-s", str(place.store), str(link)).code == 0
+    got = hpcdist("alice", "submit", "--site", "local", *[s.format(link) for s in sets], "--wait", "--",
+                  str(place.code / "train.py"), cwd=place.home)
+    assert got.code == 2 and "Traceback" not in got.err and len(got.err.strip().splitlines()) == 1, got.text
+    assert f"{link} (owner {maker}, mode 0777, a symbolic link) -> {place.store}" in got.err, got.err
+    why = "the link belongs to bob" if maker == "bob" else f"its folder {place.shared} (owner bob, mode 2770)"
+    assert why in got.err, got.err
+    assert f"name the real path ({place.store}/" in got.err, got.err
+    assert list(place.store.iterdir()) == [], "nothing of the job was made through the link"
+
+
+SLEEPER = """
+import os, sys, time
+go = sys.argv[1]
+open(go + ".started", "w").close()
+while not os.path.exists(go):
+    time.sleep(0.05)
+import later
+print("LATER", later.WHO, later.__file__, flush=True)
+while not os.path.exists(go + "2"):
+    time.sleep(0.05)
+"""
+
+
+def test_a_link_of_her_own_is_followed_and_the_ranks_import_from_the_real_path(place: Place) -> None:
+    """Item 5: a link of alice's in a folder only she writes (her home) is accepted, and the
+    snapshot her rank imports from is the real path read at submit: the link repointed while the
+    job runs (by her, or the admin: no one else can) changes nothing of what the rank imports."""
+    sets = _her_store(place)
+    link, other = place.home / "hpc", place.store.parent / f"{place.store.name}-other"
+    assert run_as("alice", "ln", "-s", str(place.store), str(link)).code == 0
+    (place.code / "train.py").write_text(SLEEPER)
+    (place.code / "later.py").write_text("WHO = 'submitted'\n")
+    shutil.chown(place.code / "later.py", "alice", "alice")
+    signals = place.store.parent / f"{place.store.name}-fifos"  # removed by the fixture
+    signals.mkdir()
+    signals.chmod(0o777)
+    go = signals / "go"
+    runs: list[Run] = []
+    job = threading.Thread(target=lambda: runs.append(hpcdist(
+        "alice", "submit", "--site", "local", *[s.format(link) for s in sets], "--wait", "--",
+        str(place.code / "train.py"), str(go), cwd=place.home)), daemon=True)
+    job.start()
+    for _ in range(600):
+        if (signals / "go.started").exists() or not job.is_alive():
+            break
+        threading.Event().wait(0.05)
+    assert (signals / "go.started").exists(), runs
+    (snap,) = (place.store / "logs" / "train").glob("code-*")
+    (log,) = (place.store / "logs" / "train").rglob("*_0_log.out")  # opened before the repoint
+    copy = other / "logs" / "train" / snap.name
+    try:
+        copy.mkdir(parents=True)
+        (copy / "later.py").write_text("WHO = 'repointed'\n")
+        link.unlink()
+        link.symlink_to(other)
+        go.touch()
+        for _ in range(600):
+            if "LATER" in log.read_text() or not job.is_alive():
+                break
+            threading.Event().wait(0.05)
+    finally:  # the link back for the rest of the job: the storage, unlike the code, is named through it
+        link.unlink()
+        link.symlink_to(place.store)
+        (signals / "go2").touch()
+        job.join(120)
+        shutil.rmtree(other, ignore_errors=True)
+    assert runs and runs[0].code == 0 and "1/1 ranks succeeded" in runs[0].out, runs
+    logs = "".join(p.read_text() for p in (place.store / "logs").rglob("*_0_log.out"))
+    assert f"LATER submitted {snap}/later.py" in logs, logs

@@ -238,7 +238,7 @@ def _warn_live_imports(p: PythonParams, src: Path) -> None:
 def prepare(job: Job[PythonParams], site: Site) -> dict[str, Any]:
     """At submit: the code snapshot made, and the params the ranks run (paths made absolute)."""
     from hpcdist.jobs import snapshot
-    from hpcdist.store.trust import cwd_problem
+    from hpcdist.store.trust import cwd_problem, real_folder
 
     p = job.params
     updates: dict[str, Any] = {"snapshot": False}
@@ -255,6 +255,7 @@ def prepare(job: Job[PythonParams], site: Site) -> dict[str, Any]:
         _warn_live_imports(p, src)
         made = job.spec.paths(site).new_snapshot()
         dest, left_out = snapshot.make(src, made, keep, p.snapshot_max_mb, outputs(job, site))
+        dest = real_folder(dest)  # the ranks import from the path checked now: a link repointed later changes nothing
         if left_out:
             names = ", ".join(f"{rel} ({why})" for rel, why in sorted(left_out.items()))
             print(f"hpcdist: warning: the code snapshot of {src} leaves out {names}; the job cannot read "

@@ -9,8 +9,10 @@ chmod 3770 ROOT``). Sticky excuses a folder's write bits, never another owner: t
 sticky folder may rename anything in it.
 
 Checked once, read from what was checked: `read_trusted` and `opened_trusted` walk the path from
-``/`` one folder at a time (``openat(O_DIRECTORY|O_NOFOLLOW)`` below the folder's real path),
-check each open folder with ``fstat``, open the file itself with ``O_NOFOLLOW`` and read the
+``/`` one folder at a time (``openat(O_DIRECTORY|O_NOFOLLOW)``), follow a link on the way only
+where no one but the user or root could repoint it (the link theirs, in a folder that passes the
+test above; ``/scratch -> /lustre`` does, ``hpc -> /scratch/alice`` in a group's 2770 project
+folder does not), check each open folder with ``fstat``, open the file itself with ``O_NOFOLLOW`` and read the
 bytes from that descriptor, so a swap of any folder or of the file between the check and the
 read changes nothing. Everything hpcdist reads back and would run goes through them (submitit's
 pickles, an executor call, a result pickle, the rendezvous endpoint and secret, a checkpoint
@@ -59,7 +61,7 @@ class StorageRoots(Protocol):
 
 __all__ = ["UntrustedFileError", "current_user", "cwd_problem", "denied_hint", "describe", "importable_cwd",
            "load_pickle", "opened_plain", "opened_trusted", "own_folder", "own_folders", "owner_name", "private_folder",
-           "problem", "read_trusted", "trusted", "trusted_folder"]
+           "problem", "read_trusted", "real_folder", "trusted", "trusted_folder"]
 
 _FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_PATH", 0)
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
@@ -138,26 +140,90 @@ def _file_problem(path: Path, st: os.stat_result, private: bool, folder: bool = 
     return None
 
 
+_MAX_LINKS = 40  # the kernel's own limit on links followed in one path (ELOOP)
+
+
+def _link_problem(link: Path, st: os.stat_result, target: str, holder: Path, holder_st: os.stat_result,
+                  leads_to: Path) -> str | None:
+    """Why the link `link` (lstat `st`, in the folder `holder`) may not be followed on the way to
+    `leads_to`, or None: followed only where no one but this user or root can repoint it: the link
+    is theirs, and so is the folder holding it, which others may not write unless it is sticky (in
+    a sticky folder only a link's owner renames or removes it)."""
+    mine = (os.geteuid(), 0, *_unmapped_root())
+    if st.st_uid not in mine:
+        why = f"the link belongs to {owner_name(st.st_uid)}"
+    elif holder_st.st_uid not in mine:
+        why = f"its folder {describe(holder, holder_st)} belongs to another user (who may rename anything in it)"
+    elif holder_st.st_mode & 0o022 and not holder_st.st_mode & stat.S_ISVTX:
+        why = (f"its folder {describe(holder, holder_st)} is writable by {_who(holder_st.st_mode)} and not "
+               f"sticky")
+    else:
+        return None
+    return (f"{describe(link, st)} -> {target}, on the way to {leads_to}, is a link others could repoint ({why}); "
+            f"name the real path ({os.path.realpath(leads_to)}) instead, or keep the link in a folder only you "
+            f"(or root) can write")
+
+
+def _descend(stack: ExitStack, folder: Path, leads_to: Path) -> list[tuple[Path, os.stat_result, int]]:
+    """The absolute `folder` opened from ``/`` one folder at a time (``O_DIRECTORY|O_NOFOLLOW``):
+    each folder's real path, fstat and descriptor (closed with `stack`), from ``/`` down. A link
+    on the way is followed only where `_link_problem` finds none (its target read from the folder
+    that holds it), so what is opened is what was checked; _Refused with the one line otherwise,
+    FileNotFoundError when a part is not there."""
+    fd = stack.enter_context(_closing(os.open("/", _FOLDER)))
+    seen = [(Path("/"), os.fstat(fd), fd)]
+    todo = list(folder.parts[1:])
+    links = 0
+    while todo:
+        part = todo.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":  # in a link's target: the real parent, as the kernel takes it
+            if len(seen) > 1:
+                seen.pop()
+            continue
+        holder, holder_st, fd = seen[-1]
+        here = holder / part
+        try:
+            st = os.stat(part, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                target = os.readlink(part, dir_fd=fd)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(exc.errno, exc.strerror, str(here)) from None
+        except OSError as exc:
+            raise _Refused(f"folder {here} above {leads_to.name} cannot be opened ({exc.strerror})") from exc
+        if stat.S_ISLNK(st.st_mode):
+            why = _link_problem(here, st, target, holder, holder_st, leads_to)
+            if why is not None:
+                raise _Refused(why)
+            links += 1
+            if links > _MAX_LINKS:
+                raise _Refused(f"{leads_to} goes through more than {_MAX_LINKS} links")
+            if target.startswith("/"):
+                seen = seen[:1]
+            todo[:0] = target.split("/")
+            continue
+        try:
+            fd = stack.enter_context(_closing(os.open(part, _FOLDER, dir_fd=fd)))
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(exc.errno, exc.strerror, str(here)) from None
+        except OSError as exc:  # ELOOP: a link put there after it was looked at; ENOTDIR; EACCES
+            raise _Refused(f"folder {here} above {leads_to.name} cannot be opened ({exc.strerror})") from exc
+        seen.append((here, os.fstat(fd), fd))
+    return seen
+
+
 @contextmanager
 def _walk(path: Path | str, root: Path | str | None, private: bool,
           folder: bool) -> Iterator[tuple[int, os.stat_result]]:
     """`path` opened and checked (see the module): its descriptor and fstat. _Refused with the
     one line; FileNotFoundError when a part of it is not there."""
     path = Path(os.path.abspath(path))
-    parent = Path(os.path.realpath(path.parent))  # links above the file are the site's (/scratch -> /lustre)
     top = Path(os.path.realpath(root)) if root is not None else Path("/")
     with ExitStack() as stack:
-        fd = stack.enter_context(_closing(os.open("/", _FOLDER)))
-        seen = [(Path("/"), os.fstat(fd))]
-        for part in parent.parts[1:]:
-            here = seen[-1][0] / part
-            try:
-                fd = stack.enter_context(_closing(os.open(part, _FOLDER, dir_fd=fd)))
-            except FileNotFoundError as exc:
-                raise FileNotFoundError(exc.errno, exc.strerror, str(here)) from None
-            except OSError as exc:  # ELOOP: a link put there after the real path was read
-                raise _Refused(f"folder {here} above {path.name} cannot be opened ({exc.strerror})") from exc
-            seen.append((here, os.fstat(fd)))
+        walked = _descend(stack, path.parent, path)  # a link above the file: the site's (/scratch -> /lustre), checked
+        seen = [(here, st) for here, st, _ in walked]
+        fd = walked[-1][2]
         for here, st in reversed(seen):  # from the file's folder up to `root` (or /)
             why = _folder_problem(here, st, path.name)
             if why is not None:
@@ -273,6 +339,19 @@ def trusted_tree(folder: str | Path) -> None:
                     raise _refusal(shown, why)
 
 
+def real_folder(path: Path | str) -> Path:
+    """The real path of the folder `path`, as the walk from ``/`` opened it, every link on the way
+    checked (`_link_problem`: no one but this user or root could repoint it): what a job keeps of
+    a path it goes back to, such as the code snapshot its ranks import from, so that a link
+    repointed later changes nothing. UntrustedFileError naming the link; FileNotFoundError."""
+    path = Path(os.path.abspath(path))
+    try:
+        with ExitStack() as stack:
+            return _descend(stack, path, path)[-1][0]
+    except _Refused as exc:
+        raise UntrustedFileError(f"refusing to use {path}: {exc}", str(exc)) from None
+
+
 def cwd_problem() -> str | None:
     """Why the working folder may not be on an import path, in one line (its owner and mode), or
     None when it may: another user could have put a module in it (a group's project folder, 2770;
@@ -349,9 +428,23 @@ def own_folders(storage: StorageRoots) -> None:
 
     for name in ("logs", "results", "checkpoints", "scratch"):
         base, mine = getattr(storage, name), storage.root(name)
+        _no_foreign_links(name, mine)  # before a folder is made through a link another could repoint
         if mine != base:
             make_folders(base, storage.folder_mode)
             own_folder(mine, storage.folder_mode)
+        _no_foreign_links(name, mine)
+
+
+def _no_foreign_links(name: str, root: Path) -> None:
+    """A storage root reached through a link another user could repoint (one in a group's 2770
+    project folder) is one UntrustedFileError naming the link: its jobs would write, and read
+    back, wherever that user points it. A part not made yet is made as a real folder."""
+    try:
+        real_folder(root)
+    except FileNotFoundError:
+        pass
+    except UntrustedFileError as exc:
+        raise UntrustedFileError(f"storage.{name}: refusing {root}: {exc.why}", exc.why) from None
 
 
 def denied_hint(exc: OSError) -> str:
