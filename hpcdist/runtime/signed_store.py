@@ -9,7 +9,8 @@ ranks hold; a reader takes a value whose MAC does not match for absent, logs one
 key, and keeps waiting for (or re-reads) the genuine one within its usual timeout. The sequence
 grows with every write of one writer (one SignedStore: a rank) to one key, and a reader remembers the
 last it accepted per key and writer: a genuine value written back after a newer one (a replayed
-beat) is refused as a replay, logged once as a forgery is, and counts as absent. A forged value set first therefore never
+beat) is refused as a replay, logged once as a forgery is, and counts as absent.
+A forged value set first therefore never
 blocks the real one: a later ``set`` replaces it, and the first-wins ``compare_set`` of a failure
 replaces a forged holder. Integer counters (``add``) cannot carry a MAC: whoever forges them can
 only delay a job or end it early, as deleting its keys can; hpcdist decides nothing from a counter
