@@ -9,8 +9,11 @@ import json
 import logging
 import os
 import stat
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -60,7 +63,7 @@ def test_altered_moved_and_replayed_values_are_refused(server: dist.TCPStore, wa
     mine.set("hpcdist/hosts", json.dumps(["n1", "n2"]))
     assert json.loads(mine.get("hpcdist/hosts")) == ["n1", "n2"]
     genuine = intruder.get(f"{PREFIX}/hpcdist/hosts")
-    assert b"k" * 8 not in genuine and len(genuine) == 64 + len(json.dumps(["n1", "n2"]))
+    assert b"k" * 8 not in genuine and len(genuine) == 64 + 32 + len(json.dumps(["n1", "n2"]))  # MAC, writer, sequence
 
     intruder.set(f"{PREFIX}/hpcdist/hosts", genuine.replace(b"n2", b"ev"))  # altered
     intruder.set(f"{PREFIX}/hpcdist/failed", genuine)  # a genuine value moved to another key
@@ -188,3 +191,100 @@ def test_a_forged_roll_call_answer_does_not_hide_a_silent_rank(server: dist.TCPS
     client(server).set(f"{PREFIX}/hpcdist/rollcall/1", "1")  # "n2 answered", says someone else
     said = roll_call(0, ["n1", "n2"], wait_s=0.3, store=job(server))
     assert said.startswith("no answer within 0.3 s from n2 (rank 1)"), said
+
+
+def test_a_replayed_value_is_refused_once_a_newer_one_was_read(server: dist.TCPStore, warnings: list[str]) -> None:
+    """Every signed value carries its writer's sequence: an earlier genuine value written back over
+    a newer one the reader has read is refused, logged once, and reads as absent."""
+    rank1, rank0, intruder = job(server), job(server), client(server)
+    rank1.set("hpcdist/beat/1", "100")
+    old = intruder.get(f"{PREFIX}/hpcdist/beat/1")
+    rank1.set("hpcdist/beat/1", "200")
+    assert rank0.peek("hpcdist/beat/1") == b"200" and rank0.peek("hpcdist/beat/1") == b"200"  # re-read: no replay
+    intruder.set(f"{PREFIX}/hpcdist/beat/1", old)
+    assert rank0.peek("hpcdist/beat/1") is None and rank0.look("hpcdist/beat/1") == (None, True)
+    assert sum(f"ignored a replayed value of {PREFIX}/hpcdist/beat/1" in w for w in warnings) == 1, warnings
+    rank1.set("hpcdist/beat/1", "300")
+    assert rank0.peek("hpcdist/beat/1") == b"300"
+
+
+CAROL = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+port, key, values = int(sys.argv[1]), sys.argv[2], [bytes.fromhex(v) for v in sys.argv[3:]]
+carol = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10))
+print("ready", flush=True)
+i = 0
+while True:
+    carol.set(key, values[i % len(values)])
+    i += 1
+    time.sleep(0.01)
+"""
+
+
+@contextmanager
+def _replaying(server: dist.TCPStore, key: str, values: list[bytes]) -> Iterator[None]:
+    """carol, another process on the store's port, writes `values` (genuine ones she read earlier)
+    back to `key` in turn, every 10 ms."""
+    carol = subprocess.Popen([sys.executable, "-c", CAROL, str(server.port), f"{PREFIX}/{key}",
+                              *(v.hex() for v in values)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert carol.stdout is not None and carol.stdout.readline().strip() == "ready"
+        yield
+    finally:
+        carol.kill()
+        carol.wait(10)
+
+
+def _recorded_beats(server: dist.TCPStore, beating: SignedStore, n: int) -> list[bytes]:
+    """`n` genuine beats of rank 1, as carol reads them off the store."""
+    out = []
+    for _ in range(n):
+        group.beat(beating, _info(1))
+        out.append(client(server).get(f"{PREFIX}/hpcdist/beat/1"))
+    return out
+
+
+def test_replayed_beats_do_not_keep_rank_0_waiting_for_a_dead_rank(server: dist.TCPStore,
+                                                                    warnings: list[str]) -> None:
+    """Rank 1 beat, then died without checking out; carol writes its earlier beats back in turn:
+    rank 0 still leaves after a round and a short watch, naming rank 1 (not at the job's time limit)."""
+    import time
+
+    rank0 = job(server)
+    beats = _recorded_beats(server, job(server), 3)
+    with _replaying(server, "hpcdist/beat/1", beats):
+        t0 = time.monotonic()
+        result: list[list[int]] = []
+        thread = threading.Thread(target=lambda: result.append(group.finish(rank0, _info(0), 0.3)), daemon=True)
+        thread.start()
+        thread.join(15)
+        assert result == [[1]], "rank 0 still waits for dead rank 1 while carol replays its beats"
+        assert time.monotonic() - t0 < 15
+    assert any("ignored a replayed value" in w and "hpcdist/beat/1" in w for w in warnings), warnings
+
+
+def test_a_replayed_beat_does_not_make_rank_0_leave_a_rank_still_working(server: dist.TCPStore) -> None:
+    """Rank 1 still works (beats every 0.2 s); carol writes its first beat back over every new one:
+    rank 0 waits until rank 1 checks out instead of leaving and closing the store under it."""
+    rank0, rank1 = job(server), job(server)
+    first = _recorded_beats(server, rank1, 1)
+    working = threading.Event()
+
+    def rank1_works() -> None:
+        while not working.wait(0.2):
+            group.beat(rank1, _info(1))
+        group.check_out(rank1, _info(1))
+
+    worker = threading.Thread(target=rank1_works, daemon=True)
+    result: list[list[int]] = []
+    thread = threading.Thread(target=lambda: result.append(group.finish(rank0, _info(0), 0.3)), daemon=True)
+    with _replaying(server, "hpcdist/beat/1", first):
+        worker.start()
+        thread.start()
+        thread.join(4)  # several rounds of 0.3 s under carol's replays
+        working.set()  # rank 1 is done now
+        thread.join(15)
+    worker.join(5)
+    assert result == [[]], "rank 0 left while rank 1 was still working"

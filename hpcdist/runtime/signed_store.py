@@ -4,9 +4,13 @@
 torch's TCPStore has no authentication: anyone who reaches its port lists every key and sets any
 of them. So every value hpcdist itself writes there (a rank's seat and check-out, the host table,
 the failure that stops a ``python`` job, a roll-call answer, a beat) carries an HMAC-SHA256 of the
-key's full name and the value, made with a key only this user's ranks hold; a reader takes a value
-whose MAC does not match for absent, logs one warning naming the key, and keeps waiting for (or
-re-reads) the genuine one within its usual timeout. A forged value set first therefore never
+key's full name, the writer, a sequence number and the value, made with a key only this user's
+ranks hold; a reader takes a value whose MAC does not match for absent, logs one warning naming the
+key, and keeps waiting for (or re-reads) the genuine one within its usual timeout. The sequence
+grows with every write of one writer (one SignedStore: a rank) to one key, and a reader remembers the
+last it accepted per key and writer: a genuine value written back after a newer one (a replayed
+beat) is refused as a replay, logged once as a forgery is, and counts as absent.
+A forged value set first therefore never
 blocks the real one: a later ``set`` replaces it, and the first-wins ``compare_set`` of a failure
 replaces a forged holder. Integer counters (``add``) cannot carry a MAC: whoever forges them can
 only delay a job or end it early, as deleting its keys can; hpcdist decides nothing from a counter
@@ -51,6 +55,8 @@ KEY_BYTES = 32
 KEY_WAIT_S = 5.0  # how long a rank waits for a submitted job's key file it does not see yet (shared storage lags)
 _POLL_S = 0.05  # how often a reader re-reads a key whose value is forged
 _MAC_LEN = 64  # hex digits of an HMAC-SHA256
+_WRITER_LEN, _SEQ_LEN = 16, 16  # hex digits of the writer's id and of the sequence number, after the MAC
+_HEAD = _MAC_LEN + _WRITER_LEN + _SEQ_LEN
 _ABSENT = "\0hpcdist: no such key\0"  # compare_set's answer for an absent key (see `_peek`)
 
 
@@ -62,6 +68,9 @@ class SignedStore:
         self.plain: Any = plain  # torch's stubs say str values (and no `timeout`); the binding takes bytes
         self.secret, self.prefix = secret, prefix
         self._warned: set[tuple[str, bytes]] = set()
+        self.writer = secrets.token_hex(_WRITER_LEN // 2).encode()  # this store's writes, told from other ranks'
+        self._written: dict[str, int] = {}  # key -> the sequence of this writer's last write
+        self._accepted: dict[tuple[str, bytes], tuple[int, bytes]] = {}  # (key, writer) -> (sequence, raw) read
 
     @property
     def timeout(self) -> timedelta:
@@ -78,6 +87,12 @@ class SignedStore:
         """The genuine value of `key` now, or None (absent, or forged: logged); never waits."""
         raw = self._peek(key)
         return None if raw is None else self._open(key, raw)
+
+    def look(self, key: str) -> tuple[bytes | None, bool]:
+        """The genuine value of `key` now (None: absent, forged or replayed), and whether the key
+        holds anything at all (a value refused is a sign that someone wrote over the genuine one)."""
+        raw = self._peek(key)
+        return (None, False) if raw is None else (self._open(key, raw), True)
 
     def check(self, keys: Sequence[str]) -> bool:
         """Every key in `keys` holds a genuine value now."""
@@ -112,7 +127,10 @@ class SignedStore:
         want = _bytes(desired)
         mine = self._seal(key, want)
         was = _bytes(expected)
-        raw_expected = self._seal(key, was) if was else b""
+        raw_expected = b""
+        if was:  # the raw value held, when it is the genuine `was` (a sealed value is never made twice)
+            held_now = self._peek(key)
+            raw_expected = held_now if held_now is not None and self._open(key, held_now) == was else _ABSENT.encode()
         for _ in range(16):  # a forger racing every round only delays the failure being posted
             held = bytes(self.plain.compare_set(key, raw_expected, mine))
             if held == mine:
@@ -149,27 +167,45 @@ class SignedStore:
     def _full(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def _mac(self, key: str, value: bytes) -> bytes:
+    def _mac(self, key: str, signed: bytes) -> bytes:
         assert self.secret is not None
-        message = b"hpcdist-store-1\0" + self._full(key).encode() + b"\0" + value
+        message = b"hpcdist-store-2\0" + self._full(key).encode() + b"\0" + signed
         return hmac.new(self.secret, message, hashlib.sha256).hexdigest().encode()
 
     def _seal(self, key: str, value: bytes) -> bytes:
-        return value if self.secret is None else self._mac(key, value) + value
+        """MAC, writer, sequence, value: the sequence above this writer's last one for `key` (the
+        clock's nanoseconds where higher, so a value of this writer is never sealed twice)."""
+        if self.secret is None:
+            return value
+        seq = max(self._written.get(key, 0) + 1, time.time_ns())
+        self._written[key] = seq
+        signed = self.writer + f"{seq:0{_SEQ_LEN}x}".encode() + value
+        return self._mac(key, signed) + signed
 
     def _open(self, key: str, raw: bytes) -> bytes | None:
-        """`raw`'s value when its MAC is this job's for `key`; else None, and one warning per value."""
+        """`raw`'s value when its MAC is this job's for `key` and its sequence is not older than what
+        this reader last accepted from its writer; else None, and one warning per value."""
         if self.secret is None:
             return raw
-        mac, value = raw[:_MAC_LEN], raw[_MAC_LEN:]
-        if len(raw) >= _MAC_LEN and hmac.compare_digest(mac, self._mac(key, value)):
-            return value
+        mac, signed = raw[:_MAC_LEN], raw[_MAC_LEN:]
+        if len(raw) < _HEAD or not hmac.compare_digest(mac, self._mac(key, signed)):
+            self._warn(key, raw, f"{len(raw)} bytes; its MAC is not this job's", "forged or altered")
+            return None
+        writer, value = signed[:_WRITER_LEN], signed[_HEAD - _MAC_LEN:]
+        seq = int(signed[_WRITER_LEN:_HEAD - _MAC_LEN], 16)
+        last = self._accepted.get((key, writer))
+        if last is not None and (seq < last[0] or (seq == last[0] and raw != last[1])):
+            self._warn(key, raw, f"sequence {seq}, older than {last[0]} read before from the same rank",
+                       "replayed")
+            return None
+        self._accepted[(key, writer)] = (seq, raw)  # the same value read again is the current value, no replay
+        return value
+
+    def _warn(self, key: str, raw: bytes, why: str, what: str) -> None:
         if (key, raw) not in self._warned:
             self._warned.add((key, raw))
-            log.warning("ignored a forged or altered value of %s in the job's store (%d bytes; its MAC is not "
-                        "this job's): someone who can reach the store's port wrote it; the job goes on",
-                        self._full(key), len(raw))
-        return None
+            log.warning("ignored a %s value of %s in the job's store (%s): someone who can reach the store's port "
+                        "wrote it; the job goes on", what, self._full(key), why)
 
 
 def signed(store: Any) -> SignedStore:
