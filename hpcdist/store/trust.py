@@ -31,6 +31,11 @@ outside first, with the real owners (``python -m hpcdist.runtime.submitted --che
 ``current_user`` (``hpcdist.config.site``'s, re-exported) is the one answer to "who am I" for paths
 (the per-user folders of a shared storage root): from the process's uid, never from ``$USER``,
 which a shell may leave as it was.
+
+Over 400 lines: the walk from ``/`` (folders and links) and the test of each step are one rule,
+whose refusals must name the same owner, mode and way out; splitting the walk from the reads
+that use its descriptors would hand those descriptors across modules. (Folding snapshot.py's own
+walk in here, and moving the per-user folders out, is the planned split.)
 """
 
 from __future__ import annotations
