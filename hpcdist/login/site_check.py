@@ -142,7 +142,8 @@ def _storage_claim(site: Site) -> Claim:
     for root in get_args(StorageRoot):
         folder = site.storage.root(root)
         try:
-            private_folder(folder) if not folder.exists() else None
+            if not folder.exists():
+                private_folder(folder)
         except OSError as exc:
             return Claim("storage", "its roots are shared", f"login node cannot make {folder}: {exc.strerror}", False)
         probes.append(folder / f".hpcdist-check-{token}")
