@@ -8,14 +8,21 @@ A transport error that quotes a peer's address ("Connection closed by peer [10.0
 also gets the rank(s) and node behind that address.
 
 After a time-out (not a closed connection: a peer's kernel that resets the connection is alive,
-only its process died), the roll call also marks in the site's node health record
-(``hpcdist.store.site.health``, source ``timeout``) each node none of whose ranks answered, once: by
-the lowest rank that did answer, on the store's side of the break. A rank that cannot reach the
-store marks nothing: cut off itself, it cannot tell its own node from rank 0's.
+only its process died), the roll call may also mark in the site's node health record
+(``hpcdist.store.site.health``, source ``timeout``) a node none of whose ranks answered, once: by
+the lowest rank that did answer, on the store's side of the break. Silence in the store is not
+evidence against a node: anyone who reaches the store's port can delete an answer. So a silent
+node is marked only on evidence no one at the store can make: Slurm says it is not responding
+(or down), or its slurmd's address does not answer a TCP connect within ``PROBE_S`` (a refused
+connection is an answer: the node's kernel is alive). A silent node that answers on the network
+is named in the error, not marked. A rank that cannot reach the store marks nothing: cut off
+itself, it cannot tell its own node from rank 0's. Only a Slurm site is marked (the local site is
+one machine).
 """
 
 from __future__ import annotations
 
+import errno
 import re
 import socket
 import threading
@@ -29,6 +36,7 @@ if TYPE_CHECKING:
     from hpcdist.config.site import Site
 
 ROLL_CALL_S = 5.0
+PROBE_S = 1.0  # a live node's kernel answers a connect within milliseconds on a cluster's network
 
 
 def _default_store() -> Any:
@@ -98,10 +106,10 @@ def slurm_node_name(host: str, known: Collection[str]) -> str | None:
 
 
 def _mark(site: Site, nodes: Sequence[str], job_id: str, reason: str) -> None:
-    """Mark `nodes` (the ranks' host names) in the site's health record, under Slurm's names on a
-    Slurm site (a host Slurm does not know is logged, not marked: a mark of it would exclude
-    nothing); a record that cannot be written is logged, not raised: the failure being reported
-    matters more."""
+    """Mark those of `nodes` (the ranks' host names, silent at the roll call) that Slurm says are not
+    responding or whose slurmd does not answer on the network, under Slurm's names; a host Slurm
+    does not know, or one that answers, is logged, not marked. A record that cannot be written is
+    logged, not raised: the failure being reported matters more."""
     import logging
 
     from hpcdist.scheduler import slurm
@@ -109,16 +117,56 @@ def _mark(site: Site, nodes: Sequence[str], job_id: str, reason: str) -> None:
 
     log = logging.getLogger("hpcdist")
     known = slurm.node_states() if site.scheduler == "slurm" else None
-    for host in nodes:
-        node = host if known is None else slurm_node_name(host, known)
-        if node is None:
-            log.warning("not marking %s in the node health record: Slurm knows no node of that name (sinfo); "
-                        "mark the node by hand with `hpcdist nodes --mark NODE --reason ...`", host)
+    if known is None:
+        return
+    named = {host: slurm_node_name(host, known) for host in nodes}
+    for host in [h for h, node in named.items() if node is None]:
+        log.warning("not marking %s in the node health record: Slurm knows no node of that name (sinfo); "
+                    "mark the node by hand with `hpcdist nodes --mark NODE --reason ...`", host)
+    evidence = _evidence([n for n in named.values() if n is not None], known)
+    for node, found in evidence.items():
+        if not found:
+            log.warning("not marking %s in the node health record: its ranks did not answer the roll call, but "
+                        "Slurm says it responds and its slurmd answers on the network (a missing answer alone "
+                        "is no evidence: anyone who reaches the job's store can delete one); if the node is bad, "
+                        "mark it with `hpcdist nodes --mark %s --reason ...`", node, node)
             continue
         try:
-            health.mark(site, node, reason, job_id=job_id, source="timeout")
+            health.mark(site, node, f"{reason}; {found}", job_id=job_id, source="timeout")
         except (OSError, HpcdistError) as exc:
             log.warning("could not mark %s in the node health record: %s", node, exc)
+
+
+def _evidence(nodes: Sequence[str], known: dict[str, Any]) -> dict[str, str]:
+    """For each of `nodes`, what shows it is gone ("" when nothing does): Slurm's state, else a
+    connect to its slurmd that got no answer within ``PROBE_S`` (the nodes probed at once)."""
+    from hpcdist.scheduler.slurm_cluster import slurmd_address
+
+    found = {node: f"Slurm says {known[node].state}" if known[node].failed else "" for node in nodes}
+    probes = [threading.Thread(target=lambda n=node: found.update({n: _unanswered(slurmd_address(n))}), daemon=True)
+              for node, said in found.items() if not said]
+    for probe in probes:
+        probe.start()
+    for probe in probes:
+        probe.join(PROBE_S + 20.0)  # scontrol's own time-out, then the connect
+    return found
+
+
+def _unanswered(address: tuple[str, int] | None) -> str:
+    """"its slurmd at ADDR:PORT does not answer" when a TCP connect there got no reply within
+    ``PROBE_S`` or the network says the host is unreachable; "" when it connected or was refused
+    (a live kernel), or the address is unknown (no evidence either way)."""
+    if address is None:
+        return ""
+    try:
+        socket.create_connection(address, timeout=PROBE_S).close()
+    except ConnectionRefusedError:
+        return ""
+    except (TimeoutError, OSError) as exc:
+        if isinstance(exc, TimeoutError) or exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN):
+            return f"its slurmd at {address[0]}:{address[1]} does not answer ({exc.strerror or 'no reply'})"
+        return ""
+    return ""
 
 
 _PEER = re.compile(r"\[?\b(\d{1,3}(?:\.\d{1,3}){3})\]?:\d+")

@@ -4,7 +4,9 @@
 node``), ``srun`` (its MPI plugins, whether pyxis adds ``--container-image``) and the accounting
 (``sacctmgr``: the user's associations and their QOS limits), each through ``slurm.run`` with
 its timeout, into one frozen ``Cluster``. ``config_stamp()`` is the cluster's name and its
-controller's "configuration data as of" stamp alone: what a cached reading is checked against. What a command could not
+controller's "configuration data as of" stamp alone: what a cached reading is checked against;
+``slurmd_address(node)`` is where a node's slurmd listens (what the roll call of
+``hpcdist.runtime.reach`` probes before it marks a node). What a command could not
 answer is recorded as unknown (``accounting=False``, an empty tuple), never guessed; only a
 controller that does not answer at all is an error. Standard library only.
 """
@@ -247,6 +249,24 @@ def read_cluster() -> Cluster:
         pmix_dir=_pmix_dir(conf),
         partitions=_partitions(part_answer.out, nodes), user=user,
     )
+
+
+SLURMD_PORT = 6818  # Slurm's default SlurmdPort
+
+
+def slurmd_address(node: str) -> tuple[str, int] | None:
+    """Where `node`'s slurmd listens: its NodeAddr and its Port (the node's own, else the cluster's
+    SlurmdPort, else Slurm's default); None when the controller does not know the node or does not
+    answer. Every node's slurmd is reachable from the others: Slurm forwards its messages node to node."""
+    answer = _ask(["scontrol", "-o", "show", "node", node])
+    pairs = _pairs(answer.out.splitlines()[0]) if answer.ok and answer.out.strip() else {}
+    if pairs.get("NodeName") != node:
+        return None
+    port = _int(pairs.get("Port"))
+    if port is None:
+        config = _ask(["scontrol", "show", "config"])
+        port = _int(_config(config.out).get("SlurmdPort")) if config.ok else None
+    return pairs.get("NodeAddr") or node, port or SLURMD_PORT
 
 
 def test_only(options: list[str]) -> slurm.Answer:
