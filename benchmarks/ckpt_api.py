@@ -183,7 +183,7 @@ def one_rank(rank: int, world: int, mb: int, repeat: int, root: str) -> dict[str
     import torch
 
     from benchmarks.train_checkpoint_io import time_dd
-    from hpcdist.store import fsync_path
+    from hpcdist.files.atomic import fsync_path
 
     warnings.simplefilter("ignore")
     model, opt = ddp_state(mb, 1)

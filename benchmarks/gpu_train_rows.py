@@ -1,7 +1,7 @@
 """The GPU check's training rows (benchmarks/gpu_check.py): GPT-2 small trained by ``train_gpt``
 in bf16 and fp16, stopped half way and resumed (within tolerance, and bit for bit with
 ``params.deterministic``), and the bf16 run against the plain compiled loop. `TrainingRows` starts
-their jobs through the `Checker` it is given (benchmarks/gpu_rows.py), reads back what they wrote
+their jobs through the check it is given (`Check`: benchmarks/gpu_rows.py's `Checker`), reads back what they wrote
 (benchmarks/gpu_jobs.py) and adds the judges' rows (benchmarks/gpu_judges.py).
 """
 
@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from benchmarks.gpu_jobs import (
     Job,
@@ -28,8 +28,23 @@ from benchmarks.gpu_jobs import (
 from benchmarks.gpu_judges import Row
 from benchmarks.gpu_train_judges import judge_resume, judge_saved, judge_speed, judge_training
 
-if TYPE_CHECKING:
-    from benchmarks.gpu_rows import Checker
+
+class Check(Protocol):
+    """What the training rows need of the check that runs them (benchmarks/gpu_rows.py's
+    `Checker`): its storage and settings, its job runner and its table. Named here, not imported,
+    so the two modules do not import each other."""
+
+    work: Path
+    quick: bool
+    gpus: int
+
+    def gpu_sets(self, n: int = 1, backend: bool = True) -> list[str]: ...
+
+    def submit(self, name: str, target: Sequence[str], sets: Sequence[str], timeout: float = 300) -> Job: ...
+
+    def add(self, row: Row) -> None: ...
+
+    def tokens(self) -> Path: ...
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT2_SMALL: dict[str, Any] = {"n_layer": 12, "n_head": 12, "d_model": 768, "context": 1024, "vocab_size": 50257}
@@ -52,7 +67,7 @@ def compile_cost(job: Job) -> str:
 class TrainingRows:
     """The training rows of the check `c` (its jobs, storage and table)."""
 
-    def __init__(self, c: Checker) -> None:
+    def __init__(self, c: Check) -> None:
         self.c = c
         self.bf16_run: Path | None = None  # the bf16 training row's result: the speed row's train_gpt side
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from hpcdist import store
+from hpcdist.files.atomic import fsync_path
 from hpcdist.model.checkpoint import model_attrs, model_tree
 from hpcdist.model.gpt import GPT, GPTConfig
 from hpcdist.store import checksum
@@ -148,7 +149,7 @@ class Bench:
         path = self.base / f"torch-{i}.pt"
         t0, c0 = time.perf_counter(), time.process_time()
         torch.save(self.torch_state, path)
-        store.fsync_path(path)
+        fsync_path(path)
         self.cpu["torch_write"].append(time.process_time() - c0)
         self.rows["torch_write"].append(path.stat().st_size / 1e6 / (time.perf_counter() - t0))
 

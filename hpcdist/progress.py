@@ -51,7 +51,7 @@ def report_progress(title: str, done: int, total: int | None = None, info: str =
         return
     _last_write = now
     data = {"time": time.time(), "title": title, "unit": unit, "done": done, "total": total, "info": info}
-    from hpcdist.store.atomic import atomic_path  # on a rank, where the store is loaded anyway
+    from hpcdist.files.atomic import atomic_path  # on a rank, where the store is loaded anyway
 
     try:
         with atomic_path(Path(path)) as tmp:

@@ -23,8 +23,8 @@ import pytest
 from hpcdist.config import load_site
 from hpcdist.config.contract import IMITATE_ABORT_VAR
 from hpcdist.config.paths import JobPaths
+from hpcdist.login.postmortem import Ending, TaskEnd, no_result
 from hpcdist.runtime import abort
-from hpcdist.scheduler.postmortem import Ending, TaskEnd, no_result
 from hpcdist.scheduler.states import JobState
 from hpcdist.store.site import lastwords
 from tests.support import train as fx

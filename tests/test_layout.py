@@ -22,8 +22,9 @@ PACKAGE = REPO / "hpcdist"
 LOGIN = ("hpcdist.login",)
 NODE = ("hpcdist.runtime", "hpcdist.api", "hpcdist.store", "hpcdist.train", "hpcdist.infer", "hpcdist.bench",
         "hpcdist.jobs", "hpcdist.model", "hpcdist.data", "hpcdist.track")
-SHARED = ("hpcdist.config", "hpcdist.scheduler", "hpcdist.launchers", "hpcdist.containers", "hpcdist.console",
-          "hpcdist.errors", "hpcdist._version", "hpcdist.polling", "hpcdist.progress", "hpcdist._paths")
+SHARED = ("hpcdist.config", "hpcdist.files", "hpcdist.scheduler", "hpcdist.launchers", "hpcdist.containers",
+          "hpcdist.console", "hpcdist.errors", "hpcdist._version", "hpcdist.polling", "hpcdist.progress",
+          "hpcdist._paths")
 # The store is the end of the node side's flow and what the login side reads back (results,
 # checkpoints, the health record, the job's records): it imports the shared packages only.
 STORE = ("hpcdist.store",)
@@ -145,7 +146,7 @@ def test_the_store_imports_only_shared_packages() -> None:
 
 # The store's concerns (issue 42): each folder imports the store's shared modules and only the
 # folders its concern builds on (sharded state on the checkpoint format, results on its HDF5 tree).
-STORE_SHARED = ("hpcdist.store.atomic", "hpcdist.store.checksum", "hpcdist.store.trust", "hpcdist.store.hostmem")
+STORE_SHARED = ("hpcdist.store.checksum", "hpcdist.store.hostmem")
 STORE_FOLDERS = {
     "hpcdist.store.checkpoint": (),
     "hpcdist.store.sharded": ("hpcdist.store.checkpoint",),

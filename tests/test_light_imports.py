@@ -21,7 +21,7 @@ WORKLOADS = ("hpcdist.bench", "hpcdist.train", "hpcdist.infer", "hpcdist.model",
              "hpcdist.checkpoint", "hpcdist.results", "hpcdist.store", "hpcdist.data.")
 # the docstring-only package of `hpcdist.model`;
 # the site's node health record every Slurm render reads (standard library only: the store's package is lazy,
-# its site folder's package a docstring; its writer, `hpcdist.store.atomic`, loads only to write a mark)
+# its site folder's package a docstring; its writer, `hpcdist.files.atomic`, loads only to write a mark)
 ALLOWED = ("hpcdist.model", "hpcdist.store", "hpcdist.store.site", "hpcdist.store.site.health",
            "hpcdist.store.site.health_marks")
 
@@ -75,7 +75,7 @@ def test_render_loads_logging_and_the_sweep_module_only_when_it_uses_them(tmp_pa
     nor the store's atomic writer (issue 56, item 7)."""
     for site in ("local-slurm", "local"):
         modules = modules_after("render", "jobs/smoke.yaml", "--site", site)
-        assert {"logging", "hpcdist.config.sweep", "heapq", "hpcdist.store.atomic"} & set(modules) == set()
+        assert {"logging", "hpcdist.config.sweep", "heapq", "hpcdist.files.atomic"} & set(modules) == set()
     planted = tmp_path / "node-health" / f"n9.{time.time_ns()}-1-a.mark.json"
     planted.parent.mkdir()
     planted.write_text("not a mark")
@@ -133,6 +133,6 @@ def test_submit_side_imports_no_bootstrap_before_submitting() -> None:
                           capture_output=True, text=True, timeout=120, check=True)
     out = json.loads(proc.stdout)
     modules = out["modules"]
-    bootstrap = ("hpcdist.runtime.", "hpcdist.scheduler.postmortem", "hpcdist.bench", "hpcdist.train", "hpcdist.infer")
+    bootstrap = ("hpcdist.runtime.", "hpcdist.login.postmortem", "hpcdist.bench", "hpcdist.train", "hpcdist.infer")
     assert [m for m in modules if m.split(".")[0] in HEAVY or m.startswith(bootstrap)] == []
     assert out["pickled"] < 100  # a reference (module and name), not the function's code

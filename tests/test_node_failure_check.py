@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from hpcdist.config.contract import STOPPED
+from hpcdist.login.postmortem import ending
 from hpcdist.runtime import node_failure
-from hpcdist.scheduler.postmortem import STOPPED, ending
 from hpcdist.scheduler.states import JobState
 
 OUTPUT = """hpcdist: run 1 on n[3-4] at 2026-11-24T06:10:02

@@ -185,8 +185,8 @@ def test_a_group_writable_storage_mode_is_refused_in_one_line() -> None:
 
 
 def test_the_snapshot_leaves_secret_names_out_and_is_the_users_alone(tmp_path: Path) -> None:
+    from hpcdist.files.atomic import storage_umask
     from hpcdist.jobs import snapshot
-    from hpcdist.store.atomic import storage_umask
 
     src = tmp_path / "code"
     (src / "private").mkdir(parents=True)
@@ -208,7 +208,7 @@ def test_the_snapshot_leaves_secret_names_out_and_is_the_users_alone(tmp_path: P
 def test_checkpoints_at_the_place_of_earlier_builds_are_found_there(tmp_path: Path) -> None:
     from hpcdist.config import load_site
     from hpcdist.config.paths import JobPaths
-    from hpcdist.store.trust import current_user
+    from hpcdist.files.trust import current_user
 
     roots = {key: tmp_path / key for key in ("results", "checkpoints", "scratch", "logs")}
     for root in roots.values():

@@ -92,8 +92,8 @@ def test_a_later_run_is_never_summarised_with_an_earlier_runs_stacks(tmp_path: P
     """A run timed out and wrote every rank's stack; the job ran again (a requeue) and failed
     otherwise: its summary has no "stacks at the timeout" (the earlier run's are removed as it starts)."""
     from hpcdist.config import load_site
+    from hpcdist.login.postmortem import timeout_stacks
     from hpcdist.runtime import stacks
-    from hpcdist.scheduler.postmortem import timeout_stacks
 
     site = load_site("local", [f"storage.{k}={tmp_path / k}" for k in ("results", "checkpoints", "scratch", "logs")])
     paths = JobPaths(site.storage, "job", "41")

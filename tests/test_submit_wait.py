@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcdist.scheduler.postmortem import StepRecord, ending, task_ends
-from hpcdist.scheduler.postmortem import first_error_line as _first_error_line
+from hpcdist.login.postmortem import StepRecord, ending, task_ends
+from hpcdist.login.postmortem import first_error_line as _first_error_line
 from hpcdist.scheduler.states import JobState
 from tests.support.cli import REPO, job_id, run_cli, sacct_state, storage_sets
 from tests.support.train import Background, wait_for

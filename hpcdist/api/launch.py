@@ -135,8 +135,8 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
         site = load_site(site_ref)
     if site_ref:
         os.umask(site.storage.umask)  # what this script writes to the site's storage gets storage.mode
+        from hpcdist.files.trust import own_folders
         from hpcdist.store import checksum
-        from hpcdist.store.trust import own_folders
 
         checksum.use_site(site.storage.checksum)
         own_folders(site.storage)

@@ -55,7 +55,7 @@ def is_site_path(ref: str) -> bool:
 
 def _named_site_file(name: str) -> Path | None:
     """The first `<name>.yaml` on the site search path, or None. One in ``./site_configs`` is read
-    only where no one else could have written it (``hpcdist.store.trust``: yours or root's, no
+    only where no one else could have written it (``hpcdist.files.trust``: yours or root's, no
     group or world write, in folders of yours or root's): its ``setup:`` lines run as you. Another
     is one ConfigError naming it, its owner and mode; one that shadows a shipped site is said once."""
     found = next((p for p in (d / f"{name}.yaml" for d in site_search_path()) if p.is_file()), None)
@@ -68,7 +68,7 @@ def _check_here(path: Path, name: str) -> None:
     shipped = data_dir("site_configs") / f"{name}.yaml"
     if shipped.is_file() and shipped.resolve() == path.resolve():
         return  # hpcdist's own folder (a run from its source tree)
-    from hpcdist.store import trust
+    from hpcdist.files import trust
 
     why = trust.problem(path)
     if why is not None:

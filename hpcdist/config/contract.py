@@ -14,6 +14,9 @@ LOCAL_RESTARTS_VAR = "HPCDIST_LOCAL_RESTART_COUNT"  # local site: how often the 
 # its collectives never raise, and the rank aborts (SIGABRT) this many seconds after the timeout
 IMITATE_ABORT_VAR = "HPCDIST_TEST_ABORT_AFTER_S"
 CALL_JOB_VAR = "HPCDIST_CALL_JOB"  # a direct Executor call's spec and site (a 0600 JSON file), read on its node
+# hpcdist's own line in the batch log when a requeued run ends before its ranks start
+# (hpcdist.runtime.node_failure writes it, hpcdist.login.postmortem reads it)
+STOPPED = "hpcdist: not run again: "
 LOCAL_AFTER_VAR = "HPCDIST_LOCAL_AFTER"  # local site: "PID:START" of a job to wait for first (map_array's max_parallel)
 
 

@@ -44,8 +44,8 @@ def auto_site() -> str:
 def discovered_site() -> Path:
     """The cached site file of the cluster ``srun`` talks to, read again when the controller's
     configuration time differs from the one it was made at (or it is missing)."""
+    from hpcdist.files.trust import private_folder
     from hpcdist.scheduler.slurm_cluster import config_stamp, read_cluster
-    from hpcdist.store.trust import private_folder
 
     folder = cache_dir("sites")
     stamp = config_stamp()

@@ -113,7 +113,7 @@ class JobPaths:
     @property
     def rendezvous(self) -> Path:
         """Where rank 0 publishes its endpoint (one file per launch, removed after check-in): this
-        user's own 0700 folder (``hpcdist.store.trust.private_folder``)."""
+        user's own 0700 folder (``hpcdist.files.trust.private_folder``)."""
         return under(self.storage.root("scratch"), "rendezvous")
 
     def cache(self, name: str) -> Path:

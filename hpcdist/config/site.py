@@ -25,8 +25,8 @@ from hpcdist.config.base import ExpandedPath, Frozen
 from hpcdist.config.container import Container, RuntimeSite, sites_runtimes
 from hpcdist.config.env import REDACTED, EnvMap, EnvNames, looks_secret  # noqa: F401 (config.site users name them here)
 from hpcdist.config.tracking import Tracking
-from hpcdist.config.user import current_user  # noqa: F401 (its home; config.site users name it here)
 from hpcdist.errors import ConfigError
+from hpcdist.files.user import current_user  # noqa: F401 (its home; config.site users name it here)
 from hpcdist.launchers import launcher_names
 
 _FROM_ENV = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*):-(?P<default>\d+)\}")

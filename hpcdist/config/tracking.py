@@ -132,10 +132,10 @@ def identity_path(folder: Path) -> Path:
 
 def read_identity(folder: Path) -> Identity | None:
     """The job's run identity in its tracking folder (``JobPaths.tracking``), or None (none, or
-    unreadable). Read only when no other user could have written it (``hpcdist.store.trust``: a
+    unreadable). Read only when no other user could have written it (``hpcdist.files.trust``: a
     file left in a folder that was once the group's would send her metrics and credentials to
     whoever wrote it): UntrustedFileError names it otherwise."""
-    from hpcdist.store.trust import read_trusted
+    from hpcdist.files.trust import read_trusted
 
     try:
         data = json.loads(read_trusted(identity_path(folder), limit=1 << 20))
@@ -146,8 +146,8 @@ def read_identity(folder: Path) -> Identity | None:
 
 def write_identity(folder: Path, identity: Identity) -> None:
     """Write it whole or not at all, readable by the user only: a temporary name no one can guess,
-    made with O_EXCL and written without following a link (``hpcdist.store.atomic``), then renamed."""
-    from hpcdist.store.atomic import atomic_path
+    made with O_EXCL and written without following a link (``hpcdist.files.atomic``), then renamed."""
+    from hpcdist.files.atomic import atomic_path
 
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     with atomic_path(identity_path(folder), mode=0o600) as tmp:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hpcdist.errors import JobError
-from hpcdist.store.atomic import atomic_path
+from hpcdist.files.atomic import atomic_path
 
 if TYPE_CHECKING:
     from hpcdist.data.tokenizer import Tokenizer

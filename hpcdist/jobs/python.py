@@ -100,8 +100,8 @@ class PythonParams(Frozen):
 def cwd_on_path(extra: str | None = None) -> Iterator[None]:
     """`python -m` semantics: `extra` (the code snapshot, or the script's folder in it), then the
     working directory, importable while inside; the working directory only where no one else could
-    have written a module into it (``hpcdist.store.trust.cwd_problem``)."""
-    from hpcdist.store.trust import importable_cwd
+    have written a module into it (``hpcdist.files.trust.cwd_problem``)."""
+    from hpcdist.files.trust import importable_cwd
 
     added = [p for p in (extra, *importable_cwd()) if p and p not in sys.path]
     sys.path[:0] = added
@@ -190,8 +190,8 @@ def check(job: Job[PythonParams], site: Site) -> list[Problem]:
 def _import_problem(p: PythonParams) -> Problem | None:
     """The target's import, checked in a child process (``hpcdist.jobs.imports``): a module's
     packages, source and top-level imports; a function's module imported and the name callable."""
+    from hpcdist.files.trust import cwd_problem, importable_cwd
     from hpcdist.jobs import imports
-    from hpcdist.store.trust import cwd_problem, importable_cwd
 
     name = p.module_name or ""
     key = "params.module" if p.module else "params.function"
@@ -222,8 +222,8 @@ def _import_problem(p: PythonParams) -> Problem | None:
 
 def _warn_live_imports(p: PythonParams, src: Path) -> None:
     """At submit: say which of the code's imports the job will read live from the submit folder."""
+    from hpcdist.files.trust import importable_cwd
     from hpcdist.jobs import imports
-    from hpcdist.store.trust import importable_cwd
 
     path = [str(Path(p.script).resolve().parent)] if p.script else []
     report = imports.inspect(module=None, function=None, path=[*path, *importable_cwd()], snapshot=src)
@@ -237,8 +237,8 @@ def _warn_live_imports(p: PythonParams, src: Path) -> None:
 
 def prepare(job: Job[PythonParams], site: Site) -> dict[str, Any]:
     """At submit: the code snapshot made, and the params the ranks run (paths made absolute)."""
+    from hpcdist.files.trust import cwd_problem, real_folder
     from hpcdist.jobs import snapshot
-    from hpcdist.store.trust import cwd_problem, real_folder
 
     p = job.params
     updates: dict[str, Any] = {"snapshot": False}

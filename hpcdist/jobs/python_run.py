@@ -269,7 +269,7 @@ def _call(params: PythonParams) -> Any:
     import cloudpickle
 
     from hpcdist.api.launch import for_call
-    from hpcdist.store.trust import load_pickle
+    from hpcdist.files.trust import load_pickle
 
     fn, args, kwargs = load_pickle(str(params.call))  # read from what was checked: no one else's call runs
     ctx = for_call()
@@ -327,7 +327,7 @@ def _replace_call(call: str, new: tuple[Any, ...]) -> None:
     """The job's call pickle replaced by `new`, atomically and still the user's alone (0600)."""
     import cloudpickle
 
-    from hpcdist.store.atomic import atomic_path
+    from hpcdist.files.atomic import atomic_path
 
     with atomic_path(Path(call)) as tmp:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -339,7 +339,7 @@ def _replace_call(call: str, new: tuple[Any, ...]) -> None:
 def _argv_and_path(params: PythonParams) -> Iterator[None]:
     """``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` (or ``-m``) would have them."""
     if params.code_dir:
-        from hpcdist.store.trust import trusted_tree
+        from hpcdist.files.trust import trusted_tree
 
         trusted_tree(params.code_dir)
     saved_argv = sys.argv[:]

@@ -152,8 +152,8 @@ def resolve(spec: JobSpec, site: Site, *, origin: Path | str = "job spec", check
 def prepare(job: Job[Any], site: Site) -> Job[Any]:
     """`job` as it is submitted: the kind's submit-time step done (the ``python`` kind's code
     snapshot), its params parsed again with the updates."""
-    from hpcdist.store.atomic import storage_umask
-    from hpcdist.store.trust import own_folders
+    from hpcdist.files.atomic import storage_umask
+    from hpcdist.files.trust import own_folders
 
     with storage_umask(site.storage.umask):
         own_folders(site.storage)  # <root>/<user> is this user's own, or one line naming who made it
@@ -223,7 +223,7 @@ def site_relative(key: str, value: str, folder: Path, site: Site, root: Literal[
     ``train_gpt/`` beside her spec is not what her job loads); else left relative, for the job's
     storage alone (an earlier job of a chain writes it). Where both exist, or the one beside the
     spec is refused, one warning names what is used."""
-    from hpcdist.store.trust import problem
+    from hpcdist.files.trust import problem
 
     stored, beside = site.storage.root(root) / value, folder / value
     if not beside.exists():

@@ -21,7 +21,7 @@ from hpcdist.errors import ConfigError, HpcdistError, SubmitError
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
     from hpcdist.config.spec import JobSpec
-    from hpcdist.scheduler.postmortem import StepRecord
+    from hpcdist.login.postmortem import StepRecord
     from hpcdist.store.site.health import Mark
 
 
@@ -120,7 +120,7 @@ def mark_failed_nodes(site: Site, job_id: str, records: list[StepRecord]) -> str
     are not responding or down in the site's health record (once per job); what was marked, for
     the failure summary ("" when nothing was). sacct names the whole allocation, so a node that
     came back before this read is not marked: which one died is no longer known."""
-    from hpcdist.scheduler.postmortem import node_failure_suspects
+    from hpcdist.login.postmortem import node_failure_suspects
     from hpcdist.scheduler.slurm import node_states
     from hpcdist.store.site import health
 

@@ -170,7 +170,7 @@ class Executor:
                 return self._submit_direct(calls, array, max_parallel)
             return self._submit_all(calls, array, max_parallel)
         except OSError as exc:  # a storage folder not this user's: one line saying whose, as `hpcdist submit`
-            from hpcdist.store.trust import denied_hint
+            from hpcdist.files.trust import denied_hint
 
             name = getattr(calls[0][0], "__qualname__", repr(calls[0][0]))
             raise SubmitError(f"could not submit {name} to site {self.site.name}: {exc}{denied_hint(exc)}") from exc
@@ -195,8 +195,8 @@ class Executor:
         module, qualname = _where(calls[0][0])
         data = {"name": _job_name(qualname), **self._data}
         folder = JobPaths(self.site.storage, data["name"]).calls
-        from hpcdist.store.atomic import storage_umask
-        from hpcdist.store.trust import own_folders
+        from hpcdist.files.atomic import storage_umask
+        from hpcdist.files.trust import own_folders
 
         with storage_umask(self.site.storage.umask):  # <logs>/<name> as storage.mode says, whatever the shell's umask
             own_folders(self.site.storage)  # the calls go nowhere but into this user's own <logs>/<user>
@@ -251,7 +251,7 @@ class Executor:
         (``hpcdist.init()`` inside), and its code snapshot (first on ``sys.path``). A Slurm
         array's tasks share one script: its variable names the files with ``%a``, which the task
         reads as its ``SLURM_ARRAY_TASK_ID``."""
-        from hpcdist.store.atomic import storage_umask
+        from hpcdist.files.atomic import storage_umask
 
         folder, stem = JobPaths(self.site.storage, specs[0].name).calls, uuid.uuid4().hex
         with storage_umask(self.site.storage.umask):
@@ -286,7 +286,7 @@ def _job_json(spec: JobSpec, site: Site) -> bytes:
 
 def _write_private(folder: Path, name: str, payload: bytes) -> Path:
     """`payload` in the new file `name` of `folder`, the user's own (0700 folder, 0600 file)."""
-    from hpcdist.store.trust import private_folder
+    from hpcdist.files.trust import private_folder
 
     private_folder(folder)
     path = folder / name

@@ -184,7 +184,7 @@ class JobHandle:
         own, alone). A job where a rank raised raises ``JobFailed`` (submitit's ``FailedJobError``)
         naming the first failing rank, its host and its error; one that ended otherwise without
         every result (cancelled, timed out, killed) ``JobUncompleted`` (``UncompletedJobError``)."""
-        from hpcdist.scheduler.postmortem import first_failure
+        from hpcdist.login.postmortem import first_failure
 
         finished = self.wait(timeout_s, show=False)
         failed = [o for o in finished.outcomes if not o.ok]

@@ -95,7 +95,7 @@ def _path(site: str, job_id: str) -> Path:
 
 def write(record: JobRecord) -> Path:
     """Write `record` (new, or replacing the job's earlier record) atomically."""
-    from hpcdist.store.atomic import atomic_path  # the one atomic writer; imported only to write
+    from hpcdist.files.atomic import atomic_path  # the one atomic writer; imported only to write
 
     path = _path(record.site, record.job_id)
     for folder in (state_dir(), jobs_dir(), path.parent):
@@ -189,8 +189,8 @@ def records() -> list[JobRecord]:
 
 def _slurm_owner(job_id: str) -> str:
     """Another user's name when Slurm knows job `job_id` as theirs; "" otherwise (or no Slurm here)."""
+    from hpcdist.files.trust import current_user
     from hpcdist.scheduler import slurm
-    from hpcdist.store.trust import current_user
 
     if not slurm.is_job_id(job_id) or shutil.which("scontrol") is None:
         return ""

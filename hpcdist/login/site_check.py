@@ -133,8 +133,8 @@ def _qos_claim(site: Site, cluster: Cluster) -> list[Claim]:
 
 def _storage_claim(site: Site) -> Claim:
     """Each storage root written on one node and read on another (and on this login node)."""
+    from hpcdist.files.trust import private_folder
     from hpcdist.scheduler.slurm_cluster import step
-    from hpcdist.store.trust import private_folder
 
     name, part = site.partition(None)
     token = uuid.uuid4().hex

@@ -26,12 +26,12 @@ from hpcdist.config.paths import JobPaths, log_patterns
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import SubmitError
+from hpcdist.files.atomic import storage_umask
+from hpcdist.files.trust import denied_hint, own_folders
 from hpcdist.launchers import SAFE_PATH
 from hpcdist.login import jobindex, tracking
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.local import LOCAL_CONTROLLER, machine_gpus, process_started
-from hpcdist.store.atomic import storage_umask
-from hpcdist.store.trust import denied_hint, own_folders
 
 if TYPE_CHECKING:
     from hpcdist.login.plan import Plan

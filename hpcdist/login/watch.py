@@ -1,7 +1,7 @@
 """Waiting for a submitted job, and how it ended: the scheduler's word until it is final
 (``wait``: squeue, then Slurm's accounting; on the local site submitit's controller), each rank's
 outcome from its result file or, for a rank that left none, its last words, how srun saw it end or
-its log (``outcomes``), and the job's cause (``hpcdist.scheduler.postmortem``). ``watch`` is
+its log (``outcomes``), and the job's cause (``hpcdist.login.postmortem``). ``watch`` is
 ``wait`` with the status line: the state, elapsed time, why it is pending, and rank 0's newest
 progress; in place on a terminal, a line per change (at most every 10 s) in a pipe or a log.
 ``submit --wait``, ``hpcdist wait`` and ``JobHandle.wait`` use it.
@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hpcdist.errors import SubmitError
+from hpcdist.files.trust import load_pickle  # a result pickle another user could have written: refused
 from hpcdist.login.submit import Submission
 from hpcdist.polling import poll_until
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.slurm import Vanished
 from hpcdist.scheduler.states import JobState
-from hpcdist.store.trust import load_pickle  # a result pickle another user could have written: refused
 
 if TYPE_CHECKING:
-    from hpcdist.scheduler.postmortem import Ending
+    from hpcdist.login.postmortem import Ending
 
 
 @dataclass
@@ -109,7 +109,7 @@ def outcomes(sub: Submission, state: JobState = JobState.UNKNOWN, end: Ending | 
         try:
             status, value = load_pickle(task.paths.result_pickle)  # read from the file that was checked
         except FileNotFoundError:
-            from hpcdist.scheduler.postmortem import no_result  # only a rank that failed is looked into
+            from hpcdist.login.postmortem import no_result  # only a rank that failed is looked into
 
             out.append(TaskOutcome(rank, False, error=no_result(task.paths.stderr, state, rank, end, sub.paths)))
             continue
@@ -121,7 +121,7 @@ def outcomes(sub: Submission, state: JobState = JobState.UNKNOWN, end: Ending | 
         elif status == "success":
             out.append(TaskOutcome(rank, True, summary=dict(value or {})))
         else:
-            from hpcdist.scheduler.postmortem import first_error_line
+            from hpcdist.login.postmortem import first_error_line
 
             after = f" ({end.after(rank)})" if end and end.after(rank) else ""
             out.append(TaskOutcome(rank, False, error=first_error_line(str(value)) + after, traceback=str(value)))
@@ -147,7 +147,7 @@ def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
 
     Waiting ends on the scheduler's word (squeue, then Slurm's accounting), not on submitit's
     result files, which a job that dies early never writes. A failed job's ``cause`` names the
-    rank that failed first, its host, and Slurm's word on the job (``hpcdist.scheduler.postmortem``).
+    rank that failed first, its host, and Slurm's word on the job (``hpcdist.login.postmortem``).
     ``timeout_s=None`` waits as long as the scheduler says the job is not done; a command that
     fails is retried and read as unknown, and only a job proven absent from the queue while
     accounting is down ends the wait with a `SubmitError` (``Vanished``). `on_poll` sees each
@@ -188,7 +188,7 @@ def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
     note = ""
     if not (state is JobState.COMPLETED and all(o.ok for o in done)):
         from hpcdist.login.plan import no_gpu_note  # only a job that failed is looked into
-        from hpcdist.scheduler.postmortem import timeout_stacks
+        from hpcdist.login.postmortem import timeout_stacks
         from hpcdist.store.site.stackrecord import stack_files
 
         stacks = timeout_stacks(stack_files(sub.paths, sub.spec.resources.world_size), sub.spec.resources.world_size)
@@ -199,7 +199,7 @@ def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
 def _slurm_ending(sub: Submission) -> Ending:
     """srun's and slurmstepd's lines in the batch log, and Slurm's accounting of the job's steps."""
     from hpcdist.login.exclusions import mark_failed_nodes
-    from hpcdist.scheduler.postmortem import accounting, ending  # only a job that failed is looked into
+    from hpcdist.login.postmortem import accounting, ending  # only a job that failed is looked into
 
     try:
         batch_log = sub.log_paths[1].read_text(errors="replace")

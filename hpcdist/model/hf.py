@@ -318,8 +318,8 @@ def read_pretrained(directory: Path) -> tuple[GPTConfig, dict[str, torch.Tensor]
 def import_pretrained(directory: Path, out: Path) -> Imported:
     """Write the model and tokenizer of `directory` as an hpcdist checkpoint: the file `out`
     (``*.h5``) or, for any other name, the checkpoint directory `out` (its step 0)."""
+    from hpcdist.files.atomic import fsync_path
     from hpcdist.model.checkpoint import write_checkpoint
-    from hpcdist.store.atomic import fsync_path
 
     cfg, state, tok = read_pretrained(Path(directory))
     template = read_chat_template(Path(directory))

@@ -8,7 +8,7 @@ makes ``/tmp/torchinductor_alice`` before alice's first compile, and torch uses 
 looking at its owner; a shared ``$HOME`` is the same. So every rank (each job kind's, an
 ``hpcdist.Executor`` call's, ``hpcdist.init()``'s outside a job) sets each variable the user
 did not set to its folder of ``JobPaths.cache`` (``<scratch>/<user>/<name>``), made 0700 and
-checked to be this user's (``hpcdist.store.trust.private_folder``) before torch is imported.
+checked to be this user's (``hpcdist.files.trust.private_folder``) before torch is imported.
 A value the user set stands (the site's ``env:``, the job's, the shell's), except the one torch
 writes back itself, its own default: that is no one's choice.
 
@@ -59,7 +59,7 @@ def use_private(paths: JobPaths, env: MutableMapping[str, str] | None = None) ->
     """Each cache variable in `env` (``os.environ``) that the user did not set pointed at this
     user's own 0700 folder of `paths`; the folder each variable names now. UntrustedFileError
     when such a folder is not this user's."""
-    from hpcdist.store.trust import private_folder
+    from hpcdist.files.trust import private_folder
 
     env = os.environ if env is None else env
     used = {}

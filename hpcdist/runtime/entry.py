@@ -3,6 +3,10 @@
 ``run_rank`` is what each task runs (submitit pickles and calls ``hpcdist.runtime.run_rank``, which
 imports this module on the node). ``main`` is the same thing for a direct launch
 (``srun python -m hpcdist.runtime.entry JOB.yaml --site SITE``).
+
+The one import that climbs from the runtime to the job kinds (``hpcdist.jobs.registry``, shared
+with ``node_failure``'s policy): the rank's entry point is where a bootstrapped rank is handed to
+its kind, and it keeps the documented name ``python -m hpcdist.runtime.entry``.
 """
 
 from __future__ import annotations

@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any
 from hpcdist.config.contract import LAUNCH_ID_VAR
 from hpcdist.config.site import SOCKET_IFNAME_VARS, under
 from hpcdist.errors import BootstrapError, cause_text
+from hpcdist.files.atomic import atomic_path
 from hpcdist.polling import poll_until
 from hpcdist.runtime import abort, signed_store
 from hpcdist.runtime.rankinfo import RankInfo
-from hpcdist.store.atomic import atomic_path
 
 if TYPE_CHECKING:
     import torch
@@ -288,8 +288,8 @@ def _wait_for_file(path: Path, timeout: float, info: RankInfo) -> dict[str, Any]
 
 
 def _private(folder: Path) -> None:
-    """The rendezvous folder: this user's own, 0700 (``hpcdist.store.trust.private_folder``)."""
-    from hpcdist.store.trust import UntrustedFileError, private_folder
+    """The rendezvous folder: this user's own, 0700 (``hpcdist.files.trust.private_folder``)."""
+    from hpcdist.files.trust import UntrustedFileError, private_folder
 
     try:
         private_folder(folder)
@@ -301,8 +301,8 @@ def _read_endpoint(path: Path) -> dict[str, Any] | None:
     """The published endpoint; None while rank 0 has not written it (atomically) yet; or
     ``{"refused": why}`` at once for a file that is not this user's own regular 0600 file in
     folders no one else may write (a planted endpoint would make its writer rank 0 of the job):
-    read from the descriptor that was checked (``hpcdist.store.trust.read_trusted``)."""
-    from hpcdist.store.trust import UntrustedFileError, read_trusted
+    read from the descriptor that was checked (``hpcdist.files.trust.read_trusted``)."""
+    from hpcdist.files.trust import UntrustedFileError, read_trusted
 
     try:
         data = json.loads(read_trusted(path, path.parent.parent, private=True, limit=65536))

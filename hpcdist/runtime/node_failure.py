@@ -13,7 +13,9 @@ script runs when ``SLURM_RESTART_COUNT`` is above 0).
   requeue (a preemption, ``ctx.requeue()``; ``JobPaths.requeues``). A run is handled once: the
   job's record (``hpcdist.store.site.node_failures``) is keyed by run number, so a waiter and the run
   that both see the same failure record it once.
-- **The policy and the bound**: the spec's ``on_node_failure`` (``fail`` ends the job), and no more
+- **The policy and the bound**: the spec's ``on_node_failure`` (``fail`` ends the job; a spec that
+  names none gets its kind's default from ``hpcdist.jobs.registry``, the runtime's one import of
+  the kinds beside ``entry``'s), and no more
   node-failure restarts than the site's ``preemption.max_requeues``.
 - **The record**: the dead nodes go into the site's node health record (``hpcdist.store.site.health``)
   whatever the verdict, so later submissions keep off them; into the job's own record only when
@@ -23,7 +25,7 @@ Without a waiter nobody can exclude the node from the pending job or lower its n
 Slurm's requeue starts it on nodes that are not DOWN, at its own size, and this run's start
 records, marks and bounds it, or ends the run (``on_node_failure: fail``, or past the bound) with
 one line in the batch log (the log of rank 0), which the post-mortem reads back as the job's
-cause (``hpcdist.scheduler.postmortem.STOPPED``). Runs only on a Slurm site; a run that cannot
+cause (``hpcdist.config.contract.STOPPED``). Runs only on a Slurm site; a run that cannot
 ask Slurm goes on (the check never stops a job on a failure of its own).
 """
 
@@ -37,14 +39,13 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcdist.config.contract import array_task_id
+from hpcdist.config.contract import STOPPED, array_task_id
 from hpcdist.config.paths import JobPaths
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import HpcdistError
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.hostlist import expand_hostlist
-from hpcdist.scheduler.postmortem import STOPPED
 from hpcdist.store.site import node_failures
 from hpcdist.store.site.node_failures import NodeFailure
 
@@ -248,7 +249,7 @@ def _submitted(folder: str, env: Mapping[str, str]) -> tuple[str, JobSpec, Site,
 
     job_id = array_task_id(env) or env["SLURM_JOB_ID"]
     paths = SubmititPaths(folder, job_id=job_id)
-    from hpcdist.store.trust import load_pickle
+    from hpcdist.files.trust import load_pickle
 
     delayed = load_pickle(paths.submitted_pickle)  # unpickled only when no one else could have written it
     spec, site = delayed.args[:2]

@@ -46,9 +46,9 @@ from typing import Literal
 
 from hpcdist.config.contract import array_task_id, restart_count
 from hpcdist.containers import CONTAINER_VAR
+from hpcdist.files.atomic import atomic_path
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.states import JobState
-from hpcdist.store.atomic import atomic_path
 
 log = logging.getLogger("hpcdist")
 
@@ -156,8 +156,8 @@ def record_requeue(path: Path, run: int, how: str) -> None:
 
 def requeued_runs(path: Path) -> set[int]:
     """The runs noted by `record_requeue` (none when the file is not there or cannot be read, or
-    when another user could have written it: ``hpcdist.store.trust``, said in a warning)."""
-    from hpcdist.store.trust import UntrustedFileError, read_trusted
+    when another user could have written it: ``hpcdist.files.trust``, said in a warning)."""
+    from hpcdist.files.trust import UntrustedFileError, read_trusted
 
     try:
         text = read_trusted(path, limit=1 << 20).decode(errors="replace")

@@ -278,10 +278,10 @@ def make_key(folder: Path, job_id: str) -> Path:
 
 def read_key(path: Path) -> bytes | None:
     """The key in `path`; None while it is absent. BootstrapError, at once, for anything but this
-    user's own regular 0600 file in folders no one else may write (``hpcdist.store.trust``'s
+    user's own regular 0600 file in folders no one else may write (``hpcdist.files.trust``'s
     check, read from the descriptor it checked): a key another user could have planted or read
     is a key she knows."""
-    from hpcdist.store.trust import UntrustedFileError, read_trusted
+    from hpcdist.files.trust import UntrustedFileError, read_trusted
 
     try:
         text = read_trusted(path, private=True, limit=2 * KEY_BYTES)

@@ -32,7 +32,7 @@ from dataclasses import replace
 from typing import Any
 
 from hpcdist.config.paths import JobPaths
-from hpcdist.store.atomic import atomic_path
+from hpcdist.files.atomic import atomic_path
 from hpcdist.store.site.stackrecord import (
     DIST,
     LIB,

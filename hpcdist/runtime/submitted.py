@@ -1,7 +1,7 @@
 """Each rank's task runner: submitit's (``submitit.core._submit``), behind hpcdist's trust check.
 
 submitit unpickles ``<folder>/<job id>_submitted.pkl`` and runs it; on shared storage that file
-must be one no other user could have written (``hpcdist.store.trust``), or whoever replaced it
+must be one no other user could have written (``hpcdist.files.trust``), or whoever replaced it
 runs code as this user. Refused, the rank prints one line and exits 1, with nothing unpickled.
 The rank's result pickle is written 0600 (the return value is the user's alone), whatever
 ``storage.mode`` says for the job's other files.
@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from hpcdist.config.contract import CALL_JOB_VAR
-from hpcdist.store.atomic import storage_umask
+from hpcdist.files.atomic import storage_umask
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
@@ -61,7 +61,7 @@ def _code_dir() -> None:
     folder = os.environ.get("HPCDIST_CODE_DIR")
     if not folder:
         return
-    from hpcdist.store.trust import trusted_tree
+    from hpcdist.files.trust import trusted_tree
 
     trusted_tree(folder)
     sys.path.insert(0, folder)
@@ -77,7 +77,7 @@ def call_job(env: Mapping[str, str]) -> tuple[JobSpec, Site] | None:
 
     from hpcdist.config.site import Site
     from hpcdist.config.spec import JobSpec
-    from hpcdist.store.trust import read_trusted
+    from hpcdist.files.trust import read_trusted
 
     data = json.loads(read_trusted(path, private=True))
     return JobSpec.model_validate(data["spec"]), Site.model_validate(data["site"])
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m hpcdist.runtime.submitted [--check] FOLDER", file=sys.stderr)
         return 2
     folder = args[0]
-    from hpcdist.store.trust import importable_cwd
+    from hpcdist.files.trust import importable_cwd
 
     sys.path[:0] = importable_cwd()  # `python -m`'s first entry, which -P left off, where no one else writes it
     from hpcdist.containers import CONTAINER_VAR, SUBMITTED_WITH_VAR, versions
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["SUBMITIT_FOLDER"] = folder
     from submitit.core import job_environment, submission
 
-    from hpcdist.store.trust import UntrustedFileError, load_pickle, trusted
+    from hpcdist.files.trust import UntrustedFileError, load_pickle, trusted
 
     pickle = job_environment.JobEnvironment().paths.submitted_pickle
     deadline = time.monotonic() + WAIT_S

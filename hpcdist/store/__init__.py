@@ -5,11 +5,11 @@ Model-agnostic: state goes in and comes out as nested dicts of tensors, NumPy ar
 values; neither torch nor any workload module is imported here (tensors are converted where
 they are met). The GPT's own checkpoint knowledge lives in ``hpcdist.model.checkpoint``.
 
-A folder per concern (tests/test_layout.py keeps them apart); beside them what all of them use:
+A folder per concern (tests/test_layout.py keeps them apart); beside them what all of them use
+(files written whole and read only from places no one else could write are ``hpcdist.files``'s,
+below the store: the site config and the login node's records use them too):
 
-- ``atomic``: temporary name in the same directory, fsync, ``os.replace``, directory fsync;
 - ``checksum``: the digest of every array (XXH3-128 by default, sha256 by choice) and its check;
-- ``trust``: what may be run or unpickled (the owner and mode of a file and every folder above it);
 - ``hostmem``: host memory marks and the pinned staging of an asynchronous save;
 - ``checkpoint/``: the ``hpcdist.checkpoint`` format and what every checkpoint shares: ``values``
   (plain values as JSON, never a pickle), ``tree`` (nested dict <-> HDF5 group, digests),
@@ -32,7 +32,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hpcdist.store.atomic import atomic_path, fsync_path
     from hpcdist.store.checkpoint.directory import checkpoints_in, read_pointer, step_of
     from hpcdist.store.checkpoint.discovery import Scan, find_latest, resolve, scan
     from hpcdist.store.checkpoint.manager import CheckpointStore
@@ -40,9 +39,8 @@ if TYPE_CHECKING:
     from hpcdist.store.checkpoint.tree import Tree, plain, sha256_of
 
 # Each name's module, imported on first use (PEP 562): the login node's light modules use
-# ``hpcdist.store.atomic`` without paying for h5py and NumPy (tests/test_light_imports.py).
+# ``hpcdist.store.site`` without paying for h5py and NumPy (tests/test_light_imports.py).
 _HOME = {
-    "atomic": ("atomic_path", "fsync_path"),
     "checkpoint.single": ("Checkpoint", "Header", "SaveStats", "read", "read_header", "save", "verify"),
     "checkpoint.directory": ("checkpoints_in", "read_pointer", "step_of"),
     "checkpoint.discovery": ("Scan", "find_latest", "resolve", "scan"),
@@ -68,10 +66,8 @@ __all__ = [
     "SaveStats",
     "Scan",
     "Tree",
-    "atomic_path",
     "checkpoints_in",
     "find_latest",
-    "fsync_path",
     "plain",
     "read",
     "read_header",

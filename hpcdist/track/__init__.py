@@ -14,7 +14,7 @@ import numbers
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hpcdist.config.tracking import Identity, Tracking, read_identity
 from hpcdist.config.tracking import environment as _environment
@@ -24,11 +24,24 @@ from hpcdist.track.channel import Channel
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
     from hpcdist.config.spec import JobSpec
-    from hpcdist.runtime.context import JobContext
 
 __all__ = ["Run", "Tracker", "Item", "open_run", "environment", "report"]
 
 log = logging.getLogger("hpcdist")
+
+
+class TrackedJob(Protocol):
+    """What `report` needs of a running job (the rank's ``JobContext`` is one): the tracker sits
+    below the runtime, so it names the fields, not the class."""
+
+    spec: JobSpec
+    site: Site
+
+    @property
+    def job_id(self) -> str: ...
+
+    @property
+    def rank(self) -> int: ...
 
 
 def environment(spec: JobSpec, site: Site) -> dict[str, str]:
@@ -117,7 +130,7 @@ def open_run(spec: JobSpec, site: Site, job_id: str, rank: int) -> Run | None:
     return run
 
 
-def report(job: JobContext, figures: Mapping[str, Any], result: Path | None = None, step: int = 0) -> None:
+def report(job: TrackedJob, figures: Mapping[str, Any], result: Path | None = None, step: int = 0) -> None:
     """A job's figures at its end in one go (inference's latency percentiles): logged at `step`,
     the result file as an artifact, the run ended. Rank 0; nothing elsewhere or with no tracker."""
     run = open_run(job.spec, job.site, job.job_id, job.rank)

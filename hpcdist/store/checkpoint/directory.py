@@ -1,7 +1,7 @@
 """A checkpoint directory's layout: step names, the ``latest`` pointer, runs, listing and retention.
 
 Files are ``step_<step:08d>.h5``; ``latest`` commits the newest one and is replaced atomically;
-temporaries (``hpcdist.store.atomic``) are hidden names a killed writer may leave.
+temporaries (``hpcdist.files.atomic``) are hidden names a killed writer may leave.
 
 The pointer's last line is the committed file's name (a pointer of that one line is the format of
 earlier builds); the lines before it are facts about the commit, ``<key> <value>``: ``run <id>``
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcdist.store.atomic import atomic_path, fsync_path, is_temporary
+from hpcdist.files.atomic import atomic_path, fsync_path, is_temporary
 
 POINTER = "latest"
 PREVIOUS = "previous"  # where a fresh run moves the files it found (`set_aside`)

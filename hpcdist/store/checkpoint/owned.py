@@ -2,7 +2,7 @@
 
 Resuming (``CheckpointStore.load_latest``, the newest-good-checkpoint search ``discovery.scan``,
 ``ctx.checkpoints.load_latest``, a training job's resume) reads only the run's own checkpoint
-folder, opened once and checked with ``hpcdist.store.trust.trusted_folder`` (OpenSSH's
+folder, opened once and checked with ``hpcdist.files.trust.trusted_folder`` (OpenSSH's
 ``StrictModes``: owned by this user or root, not writable by group or others, and so every folder
 above it, one that others may write only when sticky). Every file is then read through that open
 folder (`held` yields ``/proc/self/fd/N``), so a rename of the folder, or of one above it, between
@@ -33,8 +33,8 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from hpcdist.errors import CheckpointError
-from hpcdist.store import trust
-from hpcdist.store.atomic import make_folders
+from hpcdist.files import trust
+from hpcdist.files.atomic import make_folders
 
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 SHARDS = ".shards"  # a sharded step's folder beside its index (``hpcdist.store.sharded.layout.shards_dir``)

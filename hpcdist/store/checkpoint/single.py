@@ -3,7 +3,7 @@
 Format ``hpcdist.checkpoint`` version 2 (readable by ``h5dump`` and by plain ``h5py``):
 
 - Files ``<checkpoint dir>/step_<step:08d>.h5``. Each is written under a hidden temporary name in
-  the same directory, flushed and fsynced, renamed onto its final name (``hpcdist.store.atomic``),
+  the same directory, flushed and fsynced, renamed onto its final name (``hpcdist.files.atomic``),
   and only then *committed* by atomically rewriting the pointer file ``<dir>/latest``, whose
   last line is the committed file's name (``step_00000120.h5``), after a line ``run <id>`` naming
   the run that committed it (``hpcdist.store.checkpoint.directory``). A reader trusts only committed files:
@@ -50,8 +50,8 @@ from typing import Any
 
 from hpcdist._version import __version__
 from hpcdist.errors import CheckpointError
+from hpcdist.files.atomic import atomic_path
 from hpcdist.store import checksum as checksums
-from hpcdist.store.atomic import atomic_path
 from hpcdist.store.checkpoint.directory import checkpoint_name, prune, read_pointer, write_pointer
 from hpcdist.store.checkpoint.owned import drop_group_write, make_folder
 from hpcdist.store.checkpoint.rawio import TreeIndex, read_indexed, write_tree

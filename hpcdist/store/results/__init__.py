@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from hpcdist._version import __version__
 from hpcdist.config.paths import node_failure_record
 from hpcdist.config.site import REDACTED, looks_secret
-from hpcdist.store.atomic import atomic_path
+from hpcdist.files.atomic import atomic_path
 from hpcdist.store.checkpoint.tree import attr_value, host_value, plain
 from hpcdist.store.site import node_failures
 

@@ -5,7 +5,7 @@ DCP's planner decides what each rank writes (each replicated tensor once, by one
 reads (only the chunks its own layout needs, at any mesh or world size). Layout of step 120:
 
 - ``step_00000120.shards/r<rank:05d>-<attempt>.h5``: one HDF5 file per rank, written under a
-  temporary name, fdatasynced, renamed (``hpcdist.store.atomic``). Its ``/tensors/<fqn>/<offsets>``
+  temporary name, fdatasynced, renamed (``hpcdist.files.atomic``). Its ``/tensors/<fqn>/<offsets>``
   datasets are the tensor chunks that rank saved (``<offsets>`` joined by ``_``), its
   ``/values/<fqn>`` the other values as UTF-8 JSON (``hpcdist.store.checkpoint.values``; format 1 kept DCP's
   pickles under ``/bytes``); each carries its digest (``hpcdist.store.checksum``).

@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from hpcdist.errors import CheckpointError
+from hpcdist.files.atomic import atomic_path
 from hpcdist.store import checksum
-from hpcdist.store.atomic import atomic_path
 from hpcdist.store.checkpoint import owned, values
 from hpcdist.store.checkpoint import single as checkpoints
 from hpcdist.store.checkpoint.rawio import write_tree

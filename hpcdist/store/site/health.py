@@ -4,7 +4,7 @@ A preflight that finds a slow or unreachable node, and a job that ends naming a 
 it here; every later submission excludes the nodes marked within the site's
 ``health.exclude_for_h``, and ``hpcdist nodes`` lists and clears the marks. Both sides import this
 module. The record is one folder (``hpcdist.config.paths.node_health``), each mark its own small
-JSON file written atomically (``hpcdist.store.atomic``): a node, a reason, a time, a job id, a
+JSON file written atomically (``hpcdist.files.atomic``): a node, a reason, a time, a job id, a
 host, nothing secret; its author is its file's owner, not what it says.
 
 - On a scratch root others may write (a group's) the folder is the site admin's: owned by root
@@ -135,7 +135,7 @@ def _record(where: Where) -> _Record:
 
 def _not_the_admins(rec: _Record) -> str | None:
     """Why the group's folder is not one the admin made (FileNotFoundError when it is missing)."""
-    from hpcdist.store.trust import describe, owner_name
+    from hpcdist.files.trust import describe, owner_name
 
     st = os.lstat(rec.path)
     if not stat.S_ISDIR(st.st_mode):
@@ -152,7 +152,7 @@ def _ready(rec: _Record, make: bool) -> bool:
     `make`; on the group's, the admin's folder or a HealthRecordError saying what the admin runs."""
     if not rec.shared:
         if make:
-            from hpcdist.store.atomic import make_folders  # writers only: every Slurm render reads the record
+            from hpcdist.files.atomic import make_folders  # writers only: every Slurm render reads the record
 
             make_folders(rec.path, rec.storage.folder_mode if rec.storage is not None else 0o750)
         return rec.path.is_dir()
@@ -169,8 +169,8 @@ def _ready(rec: _Record, make: bool) -> bool:
 
 def _write(rec: _Record, node: str, ns: int, kind: str, entry: Mark) -> None:
     """A mark (or clear mark) file of this user's; a folder she may not write is one line."""
-    from hpcdist.store.atomic import atomic_path
-    from hpcdist.store.trust import describe
+    from hpcdist.files.atomic import atomic_path
+    from hpcdist.files.trust import describe
 
     name = f"{node}.{ns}-{os.getpid()}-{uuid.uuid4().hex[:8]}.{kind}.json"
     try:
@@ -200,7 +200,7 @@ def mark(where: Where, node: str, reason: str, job_id: str = "", source: Source 
         for m in _scan(rec, KEEP_S, node)[0]:
             if (m.job_id, m.source) == (job_id, source):
                 return m
-    from hpcdist.store.trust import current_user
+    from hpcdist.files.trust import current_user
 
     ns = time.time_ns()
     entry = Mark(node, one_line(reason), ns / 1e9, one_line(job_id, 40), source, current_user(), socket.gethostname())
@@ -265,7 +265,7 @@ def clear(where: Where, node: str | None) -> Cleared:
         _remove_own(rec.path, [name for name, kind in ours if kind == "clear"])
     standing, notes = _scan(rec, KEEP_S, node)
     _said(notes)
-    from hpcdist.store.trust import current_user
+    from hpcdist.files.trust import current_user
 
     ns = time.time_ns()
     for n in sorted({m.node for m in standing}):

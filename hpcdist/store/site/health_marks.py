@@ -70,7 +70,7 @@ def read_mark(path: Path, node: str, named_s: float, now: float) -> Mark | None:
     """A mark (or clear mark) as its author wrote it, its time clamped (module docstring), or None
     when it was removed meanwhile; _Skipped for anything hpcdist did not write, so no newline
     reaches a job script and no odd node name reaches ``--exclude``."""
-    from hpcdist.store.trust import describe, opened_plain, owner_name
+    from hpcdist.files.trust import describe, opened_plain, owner_name
 
     try:
         with opened_plain(path) as (fd, st):
@@ -153,7 +153,7 @@ def read_folder(path: Path, within_s: float, node: str | None = None) -> tuple[l
 
 def _future_note(path: Path, future: list[tuple[str, str, str, str]]) -> str:
     """What a read says of the names dated ahead of now, which it ignored: how many, how far, whose."""
-    from hpcdist.store.trust import owner_name
+    from hpcdist.files.trust import owner_name
 
     latest = sorted(future, key=itemgetter(2), reverse=True)
     owners = set()

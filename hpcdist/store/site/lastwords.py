@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from hpcdist.store.atomic import atomic_path
+from hpcdist.files.atomic import atomic_path
 
 
 def write(path: Path, rank: int, host: str, error: str) -> None:

@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hpcdist.store.atomic import atomic_path
+from hpcdist.files.atomic import atomic_path
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,8 @@ class NodeFailure:
 
 def read(path: Path) -> list[NodeFailure]:
     """The failures recorded at `path`; none when there is no record (or it is unreadable), or
-    when another user could have written it (``hpcdist.store.trust``: said in a warning)."""
-    from hpcdist.store.trust import UntrustedFileError, read_trusted
+    when another user could have written it (``hpcdist.files.trust``: said in a warning)."""
+    from hpcdist.files.trust import UntrustedFileError, read_trusted
 
     try:
         data = json.loads(read_trusted(path, limit=1 << 20))

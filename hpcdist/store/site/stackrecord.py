@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpcdist.store.atomic import atomic_path
+from hpcdist.files.atomic import atomic_path
 
 if TYPE_CHECKING:
     from hpcdist.config.paths import JobPaths

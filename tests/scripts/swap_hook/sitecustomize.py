@@ -14,7 +14,7 @@ if SUFFIX:
     from contextlib import contextmanager
     from typing import Any
 
-    from hpcdist.store import trust
+    from hpcdist.files import trust
 
     fired: list[str] = []
 

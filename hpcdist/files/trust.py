@@ -28,9 +28,9 @@ there a folder above the file owned by ``nobody`` is taken for root's, with the 
 its mode. Another user's folder looks the same, so the job script checks submitit's pickle
 outside first, with the real owners (``python -m hpcdist.runtime.submitted --check``).
 
-``current_user`` (``hpcdist.config.site``'s, re-exported) is the one answer to "who am I" for paths
-(the per-user folders of a shared storage root): from the process's uid, never from ``$USER``,
-which a shell may leave as it was.
+``current_user`` (``hpcdist.files.user``'s, re-exported by ``hpcdist.config.site``) is the one
+answer to "who am I" for paths (the per-user folders of a shared storage root): from the
+process's uid, never from ``$USER``, which a shell may leave as it was.
 
 Over 400 lines: the walk from ``/`` (folders and links) and the test of each step are one rule,
 whose refusals must name the same owner, mode and way out; splitting the walk from the reads
@@ -49,8 +49,8 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
-from hpcdist.config.user import current_user
 from hpcdist.errors import HpcdistError
+from hpcdist.files.user import current_user
 
 
 class StorageRoots(Protocol):
@@ -429,7 +429,7 @@ def own_folder(folder: Path, mode: int) -> Path:
 def own_folders(storage: StorageRoots) -> None:
     """`own_folder` for each root of `storage` that holds a folder per user: what a submit, an
     executor and ``hpcdist.init`` ask before they write a byte there."""
-    from hpcdist.store.atomic import make_folders
+    from hpcdist.files.atomic import make_folders
 
     for name in ("logs", "results", "checkpoints", "scratch"):
         base, mine = getattr(storage, name), storage.root(name)

@@ -6,8 +6,9 @@ peer"). What did happen is known to Slurm: sacct's steps (State, ExitCode ``code
 DerivedExitCode, NodeList) and the lines srun and slurmstepd write into the batch log
 (``srun: error: n2: task 1: Killed``, ``*** STEP 7.0 ON n1 CANCELLED AT ... DUE TO NODE FAILURE ***``,
 ``Detected 1 oom_kill event``), in the order things happened, and hpcdist's own line when a
-requeued run ended before its ranks started (``STOPPED``). The parsers are pure functions of
-that text; ``accounting`` asks the Slurm client (``scheduler.slurm``). Standard library only.
+requeued run ended before its ranks started (``config.contract.STOPPED``). The parsers are pure
+functions of that text; ``accounting`` asks the Slurm client (``scheduler.slurm``). Login side
+(the waiter, ``JobHandle``, the exclusions); standard library only.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from hpcdist.config.contract import STOPPED
 from hpcdist.scheduler.hostlist import expand_hostlist
 from hpcdist.scheduler.states import JobState
 from hpcdist.store.site import lastwords
@@ -75,8 +77,6 @@ _SRUN_WORDS = {
 _SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+?)\s*$")
 _EXIT = re.compile(r"exited with exit code (\d+)", re.IGNORECASE)
 _STEPD = re.compile(r"\*\*\* (?:STEP|JOB) [\d.]+ ON (\S+) CANCELLED AT \S+(?: DUE TO ([A-Z ]+?))?(?: \*\*\*|$)")
-# hpcdist's own line when a requeued run ends before its ranks start (hpcdist.runtime.node_failure)
-STOPPED = "hpcdist: not run again: "
 _OOM = re.compile(r"Detected \d+ oom[_-]kill events? in (?:StepId=)?\S+", re.IGNORECASE)
 
 

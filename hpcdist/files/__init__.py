@@ -1,0 +1,9 @@
+"""Files that are never half-written and never read from where someone else could have written
+them: the ground the store, the site config and the login node's records stand on. Both sides
+use it (standard library only).
+
+- ``atomic``: temporary name in the same directory, fsync, ``os.replace``, directory fsync;
+- ``trust``: what may be run, imported or unpickled (the owner and mode of a file and every
+  folder above it, links included), and each user's own folder in a shared root;
+- ``user``: who runs this process, as storage paths name them.
+"""
