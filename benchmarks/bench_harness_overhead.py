@@ -107,7 +107,7 @@ def summary(trials: list[Trial]) -> dict[str, Any]:
 
 def main() -> int:
     args = parse()
-    from hpcdist.bench.factors import busbw, counts, human_bytes, parse_size
+    from hpcdist.bench.bandwidth import busbw, counts, human_bytes, parse_size
 
     ctx, store = bootstrap()
     import torch

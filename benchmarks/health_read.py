@@ -1,6 +1,6 @@
 """Reading the node-health record with 20,000 files in it, against a plain ``os.listdir`` of the same folder.
 
-Every Slurm ``render`` and ``submit`` reads the record (``hpcdist.store.site.health.bad_nodes``),
+Every Slurm ``render`` and ``submit`` reads the record (``hpcdist.store.records.health.bad_nodes``),
 so a member who floods its folder must not slow every other member's submit (issue 41, item 7:
 20,000 files made each read take 2 s). Three folders of 20,000 entries each, made once:
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hpcdist.store.site import health  # noqa: E402
+from hpcdist.store.records import health  # noqa: E402
 
 WINDOW_S = 24 * 3600.0
 

@@ -8,7 +8,7 @@ is an error. A launcher owns everything that differs between launchers:
   submitit's LocalExecutor runs per rank);
 - ``env_tables``: the variables its ranks carry, one table per flavour (``RankInfo.from_env``
   reads them; detection is data, not code; env:// and a lone process have tables of their own);
-- ``task_env(info)``: what the rank must fix before submitit's task runner starts (the shim);
+- ``task_env(info)``: what the rank must fix before submitit's task runner starts (``hpcdist.runtime.task_ids``);
   srun sets Slurm's per-task variables itself, mpirun and torchrun do not;
 - ``prelude(plan)``: shell lines the script runs on the batch host (the first node) before
   the launch line (torchrun: the head node's address on ``network.socket_ifname``).
@@ -60,9 +60,9 @@ class RankInfo(Protocol):
 # put first by hpcdist.jobs.python. A Python 3.10 has no -P (docs/shared-sites.md).
 SAFE_PATH: tuple[str, ...] = ("-P",) if sys.version_info >= (3, 11) else ()
 
-# The module each rank runs: submitit's task runner, or the shim that fixes its variables first.
-SUBMITIT_RUNNER = "hpcdist.runtime.submitted"  # submitit's task runner, behind the trust check
-SHIM = "hpcdist.runtime.shim"
+# The module each rank runs: submitit's task runner, or task_ids, which fixes its variables first.
+SUBMITIT_RUNNER = "hpcdist.runtime.task_runner"  # submitit's task runner, behind the trust check
+TASK_IDS = "hpcdist.runtime.task_ids"
 AGENT = "hpcdist.runtime.agent"  # torchrun's agent, kept alive through the preemption signal
 
 
@@ -266,7 +266,7 @@ class SrunLauncher(Launcher):
 @register_launcher("mpirun")
 class MpirunLauncher(Launcher):
     """An MPI's own launcher (Open MPI, MPICH, Intel MPI); every rank of a node inherits the
-    batch step's SLURM_PROCID, so the shim rewrites Slurm's task variables from the MPI ones.
+    batch step's SLURM_PROCID, so task_ids rewrites Slurm's task variables from the MPI ones.
 
     Open MPI names no node index (OMPI_COMM_WORLD_NODE_RANK is the rank within the node), so
     the node comes from the hosts: this host's place in the job's node list, else the block
@@ -294,7 +294,7 @@ class MpirunLauncher(Launcher):
 
     def command(self, plan: LaunchPlan) -> str:
         mpirun = " ".join(['mpirun -np "$SLURM_NTASKS"', f"--map-by ppr:{plan.tasks_per_node}:node",
-                           *_q(plan.args), plan.rank(), f"-u -m {SHIM}", shlex.quote(str(plan.folder))])
+                           *_q(plan.args), plan.rank(), f"-u -m {TASK_IDS}", shlex.quote(str(plan.folder))])
         sig = shlex.quote(plan.signal)
         return "\n".join([  # wait again after each forwarded signal, until mpirun has ended
             f"{mpirun} &",
@@ -318,7 +318,7 @@ class TorchrunLauncher(Launcher):
     serves it (``is_host`` from ``SLURM_NODEID``, ``hpcdist.runtime.agent``), so a port taken
     meanwhile is an error, never another job's store. The step asks for one task per
     node explicitly: it would otherwise inherit the job's task count, and srun ignores a lone
-    ``--ntasks-per-node=1`` that disagrees with it. The shim rewrites Slurm's task variables."""
+    ``--ntasks-per-node=1`` that disagrees with it. task_ids rewrites Slurm's task variables."""
 
     env_tables = (
         EnvTable("torchrun", ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"), {
@@ -352,8 +352,8 @@ class TorchrunLauncher(Launcher):
             *ifname,
             '--nnodes="$SLURM_JOB_NUM_NODES"', f"--nproc-per-node={plan.tasks_per_node}", "--rdzv-backend=c10d",
             '--rdzv-endpoint="$HPCDIST_HEAD_ADDR:$HPCDIST_RDZV_PORT"', '--rdzv-id="$SLURM_JOB_ID"', *_q(plan.args),
-            # torchrun starts `python -u -m SHIM`, the working folder first: the worker's Python named instead
-            f"--no-python {plan.worker()} -u -m {SHIM}", shlex.quote(str(plan.folder)),
+            # torchrun starts `python -u -m TASK_IDS`, the working folder first: the worker's Python named instead
+            f"--no-python {plan.worker()} -u -m {TASK_IDS}", shlex.quote(str(plan.folder)),
         ])
 
     def task_env(self, info: RankInfo) -> dict[str, str]:

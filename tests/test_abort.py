@@ -26,7 +26,7 @@ from hpcdist.config.paths import JobPaths
 from hpcdist.login.postmortem import Ending, TaskEnd, no_result
 from hpcdist.runtime import abort
 from hpcdist.scheduler.states import JobState
-from hpcdist.store.site import lastwords
+from hpcdist.store.records import last_error
 from tests.support import train as fx
 from tests.support.cli import REPO, run_cli, storage_sets
 from tests.support.train import ckpt_dir, train_args, wait_for
@@ -47,7 +47,7 @@ def paths_under(root: Path) -> JobPaths:
 
 def test_the_summary_gives_a_ranks_last_words_then_how_srun_saw_it_end(tmp_path: Path) -> None:
     paths = paths_under(tmp_path)
-    lastwords.write(paths.last_words(0), 0, "n1", WORDS)
+    last_error.write(paths.last_words(0), 0, "n1", WORDS)
     end = Ending({0: TaskEnd(0, "n1", "killed by SIGABRT", 0), 1: TaskEnd(1, "n2", "killed by SIGABRT", 1)},
                  TaskEnd(0, "n1", "killed by SIGABRT", 0), "")
     log = paths.progress / "41_0_log.err"
@@ -66,12 +66,12 @@ def test_an_earlier_runs_last_words_are_removed_when_rank_0_starts(tmp_path: Pat
     monkeypatch.setenv(abort.DUMP_VAR, "0")  # prepare sets it only where unset
     monkeypatch.setenv(abort.DUMP_FILE_VAR, str(tmp_path / "fr"))
     paths = paths_under(tmp_path)
-    lastwords.write(paths.last_words(1), 1, "n2", WORDS)
+    last_error.write(paths.last_words(1), 1, "n2", WORDS)
     time.sleep(0.05)
     abort.prepare(paths, 1, launch=time.time())  # rank 1 of the next run removes nothing
-    assert lastwords.read(paths.last_words(1)) is not None
+    assert last_error.read(paths.last_words(1)) is not None
     abort.prepare(paths, 0, launch=time.time())
-    assert lastwords.read(paths.last_words(1)) is None
+    assert last_error.read(paths.last_words(1)) is None
     shown = no_result(paths.progress / "41_1_log.err", JobState.FAILED, 1, None, paths)
     assert shown.startswith("no result and no log"), shown
 
@@ -100,7 +100,7 @@ def rank_pid(root: Path, rank: int) -> int | None:
             env = (proc / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"hpcdist.runtime.submitted" in cmd and str(root).encode() in cmd \
+        if b"hpcdist.runtime.task_runner" in cmd and str(root).encode() in cmd \
                 and f"SUBMITIT_LOCAL_GLOBALID={rank}".encode() in env:
             return int(proc.name)
     return None

@@ -158,7 +158,7 @@ def test_a_restart_after_a_node_failure_is_not_counted_as_a_time_out(tmp_path: P
     """Slurm's restart count 1: with no record of why, a time-out (the bound never lifts); the
     job's node failure record saying run 1 ended by a node death, none."""
     from hpcdist.runtime.requeue import Requeues
-    from hpcdist.store.site import node_failures
+    from hpcdist.store.records import node_failures
 
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     assert rank_context(tmp_path / "a", job_id="77").requeue_count == Requeues(1, 1)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from hpcdist.bench.factors import algbw, bus_factor, busbw, counts, human_bytes, parse_size, sweep
+from hpcdist.bench.bandwidth import algbw, bus_factor, busbw, counts, human_bytes, parse_size, sweep
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from hpcdist.bench import pattern
+from hpcdist.bench.bandwidth import Counts, counts
 from hpcdist.bench.base import Prepared, host_timed
-from hpcdist.bench.factors import Counts, counts
 from tests.support.cli import require_module
 
 N = 3

@@ -94,7 +94,7 @@ def test_render_of_a_sweep_is_the_array_script(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     assert f"#SBATCH --output={logs}/smoke/%A_%a/%A_%a_0_log.out\n" in result.out
     assert f"--output {logs}/smoke/%A_%a/%A_%a_%t_log.out" in result.out
-    assert f"hpcdist.runtime.submitted {logs}/smoke/%j\n" in result.out  # submitit names a task's folder ID_INDEX
+    assert f"hpcdist.runtime.task_runner {logs}/smoke/%j\n" in result.out  # submitit names a task's folder ID_INDEX
     assert "--sweep params.label=a,b,c --max-parallel 2" in result.out  # the reproduce line
 
 

@@ -24,7 +24,7 @@ from hpcdist.errors import ConfigError
 from hpcdist.jobs.registry import load_job
 from hpcdist.login.render import Origin, render
 from hpcdist.runtime import requeue
-from hpcdist.runtime.submitted import version_mismatch
+from hpcdist.runtime.task_runner import version_mismatch
 from tests.support.cli import REPO, job_id, missing, run_cli, storage_sets
 from tests.support.members import as_user, require_members, run_as
 
@@ -182,7 +182,7 @@ def test_the_launcher_stays_outside_and_the_rank_runs_inside(launcher: str) -> N
     script = render(spec, site, Origin("jobs/smoke.yaml", "local-slurm"))
     launch = script[script.index("# ---- launch"):]
     head = {"srun": "srun ", "mpirun": "mpirun ", "torchrun": "srun "}[launcher]
-    module = {"srun": "hpcdist.runtime.submitted", "mpirun": "hpcdist.runtime.shim",
+    module = {"srun": "hpcdist.runtime.task_runner", "mpirun": "hpcdist.runtime.task_ids",
               "torchrun": "hpcdist.runtime.agent"}[launcher]
     line = next(ln for ln in launch.splitlines() if ln.startswith(head))
     start = line.index("/images/pt -- env -u PYTHONPATH PYTHONNOUSERSITE=1 /opt/venv/bin/python")

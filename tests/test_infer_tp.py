@@ -115,7 +115,7 @@ def test_tp1_model_is_the_plain_gpt() -> None:
 
 
 def test_broadcast_job_figures_follow_the_factor_table_at_4_ranks() -> None:
-    from hpcdist.bench.factors import bus_factor
+    from hpcdist.bench.bandwidth import bus_factor
     from hpcdist.infer.broadcast import iteration_figures
 
     nbytes = 3_000_000_000
@@ -138,7 +138,7 @@ def _stats(rank: int, world: int) -> Any:
 
 
 def test_broadcast_stats_at_4_ranks_use_the_factor_table() -> None:
-    from hpcdist.bench.factors import busbw
+    from hpcdist.bench.bandwidth import busbw
 
     for stats in run_ranks(4, _stats):
         assert stats.bytes == 1000 * 4 + 240 * 8 and stats.ranks == 4 and stats.seconds > 0

@@ -150,8 +150,8 @@ STORE_SHARED = ("hpcdist.store.checksum", "hpcdist.store.hostmem")
 STORE_FOLDERS = {
     "hpcdist.store.checkpoint": (),
     "hpcdist.store.sharded": ("hpcdist.store.checkpoint",),
-    "hpcdist.store.results": ("hpcdist.store.checkpoint.tree", "hpcdist.store.site"),
-    "hpcdist.store.site": (),
+    "hpcdist.store.results": ("hpcdist.store.checkpoint.tree", "hpcdist.store.records"),
+    "hpcdist.store.records": (),
 }
 
 

@@ -22,8 +22,8 @@ WORKLOADS = ("hpcdist.bench", "hpcdist.train", "hpcdist.infer", "hpcdist.model",
 # the docstring-only package of `hpcdist.model`;
 # the site's node health record every Slurm render reads (standard library only: the store's package is lazy,
 # its site folder's package a docstring; its writer, `hpcdist.files.atomic`, loads only to write a mark)
-ALLOWED = ("hpcdist.model", "hpcdist.store", "hpcdist.store.site", "hpcdist.store.site.health",
-           "hpcdist.store.site.health_marks")
+ALLOWED = ("hpcdist.model", "hpcdist.store", "hpcdist.store.records", "hpcdist.store.records.health",
+           "hpcdist.store.records.health_marks")
 
 PROBE = """
 import contextlib, io, json, sys
@@ -89,7 +89,7 @@ def test_render_loads_logging_and_the_sweep_module_only_when_it_uses_them(tmp_pa
 def test_rendering_a_kind_imports_only_its_own_params_module() -> None:
     modules = modules_after("render", "jobs/smoke.yaml", "--site", "local-slurm")
     assert "hpcdist.jobs.smoke" in modules
-    assert "hpcdist.bench.jobs" not in modules and "hpcdist.train.params" not in modules
+    assert "hpcdist.bench.params" not in modules and "hpcdist.train.params" not in modules
 
 
 def test_checking_a_benchmark_spec_imports_no_torch_submitit_or_runner() -> None:

@@ -18,8 +18,8 @@ import h5py
 
 from hpcdist.config import load_site
 from hpcdist.config.contract import IMITATE_ABORT_VAR
+from hpcdist.store.records import health
 from hpcdist.store.results import read_table
-from hpcdist.store.site import health
 from tests.netfault import cut, slowed
 from tests.support import train as fx
 from tests.support.cli import REPO, run_cli, sacct_state

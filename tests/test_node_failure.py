@@ -30,8 +30,8 @@ import h5py
 import pytest
 import torch
 
+from hpcdist.store.records import health
 from hpcdist.store.results import read_attrs, read_table
-from hpcdist.store.site import health
 from tests.netfault import killed, revive
 from tests.support import train as fx
 from tests.support.cli import REPO, Run, job_id, result_path, run_cli, storage_sets

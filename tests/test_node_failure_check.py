@@ -132,7 +132,7 @@ def test_a_job_that_could_never_run_without_its_dead_node_shrinks_or_ends(
     from hpcdist.config import load_site
     from hpcdist.config.spec import JobSpec
     from hpcdist.jobs import registry  # noqa: F401 - the kinds, registered
-    from hpcdist.login.nodefail import NodeFailures
+    from hpcdist.login.node_failure_wait import NodeFailures
 
     calls = _fake_slurm(tmp_path, monkeypatch)
     roots = ("results", "checkpoints", "scratch", "logs")
@@ -163,7 +163,7 @@ def test_a_job_run_again_on_fewer_nodes_reports_the_ranks_of_its_last_run(tmp_pa
     from hpcdist.login.jobhandle import JobHandle
     from hpcdist.login.jobindex import JobRecord
     from hpcdist.login.submit import Submission
-    from hpcdist.store.site import node_failures
+    from hpcdist.store.records import node_failures
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -189,8 +189,8 @@ def test_a_timeout_marks_the_silent_node_under_slurms_name_not_the_ranks_host_na
     import torch.distributed as dist
 
     from hpcdist.config import load_site
-    from hpcdist.runtime.reach import roll_call
-    from hpcdist.store.site import health
+    from hpcdist.runtime.rollcall import roll_call
+    from hpcdist.store.records import health
 
     site = load_site("local-slurm", [f"storage.scratch={tmp_path / 'scratch'}"])
     said = roll_call(0, ["n1", "n3.cluster.local", "login-7"], wait_s=0.3, store=dist.HashStore(), site=site,

@@ -16,8 +16,8 @@ import numpy as np
 from hpcdist.bench.pairs import culprits
 from hpcdist.bench.record import Matrix
 from hpcdist.scheduler.slurm import node_states
+from hpcdist.store.records import health
 from hpcdist.store.results import read_attrs
-from hpcdist.store.site import health
 from tests.netfault import slowed
 from tests.support.cli import REPO, job_id, result_path, run_cli, storage_sets
 

@@ -147,7 +147,7 @@ def test_a_replaced_call_or_submitit_pickle_is_refused_and_nothing_runs(group_fo
     assert "refusing to read" in refused.out and "owner bob" in refused.out, refused.text
     # submitit's pickle, as the rank's task runner reads it
     _plant_pickle(group_folder / "77_submitted.pkl", marker)
-    runner = as_user("alice", "-m", "hpcdist.runtime.submitted", str(group_folder),
+    runner = as_user("alice", "-m", "hpcdist.runtime.task_runner", str(group_folder),
                      env={"_TEST_CLUSTER_": "slurm", "SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
                           "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1"})
     assert runner.code == 1 and runner.err.count("\n") == 1, runner.text
@@ -167,7 +167,7 @@ def test_a_fifo_a_link_or_a_forged_author_in_the_health_folder_blocks_nothing(gr
                "open(os.path.join(d, f'n5.{t}-1-d.mark.json'), 'w').write('{garbled')\n"
                "open(os.path.join(d, f'n6.{t}-1-e.mark.json'), 'w').write(' ' * 100000)\n")
     assert as_user("bob", "-c", hostile, str(health), umask="027").code == 0  # (a 0664 mark is skipped)
-    read = ("import sys; from pathlib import Path; from hpcdist.store.site import health\n"
+    read = ("import sys; from pathlib import Path; from hpcdist.store.records import health\n"
             "print([(m.node, m.user) for m in health.bad_nodes(Path(sys.argv[1]), 3600)])\n")
     got = as_user("alice", "-c", read, str(health), timeout=30)
     assert got.code == 0, got.text

@@ -20,7 +20,7 @@ import pytest
 from tests.support.cli import REPO, Run
 from tests.support.members import GROUP_ROOT, as_user, require_members
 
-MAX_READ = 256  # hpcdist.store.site.health.MAX_READ, the bound a read opens at most
+MAX_READ = 256  # hpcdist.store.records.health.MAX_READ, the bound a read opens at most
 
 
 def _admin_root(with_record: bool) -> Path:

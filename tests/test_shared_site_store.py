@@ -83,7 +83,7 @@ def test_an_outsider_who_reaches_the_store_cannot_stop_the_job(name: str) -> Non
 
 
 def _rank_pid(job_name: str, rank: int, deadline_s: float) -> int:
-    """The process of `rank` of alice's job `job_name` (``python -m hpcdist.runtime.submitted``, read
+    """The process of `rank` of alice's job `job_name` (``python -m hpcdist.runtime.task_runner``, read
     from /proc as root would)."""
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
@@ -93,7 +93,7 @@ def _rank_pid(job_name: str, rank: int, deadline_s: float) -> int:
                 cmd = (proc / "cmdline").read_bytes()
             except OSError:
                 continue
-            if (b"hpcdist.runtime.submitted" in cmd and f"SLURM_JOB_NAME={job_name}".encode() in env
+            if (b"hpcdist.runtime.task_runner" in cmd and f"SLURM_JOB_NAME={job_name}".encode() in env
                     and f"SLURM_PROCID={rank}".encode() in env):
                 return int(proc.name)
         time.sleep(0.2)
@@ -115,7 +115,7 @@ def test_an_outsider_who_deletes_roll_call_answers_gets_no_healthy_node_marked(n
     import signal
 
     from hpcdist.config import load_site
-    from hpcdist.store.site import health
+    from hpcdist.store.records import health
     from tests.support.cli import require_slurm, sacct_state
     from tests.support.train import wait_for
 

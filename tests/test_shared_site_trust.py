@@ -189,7 +189,7 @@ from pathlib import Path
 from hpcdist.config.tracking import read_identity
 from hpcdist.errors import HpcdistError
 from hpcdist.runtime.requeue import requeued_runs
-from hpcdist.store.site import node_failures
+from hpcdist.store.records import node_failures
 folder = Path(sys.argv[1])
 try:
     read_identity(folder / "tracking")

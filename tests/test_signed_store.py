@@ -186,7 +186,7 @@ def test_a_forged_seat_and_count_before_a_rank_joins_do_not_change_the_roll(serv
 
 
 def test_a_forged_roll_call_answer_does_not_hide_a_silent_rank(server: dist.TCPStore) -> None:
-    from hpcdist.runtime.reach import roll_call
+    from hpcdist.runtime.rollcall import roll_call
 
     client(server).set(f"{PREFIX}/hpcdist/rollcall/1", "1")  # "n2 answered", says someone else
     said = roll_call(0, ["n1", "n2"], wait_s=0.3, store=job(server))

@@ -18,7 +18,7 @@ import pytest
 
 from hpcdist.config.paths import JobPaths
 from hpcdist.runtime.stacks import capture, is_timeout
-from hpcdist.store.site.stackrecord import (
+from hpcdist.store.records.stackrecord import (
     DIST,
     LIB,
     USER,

@@ -33,7 +33,7 @@ CURRENT: list[Context] = []  # what ``hpcdist.init()`` returned on this rank, so
 
 def _node_failure_runs(job: JobContext) -> int:
     """How many of the job's runs ended by a node death (its node failure record, beside the result)."""
-    from hpcdist.store.site import node_failures
+    from hpcdist.store.records import node_failures
 
     return len({f.run for f in node_failures.read(job.paths.node_failures)})
 

@@ -164,7 +164,7 @@ def _called_job(env: dict[str, str], site_ref: str | None, name: str | None,
     """In a function ``hpcdist.Executor`` ran directly (one task, no bootstrap): the job's name,
     timeout and site, from the 0600 file it names (``HPCDIST_CALL_JOB``); what the job was
     submitted with is refused in one line naming the executor's keyword, as in a bootstrapped call."""
-    from hpcdist.runtime.submitted import call_job
+    from hpcdist.runtime.task_runner import call_job
 
     called = call_job(env)
     if called is None:

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hpcdist.bench.factors import Counts
+from hpcdist.bench.bandwidth import Counts
 
 IN_PLACE = "in_place"
 OUT_OF_PLACE = "out_of_place"

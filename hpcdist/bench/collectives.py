@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hpcdist.bench.bandwidth import DTYPE_BYTES, bus_factor, counts, human_bytes, parse_size
 from hpcdist.bench.base import IN_PLACE, modes_for
-from hpcdist.bench.factors import DTYPE_BYTES, bus_factor, counts, human_bytes, parse_size
 from hpcdist.bench.measure import measure, summarize
 from hpcdist.bench.session import Session
 from hpcdist.console import Progress
 
 if TYPE_CHECKING:
-    from hpcdist.bench.jobs import CollectivesParams
+    from hpcdist.bench.params import CollectivesParams
     from hpcdist.runtime.context import JobContext
 
 

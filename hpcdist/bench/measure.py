@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from hpcdist.bench import pattern
+from hpcdist.bench.bandwidth import Counts, algbw, bus_factor, human_bytes
 from hpcdist.bench.base import CommPath
-from hpcdist.bench.factors import Counts, algbw, bus_factor, human_bytes
 from hpcdist.runtime import abort
 
 # Fault injection for tests: ``RANK:OP:SIZE`` makes that rank exit when it reaches OP at SIZE.

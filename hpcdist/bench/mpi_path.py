@@ -14,9 +14,9 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcdist.bench import pattern
+from hpcdist.bench.bandwidth import Counts
 from hpcdist.bench.base import IN_PLACE, NO_BUFFER, Prepared, host_timed
-from hpcdist.bench.factors import Counts
-from hpcdist.bench.jobs import CUDA_AWARE_HINT
+from hpcdist.bench.params import CUDA_AWARE_HINT
 from hpcdist.errors import BenchmarkError
 
 NP_DTYPES = {"float32": np.float32, "float64": np.float64, "int32": np.int32}

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hpcdist.bench import pattern
+from hpcdist.bench.bandwidth import Counts, human_bytes
 from hpcdist.bench.base import CommPath
-from hpcdist.bench.factors import Counts, human_bytes
 from hpcdist.bench.measure import Local, summarize
 from hpcdist.bench.session import Session
 from hpcdist.console import Progress
 
 if TYPE_CHECKING:
-    from hpcdist.bench.jobs import P2PParams
+    from hpcdist.bench.params import P2PParams
     from hpcdist.runtime.context import JobContext
 
 # Bytes that cross the link per timed unit, as a multiple of the message size.

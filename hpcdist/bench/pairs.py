@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hpcdist.bench.bandwidth import algbw, human_bytes
 from hpcdist.bench.base import CommPath
-from hpcdist.bench.factors import algbw, human_bytes
 from hpcdist.bench.p2p import exchange
 from hpcdist.bench.record import Matrix
 from hpcdist.bench.session import Session
 from hpcdist.console import Progress
 
 if TYPE_CHECKING:
-    from hpcdist.bench.jobs import PairsParams
+    from hpcdist.bench.params import PairsParams
     from hpcdist.runtime.context import JobContext
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpcdist.bench.factors import Counts
+from hpcdist.bench.bandwidth import Counts
 
 CYCLE = 8
 STRIDE = 3  # odd, so r -> (i + 3r) mod 8 visits every residue once every 8 ranks

@@ -6,7 +6,7 @@ job fails on every rank (non-zero exit, like nccl-tests' minimum-bandwidth check
 that names the nodes that fell short. The figures are kept in the result file either way.
 
 A node every one of whose links fell short (on three nodes or more: on two, either end could be
-the cause) is marked bad in the site's node health record (``hpcdist.store.site.health``), once, by
+the cause) is marked bad in the site's node health record (``hpcdist.store.records.health``), once, by
 rank 0, so every later submission excludes it. ``on_slow: stop`` (the default) then fails the
 job, saying that a resubmission runs without the node; ``continue`` marks it and goes on.
 """
@@ -23,7 +23,7 @@ from hpcdist.bench.session import Session
 from hpcdist.errors import HpcdistError
 
 if TYPE_CHECKING:
-    from hpcdist.bench.jobs import PreflightParams
+    from hpcdist.bench.params import PreflightParams
     from hpcdist.runtime.context import JobContext
 
 
@@ -58,7 +58,7 @@ def run(ctx: JobContext, params: PreflightParams) -> dict[str, Any]:
 
 def _mark_slow_nodes(s: Session) -> list[str]:
     """Rank 0: mark each node the pair matrices blame alone; what it marked, for the verdict."""
-    from hpcdist.store.site import health
+    from hpcdist.store.records import health
 
     assert s.record is not None
     base = s.ctx.site.baselines

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcdist.bench.factors import COLLECTIVES, P2P_TESTS, human_bytes
+from hpcdist.bench.bandwidth import COLLECTIVES, P2P_TESTS, human_bytes
 from hpcdist.console import table, text
 from hpcdist.errors import BenchmarkError
 

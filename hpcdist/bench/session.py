@@ -16,7 +16,7 @@ from hpcdist.bench.record import BenchRecord, rank_layout
 from hpcdist.errors import BenchmarkError, HpcdistError
 from hpcdist.runtime import abort
 from hpcdist.runtime.plain import all_gather_plain, broadcast_plain
-from hpcdist.runtime.reach import roll_call, timed_out
+from hpcdist.runtime.rollcall import roll_call, timed_out
 
 if TYPE_CHECKING:
     from hpcdist.runtime.context import JobContext

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from hpcdist.bench import pattern
+from hpcdist.bench.bandwidth import Counts
 from hpcdist.bench.base import IN_PLACE, NO_BUFFER, Prepared, host_timed
-from hpcdist.bench.factors import Counts
 from hpcdist.runtime.plain import broadcast_plain, gather_plain
 
 # torch 2.13 renamed the tensor forms of all_gather and reduce_scatter; older releases have the old names.

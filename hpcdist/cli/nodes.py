@@ -6,7 +6,7 @@ sinfo gives (``down*``, ``drained``, ``Not responding``), and the nodes Slurm it
 reason for; ``--json`` for scripts. ``--clear NODE`` (or ``--clear all``) forgets marks (one's
 own removed; another member's overridden by a newer clear mark of one's own, as the record's
 rule is), and ``--mark NODE --reason TEXT`` adds one by hand (source ``user``). The record is
-``hpcdist.store.site.health``; Slurm is asked through ``hpcdist.scheduler.slurm``.
+``hpcdist.store.records.health``; Slurm is asked through ``hpcdist.scheduler.slurm``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _iso(when: float) -> str:
 
 def cmd_nodes(args: argparse.Namespace) -> int:
     from hpcdist.config import load_site
-    from hpcdist.store.site import health
+    from hpcdist.store.records import health
 
     site = load_site(args.site, [s.removeprefix("site.") for s in args.sets])
     if args.clear is not None:
@@ -60,7 +60,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
 
 def _show(site: Any, as_json: bool) -> int:
-    from hpcdist.store.site import health
+    from hpcdist.store.records import health
 
     window_s = site.health.exclude_for_h * 3600.0
     marks = health.marks(site)

@@ -33,7 +33,7 @@ def add_parser(subs: Any) -> None:
 def cmd_stacks(args: argparse.Namespace) -> int:
     from hpcdist.login.jobhandle import JobHandle
     from hpcdist.scheduler.states import JobState
-    from hpcdist.store.site.stackrecord import ask, describe, elsewhere, group, stack_files, wait_answers
+    from hpcdist.store.records.stackrecord import ask, describe, elsewhere, group, stack_files, wait_answers
 
     if not args.wait > 0:
         raise JobError(f"--wait {args.wait:g}: give the seconds to wait for the ranks' answers, more than 0")

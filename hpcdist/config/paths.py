@@ -70,11 +70,11 @@ class JobPaths:
         return self.progress / "stacks.request"
 
     def stack_file(self, rank: int) -> Path:
-        """One rank's answer: its threads' stacks as JSON (``hpcdist.store.site.stackrecord``)."""
+        """One rank's answer: its threads' stacks as JSON (``hpcdist.store.records.stackrecord``)."""
         return self.progress / f"stack_rank{rank}.json"
 
     def last_words(self, rank: int) -> Path:
-        """What one rank said before its backend ended it (``hpcdist.store.site.lastwords``): NCCL's
+        """What one rank said before its backend ended it (``hpcdist.store.records.last_error``): NCCL's
         watchdog aborts a rank whose collective timed out, and the summary reads this instead."""
         return self.progress / f"last_words_rank{rank}.json"
 
@@ -90,7 +90,7 @@ class JobPaths:
 
     @property
     def node_failures(self) -> Path:
-        """Which nodes died under the job and were excluded when it ran again (``hpcdist.login.nodefail``
+        """Which nodes died under the job and were excluded when it ran again (``hpcdist.login.node_failure_wait``
         writes it, the result file and ``hpcdist jobs`` read it): beside the result."""
         return node_failure_record(self.result())
 
@@ -154,6 +154,6 @@ def node_failure_record(result: Path) -> Path:
 
 
 def node_health(storage: Storage) -> Path:
-    """The site's node health record (``hpcdist.store.site.health``): one folder for every user of the
+    """The site's node health record (``hpcdist.store.records.health``): one folder for every user of the
     site, on shared storage beside the rendezvous files: ``<scratch>/node-health``."""
     return under(storage.scratch, "node-health")

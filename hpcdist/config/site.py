@@ -288,7 +288,7 @@ class Preemption(Frozen):
 
 
 class Health(Frozen):
-    """What the site's node health record (``hpcdist.store.site.health``) does to later submissions."""
+    """What the site's node health record (``hpcdist.store.records.health``) does to later submissions."""
 
     exclude_for_h: float = Field(
         default=24.0, ge=0, description="hours a node marked bad is excluded from every submit; 0: never"

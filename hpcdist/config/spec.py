@@ -48,7 +48,7 @@ class Resources(Frozen):
     partition: str | None = None
     nodes: int = Field(default=1, ge=1)
     # The fewest nodes a job may run again on after a node failure, when fewer live nodes than it
-    # asked remain (``hpcdist.login.nodefail`` updates the pending job's node count). None: 1 for a
+    # asked remain (``hpcdist.login.node_failure_wait`` updates the pending job's node count). None: 1 for a
     # job that resumes at another world size, exactly `nodes` for the others.
     min_nodes: int | None = Field(default=None, ge=1)
     tasks_per_node: int = Field(default=1, ge=1)

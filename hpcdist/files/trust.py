@@ -26,7 +26,7 @@ In a user namespace (a rank in a Charliecloud or Apptainer container, run by an 
 the kernel shows every owner it does not map, root included, as the overflow uid (``nobody``):
 there a folder above the file owned by ``nobody`` is taken for root's, with the same checks of
 its mode. Another user's folder looks the same, so the job script checks submitit's pickle
-outside first, with the real owners (``python -m hpcdist.runtime.submitted --check``).
+outside first, with the real owners (``python -m hpcdist.runtime.task_runner --check``).
 
 ``current_user`` (``hpcdist.files.user``'s, re-exported by ``hpcdist.config.site``) is the one
 answer to "who am I" for paths (the per-user folders of a shared storage root): from the

@@ -2,5 +2,5 @@
 shards), tensor-parallel GPT, batched KV-cache generation, and its metrics.
 
 Import the submodules you need; this package imports nothing heavy itself, so the login node
-can validate an inference spec (``hpcdist.infer.jobs``) without torch.
+can validate an inference spec (``hpcdist.infer.params``) without torch.
 """

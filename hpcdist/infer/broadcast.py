@@ -15,7 +15,7 @@ touching a fresh buffer's pages costs about half the transfer time on a virtual 
 and dtypes from a small object broadcast first (or `meta=`), so they need no checkpoint and no
 model config to receive, and the buckets from rank 0 in one small broadcast.
 
-Bandwidth is nccl-tests' arithmetic from the one factor table, ``hpcdist.bench.factors``
+Bandwidth is nccl-tests' arithmetic from the one factor table, ``hpcdist.bench.bandwidth``
 (importing it loads nothing of the benchmark package but that module: no torch, no MPI).
 """
 
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpcdist.bench.factors import algbw, busbw
+from hpcdist.bench.bandwidth import algbw, busbw
 from hpcdist.runtime.plain import broadcast_plain
 
 Meta = list[tuple[str, tuple[int, ...], str]]  # name, shape, dtype

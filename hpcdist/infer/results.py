@@ -43,7 +43,7 @@ from hpcdist.store.results import result_file, write_table
 if TYPE_CHECKING:
     from hpcdist.data.tokenizer import Tokenizer
     from hpcdist.infer.broadcast import IterationFigures
-    from hpcdist.infer.jobs import BroadcastParams, InferParams
+    from hpcdist.infer.params import BroadcastParams, InferParams
     from hpcdist.model.checkpoint import CheckpointHeader
 
 

@@ -19,13 +19,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpcdist.bench.factors import algbw
+from hpcdist.bench.bandwidth import algbw
 from hpcdist.errors import BenchmarkError, CheckpointError, HpcdistError, JobError
 from hpcdist.infer import metrics
 from hpcdist.infer.broadcast import broadcast_state, describe, flat_buffer, in_buffer, iteration_figures
 from hpcdist.infer.broadcast_load import load_streamed
 from hpcdist.infer.generate import Sampling, generate
-from hpcdist.infer.jobs import BroadcastParams, InferParams, inspect, locate_checkpoint, problems_text
+from hpcdist.infer.params import BroadcastParams, InferParams, inspect, locate_checkpoint, problems_text
 from hpcdist.infer.shard_load import kv_layout, read_shard
 from hpcdist.infer.tp import TPGPT, TPGroup, weight_bytes
 from hpcdist.model.checkpoint import CheckpointHeader

@@ -3,7 +3,7 @@ and what each rank holds, from ``GPTConfig`` alone (pydantic only, no torch).
 
 Per decode token, each block all-reduces its attention output and its MLP output, (d_model,)
 each, and the vocabulary-parallel head all-gathers the logits; a ring all-reduce of B bytes sends
-2 (tp - 1) / tp x B per rank (nccl-tests' bus factor, ``hpcdist.bench.factors``). Each rank's KV
+2 (tp - 1) / tp x B per rank (nccl-tests' bus factor, ``hpcdist.bench.bandwidth``). Each rank's KV
 cache holds its KV heads (``n_kv_head / tp``, or one replicated when tp is a multiple of them) for
 every layer. ``LLAMA_SIZES`` are the published shapes the README's table is computed for.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcdist.bench.factors import bus_factor
+from hpcdist.bench.bandwidth import bus_factor
 from hpcdist.infer.shard_load import kv_heads_per_rank
 from hpcdist.model.config import GPTConfig
 

@@ -31,8 +31,8 @@ from hpcdist.config.contract import after_first
 from hpcdist.errors import JobError
 from hpcdist.jobs.python import PythonParams, cwd_on_path, wants_context
 from hpcdist.runtime import group, stacks
-from hpcdist.runtime.reach import peer_named
 from hpcdist.runtime.requeue import Requeued
+from hpcdist.runtime.rollcall import peer_named
 
 if TYPE_CHECKING:
     import torch

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from hpcdist.config.site import Site
     from hpcdist.config.spec import JobSpec
     from hpcdist.login.postmortem import StepRecord
-    from hpcdist.store.site.health import Mark
+    from hpcdist.store.records.health import Mark
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def for_job(spec: JobSpec, site: Site) -> Exclusions:
     within_h = site.health.exclude_for_h
     if within_h <= 0:
         return Exclusions(user=user)
-    from hpcdist.store.site import health
+    from hpcdist.store.records import health
 
     marks = health.bad_nodes(site, within_h * 3600.0)
     if not marks:
@@ -122,7 +122,7 @@ def mark_failed_nodes(site: Site, job_id: str, records: list[StepRecord]) -> str
     came back before this read is not marked: which one died is no longer known."""
     from hpcdist.login.postmortem import node_failure_suspects
     from hpcdist.scheduler.slurm import node_states
-    from hpcdist.store.site import health
+    from hpcdist.store.records import health
 
     suspects = node_failure_suspects(records)
     states = node_states() if suspects else None

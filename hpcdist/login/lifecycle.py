@@ -24,7 +24,7 @@ from hpcdist.login import plan as plan_
 from hpcdist.login import submit as sub_
 from hpcdist.login.jobhandle import JobHandle
 from hpcdist.login.jobindex import JobRecord, records
-from hpcdist.login.nodefail import describe
+from hpcdist.login.node_failure_wait import describe
 from hpcdist.login.submit import Submission
 from hpcdist.login.watch import Finished, hms, slurm_seconds, watch
 from hpcdist.scheduler import slurm
@@ -212,9 +212,9 @@ def job_rows(recs: list[JobRecord]) -> tuple[list[JobRow], str]:
 
 
 def _excluded(record: JobRecord) -> str:
-    """The job's node failures (``hpcdist.store.site.node_failures``), one phrase each."""
+    """The job's node failures (``hpcdist.store.records.node_failures``), one phrase each."""
     from hpcdist.config.paths import node_failure_record
-    from hpcdist.store.site import node_failures
+    from hpcdist.store.records import node_failures
 
     if not record.result:
         return ""

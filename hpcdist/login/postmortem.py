@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from hpcdist.config.contract import STOPPED
 from hpcdist.scheduler.hostlist import expand_hostlist
 from hpcdist.scheduler.states import JobState
-from hpcdist.store.site import lastwords
-from hpcdist.store.site.stackrecord import describe, read_stacks
+from hpcdist.store.records import last_error
+from hpcdist.store.records.stackrecord import describe, read_stacks
 
 if TYPE_CHECKING:
     from hpcdist.config.paths import JobPaths
@@ -203,10 +203,10 @@ class Ending:
         return replace(self, first=self.tasks[cause.rank])
 
     def heard(self, paths: JobPaths) -> Ending:
-        """This ending with the last words of the rank that went first (``hpcdist.store.site.lastwords``;
+        """This ending with the last words of the rank that went first (``hpcdist.store.records.last_error``;
         after ``naming``): a rank its backend aborted (NCCL's watchdog: SIGABRT) is named by the
         error it wrote before."""
-        got = lastwords.read(paths.last_words(self.first.rank)) if self.first is not None else None
+        got = last_error.read(paths.last_words(self.first.rank)) if self.first is not None else None
         return replace(self, said=got[0] if got is not None else "")
 
     def headline(self) -> str:
@@ -266,7 +266,7 @@ def no_result(path: Path, state: JobState, rank: int, end: Ending | None, paths:
     """Why a rank left no result: the error it wrote before its backend ended it (NCCL's watchdog),
     how srun saw it end, or the job's cause, or its log's first error."""
     task = end.tasks.get(rank) if end else None
-    words = lastwords.read(paths.last_words(rank)) if paths is not None else None
+    words = last_error.read(paths.last_words(rank)) if paths is not None else None
     if words is not None:  # its own error, then how it ended
         return words[0] + (f" (then {task.how} on {task.host})" if task is not None else " (then it ended, no result)")
     if end is not None and task is not None:

@@ -282,7 +282,7 @@ def render_script(spec: JobSpec, site: Site, origin: Origin, excluded: Exclusion
         "env": sorted(env.items()),
         "prelude": [Shell(line) for line in launcher.prelude(plan)],
         "launch_time_var": Shell(LAUNCH_TIME_VAR),
-        # Any job may run again on fewer nodes (hpcdist.login.nodefail shrinks a pending one that resizes:
+        # Any job may run again on fewer nodes (hpcdist.login.node_failure_wait shrinks a pending one that resizes:
         # min_nodes, its kind, or hpcdist checkpoints found only then): Slurm keeps the submission's task
         # count in SLURM_NTASKS, which srun and mpirun read, so the script takes it from the run's nodes.
         "tasks_per_node": spec.resources.tasks_per_node,

@@ -309,7 +309,7 @@ def make_record(sub: Submission, origin: Origin) -> jobindex.JobRecord:
 def _private_pickles() -> Iterator[None]:
     """submitit's pickles of the job's call (``<id>_submitted.pkl``: the function and its arguments,
     an ``hpcdist.Executor`` call's values included) written 0600 whatever ``storage.mode`` says, as
-    the ranks write the result pickles (``hpcdist.runtime.submitted``): submitit writes each through
+    the ranks write the result pickles (``hpcdist.runtime.task_runner``): submitit writes each through
     ``utils.cloudpickle_dump``, which it looks up when it writes, under a new name that it then
     renames into place, so the file is the user's alone from its first byte."""
     from submitit.core import utils

@@ -88,9 +88,9 @@ def job_state(sub: Submission) -> JobState:
 
 def ranks_ran(sub: Submission) -> int:
     """How many ranks the job's last run had: the spec's world size, or fewer when it ran again
-    without a node that died (``hpcdist.login.nodefail``; submitit fixed its task count at submission)."""
+    without a node that died (``hpcdist.login.node_failure_wait``; submitit fixed its task count at submission)."""
     from hpcdist.scheduler.hostlist import expand_hostlist
-    from hpcdist.store.site import node_failures
+    from hpcdist.store.records import node_failures
 
     if sub.site.scheduler != "slurm" or not node_failures.read(sub.paths.node_failures):
         return sub.spec.resources.world_size
@@ -153,7 +153,7 @@ def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
     accounting is down ends the wait with a `SubmitError` (``Vanished``). `on_poll` sees each
     state read (the live status line).
     """
-    from hpcdist.login.nodefail import NodeFailures
+    from hpcdist.login.node_failure_wait import NodeFailures
 
     vanished = Vanished()
     failures = NodeFailures(sub.job_id, sub.spec, sub.site, sub.paths) if sub.site.scheduler == "slurm" else None
@@ -189,7 +189,7 @@ def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
     if not (state is JobState.COMPLETED and all(o.ok for o in done)):
         from hpcdist.login.plan import no_gpu_note  # only a job that failed is looked into
         from hpcdist.login.postmortem import timeout_stacks
-        from hpcdist.store.site.stackrecord import stack_files
+        from hpcdist.store.records.stackrecord import stack_files
 
         stacks = timeout_stacks(stack_files(sub.paths, sub.spec.resources.world_size), sub.spec.resources.world_size)
         note = no_gpu_note([f"{o.error}\n{o.traceback}" for o in done if not o.ok], sub.spec, sub.site)

@@ -12,12 +12,12 @@ stacks``; NCCL's own recorder under NCCL, ``hpcdist.runtime.stacks.flight_record
 holds nothing of NCCL's collectives) twice a second; when a collective of this rank has waited its
 timeout, NCCL's own test,
 it does that work at once, in the window before the abort: this rank's last words first (the
-error it would have raised, ``hpcdist.store.site.lastwords``, which the summary shows for a rank that
-left no result), then the roll call over the rendezvous store (``hpcdist.runtime.reach``: the
+error it would have raised, ``hpcdist.store.records.last_error``, which the summary shows for a rank that
+left no result), then the roll call over the rendezvous store (``hpcdist.runtime.rollcall``: the
 nodes whose ranks did not answer are named, and marked in the health record by the lowest rank
 that answered), what the running ``phase`` keeps (a benchmark's rows so far), the last words
 again with all of that, and every rank's stack (``hpcdist.runtime.stacks``): within
-``reach.ROLL_CALL_S`` plus ``stacks.ANSWER_WAIT_S`` (8 s) of the timeout. The abort then comes
+``rollcall.ROLL_CALL_S`` plus ``stacks.ANSWER_WAIT_S`` (8 s) of the timeout. The abort then comes
 from NCCL, or, once the flight recorder's dump is in the job's folder (``TORCH_NCCL_DUMP_ON_TIMEOUT``
 is turned on unless set) or at most ``GRACE_S`` after the summary, the rank ends itself (exit
 ``ENDED_EXIT``): NCCL's own abort came 15 to 72 s after the timeout on an H100, and never with
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpcdist.config.contract import IMITATE_ABORT_VAR
-from hpcdist.store.site import lastwords
+from hpcdist.store.records import last_error
 
 if TYPE_CHECKING:
     from hpcdist.config.paths import JobPaths
@@ -101,7 +101,7 @@ def prepare(paths: JobPaths, rank: int, launch: float) -> None:
     os.environ.setdefault(DUMP_VAR, "1")
     os.environ.setdefault(DUMP_FILE_VAR, str(paths.progress / "flight_recorder_rank"))
     if rank == 0 and not math.isnan(launch):  # no launch time: nothing to tell an earlier run's words by
-        lastwords.clear_earlier(paths.progress, launch)
+        last_error.clear_earlier(paths.progress, launch)
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ class Watch(threading.Thread):
 
     def summarise(self, late: Overdue) -> None:
         from hpcdist.runtime import stacks
-        from hpcdist.runtime.reach import failure_message
+        from hpcdist.runtime.rollcall import failure_message
 
         ctx, here = self.ctx, _PHASES[-1] if _PHASES else None
         who = "the backend (imitating NCCL's watchdog)" if self.imitating else "NCCL's watchdog"
@@ -195,7 +195,7 @@ class Watch(threading.Thread):
     def _say(self, error: str, message: str) -> None:
         """This rank's error: in its last-words file, its log and its stderr (as a raise would)."""
         try:
-            lastwords.write(self.ctx.paths.last_words(self.ctx.rank), self.ctx.rank, self.ctx.hosts[self.ctx.rank],
+            last_error.write(self.ctx.paths.last_words(self.ctx.rank), self.ctx.rank, self.ctx.hosts[self.ctx.rank],
                             f"{error}: {message}")
         except OSError as exc:
             log.warning("could not write this rank's last words: %s", exc)

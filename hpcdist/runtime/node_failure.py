@@ -1,5 +1,5 @@
 """What a job's node failures mean, decided in one place for the two that act on them: the
-waiter on the login side (``hpcdist.login.nodefail``, while Slurm holds the requeued job pending) and
+waiter on the login side (``hpcdist.login.node_failure_wait``, while Slurm holds the requeued job pending) and
 the requeued run itself on its head node, before any rank starts (``main``, which the batch
 script runs when ``SLURM_RESTART_COUNT`` is above 0).
 
@@ -11,13 +11,13 @@ script runs when ``SLURM_RESTART_COUNT`` is above 0).
   writes at each start into its output (``runs_from_output``): there a run with a node that has
   failed now (down, not responding; not merely drained) counts, unless the run asked for its own
   requeue (a preemption, ``ctx.requeue()``; ``JobPaths.requeues``). A run is handled once: the
-  job's record (``hpcdist.store.site.node_failures``) is keyed by run number, so a waiter and the run
+  job's record (``hpcdist.store.records.node_failures``) is keyed by run number, so a waiter and the run
   that both see the same failure record it once.
 - **The policy and the bound**: the spec's ``on_node_failure`` (``fail`` ends the job; a spec that
   names none gets its kind's default from ``hpcdist.jobs.registry``, the runtime's one import of
   the kinds beside ``entry``'s), and no more
   node-failure restarts than the site's ``preemption.max_requeues``.
-- **The record**: the dead nodes go into the site's node health record (``hpcdist.store.site.health``)
+- **The record**: the dead nodes go into the site's node health record (``hpcdist.store.records.health``)
   whatever the verdict, so later submissions keep off them; into the job's own record only when
   the job goes on without them (``NodeFailure``: "excluded").
 
@@ -46,8 +46,8 @@ from hpcdist.config.spec import JobSpec
 from hpcdist.errors import HpcdistError
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.hostlist import expand_hostlist
-from hpcdist.store.site import node_failures
-from hpcdist.store.site.node_failures import NodeFailure
+from hpcdist.store.records import node_failures
+from hpcdist.store.records.node_failures import NodeFailure
 
 STOP_EXIT = 3  # the check's exit status when the run must end: the batch script exits with it
 ACCOUNTING_WAIT_S = 10.0  # how long a requeued run waits for accounting to show its earlier runs
@@ -167,7 +167,7 @@ def _runs_from_file(job_id: str, output: Path, restarts: int, requeued: Collecti
 def record(verdict: Verdict, job_id: str, site: Site, paths: JobPaths) -> list[str]:
     """The verdict's dead nodes into the site's health record, and, when the job goes on without
     them, into the job's own record; a warning per write that failed (the caller logs them)."""
-    from hpcdist.store.site import health
+    from hpcdist.store.records import health
 
     problems = []
     if verdict.found and not verdict.stop:

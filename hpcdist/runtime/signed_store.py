@@ -222,7 +222,7 @@ _JOB: list[SignedStore] = []
 
 
 def use(store: SignedStore) -> None:
-    """The job's store in this process, for the roll call after a failure (``hpcdist.runtime.reach``)."""
+    """The job's store in this process, for the roll call after a failure (``hpcdist.runtime.rollcall``)."""
     _JOB[:] = [store]
 
 

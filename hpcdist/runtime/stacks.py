@@ -33,7 +33,7 @@ from typing import Any
 
 from hpcdist.config.paths import JobPaths
 from hpcdist.files.atomic import atomic_path
-from hpcdist.store.site.stackrecord import (
+from hpcdist.store.records.stackrecord import (
     DIST,
     LIB,
     TIMEOUT_REQUEST,

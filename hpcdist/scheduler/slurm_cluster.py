@@ -6,7 +6,7 @@ node``), ``srun`` (its MPI plugins, whether pyxis adds ``--container-image``) an
 its timeout, into one frozen ``Cluster``. ``config_stamp()`` is the cluster's name and its
 controller's "configuration data as of" stamp alone: what a cached reading is checked against;
 ``slurmd_address(node)`` is where a node's slurmd listens (what the roll call of
-``hpcdist.runtime.reach`` probes before it marks a node). What a command could not
+``hpcdist.runtime.rollcall`` probes before it marks a node). What a command could not
 answer is recorded as unknown (``accounting=False``, an empty tuple), never guessed; only a
 controller that does not answer at all is an error. Standard library only.
 """

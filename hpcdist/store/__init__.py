@@ -22,8 +22,8 @@ below the store: the site config and the login node's records use them too):
   ``layout``, ``replicas`` (which rank writes a replicated value), ``node_read`` (each byte read
   and verified once per node), ``dcp`` (DCP's own folders);
 - ``results/``: the versioned ``hpcdist.result`` files, and ``compare`` (``report --compare``);
-- ``site/``: the site's shared records: ``health``, ``node_failures``, ``stackrecord`` (a rank's
-  stack file and the grouping both sides print), ``lastwords``.
+- ``records/``: the site's shared records: ``health``, ``node_failures``, ``stackrecord`` (a rank's
+  stack file and the grouping both sides print), ``last_error`` (a rank's last words).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from hpcdist.store.checkpoint.tree import Tree, plain, sha256_of
 
 # Each name's module, imported on first use (PEP 562): the login node's light modules use
-# ``hpcdist.store.site`` without paying for h5py and NumPy (tests/test_light_imports.py).
+# ``hpcdist.store.records`` without paying for h5py and NumPy (tests/test_light_imports.py).
 _HOME = {
     "checkpoint.single": ("Checkpoint", "Header", "SaveStats", "read", "read_header", "save", "verify"),
     "checkpoint.directory": ("checkpoints_in", "read_pointer", "step_of"),

@@ -37,7 +37,7 @@ from hpcdist.data.tokens import describe
 from hpcdist.errors import HpcdistError, JobError
 from hpcdist.model.gpt import GPTConfig
 from hpcdist.runtime import abort
-from hpcdist.runtime.reach import failure_message
+from hpcdist.runtime.rollcall import failure_message
 from hpcdist.train import parallel, speed
 from hpcdist.train.metrics import add_rank_log_file, perplexity
 from hpcdist.train.params import TrainParams, effective_compile, effective_precision, model_config

@@ -49,7 +49,7 @@ for v in HPCDIST_CONTAINER HPCDIST_LAUNCH_TIME HPCDIST_SUBMITTED_WITH NCCL_DEBUG
 hpcdist_requeue_asked() { /opt/hpcdist/bin/python -P -m hpcdist.runtime.requeue /p/project/myproject/hpcdist/logs/smoke/%j; }
 trap hpcdist_requeue_asked EXIT
 # a user namespace shows root and other users alike as nobody: the job's pickle checked here first
-/opt/hpcdist/bin/python -P -m hpcdist.runtime.submitted --check /p/project/myproject/hpcdist/logs/smoke/%j || exit 1
+/opt/hpcdist/bin/python -P -m hpcdist.runtime.task_runner --check /p/project/myproject/hpcdist/logs/smoke/%j || exit 1
 
 # ---- this run's nodes (its batch output is where a requeued run reads its earlier runs when it
 # ---- cannot read Slurm's accounting); a run Slurm requeued: its node failures recorded and
@@ -62,4 +62,4 @@ fi
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME
-srun --unbuffered --output /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.out --error /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.err --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=48 apptainer exec --nv --no-home --bind /p/project/myproject/hpcdist/results:/p/project/myproject/hpcdist/results,/p/scratch/myproject/hpcdist/checkpoints:/p/scratch/myproject/hpcdist/checkpoints,/p/scratch/myproject/hpcdist/scratch:/p/scratch/myproject/hpcdist/scratch,/p/project/myproject/hpcdist/logs:/p/project/myproject/hpcdist/logs,/tmp:/tmp /p/project/myproject/images/pytorch-24.10-hpcdist.sif env -u PYTHONPATH PYTHONNOUSERSITE=1 HOME=/p/scratch/myproject/hpcdist/scratch/smoke/home python3 -P -m hpcdist.runtime.agent --ifname ib0 --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint="$HPCDIST_HEAD_ADDR:$HPCDIST_RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" --no-python python3 -P -u -m hpcdist.runtime.shim /p/project/myproject/hpcdist/logs/smoke/%j
+srun --unbuffered --output /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.out --error /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.err --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=48 apptainer exec --nv --no-home --bind /p/project/myproject/hpcdist/results:/p/project/myproject/hpcdist/results,/p/scratch/myproject/hpcdist/checkpoints:/p/scratch/myproject/hpcdist/checkpoints,/p/scratch/myproject/hpcdist/scratch:/p/scratch/myproject/hpcdist/scratch,/p/project/myproject/hpcdist/logs:/p/project/myproject/hpcdist/logs,/tmp:/tmp /p/project/myproject/images/pytorch-24.10-hpcdist.sif env -u PYTHONPATH PYTHONNOUSERSITE=1 HOME=/p/scratch/myproject/hpcdist/scratch/smoke/home python3 -P -m hpcdist.runtime.agent --ifname ib0 --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint="$HPCDIST_HEAD_ADDR:$HPCDIST_RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" --no-python python3 -P -u -m hpcdist.runtime.task_ids /p/project/myproject/hpcdist/logs/smoke/%j

@@ -47,4 +47,4 @@ fi
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME
-srun --unbuffered --output /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.out --error /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.err --cpus-per-task=12 --cpu-bind=v --mpi=pmix /opt/hpcdist/bin/python -P -u -m hpcdist.runtime.submitted /p/project/myproject/hpcdist/logs/smoke/%j
+srun --unbuffered --output /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.out --error /p/project/myproject/hpcdist/logs/smoke/%j/%j_%t_log.err --cpus-per-task=12 --cpu-bind=v --mpi=pmix /opt/hpcdist/bin/python -P -u -m hpcdist.runtime.task_runner /p/project/myproject/hpcdist/logs/smoke/%j

@@ -33,7 +33,7 @@ export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_btl_sm_single_copy
 hpcdist_requeue_asked() { /opt/hpcdist/bin/python -P -m hpcdist.runtime.requeue /var/tmp/hpcdist-shared/logs/smoke/%j; }
 trap hpcdist_requeue_asked EXIT
 # a user namespace shows root and other users alike as nobody: the job's pickle checked here first
-/opt/hpcdist/bin/python -P -m hpcdist.runtime.submitted --check /var/tmp/hpcdist-shared/logs/smoke/%j || exit 1
+/opt/hpcdist/bin/python -P -m hpcdist.runtime.task_runner --check /var/tmp/hpcdist-shared/logs/smoke/%j || exit 1
 
 # ---- this run's nodes (its batch output is where a requeued run reads its earlier runs when it
 # ---- cannot read Slurm's accounting); a run Slurm requeued: its node failures recorded and
@@ -46,4 +46,4 @@ fi
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME
-srun --unbuffered --output /var/tmp/hpcdist-shared/logs/smoke/%j/%j_%t_log.out --error /var/tmp/hpcdist-shared/logs/smoke/%j/%j_%t_log.err --mpi=pmix ch-run --bind=/var/tmp/hpcdist-shared/results:/var/tmp/hpcdist-shared/results --bind=/var/tmp/hpcdist-shared/checkpoints:/var/tmp/hpcdist-shared/checkpoints --bind=/var/tmp/hpcdist-shared/scratch:/var/tmp/hpcdist-shared/scratch --bind=/var/tmp/hpcdist-shared/logs:/var/tmp/hpcdist-shared/logs --bind=/var/tmp/hpcdist-slurm/tmpfs:/var/tmp/hpcdist-slurm/tmpfs --bind=/shared/datasets:/shared/datasets /shared/images/pytorch -- env -u PYTHONPATH PYTHONNOUSERSITE=1 python3 -P -u -m hpcdist.runtime.submitted /var/tmp/hpcdist-shared/logs/smoke/%j
+srun --unbuffered --output /var/tmp/hpcdist-shared/logs/smoke/%j/%j_%t_log.out --error /var/tmp/hpcdist-shared/logs/smoke/%j/%j_%t_log.err --mpi=pmix ch-run --bind=/var/tmp/hpcdist-shared/results:/var/tmp/hpcdist-shared/results --bind=/var/tmp/hpcdist-shared/checkpoints:/var/tmp/hpcdist-shared/checkpoints --bind=/var/tmp/hpcdist-shared/scratch:/var/tmp/hpcdist-shared/scratch --bind=/var/tmp/hpcdist-shared/logs:/var/tmp/hpcdist-shared/logs --bind=/var/tmp/hpcdist-slurm/tmpfs:/var/tmp/hpcdist-slurm/tmpfs --bind=/shared/datasets:/shared/datasets /shared/images/pytorch -- env -u PYTHONPATH PYTHONNOUSERSITE=1 python3 -P -u -m hpcdist.runtime.task_runner /var/tmp/hpcdist-shared/logs/smoke/%j

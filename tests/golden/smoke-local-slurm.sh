@@ -34,4 +34,4 @@ fi
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME
-srun --unbuffered --output /var/tmp/hpcdist-shared/logs/smoke/%j/%j_%t_log.out --error /var/tmp/hpcdist-shared/logs/smoke/%j/%j_%t_log.err --mpi=pmix /opt/hpcdist/bin/python -P -u -m hpcdist.runtime.submitted /var/tmp/hpcdist-shared/logs/smoke/%j
+srun --unbuffered --output /var/tmp/hpcdist-shared/logs/smoke/%j/%j_%t_log.out --error /var/tmp/hpcdist-shared/logs/smoke/%j/%j_%t_log.err --mpi=pmix /opt/hpcdist/bin/python -P -u -m hpcdist.runtime.task_runner /var/tmp/hpcdist-shared/logs/smoke/%j

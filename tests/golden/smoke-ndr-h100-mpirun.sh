@@ -46,7 +46,7 @@ fi
 # ---- launch: one process per rank, each running submitit's task runner
 HPCDIST_LAUNCH_TIME=$(date +%s.%N)
 export HPCDIST_LAUNCH_TIME
-mpirun -np "$SLURM_NTASKS" --map-by ppr:2:node /opt/hpcdist/bin/python -P -u -m hpcdist.runtime.shim /shared/ml-research/hpcdist/logs/smoke/%j &
+mpirun -np "$SLURM_NTASKS" --map-by ppr:2:node /opt/hpcdist/bin/python -P -u -m hpcdist.runtime.task_ids /shared/ml-research/hpcdist/logs/smoke/%j &
 HPCDIST_LAUNCHER_PID=$!
 trap 'kill -USR2 "$HPCDIST_LAUNCHER_PID"' USR2
 until wait "$HPCDIST_LAUNCHER_PID"; HPCDIST_STATUS=$?; ! kill -0 "$HPCDIST_LAUNCHER_PID" 2>/dev/null; do :; done

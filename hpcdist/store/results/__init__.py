@@ -7,7 +7,7 @@ Layout (format ``hpcdist.result`` version 2), readable by ``h5dump`` as well as 
   ``world_size``, ``num_nodes``, ``created`` (UTC ISO 8601),
   ``complete`` (False while a run that died left partial rows), ``spec_json``, ``site_json``,
   ``version_*`` (hpcdist, python, torch, numpy, h5py, mpi, nccl); after a node failure
-  ``excluded_nodes`` and ``node_failures`` (``hpcdist.store.site.node_failures``);
+  ``excluded_nodes`` and ``node_failures`` (``hpcdist.store.records.node_failures``);
 - root datasets of strings, one entry per rank or per node (``LIST_FACTS``): ``/hosts`` (each
   rank's host), and for benchmarks ``/nodes`` and ``/rank_nodes``. They are datasets, not
   attributes, because HDF5 keeps attributes in a 64 KiB object header: about 4,000 host names;
@@ -40,7 +40,7 @@ from hpcdist.config.paths import node_failure_record
 from hpcdist.config.site import REDACTED, looks_secret
 from hpcdist.files.atomic import atomic_path
 from hpcdist.store.checkpoint.tree import attr_value, host_value, plain
-from hpcdist.store.site import node_failures
+from hpcdist.store.records import node_failures
 
 if TYPE_CHECKING:
     import h5py

@@ -30,8 +30,8 @@ the policy, the bound ``preemption.max_requeues``, the records) is decided in on
   bound. A run a waiter already handled finds it recorded (the record is keyed by run number).
 
 Either way the failure goes into the job's record beside its result
-(``hpcdist.store.site.node_failures``; only when it runs again without the node) and the site's node
-health record (``hpcdist.store.site.health``), so later submissions keep off the node.
+(``hpcdist.store.records.node_failures``; only when it runs again without the node) and the site's node
+health record (``hpcdist.store.records.health``), so later submissions keep off the node.
 
 **Shrinking needs a waiter.** Without one nothing lowers a pending job's node count: the run
 cannot start to do it, Slurm has no setting that shrinks a requeued job by itself, and
@@ -57,7 +57,7 @@ from hpcdist.runtime import node_failure
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.hostlist import expand_hostlist
 from hpcdist.scheduler.states import JobState
-from hpcdist.store.site import node_failures
+from hpcdist.store.records import node_failures
 
 log = logging.getLogger("hpcdist")
 

@@ -42,7 +42,7 @@ from pathlib import Path
 from hpcdist.config.paths import node_health
 from hpcdist.config.site import Site, Storage
 from hpcdist.errors import ConfigError
-from hpcdist.store.site.health_marks import (  # noqa: F401  (MAX_READ, FUTURE_SLACK_S: the record's bounds)
+from hpcdist.store.records.health_marks import (  # noqa: F401  (MAX_READ, FUTURE_SLACK_S: the record's bounds)
     FILE_NAMES,
     FUTURE_SLACK_S,
     MAX_READ,

@@ -19,7 +19,7 @@ def main() -> None:
     launcher = owner_of(info.launcher)
     if launcher is not None:
         os.environ.update(launcher.task_env(info))
-    from hpcdist.runtime.submitted import main as run_submitted
+    from hpcdist.runtime.task_runner import main as run_submitted
 
     sys.exit(run_submitted(sys.argv[1:]))
 

@@ -9,7 +9,7 @@ also gets the rank(s) and node behind that address.
 
 After a time-out (not a closed connection: a peer's kernel that resets the connection is alive,
 only its process died), the roll call may also mark in the site's node health record
-(``hpcdist.store.site.health``, source ``timeout``) a node none of whose ranks answered, once: by
+(``hpcdist.store.records.health``, source ``timeout``) a node none of whose ranks answered, once: by
 the lowest rank that did answer, on the store's side of the break. Silence in the store is not
 evidence against a node: anyone who reaches the store's port can delete an answer. So a silent
 node is marked only on evidence no one at the store can make: Slurm says it is not responding
@@ -113,7 +113,7 @@ def _mark(site: Site, nodes: Sequence[str], job_id: str, reason: str) -> None:
     import logging
 
     from hpcdist.scheduler import slurm
-    from hpcdist.store.site import health
+    from hpcdist.store.records import health
 
     log = logging.getLogger("hpcdist")
     known = slurm.node_states() if site.scheduler == "slurm" else None

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
-from hpcdist.bench.factors import COLLECTIVES, P2P_TESTS, parse_size, sweep
+from hpcdist.bench.bandwidth import COLLECTIVES, P2P_TESTS, parse_size, sweep
 from hpcdist.config.site import Frozen
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """The record of a job's node failures: which node died, when, in which run, and that the job ran
 again without it. ``hpcdist.runtime.node_failure`` writes it, for the waiter on the login side
-(``hpcdist.login.nodefail``) when it excludes the node from the requeued job, or for the requeued run's
+(``hpcdist.login.node_failure_wait``) when it excludes the node from the requeued job, or for the requeued run's
 own start on its head node when nobody waits (keyed by run: recorded once); the result file of
 the run that follows carries it (``hpcdist.store.results``), and ``submit --wait`` and ``hpcdist
 jobs`` show it. One small JSON file beside the job's result

@@ -1,5 +1,5 @@
 """The node health record's files: a mark's shape, its file name, and the bounded read of a folder
-of them (``hpcdist.store.site.health`` owns the record: where it is, who may write it, writing,
+of them (``hpcdist.store.records.health`` owns the record: where it is, who may write it, writing,
 clearing). Split from it because reading a folder every member writes is a concept of its own:
 one listing, the names parsed at once, the newest ``MAX_READ`` not dated ahead opened without
 following links or blocking, anything hpcdist did not write skipped and named in one warning.

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     check_only = args[:1] == ["--check"]  # the job script, outside a container: the pickle's real owners
     args = args[1:] if check_only else args
     if len(args) != 1:
-        print("usage: python -m hpcdist.runtime.submitted [--check] FOLDER", file=sys.stderr)
+        print("usage: python -m hpcdist.runtime.task_runner [--check] FOLDER", file=sys.stderr)
         return 2
     folder = args[0]
     from hpcdist.files.trust import importable_cwd
