@@ -2,9 +2,10 @@
 
 The package follows the job's flow, in two sides: ``config`` (site config, job spec, both
 sides) -> on the login side ``login`` (plan, render, submit through submitit, the job's life
-after) -> on the node side ``runtime`` (rank bootstrap, process group) -> the workloads
-(``jobs``, ``bench``, ``train``, ``infer``) -> ``store`` (checkpoints, results). ``scheduler``,
-``launchers``, ``console`` and ``errors`` serve both sides. Only ``cli`` imports both sides.
+after) -> on the node side ``runtime`` (rank bootstrap, process group) -> the job kinds
+(``kinds``: their registry, smoke and your own code's ``python``; ``bench``, ``train``,
+``infer``) -> ``store`` (checkpoints, results). ``files``, ``scheduler``, ``launchers``,
+``console`` and ``errors`` serve both sides. Only ``cli`` imports both sides.
 ``hpcdist.init()`` (``hpcdist.api``) is the API for the user's own code on the nodes;
 ``hpcdist.Executor`` and ``hpcdist.job(ID)`` submit functions and hold
 jobs from Python on the login node. Importing ``hpcdist`` stays light: each name loads its

@@ -57,7 +57,7 @@ class RankInfo(Protocol):
 # (`-m`, `-c`) nor a script's. Every Python hpcdist starts has it: the submit folder may be one that
 # others write (a group's project folder), and a json.py or hpcdist/ put there would run as the user
 # on the login node and on every rank, before any check. The user's code comes from its snapshot,
-# put first by hpcdist.jobs.python. A Python 3.10 has no -P (docs/shared-sites.md).
+# put first by hpcdist.kinds.python. A Python 3.10 has no -P (docs/shared-sites.md).
 SAFE_PATH: tuple[str, ...] = ("-P",) if sys.version_info >= (3, 11) else ()
 
 # The module each rank runs: submitit's task runner, or task_ids, which fixes its variables first.

@@ -14,7 +14,7 @@ import pytest
 from hpcdist.bench.pairs import rounds
 from hpcdist.config import load_site
 from hpcdist.errors import ConfigError
-from hpcdist.jobs.registry import load_job
+from hpcdist.kinds.registry import load_job
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = ROOT / "jobs"

@@ -15,7 +15,7 @@ import pytest
 from hpcdist.config import load_site
 from hpcdist.config.sweep import tasks
 from hpcdist.errors import ConfigError
-from hpcdist.jobs.registry import load_job
+from hpcdist.kinds.registry import load_job
 from hpcdist.polling import poll_until
 from hpcdist.scheduler.slurm import read_state
 from hpcdist.scheduler.states import JobState

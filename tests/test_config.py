@@ -6,8 +6,8 @@ import pytest
 
 from hpcdist.config import load_site, load_spec, site_names
 from hpcdist.errors import ConfigError
-from hpcdist.jobs.registry import load_job
-from hpcdist.jobs.smoke import SmokeParams
+from hpcdist.kinds.registry import load_job
+from hpcdist.kinds.smoke import SmokeParams
 from tests.support.cli import REPO, run_cli
 
 SMOKE = REPO / "jobs" / "smoke.yaml"

@@ -21,7 +21,7 @@ from hpcdist.config.container import fold_onto_image
 from hpcdist.config.spec import plan_for
 from hpcdist.containers import Bind, ContainerPlan, get_runtime
 from hpcdist.errors import ConfigError
-from hpcdist.jobs.registry import load_job
+from hpcdist.kinds.registry import load_job
 from hpcdist.login.render import Origin, render
 from hpcdist.runtime import requeue
 from hpcdist.runtime.task_runner import version_mismatch

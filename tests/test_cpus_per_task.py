@@ -12,7 +12,7 @@ import pytest
 from hpcdist.config import load_site, read_spec
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import ConfigError
-from hpcdist.jobs.registry import load_job
+from hpcdist.kinds.registry import load_job
 from hpcdist.login.render import Origin, render
 from tests.support.cli import REPO, run_cli, storage_sets
 

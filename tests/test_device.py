@@ -116,7 +116,7 @@ def test_a_torchrun_style_scripts_local_rank_is_its_gpu_however_the_site_binds(
     """The python kind's LOCAL_RANK under each binding: `torch.cuda.set_device(int(LOCAL_RANK))`
     (examples/ddp_plain.py) names a GPU the task has, the one hpcdist chose; the node-local rank
     stays in HPCDIST_LOCAL_RANK. Before, local rank 1 asked for cuda:1 with one GPU visible."""
-    from hpcdist.jobs.python_run import script_env
+    from hpcdist.kinds.python_run import script_env
 
     fake_cuda["count"] = count
     spec = JobSpec.model_validate({"name": "t", "kind": "python", "backend": "nccl", "params": {"script": "x.py"},

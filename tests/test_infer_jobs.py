@@ -17,7 +17,7 @@ import pytest
 from hpcdist.config import load_site
 from hpcdist.errors import ConfigError
 from hpcdist.infer.report import render_infer_report
-from hpcdist.jobs.registry import load_job
+from hpcdist.kinds.registry import load_job
 from hpcdist.store.checkpoint.directory import checkpoint_name, write_pointer
 from hpcdist.store.results import read_attrs, read_table
 from tests.support.cli import require_slurm

@@ -21,7 +21,7 @@ PACKAGE = REPO / "hpcdist"
 # neither side. Only the command line (and the package root's lazy exports) may reach both.
 LOGIN = ("hpcdist.login",)
 NODE = ("hpcdist.runtime", "hpcdist.api", "hpcdist.store", "hpcdist.train", "hpcdist.infer", "hpcdist.bench",
-        "hpcdist.jobs", "hpcdist.model", "hpcdist.data", "hpcdist.track")
+        "hpcdist.kinds", "hpcdist.model", "hpcdist.data", "hpcdist.track")
 SHARED = ("hpcdist.config", "hpcdist.files", "hpcdist.scheduler", "hpcdist.launchers", "hpcdist.containers",
           "hpcdist.console", "hpcdist.errors", "hpcdist._version", "hpcdist.polling", "hpcdist.progress",
           "hpcdist._paths")

@@ -88,15 +88,15 @@ def test_render_loads_logging_and_the_sweep_module_only_when_it_uses_them(tmp_pa
 
 def test_rendering_a_kind_imports_only_its_own_params_module() -> None:
     modules = modules_after("render", "jobs/smoke.yaml", "--site", "local-slurm")
-    assert "hpcdist.jobs.smoke" in modules
+    assert "hpcdist.kinds.smoke" in modules
     assert "hpcdist.bench.params" not in modules and "hpcdist.train.params" not in modules
 
 
 def test_checking_a_benchmark_spec_imports_no_torch_submitit_or_runner() -> None:
     """A kind's site check may read light helpers (the benchmark's mode table), never its runner."""
-    from hpcdist.jobs.registry import get_kind, kind_names
+    from hpcdist.kinds.registry import get_kind, kind_names
 
-    runners = {get_kind(k).runner.partition(":")[0] for k in kind_names()} - {"hpcdist.jobs.smoke"}
+    runners = {get_kind(k).runner.partition(":")[0] for k in kind_names()} - {"hpcdist.kinds.smoke"}
     modules = modules_after("render", "jobs/bench_collectives.yaml", "--site", "local-slurm")
     assert [m for m in modules if m.split(".")[0] in ("torch", "submitit") or m in runners] == []
 

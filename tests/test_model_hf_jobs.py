@@ -116,7 +116,7 @@ def test_finetune_and_generate_across_two_slurm_nodes(pretrained: Pretrained) ->
 def test_init_fixes_the_model_shape(tmp_path: Path, pretrained: Pretrained) -> None:
     from hpcdist.config import load_site
     from hpcdist.errors import ConfigError
-    from hpcdist.jobs.registry import load_job
+    from hpcdist.kinds.registry import load_job
 
     tokens = _prepare(tmp_path, pretrained.checkpoint)
     site = load_site("local", [s.removeprefix("site.") for s in storage_sets(tmp_path)[1::2]])

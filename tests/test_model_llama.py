@@ -373,7 +373,7 @@ def test_jobs_past_the_sliding_window_are_refused_before_launch(root: Path, tmp_
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """infer_gpt: a prompt plus new tokens past Mistral's window of 48; train_gpt: a context past it."""
     from hpcdist.config import load_site
-    from hpcdist.jobs.registry import load_job
+    from hpcdist.kinds.registry import load_job
     from tests.support.cli import run_cli
 
     got = imported(root, "mistral", capsys)

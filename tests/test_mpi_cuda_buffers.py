@@ -21,7 +21,7 @@ from mpi4py import MPI  # noqa: E402
 from hpcdist.bench.mpi_path import MPIPath  # noqa: E402
 from hpcdist.config import load_site  # noqa: E402
 from hpcdist.errors import BenchmarkError, ConfigError  # noqa: E402
-from hpcdist.jobs.registry import load_job  # noqa: E402
+from hpcdist.kinds.registry import load_job  # noqa: E402
 from tests.support.cli import REPO  # noqa: E402
 
 WORLD = SimpleNamespace(Get_rank=lambda: 0, Get_size=lambda: 1)  # a communicator of one rank, no MPI started

@@ -131,7 +131,7 @@ def test_a_job_that_could_never_run_without_its_dead_node_shrinks_or_ends(
     (before: it pended for good, `Nodes required for job are DOWN, DRAINED or reserved`)."""
     from hpcdist.config import load_site
     from hpcdist.config.spec import JobSpec
-    from hpcdist.jobs import registry  # noqa: F401 - the kinds, registered
+    from hpcdist.kinds import registry  # noqa: F401 - the kinds, registered
     from hpcdist.login.node_failure_wait import NodeFailures
 
     calls = _fake_slurm(tmp_path, monkeypatch)

@@ -107,7 +107,7 @@ def test_bad_input_is_one_clear_error_before_anything_is_queued(tmp_path: Path, 
 
 
 def test_under_torchrun_the_script_keeps_torchruns_own_variables() -> None:
-    from hpcdist.jobs.python_run import script_env
+    from hpcdist.kinds.python_run import script_env
     from hpcdist.runtime.rankinfo import RankInfo
 
     worker = {"TORCHELASTIC_RUN_ID": "myrun", "TORCHELASTIC_USE_AGENT_STORE": "True", "RANK": "3", "WORLD_SIZE": "4",

@@ -141,7 +141,7 @@ def test_a_replaced_call_or_submitit_pickle_is_refused_and_nothing_runs(group_fo
     marker = group_folder / "ran"
     call = group_folder / "call.pkl"
     _plant_pickle(call, marker)
-    run_call = ("import sys; from types import SimpleNamespace; from hpcdist.jobs.python_run import _call\n"
+    run_call = ("import sys; from types import SimpleNamespace; from hpcdist.kinds.python_run import _call\n"
                 "try:\n    _call(SimpleNamespace(call=sys.argv[1]))\nexcept Exception as exc:\n    print(exc)\n")
     refused = as_user("alice", "-c", run_call, str(call))
     assert "refusing to read" in refused.out and "owner bob" in refused.out, refused.text
@@ -186,7 +186,7 @@ def test_a_group_writable_storage_mode_is_refused_in_one_line() -> None:
 
 def test_the_snapshot_leaves_secret_names_out_and_is_the_users_alone(tmp_path: Path) -> None:
     from hpcdist.files.atomic import storage_umask
-    from hpcdist.jobs import snapshot
+    from hpcdist.kinds import snapshot
 
     src = tmp_path / "code"
     (src / "private").mkdir(parents=True)
@@ -308,7 +308,8 @@ def test_a_code_snapshot_another_member_could_write_is_not_run(group_folder: Pat
     plant = ("import os, sys; os.makedirs(sys.argv[1], exist_ok=True); "
              "open(os.path.join(sys.argv[1], 'train.py'), 'w').write(f'open({sys.argv[2]!r}, \"w\")')")
     assert as_user("bob", "-c", plant, str(group_folder / "code"), str(marker), umask="002").code == 0
-    run = ("import sys; from hpcdist.jobs.python import PythonParams; from hpcdist.jobs.python_run import _run_target\n"
+    run = ("import sys; from hpcdist.kinds.python import PythonParams\n"
+           "from hpcdist.kinds.python_run import _run_target\n"
            "try:\n    _run_target(PythonParams(script=sys.argv[1] + '/train.py', code_dir=sys.argv[1]))\n"
            "except Exception as exc:\n    print(exc)\n")
     refused = as_user("alice", "-c", run, str(group_folder / "code"))

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpcdist.config import load_site
 from hpcdist.errors import ConfigError
-from hpcdist.jobs.registry import load_job
+from hpcdist.kinds.registry import load_job
 from hpcdist.model.checkpoint import parameter_shapes
 from hpcdist.model.gpt import GPT, GPTConfig, head_logits, head_loss, padded_vocab
 from hpcdist.store.results import read_table

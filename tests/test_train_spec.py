@@ -8,7 +8,7 @@ import pytest
 
 from hpcdist.config import load_site
 from hpcdist.errors import ConfigError
-from hpcdist.jobs.registry import load_job
+from hpcdist.kinds.registry import load_job
 from hpcdist.train.params import effective_precision
 from hpcdist.train.schedule import lr_factor, scaled_lr
 from tests.support.cli import REPO, run_cli, storage_sets

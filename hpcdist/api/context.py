@@ -241,7 +241,7 @@ class Context:
     def leave_for_requeue(self) -> NoReturn:
         """Rank 0 asks for the requeue (or says why Slurm requeues or ends the job itself); this
         rank leaves without a result. ``requeue`` after its checkpoint, and a submitit
-        Checkpointable's handler (``hpcdist.jobs.python_run``) after the callable's own."""
+        Checkpointable's handler (``hpcdist.kinds.python_run``) after the callable's own."""
         if self.is_main and self._requeue is not None:
             try:
                 why = self._requeue()

@@ -20,7 +20,7 @@ from hpcdist.config.site import Frozen
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
-    from hpcdist.jobs.registry import Job, Problem
+    from hpcdist.kinds.registry import Job, Problem
 
 Size = Annotated[int, BeforeValidator(parse_size)]
 # What to do when GPU buffers meet an MPI the site does not call CUDA-aware (here and at run time, mpi_path).

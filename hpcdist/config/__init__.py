@@ -228,7 +228,7 @@ Rebase = typing.Callable[[dict[str, Any], Path], dict[str, Any]]
 
 def read_spec(path: str | Path, overrides: list[str] | None = None, rebase: Rebase | None = None) -> JobSpec:
     """A job spec file as a JobSpec, validated on its own; its params stay a dict for the job
-    registry (``hpcdist.jobs.registry.resolve``) to parse with the kind's model. `rebase(data,
+    registry (``hpcdist.kinds.registry.resolve``) to parse with the kind's model. `rebase(data,
     folder)` makes the relative paths in `data` absolute: the file's against its folder, then
     those the overrides set against the current folder."""
     from hpcdist.config.spec import JobSpec
@@ -254,7 +254,7 @@ def check_fits(spec: JobSpec, site: Site, origin: Path | str) -> None:
 
 
 def load_spec(path: str | Path, site: Site, overrides: list[str] | None = None) -> JobSpec:
-    """A job spec read and fitted to `site`; its params are parsed by ``hpcdist.jobs.registry.load_job``."""
+    """A job spec read and fitted to `site`; its params are parsed by ``hpcdist.kinds.registry.load_job``."""
     spec = read_spec(path, overrides)
     check_fits(spec, site, Path(path))
     return spec

@@ -265,7 +265,7 @@ class Storage(Frozen):
     @property
     def roots(self) -> tuple[Path, ...]:
         """Every root as configured (results, checkpoints, scratch, logs): what a code snapshot
-        never copies (``hpcdist.jobs.snapshot``) and a container binds."""
+        never copies (``hpcdist.kinds.snapshot``) and a container binds."""
         return tuple(getattr(self, name) for name in get_args(StorageRoot))
 
     def path(self, root: StorageRoot, *parts: str) -> Path:

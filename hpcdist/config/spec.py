@@ -2,7 +2,7 @@
 
 A spec is checked on its own (types, ranges, unknown keys) and against the site it will run on
 (partition exists, enough nodes and GPUs, one rank per GPU). Its ``params`` stay a dict here:
-the job registry parses them with the kind's model (``hpcdist.jobs.registry.resolve``), so this
+the job registry parses them with the kind's model (``hpcdist.kinds.registry.resolve``), so this
 module knows nothing of job kinds.
 """
 
@@ -28,7 +28,7 @@ from hpcdist.launchers import get_launcher
 @dataclass(frozen=True)
 class SpecPath:
     """Marks a params field as a path (``Annotated[str, SpecPath()]``), so the spec loader
-    (``hpcdist.jobs.registry.load_job``) resolves it in one place for every kind: a relative path
+    (``hpcdist.kinds.registry.load_job``) resolves it in one place for every kind: a relative path
     in a spec file against the file's folder, one from ``--set`` against the current folder.
 
     `site_root`: a relative value naming an existing entry under this site storage root

@@ -21,7 +21,7 @@ from hpcdist.model.config import GPTConfig
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
-    from hpcdist.jobs.registry import Job, Problem
+    from hpcdist.kinds.registry import Job, Problem
     from hpcdist.model.checkpoint import CheckpointHeader
 
 
@@ -95,7 +95,7 @@ class BroadcastParams(Frozen):
 
 
 def locate_checkpoint(value: str, site: Site) -> Path:
-    """A checkpoint path as the spec loader left it (``hpcdist.jobs.registry.site_relative``):
+    """A checkpoint path as the spec loader left it (``hpcdist.kinds.registry.site_relative``):
     absolute, or relative to this user's checkpoint storage (``checkpoint: train_gpt`` is that
     job's checkpoints, your own), never to the folder a rank runs in; a colleague's is named by
     its absolute path."""

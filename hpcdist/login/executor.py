@@ -15,7 +15,7 @@ with the same one-line ``ConfigError``s, before anything is queued.
 The call travels as a cloudpickle file (mode 0600) in the job's log folder: a function from
 ``__main__`` or a notebook by value, one from an importable module by reference, with its
 package's code snapshot on the nodes as the ``python`` kind takes it. Each rank runs it after
-hpcdist's bootstrap and ``hpcdist.init()``; see ``hpcdist.jobs.python_run``.
+hpcdist's bootstrap and ``hpcdist.init()``; see ``hpcdist.kinds.python_run``.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any
 from hpcdist.config.contract import CALL_JOB_VAR
 from hpcdist.config.paths import JobPaths
 from hpcdist.errors import ConfigError, SubmitError
-from hpcdist.jobs.python import wants_context
+from hpcdist.kinds.python import wants_context
 from hpcdist.login.submitit_params import site_for, translate, yaml_value
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
     from hpcdist.config.spec import JobSpec
-    from hpcdist.jobs.registry import Job
+    from hpcdist.kinds.registry import Job
     from hpcdist.login.jobhandle import JobHandle
     from hpcdist.login.jobindex import JobRecord
     from hpcdist.login.submit import Call
@@ -105,7 +105,7 @@ class Executor:
         """The job as a YAML spec of it would be resolved: one ConfigError for the first problem."""
         from hpcdist.config import validate
         from hpcdist.config.spec import JobSpec
-        from hpcdist.jobs.registry import resolve
+        from hpcdist.kinds.registry import resolve
 
         full = {"name": "function", **data, "kind": "python",
                 "params": {**data.get("params", {}), **(params or {"call": "-", "snapshot": False})}}
@@ -178,7 +178,7 @@ class Executor:
         """One task and no group asked for: submitit runs the function itself on the node, as its
         own executors do (no bootstrap, no torch, submitit's checkpoint-and-requeue). Its package
         is snapshot as for any call; ``hpcdist.init()`` inside still works (``HPCDIST_CALL_JOB``)."""
-        from hpcdist.jobs.registry import prepare
+        from hpcdist.kinds.registry import prepare
 
         module, qualname = _where(calls[0][0])
         data = {"name": _job_name(qualname), **self._data}
@@ -189,8 +189,8 @@ class Executor:
 
     def _submit_all(self, calls: list[Call], array: bool, max_parallel: int | None) -> list[JobHandle]:
         """Several tasks, or a function that takes the rank's Context: hpcdist's bootstrap and
-        group on every rank, then the function (``hpcdist.jobs.python_run``)."""
-        from hpcdist.jobs.registry import prepare
+        group on every rank, then the function (``hpcdist.kinds.python_run``)."""
+        from hpcdist.kinds.registry import prepare
 
         module, qualname = _where(calls[0][0])
         data = {"name": _job_name(qualname), **self._data}
@@ -215,7 +215,7 @@ class Executor:
                   max_parallel: int | None) -> list[JobHandle]:
         """The jobs queued: on Slurm one job array (or one job); on the local site a job per item,
         each waiting for the one `max_parallel` before it to end."""
-        from hpcdist.jobs.registry import resolve
+        from hpcdist.kinds.registry import resolve
         from hpcdist.login import submit as sub
         from hpcdist.login.jobhandle import JobHandle
         from hpcdist.login.jobindex import find

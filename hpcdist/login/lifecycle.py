@@ -66,7 +66,7 @@ def submit(req: plan_.Request, paths: list[str], chain: bool, wait: bool, wait_t
         return _chain(req, paths, chain, wait, wait_timeout)
     if req.sweeps:
         return _sweep(req, wait, wait_timeout)
-    from hpcdist.jobs.registry import prepare
+    from hpcdist.kinds.registry import prepare
 
     job, site, origin = plan_.load(req)
     t0 = time.perf_counter()
@@ -100,7 +100,7 @@ def _chain(req: plan_.Request, paths: list[str], chain: bool, wait: bool, wait_t
     link is loaded and checked before the first is submitted. On Slurm a failed link cancels the
     rest (kill-on-invalid-dep); on the local site the links run in turn and a failure stops them."""
     from hpcdist.errors import ConfigError
-    from hpcdist.jobs.registry import prepare
+    from hpcdist.kinds.registry import prepare
 
     if not chain or req.sweeps or req.argv:
         raise ConfigError(f"submit {' '.join(paths)}: several job specs run one after another with --chain "
@@ -144,7 +144,7 @@ def _link_ok(submission: Submission, wait_timeout: float | None, rest: list[Any]
 def _sweep(req: plan_.Request, wait: bool, wait_timeout: float | None) -> int:
     """`submit SPEC --sweep KEY=V1,V2 ...`: one Slurm job array, a task per combination (on the
     local site the tasks run one at a time)."""
-    from hpcdist.jobs.registry import prepare
+    from hpcdist.kinds.registry import prepare
 
     base, site, origin = plan_.load(req)
     tasks = [prepare(job, site).spec for job in plan_.sweep_jobs(req, site)]

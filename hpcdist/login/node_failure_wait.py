@@ -178,7 +178,7 @@ def resizes(spec: JobSpec, paths: JobPaths) -> bool:
     resumes at another world size (train_gpt; a kind whose default is to run again without a dead
     node), or it is a script whose hpcdist checkpoints (``hpcdist.init()``) are in its checkpoint
     directory: they resume at any world size."""
-    from hpcdist.jobs.registry import get_kind
+    from hpcdist.kinds.registry import get_kind
     from hpcdist.store.checkpoint.directory import read_commit
 
     if spec.resources.min_nodes is not None:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from hpcdist.config.site import Site
     from hpcdist.config.spec import JobSpec
     from hpcdist.containers import ContainerPlan
-    from hpcdist.jobs.registry import Job
+    from hpcdist.kinds.registry import Job
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ def load(request: Request, path: str | None = None, after: Sequence[str] | None 
     for; `made_earlier`: inputs an earlier link writes; `on_missing`: warn of a missing input
     instead of refusing it (``render``)."""
     from hpcdist.config import load_site
-    from hpcdist.jobs.registry import load_job
+    from hpcdist.kinds.registry import load_job
 
     path = path or request.job
     site = load_site(request.site, request.site_sets)
@@ -204,7 +204,7 @@ def command_job(argv: Sequence[str], site: Site, job_sets: list[str]) -> Job[Any
     """`-- train.py ARG...` (or `-- -m pkg.mod ARG...`) as a ``python`` job spec, no YAML."""
     from hpcdist.config import apply_overrides, validate
     from hpcdist.config.spec import JobSpec
-    from hpcdist.jobs.registry import resolve
+    from hpcdist.kinds.registry import resolve
 
     if argv[0] == "-m":
         if len(argv) < 2:
@@ -221,7 +221,7 @@ def sweep_jobs(request: Request, site: Site, on_missing: Warn | None = None) -> 
     """One job per combination of the --sweep values, each checked and named with its suffix;
     the spec file is read once."""
     from hpcdist.config.sweep import task_name, tasks
-    from hpcdist.jobs.registry import load_jobs
+    from hpcdist.kinds.registry import load_jobs
 
     if request.argv or not request.job:
         raise ConfigError("--sweep needs a job spec YAML; sweep a `-- SCRIPT` job by writing its spec")

@@ -4,7 +4,7 @@
 imports this module on the node). ``main`` is the same thing for a direct launch
 (``srun python -m hpcdist.runtime.entry JOB.yaml --site SITE``).
 
-The one import that climbs from the runtime to the job kinds (``hpcdist.jobs.registry``, shared
+The one import that climbs from the runtime to the job kinds (``hpcdist.kinds.registry``, shared
 with ``node_failure``'s policy): the rank's entry point is where a bootstrapped rank is handed to
 its kind, and it keeps the documented name ``python -m hpcdist.runtime.entry``.
 """
@@ -22,7 +22,7 @@ from hpcdist import progress, track
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import HpcdistError
-from hpcdist.jobs.registry import Job, resolve
+from hpcdist.kinds.registry import Job, resolve
 from hpcdist.runtime import abort, group, stacks, teardown
 from hpcdist.runtime.bootstrap import bootstrap
 from hpcdist.runtime.context import JobContext
@@ -93,7 +93,7 @@ def _check_out_failed(store: Any, ctx: JobContext, wait_s: float = 2.0) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Direct launch: every rank loads the spec and site itself."""
     from hpcdist.config import DEFAULT_SITE, load_site
-    from hpcdist.jobs.registry import load_job
+    from hpcdist.kinds.registry import load_job
 
     parser = argparse.ArgumentParser(prog="python -m hpcdist.runtime.entry")
     parser.add_argument("job")

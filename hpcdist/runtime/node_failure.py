@@ -14,7 +14,7 @@ script runs when ``SLURM_RESTART_COUNT`` is above 0).
   job's record (``hpcdist.store.records.node_failures``) is keyed by run number, so a waiter and the run
   that both see the same failure record it once.
 - **The policy and the bound**: the spec's ``on_node_failure`` (``fail`` ends the job; a spec that
-  names none gets its kind's default from ``hpcdist.jobs.registry``, the runtime's one import of
+  names none gets its kind's default from ``hpcdist.kinds.registry``, the runtime's one import of
   the kinds beside ``entry``'s), and no more
   node-failure restarts than the site's ``preemption.max_requeues``.
 - **The record**: the dead nodes go into the site's node health record (``hpcdist.store.records.health``)
@@ -118,7 +118,7 @@ def assess(job_id: str, spec: JobSpec, site: Site, done: set[int], restarts: int
     is read again for up to ``ACCOUNTING_WAIT_S`` (slurmdbd records a job's end a moment late).
     Where accounting cannot be read at all, the job's batch `output` tells its runs
     (``runs_from_output``, with the runs that asked for their own requeue: `requeued`)."""
-    from hpcdist.jobs.registry import on_node_failure
+    from hpcdist.kinds.registry import on_node_failure
 
     deadline = time.monotonic() + ACCOUNTING_WAIT_S
     while True:

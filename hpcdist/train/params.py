@@ -16,7 +16,7 @@ from hpcdist.config.spec import SpecPath
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
-    from hpcdist.jobs.registry import Job, Problem
+    from hpcdist.kinds.registry import Job, Problem
 
 
 class BatchParams(Frozen):

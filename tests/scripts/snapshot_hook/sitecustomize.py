@@ -12,7 +12,7 @@ import sys
 if os.environ.get("HPCDIST_TEST_SNAPSHOT_GO"):
     from typing import Any
 
-    from hpcdist.jobs import snapshot
+    from hpcdist.kinds import snapshot
 
     listing = snapshot.files
     fired: list[bool] = []

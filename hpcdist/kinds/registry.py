@@ -256,7 +256,7 @@ def missing_inputs(job: Job[Any], site: Site) -> list[tuple[str, str, Path, str]
 
 
 for _kind in (
-    JobKind("smoke", "hpcdist.jobs.smoke:SmokeParams", "hpcdist.jobs.smoke:run",
+    JobKind("smoke", "hpcdist.kinds.smoke:SmokeParams", "hpcdist.kinds.smoke:run",
             "all-reduce of the ranks, checked; writes bootstrap timings"),
     JobKind("bench_collectives", "hpcdist.bench.params:CollectivesParams", "hpcdist.bench.collectives:run",
             "collectives over a sweep of sizes (nccl-tests figures), HDF5 result",
@@ -279,8 +279,8 @@ for _kind in (
     JobKind("broadcast", "hpcdist.infer.params:BroadcastParams", "hpcdist.infer.run:run_broadcast",
             "flat-bucket broadcast of a model-sized state from rank 0, timed and checked",
             check="hpcdist.infer.params:check_broadcast"),
-    JobKind("python", "hpcdist.jobs.python:PythonParams", "hpcdist.jobs.python_run:run",
+    JobKind("python", "hpcdist.kinds.python:PythonParams", "hpcdist.kinds.python_run:run",
             "your own script, module or function, started as torchrun would start it",
-            check="hpcdist.jobs.python:check", prepare="hpcdist.jobs.python:prepare"),
+            check="hpcdist.kinds.python:check", prepare="hpcdist.kinds.python:prepare"),
 ):
     register(_kind)

@@ -4,10 +4,10 @@
     params: {script: train.py, args: ["--lr", "0.1"]}      # or module: pkg.train, or function: pkg.mod:main
 
 Each rank runs the target after hpcdist's rendezvous has set the variables torchrun sets
-(``hpcdist.jobs.python_run``), so a script written for torchrun runs unchanged. Everything that
+(``hpcdist.kinds.python_run``), so a script written for torchrun runs unchanged. Everything that
 can be wrong with the target is found here, before anything is queued, one ``ConfigError`` each:
 a missing script, a module that does not import, a function that is not callable, args that are
-not strings, a code snapshot over its size limit. The snapshot itself (``hpcdist.jobs.snapshot``)
+not strings, a code snapshot over its size limit. The snapshot itself (``hpcdist.kinds.snapshot``)
 is made by ``prepare`` at submit only, never by ``render``.
 
 Light on purpose (pydantic and the standard library): the login node imports it to render.
@@ -32,7 +32,7 @@ from hpcdist.config.spec import SpecPath
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
-    from hpcdist.jobs.registry import Job, Problem
+    from hpcdist.kinds.registry import Job, Problem
 
 
 class PythonParams(Frozen):
@@ -155,7 +155,7 @@ def outputs(job: Job[PythonParams], site: Site) -> list[Path]:
 
 def check(job: Job[PythonParams], site: Site) -> list[Problem]:
     """What makes the target impossible to run, found before anything is queued."""
-    from hpcdist.jobs import snapshot
+    from hpcdist.kinds import snapshot
 
     p = job.params
     if p.code_dir:  # already prepared (a snapshot made at submit); the nodes check again
@@ -188,10 +188,10 @@ def check(job: Job[PythonParams], site: Site) -> list[Problem]:
 
 
 def _import_problem(p: PythonParams) -> Problem | None:
-    """The target's import, checked in a child process (``hpcdist.jobs.imports``): a module's
+    """The target's import, checked in a child process (``hpcdist.kinds.imports``): a module's
     packages, source and top-level imports; a function's module imported and the name callable."""
     from hpcdist.files.trust import cwd_problem, importable_cwd
-    from hpcdist.jobs import imports
+    from hpcdist.kinds import imports
 
     name = p.module_name or ""
     key = "params.module" if p.module else "params.function"
@@ -223,7 +223,7 @@ def _import_problem(p: PythonParams) -> Problem | None:
 def _warn_live_imports(p: PythonParams, src: Path) -> None:
     """At submit: say which of the code's imports the job will read live from the submit folder."""
     from hpcdist.files.trust import importable_cwd
-    from hpcdist.jobs import imports
+    from hpcdist.kinds import imports
 
     path = [str(Path(p.script).resolve().parent)] if p.script else []
     report = imports.inspect(module=None, function=None, path=[*path, *importable_cwd()], snapshot=src)
@@ -238,7 +238,7 @@ def _warn_live_imports(p: PythonParams, src: Path) -> None:
 def prepare(job: Job[PythonParams], site: Site) -> dict[str, Any]:
     """At submit: the code snapshot made, and the params the ranks run (paths made absolute)."""
     from hpcdist.files.trust import cwd_problem, real_folder
-    from hpcdist.jobs import snapshot
+    from hpcdist.kinds import snapshot
 
     p = job.params
     updates: dict[str, Any] = {"snapshot": False}

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpcdist.config.contract import after_first
 from hpcdist.errors import JobError
-from hpcdist.jobs.python import PythonParams, cwd_on_path, wants_context
+from hpcdist.kinds.python import PythonParams, cwd_on_path, wants_context
 from hpcdist.runtime import group, stacks
 from hpcdist.runtime.requeue import Requeued
 from hpcdist.runtime.rollcall import peer_named
