@@ -167,6 +167,50 @@ def test_each_store_folder_imports_only_what_its_concern_builds_on() -> None:
     assert sorted(wrong) == []
 
 
+# What a rank starts from: the runners and params models the kinds' registry names, the modules
+# the launchers' and the batch script's lines run (``python -m ...``), and ``hpcdist.init()``.
+RANK_ENTRIES = ("hpcdist.runtime", "hpcdist.runtime.entry", "hpcdist.runtime.task_runner", "hpcdist.runtime.task_ids",
+                "hpcdist.runtime.agent", "hpcdist.runtime.local_controller", "hpcdist.runtime.node_failure",
+                "hpcdist.runtime.requeue", "hpcdist.api")
+# Modules of the node side's packages that no rank imports, each with why it lives there and not in
+# hpcdist/login: a reader on the login side kept beside the writer that owns the format.
+LOGIN_ONLY_ON_THE_NODE_SIDE = {
+    "hpcdist.bench.report": "`hpcdist report`'s benchmark tables and plots, beside the result file bench/record writes",
+    "hpcdist.infer.report": "`hpcdist report`'s inference summary, beside the result file infer/results writes",
+    "hpcdist.store.results.compare": "`hpcdist report --compare`, beside the result format it reads",
+    "hpcdist.model.hf": "`hpcdist model import/export` (Hugging Face folders), beside the models whose weights it maps",
+    "hpcdist.model.hf_llama": "the LLaMA half of `hpcdist model`, beside the model it maps",
+    "hpcdist.store.sharded.dcp": "`hpcdist ckpt` to and from DCP folders, beside the sharded format",
+    "hpcdist.infer.hf": "the Hugging Face reference generation the tests and benchmarks compare against",
+    "hpcdist.infer.sizing": "on-paper tensor-parallel costs for the benchmarks and tests (no torch)",
+}
+
+
+def rank_side() -> set[str]:
+    """Every module a rank can import, from `RANK_ENTRIES` and each kind's runner and params model."""
+    edges = graph()
+    registry = (PACKAGE / "kinds" / "registry.py").read_text()
+    kinds = re.findall(r'JobKind\(\s*"\w+",\s*"([\w.]+):\w+",\s*"([\w.]+):\w+"', registry)  # params, runner
+    assert len(kinds) >= 8, "the registry's JobKind lines are no longer read: mend this pattern"
+    todo = [*RANK_ENTRIES, *(m for pair in kinds for m in pair)]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += edges.get(name, ())
+    return seen
+
+
+def test_the_node_side_packages_hold_what_ranks_run() -> None:
+    """Both ways: no rank imports the login side (above), and a module in a node-side package is one
+    a rank can import, or a listed exception whose reason says why it lives there."""
+    ranks = rank_side()
+    node = [n for n, p in modules().items() if side(n) == "node" and p.name != "__init__.py"]
+    assert sorted(n for n in node if n not in ranks and n not in LOGIN_ONLY_ON_THE_NODE_SIDE) == []
+    assert sorted(n for n in LOGIN_ONLY_ON_THE_NODE_SIDE if n in ranks or n not in node) == []  # the list stays true
+
+
 def test_the_login_side_imports_no_command() -> None:
     wrong = sorted(f"{a} -> {b}" for a, targets in graph().items() if side(a) == "login"
                    for b in targets if b.startswith("hpcdist.cli"))
