@@ -15,7 +15,7 @@ import numpy as np
 
 from hpcdist.bench.pairs import culprits
 from hpcdist.bench.record import Matrix
-from hpcdist.scheduler.slurm import node_states
+from hpcdist.scheduler.slurm_cluster import node_states
 from hpcdist.store.records import health
 from hpcdist.store.results import read_attrs
 from tests.netfault import slowed

@@ -70,7 +70,7 @@ def _show(site: Any, as_json: bool) -> int:
     states: dict[str, Any] | None = {}
     slurm_error = ""
     if site.scheduler == "slurm":
-        from hpcdist.scheduler.slurm import node_states
+        from hpcdist.scheduler.slurm_cluster import node_states
 
         states = node_states()
         if states is None:

@@ -93,7 +93,7 @@ def _check_enough(found: Exclusions, spec: JobSpec, site: Site) -> None:
     node counted as one of them)."""
     if not found.marked:
         return
-    from hpcdist.scheduler.slurm import node_states
+    from hpcdist.scheduler.slurm_cluster import node_states
 
     name, partition = site.partition(spec.resources.partition)
     excluded = set(_hosts(found.flag() or "", "sbatch.exclude"))
@@ -121,7 +121,7 @@ def mark_failed_nodes(site: Site, job_id: str, records: list[StepRecord]) -> str
     the failure summary ("" when nothing was). sacct names the whole allocation, so a node that
     came back before this read is not marked: which one died is no longer known."""
     from hpcdist.login.postmortem import node_failure_suspects
-    from hpcdist.scheduler.slurm import node_states
+    from hpcdist.scheduler.slurm_cluster import node_states
     from hpcdist.store.records import health
 
     suspects = node_failure_suspects(records)

@@ -54,7 +54,7 @@ from hpcdist.config.spec import JobSpec
 from hpcdist.errors import HpcdistError
 from hpcdist.login.exclusions import user_exclude
 from hpcdist.runtime import node_failure
-from hpcdist.scheduler import slurm
+from hpcdist.scheduler import slurm, slurm_cluster
 from hpcdist.scheduler.hostlist import expand_hostlist
 from hpcdist.scheduler.states import JobState
 from hpcdist.store.records import node_failures
@@ -141,7 +141,8 @@ class NodeFailures:
         waits at its own size for a node to come back."""
         res = self.spec.resources
         pname = self.site.partition(res.partition)[0]
-        states = slurm.node_states(nodes=",".join(required)) if required else slurm.node_states(partition=pname)
+        states = (slurm_cluster.node_states(nodes=",".join(required)) if required
+                  else slurm_cluster.node_states(partition=pname))
         if states is None:
             return None, ""
         allowed = [n for n in states if n not in excluded]

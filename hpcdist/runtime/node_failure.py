@@ -44,7 +44,7 @@ from hpcdist.config.paths import JobPaths
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import HpcdistError
-from hpcdist.scheduler import slurm
+from hpcdist.scheduler import slurm, slurm_cluster
 from hpcdist.scheduler.hostlist import expand_hostlist
 from hpcdist.store.records import node_failures
 from hpcdist.store.records.node_failures import NodeFailure
@@ -98,7 +98,7 @@ def runs_from_output(text: str, restarts: int, requeued_at: str = "",
             starts[int(match.group(1))] = (match.group(2), match.group(3))
     if any(n not in starts for n in range(1, restarts + 1)):
         return None
-    states = slurm.node_states()
+    states = slurm_cluster.node_states()
     if states is None:
         return None
     out = []
@@ -138,7 +138,7 @@ def assess(job_id: str, spec: JobSpec, site: Site, done: set[int], restarts: int
         return Verdict((), (), "")
     found: list[NodeFailure] = []
     for n, run in new:
-        states = slurm.node_states(run.nodes)
+        states = slurm_cluster.node_states(run.nodes)
         if states is None:
             return None
         found += [NodeFailure(node, run.end, n, time.time()) for node in sorted(k for k, v in states.items() if v.dead)]

@@ -112,11 +112,11 @@ def _mark(site: Site, nodes: Sequence[str], job_id: str, reason: str) -> None:
     logged, not raised: the failure being reported matters more."""
     import logging
 
-    from hpcdist.scheduler import slurm
+    from hpcdist.scheduler import slurm_cluster
     from hpcdist.store.records import health
 
     log = logging.getLogger("hpcdist")
-    known = slurm.node_states() if site.scheduler == "slurm" else None
+    known = slurm_cluster.node_states() if site.scheduler == "slurm" else None
     if known is None:
         return
     named = {host: slurm_node_name(host, known) for host in nodes}

@@ -1,4 +1,5 @@
-"""The one client of Slurm's commands: sbatch, squeue, sacct, scontrol, scancel, sinfo.
+"""The one client of Slurm's commands for jobs: sbatch, squeue, sacct, scontrol, scancel (what a
+cluster and its nodes are, from scontrol and sinfo, is ``slurm_cluster``'s, through ``run`` here).
 
 Every call has a timeout (``HPCDIST_SLURM_TIMEOUT_S``, 30 s) and is tried again when it fails or
 times out (``HPCDIST_SLURM_TRIES``, 3: slurmctld restarting, a busy controller); what still fails
@@ -251,53 +252,6 @@ def sbatch(script: str | os.PathLike[str]) -> str:
     if not is_job_id(job_id):
         raise Refused(f"sbatch answered {answer.out.strip()!r}, not a job id")
     return job_id
-
-
-# ---------------------------------------------------------------- the nodes
-
-
-@dataclass(frozen=True)
-class NodeStatus:
-    """One node as sinfo shows it: its partitions, Slurm's state and the reason an admin or
-    slurmctld gave for it (``Not responding``, ``Kill task failed``; "" when none)."""
-
-    node: str
-    partitions: tuple[str, ...]
-    state: str  # sinfo's long form: idle, mixed, allocated, down*, drained, ...
-    reason: str = ""
-
-    @property
-    def failed(self) -> bool:
-        """Not responding (sinfo's ``*``), down or failing: what a node that died looks like."""
-        return self.state.endswith("*") or self.state.startswith(("down", "fail"))
-
-    @property
-    def dead(self) -> bool:
-        """Slurm gave up on it: down, failing or drained. Not one merely slow to answer a ping
-        (``mixed*``): a busy node is flagged so for seconds, and is not dead."""
-        return self.state.lower().startswith(("down", "drain", "fail"))
-
-
-def node_states(nodes: str = "", partition: str = "") -> dict[str, NodeStatus] | None:
-    """Every node Slurm knows (or those of the host list `nodes`, or of `partition`), by name;
-    None when sinfo could not be asked (unknown, not none)."""
-    for value in (nodes, partition):
-        if value and not re.fullmatch(r"[A-Za-z0-9_.,\[\]-]+", value):
-            raise SubmitError(f"{value!r} is not a Slurm host list or partition (n[1-4], n1,n3, cpu)")
-    where = ["-n", nodes] if nodes else ["-p", partition] if partition else []
-    answer = run(["sinfo", "-N", "-h", *where, "-o", "%N|%P|%T|%E"])
-    if not answer.ok:
-        return None
-    found: dict[str, NodeStatus] = {}
-    for line in answer.out.splitlines():
-        parts = line.split("|", 3)
-        if len(parts) != 4:
-            continue
-        name, part, state, reason = (p.strip() for p in parts)
-        seen = found.get(name)
-        partitions = (*(seen.partitions if seen else ()), part.rstrip("*"))
-        found[name] = NodeStatus(name, partitions, state, "" if reason == "none" else reason)
-    return found
 
 
 # ---------------------------------------------------------------- one job's state

@@ -5,9 +5,9 @@ node``), ``srun`` (its MPI plugins, whether pyxis adds ``--container-image``) an
 (``sacctmgr``: the user's associations and their QOS limits), each through ``slurm.run`` with
 its timeout, into one frozen ``Cluster``. ``config_stamp()`` is the cluster's name and its
 controller's "configuration data as of" stamp alone: what a cached reading is checked against;
-``slurmd_address(node)`` is where a node's slurmd listens (what the roll call of
-``hpcdist.runtime.rollcall`` probes before it marks a node). What a command could not
-answer is recorded as unknown (``accounting=False``, an empty tuple), never guessed; only a
+``node_states()`` is each node's state now (sinfo), ``slurmd_address(node)`` where its slurmd
+listens (what the roll call of ``hpcdist.runtime.rollcall`` probes before it marks a node). What
+a command could not answer is recorded as unknown (``accounting=False``, an empty tuple), never guessed; only a
 controller that does not answer at all is an error. Standard library only.
 """
 
@@ -293,3 +293,50 @@ def step(options: list[str], command: list[str], timeout_s: float) -> Step:
     except OSError as exc:
         return Step(127, err=str(exc))
     return Step(proc.returncode, proc.stdout, proc.stderr)
+
+
+# ---------------------------------------------------------------- the nodes now
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """One node as sinfo shows it: its partitions, Slurm's state and the reason an admin or
+    slurmctld gave for it (``Not responding``, ``Kill task failed``; "" when none)."""
+
+    node: str
+    partitions: tuple[str, ...]
+    state: str  # sinfo's long form: idle, mixed, allocated, down*, drained, ...
+    reason: str = ""
+
+    @property
+    def failed(self) -> bool:
+        """Not responding (sinfo's ``*``), down or failing: what a node that died looks like."""
+        return self.state.endswith("*") or self.state.startswith(("down", "fail"))
+
+    @property
+    def dead(self) -> bool:
+        """Slurm gave up on it: down, failing or drained. Not one merely slow to answer a ping
+        (``mixed*``): a busy node is flagged so for seconds, and is not dead."""
+        return self.state.lower().startswith(("down", "drain", "fail"))
+
+
+def node_states(nodes: str = "", partition: str = "") -> dict[str, NodeStatus] | None:
+    """Every node Slurm knows (or those of the host list `nodes`, or of `partition`), by name;
+    None when sinfo could not be asked (unknown, not none)."""
+    for value in (nodes, partition):
+        if value and not re.fullmatch(r"[A-Za-z0-9_.,\[\]-]+", value):
+            raise SubmitError(f"{value!r} is not a Slurm host list or partition (n[1-4], n1,n3, cpu)")
+    where = ["-n", nodes] if nodes else ["-p", partition] if partition else []
+    answer = slurm.run(["sinfo", "-N", "-h", *where, "-o", "%N|%P|%T|%E"])
+    if not answer.ok:
+        return None
+    found: dict[str, NodeStatus] = {}
+    for line in answer.out.splitlines():
+        parts = line.split("|", 3)
+        if len(parts) != 4:
+            continue
+        name, part, state, reason = (p.strip() for p in parts)
+        seen = found.get(name)
+        partitions = (*(seen.partitions if seen else ()), part.rstrip("*"))
+        found[name] = NodeStatus(name, partitions, state, "" if reason == "none" else reason)
+    return found
