@@ -98,7 +98,7 @@ def test_a_local_gpu_job_keeps_the_sites_threads_and_this_machines_cpus(monkeypa
     site = load_site("local", ["partitions.local.gpus_per_node=2"])
     spec = JobSpec(name="j", kind="smoke", resources={"gpus_per_node": 2, "tasks_per_node": 2})
     assert spec.rank_env(site)["OMP_NUM_THREADS"] == "1"  # local.yaml's
-    monkeypatch.setattr("hpcdist.scheduler.local.machine_cpus", lambda: 8)  # not the partition's 256
+    monkeypatch.setattr("hpcdist.scheduler.local_jobs.machine_cpus", lambda: 8)  # not the partition's 256
     assert spec.cpus_per_task(site) == 4
     assert spec.rank_env(site.model_copy(update={"env": {}}))["OMP_NUM_THREADS"] == "4"
 

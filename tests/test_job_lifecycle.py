@@ -21,7 +21,7 @@ from hpcdist.console import StatusLine
 from hpcdist.login import jobindex
 from hpcdist.login.jobhandle import CANCEL_GRACE_S, KILL_WAIT_S
 from hpcdist.login.watch import hms, slurm_seconds
-from hpcdist.scheduler.local import group_members, process_started
+from hpcdist.scheduler.local_jobs import group_members, process_started
 from tests.support.cli import Run, job_id, run_cli, storage_sets
 from tests.support.train import Background, start_now, train, wait_for
 

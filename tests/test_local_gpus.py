@@ -18,7 +18,7 @@ import pytest
 
 import hpcdist
 from hpcdist.errors import ConfigError
-from hpcdist.scheduler import local
+from hpcdist.scheduler import local_jobs
 from tests.support.cli import run_cli, storage_sets
 
 UUIDS = ("GPU-1b7c42e0-9d1a-4c55-8e33-0f2d6a1c9b01", "GPU-f60acc4e-2b3d-4e8f-9a71-55c0e2d4b7aa")
@@ -36,9 +36,9 @@ def two_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[s
     path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
     monkeypatch.setenv("PATH", path)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    local._listed_gpus.cache_clear()
+    local_jobs._listed_gpus.cache_clear()
     yield {"PATH": path}
-    local._listed_gpus.cache_clear()
+    local_jobs._listed_gpus.cache_clear()
 
 
 def visible_devices() -> dict[str, Any]:
@@ -51,12 +51,12 @@ def executor(tmp_path: Path, **keys: Any) -> hpcdist.Executor:
 
 
 def test_the_machines_gpus_as_cuda_names_them(two_gpus: dict[str, str]) -> None:
-    assert local.machine_gpus({}) == ("0", "1")
-    assert local.machine_gpus({"CUDA_VISIBLE_DEVICES": "1"}) == ("1",)
-    assert local.machine_gpus({"CUDA_VISIBLE_DEVICES": f"{UUIDS[1][:12]},0"}) == (UUIDS[1][:12], "0")
+    assert local_jobs.machine_gpus({}) == ("0", "1")
+    assert local_jobs.machine_gpus({"CUDA_VISIBLE_DEVICES": "1"}) == ("1",)
+    assert local_jobs.machine_gpus({"CUDA_VISIBLE_DEVICES": f"{UUIDS[1][:12]},0"}) == (UUIDS[1][:12], "0")
     # CUDA stops at the first entry that names no GPU; so does the count
-    assert local.machine_gpus({"CUDA_VISIBLE_DEVICES": "1,7,0"}) == ("1",)
-    assert local.machine_gpus({"CUDA_VISIBLE_DEVICES": ""}) == ()
+    assert local_jobs.machine_gpus({"CUDA_VISIBLE_DEVICES": "1,7,0"}) == ("1",)
+    assert local_jobs.machine_gpus({"CUDA_VISIBLE_DEVICES": ""}) == ()
 
 
 def test_a_job_that_asks_for_a_gpu_gets_one(two_gpus: dict[str, str], tmp_path: Path) -> None:

@@ -42,9 +42,9 @@ def _count_from_env(value: object) -> object:
 
 def _gpus_of_machine(value: object) -> object:
     """``auto`` (the local site's): the GPUs this machine shows a job started from this shell
-    (``hpcdist.scheduler.local.machine_gpus``), counted when the site is loaded."""
+    (``hpcdist.scheduler.local_jobs.machine_gpus``), counted when the site is loaded."""
     if value == GPUS_AUTO:
-        from hpcdist.scheduler.local import machine_gpus
+        from hpcdist.scheduler.local_jobs import machine_gpus
 
         return len(machine_gpus(os.environ))
     return value

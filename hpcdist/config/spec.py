@@ -144,7 +144,7 @@ class JobSpec(Frozen):
             return 1
         _, part = site.partition(res.partition)
         if site.scheduler == "local":
-            from hpcdist.scheduler.local import machine_cpus
+            from hpcdist.scheduler.local_jobs import machine_cpus
 
             cpus = min(part.cpus_per_node, machine_cpus())
         else:

@@ -29,7 +29,7 @@ from hpcdist.errors import JobError, SubmitError
 from hpcdist.login.jobindex import JobRecord, find, lookup, mark_ended, write
 from hpcdist.polling import poll_until
 from hpcdist.scheduler import slurm
-from hpcdist.scheduler.local import controller_alive, group_members, leads_group, signal_group
+from hpcdist.scheduler.local_jobs import controller_alive, group_members, leads_group, signal_group
 from hpcdist.scheduler.states import JobState
 
 if TYPE_CHECKING:

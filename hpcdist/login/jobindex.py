@@ -65,7 +65,7 @@ class JobRecord:
     spec: dict[str, Any]
     site_model: dict[str, Any]
     cancelled: float | None = None  # when `hpcdist cancel` cancelled it (the local site has no accounting)
-    started: int | None = None  # local site: the controller's start time (``scheduler.local``), as pids are reused
+    started: int | None = None  # local site: the controller's start time (``scheduler.local_jobs``), as pids are reused
     ended: str | None = None  # the final state, once a waiter learnt it (kept when the results are deleted)
 
     def log_paths(self, rank: int) -> tuple[Path, Path]:

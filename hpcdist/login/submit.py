@@ -31,7 +31,7 @@ from hpcdist.files.trust import denied_hint, own_folders
 from hpcdist.launchers import SAFE_PATH
 from hpcdist.login import jobindex, tracking
 from hpcdist.scheduler import slurm
-from hpcdist.scheduler.local import LOCAL_CONTROLLER, machine_gpus, process_started
+from hpcdist.scheduler.local_jobs import LOCAL_CONTROLLER, machine_gpus, process_started
 
 if TYPE_CHECKING:
     from hpcdist.login.plan import Plan

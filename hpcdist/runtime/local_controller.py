@@ -37,7 +37,7 @@ from submitit.local.local import Controller
 from hpcdist.config.contract import LAUNCH_ID_VAR, LAUNCH_TIME_VAR, LOCAL_AFTER_VAR, LOCAL_RESTARTS_VAR
 from hpcdist.launchers import SAFE_PATH, SUBMITIT_RUNNER
 from hpcdist.runtime.signed_store import make_key
-from hpcdist.scheduler.local import controller_alive
+from hpcdist.scheduler.local_jobs import controller_alive
 
 
 class JobController(Controller):

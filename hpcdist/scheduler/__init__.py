@@ -1,5 +1,5 @@
 """The scheduler, one owner for both sides: job states, the Slurm client, the live cluster's facts
-and the local controller.
+and the local site's jobs as processes (``local_jobs``).
 
 ``states`` maps every word a scheduler uses to one ``JobState``; ``slurm`` is the only code that
 runs a Slurm command (each with a timeout and retries; a failure is "unknown", never "gone"),

@@ -1,4 +1,5 @@
-"""The local site's scheduler: submitit's local controller, one process per job on this machine.
+"""The local site's jobs as processes of this machine: one controller process per job
+(``hpcdist.runtime.local_controller``, submitit's, started by ``login.submit``), seen from outside.
 
 A local job's id is its controller's process id, which the system reuses; the controller's
 start time (``/proc/PID/stat``) tells it from a later process that got the same id. The controller
