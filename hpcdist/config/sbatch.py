@@ -16,7 +16,7 @@ nearest name suggested for a typo. A value ``true`` is a bare flag, ``false`` le
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -35,6 +35,8 @@ reservation signal sockets-per-node spread-job switches thread-spec threads-per-
 tres-per-task uid use-min-nodes wait-all-nodes wckey
 """.split())
 
+SbatchValue = bool | int | float | str
+
 
 @dataclass(frozen=True)
 class Parameter:
@@ -46,6 +48,7 @@ class Parameter:
     submitit: tuple[str, ...] = ()  # submitit's names that carry the same value (slurm_X or bare), for the key
     executor: tuple[str, str] | None = None  # the name submitit's (Slurm, local) executor is given the value by
     owned: bool = True  # a job's own sbatch: may not set it (False: the job's value wins, or is merged)
+    yields: bool = False  # not written where the site's or the job's own sbatch: sets it (theirs is)
     written: bool = True  # a line of the script (False: only refused, ntasks follows from two keys)
 
 
@@ -63,8 +66,8 @@ PARAMETERS = (
     Parameter("gres", "resources.gpus_per_node, with the site's gpu_request: gres", owned=False),
     Parameter("mem", "resources.mem_gb", ("mem_gb",)),
     Parameter("time", "resources.time_min", ("timeout_min", "time"), executor=("time", "timeout_min")),
-    Parameter("account", "the site's account", owned=False),
-    Parameter("qos", "the site's qos", owned=False),
+    Parameter("account", "the site's account", owned=False, yields=True),
+    Parameter("qos", "the site's qos", owned=False, yields=True),
     Parameter("output", "the site's storage.logs"),
     Parameter("error", "the site's storage.logs"),
     Parameter("open-mode", "nothing (hpcdist appends to the logs)"),
@@ -76,6 +79,7 @@ PARAMETERS = (
     Parameter("export", "env_passthrough", owned=False),
 )
 
+_BY_OPTION = {p.option: p for p in PARAMETERS}
 # Options hpcdist writes itself, and where a job spec sets them instead.
 OWNED = {p.option: p.key for p in PARAMETERS if p.owned}
 
@@ -92,6 +96,25 @@ def executor_parameters(values: Mapping[str, object], slurm: bool) -> dict[str, 
     return {p.executor[0 if slurm else 1]: values[p.option] for p in PARAMETERS if p.executor}
 
 
+def directives(values: Mapping[str, SbatchValue], extra: Mapping[str, SbatchValue], after: Sequence[str] = (),
+               export: Sequence[str] = ()) -> tuple[tuple[str, SbatchValue], ...]:
+    """The script's #SBATCH options: `values` (option: the value decided for it) in the table's
+    order, then `extra` (the site's and the job's own ``sbatch:``, the job's winning), sorted. A
+    job that waits for the jobs `after` depends on each (``afterok``, beside its own dependency)
+    and dies with a failed one instead of pending forever; `export` adds the names the job takes
+    from the submitting shell (never values) to the site's ``--export``."""
+    extra = dict(extra)
+    values = {k: v for k, v in values.items() if not (k in extra and _BY_OPTION[k].yields)}
+    if after:
+        values["dependency"] = ",".join([*([str(extra.pop("dependency"))] if "dependency" in extra else []),
+                                         *(f"afterok:{j}" for j in after)])
+        values["kill-on-invalid-dep"] = extra.pop("kill-on-invalid-dep", "yes")
+    if export:  # ALL (Slurm's default) or a list stays as it is plus the names, NONE becomes the names
+        listed = str(extra.pop("export", "ALL"))
+        values["export"] = ",".join([*([] if listed.upper() == "NONE" else [listed]), *export])
+    return (*((p.option, values[p.option]) for p in PARAMETERS if p.option in values), *sorted(extra.items()))
+
+
 def slurm_time(minutes: float) -> str:
     """Slurm's ``--time`` for `minutes`: whole minutes as they are, a fraction as ``M:SS``
     (submitit's ``timeout_min`` may be ``3 / 60``), never less than a second."""
@@ -99,9 +122,6 @@ def slurm_time(minutes: float) -> str:
         return str(int(minutes))
     seconds = max(1, round(minutes * 60))
     return f"{seconds // 60}:{seconds % 60:02d}"
-
-
-SbatchValue = bool | int | float | str
 
 
 def _check(options: dict[str, SbatchValue]) -> dict[str, SbatchValue]:

@@ -1,22 +1,25 @@
 """Plan, then act (TorchX's ``schedule(submit_dryrun(...))``): a job spec resolved against its
 site once, into the one frozen ``Plan`` that every later reader reads.
 
-``make`` (``resolve`` without the disk) decides every value of one submission here and nowhere
-else: the partition, the time limit, CPUs and GPUs per task, memory, the ranks' variables, the
-storage paths and log patterns, the container with its binds, the launcher's line, the nodes
-the site's health record excludes, the ``#SBATCH`` options and submitit's executor parameters
-(both read from the one table, ``hpcdist.config.sbatch.PARAMETERS``). ``hpcdist.login.render``
-only formats a plan into text (what ``render`` prints and ``submit`` submits),
-``hpcdist.login.submit.schedule`` hands it to submitit's executor and to the local controller,
-and ``hpcdist.login.site_check`` holds it against the live cluster; none asks the site again. A
-chain is a list of plans whose links wait for the one before when they are scheduled. Pure but
+``make`` (``resolve``, which without ``live`` reads nothing from disk) decides every value of one
+submission here and nowhere else: the partition, the time limit, CPUs and GPUs per task, memory,
+the ranks' variables, the storage paths and log patterns, the container with its binds, the
+launcher's line, the nodes the site's health record excludes, the ``#SBATCH`` options and
+submitit's executor parameters (both read from the one table, ``hpcdist.config.sbatch``).
+``hpcdist.login.render`` only formats a plan into text (what ``render`` prints and ``submit``
+submits), ``hpcdist.login.submit.schedule`` hands it to submitit's executor and to the local
+controller, and ``hpcdist.login.site_check`` holds it against the live cluster; none asks the
+site again. A chain is a list of plans whose links wait for the one before when they are
+scheduled. Pure but
 for reading the site's node health record (``hpcdist.login.exclusions``) and checking the
-container's image and mounts on disk (``placed``).
+container's image and mounts on disk (``hpcdist.config.container.placed``). The decisions
+themselves stay with their owners, asked once each: the CPUs per rank, the ranks' variables and
+the container with the job spec (``hpcdist.config.spec``), the paths with ``JobPaths``, the
+launch line with the launcher, the order and spelling of the options with the table.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import sys
@@ -25,14 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpcdist.config import sbatch
 from hpcdist.config.paths import log_patterns
-from hpcdist.config.sbatch import PARAMETERS, executor_parameters, slurm_time
 from hpcdist.errors import SubmitError
 from hpcdist.launchers import LaunchPlan, get_launcher
 from hpcdist.login.exclusions import Exclusions, for_job
 
 if TYPE_CHECKING:
-    from hpcdist.config.site import Partition, Site
+    from hpcdist.config.site import Site
     from hpcdist.config.spec import JobSpec
     from hpcdist.containers import ContainerPlan
 
@@ -121,121 +124,76 @@ def make(base: JobSpec, site: Site, origin: Origin, tasks: Sequence[JobSpec] = (
     if (origin.array_size or 1) != len(tasks) or (site.scheduler != "slurm" and len(tasks) > 1):
         raise SubmitError(f"{origin.job_path}: {len(tasks)} tasks for an array of {origin.array_size or 1} on site "
                           f"{site.name!r}; a local site runs a sweep's tasks one at a time")
-    excluded = for_job(base, site)  # the one read of the site's health record for this plan
-    return resolve(base, site, origin, tasks, excluded, on_disk=True)
+    return resolve(base, site, origin, tasks, live=True)
 
 
 def resolve(base: JobSpec, site: Site, origin: Origin, tasks: Sequence[JobSpec] = (),
-            excluded: Exclusions | None = None, on_disk: bool = False) -> Plan:
-    """`base` on `site`, every value decided once, without I/O (`on_disk`: the container is
-    checked on disk and its binds placed on the image, ``placed``)."""
-    from hpcdist.config.spec import plan_for
+            excluded: Exclusions | None = None, live: bool = False) -> Plan:
+    """`base` on `site`, every value decided once. `live`: the site's node health record is read
+    (the one read for this plan, ``hpcdist.login.exclusions``) and the container checked on disk,
+    its binds placed on the image (``config.container.placed``); else no I/O, `excluded` given."""
+    from hpcdist.config.container import placed
+    from hpcdist.config.spec import container_for, gpus_unasked, plan_with
 
     res, slurm = base.resources, site.scheduler == "slurm"
-    excluded = excluded or Exclusions()
     partition, part = site.partition(res.partition)
-    minutes, cpus = base.time_limit_min(site), base.cpus_per_task(site, part)
-    env = base.rank_env(site, cpus)
-    limit_s = max(1, round(60 * minutes))
-    delay_s = site.preemption.warning_s(60 * minutes if slurm else limit_s)
-    folder = base.paths(site).folder
+    if live:
+        excluded = for_job(base, site, partition, part)
+    excluded = excluded or Exclusions()
+    minutes, cpus = base.time_limit_min(site), base.cpus_on(site, part)
+    env, paths, own = base.rank_env_with(site, cpus), base.paths(site), container_for(base, site)
+    container = plan_with(base, site, env, own) if slurm else None
+    note = gpus_unasked(base, site, partition, part)
     array = slurm and origin.array_size is not None
-    out, err = log_patterns(folder, array)
+    out, err = log_patterns(paths.folder, array)
     err = out if base.stderr_to_stdout else err
-    container = plan_for(base, site, env) if slurm else None
-    if container is not None and on_disk:
-        container = placed(container, base, site)
-    job_env = dict(env)
-    if slurm:
-        job_env["SUBMITIT_PREEMPTION_SIGNAL"] = site.preemption.signal
+    if container is not None and live:
+        container = placed(container, (*site.containers[container.runtime].mounts, *(own.mounts if own else ())))
+    job_env, box, container_prelude = dict(env), dict[str, Any](), tuple[str, ...]()
     if container is not None:
-        from hpcdist.containers import CONTAINER_VAR, SUBMITTED_WITH_VAR, versions
-
-        job_env |= {CONTAINER_VAR: container.runtime,
-                    SUBMITTED_WITH_VAR: " ".join(f"{k}={v}" for k, v in versions().items())}
-    launch = _launch(base, site, folder, (out, err), cpus, container)
-    launcher = get_launcher(site.launcher.kind)
-    directives = _directives(base, site, partition, part, minutes, cpus, (out, err), delay_s, origin,
-                             excluded) if slurm else ()
-    shape = {"nodes": res.nodes if slurm else 1, "ntasks-per-node": res.tasks_per_node, "time": minutes}
-    return Plan(
-        base=base, tasks=tuple(tasks) or (base,), site=site, origin=origin, partition=partition, time_min=minutes,
-        cpus_per_task=cpus, gpus_per_node=res.gpus_per_node, env=env, job_env=job_env, folder=folder,
-        stdout=out, stderr=err, limit_s=limit_s, signal_delay_s=delay_s, launch=launch,
-        launch_line=launcher.command(launch), prelude=tuple(launcher.prelude(launch)) if slurm else (),
-        container=container, container_prelude=tuple(_container_prelude(container)), directives=directives,
-        executor_parameters=executor_parameters(shape, slurm), gpu_note=_unasked(base, site, partition, part),
-        excluded=excluded,
-    )
-
-
-def _launch(spec: JobSpec, site: Site, folder: Path, logs: tuple[str, str], cpus: int,
-            container: ContainerPlan | None) -> LaunchPlan:
-    """What the site's launcher needs to write its launch line (each rank in `container`, if any)."""
-    box: dict[str, Any] = {}
-    if container is not None:
-        from hpcdist.containers import get_runtime
+        from hpcdist.containers import CONTAINER_VAR, SUBMITTED_WITH_VAR, get_runtime, versions
 
         runtime = get_runtime(container.runtime)
         box = {"container": tuple(runtime.wrap(container)), "srun_container": tuple(runtime.srun_flags(container)),
                "rank_python": container.python}
-    return LaunchPlan(python=site.python or sys.executable, folder=folder, tasks_per_node=spec.resources.tasks_per_node,
-                      stdout=logs[0], stderr=logs[1], args=site.launcher.line_args, cpus_per_task=cpus,
-                      socket_ifname=site.network.socket_ifname, signal=site.preemption.signal, **box)
-
-
-def _container_prelude(container: ContainerPlan | None) -> list[str]:
-    if container is None:
-        return []
-    from hpcdist.containers import get_runtime
-
-    return get_runtime(container.runtime).prelude(container)
-
-
-def _directives(spec: JobSpec, site: Site, partition: str, part: Partition, minutes: float, cpus: int,
-                logs: tuple[str, str], delay_s: int, origin: Origin, excluded: Exclusions
-                ) -> tuple[tuple[str, Any], ...]:
-    """The #SBATCH options, in the table's order (``hpcdist.config.sbatch.PARAMETERS``), then site
-    extras and the job's own ``sbatch:`` options (the job's win), sorted, with the nodes the
-    site's health record keeps the job from added to its ``exclude``."""
-    res = spec.resources
-    extra = {**site.sbatch, **spec.sbatch}
-    merged = excluded.flag()
-    if merged:
-        extra["exclude"] = merged
-    values: dict[str, Any] = {"job-name": spec.name, "partition": partition, "nodes": res.nodes,
-                              "ntasks-per-node": res.tasks_per_node, "cpus-per-task": cpus}
-    if res.gpus_per_node:
-        typed = f"{part.gpu_type}:{res.gpus_per_node}" if part.gpu_type else str(res.gpus_per_node)
-        values |= {"gres": f"gpu:{typed}"} if site.gpu_request == "gres" else {"gpus-per-node": typed}
-    if res.mem_gb is not None:
-        values["mem"] = f"{int(res.mem_gb * 1024)}M"
-    values["time"] = slurm_time(minutes)
-    if site.account and "account" not in extra:
-        values["account"] = site.account
-    if site.qos and "qos" not in extra:
-        values["qos"] = site.qos
-    values |= {"output": logs[0].replace("%t", "0"), "error": logs[1].replace("%t", "0"), "open-mode": "append",
-               "signal": get_launcher(site.launcher.kind).signal_flag(site.preemption.signal, delay_s),
-               "requeue": True}
-    size = origin.array_size
-    if size is not None:
-        values["array"] = f"0-{size - 1}" + (f"%{origin.max_parallel}" if origin.max_parallel else "")
-    if origin.after:
-        # afterok on each; a link that failed cancels this job instead of leaving it pending forever
-        values["dependency"] = ",".join([*([str(extra.pop("dependency"))] if "dependency" in extra else []),
-                                         *(f"afterok:{j}" for j in origin.after)])
-        values["kill-on-invalid-dep"] = extra.pop("kill-on-invalid-dep", "yes")
-    if spec.env_passthrough:
-        values["export"] = _export(str(extra.pop("export", "ALL")), spec.env_passthrough)
-    return (*((p.option, values[p.option]) for p in PARAMETERS if p.option in values), *sorted(extra.items()))
-
-
-def _export(site_value: str, names: tuple[str, ...]) -> str:
-    """``--export`` that adds the job's pass-through names (never values) to the site's choice:
-    ``ALL`` (Slurm's default) or a list stays as it is plus the names, ``NONE`` becomes the names."""
-    listed = [] if site_value.upper() == "NONE" else [site_value]
-    return ",".join([*listed, *names])
+        container_prelude = tuple(runtime.prelude(container))
+        job_env |= {CONTAINER_VAR: container.runtime,
+                    SUBMITTED_WITH_VAR: " ".join(f"{k}={v}" for k, v in versions().items())}
+    limit_s = max(1, round(60 * minutes))
+    delay_s = site.preemption.warning_s(60 * minutes if slurm else limit_s)
+    launcher = get_launcher(site.launcher.kind)
+    launch = LaunchPlan(python=site.python or sys.executable, folder=paths.folder, tasks_per_node=res.tasks_per_node,
+                        stdout=out, stderr=err, args=site.launcher.line_args, cpus_per_task=cpus,
+                        socket_ifname=site.network.socket_ifname, signal=site.preemption.signal, **box)
+    directives: tuple[tuple[str, Any], ...] = ()
+    if slurm:
+        job_env["SUBMITIT_PREEMPTION_SIGNAL"] = site.preemption.signal
+        values: dict[str, Any] = {"job-name": base.name, "partition": partition, "nodes": res.nodes,
+                                  "ntasks-per-node": res.tasks_per_node, "cpus-per-task": cpus}
+        if res.gpus_per_node:
+            typed = f"{part.gpu_type}:{res.gpus_per_node}" if part.gpu_type else str(res.gpus_per_node)
+            values |= {"gres": f"gpu:{typed}"} if site.gpu_request == "gres" else {"gpus-per-node": typed}
+        if res.mem_gb is not None:
+            values["mem"] = f"{int(res.mem_gb * 1024)}M"
+        size = origin.array_size
+        values |= {"time": sbatch.slurm_time(minutes), "account": site.account, "qos": site.qos,
+                   "output": out.replace("%t", "0"), "error": err.replace("%t", "0"), "open-mode": "append",
+                   "signal": launcher.signal_flag(site.preemption.signal, delay_s), "requeue": True,
+                   "array": None if size is None else f"0-{size - 1}" + (f"%{origin.max_parallel}"
+                                                                          if origin.max_parallel else "")}
+        merged = excluded.flag()  # the site's health record's nodes added to the job's own exclude
+        extra = {**site.sbatch, **base.sbatch, **({"exclude": merged} if merged else {})}
+        directives = sbatch.directives({k: v for k, v in values.items() if v}, extra, origin.after,
+                                       base.env_passthrough)
+    shape = {"nodes": res.nodes if slurm else 1, "ntasks-per-node": res.tasks_per_node, "time": minutes}
+    return Plan(
+        base=base, tasks=tuple(tasks) or (base,), site=site, origin=origin, partition=partition, time_min=minutes,
+        cpus_per_task=cpus, gpus_per_node=res.gpus_per_node, env=env, job_env=job_env, folder=paths.folder,
+        stdout=out, stderr=err, limit_s=limit_s, signal_delay_s=delay_s, launch=launch,
+        launch_line=launcher.command(launch), prelude=tuple(launcher.prelude(launch)) if slurm else (),
+        container=container, container_prelude=container_prelude, directives=directives,
+        executor_parameters=sbatch.executor_parameters(shape, slurm), gpu_note=note, excluded=excluded,
+    )
 
 
 # What a rank says when CUDA finds no GPU: torch's lazy init with CUDA_VISIBLE_DEVICES empty, no
@@ -245,25 +203,10 @@ _NO_GPU = re.compile(r"No CUDA GPUs are available|Found no NVIDIA driver|no CUDA
 
 
 def unasked_gpus(spec: JobSpec, site: Site) -> str:
-    """One line when `spec` asks no GPUs on a node that has them (the local machine's, counted
-    by ``gpus_per_node: auto``, or a partition's as the site lists them): its ranks get none, as
-    submitit and Slurm give none to a job that asks none; "" otherwise."""
-    return _unasked(spec, site, *site.partition(spec.resources.partition))
+    """One line when `spec` asks no GPUs on a node of `site` that has them (``gpus_unasked``)."""
+    from hpcdist.config.spec import gpus_unasked
 
-
-def _unasked(spec: JobSpec, site: Site, name: str, part: Partition) -> str:
-    res = spec.resources
-    gpus, tasks = part.gpus_per_node, res.tasks_per_node
-    if res.gpus_per_node or not gpus:
-        return ""
-    where = f"a machine with {gpus}" if site.scheduler == "local" else f"partition {name}, which has {gpus} a node"
-    if tasks > gpus:
-        fix = f"add --set resources.gpus_per_node={gpus} --set resources.tasks_per_node={gpus} (a rank per GPU)"
-    else:
-        fix = f"add --set resources.gpus_per_node={tasks} to give each rank one"
-        if tasks < gpus:
-            fix += f" (gpus_per_node={gpus} with tasks_per_node={gpus} uses them all)"
-    return f"this job asks no GPUs on {where}, so its ranks get none; {fix}"
+    return gpus_unasked(spec, site, *site.partition(spec.resources.partition))
 
 
 def no_gpu_note(errors: Sequence[str], spec: JobSpec, site: Site) -> str:
@@ -271,37 +214,6 @@ def no_gpu_note(errors: Sequence[str], spec: JobSpec, site: Site) -> str:
     ranks' errors and tracebacks): why, where the job asked none on a node that has some; else ""."""
     note = unasked_gpus(spec, site)
     return f"CUDA found no GPU in the ranks: {note}" if note and any(_NO_GPU.search(e) for e in errors) else ""
-
-
-def placed(box: ContainerPlan, spec: JobSpec, site: Site) -> ContainerPlan:
-    """The job's container `box` checked on disk before anything is queued: the image is there,
-    every mount's source is, and a Charliecloud image directory has a folder for every bind (each
-    moved onto the image's empty mount point that holds it, ``config.container.fold_onto_image``),
-    and is given its own ``PATH`` and ``LD_LIBRARY_PATH`` (``config.container.with_image_paths``)."""
-    from hpcdist.config.container import fold_onto_image, with_image_paths
-    from hpcdist.config.spec import container_for
-    from hpcdist.containers import Bind, get_runtime
-
-    runtime = get_runtime(box.runtime)
-    if (runtime.image_is_path or box.image.startswith(("/", "./"))) and not Path(box.image).exists():
-        raise SubmitError(f"container.image {box.image!r} does not exist here; give the path of the image "
-                          f"(a {box.runtime} image on shared storage), e.g. --set container.image=/shared/images/NAME")
-    own = container_for(spec, site)
-    for mount in (*site.containers[box.runtime].mounts, *(own.mounts if own else ())):
-        source = Bind.parse(mount).source
-        if not Path(source).exists():
-            raise SubmitError(f"container mount {mount!r}: {source} does not exist here; "
-                              f"make it, or drop it from container.mounts")
-    bad = next((p for p in runtime.listed_paths(box, os.getcwd()) if "," in p), None)
-    if bad is not None:  # pyxis's and Apptainer's binds are one comma-separated list (hpcdist.containers)
-        raise SubmitError(f"{bad!r} has a comma, which {box.runtime} reads as the end of a bind in its list of "
-                          f"mounts; {'submit from' if bad == os.getcwd() else 'use'} a path without one")
-    folded, missing = fold_onto_image(box)
-    if missing:
-        made = " ".join(f"{box.image.rstrip('/')}{t}" for t in missing)
-        raise SubmitError(f"image {box.image} has no folder to bind {', '.join(missing)} onto (Charliecloud binds "
-                          f"only onto a folder the image has); make the mount point(s) once: mkdir -p {made}")
-    return with_image_paths(folded)
 
 
 __all__: Sequence[str] = ("Origin", "Plan", "make", "resolve")

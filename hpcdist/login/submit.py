@@ -240,12 +240,12 @@ def schedule(plan: Plan, calls: Sequence[Call] | None = None) -> list[Submission
     Each task runs hpcdist's rank function (the bootstrap, then the spec's kind), or, given
     `calls` (one per task: a plain ``hpcdist.Executor`` function), that function itself, as
     submitit runs it: no bootstrap, no torch, submitit's own checkpoint-and-requeue."""
-    from hpcdist.login.render import script as script_of
+    from hpcdist.login import render
     from hpcdist.runtime import run_rank  # the callable only; nothing runs here
 
     todo: list[Call] = list(calls) if calls is not None else [(run_rank, (task, plan.site), {}) for task in plan.tasks]
 
-    base, site, script = plan.base, plan.site, script_of(plan)
+    base, site, script = plan.base, plan.site, render.script(plan)
     unset = [name for name in base.env_passthrough if name not in os.environ]
     if unset:
         raise SubmitError(
