@@ -96,23 +96,24 @@ def executor_parameters(values: Mapping[str, object], slurm: bool) -> dict[str, 
     return {p.executor[0 if slurm else 1]: values[p.option] for p in PARAMETERS if p.executor}
 
 
-def directives(values: Mapping[str, SbatchValue], extra: Mapping[str, SbatchValue], after: Sequence[str] = (),
+def directives(values: Mapping[str, SbatchValue | None], extra: Mapping[str, SbatchValue], after: Sequence[str] = (),
                export: Sequence[str] = ()) -> tuple[tuple[str, SbatchValue], ...]:
-    """The script's #SBATCH options: `values` (option: the value decided for it) in the table's
-    order, then `extra` (the site's and the job's own ``sbatch:``, the job's winning), sorted. A
-    job that waits for the jobs `after` depends on each (``afterok``, beside its own dependency)
-    and dies with a failed one instead of pending forever; `export` adds the names the job takes
-    from the submitting shell (never values) to the site's ``--export``."""
+    """The script's #SBATCH options: `values` (option: the value decided for it; None: not
+    written) in the table's order, then `extra` (the site's and the job's own ``sbatch:``, the
+    job's winning), sorted. A job that waits for the jobs `after` depends on each (``afterok``,
+    beside its own dependency) and dies with a failed one instead of pending forever; `export`
+    adds the names the job takes from the submitting shell (never values) to the site's
+    ``--export``."""
     extra = dict(extra)
-    values = {k: v for k, v in values.items() if not (k in extra and _BY_OPTION[k].yields)}
+    written = {k: v for k, v in values.items() if v is not None and not (k in extra and _BY_OPTION[k].yields)}
     if after:
-        values["dependency"] = ",".join([*([str(extra.pop("dependency"))] if "dependency" in extra else []),
+        written["dependency"] = ",".join([*([str(extra.pop("dependency"))] if "dependency" in extra else []),
                                          *(f"afterok:{j}" for j in after)])
-        values["kill-on-invalid-dep"] = extra.pop("kill-on-invalid-dep", "yes")
+        written["kill-on-invalid-dep"] = extra.pop("kill-on-invalid-dep", "yes")
     if export:  # ALL (Slurm's default) or a list stays as it is plus the names, NONE becomes the names
         listed = str(extra.pop("export", "ALL"))
-        values["export"] = ",".join([*([] if listed.upper() == "NONE" else [listed]), *export])
-    return (*((p.option, values[p.option]) for p in PARAMETERS if p.option in values), *sorted(extra.items()))
+        written["export"] = ",".join([*([] if listed.upper() == "NONE" else [listed]), *export])
+    return (*((p.option, written[p.option]) for p in PARAMETERS if p.option in written), *sorted(extra.items()))
 
 
 def slurm_time(minutes: float) -> str:

@@ -176,15 +176,14 @@ def resolve(base: JobSpec, site: Site, origin: Origin, tasks: Sequence[JobSpec] 
         if res.mem_gb is not None:
             values["mem"] = f"{int(res.mem_gb * 1024)}M"
         size = origin.array_size
-        values |= {"time": sbatch.slurm_time(minutes), "account": site.account, "qos": site.qos,
+        values |= {"time": sbatch.slurm_time(minutes), "account": site.account or None, "qos": site.qos or None,
                    "output": out.replace("%t", "0"), "error": err.replace("%t", "0"), "open-mode": "append",
                    "signal": launcher.signal_flag(site.preemption.signal, delay_s), "requeue": True,
                    "array": None if size is None else f"0-{size - 1}" + (f"%{origin.max_parallel}"
                                                                           if origin.max_parallel else "")}
         merged = excluded.flag()  # the site's health record's nodes added to the job's own exclude
         extra = {**site.sbatch, **base.sbatch, **({"exclude": merged} if merged else {})}
-        directives = sbatch.directives({k: v for k, v in values.items() if v}, extra, origin.after,
-                                       base.env_passthrough)
+        directives = sbatch.directives(values, extra, origin.after, base.env_passthrough)
     shape = {"nodes": res.nodes if slurm else 1, "ntasks-per-node": res.tasks_per_node, "time": minutes}
     return Plan(
         base=base, tasks=tuple(tasks) or (base,), site=site, origin=origin, partition=partition, time_min=minutes,
