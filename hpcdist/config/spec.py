@@ -216,7 +216,7 @@ def fit_to_site(spec: JobSpec, site: Site) -> list[tuple[str, object, str]]:
     if part.reserved_cpus_per_node >= part.cpus_per_node:
         problems.append((f"site partitions.{pname}.reserved_cpus_per_node", part.reserved_cpus_per_node,
                          f"fewer than its cpus_per_node {part.cpus_per_node} (the rest are the ranks')"))
-    cpus = spec.cpus_per_task(site)
+    cpus = spec.cpus_on(site, part)
     if res.tasks_per_node * cpus > part.cpus_per_node and site.scheduler == "slurm":
         key, value = ("cpus_per_task", cpus) if res.cpus_per_task else ("tasks_per_node", res.tasks_per_node)
         problems.append((f"resources.{key}", value,
