@@ -134,7 +134,7 @@ class Runtime:
 
     def listed_paths(self, plan: ContainerPlan, submit_dir: str) -> list[str]:
         """The paths this runtime writes into one comma-separated list (a comma in one would cut it
-        in two, so ``login.plan.placed`` refuses it); none by default."""
+        in two, so ``config.container.placed`` refuses it); none by default."""
         return []
 
     def inside(self, plan: ContainerPlan, unset: tuple[str, ...] = ()) -> list[str]:

@@ -22,7 +22,8 @@ from hpcdist.config.spec import plan_for
 from hpcdist.containers import Bind, ContainerPlan, get_runtime
 from hpcdist.errors import ConfigError
 from hpcdist.kinds.registry import load_job
-from hpcdist.login.render import Origin, render
+from hpcdist.login.plan import Origin
+from hpcdist.login.render import render
 from hpcdist.runtime import requeue
 from hpcdist.runtime.task_runner import version_mismatch
 from tests.support.cli import REPO, job_id, missing, run_cli, storage_sets

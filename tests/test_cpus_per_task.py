@@ -13,7 +13,8 @@ from hpcdist.config import load_site, read_spec
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import ConfigError
 from hpcdist.kinds.registry import load_job
-from hpcdist.login.render import Origin, render
+from hpcdist.login.plan import Origin
+from hpcdist.login.render import render
 from tests.support.cli import REPO, run_cli, storage_sets
 
 GPU8 = ["resources.gpus_per_node=8", "resources.tasks_per_node=8"]  # a whole ndr-h100 node

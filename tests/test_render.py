@@ -17,7 +17,8 @@ import pytest
 from hpcdist.config import load_site
 from hpcdist.errors import RenderError
 from hpcdist.kinds.registry import load_job
-from hpcdist.login.render import Origin, first_command_line, render
+from hpcdist.login.plan import Origin
+from hpcdist.login.render import first_command_line, render
 from tests.support.cli import REPO, run_cli, storage_sets
 
 GOLDEN = Path(__file__).parent / "golden"

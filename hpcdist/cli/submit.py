@@ -1,5 +1,5 @@
 """``hpcdist render`` and ``hpcdist submit``: a job spec (or ``-- SCRIPT ARG...``) and a site made
-into the script, shown or submitted (``hpcdist.login.plan``, ``hpcdist.login.lifecycle``)."""
+into the script, shown or submitted (``hpcdist.login.load``, ``plan``, ``render``, ``lifecycle``)."""
 
 from __future__ import annotations
 
@@ -35,26 +35,26 @@ def no_pydantic_plugins() -> Iterator[None]:
 
 
 def request(args: argparse.Namespace) -> Any:
-    """What the user asked `render` or `submit` for, as plain values (``hpcdist.login.plan.Request``)."""
-    from hpcdist.login.plan import Request
+    """What the user asked `render` or `submit` for, as plain values (``hpcdist.login.load.Request``)."""
+    from hpcdist.login.load import Request
 
     return Request(args.site, tuple(args.sets), args.job, tuple(args.argv or ()), tuple(getattr(args, "after", ())),
                    tuple(getattr(args, "sweeps", ())), getattr(args, "max_parallel", None))
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from hpcdist.login import plan
+    from hpcdist.login import load, plan, render
 
     req = request(args)
     with no_pydantic_plugins():
-        job, site, origin = plan.load(req, on_missing=_warn)  # a missing input is a warning here
-        tasks = [j.spec for j in plan.sweep_jobs(req, site, on_missing=_warn)] if req.sweeps else []
+        job, site, origin = load.load(req, on_missing=_warn)  # a missing input is a warning here
+        tasks = [j.spec for j in load.sweep_jobs(req, site, on_missing=_warn)] if req.sweeps else []
     if tasks and site.scheduler != "slurm":  # a local site runs a sweep's tasks one at a time: the first
         tasks, origin = [], dataclasses.replace(origin, sweeps=())
     made = plan.make(job.spec, site, origin, tasks)
     if made.gpu_note:
         print(f"hpcdist: note: {made.gpu_note}", file=sys.stderr)
-    sys.stdout.write(made.script)
+    sys.stdout.write(render.script(made))
     return 0
 
 

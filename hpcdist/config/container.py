@@ -8,12 +8,13 @@ key (``--set container.image=...`` on a site with a default runtime is enough), 
 the site's storage roots (results, checkpoints, scratch and logs: submitit's pickles and the
 code snapshot are there), the site's PMIx folder for the runtime (``pmix_dir``) and its mounts,
 then the job's. ``config.spec`` merges a job's container with its site's and checks
-it (no I/O); ``login.plan.placed`` checks the image and the mounts on disk at submit.
+it (no I/O); ``placed`` here checks the image and the mounts on disk at submit.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
@@ -21,7 +22,8 @@ from typing import Annotated
 from pydantic import AfterValidator, Field
 
 from hpcdist.config.base import Frozen
-from hpcdist.containers import Bind, ContainerPlan, runtime_names
+from hpcdist.containers import Bind, ContainerPlan, get_runtime, runtime_names
+from hpcdist.errors import SubmitError
 
 NONE = "none"  # `runtime: none`: this job runs outside the site's default container
 
@@ -146,3 +148,30 @@ def with_image_paths(plan: ContainerPlan) -> ContainerPlan:
             sets.append(f"--set-env={name}={value}")
     return replace(plan, args=(*sets, *plan.args)) if sets else plan
 
+
+
+def placed(box: ContainerPlan, mounts: Sequence[str]) -> ContainerPlan:
+    """The job's container `box` checked on disk before anything is queued: the image is there,
+    every one of its `mounts`' sources is (the site's for the runtime, then the job's), and a
+    Charliecloud image directory has a folder for every bind (each moved onto the image's empty
+    mount point that holds it, ``fold_onto_image``), and is given its own ``PATH`` and
+    ``LD_LIBRARY_PATH`` (``with_image_paths``)."""
+    runtime = get_runtime(box.runtime)
+    if (runtime.image_is_path or box.image.startswith(("/", "./"))) and not Path(box.image).exists():
+        raise SubmitError(f"container.image {box.image!r} does not exist here; give the path of the image "
+                          f"(a {box.runtime} image on shared storage), e.g. --set container.image=/shared/images/NAME")
+    for mount in mounts:
+        source = Bind.parse(mount).source
+        if not Path(source).exists():
+            raise SubmitError(f"container mount {mount!r}: {source} does not exist here; "
+                              f"make it, or drop it from container.mounts")
+    bad = next((p for p in runtime.listed_paths(box, os.getcwd()) if "," in p), None)
+    if bad is not None:  # pyxis's and Apptainer's binds are one comma-separated list (hpcdist.containers)
+        raise SubmitError(f"{bad!r} has a comma, which {box.runtime} reads as the end of a bind in its list of "
+                          f"mounts; {'submit from' if bad == os.getcwd() else 'use'} a path without one")
+    folded, missing = fold_onto_image(box)
+    if missing:
+        made = " ".join(f"{box.image.rstrip('/')}{t}" for t in missing)
+        raise SubmitError(f"image {box.image} has no folder to bind {', '.join(missing)} onto (Charliecloud binds "
+                          f"only onto a folder the image has); make the mount point(s) once: mkdir -p {made}")
+    return with_image_paths(folded)

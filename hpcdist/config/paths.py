@@ -59,6 +59,11 @@ class JobPaths:
         """Where rank 0 reports progress and the waiter reads it: ``logs/<name>/<job id>``."""
         return under(self.storage.root("logs"), self.name, self.job_id)
 
+    @property
+    def container_home(self) -> Path:
+        """The ranks' ``$HOME`` inside a container that gets one of its own: ``<scratch>/<name>/home``."""
+        return under(self.storage.root("scratch"), self.name, "home")
+
     def rank_log(self, rank: int, what: str = "train") -> Path:
         """hpcdist's own log of one rank (``train_rank1.log``), beside the progress."""
         return self.progress / f"{what}_rank{rank}.log"

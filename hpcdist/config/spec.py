@@ -9,6 +9,7 @@ module knows nothing of job kinds.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -19,7 +20,7 @@ from hpcdist.config.container import NONE, Container, outermost
 from hpcdist.config.contract import LAUNCH_TIME_VAR, RESTART_COUNT_VAR
 from hpcdist.config.paths import JobPaths
 from hpcdist.config.sbatch import SbatchOptions
-from hpcdist.config.site import EnvMap, EnvNames, Frozen, Site, under
+from hpcdist.config.site import EnvMap, EnvNames, Frozen, Partition, Site
 from hpcdist.config.tracking import Tracking
 from hpcdist.containers import CONTAINER_VAR, SUBMITTED_WITH_VAR, Bind, ContainerPlan, get_runtime
 from hpcdist.launchers import get_launcher
@@ -131,18 +132,22 @@ class JobSpec(Frozen):
         return self.timeout_s if self.timeout_s is not None else site.defaults.timeout_s
 
     def cpus_per_task(self, site: Site) -> int:
-        """CPUs each rank gets (``--cpus-per-task``, and ``OMP_NUM_THREADS`` by default): the one
-        place the default is decided. ``resources.cpus_per_task`` when given; else 1 for a job
-        without GPUs, and for a GPU job its GPUs' share of the node's CPUs less the site's
-        ``reserved_cpus_per_node`` (``(cpus_per_node - reserved) // gpus_per_node`` of the
-        partition: 14 on an 8-GPU node of 112 CPUs), so a job on part of a node leaves the other
-        GPUs their CPUs. On the local site the node is this machine: no more than its CPUs."""
+        """CPUs each rank gets on `site` (``cpus_on`` its partition)."""
+        return self.cpus_on(site, site.partition(self.resources.partition)[1])
+
+    def cpus_on(self, site: Site, part: Partition) -> int:
+        """CPUs each rank gets on partition `part` of `site` (``--cpus-per-task``, and
+        ``OMP_NUM_THREADS`` by default): the one place the default is decided.
+        ``resources.cpus_per_task`` when given; else 1 for a job without GPUs, and for a GPU job
+        its GPUs' share of the node's CPUs less the site's ``reserved_cpus_per_node``
+        (``(cpus_per_node - reserved) // gpus_per_node`` of the partition: 14 on an 8-GPU node of
+        112 CPUs), so a job on part of a node leaves the other GPUs their CPUs. On the local site
+        the node is this machine: no more than its CPUs."""
         res = self.resources
         if res.cpus_per_task is not None:
             return res.cpus_per_task
         if not res.gpus_per_node:
             return 1
-        _, part = site.partition(res.partition)
         if site.scheduler == "local":
             from hpcdist.scheduler.local_jobs import machine_cpus
 
@@ -152,12 +157,16 @@ class JobSpec(Frozen):
         return max(1, (cpus - part.reserved_cpus_per_node) // max(res.tasks_per_node, part.gpus_per_node))
 
     def rank_env(self, site: Site) -> dict[str, str]:
+        """The variables hpcdist exports to every rank on `site` (``rank_env_with`` its CPUs)."""
+        return self.rank_env_with(site, self.cpus_per_task(site))
+
+    def rank_env_with(self, site: Site, cpus: int) -> dict[str, str]:
         """The variables hpcdist exports to every rank: the site's env, the job's over it, and
-        ``OMP_NUM_THREADS`` from ``cpus_per_task`` unless one of them sets it or the job takes it
+        ``OMP_NUM_THREADS`` from the rank's `cpus` unless one of them sets it or the job takes it
         from the submitting shell (``env_passthrough``)."""
         env = {**site.env, **self.env}
         if THREADS_VAR not in env and THREADS_VAR not in self.env_passthrough:
-            env[THREADS_VAR] = str(self.cpus_per_task(site))
+            env[THREADS_VAR] = str(cpus)
         return env
 
     def trackers(self, site: Site) -> Tracking:
@@ -207,7 +216,7 @@ def fit_to_site(spec: JobSpec, site: Site) -> list[tuple[str, object, str]]:
     if part.reserved_cpus_per_node >= part.cpus_per_node:
         problems.append((f"site partitions.{pname}.reserved_cpus_per_node", part.reserved_cpus_per_node,
                          f"fewer than its cpus_per_node {part.cpus_per_node} (the rest are the ranks')"))
-    cpus = spec.cpus_per_task(site)
+    cpus = spec.cpus_on(site, part)
     if res.tasks_per_node * cpus > part.cpus_per_node and site.scheduler == "slurm":
         key, value = ("cpus_per_task", cpus) if res.cpus_per_task else ("tasks_per_node", res.tasks_per_node)
         problems.append((f"resources.{key}", value,
@@ -225,6 +234,24 @@ def fit_to_site(spec: JobSpec, site: Site) -> list[tuple[str, object, str]]:
     if spec.backend == "nccl" and res.gpus_per_node == 0:
         problems.append(("backend", "nccl", "gloo or auto when the job asks for no GPUs"))
     return problems + container_problems(spec, site)
+
+
+def gpus_unasked(spec: JobSpec, site: Site, name: str, part: Partition) -> str:
+    """One line when `spec` asks no GPUs on partition `name` (`part`) that has them (the local
+    machine's, counted by ``gpus_per_node: auto``, or a partition's as the site lists them): its
+    ranks get none, as submitit and Slurm give none to a job that asks none; "" otherwise."""
+    res = spec.resources
+    gpus, tasks = part.gpus_per_node, res.tasks_per_node
+    if res.gpus_per_node or not gpus:
+        return ""
+    where = f"a machine with {gpus}" if site.scheduler == "local" else f"partition {name}, which has {gpus} a node"
+    if tasks > gpus:
+        fix = f"add --set resources.gpus_per_node={gpus} --set resources.tasks_per_node={gpus} (a rank per GPU)"
+    else:
+        fix = f"add --set resources.gpus_per_node={tasks} to give each rank one"
+        if tasks < gpus:
+            fix += f" (gpus_per_node={gpus} with tasks_per_node={gpus} uses them all)"
+    return f"this job asks no GPUs on {where}, so its ranks get none; {fix}"
 
 
 # ---------------------------------------------------------------- the job's container on its site
@@ -290,19 +317,23 @@ def _task_names(site: Site) -> tuple[str, ...]:
 
 
 def plan_for(spec: JobSpec, site: Site) -> ContainerPlan | None:
-    """The container a launch line wraps each rank in, binds as written (no I/O): the storage
-    roots, the site's mounts for the runtime, the job's; a bind under another is dropped."""
-    box = container_for(spec, site)
+    """The container a launch line wraps each rank in (``plan_with`` the ranks' variables)."""
+    return plan_with(spec, site, spec.rank_env(site), container_for(spec, site))
+
+
+def plan_with(spec: JobSpec, site: Site, env: Mapping[str, str], box: Container | None) -> ContainerPlan | None:
+    """The container `box` (``container_for``) a launch line wraps each rank in, binds as written
+    (no I/O): the storage roots, the site's mounts for the runtime, the job's; a bind under
+    another is dropped. `env`: the ranks' variables (``JobSpec.rank_env``)."""
     if box is None or box.runtime is None or box.image is None or box.runtime not in site.containers:
         return None
     runtime = site.containers[box.runtime]
     roots = [str(r) for r in site.storage.roots]
     pmix = [runtime.pmix_dir] if runtime.pmix_dir else []
     binds = [Bind(r, r) for r in roots] + [Bind.parse(m) for m in (*pmix, *runtime.mounts, *box.mounts)]
-    env = spec.rank_env(site)
     # Charliecloud's ranks keep the host's $HOME (ch-run binds nothing over it); the others get a
     # writable one under the job's scratch, bound with the scratch root
-    home = None if box.runtime == "charliecloud" else str(under(site.storage.root("scratch"), spec.name, "home"))
+    home = None if box.runtime == "charliecloud" else str(spec.paths(site).container_home)
     return ContainerPlan(box.runtime, box.image, box.python or "python3", outermost(binds), runtime.args,
                          gpus=spec.resources.gpus_per_node > 0,
                          names=tuple(sorted({*env, *spec.env_passthrough, *_JOB_WIDE})),

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from hpcdist.errors import ConfigError, HpcdistError, SubmitError
 
 if TYPE_CHECKING:
-    from hpcdist.config.site import Site
+    from hpcdist.config.site import Partition, Site
     from hpcdist.config.spec import JobSpec
     from hpcdist.login.postmortem import StepRecord
     from hpcdist.store.records.health import Mark
@@ -65,9 +65,10 @@ def user_exclude(spec: JobSpec, site: Site) -> str:
     return str({**site.sbatch, **spec.sbatch}.get("exclude", "") or "")
 
 
-def for_job(spec: JobSpec, site: Site) -> Exclusions:
-    """The exclusions of `spec` on a Slurm `site`: its own ``exclude`` plus the nodes marked bad
-    within ``health.exclude_for_h``; a SubmitError when they leave too few nodes for the job."""
+def for_job(spec: JobSpec, site: Site, name: str, partition: Partition) -> Exclusions:
+    """The exclusions of `spec` on a Slurm `site`, in its partition `name` (`partition`): its own
+    ``exclude`` plus the nodes marked bad within ``health.exclude_for_h``; a SubmitError when
+    they leave too few nodes for the job."""
     if site.scheduler != "slurm":
         return Exclusions()
     extra = {**site.sbatch, **{k: str(v) for k, v in spec.sbatch.items()}}
@@ -83,11 +84,11 @@ def for_job(spec: JobSpec, site: Site) -> Exclusions:
     pinned = set(_hosts(str(extra["nodelist"]), "sbatch.nodelist")) if "nodelist" in extra else set()
     found = Exclusions(tuple(m for m in marks if m.node not in pinned), tuple(m for m in marks if m.node in pinned),
                        user, within_h)
-    _check_enough(found, spec, site)
+    _check_enough(found, spec, name, partition)
     return found
 
 
-def _check_enough(found: Exclusions, spec: JobSpec, site: Site) -> None:
+def _check_enough(found: Exclusions, spec: JobSpec, name: str, partition: Partition) -> None:
     """Refuse exclusions that leave the job's partition fewer nodes than it asks for (the
     partition's nodes from sinfo; where sinfo cannot be asked, the site's count, every excluded
     node counted as one of them)."""
@@ -95,7 +96,6 @@ def _check_enough(found: Exclusions, spec: JobSpec, site: Site) -> None:
         return
     from hpcdist.scheduler.slurm_cluster import node_states
 
-    name, partition = site.partition(spec.resources.partition)
     excluded = set(_hosts(found.flag() or "", "sbatch.exclude"))
     states = node_states()
     members = [n for n, s in (states or {}).items() if name in s.partitions]

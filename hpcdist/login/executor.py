@@ -219,8 +219,7 @@ class Executor:
         from hpcdist.login import submit as sub
         from hpcdist.login.jobhandle import JobHandle
         from hpcdist.login.jobindex import find
-        from hpcdist.login.plan import make
-        from hpcdist.login.render import Origin
+        from hpcdist.login.plan import Origin, make
 
         if array:
             specs = [s.model_copy(update={"name": item_name(s.name, i, len(specs))}) for i, s in enumerate(specs)]

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist.errors import HpcdistError
+from hpcdist.login import load as load_
 from hpcdist.login import plan as plan_
 from hpcdist.login import submit as sub_
 from hpcdist.login.jobhandle import JobHandle
@@ -60,7 +61,7 @@ def print_finished(job_id: str, finished: Finished, excluded: list[str] | None =
 # ---------------------------------------------------------------- submitting
 
 
-def submit(req: plan_.Request, paths: list[str], chain: bool, wait: bool, wait_timeout: float | None) -> int:
+def submit(req: load_.Request, paths: list[str], chain: bool, wait: bool, wait_timeout: float | None) -> int:
     """`hpcdist submit`: one job, a --chain of specs, or a --sweep; the exit code."""
     if len(paths) > 1 or chain:
         return _chain(req, paths, chain, wait, wait_timeout)
@@ -68,7 +69,7 @@ def submit(req: plan_.Request, paths: list[str], chain: bool, wait: bool, wait_t
         return _sweep(req, wait, wait_timeout)
     from hpcdist.kinds.registry import prepare
 
-    job, site, origin = plan_.load(req)
+    job, site, origin = load_.load(req)
     t0 = time.perf_counter()
     made = plan_.make(prepare(job, site).spec, site, origin)
     submission = sub_.schedule(made)[0]
@@ -95,7 +96,7 @@ def _print_notes(made: plan_.Plan) -> None:
         print(f"  note: {made.gpu_note}")
 
 
-def _chain(req: plan_.Request, paths: list[str], chain: bool, wait: bool, wait_timeout: float | None) -> int:
+def _chain(req: load_.Request, paths: list[str], chain: bool, wait: bool, wait_timeout: float | None) -> int:
     """`submit A.yaml B.yaml C.yaml --chain`: each link waits for the one before (afterok). Every
     link is loaded and checked before the first is submitted. On Slurm a failed link cancels the
     rest (kill-on-invalid-dep); on the local site the links run in turn and a failure stops them."""
@@ -105,7 +106,7 @@ def _chain(req: plan_.Request, paths: list[str], chain: bool, wait: bool, wait_t
     if not chain or req.sweeps or req.argv:
         raise ConfigError(f"submit {' '.join(paths)}: several job specs run one after another with --chain "
                           f"(and without --sweep or `-- SCRIPT`); or submit them one by one")
-    links = plan_.chain_links(req, paths)
+    links = load_.chain_links(req, paths)
     site = links[0][1]
     local = site.scheduler != "slurm"
     after: list[str] = list(req.after)
@@ -141,13 +142,13 @@ def _link_ok(submission: Submission, wait_timeout: float | None, rest: list[Any]
     return bool(finished.ok)
 
 
-def _sweep(req: plan_.Request, wait: bool, wait_timeout: float | None) -> int:
+def _sweep(req: load_.Request, wait: bool, wait_timeout: float | None) -> int:
     """`submit SPEC --sweep KEY=V1,V2 ...`: one Slurm job array, a task per combination (on the
     local site the tasks run one at a time)."""
     from hpcdist.kinds.registry import prepare
 
-    base, site, origin = plan_.load(req)
-    tasks = [prepare(job, site).spec for job in plan_.sweep_jobs(req, site)]
+    base, site, origin = load_.load(req)
+    tasks = [prepare(job, site).spec for job in load_.sweep_jobs(req, site)]
     subs: list[Submission] = []
     if site.scheduler == "slurm":
         made = plan_.make(base.spec, site, origin, tasks)

@@ -1,45 +1,108 @@
-"""Plan, then act (TorchX's ``schedule(submit_dryrun(...))``): what ``submit`` will do, made
-before anything is queued, and what ``render`` prints.
+"""Plan, then act (TorchX's ``schedule(submit_dryrun(...))``): a job spec resolved against its
+site once, into the one frozen ``Plan`` that every later reader reads.
 
-``load`` reads a job in one pass: the site (with its ``--set site.…`` overrides), then the spec
-(read once, overrides applied, its kind resolved, checked against the site), and how the user
-asked for it (``Origin``). ``make`` turns a job (or a sweep's tasks) into a ``Plan``: the script
-exactly as it will be submitted, submitit's executor parameters, and the tasks with their
-paths. ``hpcdist.login.submit.schedule`` consumes a plan; a chain is a list of plans whose links are
-made to wait for the one before when they are scheduled. Pure but for reading the spec files
-and the site's node health record (``hpcdist.login.exclusions``).
+``make`` (``resolve``, which without ``live`` reads nothing from disk) decides every value of one
+submission here and nowhere else: the partition, the time limit, CPUs and GPUs per task, memory,
+the ranks' variables, the storage paths and log patterns, the container with its binds, the
+launcher's line, the nodes the site's health record excludes, the ``#SBATCH`` options and
+submitit's executor parameters (both read from the one table, ``hpcdist.config.sbatch``).
+``hpcdist.login.render`` only formats a plan into text (what ``render`` prints and ``submit``
+submits), ``hpcdist.login.submit.schedule`` hands it to submitit's executor and to the local
+controller, and ``hpcdist.login.site_check`` holds it against the live cluster; none asks the
+site again. A chain is a list of plans whose links wait for the one before when they are
+scheduled. Pure but
+for reading the site's node health record (``hpcdist.login.exclusions``) and checking the
+container's image and mounts on disk (``hpcdist.config.container.placed``). The decisions
+themselves stay with their owners, asked once each: the CPUs per rank, the ranks' variables and
+the container with the job spec (``hpcdist.config.spec``), the paths with ``JobPaths``, the
+launch line with the launcher, the order and spelling of the options with the table.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import re
-from collections.abc import Callable, Sequence
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpcdist.errors import ConfigError, SubmitError
+from hpcdist.config import sbatch
+from hpcdist.config.paths import log_patterns
+from hpcdist.errors import SubmitError
+from hpcdist.launchers import LaunchPlan, get_launcher
 from hpcdist.login.exclusions import Exclusions, for_job
-from hpcdist.login.render import Origin, render
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
     from hpcdist.config.spec import JobSpec
     from hpcdist.containers import ContainerPlan
-    from hpcdist.kinds.registry import Job
+
+
+@dataclass(frozen=True)
+class Origin:
+    """How the user asked for this job, for the header's reproduce line."""
+
+    job_path: str
+    site_ref: str
+    overrides: tuple[str, ...] = ()
+    argv: tuple[str, ...] = ()  # `hpcdist submit ... -- SCRIPT ARG...`: the user's command
+    after: tuple[str, ...] = ()  # job ids this job waits for (afterok): --after, or a chain's previous link
+    sweeps: tuple[str, ...] = ()  # `--sweep KEY=V1,V2`: the job is an array, one task per combination
+    max_parallel: int | None = None  # the array's %N
+    tasks: int | None = None  # an array of this many tasks without sweeps (hpcdist.Executor.map_array)
+
+    def command(self, verb: str = "submit") -> str:
+        parts = ["hpcdist", verb, *([self.job_path] if not self.argv else []), "--site", self.site_ref]
+        for item in self.overrides:
+            parts += ["--set", item]
+        for job_id in self.after:
+            parts += ["--after", job_id]
+        for item in self.sweeps:
+            parts += ["--sweep", item]
+        if self.max_parallel is not None and self.sweeps:
+            parts += ["--max-parallel", str(self.max_parallel)]
+        return shlex.join(parts + (["--", *self.argv] if self.argv else []))
+
+    @property
+    def array_size(self) -> int | None:
+        """How many tasks the job array has (None: not an array)."""
+        if not self.sweeps:  # the sweep module loads only for a sweep (every plan asks this)
+            return self.tasks
+        from hpcdist.config.sweep import tasks
+
+        return len(tasks(self.sweeps)) or self.tasks
 
 
 @dataclass(frozen=True)
 class Plan:
-    """One submission: the script and executor parameters, and its tasks (several: an array)."""
+    """One submission, every value decided: the spec and site it came from, and what was made of
+    them. Its tasks are several in a job array (one spec each), all run by the one script."""
 
-    base: JobSpec  # the spec the script is rendered from (an array's tasks share it)
+    base: JobSpec  # the spec the script is made from (an array's tasks share it)
     tasks: tuple[JobSpec, ...]
     site: Site
     origin: Origin
-    script: str
+    partition: str
+    time_min: float  # the time limit, minutes (a fraction is allowed)
+    cpus_per_task: int
+    gpus_per_node: int
+    env: Mapping[str, str]  # what every rank is given: the site's env, the job's, OMP_NUM_THREADS
+    job_env: Mapping[str, str]  # what the script exports: `env` with submitit's and the container's
+    folder: Path  # submitit's folder (``%j`` for the job id): named after the base spec
+    stdout: str  # the per-task log patterns (``%t`` the task), stderr folded into stdout if asked
+    stderr: str
+    limit_s: int  # the time limit in whole seconds, as the local controller keeps it
+    signal_delay_s: int  # how long before the time limit the preemption signal comes
+    launch: LaunchPlan  # what the launcher's line is made of
+    launch_line: str  # the launcher's line(s) that start one process per rank
+    prelude: tuple[str, ...]  # the launcher's lines before it
+    container: ContainerPlan | None  # the container each rank runs in, its binds placed on the image
+    container_prelude: tuple[str, ...]
+    directives: tuple[tuple[str, Any], ...]  # the #SBATCH options in order (a Slurm site's)
+    executor_parameters: Mapping[str, Any]  # what submitit's executor is given (``update_parameters``)
+    gpu_note: str  # a job that asks no GPUs on a node that has them: why its ranks get none
     excluded: Exclusions = field(default_factory=Exclusions)  # the site's health record's say
 
     @property
@@ -50,27 +113,10 @@ class Plan:
     def array(self) -> bool:
         return self.origin.array_size is not None
 
-    @property
-    def folder(self) -> Path:
-        """submitit's folder (``%j`` for the job id): named after the base spec."""
-        return self.base.paths(self.site).folder
-
-    @property
-    def gpu_note(self) -> str:
-        """What `render` and `submit` say of a job that asks no GPUs where the node has some."""
-        return unasked_gpus(self.base, self.site)
-
-    @property
-    def executor_parameters(self) -> dict[str, Any]:
-        """What submitit's executor is given (``update_parameters``)."""
-        res, minutes = self.base.resources, self.base.time_limit_min(self.site)
-        if self.slurm:
-            return {"time": minutes, "nodes": res.nodes, "ntasks_per_node": res.tasks_per_node}
-        return {"timeout_min": minutes, "nodes": 1, "tasks_per_node": res.tasks_per_node}
-
 
 def make(base: JobSpec, site: Site, origin: Origin, tasks: Sequence[JobSpec] = ()) -> Plan:
-    """The plan of `base` on `site` (its `tasks`, one per array task; by default `base` alone)."""
+    """The plan of `base` on `site` (its `tasks`, one per array task; by default `base` alone),
+    kept off the nodes the site's health record marks bad, its container checked on disk."""
     tasks = tuple(tasks) or (base,)
     if not site.scheduler == "slurm" and origin.after:
         raise SubmitError(f"site {site.name!r} has no scheduler to make a job wait for job {origin.after[0]}; "
@@ -78,8 +124,75 @@ def make(base: JobSpec, site: Site, origin: Origin, tasks: Sequence[JobSpec] = (
     if (origin.array_size or 1) != len(tasks) or (site.scheduler != "slurm" and len(tasks) > 1):
         raise SubmitError(f"{origin.job_path}: {len(tasks)} tasks for an array of {origin.array_size or 1} on site "
                           f"{site.name!r}; a local site runs a sweep's tasks one at a time")
-    excluded = for_job(base, site)  # the one read of the site's health record for this plan
-    return Plan(base, tasks, site, origin, render(base, site, origin, excluded, placed(base, site)), excluded)
+    return resolve(base, site, origin, tasks, live=True)
+
+
+def resolve(base: JobSpec, site: Site, origin: Origin, tasks: Sequence[JobSpec] = (),
+            excluded: Exclusions | None = None, live: bool = False) -> Plan:
+    """`base` on `site`, every value decided once. `live`: the site's node health record is read
+    (the one read for this plan, ``hpcdist.login.exclusions``) and the container checked on disk,
+    its binds placed on the image (``config.container.placed``); else no I/O, `excluded` given."""
+    from hpcdist.config.container import placed
+    from hpcdist.config.spec import container_for, gpus_unasked, plan_with
+
+    res, slurm = base.resources, site.scheduler == "slurm"
+    partition, part = site.partition(res.partition)
+    if live:
+        excluded = for_job(base, site, partition, part)
+    excluded = excluded or Exclusions()
+    minutes, cpus = base.time_limit_min(site), base.cpus_on(site, part)
+    env, paths, own = base.rank_env_with(site, cpus), base.paths(site), container_for(base, site)
+    container = plan_with(base, site, env, own) if slurm else None
+    note = gpus_unasked(base, site, partition, part)
+    array = slurm and origin.array_size is not None
+    out, err = log_patterns(paths.folder, array)
+    err = out if base.stderr_to_stdout else err
+    if container is not None and live:
+        container = placed(container, (*site.containers[container.runtime].mounts, *(own.mounts if own else ())))
+    job_env, box, container_prelude = dict(env), dict[str, Any](), tuple[str, ...]()
+    if container is not None:
+        from hpcdist.containers import CONTAINER_VAR, SUBMITTED_WITH_VAR, get_runtime, versions
+
+        runtime = get_runtime(container.runtime)
+        box = {"container": tuple(runtime.wrap(container)), "srun_container": tuple(runtime.srun_flags(container)),
+               "rank_python": container.python}
+        container_prelude = tuple(runtime.prelude(container))
+        job_env |= {CONTAINER_VAR: container.runtime,
+                    SUBMITTED_WITH_VAR: " ".join(f"{k}={v}" for k, v in versions().items())}
+    limit_s = max(1, round(60 * minutes))
+    delay_s = site.preemption.warning_s(60 * minutes if slurm else limit_s)
+    launcher = get_launcher(site.launcher.kind)
+    launch = LaunchPlan(python=site.python or sys.executable, folder=paths.folder, tasks_per_node=res.tasks_per_node,
+                        stdout=out, stderr=err, args=site.launcher.line_args, cpus_per_task=cpus,
+                        socket_ifname=site.network.socket_ifname, signal=site.preemption.signal, **box)
+    directives: tuple[tuple[str, Any], ...] = ()
+    if slurm:
+        job_env["SUBMITIT_PREEMPTION_SIGNAL"] = site.preemption.signal
+        values: dict[str, Any] = {"job-name": base.name, "partition": partition, "nodes": res.nodes,
+                                  "ntasks-per-node": res.tasks_per_node, "cpus-per-task": cpus}
+        if res.gpus_per_node:
+            typed = f"{part.gpu_type}:{res.gpus_per_node}" if part.gpu_type else str(res.gpus_per_node)
+            values |= {"gres": f"gpu:{typed}"} if site.gpu_request == "gres" else {"gpus-per-node": typed}
+        if res.mem_gb is not None:
+            values["mem"] = f"{int(res.mem_gb * 1024)}M"
+        size = origin.array_size
+        values |= {"time": sbatch.slurm_time(minutes), "account": site.account or None, "qos": site.qos or None,
+                   "output": out.replace("%t", "0"), "error": err.replace("%t", "0"), "open-mode": "append",
+                   "signal": launcher.signal_flag(site.preemption.signal, delay_s), "requeue": True,
+                   "array": None if size is None else f"0-{size - 1}" + (f"%{origin.max_parallel}"
+                                                                          if origin.max_parallel else "")}
+        merged = excluded.flag()  # the site's health record's nodes added to the job's own exclude
+        extra = {**site.sbatch, **base.sbatch, **({"exclude": merged} if merged else {})}
+        directives = sbatch.directives(values, extra, origin.after, base.env_passthrough)
+    shape = {"nodes": res.nodes if slurm else 1, "ntasks-per-node": res.tasks_per_node, "time": minutes}
+    return Plan(
+        base=base, tasks=tuple(tasks) or (base,), site=site, origin=origin, partition=partition, time_min=minutes,
+        cpus_per_task=cpus, gpus_per_node=res.gpus_per_node, env=env, job_env=job_env, folder=paths.folder,
+        stdout=out, stderr=err, limit_s=limit_s, signal_delay_s=delay_s, launch=launch,
+        launch_line=launcher.command(launch), prelude=tuple(launcher.prelude(launch)) if slurm else (),
+        container=container, container_prelude=container_prelude, directives=directives,
+        executor_parameters=sbatch.executor_parameters(shape, slurm), gpu_note=note, excluded=excluded,
+    )
 
 
 # What a rank says when CUDA finds no GPU: torch's lazy init with CUDA_VISIBLE_DEVICES empty, no
@@ -89,22 +202,10 @@ _NO_GPU = re.compile(r"No CUDA GPUs are available|Found no NVIDIA driver|no CUDA
 
 
 def unasked_gpus(spec: JobSpec, site: Site) -> str:
-    """One line when `spec` asks no GPUs on a node that has them (the local machine's, counted
-    by ``gpus_per_node: auto``, or a partition's as the site lists them): its ranks get none, as
-    submitit and Slurm give none to a job that asks none; "" otherwise."""
-    res = spec.resources
-    name, part = site.partition(res.partition)
-    gpus, tasks = part.gpus_per_node, res.tasks_per_node
-    if res.gpus_per_node or not gpus:
-        return ""
-    where = f"a machine with {gpus}" if site.scheduler == "local" else f"partition {name}, which has {gpus} a node"
-    if tasks > gpus:
-        fix = f"add --set resources.gpus_per_node={gpus} --set resources.tasks_per_node={gpus} (a rank per GPU)"
-    else:
-        fix = f"add --set resources.gpus_per_node={tasks} to give each rank one"
-        if tasks < gpus:
-            fix += f" (gpus_per_node={gpus} with tasks_per_node={gpus} uses them all)"
-    return f"this job asks no GPUs on {where}, so its ranks get none; {fix}"
+    """One line when `spec` asks no GPUs on a node of `site` that has them (``gpus_unasked``)."""
+    from hpcdist.config.spec import gpus_unasked
+
+    return gpus_unasked(spec, site, *site.partition(spec.resources.partition))
 
 
 def no_gpu_note(errors: Sequence[str], spec: JobSpec, site: Site) -> str:
@@ -114,128 +215,4 @@ def no_gpu_note(errors: Sequence[str], spec: JobSpec, site: Site) -> str:
     return f"CUDA found no GPU in the ranks: {note}" if note and any(_NO_GPU.search(e) for e in errors) else ""
 
 
-def placed(spec: JobSpec, site: Site) -> ContainerPlan | None:
-    """The job's container checked on disk before anything is queued: the image is there, every
-    mount's source is, and a Charliecloud image directory has a folder for every bind (each moved
-    onto the image's empty mount point that holds it, ``config.container.fold_onto_image``), and
-    is given its own ``PATH`` and ``LD_LIBRARY_PATH`` (``config.container.with_image_paths``)."""
-    from hpcdist.config.container import fold_onto_image, with_image_paths
-    from hpcdist.config.spec import container_for, plan_for
-    from hpcdist.containers import Bind, get_runtime
-
-    box = plan_for(spec, site)
-    if box is None:
-        return None
-    runtime = get_runtime(box.runtime)
-    if (runtime.image_is_path or box.image.startswith(("/", "./"))) and not Path(box.image).exists():
-        raise SubmitError(f"container.image {box.image!r} does not exist here; give the path of the image "
-                          f"(a {box.runtime} image on shared storage), e.g. --set container.image=/shared/images/NAME")
-    own = container_for(spec, site)
-    for mount in (*site.containers[box.runtime].mounts, *(own.mounts if own else ())):
-        source = Bind.parse(mount).source
-        if not Path(source).exists():
-            raise SubmitError(f"container mount {mount!r}: {source} does not exist here; "
-                              f"make it, or drop it from container.mounts")
-    bad = next((p for p in runtime.listed_paths(box, os.getcwd()) if "," in p), None)
-    if bad is not None:  # pyxis's and Apptainer's binds are one comma-separated list (hpcdist.containers)
-        raise SubmitError(f"{bad!r} has a comma, which {box.runtime} reads as the end of a bind in its list of "
-                          f"mounts; {'submit from' if bad == os.getcwd() else 'use'} a path without one")
-    folded, missing = fold_onto_image(box)
-    if missing:
-        made = " ".join(f"{box.image.rstrip('/')}{t}" for t in missing)
-        raise SubmitError(f"image {box.image} has no folder to bind {', '.join(missing)} onto (Charliecloud binds "
-                          f"only onto a folder the image has); make the mount point(s) once: mkdir -p {made}")
-    return with_image_paths(folded)
-
-
-# ---------------------------------------------------------------- loading, in one pass
-
-
-@dataclass(frozen=True)
-class Request:
-    """What the user asked for on the command line (or through the Python API)."""
-
-    site: str | None
-    sets: tuple[str, ...] = ()
-    job: str | None = None  # a spec file, or None with `argv`
-    argv: tuple[str, ...] = ()  # `-- SCRIPT ARG...`
-    after: tuple[str, ...] = ()
-    sweeps: tuple[str, ...] = ()
-    max_parallel: int | None = None
-
-    @property
-    def site_sets(self) -> list[str]:
-        """`--set site.KEY=V` goes to the site config, any other `--set KEY=V` to the job spec."""
-        return [s.removeprefix("site.") for s in self.sets if s.startswith("site.")]
-
-    @property
-    def job_sets(self) -> list[str]:
-        return [s for s in self.sets if not s.startswith("site.")]
-
-
-Warn = Callable[[str], None]
-
-
-def load(request: Request, path: str | None = None, after: Sequence[str] | None = None,
-         made_earlier: Sequence[Path] = (), on_missing: Warn | None = None) -> tuple[Job[Any], Site, Origin]:
-    """The site, then the job (its params parsed and checked against the site), and the origin.
-    `path`: another spec than ``request.job`` (a chain's link); `after`: the job ids it waits
-    for; `made_earlier`: inputs an earlier link writes; `on_missing`: warn of a missing input
-    instead of refusing it (``render``)."""
-    from hpcdist.config import load_site
-    from hpcdist.kinds.registry import load_job
-
-    path = path or request.job
-    site = load_site(request.site, request.site_sets)
-    if request.argv:
-        job = command_job(request.argv, site, request.job_sets)
-    else:
-        job = load_job(str(path), site, request.job_sets, on_missing=on_missing, made_earlier=made_earlier)
-    limit = request.max_parallel
-    if limit is not None and (limit < 1 or not request.sweeps):
-        raise ConfigError(f"--max-parallel {limit}: give a number of at least 1, with --sweep (it limits an array)")
-    origin = Origin(path or "", request.site or site.name, request.sets, request.argv,
-                    after=tuple(request.after if after is None else after), sweeps=request.sweeps,
-                    max_parallel=limit)
-    return job, site, origin
-
-
-def command_job(argv: Sequence[str], site: Site, job_sets: list[str]) -> Job[Any]:
-    """`-- train.py ARG...` (or `-- -m pkg.mod ARG...`) as a ``python`` job spec, no YAML."""
-    from hpcdist.config import apply_overrides, validate
-    from hpcdist.config.spec import JobSpec
-    from hpcdist.kinds.registry import resolve
-
-    if argv[0] == "-m":
-        if len(argv) < 2:
-            raise ConfigError("-- -m: a module name must follow -m, e.g. -- -m mypkg.train")
-        target, args, name = {"module": argv[1]}, list(argv[2:]), argv[1].rsplit(".", 1)[-1]
-    else:
-        target, args, name = {"script": argv[0]}, list(argv[1:]), Path(argv[0]).stem
-    data = apply_overrides({"name": name or "python", "kind": "python", "params": {**target, "args": args}},
-                           job_sets, "job")
-    return resolve(validate(JobSpec, data, "command line"), site, origin="command line")
-
-
-def sweep_jobs(request: Request, site: Site, on_missing: Warn | None = None) -> list[Job[Any]]:
-    """One job per combination of the --sweep values, each checked and named with its suffix;
-    the spec file is read once."""
-    from hpcdist.config.sweep import task_name, tasks
-    from hpcdist.kinds.registry import load_jobs
-
-    if request.argv or not request.job:
-        raise ConfigError("--sweep needs a job spec YAML; sweep a `-- SCRIPT` job by writing its spec")
-    combos = tasks(request.sweeps)
-    jobs = load_jobs(request.job, site, request.job_sets, [t.overrides for t in combos], on_missing=on_missing)
-    return [dataclasses.replace(job, spec=job.spec.model_copy(update={"name": task_name(job.spec.name, task)}))
-            for job, task in zip(jobs, combos, strict=True)]
-
-
-def chain_links(request: Request, paths: Sequence[str]) -> list[tuple[Job[Any], Site, Origin]]:
-    """Every link of a chain loaded and checked before the first is submitted; a link may read
-    the checkpoints an earlier link writes."""
-    links: list[tuple[Job[Any], Site, Origin]] = []
-    for path in paths:
-        made = [link[0].spec.paths(link[1]).checkpoints for link in links]
-        links.append(load(request, path, after=(), made_earlier=made))
-    return links
+__all__: Sequence[str] = ("Origin", "Plan", "make", "resolve")

@@ -20,7 +20,7 @@ from hpcdist.config.site import StorageRoot
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Partition, Site
-    from hpcdist.config.spec import JobSpec
+    from hpcdist.login.plan import Plan
     from hpcdist.scheduler.slurm_cluster import Cluster
     from hpcdist.scheduler.slurm_cluster import Partition as Live
 
@@ -184,7 +184,7 @@ def check(site: Site, cluster: Cluster, storage: bool = True) -> list[Claim]:
     return claims
 
 
-def against_cluster(spec: JobSpec, site: Site) -> None:
+def against_cluster(plan: Plan) -> None:
     """One SubmitError, before sbatch, for the first thing the live cluster cannot give the job
     that its site says it can: a partition it does not have, more nodes, GPUs (of the type named),
     memory or time than its partition (or the QOS) allows. The cluster is the discovered site
@@ -195,6 +195,7 @@ def against_cluster(spec: JobSpec, site: Site) -> None:
     from hpcdist.config.spec import fit_to_site
     from hpcdist.errors import HpcdistError, SubmitError
 
+    spec, site = plan.base, plan.site
     try:
         path = discovered_site()
         cluster = load_site(str(path))
@@ -202,9 +203,8 @@ def against_cluster(spec: JobSpec, site: Site) -> None:
         return
     if site.qos not in (None, cluster.qos):
         cluster = cluster.model_copy(update={"qos": site.qos, "qos_max_time_min": None})
-    name, _ = site.partition(spec.resources.partition)
-    asked = spec.resources.model_copy(update={"partition": name, "time_min": spec.time_limit_min(site),
-                                              "cpus_per_task": spec.cpus_per_task(site)})
+    asked = spec.resources.model_copy(update={"partition": plan.partition, "time_min": plan.time_min,
+                                              "cpus_per_task": plan.cpus_per_task})
     for key, value, allowed in fit_to_site(spec.model_copy(update={"resources": asked}), cluster):
         if key.startswith("resources."):
             raise SubmitError(f"job {spec.name!r}: {key}: {value!r} is not possible on the Slurm cluster "

@@ -34,8 +34,7 @@ from hpcdist.scheduler import slurm
 from hpcdist.scheduler.local_jobs import LOCAL_CONTROLLER, machine_gpus, process_started
 
 if TYPE_CHECKING:
-    from hpcdist.login.plan import Plan
-    from hpcdist.login.render import Origin
+    from hpcdist.login.plan import Origin, Plan
 
 
 @functools.cache
@@ -148,17 +147,16 @@ def _local_executor_class() -> Callable[..., Any]:
         plan: Plan
 
         def _submit_command(self, command: str) -> Any:
-            ntasks = self.parameters.get("tasks_per_node", 1)
-            spec, site = self.plan.base, self.plan.site
-            limit_s = max(1, round(60 * self.parameters.get("timeout_min", 2.0)))
+            plan = self.plan
+            spec, site, ntasks = plan.base, plan.site, plan.base.resources.tasks_per_node
             env = {
                 **os.environ,
-                "CUDA_VISIBLE_DEVICES": ",".join(machine_gpus(os.environ)[:spec.resources.gpus_per_node]),
-                **spec.rank_env(site),
+                "CUDA_VISIBLE_DEVICES": ",".join(machine_gpus(os.environ)[:plan.gpus_per_node]),
+                **plan.env,
                 "SUBMITIT_LOCAL_NTASKS": str(ntasks),
                 "SUBMITIT_LOCAL_COMMAND": command,
-                "SUBMITIT_LOCAL_TIMEOUT_S": str(limit_s),
-                "SUBMITIT_LOCAL_SIGNAL_DELAY_S": str(site.preemption.warning_s(limit_s)),
+                "SUBMITIT_LOCAL_TIMEOUT_S": str(plan.limit_s),
+                "SUBMITIT_LOCAL_SIGNAL_DELAY_S": str(plan.signal_delay_s),
                 "SUBMITIT_LOCAL_NODEID": "0",
                 "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
                 "SUBMITIT_STDERR_TO_STDOUT": "1" if spec.stderr_to_stdout else "",
@@ -217,11 +215,11 @@ def submit(spec: JobSpec, site: Site, origin: Origin) -> Submission:
     return schedule(make(spec, site, origin))[0]
 
 
-def _executor(plan: Plan) -> Any:
-    """submitit's executor for the plan's site, with its parameters."""
+def _executor(plan: Plan, script: str) -> Any:
+    """submitit's executor for the plan's site, with its parameters (`script`: the plan's)."""
     executor: Any
     if plan.slurm:
-        executor = _script_executor_class()(plan.folder, plan.script, _tasks(plan.base),
+        executor = _script_executor_class()(plan.folder, script, _tasks(plan.base),
                                             plan.site.preemption.max_requeues)
     else:
         executor = _local_executor_class()(plan.folder, max_num_timeout=plan.site.preemption.max_requeues,
@@ -242,11 +240,12 @@ def schedule(plan: Plan, calls: Sequence[Call] | None = None) -> list[Submission
     Each task runs hpcdist's rank function (the bootstrap, then the spec's kind), or, given
     `calls` (one per task: a plain ``hpcdist.Executor`` function), that function itself, as
     submitit runs it: no bootstrap, no torch, submitit's own checkpoint-and-requeue."""
+    from hpcdist.login import render
     from hpcdist.runtime import run_rank  # the callable only; nothing runs here
 
     todo: list[Call] = list(calls) if calls is not None else [(run_rank, (task, plan.site), {}) for task in plan.tasks]
 
-    base, site, script = plan.base, plan.site, plan.script
+    base, site, script = plan.base, plan.site, render.script(plan)
     unset = [name for name in base.env_passthrough if name not in os.environ]
     if unset:
         raise SubmitError(
@@ -258,14 +257,14 @@ def schedule(plan: Plan, calls: Sequence[Call] | None = None) -> list[Submission
     if plan.slurm:
         from hpcdist.login.site_check import against_cluster
 
-        against_cluster(base, site)
+        against_cluster(plan)
     try:
         with storage_umask(site.storage.umask), _private_pickles(), (  # submitit's files, and the job's through sbatch
                 _detached_streams() if not plan.slurm else contextlib.nullcontext()):
             own_folders(site.storage)  # <root>/<user>: this user's own, or one line naming who made it
             for task in plan.tasks:  # the job's tracker run, once (a resubmission that resumes keeps it)
                 tracking.prepare(task, site)
-            executor = _executor(plan)
+            executor = _executor(plan, script)
             if not plan.array:
                 fn, args, kwargs = todo[0]
                 jobs = [executor.submit(fn, *args, **kwargs)]

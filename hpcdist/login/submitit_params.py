@@ -4,9 +4,10 @@ submitit's ``AutoExecutor`` takes generic parameters bare (``timeout_min``, ``me
 ``tasks_per_node``, ``cpus_per_task``, ``gpus_per_node``, ``name``, ``stderr_to_stdout``) and the
 others with the cluster's prefix (``slurm_partition``, ``slurm_additional_parameters``,
 ``local_setup``); each is mapped here onto the job spec (``time_min``, ``partition``, ``sbatch``)
-or the site (``setup``, ``python``, ``preemption.seconds_before_end``), once. Another cluster's
-prefix is ignored, as submitit ignores it; what has no meaning in hpcdist is one ``ConfigError``
-with its reason. Any other ``slurm_X`` becomes the ``#SBATCH --X`` line, as submitit makes it.
+or the site (``setup``, ``python``, ``preemption.seconds_before_end``), once: the names of Slurm's
+parameters come from their one table (``hpcdist.config.sbatch.PARAMETERS``), the others are
+here. Another cluster's prefix is ignored, as submitit ignores it; what has no meaning in hpcdist
+is one ``ConfigError`` with its reason. Any other ``slurm_X`` becomes the ``#SBATCH --X`` line, as submitit makes it.
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from hpcdist.config.sbatch import submitit_names
 from hpcdist.errors import ConfigError
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
 
 # submitit's parameter names, as hpcdist's job spec (or site) spells them (submitit's AutoExecutor
-# takes the generic ones bare and the others with the cluster's prefix: slurm_partition, local_setup)
-RENAMED = {"timeout_min": "time_min", "time": "time_min", "partition": "partition", "job_name": "name",
-           "ntasks_per_node": "tasks_per_node", "gpus_per_task": None, "additional_parameters": "sbatch"}
+# takes the generic ones bare and the others with the cluster's prefix: slurm_partition, local_setup):
+# Slurm's from their table, and two that are no one parameter of it
+RENAMED = {**submitit_names(), "gpus_per_task": None, "additional_parameters": "sbatch"}
 SITE_KEYS = {"signal_delay_s": "preemption.seconds_before_end", "python": "python", "setup": "setup"}
 MEANINGLESS = {
     "use_srun": "hpcdist always starts the ranks with the site's launcher (launcher.kind)",
