@@ -28,7 +28,7 @@ from hpcdist.kinds.registry import load_job
 from hpcdist.model.checkpoint import parameter_shapes
 from hpcdist.model.gpt import GPT, GPTConfig, head_logits, head_loss, padded_vocab
 from hpcdist.store.results import read_table
-from hpcdist.train.window import stop_every
+from hpcdist.train.checkpoint import stop_every
 from tests.support import train as fx
 from tests.support.cli import REPO, result_path, run_cli, storage_sets
 

@@ -5,22 +5,22 @@ directory, saves (in the background between the final ones), tells when to stop 
 Every rank builds the same model from the seed (under FSDP2 only its own shard of it), rank 0
 picks the checkpoint to resume from (the newest committed one that verifies) and tells the
 others, then all ranks train under DDP or FSDP2 (``params.parallel``, ``hpcdist.train.parallel``).
-At each step boundary the ranks agree on ``should_stop()`` (the site's signal or SIGTERM); when
-it is set they write a checkpoint and the job requeues, up to ``preemption.max_requeues`` times
-for time-outs. Rank 0's ``results`` hold the metrics, written when the run ends.
-A step does not wait for the device: its loss and gradient norm stay there until the loop logs
-(``hpcdist.train.window``), and the model's blocks and head are compiled on GPUs
-(``hpcdist.train.speed``). It runs under 400 lines: the step loop, its failure naming and the
-stop/requeue ending are one flow, read top to bottom (resume, result and state are their own modules).
+This module owns the build, the step, the validation and the loop, which reads like torchtitan's:
+after each step it asks ``checkpointer.save(step, last_step=...)``, and the
+``CheckpointManager`` (``hpcdist.train.checkpoint``) decides whether the step saves and whether
+the loop stops (a preemption or time-out signal, ``run_steps``); on a signal the job requeues,
+up to ``preemption.max_requeues`` times for time-outs. Rank 0's ``results`` hold the metrics,
+written when the run ends. A step does not wait for the device: its loss and gradient norm stay
+there until the step log flushes (``hpcdist.train.window``), and the model's blocks and head are
+compiled on GPUs (``hpcdist.train.speed``). A failed collective is named by
+``hpcdist.train.failure``; resume, result and state are their own modules.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import time
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,21 +31,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hpcdist.api.launch import from_job
-from hpcdist.console import Progress
 from hpcdist.data.dataset import DistributedOrder, TokenWindows, eval_samples
 from hpcdist.data.tokens import describe
-from hpcdist.errors import HpcdistError, JobError
+from hpcdist.errors import JobError
 from hpcdist.model.gpt import GPTConfig
-from hpcdist.runtime import abort
-from hpcdist.runtime.rollcall import failure_message
 from hpcdist.train import parallel, speed
+from hpcdist.train.checkpoint import CheckpointManager
+from hpcdist.train.failure import named
 from hpcdist.train.metrics import add_rank_log_file, perplexity
 from hpcdist.train.params import TrainParams, effective_compile, effective_precision, model_config
 from hpcdist.train.result import fill_result
-from hpcdist.train.resume import resume, save
+from hpcdist.train.resume import resume
 from hpcdist.train.run import Run
 from hpcdist.train.schedule import lr_factor, scaled_lr
-from hpcdist.train.window import Window, stop_every
+from hpcdist.train.window import StepLog
 
 if TYPE_CHECKING:
     from hpcdist.api import Context
@@ -195,144 +194,58 @@ def run(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
 
 
 def loop(r: Run) -> dict[str, Any]:
-    ctx, params = r.ctx, r.params
-    start_step = r.step
-    r.tracked_checkpoints = len(r.metrics.rows["checkpoints"])  # those before this start were sent by it
-    progress = (
-        Progress("train", params.steps, start=r.step, log=ctx.log, every=params.log_every) if ctx.is_main else None
-    )
-    if ctx.is_main:
-        ctx.log.info(
-            "training %s: %.2fM parameters, %d steps from step %d, global batch %d x %d tokens, peak lr %.3g, %s",
-            ctx.spec.name, r.cfg.num_params() / 1e6, params.steps, r.step, r.order.global_batch,
-            r.cfg.context, r.peak_lr, r.precision,
-        )
-    stop = ""
-    window, check_every = Window(), 1
+    """Train to ``params.steps``, or until the checkpoint manager says stop (a signal, ``run_steps``)."""
+    params = r.params
+    log = StepLog(r)
+    checkpointer = CheckpointManager(r, log)
+    comm = "FSDP all-gather/reduce-scatter" if r.sharded else "gradient all_reduce"
     try:
         while r.step < params.steps:
-            window.start()
+            log.start()
             lr = float(r.opt.param_groups[0]["lr"])  # what this step uses: the metric is the optimizer's, not a formula
-            comm = "FSDP all-gather/reduce-scatter" if r.sharded else "gradient all_reduce"
-            with _named(r, f"training step {r.step + 1} ({comm})"):
+            with named(r, f"training step {r.step + 1} ({comm})"):
                 loss, grad_norm = train_step(r)
             r.step += 1
             r.position += r.order.global_batch
             r.tokens_seen += r.tokens_per_step
-            window.add(r.step, r.epoch, lr, r.tokens_seen, loss, grad_norm)
             epoch_ends = r.order.epoch_ends_before(r.position)
-            every = params.eval.every
-            evaluates = bool(every and r.step % every == 0) or r.step == params.steps
-            saves = r.step % params.checkpoint.every == 0 or r.step == params.steps
-            run_ends = bool(params.run_steps) and r.step - start_step >= (params.run_steps or 0)
-            if (r.step == start_step + 1 or r.step % params.log_every == 0 or epoch_ends or evaluates or saves
-                    or run_ends or r.step % check_every == 0):  # a stop is agreed only at these steps
-                with _named(r, f"training step {r.step} (loss all_reduce)"):
-                    step_s = _flush(r, window, progress, first=r.step == start_step + 1)
-                check_every = stop_every(params.log_every, step_s)
+            validates = bool(params.eval.every and r.step % params.eval.every == 0) or r.step == params.steps
+            log.add(lr, loss, grad_norm, flush=epoch_ends or validates or checkpointer.due(r.step))
             if epoch_ends:
-                if ctx.is_main:
-                    ep = r.metrics.epochs()
-                    i = int(np.flatnonzero(ep["epoch"] == r.epoch)[-1]) if len(ep["epoch"]) else 0
-                    ctx.log.info(
-                        "epoch %d done: mean loss %.4f (ppl %.2f), %.0f tok/s",
-                        r.epoch, ep["mean_loss"][i], ep["ppl"][i], ep["tokens_per_s"][i],
-                    )
-                r.epoch, r.position = r.epoch + 1, 0
-            if evaluates:
-                with _named(r, f"validation at step {r.step} (all_reduce)"):
-                    val = evaluate(r)
-                r.metrics.add("val", step=r.step, loss=val, ppl=perplexity(val))
-                r.api.track(r.step, val_loss=val)
-                if ctx.is_main:
-                    ctx.log.info("step %d: validation loss %.4f (ppl %.2f)", r.step, val, perplexity(val))
-            stopping = False
-            if r.step % check_every == 0 or saves or run_ends:
-                with _named(r, f"training step {r.step} (stop agreement all_reduce)"):
-                    stopping = r.api.should_stop()
-            if stopping and r.step < params.steps:
-                stop = "preempted"
-            elif stopping:  # at the last step: just finish
-                r.api.ignore_stop()
-            elif run_ends and r.step < params.steps:
-                stop = "run_steps"
-            if stop == "preempted":
-                _count_preemption(r)
-            if stop or saves:
-                how = "sharded checkpoint save" if r.sharded else "checkpoint gather to rank 0"
-                with _named(r, f"training step {r.step} ({how})"):
-                    save(r, final=bool(stop) or r.step == params.steps)
-                _track_checkpoints(r)
-            if stop:
+                _next_epoch(r)
+            if validates:
+                _validate(r)
+            if checkpointer.save(r.step, last_step=r.step == params.steps):
                 break
     finally:
-        if progress is not None:
-            progress.close()
-    if stop == "preempted":
+        log.close()
+    if checkpointer.stop == "preempted":
         _requeue(r)
     complete = r.step >= params.steps
     result = _finish(r, complete)
-    return _summary(r, complete, result, stop)
+    return _summary(r, complete, result, checkpointer.stop)
 
 
-def _flush(r: Run, window: Window, progress: Progress | None, first: bool) -> float:
-    """The window's steps into the metrics and the trackers, and the progress line (the one host
-    wait of the window); the mean step time, the same on every rank. The first step of a run is
-    its own window, and says how long it took: with compiling, that is mostly compile time."""
-    rows, step_s = window.flush(r.ctx.world_size, r.tokens_per_step)
-    for row in rows:
-        r.metrics.add("steps", ppl=perplexity(row["loss"]), **row)
-        r.api.track(row["step"], **{k: v for k, v in row.items() if k != "step"})  # rank 0's, to the trackers
-    last = rows[-1]
-    if first and r.ctx.is_main:
-        why = (f"includes torch.compile's work on the blocks and the head: compiling them, or loading the code "
-               f"cached in {r.compile_cache} by an earlier run"
-               if r.compile_cache is not None else "eager: no compilation (params.compile)")
-        r.ctx.log.info("step %d took %.2f s: %s", last["step"], step_s, why)
-    if progress is not None:
-        progress.update(last["step"], f"loss {last['loss']:.4f}  lr {last['lr']:.2e}  "
-                        f"{last['tokens_per_s']:,.0f} tok/s  grad_norm {last['grad_norm']:.3f}")
-    return step_s
+def _next_epoch(r: Run) -> None:
+    """The data order's epoch ended at this step: rank 0 says how it went, the next one begins."""
+    if r.ctx.is_main:
+        ep = r.metrics.epochs()
+        i = int(np.flatnonzero(ep["epoch"] == r.epoch)[-1]) if len(ep["epoch"]) else 0
+        r.ctx.log.info(
+            "epoch %d done: mean loss %.4f (ppl %.2f), %.0f tok/s",
+            r.epoch, ep["mean_loss"][i], ep["ppl"][i], ep["tokens_per_s"][i],
+        )
+    r.epoch, r.position = r.epoch + 1, 0
 
 
-def _track_checkpoints(r: Run) -> None:
-    """Each checkpoint's save time and rate to the trackers, from the metrics' checkpoint rows."""
-    rows = r.metrics.rows["checkpoints"]
-    for row in rows[r.tracked_checkpoints:]:
-        values = dict(zip(("step", "op", "bytes", "seconds", "mb_per_s"), row, strict=False))
-        r.api.track(int(values["step"]), **{f"checkpoint_{values['op']}_s": values["seconds"],
-                                           f"checkpoint_{values['op']}_mb_per_s": values["mb_per_s"]})
-    r.tracked_checkpoints = len(rows)
-
-
-def _newest_commit(r: Run) -> Path | None:
-    """The checkpoint a resubmission would resume from: the directory's ``latest`` pointer, read
-    from shared storage by any rank (a background save commits after the step that made it, so
-    the run's own record can lag), else what this rank last saw committed."""
-    try:
-        return r.api.checkpoints.store.latest() or r.last_checkpoint
-    except Exception:  # an unreadable pointer: the error message falls back to the run's record
-        return r.last_checkpoint
-
-
-@contextlib.contextmanager
-def _named(r: Run, what: str) -> Iterator[None]:
-    """A failed collective becomes a JobError naming the step, the node that stopped answering
-    and the last committed checkpoint, from which a resubmission resumes; so does one that NCCL's
-    watchdog times out and ends the rank for (``hpcdist.runtime.abort``)."""
-
-    def kept(_: str) -> str:
-        committed = _newest_commit(r)
-        return f"; resubmit to resume from {committed}" if committed else "; no checkpoint yet"
-
-    try:
-        with abort.phase(what, on_timeout=kept):
-            yield
-    except HpcdistError:
-        raise
-    except Exception as exc:
-        message = failure_message(what, r.ctx.rank, r.ctx.hosts, exc, r.ctx.site, r.ctx.job_id)
-        raise JobError(message + kept(message)) from exc
+def _validate(r: Run) -> None:
+    """The validation loss at this step, into the metrics, the trackers and rank 0's log."""
+    with named(r, f"validation at step {r.step} (all_reduce)"):
+        val = evaluate(r)
+    r.metrics.add("val", step=r.step, loss=val, ppl=perplexity(val))
+    r.api.track(r.step, val_loss=val)
+    if r.ctx.is_main:
+        r.ctx.log.info("step %d: validation loss %.4f (ppl %.2f)", r.step, val, perplexity(val))
 
 
 def _finish(r: Run, complete: bool) -> Path | None:
@@ -353,14 +266,6 @@ def _loss_plot(result: Path, folder: Path) -> list[Path]:
     from hpcdist.train.report import plot_train
 
     return plot_train(result, folder)
-
-
-def _count_preemption(r: Run) -> None:
-    """Say which signal stopped the run and how the API counted it (rank 0 told a time-out from a preemption)."""
-    r.ctx.log.warning(
-        "%s signal received: checkpointing at step %d (%s; %d time-out(s), %d requeue(s) so far)",
-        r.api.stop_signal, r.step, r.api.stop_kind, r.timeouts, r.requeues,
-    )
 
 
 def _requeue(r: Run) -> None:

@@ -48,7 +48,6 @@ class Run:
     tokens_seen: int = 0
     last_checkpoint: Path | None = None
     commits_seen: int = 0  # of api.checkpoints.committed, already in the metrics
-    tracked_checkpoints: int = 0  # of metrics.rows["checkpoints"], already sent to the trackers (hpcdist.track)
     tokenizer: Tokenizer | None = None  # the token file's: recorded in every checkpoint
     compile_cache: Path | None = None  # where torch.compile keeps its code; None: the model runs eager
 

@@ -8,18 +8,29 @@ could not queue the next step's kernels meanwhile): the plain loop people compar
 loss only when it prints. So a step's row in ``/train/steps`` is the same as before (each step's
 loss, mean over ranks, its gradient norm and lr), and its time is the window's: the seconds from
 the window's first step to the host's copy at its end, shared evenly by its steps.
+
+``StepLog`` is the loop's side of it: the window, the progress line, and when to flush (the first
+step of a start, every ``params.log_every`` steps, and whenever the loop asks: before an epoch's
+end, a validation, and every step at which the checkpoint manager saves or agrees on a stop, so
+a checkpoint holds every step's row). Its mean step time paces that agreement
+(``hpcdist.train.checkpoint``).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-STOP_CHECK_S = 1.0  # agree on should_stop() at least this often (once a step when steps are slower)
+from hpcdist.console import Progress
+from hpcdist.train.failure import named
+from hpcdist.train.metrics import perplexity
+
+if TYPE_CHECKING:
+    from hpcdist.train.run import Run
 
 
 @dataclass
@@ -66,10 +77,58 @@ class Window:
         return rows, mean_s
 
 
-def stop_every(log_every: int, step_s: float) -> int:
-    """How many steps apart the ranks agree on ``should_stop()`` (a collective and a host copy):
-    every step when a step takes `STOP_CHECK_S` or more, else about every second, at most
-    `log_every` apart. `step_s` must be the same on every rank (``Window.flush``'s mean)."""
-    if step_s <= 0:
-        return 1
-    return max(1, min(log_every, int(STOP_CHECK_S / step_s)))
+
+class StepLog:
+    """The loop's numbers on their way out: each step into the window, and at a flush every
+    step's row into the run's metrics and the trackers, and rank 0's progress line."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.first = run.step + 1  # the first step of this start: its own window
+        self.window = Window()
+        self.step_s = 0.0  # the mean step time of the last flush, the same on every rank; 0 before the first
+        ctx, params = run.ctx, run.params
+        self.progress = (Progress("train", params.steps, start=run.step, log=ctx.log, every=params.log_every)
+                         if ctx.is_main else None)
+        if ctx.is_main:
+            ctx.log.info(
+                "training %s: %.2fM parameters, %d steps from step %d, global batch %d x %d tokens, peak lr %.3g, %s",
+                ctx.spec.name, run.cfg.num_params() / 1e6, params.steps, run.step, run.order.global_batch,
+                run.cfg.context, run.peak_lr, run.precision,
+            )
+
+    def start(self) -> None:
+        """A step begins (the window's clock starts at its first)."""
+        self.window.start()
+
+    def add(self, lr: float, loss: torch.Tensor, grad_norm: torch.Tensor, *, flush: bool = False) -> None:
+        """The step the run just made (``run.step``, its epoch and tokens seen), with the lr it used;
+        flushed with the window's others at the first step, every ``log_every`` steps, or when `flush`."""
+        r = self.run
+        self.window.add(r.step, r.epoch, lr, r.tokens_seen, loss, grad_norm)
+        if flush or r.step == self.first or r.step % r.params.log_every == 0:
+            with named(r, f"training step {r.step} (loss all_reduce)"):
+                self._flush()
+
+    def _flush(self) -> None:
+        """The window's steps into the metrics and the trackers, and the progress line (the one host
+        wait of the window). The first step of a start is its own window, and says how long it
+        took: with compiling, that is mostly compile time."""
+        r = self.run
+        rows, self.step_s = self.window.flush(r.ctx.world_size, r.tokens_per_step)
+        for row in rows:
+            r.metrics.add("steps", ppl=perplexity(row["loss"]), **row)
+            r.api.track(row["step"], **{k: v for k, v in row.items() if k != "step"})  # rank 0's, to the trackers
+        last = rows[-1]
+        if last["step"] == self.first and r.ctx.is_main:
+            why = (f"includes torch.compile's work on the blocks and the head: compiling them, or loading the code "
+                   f"cached in {r.compile_cache} by an earlier run"
+                   if r.compile_cache is not None else "eager: no compilation (params.compile)")
+            r.ctx.log.info("step %d took %.2f s: %s", last["step"], self.step_s, why)
+        if self.progress is not None:
+            self.progress.update(last["step"], f"loss {last['loss']:.4f}  lr {last['lr']:.2e}  "
+                                 f"{last['tokens_per_s']:,.0f} tok/s  grad_norm {last['grad_norm']:.3f}")
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
