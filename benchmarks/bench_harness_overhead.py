@@ -53,7 +53,7 @@ def parse() -> argparse.Namespace:
 
 
 def bootstrap() -> Any:
-    """A JobContext through hpcdist's own bootstrap (MPI rendezvous, gloo process group)."""
+    """A JobRank through hpcdist's own bootstrap (MPI rendezvous, gloo process group)."""
     from hpcdist.config import load_site
     from hpcdist.config.spec import JobSpec
     from hpcdist.runtime.bootstrap import bootstrap as boot

@@ -101,13 +101,13 @@ def api_context(rank: int, world: int, root: Path) -> Any:
     from hpcdist.api import Context
     from hpcdist.config import load_site
     from hpcdist.config.spec import JobSpec
-    from hpcdist.runtime.context import JobContext
+    from hpcdist.runtime.job_rank import JobRank
     from hpcdist.runtime.rankinfo import RankInfo
 
     site = load_site("local", [f"storage.{k}={root / k}" for k in ("results", "checkpoints", "logs", "scratch")])
     spec = JobSpec.model_validate({"name": "bench", "kind": "python", "timeout_s": 600})
     info = RankInfo("local", rank, world, rank, world, 0, 1, job_id="bench")
-    job = JobContext(spec=spec, site=site, info=info, backend="gloo", device=torch.device("cpu"), timeout_s=600,
+    job = JobRank(spec=spec, site=site, info=info, backend="gloo", device=torch.device("cpu"), timeout_s=600,
                      hosts=(info.hostname,) * world, log=logging.getLogger("hpcdist"))
     return Context(job, checkpoint_dir=root / "ours", keep_last=1, io_timeout_s=600)
 

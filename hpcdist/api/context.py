@@ -24,14 +24,14 @@ from hpcdist.runtime import requeue as rq
 
 if TYPE_CHECKING:
 
-    from hpcdist.runtime.context import JobContext
+    from hpcdist.runtime.job_rank import JobRank
     from hpcdist.runtime.rankinfo import RankInfo
 
 
 CURRENT: list[Context] = []  # what ``hpcdist.init()`` returned on this rank, so a second call returns the same
 
 
-def _node_failure_runs(job: JobContext) -> int:
+def _node_failure_runs(job: JobRank) -> int:
     """How many of the job's runs ended by a node death (its node failure record, beside the result)."""
     from hpcdist.store.records import node_failures
 
@@ -62,7 +62,7 @@ class Results:
 class Context:
     """One rank's handles: facts, device, group, logger, results, checkpoints, preemption."""
 
-    def __init__(self, job: JobContext, *, checkpoint_dir: str | Path | None = None, keep_last: int | None = 3,
+    def __init__(self, job: JobRank, *, checkpoint_dir: str | Path | None = None, keep_last: int | None = 3,
                  own_group: bool = False, log: logging.Logger | None = None, io_timeout_s: float | None = None):
         """The handles on `job`, the rank's one context from the bootstrap (``hpcdist.runtime.bootstrap``):
         its facts are read from there, never copied. `own_group`: ``close`` leaves the default

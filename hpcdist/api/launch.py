@@ -1,7 +1,7 @@
 """``init``: this rank's ``Context``, the handles on the one context the bootstrap returns.
 
 There is one bootstrap (``hpcdist.runtime.bootstrap``) and one context per rank: in a hpcdist job
-the runtime ``attach``es the bootstrap's ``JobContext`` before the user's code runs and ``detach``es
+the runtime ``attach``es the bootstrap's ``JobRank`` before the user's code runs and ``detach``es
 after, and ``from_job`` puts the handles on it (a built-in job kind calls it directly); outside a
 job, ``_standalone`` runs the same bootstrap on a ``python`` spec of the script and the named site
 (the ``local`` site's storage where none is named), using a group env:// already made as it is.
@@ -21,13 +21,13 @@ from hpcdist.api.context import CURRENT, Context
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
-    from hpcdist.runtime.context import JobContext
+    from hpcdist.runtime.job_rank import JobRank
 
-_ACTIVE: list[JobContext] = []  # the python job's bootstrap on this rank, when there is one
+_ACTIVE: list[JobRank] = []  # the python job's bootstrap on this rank, when there is one
 DEFAULT_TIMEOUT_S = 120.0
 
 
-def attach(ctx: JobContext) -> None:
+def attach(ctx: JobRank) -> None:
     """Make `ctx` (a ``python`` job's bootstrap on this rank) what ``init`` builds on."""
     _ACTIVE[:] = [ctx]
 
@@ -100,7 +100,7 @@ def _adopt(ctx: Context, *, site: str | None, name: str | None, timeout_s: float
         ctx.io_timeout_s = io_timeout_s
 
 
-def from_job(job: JobContext, checkpoint_dir: str | Path | None, keep_last: int | None,
+def from_job(job: JobRank, checkpoint_dir: str | Path | None, keep_last: int | None,
              log: logging.Logger | None = None, io_timeout_s: float | None = None) -> Context:
     """In a hpcdist job: the handles on the bootstrap's context; the group made on its store
     unless the job kind made it. `log`: the job's logger (a built-in kind's), else ``hpcdist.user``."""

@@ -17,7 +17,7 @@ from hpcdist.console import Progress
 
 if TYPE_CHECKING:
     from hpcdist.bench.params import CollectivesParams
-    from hpcdist.runtime.context import JobContext
+    from hpcdist.runtime.job_rank import JobRank
 
 
 def table_name(op: str, path: str) -> str:
@@ -97,7 +97,7 @@ def shortfalls(s: Session, ops: tuple[str, ...]) -> list[str]:
     return out
 
 
-def run(ctx: JobContext, params: CollectivesParams) -> dict[str, Any]:
+def run(ctx: JobRank, params: CollectivesParams) -> dict[str, Any]:
     """Job kind ``bench_collectives``."""
     s = Session(ctx, params)
     found = sweep_collectives(s, tuple(params.ops), params.sizes(), params)

@@ -23,7 +23,7 @@ from hpcdist.console import Progress
 
 if TYPE_CHECKING:
     from hpcdist.bench.params import P2PParams
-    from hpcdist.runtime.context import JobContext
+    from hpcdist.runtime.job_rank import JobRank
 
 # Bytes that cross the link per timed unit, as a multiple of the message size.
 DIRECTIONS = {"pingpong": 1, "unidir": 1, "bidir": 2}
@@ -86,7 +86,7 @@ def table_name(test: str, path: str) -> str:
     return f"bench/p2p_{test}/{path}"
 
 
-def run(ctx: JobContext, params: P2PParams) -> dict[str, Any]:
+def run(ctx: JobRank, params: P2PParams) -> dict[str, Any]:
     """Job kind ``bench_p2p``: the tests between two ranks (by default the first and the last)."""
     s = Session(ctx, params)
     a, b = params.ranks if params.ranks is not None else (0, ctx.world_size - 1)

@@ -27,7 +27,7 @@ from hpcdist.console import Progress
 
 if TYPE_CHECKING:
     from hpcdist.bench.params import PairsParams
-    from hpcdist.runtime.context import JobContext
+    from hpcdist.runtime.job_rank import JobRank
 
 
 def rounds(n: int) -> list[list[tuple[int, int]]]:
@@ -201,7 +201,7 @@ def sweep_pairs(s: Session, params: Any) -> list[str]:
     return found
 
 
-def run(ctx: JobContext, params: PairsParams) -> dict[str, Any]:
+def run(ctx: JobRank, params: PairsParams) -> dict[str, Any]:
     """Job kind ``bench_pairs``."""
     s = Session(ctx, params)
     out = s.finish(sweep_pairs(s, params), params.enforce_minimums)

@@ -24,10 +24,10 @@ from hpcdist.errors import HpcdistError
 
 if TYPE_CHECKING:
     from hpcdist.bench.params import PreflightParams
-    from hpcdist.runtime.context import JobContext
+    from hpcdist.runtime.job_rank import JobRank
 
 
-def run(ctx: JobContext, params: PreflightParams) -> dict[str, Any]:
+def run(ctx: JobRank, params: PreflightParams) -> dict[str, Any]:
     """Job kind ``bench_preflight``."""
     s = Session(ctx, params)
     sweep = SimpleNamespace(

@@ -19,10 +19,10 @@ from hpcdist.runtime.plain import all_gather_plain, broadcast_plain
 from hpcdist.runtime.rollcall import roll_call, timed_out
 
 if TYPE_CHECKING:
-    from hpcdist.runtime.context import JobContext
+    from hpcdist.runtime.job_rank import JobRank
 
 
-def node_name(ctx: JobContext, env: dict[str, str] | None = None) -> str:
+def node_name(ctx: JobRank, env: dict[str, str] | None = None) -> str:
     """This rank's node as the scheduler names it (hostnames can repeat on emulated clusters)."""
     env = dict(os.environ) if env is None else env
     if env.get("SLURMD_NODENAME"):
@@ -33,7 +33,7 @@ def node_name(ctx: JobContext, env: dict[str, str] | None = None) -> str:
     return ctx.info.hostname
 
 
-def make_paths(ctx: JobContext, names: Sequence[str], mpi_buffers: str) -> list[CommPath]:
+def make_paths(ctx: JobRank, names: Sequence[str], mpi_buffers: str) -> list[CommPath]:
     """The communication paths the job asked for, in its order."""
     out: list[CommPath] = []
     for name in names:
@@ -51,7 +51,7 @@ def make_paths(ctx: JobContext, names: Sequence[str], mpi_buffers: str) -> list[
 class Session:
     """One benchmark run on this rank; rank 0 also owns the result record."""
 
-    def __init__(self, ctx: JobContext, params: Any) -> None:
+    def __init__(self, ctx: JobRank, params: Any) -> None:
         from hpcdist.runtime.doctor import ib_ports
 
         self.ctx = ctx

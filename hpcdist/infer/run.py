@@ -1,4 +1,4 @@
-"""The runners of ``infer_gpt`` and ``broadcast``, called on every rank with a JobContext.
+"""The runners of ``infer_gpt`` and ``broadcast``, called on every rank with a JobRank.
 
 ``infer_gpt``: rank 0 resolves the checkpoint (a directory's ``latest``) to one file and every
 rank uses that file, so a training job committing meanwhile cannot give ranks different steps;
@@ -37,10 +37,10 @@ from hpcdist.store.checkpoint.discovery import resolve
 from hpcdist.store.hostmem import mark_memory, peak_memory, resident_bytes
 
 if TYPE_CHECKING:
-    from hpcdist.runtime.context import JobContext
+    from hpcdist.runtime.job_rank import JobRank
 
 
-def tp_groups(ctx: JobContext, tp: int) -> TPGroup:
+def tp_groups(ctx: JobRank, tp: int) -> TPGroup:
     """This rank's tensor-parallel group: ranks [g*tp, (g+1)*tp). Every rank creates every group."""
     tp_rank, mine = ctx.rank % tp, ctx.rank // tp
     if tp == 1:
@@ -55,11 +55,11 @@ def tp_groups(ctx: JobContext, tp: int) -> TPGroup:
     return TPGroup(tp_rank, tp, group)
 
 
-def _agree(ctx: JobContext, local: Any) -> list[Any]:
+def _agree(ctx: JobRank, local: Any) -> list[Any]:
     return all_gather_plain(local, what="its figures")
 
 
-def agree_on_checkpoint(ctx: JobContext, params: InferParams) -> InferParams:
+def agree_on_checkpoint(ctx: JobRank, params: InferParams) -> InferParams:
     """`params` with the checkpoint as the one file rank 0 resolved (a directory's ``latest``
     read once, on rank 0) and broadcast; rank 0's error, if any, fails every rank alike."""
     found: list[Any] = [None, None]  # the file, or rank 0's error
@@ -76,7 +76,7 @@ def agree_on_checkpoint(ctx: JobContext, params: InferParams) -> InferParams:
 
 
 def load_shards(
-    ctx: JobContext, header: CheckpointHeader, tp: TPGroup
+    ctx: JobRank, header: CheckpointHeader, tp: TPGroup
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Each rank reads its own shard; checksums verified as `read_shard` explains; ranks agree."""
     dist.barrier()
@@ -110,7 +110,7 @@ def model_dtype(header: CheckpointHeader, params: InferParams) -> torch.dtype:
     return cast(torch.dtype, getattr(torch, name))
 
 
-def run_infer(ctx: JobContext, params: InferParams) -> dict[str, Any]:
+def run_infer(ctx: JobRank, params: InferParams) -> dict[str, Any]:
     params = agree_on_checkpoint(ctx, params)
     header, prompts, problems, tokenizer, end_token = inspect(params, ctx.site, ctx.world_size)
     if problems or header is None or prompts is None:
@@ -285,7 +285,7 @@ def broadcast_source(params: BroadcastParams, device: torch.device) -> dict[str,
     return {k: torch.randn(s, generator=gen).to(device) for k, s in shapes.items()}
 
 
-def run_broadcast(ctx: JobContext, params: BroadcastParams) -> dict[str, Any]:
+def run_broadcast(ctx: JobRank, params: BroadcastParams) -> dict[str, Any]:
     """Broadcast the same state `warmup + iters` times; every rank checks what it received."""
     bucket = int(params.bucket_mb * (1 << 20))
     src_state = broadcast_source(params, ctx.device) if ctx.is_main else None

@@ -37,7 +37,7 @@ from hpcdist.runtime.rollcall import peer_named
 if TYPE_CHECKING:
     import torch
 
-    from hpcdist.runtime.context import JobContext
+    from hpcdist.runtime.job_rank import JobRank
     from hpcdist.runtime.rankinfo import RankInfo
 
 log = logging.getLogger("hpcdist")
@@ -92,7 +92,7 @@ def script_env(info: RankInfo, addr: str, port: int, run_id: str, env: Mapping[s
     return wanted
 
 
-def run(ctx: JobContext, params: PythonParams) -> dict[str, Any]:
+def run(ctx: JobRank, params: PythonParams) -> dict[str, Any]:
     """Run the target on this rank; returns its exit code (0) or raises a JobError naming the rank."""
     from hpcdist import api
 

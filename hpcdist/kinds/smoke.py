@@ -14,7 +14,7 @@ from hpcdist.config.site import Frozen
 from hpcdist.errors import JobError
 
 if TYPE_CHECKING:
-    from hpcdist.runtime.context import JobContext
+    from hpcdist.runtime.job_rank import JobRank
 
 
 class SmokeParams(Frozen):
@@ -26,7 +26,7 @@ class SmokeParams(Frozen):
         return self.mpi
 
 
-def run(ctx: JobContext, params: SmokeParams) -> dict[str, Any]:
+def run(ctx: JobRank, params: SmokeParams) -> dict[str, Any]:
     import numpy as np
     import torch
     import torch.distributed as dist

@@ -48,7 +48,7 @@ from hpcdist.store.records import last_error
 
 if TYPE_CHECKING:
     from hpcdist.config.paths import JobPaths
-    from hpcdist.runtime.context import JobContext
+    from hpcdist.runtime.job_rank import JobRank
 
 log = logging.getLogger("hpcdist")
 
@@ -137,7 +137,7 @@ class Watch(threading.Thread):
     """This rank's reader of the flight recorder, and the writer of its summary once a collective
     is overdue (once per process)."""
 
-    def __init__(self, ctx: JobContext, delay_s: float | None) -> None:
+    def __init__(self, ctx: JobRank, delay_s: float | None) -> None:
         super().__init__(name="hpcdist-abort-watch", daemon=True)
         self.ctx = ctx
         self.imitating = delay_s is not None
@@ -222,7 +222,7 @@ def _imitate(timeout_s: float, delay_s: float) -> None:
 _WATCH: list[Watch] = []
 
 
-def start(ctx: JobContext, env: Mapping[str, str]) -> Watch | None:
+def start(ctx: JobRank, env: Mapping[str, str]) -> Watch | None:
     """Start watching this rank's collectives (once per process), where the backend ends ranks
     itself: NCCL (also for a group the user's script makes), or gloo imitating it."""
     delay = imitated(env)

@@ -1,5 +1,5 @@
 """The one bootstrap: launcher environment -> rank facts -> device -> rendezvous -> process group
--> ``JobContext``.
+-> ``JobRank``.
 
 Every rank runs it: a job's (``hpcdist.runtime.entry``, for the built-in kinds and the ``python``
 kind) and ``hpcdist.init()`` outside any job (``hpcdist.api.launch``, with ``standalone``).
@@ -19,8 +19,8 @@ from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import BootstrapError
 from hpcdist.runtime import abort, caches, group, requeue, stacks
-from hpcdist.runtime.context import JobContext
 from hpcdist.runtime.device import cuda_index, visible_entries
+from hpcdist.runtime.job_rank import JobRank
 from hpcdist.runtime.rankinfo import RankInfo
 from hpcdist.runtime.ranklog import rank_logger
 
@@ -88,7 +88,7 @@ def adopt_device(device: Any) -> Any:
 
 
 def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *, uses_mpi: bool = False,
-              makes_group: bool = True, standalone: bool = False, shared_scratch: bool = True) -> JobContext:
+              makes_group: bool = True, standalone: bool = False, shared_scratch: bool = True) -> JobRank:
     """Form the process group for this rank and return its context (whose ``store`` the caller
     finishes with ``group.finish``).
 
@@ -163,7 +163,7 @@ def bootstrap(spec: JobSpec, site: Site, env: Mapping[str, str] | None = None, *
         group.init_process_group(store, info, backend, timeout, device)
         timings["init_process_group"] = time.perf_counter() - t
     timings["launch_to_ready"] = time.time() - launch
-    ctx = JobContext(
+    ctx = JobRank(
         spec=spec,
         site=site,
         info=info,

@@ -25,7 +25,7 @@ from hpcdist.errors import HpcdistError
 from hpcdist.kinds.registry import Job, resolve
 from hpcdist.runtime import abort, group, stacks, teardown
 from hpcdist.runtime.bootstrap import bootstrap
-from hpcdist.runtime.context import JobContext
+from hpcdist.runtime.job_rank import JobRank
 
 log = logging.getLogger("hpcdist")
 
@@ -71,7 +71,7 @@ def run_job(job: Job[Any], site: Site) -> dict[str, Any]:
     return {"rank": ctx.rank, "host": ctx.info.hostname, "timings": ctx.timings, **out}
 
 
-def _check_out_failed(store: Any, ctx: JobContext, wait_s: float = 2.0) -> None:
+def _check_out_failed(store: Any, ctx: JobRank, wait_s: float = 2.0) -> None:
     """A failed rank still checks out, so rank 0 does not wait the full timeout for it.
 
     Best effort and bounded: when the failure is a lost link to rank 0, the store request would

@@ -31,7 +31,7 @@ log = logging.getLogger("hpcdist")
 
 
 class TrackedJob(Protocol):
-    """What `report` needs of a running job (the rank's ``JobContext`` is one): the tracker sits
+    """What `report` needs of a running job (the rank's ``JobRank`` is one): the tracker sits
     below the runtime, so it names the fields, not the class."""
 
     spec: JobSpec

@@ -27,7 +27,7 @@ from hpcdist.train.resume import save
 
 if TYPE_CHECKING:
     from hpcdist.train.run import Run
-    from hpcdist.train.window import StepLog
+    from hpcdist.train.step_log import StepLog
 
 STOP_CHECK_S = 1.0  # agree on should_stop() at least this often (once a step when steps are slower)
 

@@ -11,7 +11,7 @@ after each step it asks ``checkpointer.save(step, last_step=...)``, and the
 the loop stops (a preemption or time-out signal, ``run_steps``); on a signal the job requeues,
 up to ``preemption.max_requeues`` times for time-outs. Rank 0's ``results`` hold the metrics,
 written when the run ends. A step does not wait for the device: its loss and gradient norm stay
-there until the step log flushes (``hpcdist.train.window``), and the model's blocks and head are
+there until the step log flushes (``hpcdist.train.step_log``), and the model's blocks and head are
 compiled on GPUs (``hpcdist.train.speed``). A failed collective is named by
 ``hpcdist.train.failure``; resume, result and state are their own modules.
 """
@@ -44,11 +44,11 @@ from hpcdist.train.result import fill_result
 from hpcdist.train.resume import resume
 from hpcdist.train.run import Run
 from hpcdist.train.schedule import lr_factor, scaled_lr
-from hpcdist.train.window import StepLog
+from hpcdist.train.step_log import StepLog
 
 if TYPE_CHECKING:
     from hpcdist.api import Context
-    from hpcdist.runtime.context import JobContext
+    from hpcdist.runtime.job_rank import JobRank
 
 
 def deterministic_kernels() -> None:
@@ -63,7 +63,7 @@ def deterministic_kernels() -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-def build(ctx: JobContext, api: Context, params: TrainParams) -> Run:
+def build(ctx: JobRank, api: Context, params: TrainParams) -> Run:
     info = describe(params.data)
     cfg: GPTConfig = model_config(params, info.vocab_size)
     cache = speed.compile_cache(ctx) if effective_compile(params.compile, ctx.device.type) else None
@@ -104,7 +104,7 @@ def build(ctx: JobContext, api: Context, params: TrainParams) -> Run:
 
 def train_step(run: Run) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over `accum` micro-batches; this rank's mean loss and the gradient norm,
-    as device tensors: nothing here waits for the device (``hpcdist.train.window``)."""
+    as device tensors: nothing here waits for the device (``hpcdist.train.step_log``)."""
     run.net.train()
     micro = run.order.step_samples(run.epoch, run.position)
     device = run.ctx.device
@@ -160,7 +160,7 @@ def evaluate(run: Run) -> float:
 # ---------------------------------------------------------------- the run
 
 
-def run(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
+def run(ctx: JobRank, params: TrainParams) -> dict[str, Any]:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     log_file = ctx.paths.rank_log(ctx.rank)
     handler = add_rank_log_file(log_file)

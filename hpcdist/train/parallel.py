@@ -32,11 +32,11 @@ from hpcdist.model.gpt import GPT, GPTConfig
 from hpcdist.store.hostmem import mark_memory, peak_memory
 
 if TYPE_CHECKING:
-    from hpcdist.runtime.context import JobContext
+    from hpcdist.runtime.job_rank import JobRank
     from hpcdist.train.params import ParallelParams, Precision
 
 
-def build(cfg: GPTConfig, ctx: JobContext, parallel: ParallelParams, precision: Precision,
+def build(cfg: GPTConfig, ctx: JobRank, parallel: ParallelParams, precision: Precision,
           compile_parts: Callable[[GPT], Any] | None = None) -> tuple[GPT, nn.Module]:
     """The model (from torch's global generator, as ``GPT(cfg)``) and the module the steps run:
     under DDP a whole copy on every rank; under FSDP2 each rank's shard, never the whole.
@@ -97,7 +97,7 @@ def held_bytes(model: nn.Module) -> tuple[int, int]:
     return held, sum(p.numel() * p.element_size() for p in params)
 
 
-def wrap(model: nn.Module, ctx: JobContext, parallel: ParallelParams, precision: Precision) -> nn.Module:
+def wrap(model: nn.Module, ctx: JobRank, parallel: ParallelParams, precision: Precision) -> nn.Module:
     """The module the steps run: DDP around `model`, or `model` itself sharded in place by FSDP2;
     one rank alone runs `model` as it is (DDP's gradient buckets would only copy and wait)."""
     if not parallel.fsdp:
@@ -127,7 +127,7 @@ def wrap(model: nn.Module, ctx: JobContext, parallel: ParallelParams, precision:
     return model
 
 
-def mixed_precision(ctx: JobContext, parallel: ParallelParams, precision: Precision) -> bool:
+def mixed_precision(ctx: JobRank, parallel: ParallelParams, precision: Precision) -> bool:
     """Whether FSDP's mixed precision policy replaces autocast: bf16 on GPUs under FSDP."""
     return parallel.fsdp and ctx.device.type == "cuda" and precision == "bf16"
 

@@ -20,7 +20,7 @@ from hpcdist.train.params import Precision, TrainParams
 if TYPE_CHECKING:
     from hpcdist.api import Context
     from hpcdist.data.tokenizer import Tokenizer
-    from hpcdist.runtime.context import JobContext
+    from hpcdist.runtime.job_rank import JobRank
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Run:
         return self.params.parallel.fsdp
 
     @property
-    def ctx(self) -> JobContext:
+    def ctx(self) -> JobRank:
         """The bootstrap's context of this rank (spec, site, device, timings), the one ``api`` is built on."""
         return self.api.job
 

@@ -21,7 +21,7 @@ from hpcdist.runtime.caches import COMPILE_VAR, use_private
 
 if TYPE_CHECKING:
     from hpcdist.model.gpt import GPT
-    from hpcdist.runtime.context import JobContext
+    from hpcdist.runtime.job_rank import JobRank
 
 
 def fast_matmuls(device: torch.device) -> None:
@@ -40,7 +40,7 @@ def adamw(groups: list[dict[str, Any]], device: torch.device, **options: Any) ->
     return torch.optim.AdamW(groups, **options, foreach=True)
 
 
-def compile_cache(ctx: JobContext) -> Path:
+def compile_cache(ctx: JobRank) -> Path:
     """The folder inductor caches compiled code in: ``TORCHINDUCTOR_CACHE_DIR`` when the user set
     it, else this user's private folder in the site's scratch, which every rank's bootstrap set
     (``hpcdist.runtime.caches``): a requeue and a resubmission of any job of this user find it there."""

@@ -13,7 +13,7 @@ import torch
 from hpcdist.api import Context
 from hpcdist.config import load_site
 from hpcdist.config.spec import JobSpec
-from hpcdist.runtime.context import JobContext
+from hpcdist.runtime.job_rank import JobRank
 from hpcdist.runtime.rankinfo import RankInfo
 
 
@@ -28,7 +28,7 @@ def rank_context(root: Path, *, rank: int = 0, world: int = 1, job_id: str | Non
                                f"storage.logs={root / 'logs'}", f"storage.scratch={root / 'scratch'}", *site_sets])
     spec = JobSpec.model_validate({"name": name, "kind": "python", "timeout_s": timeout_s})
     info = RankInfo("local", rank, world, rank, world, 0, 1, job_id=job_id)
-    job = JobContext(spec=spec, site=site, info=info, backend="gloo", device=torch.device("cpu"),
+    job = JobRank(spec=spec, site=site, info=info, backend="gloo", device=torch.device("cpu"),
                      timeout_s=timeout_s, hosts=(info.hostname,) * world, log=logging.getLogger("hpcdist"),
                      requeue=requeue)
     return Context(job, checkpoint_dir=checkpoint_dir or root / "ckpt", keep_last=keep_last, io_timeout_s=io_timeout_s)

@@ -1,7 +1,9 @@
-"""What a job kind gets on every rank: its rank, the process group, the site, and helpers.
+"""One rank of the running job, as the bootstrap made it: its rank, the process group, the spec,
+the site, and helpers (hpcdist's own record; the user's code gets ``hpcdist.Context``, the
+handles of ``hpcdist.api`` over it).
 
-Job kinds receive a ``JobContext`` and their validated params; they never read the launcher's
-environment themselves.
+The built-in job kinds receive a ``JobRank`` and their validated params; they never read the
+launcher's environment themselves.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class JobContext:
-    """One rank's view of the running job."""
+class JobRank:
+    """One rank of the running job: what hpcdist's bootstrap decided for it."""
 
     spec: JobSpec
     site: Site
