@@ -56,7 +56,7 @@ def test_layout_read_back_with_h5py(result: Path) -> None:
         assert (t["in_place"] == 1).all() and (t["wrong"] == 0).all()
         # nccl-tests' formulas at n = 4 (doc/PERFORMANCE.md there): algbw = bytes / 1e9 / s; busbw =
         # algbw x 2(n-1)/n = 1.5 for all_reduce, (n-1)/n = 0.75 for all_gather and reduce_scatter,
-        # 1 for broadcast (tests/test_bench_factors.py checks the arithmetic on known times)
+        # 1 for broadcast (tests/test_bench_bandwidth.py checks the arithmetic on known times)
         assert np.allclose(t["algbw_gbps"], t["size"] / 1e9 / (t["time_us"] * 1e-6))
         assert (t["p50_us"] <= t["p99_us"]).all()
         assert g.attrs["label"] == "torch/gloo"
