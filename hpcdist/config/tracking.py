@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -156,6 +157,19 @@ def write_identity(folder: Path, identity: Identity) -> None:
             os.write(fd, json.dumps(asdict(identity), indent=1).encode())
         finally:
             os.close(fd)
+
+
+def settled_identity(folder: Path, tracking: Tracking, name: str, resumes: bool,
+                     new: Callable[[], Identity]) -> Identity:
+    """The job's run identity for this submission: the one in `folder` when the job `resumes` its
+    checkpoints under the same trackers and name (one run across requeues and resubmissions),
+    else `new()`, written there in its place."""
+    known = read_identity(folder)
+    if known is not None and resumes and known.matches(tracking, name):
+        return known
+    identity = new()
+    write_identity(folder, identity)
+    return identity
 
 
 def environment(tracking: Tracking, identity: Identity | None, folder: Path) -> dict[str, str]:

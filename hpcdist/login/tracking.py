@@ -30,7 +30,7 @@ from hpcdist.config.tracking import (
     Tracking,
     not_installed_message,
     read_identity,
-    write_identity,
+    settled_identity,
 )
 from hpcdist.errors import JobError, SubmitError
 
@@ -43,9 +43,9 @@ if TYPE_CHECKING:
 MLFLOW_TIMEOUT_S = 15
 
 
-def check_installed(spec: JobSpec, site: Site) -> None:
+def check_installed(spec: JobSpec, site: Site, tracking: Tracking | None = None) -> None:
     """One SubmitError when the job names a tracker whose package is not installed."""
-    missing = spec.trackers(site).missing()
+    missing = (tracking or spec.trackers(site)).missing()
     if missing:
         raise SubmitError(f"job {spec.name!r}: {not_installed_message(missing)}")
 
@@ -56,20 +56,19 @@ def prepare(spec: JobSpec, site: Site) -> Identity | None:
     tracking = spec.trackers(site)
     if not tracking.names:
         return None
-    check_installed(spec, site)
+    check_installed(spec, site, tracking)
     paths = spec.paths(site)
-    folder = paths.tracking
-    known = read_identity(folder)
-    if known is not None and known.matches(tracking, spec.name) and _resumes(paths):
-        return known
-    identity = Identity(key=uuid.uuid4().hex[:16], name=spec.name, created=time.time(), git_commit=_git_commit())
-    if tracking.mlflow is not None:
-        _mlflow_run(identity, tracking, spec)
-    if tracking.wandb is not None:
-        w = tracking.wandb
-        identity.wandb_project, identity.wandb_entity, identity.wandb_mode = w.project, w.entity or "", w.mode
-    write_identity(folder, identity)
-    return identity
+
+    def new() -> Identity:
+        identity = Identity(key=uuid.uuid4().hex[:16], name=spec.name, created=time.time(), git_commit=_git_commit())
+        if tracking.mlflow is not None:
+            _mlflow_run(identity, tracking, spec)
+        if tracking.wandb is not None:
+            w = tracking.wandb
+            identity.wandb_project, identity.wandb_entity, identity.wandb_mode = w.project, w.entity or "", w.mode
+        return identity
+
+    return settled_identity(paths.tracking, tracking, spec.name, _resumes(paths), new)
 
 
 def _resumes(paths: JobPaths) -> bool:
