@@ -131,13 +131,10 @@ class JobSpec(Frozen):
         """Seconds any rendezvous or collective may wait before it fails."""
         return self.timeout_s if self.timeout_s is not None else site.defaults.timeout_s
 
-    def cpus_per_task(self, site: Site) -> int:
-        """CPUs each rank gets on `site` (``cpus_on`` its partition)."""
-        return self.cpus_on(site, site.partition(self.resources.partition)[1])
-
-    def cpus_on(self, site: Site, part: Partition) -> int:
-        """CPUs each rank gets on partition `part` of `site` (``--cpus-per-task``, and
-        ``OMP_NUM_THREADS`` by default): the one place the default is decided.
+    def cpus_per_task(self, site: Site, part: Partition | None = None) -> int:
+        """CPUs each rank gets on `site`, on partition `part` (the job's when not given; a plan
+        passes the one it looked up) (``--cpus-per-task``, and ``OMP_NUM_THREADS`` by default):
+        the one place the default is decided.
         ``resources.cpus_per_task`` when given; else 1 for a job without GPUs, and for a GPU job
         its GPUs' share of the node's CPUs less the site's ``reserved_cpus_per_node``
         (``(cpus_per_node - reserved) // gpus_per_node`` of the partition: 14 on an 8-GPU node of
@@ -148,6 +145,7 @@ class JobSpec(Frozen):
             return res.cpus_per_task
         if not res.gpus_per_node:
             return 1
+        part = part or site.partition(res.partition)[1]
         if site.scheduler == "local":
             from hpcdist.scheduler.local_jobs import machine_cpus
 
@@ -156,17 +154,14 @@ class JobSpec(Frozen):
             cpus = part.cpus_per_node
         return max(1, (cpus - part.reserved_cpus_per_node) // max(res.tasks_per_node, part.gpus_per_node))
 
-    def rank_env(self, site: Site) -> dict[str, str]:
-        """The variables hpcdist exports to every rank on `site` (``rank_env_with`` its CPUs)."""
-        return self.rank_env_with(site, self.cpus_per_task(site))
-
-    def rank_env_with(self, site: Site, cpus: int) -> dict[str, str]:
+    def rank_env(self, site: Site, cpus: int | None = None) -> dict[str, str]:
         """The variables hpcdist exports to every rank: the site's env, the job's over it, and
-        ``OMP_NUM_THREADS`` from the rank's `cpus` unless one of them sets it or the job takes it
-        from the submitting shell (``env_passthrough``)."""
+        ``OMP_NUM_THREADS`` from the rank's `cpus` (``cpus_per_task`` when not given: a plan passes
+        the one it decided) unless one of them sets it or the job takes it from the submitting
+        shell (``env_passthrough``)."""
         env = {**site.env, **self.env}
         if THREADS_VAR not in env and THREADS_VAR not in self.env_passthrough:
-            env[THREADS_VAR] = str(cpus)
+            env[THREADS_VAR] = str(self.cpus_per_task(site) if cpus is None else cpus)
         return env
 
     def trackers(self, site: Site) -> Tracking:
@@ -216,7 +211,7 @@ def fit_to_site(spec: JobSpec, site: Site) -> list[tuple[str, object, str]]:
     if part.reserved_cpus_per_node >= part.cpus_per_node:
         problems.append((f"site partitions.{pname}.reserved_cpus_per_node", part.reserved_cpus_per_node,
                          f"fewer than its cpus_per_node {part.cpus_per_node} (the rest are the ranks')"))
-    cpus = spec.cpus_on(site, part)
+    cpus = spec.cpus_per_task(site, part)
     if res.tasks_per_node * cpus > part.cpus_per_node and site.scheduler == "slurm":
         key, value = ("cpus_per_task", cpus) if res.cpus_per_task else ("tasks_per_node", res.tasks_per_node)
         problems.append((f"resources.{key}", value,

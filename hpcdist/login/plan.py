@@ -140,8 +140,8 @@ def resolve(base: JobSpec, site: Site, origin: Origin, tasks: Sequence[JobSpec] 
     if live:
         excluded = for_job(base, site, partition, part)
     excluded = excluded or Exclusions()
-    minutes, cpus = base.time_limit_min(site), base.cpus_on(site, part)
-    env, paths, own = base.rank_env_with(site, cpus), base.paths(site), container_for(base, site)
+    minutes, cpus = base.time_limit_min(site), base.cpus_per_task(site, part)
+    env, paths, own = base.rank_env(site, cpus), base.paths(site), container_for(base, site)
     container = plan_with(base, site, env, own) if slurm else None
     note = gpus_unasked(base, site, partition, part)
     array = slurm and origin.array_size is not None
