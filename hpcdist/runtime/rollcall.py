@@ -140,32 +140,28 @@ def _mark(site: Site, nodes: Sequence[str], job_id: str, reason: str) -> None:
 def _evidence(nodes: Sequence[str], known: dict[str, Any]) -> dict[str, str]:
     """For each of `nodes`, what shows it is gone ("" when nothing does): Slurm's state, else a
     connect to its slurmd that got no answer within ``PROBE_S`` (the nodes probed at once)."""
-    from hpcdist.scheduler.slurm_cluster import slurmd_address
+    from hpcdist.scheduler.slurm_cluster import slurmd_addresses
 
     found = {node: f"Slurm says {known[node].state}" if known[node].failed else "" for node in nodes}
-    probes = [threading.Thread(target=lambda n=node: found.update({n: _unanswered(slurmd_address(n))}), daemon=True)
-              for node, said in found.items() if not said]
+    addresses = slurmd_addresses([node for node, said in found.items() if not said])
+    probes = [threading.Thread(target=lambda n=node, a=address: found.update({n: _unanswered(a)}), daemon=True)
+              for node, address in addresses.items()]
     for probe in probes:
         probe.start()
     for probe in probes:
-        probe.join(PROBE_S + 20.0)  # scontrol's own time-out, then the connect
+        probe.join(PROBE_S + 1.0)
     return found
 
 
-def _unanswered(address: tuple[str, int] | None) -> str:
+def _unanswered(address: tuple[str, int]) -> str:
     """"its slurmd at ADDR:PORT does not answer" when a TCP connect there got no reply within
     ``PROBE_S`` or the network says the host is unreachable; "" when it connected or was refused
-    (a live kernel), or the address is unknown (no evidence either way)."""
-    if address is None:
-        return ""
+    (a live kernel), or failed otherwise (no evidence either way)."""
     try:
         socket.create_connection(address, timeout=PROBE_S).close()
-    except ConnectionRefusedError:
-        return ""
-    except (TimeoutError, OSError) as exc:
+    except OSError as exc:
         if isinstance(exc, TimeoutError) or exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN):
             return f"its slurmd at {address[0]}:{address[1]} does not answer ({exc.strerror or 'no reply'})"
-        return ""
     return ""
 
 

@@ -5,7 +5,7 @@ node``), ``srun`` (its MPI plugins, whether pyxis adds ``--container-image``) an
 (``sacctmgr``: the user's associations and their QOS limits), each through ``slurm.run`` with
 its timeout, into one frozen ``Cluster``. ``config_stamp()`` is the cluster's name and its
 controller's "configuration data as of" stamp alone: what a cached reading is checked against;
-``node_states()`` is each node's state now (sinfo), ``slurmd_address(node)`` where its slurmd
+``node_states()`` is each node's state now (sinfo), ``slurmd_addresses(nodes)`` where their slurmd
 listens (what the roll call of ``hpcdist.runtime.rollcall`` probes before it marks a node). What
 a command could not answer is recorded as unknown (``accounting=False``, an empty tuple), never guessed; only a
 controller that does not answer at all is an error. Standard library only.
@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hpcdist.errors import SubmitError
@@ -254,19 +255,28 @@ def read_cluster() -> Cluster:
 SLURMD_PORT = 6818  # Slurm's default SlurmdPort
 
 
-def slurmd_address(node: str) -> tuple[str, int] | None:
-    """Where `node`'s slurmd listens: its NodeAddr and its Port (the node's own, else the cluster's
-    SlurmdPort, else Slurm's default); None when the controller does not know the node or does not
-    answer. Every node's slurmd is reachable from the others: Slurm forwards its messages node to node."""
-    answer = _ask(["scontrol", "-o", "show", "node", node])
-    pairs = _pairs(answer.out.splitlines()[0]) if answer.ok and answer.out.strip() else {}
-    if pairs.get("NodeName") != node:
-        return None
-    port = _int(pairs.get("Port"))
-    if port is None:
-        config = _ask(["scontrol", "show", "config"])
-        port = _int(_config(config.out).get("SlurmdPort")) if config.ok else None
-    return pairs.get("NodeAddr") or node, port or SLURMD_PORT
+def slurmd_addresses(nodes: Sequence[str]) -> dict[str, tuple[str, int]]:
+    """Where the slurmd of each of `nodes` listens: its NodeAddr and its Port (the node's own, else
+    the cluster's SlurmdPort, else Slurm's default), from one ``scontrol show node`` (and at most
+    one ``show config``); a node the controller does not list, or all when it does not answer, is
+    left out. Every node's slurmd is reachable from the others: Slurm forwards its messages node
+    to node."""
+    answer = _ask(["scontrol", "-o", "show", "node", ",".join(nodes)]) if nodes else slurm.Answer(False)
+    found: dict[str, tuple[str, int]] = {}
+    cluster_port: int | None = None
+    for line in answer.out.splitlines() if answer.ok else ():
+        pairs = _pairs(line)
+        name = pairs.get("NodeName", "")
+        if name not in nodes:
+            continue
+        port = _int(pairs.get("Port"))
+        if port is None:
+            if cluster_port is None:
+                config = _ask(["scontrol", "show", "config"])
+                cluster_port = (_int(_config(config.out).get("SlurmdPort")) if config.ok else None) or SLURMD_PORT
+            port = cluster_port
+        found[name] = (pairs.get("NodeAddr") or name, port)
+    return found
 
 
 def test_only(options: list[str]) -> slurm.Answer:
