@@ -28,7 +28,7 @@ from hpcdist.runtime import abort
 from hpcdist.scheduler.states import JobState
 from hpcdist.store.records import last_error
 from tests.support import train as fx
-from tests.support.cli import REPO, run_cli, storage_sets
+from tests.support.cli import REPO, rank_pids, run_cli, storage_sets
 from tests.support.train import ckpt_dir, train_args, wait_for
 
 train_root, tokens = fx.train_root, fx.tokens  # the training tests' session fixtures (token file)
@@ -92,20 +92,6 @@ def test_a_rank_aborted_in_its_collective_still_names_the_rank_that_stopped_join
     assert "aborting the rank (SIGABRT)" in log and "Traceback" not in log, log  # Python saw no exception
 
 
-def rank_pid(root: Path, rank: int) -> int | None:
-    """The process of a local job's rank `rank`, its folder under `root` (submitit's task runner)."""
-    for proc in Path("/proc").iterdir():
-        try:
-            cmd = (proc / "cmdline").read_bytes()
-            env = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"hpcdist.runtime.task_runner" in cmd and str(root).encode() in cmd \
-                and f"SUBMITIT_LOCAL_GLOBALID={rank}".encode() in env:
-            return int(proc.name)
-    return None
-
-
 def test_training_whose_rank_hangs_names_the_step_and_the_checkpoint_to_resume_from(train_root: Path,
                                                                                       tokens: Path) -> None:
     """train_gpt on 2 local ranks; once a checkpoint is committed rank 1 is stopped (SIGSTOP, a hung
@@ -120,13 +106,13 @@ def test_training_whose_rank_hangs_names_the_step_and_the_checkpoint_to_resume_f
     hung = None
     try:
         wait_for((ckpt_dir(root) / "step_00000050.h5").exists, 120, "the first committed checkpoint")
-        hung = wait_for(lambda: rank_pid(root, 1), 10, "rank 1's process")
+        hung = wait_for(lambda: rank_pids(str(root)).get(1), 10, "rank 1's process")
         os.kill(hung, signal.SIGSTOP)
-        wait_for(lambda: rank_pid(root, 0) is None, 60, "rank 0 to be aborted")
+        wait_for(lambda: rank_pids(str(root)).get(0) is None, 60, "rank 0 to be aborted")
         os.kill(hung, signal.SIGKILL)  # the hung node is gone: the local job ends
         out, err = job.communicate(timeout=60)
     finally:
-        if hung is not None and rank_pid(root, 1) == hung:
+        if hung is not None and rank_pids(str(root)).get(1) == hung:
             os.kill(hung, signal.SIGKILL)
         if job.poll() is None:
             job.kill()

@@ -82,24 +82,6 @@ def test_an_outsider_who_reaches_the_store_cannot_stop_the_job(name: str) -> Non
     assert as_user("bob", "-c", f"open({str(key_file)!r}).read()").code != 0
 
 
-def _rank_pid(job_name: str, rank: int, deadline_s: float) -> int:
-    """The process of `rank` of alice's job `job_name` (``python -m hpcdist.runtime.task_runner``, read
-    from /proc as root would)."""
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        for proc in Path("/proc").glob("[0-9]*"):
-            try:
-                env = (proc / "environ").read_bytes().split(b"\0")
-                cmd = (proc / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if (b"hpcdist.runtime.task_runner" in cmd and f"SLURM_JOB_NAME={job_name}".encode() in env
-                    and f"SLURM_PROCID={rank}".encode() in env):
-                return int(proc.name)
-        time.sleep(0.2)
-    raise AssertionError(f"no rank {rank} of job {job_name} within {deadline_s:g} s")
-
-
 def _text(pattern: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in pattern.parent.glob(pattern.name))
 
@@ -116,7 +98,7 @@ def test_an_outsider_who_deletes_roll_call_answers_gets_no_healthy_node_marked(n
 
     from hpcdist.config import load_site
     from hpcdist.store.records import health
-    from tests.support.cli import require_slurm, sacct_state
+    from tests.support.cli import rank_pids, require_slurm, sacct_state
     from tests.support.train import wait_for
 
     require_slurm()
@@ -138,7 +120,7 @@ def test_an_outsider_who_deletes_roll_call_answers_gets_no_healthy_node_marked(n
         stop = root / "stop"
         carol = spawn("carol", str(REPO / "tests" / "scripts" / "store_deleter.py"), addr, port, str(stop))
         time.sleep(2)  # she has listed the keys and is deleting
-        stopped = _rank_pid(name, 2, 30)
+        stopped = wait_for(lambda: rank_pids(name).get(2), 30, "rank 2's process")
         os.kill(stopped, signal.SIGSTOP)  # n3's rank hangs: ranks 0 and 1 time out in 10 s
         logs = rank0_log.parent
         wait_for(lambda: all(f"failed on rank {r} (n{r + 1})" in _text(logs / f"*_{r}_log.err") for r in (0, 1)),

@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 from pathlib import Path
 
 import h5py
@@ -23,7 +22,7 @@ import pytest
 from hpcdist import store
 from hpcdist.store.results import read_attrs, read_table
 from tests.support import train as fx
-from tests.support.cli import require_slurm, result_path
+from tests.support.cli import rank_pids, require_slurm, result_path
 from tests.support.train import (
     STEPS,
     Background,
@@ -66,20 +65,6 @@ def initial_weights(tokens: Path) -> dict[str, np.ndarray]:
     return {k: v for k, v in model_tree(model.state_dict()).items() if isinstance(v, np.ndarray)}
 
 
-def rank_pids(root: Path) -> dict[int, int]:
-    """rank -> pid of the local ranks of the job whose logs are under `root`."""
-    from hpcdist.launchers import SUBMITIT_RUNNER  # each rank runs submitit's runner behind hpcdist's trust check
-
-    out = subprocess.run(["pgrep", "-f", f"{SUBMITIT_RUNNER} {root}"], capture_output=True, text=True).stdout
-    ranks = {}
-    for pid in map(int, out.split()):
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        for item in env:
-            if item.startswith(b"SUBMITIT_LOCAL_GLOBALID="):
-                ranks[int(item.split(b"=")[1])] = pid
-    return ranks
-
-
 def test_auto_precision_trains_in_fp32_on_cpus_and_the_result_says_so(train_root: Path, reference: Path) -> None:
     """jobs/train_gpt.yaml asks for `precision: auto`; on CPUs that is fp32 (bf16 autocast is slower there)."""
     (path,) = sorted((train_root / "reference" / "results").rglob("*.h5"))
@@ -112,7 +97,7 @@ def test_preemption_signal_requeues_and_resumes_bit_for_bit(train_root: Path, to
     job = Background(train_args(root, tokens))
     try:
         wait_for(lambda: "step 20/400" in rank_log(root), 120, "step 20 in rank 0's log")
-        pids = wait_for(lambda: (p := rank_pids(root)) and len(p) == 2 and p, 10, "both rank processes")
+        pids = wait_for(lambda: (p := rank_pids(str(root))) and len(p) == 2 and p, 10, "both rank processes")
         os.kill(pids[1], signal.SIGUSR2)
         result = job.finish(timeout=180)
     finally:
@@ -142,7 +127,7 @@ def test_time_outs_beyond_max_requeues_stop_with_a_committed_checkpoint(train_ro
                                 "--set", "resources.time_min=1"))
     try:
         wait_for(lambda: "step 20/400" in rank_log(root), 120, "step 20 in rank 0's log")
-        for pid in wait_for(lambda: (p := rank_pids(root)) and len(p) == 2 and p, 10, "both ranks").values():
+        for pid in wait_for(lambda: (p := rank_pids(str(root))) and len(p) == 2 and p, 10, "both ranks").values():
             os.kill(pid, signal.SIGUSR2)
         result = job.finish(timeout=120)
     finally:

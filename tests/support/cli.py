@@ -164,3 +164,24 @@ def job_id(out: str) -> str:
 def sacct_state(jid: str) -> str:
     proc = subprocess.run(["sacct", "-j", jid, "-X", "-n", "-P", "-o", "State"], capture_output=True, text=True)
     return proc.stdout.strip()
+
+
+def rank_pids(marker: str) -> dict[int, int]:
+    """rank -> pid of the running ranks (``python ... -m`` submitit's task runner behind hpcdist's
+    trust check) whose command line holds `marker` (the job's log folder, or its name), read from
+    /proc: a local job's rank from ``SUBMITIT_LOCAL_GLOBALID``, a Slurm job's from ``SLURM_PROCID``
+    (srun's own command line names the runner too, and is left out)."""
+    from hpcdist.launchers import SUBMITIT_RUNNER
+
+    ranks = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            env = dict(item.partition(b"=")[::2] for item in (proc / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        rank = env.get(b"SUBMITIT_LOCAL_GLOBALID", env.get(b"SLURM_PROCID"))
+        if (Path(argv[0].decode(errors="replace")).name.startswith("python") and SUBMITIT_RUNNER.encode() in argv
+                and any(marker.encode() in a for a in argv) and rank is not None):
+            ranks[int(rank)] = int(proc.name)
+    return ranks
