@@ -10,6 +10,10 @@ FAULT_EXIT_VAR = "HPCDIST_FAULT_EXIT_RANK"  # for fault tests: this rank exits b
 LAUNCH_ID_VAR = "HPCDIST_LAUNCH_ID"  # unique per start of the ranks where no scheduler numbers it (local site)
 RESTART_COUNT_VAR = "SLURM_RESTART_COUNT"  # Slurm: how often this job was requeued (absent: never)
 LOCAL_RESTARTS_VAR = "HPCDIST_LOCAL_RESTART_COUNT"  # local site: how often the controller restarted the ranks
+# a job with spare nodes (hpcdist.runtime.in_job): how often its supervisor started the ranks again in
+# the same allocation, and the supervisor's address, which each rank connects to (its sign of life)
+IN_JOB_RESTART_VAR = "HPCDIST_IN_JOB_RESTART"
+SUPERVISOR_VAR = "HPCDIST_SUPERVISOR"
 # for fault tests on CPU: gloo made to end a rank as NCCL's watchdog does (hpcdist.runtime.abort):
 # its collectives never raise, and the rank aborts (SIGABRT) this many seconds after the timeout
 IMITATE_ABORT_VAR = "HPCDIST_TEST_ABORT_AFTER_S"
@@ -25,6 +29,14 @@ def restart_count(env: Mapping[str, str]) -> int:
     start, and outside a job)."""
     try:
         return max(0, int(env.get(RESTART_COUNT_VAR) or env.get(LOCAL_RESTARTS_VAR) or 0))
+    except ValueError:
+        return 0
+
+
+def in_job_restarts(env: Mapping[str, str]) -> int:
+    """How often a job's supervisor started its ranks again in the same allocation (0 outside one)."""
+    try:
+        return max(0, int(env.get(IN_JOB_RESTART_VAR) or 0))
     except ValueError:
         return 0
 

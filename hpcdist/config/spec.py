@@ -52,6 +52,9 @@ class Resources(Frozen):
     # asked remain (``hpcdist.login.node_failure_wait`` updates the pending job's node count). None: 1 for a
     # job that resumes at another world size, exactly `nodes` for the others.
     min_nodes: int | None = Field(default=None, ge=1)
+    # Hot spares: nodes asked beyond `nodes` that run no rank; when a node of the job dies, the
+    # job goes on in the same allocation on the live nodes and a spare (``hpcdist.runtime.in_job``)
+    spare_nodes: int = Field(default=0, ge=0)
     tasks_per_node: int = Field(default=1, ge=1)
     gpus_per_node: int = Field(default=0, ge=0)
     cpus_per_task: int | None = Field(
@@ -192,6 +195,13 @@ def fit_to_site(spec: JobSpec, site: Site) -> list[tuple[str, object, str]]:
     pname, part = site.partition(res.partition)
     if res.nodes > part.nodes:
         problems.append(("resources.nodes", res.nodes, f"at most {part.nodes} on partition {pname!r}"))
+    elif res.nodes + res.spare_nodes > part.nodes:
+        problems.append(("resources.spare_nodes", res.spare_nodes, f"at most {part.nodes - res.nodes}: nodes + "
+                         f"spare_nodes must fit the {part.nodes} nodes of partition {pname!r}"))
+    if res.spare_nodes and (site.scheduler != "slurm" or site.launcher.kind != "srun"):
+        problems.append(("resources.spare_nodes", res.spare_nodes, f"0 on site {site.name!r}: spares are Slurm nodes "
+                         f"the job's srun steps move to (launcher.kind srun; this site has scheduler "
+                         f"{site.scheduler!r}, launcher.kind {site.launcher.kind!r})"))
     if res.gpus_per_node > part.gpus_per_node:
         here = " (the GPUs `nvidia-smi -L` lists on this machine, within CUDA_VISIBLE_DEVICES)" \
             if site.scheduler == "local" else ""

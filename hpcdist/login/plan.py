@@ -168,7 +168,7 @@ def resolve(base: JobSpec, site: Site, origin: Origin, tasks: Sequence[JobSpec] 
     directives: tuple[tuple[str, Any], ...] = ()
     if slurm:
         job_env["SUBMITIT_PREEMPTION_SIGNAL"] = site.preemption.signal
-        values: dict[str, Any] = {"job-name": base.name, "partition": partition, "nodes": res.nodes,
+        values: dict[str, Any] = {"job-name": base.name, "partition": partition, "nodes": res.nodes + res.spare_nodes,
                                   "ntasks-per-node": res.tasks_per_node, "cpus-per-task": cpus}
         if res.gpus_per_node:
             typed = f"{part.gpu_type}:{res.gpus_per_node}" if part.gpu_type else str(res.gpus_per_node)
@@ -179,6 +179,7 @@ def resolve(base: JobSpec, site: Site, origin: Origin, tasks: Sequence[JobSpec] 
         values |= {"time": sbatch.slurm_time(minutes), "account": site.account or None, "qos": site.qos or None,
                    "output": out.replace("%t", "0"), "error": err.replace("%t", "0"), "open-mode": "append",
                    "signal": launcher.signal_flag(site.preemption.signal, delay_s), "requeue": True,
+                   "no-kill": True if res.spare_nodes else None,
                    "array": None if size is None else f"0-{size - 1}" + (f"%{origin.max_parallel}"
                                                                           if origin.max_parallel else "")}
         merged = excluded.flag()  # the site's health record's nodes added to the job's own exclude
@@ -189,10 +190,21 @@ def resolve(base: JobSpec, site: Site, origin: Origin, tasks: Sequence[JobSpec] 
         base=base, tasks=tuple(tasks) or (base,), site=site, origin=origin, partition=partition, time_min=minutes,
         cpus_per_task=cpus, gpus_per_node=res.gpus_per_node, env=env, job_env=job_env, folder=paths.folder,
         stdout=out, stderr=err, limit_s=limit_s, signal_delay_s=delay_s, launch=launch,
-        launch_line=launcher.command(launch), prelude=tuple(launcher.prelude(launch)) if slurm else (),
+        launch_line=in_job_line(launch, launcher.command(launch)) if res.spare_nodes and slurm
+        else launcher.command(launch),
+        prelude=tuple(launcher.prelude(launch)) if slurm else (),
         container=container, container_prelude=container_prelude, directives=directives,
         executor_parameters=sbatch.executor_parameters(shape, slurm), gpu_note=note, excluded=excluded,
     )
+
+
+IN_JOB = "hpcdist.runtime.in_job"  # the batch step's supervisor of a job with spare nodes
+
+
+def in_job_line(launch: LaunchPlan, line: str) -> str:
+    """The launcher's srun `line` run by the in-job supervisor, which gives each of its steps
+    the nodes (the live ones and the spares) and the task count."""
+    return f"{launch.host()} -m {IN_JOB} {shlex.quote(str(launch.folder))} -- {line}"
 
 
 # What a rank says when CUDA finds no GPU: torch's lazy init with CUDA_VISIBLE_DEVICES empty, no

@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     if restarts == 0 or len(args) != 1:
         return 0
     try:
-        job_id, spec, site, folder, output = _submitted(args[0], env)
+        job_id, spec, site, folder, output = submitted(args[0], env)
         if site.scheduler != "slurm":
             return 0
         # a run waits on this check: one short try a command (a node may not reach slurmdbd at all)
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     return STOP_EXIT
 
 
-def _submitted(folder: str, env: Mapping[str, str]) -> tuple[str, JobSpec, Site, Path, Path]:
+def submitted(folder: str, env: Mapping[str, str]) -> tuple[str, JobSpec, Site, Path, Path]:
     """The job's id, spec and site, as submitit's pickle gives them to its ranks; its folder and
     batch output (rank 0's stdout)."""
     from submitit.core.utils import JobPaths as SubmititPaths

@@ -123,8 +123,8 @@ def _mark(site: Site, nodes: Sequence[str], job_id: str, reason: str) -> None:
     for host in [h for h, node in named.items() if node is None]:
         log.warning("not marking %s in the node health record: Slurm knows no node of that name (sinfo); "
                     "mark the node by hand with `hpcdist nodes --mark NODE --reason ...`", host)
-    evidence = _evidence([n for n in named.values() if n is not None], known)
-    for node, found in evidence.items():
+    found_by_node = evidence([n for n in named.values() if n is not None], known)
+    for node, found in found_by_node.items():
         if not found:
             log.warning("not marking %s in the node health record: its ranks did not answer the roll call, but "
                         "Slurm says it responds and its slurmd answers on the network (a missing answer alone "
@@ -137,7 +137,7 @@ def _mark(site: Site, nodes: Sequence[str], job_id: str, reason: str) -> None:
             log.warning("could not mark %s in the node health record: %s", node, exc)
 
 
-def _evidence(nodes: Sequence[str], known: dict[str, Any]) -> dict[str, str]:
+def evidence(nodes: Sequence[str], known: dict[str, Any]) -> dict[str, str]:
     """For each of `nodes`, what shows it is gone ("" when nothing does): Slurm's state, else a
     connect to its slurmd that got no answer within ``PROBE_S`` (the nodes probed at once)."""
     from hpcdist.scheduler.slurm_cluster import slurmd_addresses

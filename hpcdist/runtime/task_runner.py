@@ -117,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m hpcdist.runtime.task_runner [--check] FOLDER", file=sys.stderr)
         return 2
     folder = args[0]
+    if not check_only:
+        from hpcdist.runtime.in_job import report_in
+
+        report_in()  # a job with spare nodes: its supervisor watches this process's connection
     from hpcdist.files.trust import importable_cwd
 
     sys.path[:0] = importable_cwd()  # `python -m`'s first entry, which -P left off, where no one else writes it

@@ -219,6 +219,17 @@ def scancel(job_id: str) -> None:
         raise SubmitError(f"could not cancel job {job_id}: {answer.why}")
 
 
+def kill_step(job_id: str, step: str) -> subprocess.Popen[bytes]:
+    """``scancel --signal=KILL JOB.STEP``, started and not waited for (its process returned, to
+    be reaped): slurmctld answers only once every node of the step did, and a dead node answers
+    after MessageTimeout, while the live nodes act at once."""
+    check_job_ids([job_id])
+    if not step.isdigit():
+        raise ValueError(f"not a job step number: {step!r}")
+    return subprocess.Popen(["scancel", "--signal=KILL", f"{job_id}.{step}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
 def requeue(job_id: str) -> None:
     """``scontrol requeue``: once (a second try could requeue the job's next start)."""
     check_job_ids([job_id])

@@ -8,8 +8,10 @@ A claim is taken from its holder only when the holder is proven gone, or by a la
 the very same job step:
 
 - a requeue (the same job and step, a higher restart count: Slurm's, or the local controller's)
-  takes its own claim back; another step of the same allocation (a second ``srun``) does not,
-  while that step runs;
+  takes its own claim back; so does a later in-job restart of a job with spare nodes (the same
+  job and requeue, a new step with a higher ``in_job`` count: ``hpcdist.runtime.in_job``, whose
+  supervisor killed the step it replaces); another step of the same allocation (a second
+  ``srun``) does not, while that step runs;
 - Slurm saying the holder's job ended (squeue does not list it and sacct has its end state),
   or, on this host, the holder's process being gone, makes a claim stale;
 - anything else is *unknown*, never dead: squeue answering nothing for a job sacct does not know
@@ -49,17 +51,19 @@ class Holder:
     started: float
     step: str = ""  # Slurm's job step (SLURM_STEP_ID), "" outside a step
     restarts: int = 0  # how often the job was requeued (Slurm's restart count, or the local controller's)
+    in_job: int = 0  # how often a job with spare nodes started its ranks again in its allocation (a new step)
 
     @classmethod
     def this_process(cls, env: Mapping[str, str] | None = None) -> Holder:
         """This process as a holder: its Slurm job id, else ``local-<id>`` (submitit's local job
         id, which a local requeue keeps, or the pid)."""
-        from hpcdist.config.contract import restart_count
+        from hpcdist.config.contract import in_job_restarts, restart_count
 
         env = os.environ if env is None else env
         job = env.get("SLURM_JOB_ID") or f"local-{env.get('SUBMITIT_LOCAL_JOB_ID') or os.getpid()}"
         step = env.get("SLURM_STEP_ID", "") if env.get("SLURM_JOB_ID") else ""
-        return cls(job, socket.gethostname(), os.getpid(), time.time(), step, restart_count(env))
+        return cls(job, socket.gethostname(), os.getpid(), time.time(), step, restart_count(env),
+                   in_job_restarts(env))
 
     @property
     def slurm_job(self) -> bool:
@@ -99,6 +103,8 @@ def verdict(current: Holder, me: Holder) -> tuple[bool, str]:
         return False, "is still running (the same job step started twice?)"
     gone = _process_gone(current)
     if current.slurm_job:
+        if current.job_id == me.job_id and me.restarts == current.restarts and me.in_job > current.in_job:
+            return True, "an in-job restart takes the claim of the step it replaced"
         if current.job_id == me.job_id:  # another step of this allocation
             steps = slurm.job_steps(current.job_id)
             if steps is None:
@@ -245,7 +251,7 @@ def _parse(raw: str, path: Path) -> Holder | None:
     try:
         data = json.loads(raw)
         return Holder(str(data["job_id"]), str(data["host"]), int(data["pid"]), float(data["started"]),
-                      str(data.get("step", "")), int(data.get("restarts", 0)))
+                      str(data.get("step", "")), int(data.get("restarts", 0)), int(data.get("in_job", 0)))
     except (ValueError, KeyError, TypeError):
         return None
 

@@ -1,0 +1,123 @@
+"""Time from a node's death to the next training step, on the local cluster: hot spares and
+in-job restart (``resources.spare_nodes``) against today's requeue, in the same run.
+
+A user's script (tests/scripts/elastic_sgd.py: a checkpoint every step, 0.25 s a step) is
+submitted through ``hpcdist submit --wait`` on 3 nodes x 1 task; once it has committed step 10,
+``cluster/nodefault.sh kill`` kills a node of its step (link cut, slurmd and every process in it
+killed). The time to the next training step is the time from the kill to the first checkpoint
+committed after it (a step is done when its checkpoint is). Split:
+
+- notice: the supervisor's line "node N died ... noticed at T";
+- restart: to its line "in-job step 1 ... at T" (the old step killed, the node marked, the spare chosen);
+- resume: to rank 0's "resumed from step" (the new step's ranks started, grouped, loaded);
+- first step: to the commit.
+
+Each in-job run is one job (3 nodes + 1 spare); the requeue run is the same job with no spare
+(Slurm declares the node down after SlurmdTimeout, requeues the job, holds it ~120 s, and the
+waiter of ``submit --wait`` starts it on the 3 live nodes). Prints every run and the medians.
+
+    .venv/bin/python benchmarks/in_job_restart.py [--runs 5] [--node n3] [--no-requeue]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = Path("/var/tmp/hpcdist-shared")
+NOTICED = re.compile(r"node (\S+) died .* noticed at ([\d.]+)")
+STEP1 = re.compile(r"in-job step 1 on (\S+) .* at ([\d.]+)")
+RESUMED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank 0/\d+ [^]]*\] INFO resumed from step (\d+)")
+
+
+def submit(root: Path, spares: int) -> tuple[subprocess.Popen[bytes], Path]:
+    sets = [f"--set=site.storage.{k}={root / k}" for k in ("results", "checkpoints", "scratch", "logs")]
+    out = root / "submit.out"
+    cmd = [sys.executable, "-m", "hpcdist.cli", "submit", "--site", "local-slurm", "--set", "resources.nodes=3",
+           "--set", f"resources.spare_nodes={spares}", "--set", "on_node_failure=requeue", "--set", "timeout_s=10",
+           *sets, "--wait", "--", "tests/scripts/elastic_sgd.py", "--steps", "400", "--every", "1", "--step-s", "0.25"]
+    with out.open("wb") as sink:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
+                                env={"PYTHONPATH": str(ROOT), "PATH": "/usr/local/bin:/usr/bin:/bin"})
+    return proc, out
+
+
+def committed(ckpts: Path) -> dict[int, float]:
+    return {int(p.stem.split("_")[1]): p.stat().st_mtime for p in ckpts.glob("step_*.h5")}
+
+
+def one(node: str, spares: int, limit_s: float) -> dict[str, float]:
+    root = SHARED / f"t-injob-bench-{time.time_ns()}"
+    root.mkdir(parents=True)
+    proc, out = submit(root, spares)
+    ckpts = root / "checkpoints" / "elastic_sgd"
+    job = ""
+    try:
+        deadline = time.monotonic() + 120
+        while 10 not in committed(ckpts):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise SystemExit(f"the job did not reach step 10: {out.read_text()[-2000:]}")
+            time.sleep(0.1)
+        job = re.search(r"submitted job (\d+)", out.read_text()).group(1)  # type: ignore[union-attr]
+        before = max(committed(ckpts))
+        killed = time.time()  # the kill's first act is cutting the node's link
+        subprocess.run([ROOT / "cluster/nodefault.sh", "kill", node], check=True, capture_output=True)
+        deadline = time.monotonic() + limit_s
+        while not [s for s, t in committed(ckpts).items() if t > killed and s > 0]:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no step within {limit_s} s of the kill: {out.read_text()[-2000:]}")
+            time.sleep(0.05)
+        first = min(t for t in committed(ckpts).values() if t > killed)
+        row = {"next_step_s": first - killed, "steps_before": float(before)}
+        log = "\n".join(p.read_text(errors="replace") for p in sorted((root / "logs").rglob("*_0_log.err")))
+        if (m := NOTICED.search(log)) and (s := STEP1.search(log)):
+            row |= {"notice_s": float(m.group(2)) - killed, "restart_s": float(s.group(2)) - float(m.group(2))}
+            resumed = [datetime.strptime(r.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                       for r in map(RESUMED.match, log.splitlines()) if r]
+            if resumed:
+                row |= {"resume_s": resumed[-1] - float(s.group(2)), "first_step_s": first - resumed[-1]}
+        return row
+    finally:
+        subprocess.run([ROOT / "cluster/nodefault.sh", "revive", node], capture_output=True)
+        if job:
+            subprocess.run(["scancel", job], capture_output=True)
+        proc.wait(timeout=120)
+        subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--node", default="n3")
+    parser.add_argument("--no-requeue", action="store_true")
+    args = parser.parse_args()
+    import torch
+
+    import hpcdist
+
+    slurm = subprocess.run(["sinfo", "-V"], capture_output=True, text=True).stdout.strip()
+    print(f"hpcdist {hpcdist.__version__}, torch {torch.__version__}, {slurm}; killing {args.node} after step 10")
+    keys = ("next_step_s", "notice_s", "restart_s", "resume_s", "first_step_s")
+    rows = []
+    for n in range(args.runs):
+        row = one(args.node, 1, 120)
+        rows.append(row)
+        print(f"in-job run {n + 1}: " + "  ".join(f"{k} {row[k]:.2f}" for k in keys if k in row), flush=True)
+    med = {k: statistics.median(r[k] for r in rows) for k in keys if all(k in r for r in rows)}
+    print("in-job median: " + "  ".join(f"{k} {v:.2f}" for k, v in med.items()))
+    if not args.no_requeue:
+        row = one(args.node, 0, 400)
+        print(f"requeue (no spare), 1 run: next_step_s {row['next_step_s']:.1f}; "
+              f"ratio requeue / in-job median {row['next_step_s'] / med['next_step_s']:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

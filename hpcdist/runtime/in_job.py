@@ -1,0 +1,322 @@
+"""The in-job supervisor of a job with hot spares (``resources.spare_nodes``): a node that dies
+costs seconds in the same allocation, not a requeue and a place at the back of the queue.
+
+The batch script runs ``python -m hpcdist.runtime.in_job FOLDER -- srun ...`` (``login.plan``).
+The job holds ``nodes + spare_nodes`` nodes under ``--no-kill``: Slurm takes a dead node out of the
+allocation and leaves the job running. This process, on the batch node, runs the ranks as srun
+steps on ``nodes`` of them; the spares run nothing. The batch node is the last node it gives
+ranks to: Slurm ends a job whose batch node dies, ``--no-kill`` or not, so the batch node is the
+spare kept longest.
+
+- **Sign of life.** Each rank connects to the supervisor as it starts (``report_in``, called by
+  the task runner) and sends one line: its step, rank and node. The supervisor keeps each
+  connection with TCP keepalives (``KEEPALIVE``): a node whose kernel stops answering (dead, or
+  cut off) is noticed in about 3 s, with no thread and no traffic in the rank; a rank's process
+  that ends closes its connection at once.
+- **Evidence.** A connection that timed out proves nothing alone (a network blip, a forged
+  line): a node is dead when Slurm says so or its slurmd gives no TCP reply within a second
+  (``rollcall.evidence``, the roll call's own test). The nodes are also checked when a step
+  fails, and when a rank ended and the step did not follow within ``SETTLE_S`` (a node that
+  died before its rank connected: the others fail at their rendezvous). A step that fails while
+  every node answers is the job's own failure: it ends the job as it would without spares.
+- **Restart.** The step is killed (``scancel --signal=KILL``); the dead node is marked in the
+  site's node health record and in the job's node-failure record; a new step starts on the
+  live nodes and a live spare with ``--overlap`` (the old step holds its CPUs until Slurm
+  declares the dead node down, SlurmdTimeout later). The world size is the same, and the ranks
+  resume from the last checkpoint as after a requeue: they get ``IN_JOB_RESTART_VAR``, and the
+  checkpoint directory's claim passes to the later restart (``store.checkpoint.claim``).
+- **No spare left.** The next step runs on the live nodes alone when the spec allows it
+  (``resources.min_nodes``); else the job ends with one line naming the node and what to do.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import selectors
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from hpcdist.config.contract import IN_JOB_RESTART_VAR, STOPPED, SUPERVISOR_VAR, restart_count
+
+KEEPALIVE = (1, 1, 2)  # seconds idle, seconds between probes, probes: a silent node is noticed in ~3 s
+STOP_WAIT_S = 10.0  # how long the ranks of a killed step on live nodes may take to end
+SETTLE_S = 5.0  # a rank ended: how long srun may take to end the step before the nodes are checked
+STOP_EXIT = 3  # the supervisor's exit status when the job cannot go on (as the node failure check's)
+_KEPT: list[socket.socket] = []  # a rank's connection to its supervisor, open while the process lives
+
+log = logging.getLogger("hpcdist")
+
+
+def report_in(env: Mapping[str, str] | None = None) -> None:
+    """In a rank of a job with spares: connect to the supervisor and say who this is. The
+    connection stays open, unread, for the process's life: its kernel answers the supervisor's
+    keepalives. Nothing happens outside such a job, or when the supervisor cannot be reached
+    (it then learns of this rank only from its step)."""
+    env = os.environ if env is None else env
+    where = env.get(SUPERVISOR_VAR, "")
+    if not where:
+        return
+    host, _, port = where.rpartition(":")
+    node = env.get("SLURMD_NODENAME") or socket.gethostname()
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        sock.sendall(f"{env.get('SLURM_STEP_ID', '')} {env.get('SLURM_PROCID', '')} {node}\n".encode())
+    except (OSError, ValueError) as exc:
+        print(f"hpcdist: warning: cannot reach the job's supervisor at {where}: {exc}", file=sys.stderr, flush=True)
+        return
+    _KEPT.append(sock)
+
+
+@dataclass
+class _Rank:
+    """A rank's connection as the supervisor holds it."""
+
+    node: str = ""
+    step: str = ""
+    buffer: bytes = b""
+
+
+@dataclass
+class Failure:
+    """Why a step is suspect: srun's exit status (None: still running), and the nodes whose
+    connection timed out."""
+
+    returncode: int | None
+    silent: set[str] = field(default_factory=set)
+    why: str = ""
+
+
+class Supervisor:
+    """Runs the job's ranks as srun steps on its live nodes, and again without a node that died."""
+
+    def __init__(self, srun: Sequence[str], job_id: str, nodes: Sequence[str], batch_node: str, want: int,
+                 floor: int, tasks_per_node: int, mark: Callable[[str, str, int], None] | None = None,
+                 address: str = "") -> None:
+        self.srun, self.job_id, self.want, self.floor, self.tasks = list(srun), job_id, want, floor, tasks_per_node
+        self.order = [n for n in nodes if n != batch_node] + [n for n in nodes if n == batch_node]
+        self.active = self.order[:want]
+        self.dead: set[str] = set()
+        self.restarts = 0
+        self.steps: set[str] = set()  # the Slurm step ids the ranks named
+        self.mark = mark
+        self.server = socket.create_server((address, 0))
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.server, selectors.EVENT_READ)
+        self.reaped: list[subprocess.Popen[bytes]] = []  # scancels still waiting for Slurm's answer
+        self.address = f"{address or socket.gethostname()}:{self.server.getsockname()[1]}"
+
+    # ------------------------------------------------------------------ one step
+
+    def launch(self) -> subprocess.Popen[bytes]:
+        n = len(self.active)
+        argv = [self.srun[0], f"--nodes={n}", f"--ntasks={n * self.tasks}", f"--nodelist={','.join(self.active)}",
+                "--overlap", "--kill-on-bad-exit=1", *self.srun[1:]]
+        env = {**os.environ, IN_JOB_RESTART_VAR: str(self.restarts), SUPERVISOR_VAR: self.address,
+               "SLURM_NTASKS": str(n * self.tasks), "SLURM_NPROCS": str(n * self.tasks)}
+        _say(f"in-job step {self.restarts} on {','.join(self.active)} ({n * self.tasks} ranks) at {time.time():.3f}")
+        return subprocess.Popen(argv, env=env)
+
+    def watch(self, proc: subprocess.Popen[bytes]) -> Failure:
+        """Until the step ends (its exit status) or a node is suspect."""
+        ended_at: float | None = None
+        while True:
+            code = proc.poll()
+            if code is not None:
+                return Failure(code, why=f"srun exited {code}")
+            for sock, rank, error in self._events(0.5):
+                if error is not None and error.errno in (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH):
+                    return Failure(None, {rank.node}, f"the connection of a rank on {rank.node or '?'} timed out "
+                                   f"({error.strerror})")
+                if sock is None:  # a rank's process ended
+                    ended_at = ended_at or time.monotonic()
+            if ended_at is not None and time.monotonic() - ended_at > SETTLE_S and proc.poll() is None:
+                ended_at = None
+                found = self.check(self.active)
+                if found:
+                    return Failure(None, set(found), "a rank ended and its step did not")
+
+    def _events(self, timeout: float) -> list[tuple[socket.socket | None, _Rank, OSError | None]]:
+        """What the ranks' connections did within `timeout`: a line read (the socket), or an end
+        (None, with the error when it did not end cleanly); new connections accepted."""
+        out: list[tuple[socket.socket | None, _Rank, OSError | None]] = []
+        for key, _ in self.sel.select(timeout):
+            if key.fileobj is self.server:
+                conn, _ = self.server.accept()
+                _keepalive(conn)
+                self.sel.register(conn, selectors.EVENT_READ, _Rank())
+                continue
+            sock, rank = key.fileobj, key.data
+            assert isinstance(sock, socket.socket)
+            error: OSError | None = None
+            try:
+                data = sock.recv(4096)
+            except OSError as exc:
+                data, error = b"", exc
+            if data:
+                self._hello(rank, data)
+                out.append((sock, rank, None))
+                continue
+            self.sel.unregister(sock)
+            sock.close()
+            out.append((None, rank, error))
+        return out
+
+    def _connected(self, nodes: set[str]) -> int:
+        return sum(1 for key in self.sel.get_map().values()
+                   if key.fileobj is not self.server and key.data.node in nodes)
+
+    def _hello(self, rank: _Rank, data: bytes) -> None:
+        rank.buffer += data
+        line, sep, rest = rank.buffer.partition(b"\n")
+        if not sep or rank.node:
+            rank.buffer = rank.buffer[-256:]
+            return
+        words = line.decode(errors="replace").split()
+        if len(words) == 3 and words[2] in self.active:  # a line naming a node outside the step: ignored
+            rank.step, rank.node = words[0], words[2]
+            if words[0].isdigit():
+                self.steps.add(words[0])
+        rank.buffer = rest
+
+    # ------------------------------------------------------------------ the nodes
+
+    def check(self, nodes: Sequence[str]) -> dict[str, str]:
+        """Those of `nodes` that are dead, each with its evidence (Slurm's word, or a slurmd that
+        does not answer)."""
+        from hpcdist.runtime.rollcall import evidence
+        from hpcdist.scheduler import slurm_cluster
+
+        known = slurm_cluster.node_states() or {}
+        asked = [n for n in nodes if n in known]
+        return {node: why for node, why in evidence(asked, known).items() if why}
+
+    def stop(self, proc: subprocess.Popen[bytes], live: set[str]) -> None:
+        """The step's ranks killed, and its srun (which would wait for the dead node until Slurm
+        declares it down); returns once the ranks on the `live` nodes closed their connections
+        (or after ``STOP_WAIT_S``). scancel itself is not waited for: Slurm answers it only once
+        it gave up on the dead node."""
+        from hpcdist.scheduler import slurm
+
+        steps = self.steps or {s for s in (slurm.job_steps(self.job_id) or set()) if s.isdigit()}
+        for step in sorted(steps):
+            self.reaped.append(slurm.kill_step(self.job_id, step))
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + STOP_WAIT_S
+        while self._connected(live) and time.monotonic() < deadline:
+            self._events(0.2)
+        for key in list(self.sel.get_map().values()):
+            if key.fileobj is not self.server:
+                self.sel.unregister(key.fileobj)
+                key.fileobj.close()  # type: ignore[union-attr]
+        self.steps = set()
+        self.reaped = [p for p in self.reaped if p.poll() is None]
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        proc = self.launch()
+        while True:
+            failure = self.watch(proc)
+            if failure.returncode == 0:
+                return 0
+            noticed = time.time()
+            dead = self.check(sorted({*self.active, *failure.silent}))
+            if not dead:
+                if failure.returncode is not None:
+                    return failure.returncode  # the job's own failure: every node answers
+                _say(f"warning: {failure.why}, but every node of the step answers: going on")
+                continue
+            self.stop(proc, {n for n in self.active if n not in dead})
+            for node, why in dead.items():
+                _say(f"in-job: node {node} died ({why}; {failure.why}) noticed at {noticed:.3f}")
+                if self.mark is not None:
+                    self.mark(node, why, restart_count(os.environ) + 1)
+            self.dead |= set(dead)
+            line = self.replace(set(dead))
+            if line:
+                print(STOPPED + line, file=sys.stderr, flush=True)
+                return STOP_EXIT
+            self.restarts += 1
+            proc = self.launch()
+
+    def replace(self, dead: set[str]) -> str:
+        """The next step's nodes: the live ones and live spares; "" when it can run, else why not."""
+        survivors = [n for n in self.active if n not in dead]
+        spares = [n for n in self.order if n not in self.active and n not in self.dead]
+        gone = self.check(spares) if spares else {}
+        for node, why in gone.items():
+            _say(f"in-job: spare {node} is dead too ({why})")
+            if self.mark is not None:
+                self.mark(node, why, restart_count(os.environ) + 1)
+        self.dead |= set(gone)
+        live = [n for n in spares if n not in gone]
+        self.active = sorted(survivors + live[:self.want - len(survivors)], key=self.order.index)
+        if len(self.active) >= self.floor:
+            if len(self.active) < self.want:
+                _say(f"in-job: no live spare left: the job goes on on {len(self.active)} of its {self.want} nodes "
+                     f"(resources.min_nodes={self.floor})")
+            return ""
+        names = ", ".join(sorted(dead))
+        return (f"node {names} died and the job has no live spare left; it may not run on fewer than "
+                f"{self.floor} nodes and {len(self.active)} live remain, so it ends (set resources.min_nodes "
+                f"or more resources.spare_nodes, and resubmit the same spec to resume from its last checkpoint)")
+
+
+def _keepalive(sock: socket.socket) -> None:
+    idle, interval, count = KEEPALIVE
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
+
+
+def _say(line: str) -> None:
+    print(f"hpcdist: {line}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hpcdist.runtime.in_job FOLDER -- srun ...``: the batch script's launch of a job
+    with spare nodes (FOLDER is submitit's, where the job's pickle holds its spec and site)."""
+    from hpcdist.runtime.agent import SIGNAL_VAR, keep_alive_on
+    from hpcdist.runtime.group import own_address
+    from hpcdist.runtime.node_failure import submitted
+    from hpcdist.scheduler.hostlist import expand_hostlist
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) < 3 or args[1] != "--":
+        print("usage: python -m hpcdist.runtime.in_job FOLDER -- srun ...", file=sys.stderr)
+        return 2
+    keep_alive_on(os.environ.get(SIGNAL_VAR))  # the site's preemption signal is the ranks' to act on
+    job_id, spec, site, _, _ = submitted(args[0], os.environ)
+    res = spec.resources
+    nodes = expand_hostlist(os.environ["SLURM_JOB_NODELIST"])
+    here = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    paths = spec.paths(site, job_id)
+
+    def mark(node: str, why: str, run: int) -> None:
+        from hpcdist.errors import HpcdistError
+        from hpcdist.store.records import health, node_failures
+        from hpcdist.store.records.node_failures import NodeFailure
+
+        when = time.strftime("%Y-%m-%dT%H:%M:%S")
+        try:
+            node_failures.add(paths.node_failures, [NodeFailure(node, when, run, time.time())])
+            health.mark(site, node, f"died under job {job_id} ({why}; found by its in-job supervisor)", job_id,
+                        source="node_failure")
+        except (OSError, HpcdistError) as exc:
+            _say(f"warning: could not record {node}'s death: {exc}")
+
+    supervisor = Supervisor(args[2:], job_id, nodes, here, res.nodes, res.min_nodes or res.nodes, res.tasks_per_node,
+                            mark, own_address(site.network.socket_ifname, False))
+    return supervisor.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
