@@ -21,6 +21,7 @@ from pathlib import Path
 import h5py
 import pytest
 
+import hpcdist
 from hpcdist.store.records import health
 from hpcdist.store.results import read_attrs, read_table
 from tests.netfault import killed, revive
@@ -79,11 +80,18 @@ def spared(root: Path, *sets: str, kills: tuple[str, ...], between: str = "") ->
         job.kill()
 
 
+def one_run(jid: str) -> None:
+    """Accounting shows one run: no NODE_FAIL, no REQUEUED; a RESIZING record where Slurm took
+    the dead node out of the allocation before the job ended (--no-kill), then COMPLETED."""
+    states = history(jid)
+    assert states[-1] == "COMPLETED" and set(states) <= {"RESIZING", "COMPLETED"}, states
+
+
 def assert_went_on(jid: str, result: Run, hosts: list[str], dead: list[str], root: Path) -> dict[str, object]:
     """COMPLETED in its first run on `hosts`, the `dead` nodes named, marked and in the log."""
     assert result.code == 0, result.text
     assert f"job {jid} finished: COMPLETED; {len(hosts)}/{len(hosts)} ranks succeeded" in result.out, result.out
-    assert history(jid) == ["COMPLETED"]  # one run: no NODE_FAIL, no requeue
+    one_run(jid)
     attrs = read_attrs(result_path(result.out))
     assert attrs["hosts"] == hosts and attrs["world_size"] == len(hosts), attrs
     assert attrs["excluded_nodes"] == ",".join(dead), attrs
@@ -150,3 +158,53 @@ def test_spares_are_asked_for_and_checked() -> None:
     assert len(too_many.err.strip().splitlines()) == 1, too_many.err
     local = run_cli("render", "jobs/smoke.yaml", "--site", "local", "--set", "resources.spare_nodes=1")
     assert local.code == 2 and "resources.spare_nodes" in local.err, local.err
+
+
+def sgd_function(steps: int) -> dict[str, object]:
+    """elastic_sgd.py's loop as a function given to hpcdist.Executor: checkpoints every step,
+    resumes from the latest; returns where it resumed and every step's loss."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from tests.scripts.elastic_sgd import BATCH, FEATURES, batch
+
+    ctx = hpcdist.init()
+    w, start, losses = torch.zeros(FEATURES, 1, dtype=torch.float64), 0, []
+    latest = ctx.checkpoints.load_latest()
+    if latest is not None:
+        start, state = latest
+        w, losses = state["w"].clone(), state["losses"].tolist()
+    for step in range(start + 1, steps + 1):
+        x, y = batch(step)
+        x, y = x[ctx.rank::ctx.world_size], y[ctx.rank::ctx.world_size]
+        err = x @ w - y
+        both = torch.cat([(2 * x.T @ err).flatten(), (err**2).sum().reshape(1)]) / BATCH
+        dist.all_reduce(both)
+        w -= 0.1 * both[:-1].reshape(FEATURES, 1)
+        losses.append(float(both[-1]))
+        ctx.checkpoints.save(step, {"w": w, "losses": torch.tensor(losses, dtype=torch.float64)})
+        time.sleep(0.25)
+    return {"resumed_from": start, "losses": losses, "host": ctx.hosts[ctx.rank]}
+
+
+def test_an_executor_function_goes_on_on_the_spare(four_nodes: Path) -> None:
+    """hpcdist.Executor(nodes=2, spare_nodes=1) on n1, n3, n4: the step runs on n3 and n4, the
+    batch node n1 waits; n3 dies after step 10 and the function goes on on n1 and n4."""
+    root = four_nodes
+    ex = hpcdist.Executor(site="local-slurm", nodes=2, spare_nodes=1, tasks_per_node=1, time_min=5, timeout_s=10,
+                          set={**{f"site.storage.{k}": str(root / k) for k in ("results", "checkpoints", "scratch",
+                                                                                 "logs")},
+                               "sbatch.nodelist": "n1,n3,n4"})
+    job = ex.submit(sgd_function, STEPS)
+    ckpts = Path(wait_for(lambda: next(iter((root / "checkpoints").glob("*/step_00000010.h5")), None), 120,
+                          "step 10's checkpoint")).parent
+    with killed("n3"):
+        values = job.results()
+    assert job.state is hpcdist.JobState.COMPLETED
+    assert [v["host"] for v in values] == ["n1", "n4"]
+    assert 10 <= values[0]["resumed_from"] < STEPS  # type: ignore[operator]
+    assert values[0]["losses"] == values[1]["losses"] == reference(root, 2)  # bit for bit, each step once
+    one_run(job.job_id)
+    assert ckpts.exists()

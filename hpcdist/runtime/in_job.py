@@ -32,7 +32,6 @@ spare kept longest.
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import selectors
 import socket
@@ -47,10 +46,10 @@ from hpcdist.config.contract import IN_JOB_RESTART_VAR, STOPPED, SUPERVISOR_VAR,
 KEEPALIVE = (1, 1, 2)  # seconds idle, seconds between probes, probes: a silent node is noticed in ~3 s
 STOP_WAIT_S = 10.0  # how long the ranks of a killed step on live nodes may take to end
 SETTLE_S = 5.0  # a rank ended: how long srun may take to end the step before the nodes are checked
+PICKLE_WAIT_S = 60.0  # as the task runner: submitit puts the job's pickle in place just after sbatch
 STOP_EXIT = 3  # the supervisor's exit status when the job cannot go on (as the node failure check's)
 _KEPT: list[socket.socket] = []  # a rank's connection to its supervisor, open while the process lives
 
-log = logging.getLogger("hpcdist")
 
 
 def report_in(env: Mapping[str, str] | None = None) -> None:
@@ -294,7 +293,11 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m hpcdist.runtime.in_job FOLDER -- srun ...", file=sys.stderr)
         return 2
     keep_alive_on(os.environ.get(SIGNAL_VAR))  # the site's preemption signal is the ranks' to act on
-    job_id, spec, site, _, _ = submitted(args[0], os.environ)
+    try:
+        job_id, spec, site, _, _ = submitted(args[0], os.environ, wait_s=PICKLE_WAIT_S)
+    except Exception as exc:  # noqa: BLE001 - one line: the ranks could not read it either
+        _say(f"error: the in-job supervisor cannot read the job from {args[0]}: {type(exc).__name__}: {exc}")
+        return 1
     res = spec.resources
     nodes = expand_hostlist(os.environ["SLURM_JOB_NODELIST"])
     here = os.environ.get("SLURMD_NODENAME") or socket.gethostname()

@@ -242,13 +242,17 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     return STOP_EXIT
 
 
-def submitted(folder: str, env: Mapping[str, str]) -> tuple[str, JobSpec, Site, Path, Path]:
-    """The job's id, spec and site, as submitit's pickle gives them to its ranks; its folder and
+def submitted(folder: str, env: Mapping[str, str], wait_s: float = 0.0) -> tuple[str, JobSpec, Site, Path, Path]:
+    """The job's id, spec and site, as submitit's pickle gives them to its ranks (waiting up to
+    `wait_s` for it to appear: submitit moves it into place just after sbatch); its folder and
     batch output (rank 0's stdout)."""
     from submitit.core.utils import JobPaths as SubmititPaths
 
     job_id = array_task_id(env) or env["SLURM_JOB_ID"]
     paths = SubmititPaths(folder, job_id=job_id)
+    deadline = time.monotonic() + wait_s
+    while not paths.submitted_pickle.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
     from hpcdist.files.trust import load_pickle
 
     delayed = load_pickle(paths.submitted_pickle)  # unpickled only when no one else could have written it
