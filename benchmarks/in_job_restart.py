@@ -1,8 +1,10 @@
 """Time from a node's death to the next training step, on the local cluster: hot spares and
 in-job restart (``resources.spare_nodes``) against today's requeue, in the same run.
 
-A user's script (tests/scripts/elastic_sgd.py: a checkpoint every step, 0.25 s a step) is
-submitted through ``hpcdist submit --wait`` on 3 nodes x 1 task; once it has committed step 10,
+A user's script (tests/scripts/elastic_sgd.py: a checkpoint every step, 0.25 s a step), or
+train_gpt (``--job train_gpt``: the suite's 1-layer GPT, a checkpoint every step, tokens made
+once from docs/ by ``hpcdist data prepare``), is submitted through ``hpcdist submit --wait`` on
+3 nodes x 1 task; once it has committed step 10,
 ``cluster/nodefault.sh kill`` kills a node of its step (link cut, slurmd and every process in it
 killed). The time to the next training step is the time from the kill to the first checkpoint
 committed after it (a step is done when its checkpoint is). Split:
@@ -16,7 +18,7 @@ Each in-job run is one job (3 nodes + 1 spare); the requeue run is the same job 
 (Slurm declares the node down after SlurmdTimeout, requeues the job, holds it ~120 s, and the
 waiter of ``submit --wait`` starts it on the 3 live nodes). Prints every run and the medians.
 
-    .venv/bin/python benchmarks/in_job_restart.py [--runs 5] [--node n3] [--no-requeue]
+    .venv/bin/python benchmarks/in_job_restart.py [--runs 5] [--node n3] [--no-requeue] [--job train_gpt]
 """
 
 from __future__ import annotations
@@ -37,12 +39,21 @@ STEP1 = re.compile(r"in-job step 1 on (\S+) .* at ([\d.]+)")
 RESUMED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank 0/\d+ [^]]*\] INFO resumed from step (\d+)")
 
 
-def submit(root: Path, spares: int) -> tuple[subprocess.Popen[bytes], Path]:
+# train_gpt: a 1-layer GPT of ~25k parameters (the suite's), a checkpoint every step
+TRAIN_GPT = ["jobs/train_gpt.yaml", "--set", "params.model={n_layer: 1, n_head: 2, d_model: 32, context: 32}",
+             "--set", "params.batch.micro=4", "--set", "params.batch.accum=1", "--set", "params.steps=3000",
+             "--set", "params.checkpoint.every=1", "--set", "params.checkpoint.keep_last=3",
+             "--set", "params.eval.every=1000", "--set", "params.log_every=10"]
+SCRIPT = ["--", "tests/scripts/elastic_sgd.py", "--steps", "400", "--every", "1", "--step-s", "0.25"]
+
+
+def submit(root: Path, spares: int, job: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
     sets = [f"--set=site.storage.{k}={root / k}" for k in ("results", "checkpoints", "scratch", "logs")]
     out = root / "submit.out"
-    cmd = [sys.executable, "-m", "hpcdist.cli", "submit", "--site", "local-slurm", "--set", "resources.nodes=3",
-           "--set", f"resources.spare_nodes={spares}", "--set", "on_node_failure=requeue", "--set", "timeout_s=10",
-           *sets, "--wait", "--", "tests/scripts/elastic_sgd.py", "--steps", "400", "--every", "1", "--step-s", "0.25"]
+    spec, rest = (job[:1], job[1:]) if job[0].endswith(".yaml") else ([], job)
+    cmd = [sys.executable, "-m", "hpcdist.cli", "submit", *spec, "--site", "local-slurm", "--set", "resources.nodes=3",
+           "--set", "resources.tasks_per_node=1", "--set", f"resources.spare_nodes={spares}",
+           "--set", "on_node_failure=requeue", "--set", "timeout_s=10", *sets, "--wait", *rest]
     with out.open("wb") as sink:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
                                 env={"PYTHONPATH": str(ROOT), "PATH": "/usr/local/bin:/usr/bin:/bin"})
@@ -53,19 +64,19 @@ def committed(ckpts: Path) -> dict[int, float]:
     return {int(p.stem.split("_")[1]): p.stat().st_mtime for p in ckpts.glob("step_*.h5")}
 
 
-def one(node: str, spares: int, limit_s: float) -> dict[str, float]:
+def one(node: str, spares: int, limit_s: float, job: list[str]) -> dict[str, float]:
     root = SHARED / f"t-injob-bench-{time.time_ns()}"
     root.mkdir(parents=True)
-    proc, out = submit(root, spares)
-    ckpts = root / "checkpoints" / "elastic_sgd"
-    job = ""
+    proc, out = submit(root, spares, job)
+    ckpts = root / "checkpoints" / ("train_gpt" if job[0].endswith(".yaml") else "elastic_sgd")
+    jid = ""
     try:
         deadline = time.monotonic() + 120
         while 10 not in committed(ckpts):
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise SystemExit(f"the job did not reach step 10: {out.read_text()[-2000:]}")
             time.sleep(0.1)
-        job = re.search(r"submitted job (\d+)", out.read_text()).group(1)  # type: ignore[union-attr]
+        jid = re.search(r"submitted job (\d+)", out.read_text()).group(1)  # type: ignore[union-attr]
         before = max(committed(ckpts))
         killed = time.time()  # the kill's first act is cutting the node's link
         subprocess.run([ROOT / "cluster/nodefault.sh", "kill", node], check=True, capture_output=True)
@@ -86,8 +97,8 @@ def one(node: str, spares: int, limit_s: float) -> dict[str, float]:
         return row
     finally:
         subprocess.run([ROOT / "cluster/nodefault.sh", "revive", node], capture_output=True)
-        if job:
-            subprocess.run(["scancel", job], capture_output=True)
+        if jid:
+            subprocess.run(["scancel", jid], capture_output=True)
         proc.wait(timeout=120)
         subprocess.run(["rm", "-rf", str(root)], check=False)
 
@@ -97,23 +108,33 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--node", default="n3")
     parser.add_argument("--no-requeue", action="store_true")
+    parser.add_argument("--job", choices=("script", "train_gpt"), default="script")
     args = parser.parse_args()
+    job = SCRIPT
+    if args.job == "train_gpt":
+        tokens = SHARED / "t-injob-bench-tokens.h5"
+        if not tokens.exists():
+            docs = sorted(map(str, ROOT.glob("docs/*.md")))
+            subprocess.run([sys.executable, "-m", "hpcdist.cli", "data", "prepare", *docs, "-o", str(tokens)], cwd=ROOT,
+                           check=True, env={"PYTHONPATH": str(ROOT)})
+        job = [*TRAIN_GPT, "--set", f"params.data={tokens}"]
     import torch
 
     import hpcdist
 
     slurm = subprocess.run(["sinfo", "-V"], capture_output=True, text=True).stdout.strip()
-    print(f"hpcdist {hpcdist.__version__}, torch {torch.__version__}, {slurm}; killing {args.node} after step 10")
+    print(f"hpcdist {hpcdist.__version__}, torch {torch.__version__}, {slurm}; {args.job}, killing {args.node} "
+          f"after step 10")
     keys = ("next_step_s", "notice_s", "restart_s", "resume_s", "first_step_s")
     rows = []
     for n in range(args.runs):
-        row = one(args.node, 1, 120)
+        row = one(args.node, 1, 120, job)
         rows.append(row)
         print(f"in-job run {n + 1}: " + "  ".join(f"{k} {row[k]:.2f}" for k in keys if k in row), flush=True)
     med = {k: statistics.median(r[k] for r in rows) for k in keys if all(k in r for r in rows)}
     print("in-job median: " + "  ".join(f"{k} {v:.2f}" for k, v in med.items()))
     if not args.no_requeue:
-        row = one(args.node, 0, 400)
+        row = one(args.node, 0, 400, job)
         print(f"requeue (no spare), 1 run: next_step_s {row['next_step_s']:.1f}; "
               f"ratio requeue / in-job median {row['next_step_s'] / med['next_step_s']:.1f}")
     return 0

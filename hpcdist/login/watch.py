@@ -88,21 +88,23 @@ def job_state(sub: Submission) -> JobState:
 
 def ranks_ran(sub: Submission) -> int:
     """How many ranks the job's last run had: the spec's world size, or fewer when it ran again
-    without a node that died (``hpcdist.login.node_failure_wait``, or in the same allocation:
-    ``hpcdist.runtime.in_job``; submitit fixed its task count at submission)."""
+    without a node that died (``hpcdist.login.node_failure_wait``; submitit fixed its task count
+    at submission); for a job with spare nodes, its supervisor's last step (``hpcdist.runtime.in_job``)."""
     from hpcdist.scheduler.hostlist import expand_hostlist
     from hpcdist.store.records import node_failures
 
+    res = sub.spec.resources
+    if sub.site.scheduler == "slurm" and res.spare_nodes:  # the supervisor's last step, as its line says
+        from hpcdist.runtime.in_job import ranks_of_last_step
+
+        task = sub.job.task(0).paths
+        return ranks_of_last_step([task.stdout, task.stderr]) or res.world_size
     failures = node_failures.read(sub.paths.node_failures) if sub.site.scheduler == "slurm" else []
     if not failures:
-        return sub.spec.resources.world_size
+        return res.world_size
     row = slurm.read_state(sub.job_id).row
     nodes = expand_hostlist(row.nodes) if row is not None and row.nodes not in ("", "None assigned") else []
-    # a job with spares holds more nodes than it gives ranks to, and Slurm lists a node that died
-    # under it until SlurmdTimeout has passed
-    live = [n for n in nodes if n not in {f.node for f in failures}]
-    res = sub.spec.resources
-    return min(len(live), res.nodes) * res.tasks_per_node if live else res.world_size
+    return len(nodes) * res.tasks_per_node if nodes else res.world_size
 
 
 def outcomes(sub: Submission, state: JobState = JobState.UNKNOWN, end: Ending | None = None) -> list[TaskOutcome]:

@@ -18,7 +18,10 @@ spare kept longest.
   (``rollcall.evidence``, the roll call's own test). The nodes are also checked when a step
   fails, and when a rank ended and the step did not follow within ``SETTLE_S`` (a node that
   died before its rank connected: the others fail at their rendezvous). A step that fails while
-  every node answers is the job's own failure: it ends the job as it would without spares.
+  every node answers is the job's own failure (a rank's exit code: an exception, a bug) and ends
+  the job as it would without spares, unless srun saw its first task end by a signal (killed,
+  aborted: the OOM killer, NCCL's watchdog, a driver fault): then the step starts again on the
+  same nodes, at most ``preemption.max_requeues`` times.
 - **Restart.** The step is killed (``scancel --signal=KILL``); the dead node is marked in the
   site's node health record and in the job's node-failure record; a new step starts on the
   live nodes and a live spare with ``--overlap`` (the old step holds its CPUs until Slurm
@@ -26,30 +29,57 @@ spare kept longest.
   resume from the last checkpoint as after a requeue: they get ``IN_JOB_RESTART_VAR``, and the
   checkpoint directory's claim passes to the later restart (``store.checkpoint.claim``).
 - **No spare left.** The next step runs on the live nodes alone when the spec allows it
-  (``resources.min_nodes``); else the job ends with one line naming the node and what to do.
+  (``resources.min_nodes``); else the job is requeued as without spares (``on_node_failure:
+  requeue``, within ``preemption.max_requeues`` node failures: it runs again once as many nodes
+  are free), or ends with one line naming the node and what to set.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import selectors
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hpcdist.config.contract import IN_JOB_RESTART_VAR, STOPPED, SUPERVISOR_VAR, restart_count
 
 KEEPALIVE = (1, 1, 2)  # seconds idle, seconds between probes, probes: a silent node is noticed in ~3 s
 STOP_WAIT_S = 10.0  # how long the ranks of a killed step on live nodes may take to end
 SETTLE_S = 5.0  # a rank ended: how long srun may take to end the step before the nodes are checked
+FAILED_SETTLE_S = 1.0  # the same once srun reported a task that failed: it then waits only for a dead node
 PICKLE_WAIT_S = 60.0  # as the task runner: submitit puts the job's pickle in place just after sbatch
 STOP_EXIT = 3  # the supervisor's exit status when the job cannot go on (as the node failure check's)
 _KEPT: list[socket.socket] = []  # a rank's connection to its supervisor, open while the process lives
 
+
+
+# srun's line for a task that ended badly: "srun: error: n3: task 1: Killed", "... tasks 0-1: Exited with exit code 1"
+SRUN_TASK_END = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")
+# the supervisor's line at each step's start, in the batch log: the login side counts the ranks of the last
+STEP_LINE = re.compile(r"^hpcdist: in-job step \d+ on \S+ \((\d+) ranks\)", re.MULTILINE)
+
+
+def ranks_of_last_step(logs: Sequence[Path]) -> int | None:
+    """How many ranks the supervisor's last step had, as the batch log (`logs`: its output and
+    error files) says; None when no log says."""
+    found = None
+    for log in logs:
+        try:
+            with log.open("rb") as f:
+                text = f.read(1 << 26).decode(errors="replace")
+        except OSError:
+            continue
+        counts = STEP_LINE.findall(text)
+        found = int(counts[-1]) if counts else found
+    return found
 
 
 def report_in(env: Mapping[str, str] | None = None) -> None:
@@ -96,7 +126,7 @@ class Supervisor:
 
     def __init__(self, srun: Sequence[str], job_id: str, nodes: Sequence[str], batch_node: str, want: int,
                  floor: int, tasks_per_node: int, mark: Callable[[str, str, int], None] | None = None,
-                 address: str = "") -> None:
+                 address: str = "", give_up: Callable[[str], int] | None = None, max_in_place: int = 0) -> None:
         self.srun, self.job_id, self.want, self.floor, self.tasks = list(srun), job_id, want, floor, tasks_per_node
         self.order = [n for n in nodes if n != batch_node] + [n for n in nodes if n == batch_node]
         self.active = self.order[:want]
@@ -104,6 +134,9 @@ class Supervisor:
         self.restarts = 0
         self.steps: set[str] = set()  # the Slurm step ids the ranks named
         self.mark = mark
+        self.give_up = give_up  # what ends the supervisor when the job cannot go on here: a requeue, or the end
+        self.max_in_place, self.in_place = max_in_place, 0  # restarts after a rank's death by a signal
+        self.first_end: tuple[str, str, str] | None = None  # the step's first task srun saw fail: node, task, how
         self.server = socket.create_server((address, 0))
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.server, selectors.EVENT_READ)
@@ -118,8 +151,24 @@ class Supervisor:
                 "--overlap", "--kill-on-bad-exit=1", *self.srun[1:]]
         env = {**os.environ, IN_JOB_RESTART_VAR: str(self.restarts), SUPERVISOR_VAR: self.address,
                "SLURM_NTASKS": str(n * self.tasks), "SLURM_NPROCS": str(n * self.tasks)}
-        _say(f"in-job step {self.restarts} on {','.join(self.active)} ({n * self.tasks} ranks) at {time.time():.3f}")
-        return subprocess.Popen(argv, env=env)
+        ranks = f"{n * self.tasks} ranks"  # STEP_LINE reads it back
+        _say(f"in-job step {self.restarts} on {','.join(self.active)} ({ranks}) at {time.time():.3f}")
+        self.first_end = None
+        proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE)
+        threading.Thread(target=self._relay, args=(proc,), daemon=True).start()
+        return proc
+
+    def _relay(self, proc: subprocess.Popen[bytes]) -> None:
+        """srun's own messages into the batch log, as they come; the first task it saw fail noted:
+        its node, task and how (`SRUN_TASK_END`: a signal's name, or ``Exited with exit code 1``)."""
+        assert proc.stderr is not None
+        for raw in proc.stderr:
+            sys.stderr.buffer.write(raw)
+            sys.stderr.flush()
+            match = SRUN_TASK_END.search(raw.decode(errors="replace"))
+            if match and self.first_end is None:
+                signalled = not match.group(3).startswith("Exited with exit code")
+                self.first_end = (match.group(1), match.group(2), match.group(3).strip() if signalled else "")
 
     def watch(self, proc: subprocess.Popen[bytes]) -> Failure:
         """Until the step ends (its exit status) or a node is suspect."""
@@ -134,7 +183,8 @@ class Supervisor:
                                    f"({error.strerror})")
                 if sock is None:  # a rank's process ended
                     ended_at = ended_at or time.monotonic()
-            if ended_at is not None and time.monotonic() - ended_at > SETTLE_S and proc.poll() is None:
+            settle = FAILED_SETTLE_S if self.first_end is not None else SETTLE_S  # srun said a task failed
+            if ended_at is not None and time.monotonic() - ended_at > settle and proc.poll() is None:
                 ended_at = None
                 found = self.check(self.active)
                 if found:
@@ -228,9 +278,18 @@ class Supervisor:
             noticed = time.time()
             dead = self.check(sorted({*self.active, *failure.silent}))
             if not dead:
-                if failure.returncode is not None:
-                    return failure.returncode  # the job's own failure: every node answers
-                _say(f"warning: {failure.why}, but every node of the step answers: going on")
+                if failure.returncode is None:
+                    _say(f"warning: {failure.why}, but every node of the step answers: going on")
+                    continue
+                if not self.first_end or not self.first_end[2] or self.in_place >= self.max_in_place:
+                    return failure.returncode  # the job's own failure (an exit code): every node answers
+                node, task, how = self.first_end
+                self.in_place += 1
+                self.restarts += 1
+                _say(f"in-job: task {task} on {node} ended by a signal ({how}) while every node answers: the step "
+                     f"starts again on the same nodes (in-place restart {self.in_place} of at most "
+                     f"{self.max_in_place}, the site's preemption.max_requeues)")
+                proc = self.launch()
                 continue
             self.stop(proc, {n for n in self.active if n not in dead})
             for node, why in dead.items():
@@ -240,6 +299,8 @@ class Supervisor:
             self.dead |= set(dead)
             line = self.replace(set(dead))
             if line:
+                if self.give_up is not None:
+                    return self.give_up(line)
                 print(STOPPED + line, file=sys.stderr, flush=True)
                 return STOP_EXIT
             self.restarts += 1
@@ -264,8 +325,7 @@ class Supervisor:
             return ""
         names = ", ".join(sorted(dead))
         return (f"node {names} died and the job has no live spare left; it may not run on fewer than "
-                f"{self.floor} nodes and {len(self.active)} live remain, so it ends (set resources.min_nodes "
-                f"or more resources.spare_nodes, and resubmit the same spec to resume from its last checkpoint)")
+                f"{self.floor} nodes and {len(self.active)} live remain")
 
 
 def _keepalive(sock: socket.socket) -> None:
@@ -283,6 +343,8 @@ def _say(line: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m hpcdist.runtime.in_job FOLDER -- srun ...``: the batch script's launch of a job
     with spare nodes (FOLDER is submitit's, where the job's pickle holds its spec and site)."""
+    from hpcdist.errors import HpcdistError
+    from hpcdist.runtime import node_failure
     from hpcdist.runtime.agent import SIGNAL_VAR, keep_alive_on
     from hpcdist.runtime.group import own_address
     from hpcdist.runtime.node_failure import submitted
@@ -304,7 +366,6 @@ def main(argv: list[str] | None = None) -> int:
     paths = spec.paths(site, job_id)
 
     def mark(node: str, why: str, run: int) -> None:
-        from hpcdist.errors import HpcdistError
         from hpcdist.store.records import health, node_failures
         from hpcdist.store.records.node_failures import NodeFailure
 
@@ -316,8 +377,36 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, HpcdistError) as exc:
             _say(f"warning: could not record {node}'s death: {exc}")
 
+    def give_up(line: str) -> int:
+        """No spare left and no shrinking: Slurm's requeue, as without spares (``on_node_failure:
+        requeue``, within ``preemption.max_requeues`` node failures), else the end in one line."""
+        from hpcdist.runtime.requeue import record_requeue
+        from hpcdist.scheduler import slurm
+
+        run, limit = restart_count(os.environ) + 1, site.preemption.max_requeues
+        if node_failure.policy(spec) == "fail":
+            why = "on_node_failure is fail, so the job ends (set on_node_failure: requeue to run it again)"
+        elif len(node_failure.handled(paths)) > limit:
+            why = (f"node failures in {len(node_failure.handled(paths))} runs, more than the site's "
+                   f"preemption.max_requeues={limit}, so the job ends (resubmit the same spec to resume)")
+        else:
+            record_requeue(paths.requeues, run, "its supervisor, after node failures left no spare")
+            try:
+                slurm.requeue(job_id)
+            except HpcdistError as exc:
+                why = f"the requeue failed ({exc}), so the job ends (resubmit the same spec to resume)"
+            else:
+                _say(f"in-job: {line}: requeued (on_node_failure: requeue); the job runs again from its last "
+                     f"checkpoint once {res.nodes + res.spare_nodes} nodes are free")
+                time.sleep(120)  # Slurm ends this batch step
+                return STOP_EXIT
+        print(f"{STOPPED}{line}; {why} (or ask for more resources.spare_nodes, or set resources.min_nodes)",
+              file=sys.stderr, flush=True)
+        return STOP_EXIT
+
     supervisor = Supervisor(args[2:], job_id, nodes, here, res.nodes, res.min_nodes or res.nodes, res.tasks_per_node,
-                            mark, own_address(site.network.socket_ifname, False))
+                            mark, own_address(site.network.socket_ifname, False), give_up,
+                            site.preemption.max_requeues)
     return supervisor.run()
 
 

@@ -73,6 +73,13 @@ class Verdict:
         return f"{self.why}; {self.stop}, {then} ({self.hint})"
 
 
+def policy(spec: JobSpec) -> str:
+    """``requeue`` or ``fail``: the spec's ``on_node_failure``, else its kind's default."""
+    from hpcdist.kinds.registry import on_node_failure
+
+    return on_node_failure(spec)
+
+
 def handled(paths: JobPaths) -> set[int]:
     """The runs whose node failures the job's record already holds."""
     return {f.run for f in node_failures.read(paths.node_failures)}
@@ -118,8 +125,6 @@ def assess(job_id: str, spec: JobSpec, site: Site, done: set[int], restarts: int
     is read again for up to ``ACCOUNTING_WAIT_S`` (slurmdbd records a job's end a moment late).
     Where accounting cannot be read at all, the job's batch `output` tells its runs
     (``runs_from_output``, with the runs that asked for their own requeue: `requeued`)."""
-    from hpcdist.kinds.registry import on_node_failure
-
     deadline = time.monotonic() + ACCOUNTING_WAIT_S
     while True:
         runs = slurm.attempts(job_id)
@@ -147,7 +152,7 @@ def assess(job_id: str, spec: JobSpec, site: Site, done: set[int], restarts: int
     why = f"node {names} died ({runs_said})" if names else f"a node died ({runs_said}; every node of it answers again)"
     limit = site.preemption.max_requeues
     stop = hint = ""
-    if on_node_failure(spec) == "fail":
+    if policy(spec) == "fail":
         stop, hint = "on_node_failure is fail", "set on_node_failure: requeue to run again without it"
     elif len(failed) > limit:
         stop = f"{len(failed)} node failures of this job, more than the site's preemption.max_requeues={limit}"

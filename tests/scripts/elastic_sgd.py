@@ -2,7 +2,8 @@
 a global batch of 12 samples a step (fixed by the step number), split across the ranks; the
 gradient is summed over the ranks and divided by the global batch, so a run at 4, 3 or 1 ranks
 takes the same steps up to float rounding. Checkpoints every `--every` steps, sleeps `--step-s`
-a step (to leave a test time to kill a node), and records every step's loss in its result."""
+a step (to leave a test time to kill a node), and records every step's loss in its result (and
+in the job's tracker, where the spec names one)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def main() -> None:
         dist.all_reduce(both)  # summed over the ranks: the global batch's mean gradient and loss
         w -= 0.1 * both[:-1].reshape(FEATURES, 1)
         losses.append(float(both[-1]))
+        ctx.track(step, loss=losses[-1])  # to the job's tracker, where its spec names one
         if step % args.every == 0 or step == args.steps:
             ctx.checkpoints.save(step, {"w": w, "losses": torch.tensor(losses, dtype=torch.float64)})
         time.sleep(args.step_s)

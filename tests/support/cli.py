@@ -182,6 +182,7 @@ def rank_pids(marker: str) -> dict[int, int]:
             continue
         rank = env.get(b"SUBMITIT_LOCAL_GLOBALID", env.get(b"SLURM_PROCID"))
         if (Path(argv[0].decode(errors="replace")).name.startswith("python") and SUBMITIT_RUNNER.encode() in argv
-                and any(marker.encode() in a for a in argv) and rank is not None):
+                and any(marker.encode() in a for a in argv) and rank is not None
+                and b"hpcdist.runtime.in_job" not in argv):  # a job with spares: its supervisor names the runner
             ranks[int(rank)] = int(proc.name)
     return ranks
