@@ -7,11 +7,12 @@ once from docs/ by ``hpcdist data prepare``), is submitted through ``hpcdist sub
 3 nodes x 1 task; once it has committed step 10,
 ``cluster/nodefault.sh kill`` kills a node of its step (link cut, slurmd and every process in it
 killed). The time to the next training step is the time from the kill to the first checkpoint
-committed after it (a step is done when its checkpoint is). Split:
+the restarted ranks commit, after rank 0's "resumed from" (a step is done when its checkpoint
+is; steps in flight at the kill may still commit before the ranks notice). Split:
 
 - notice: the supervisor's line "node N died ... noticed at T";
 - restart: to its line "in-job step 1 ... at T" (the old step killed, the node marked, the spare chosen);
-- resume: to rank 0's "resumed from step" (the new step's ranks started, grouped, loaded);
+- resume: to rank 0's "resumed from" (the new step's ranks started, grouped, loaded);
 - first step: to the commit.
 
 Each in-job run is one job (3 nodes + 1 spare); the requeue run is the same job with no spare
@@ -36,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path("/var/tmp/hpcdist-shared")
 NOTICED = re.compile(r"node (\S+) died .* noticed at ([\d.]+)")
 STEP1 = re.compile(r"in-job step 1 on (\S+) .* at ([\d.]+)")
-RESUMED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank 0/\d+ [^]]*\] INFO resumed from step (\d+)")
+RESUMED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank 0/\d+ [^]]*\] INFO resumed from ")
 
 
 # train_gpt: a 1-layer GPT of ~25k parameters (the suite's), a checkpoint every step
@@ -61,7 +62,13 @@ def submit(root: Path, spares: int, job: list[str]) -> tuple[subprocess.Popen[by
 
 
 def committed(ckpts: Path) -> dict[int, float]:
-    return {int(p.stem.split("_")[1]): p.stat().st_mtime for p in ckpts.glob("step_*.h5")}
+    out = {}
+    for p in ckpts.glob("step_*.h5"):
+        try:
+            out[int(p.stem.split("_")[1])] = p.stat().st_mtime
+        except FileNotFoundError:  # pruned between the listing and the look
+            continue
+    return out
 
 
 def one(node: str, spares: int, limit_s: float, job: list[str]) -> dict[str, float]:
@@ -72,7 +79,7 @@ def one(node: str, spares: int, limit_s: float, job: list[str]) -> dict[str, flo
     jid = ""
     try:
         deadline = time.monotonic() + 120
-        while 10 not in committed(ckpts):
+        while max(committed(ckpts), default=0) < 10:
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise SystemExit(f"the job did not reach step 10: {out.read_text()[-2000:]}")
             time.sleep(0.1)
@@ -81,19 +88,21 @@ def one(node: str, spares: int, limit_s: float, job: list[str]) -> dict[str, flo
         killed = time.time()  # the kill's first act is cutting the node's link
         subprocess.run([ROOT / "cluster/nodefault.sh", "kill", node], check=True, capture_output=True)
         deadline = time.monotonic() + limit_s
-        while not [s for s, t in committed(ckpts).items() if t > killed and s > 0]:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"no step within {limit_s} s of the kill: {out.read_text()[-2000:]}")
-            time.sleep(0.05)
-        first = min(t for t in committed(ckpts).values() if t > killed)
-        row = {"next_step_s": first - killed, "steps_before": float(before)}
-        log = "\n".join(p.read_text(errors="replace") for p in sorted((root / "logs").rglob("*_0_log.err")))
-        if (m := NOTICED.search(log)) and (s := STEP1.search(log)):
-            row |= {"notice_s": float(m.group(2)) - killed, "restart_s": float(s.group(2)) - float(m.group(2))}
+        while True:  # the first step the restarted ranks commit: after rank 0's "resumed from"
+            log = "\n".join(p.read_text(errors="replace") for p in sorted((root / "logs").rglob("*_0_log.err")))
             resumed = [datetime.strptime(r.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
                        for r in map(RESUMED.match, log.splitlines()) if r]
-            if resumed:
-                row |= {"resume_s": resumed[-1] - float(s.group(2)), "first_step_s": first - resumed[-1]}
+            after = [t for t in committed(ckpts).values() if resumed and t > resumed[-1]]
+            if after:
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no step within {limit_s} s of the kill: {out.read_text()[-2000:]}")
+            time.sleep(0.2)
+        first = min(after)
+        row = {"next_step_s": first - killed, "steps_before": float(before)}
+        if (m := NOTICED.search(log)) and (s := STEP1.search(log)):
+            row |= {"notice_s": float(m.group(2)) - killed, "restart_s": float(s.group(2)) - float(m.group(2)),
+                    "resume_s": resumed[-1] - float(s.group(2)), "first_step_s": first - resumed[-1]}
         return row
     finally:
         subprocess.run([ROOT / "cluster/nodefault.sh", "revive", node], capture_output=True)

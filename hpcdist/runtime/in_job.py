@@ -343,7 +343,6 @@ def _say(line: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m hpcdist.runtime.in_job FOLDER -- srun ...``: the batch script's launch of a job
     with spare nodes (FOLDER is submitit's, where the job's pickle holds its spec and site)."""
-    from hpcdist.errors import HpcdistError
     from hpcdist.runtime import node_failure
     from hpcdist.runtime.agent import SIGNAL_VAR, keep_alive_on
     from hpcdist.runtime.group import own_address
@@ -366,42 +365,17 @@ def main(argv: list[str] | None = None) -> int:
     paths = spec.paths(site, job_id)
 
     def mark(node: str, why: str, run: int) -> None:
-        from hpcdist.store.records import health, node_failures
-        from hpcdist.store.records.node_failures import NodeFailure
-
-        when = time.strftime("%Y-%m-%dT%H:%M:%S")
-        try:
-            node_failures.add(paths.node_failures, [NodeFailure(node, when, run, time.time())])
-            health.mark(site, node, f"died under job {job_id} ({why}; found by its in-job supervisor)", job_id,
-                        source="node_failure")
-        except (OSError, HpcdistError) as exc:
-            _say(f"warning: could not record {node}'s death: {exc}")
+        for problem in node_failure.record_in_job(job_id, site, paths, node, why, run):
+            _say(f"warning: {problem}")
 
     def give_up(line: str) -> int:
-        """No spare left and no shrinking: Slurm's requeue, as without spares (``on_node_failure:
-        requeue``, within ``preemption.max_requeues`` node failures), else the end in one line."""
-        from hpcdist.runtime.requeue import record_requeue
-        from hpcdist.scheduler import slurm
-
-        run, limit = restart_count(os.environ) + 1, site.preemption.max_requeues
-        if node_failure.policy(spec) == "fail":
-            why = "on_node_failure is fail, so the job ends (set on_node_failure: requeue to run it again)"
-        elif len(node_failure.handled(paths)) > limit:
-            why = (f"node failures in {len(node_failure.handled(paths))} runs, more than the site's "
-                   f"preemption.max_requeues={limit}, so the job ends (resubmit the same spec to resume)")
+        ends = node_failure.no_spare_left(job_id, spec, site, paths, line, restart_count(os.environ) + 1)
+        if not ends:
+            _say(f"in-job: {line}: requeued (on_node_failure: requeue); the job runs again from its last "
+                 f"checkpoint once {res.nodes + res.spare_nodes} nodes are free")
+            time.sleep(120)  # Slurm ends this batch step
         else:
-            record_requeue(paths.requeues, run, "its supervisor, after node failures left no spare")
-            try:
-                slurm.requeue(job_id)
-            except HpcdistError as exc:
-                why = f"the requeue failed ({exc}), so the job ends (resubmit the same spec to resume)"
-            else:
-                _say(f"in-job: {line}: requeued (on_node_failure: requeue); the job runs again from its last "
-                     f"checkpoint once {res.nodes + res.spare_nodes} nodes are free")
-                time.sleep(120)  # Slurm ends this batch step
-                return STOP_EXIT
-        print(f"{STOPPED}{line}; {why} (or ask for more resources.spare_nodes, or set resources.min_nodes)",
-              file=sys.stderr, flush=True)
+            print(STOPPED + ends, file=sys.stderr, flush=True)
         return STOP_EXIT
 
     supervisor = Supervisor(args[2:], job_id, nodes, here, res.nodes, res.min_nodes or res.nodes, res.tasks_per_node,

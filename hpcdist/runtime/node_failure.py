@@ -21,6 +21,11 @@ script runs when ``SLURM_RESTART_COUNT`` is above 0).
   whatever the verdict, so later submissions keep off them; into the job's own record only when
   the job goes on without them (``NodeFailure``: "excluded").
 
+A job with spare nodes goes on in its own allocation (``hpcdist.runtime.in_job``, under
+``--no-kill``): its supervisor records each dead node here (``record_in_job``), and once no spare
+is left and the job may not shrink, this module's policy and bound decide between Slurm's
+requeue and the end (``no_spare_left``).
+
 Without a waiter nobody can exclude the node from the pending job or lower its node count:
 Slurm's requeue starts it on nodes that are not DOWN, at its own size, and this run's start
 records, marks and bounds it, or ends the run (``on_node_failure: fail``, or past the bound) with
@@ -187,6 +192,52 @@ def record(verdict: Verdict, job_id: str, site: Site, paths: JobPaths) -> list[s
         except (OSError, HpcdistError) as exc:
             problems.append(f"could not mark {f.node} in the node health record: {exc}")
     return problems
+
+
+# ---------------------------------------------------------------- a job with spare nodes
+
+
+def record_in_job(job_id: str, site: Site, paths: JobPaths, node: str, why: str, run: int) -> list[str]:
+    """A node that died under a job's in-job supervisor (``hpcdist.runtime.in_job``), which goes
+    on without it: the job's record and the site's node health record; a warning per write that
+    failed."""
+    from hpcdist.store.records import health
+
+    problems = []
+    when = time.strftime("%Y-%m-%dT%H:%M:%S")
+    try:
+        node_failures.add(paths.node_failures, [NodeFailure(node, when, run, time.time())])
+    except OSError as exc:
+        problems.append(f"could not write the job's node failure record {paths.node_failures}: {exc}")
+    try:
+        health.mark(site, node, f"died under job {job_id} ({why}; found by its in-job supervisor)", job_id,
+                    source="node_failure")
+    except (OSError, HpcdistError) as exc:
+        problems.append(f"could not mark {node} in the node health record: {exc}")
+    return problems
+
+
+def no_spare_left(job_id: str, spec: JobSpec, site: Site, paths: JobPaths, line: str, run: int) -> str:
+    """A job with spares whose node failures left it no live spare, and that may not shrink so far
+    (`line` says so): Slurm's requeue, as without spares, under ``on_node_failure: requeue`` and
+    within ``preemption.max_requeues`` runs with node failures ("" once requeued); else the line
+    the job ends with."""
+    from hpcdist.runtime.requeue import record_requeue
+
+    runs, limit = len(handled(paths)), site.preemption.max_requeues
+    if policy(spec) == "fail":
+        why = "on_node_failure is fail, so the job ends (set on_node_failure: requeue to run it again)"
+    elif runs > limit:
+        why = (f"node failures in {runs} runs, more than the site's preemption.max_requeues={limit}, so the job "
+               f"ends (resubmit the same spec to resume)")
+    else:
+        record_requeue(paths.requeues, run, "its supervisor, after node failures left no spare")
+        try:
+            slurm.requeue(job_id)
+            return ""
+        except HpcdistError as exc:
+            why = f"the requeue failed ({exc}), so the job ends (resubmit the same spec to resume)"
+    return f"{line}; {why} (or ask for more resources.spare_nodes, or set resources.min_nodes)"
 
 
 # ---------------------------------------------------------------- the requeued run's own start
