@@ -64,9 +64,12 @@ def in_record(out: str) -> list[dict[str, Any]]:
 
 
 def listed(user: str, root: Path, *args: str) -> dict[str, dict[str, Any]]:
+    """The nodes the health record marks, as `user`'s `hpcdist nodes --json` shows them (``in_record``:
+    not those Slurm alone lists as down while the cluster's tests kill nodes beside these; a fresh-clone
+    run listed n3 beside alice's n2)."""
     shown = nodes(user, root, "--json", *args)
     assert shown.code == 0, shown.text
-    return {row["node"]: row for row in json.loads(shown.out)["nodes"]}
+    return {row["node"]: row for row in in_record(shown.out)}
 
 
 def render(user: str, root: Path, *sets: str) -> Run:

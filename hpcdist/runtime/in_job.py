@@ -137,6 +137,7 @@ class Supervisor:
         self.give_up = give_up  # what ends the supervisor when the job cannot go on here: a requeue, or the end
         self.max_in_place, self.in_place = max_in_place, 0  # restarts after a rank's death by a signal
         self.first_end: tuple[str, str, str] | None = None  # the step's first task srun saw fail: node, task, how
+        self.relay = threading.Thread()  # the thread that relays the step's srun messages
         self.server = socket.create_server((address, 0))
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.server, selectors.EVENT_READ)
@@ -155,7 +156,8 @@ class Supervisor:
         _say(f"in-job step {self.restarts} on {','.join(self.active)} ({ranks}) at {time.time():.3f}")
         self.first_end = None
         proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE)
-        threading.Thread(target=self._relay, args=(proc,), daemon=True).start()
+        self.relay = threading.Thread(target=self._relay, args=(proc,), daemon=True)
+        self.relay.start()
         return proc
 
     def _relay(self, proc: subprocess.Popen[bytes]) -> None:
@@ -176,6 +178,7 @@ class Supervisor:
         while True:
             code = proc.poll()
             if code is not None:
+                self.relay.join(5.0)  # srun's last lines read: its report of the first failed task
                 return Failure(code, why=f"srun exited {code}")
             for sock, rank, error in self._events(0.5):
                 if error is not None and error.errno in (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH):
