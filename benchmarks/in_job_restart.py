@@ -84,7 +84,6 @@ def one(node: str, spares: int, limit_s: float, job: list[str]) -> dict[str, flo
                 raise SystemExit(f"the job did not reach step 10: {out.read_text()[-2000:]}")
             time.sleep(0.1)
         jid = re.search(r"submitted job (\d+)", out.read_text()).group(1)  # type: ignore[union-attr]
-        before = max(committed(ckpts))
         killed = time.time()  # the kill's first act is cutting the node's link
         subprocess.run([ROOT / "cluster/nodefault.sh", "kill", node], check=True, capture_output=True)
         deadline = time.monotonic() + limit_s
@@ -99,7 +98,7 @@ def one(node: str, spares: int, limit_s: float, job: list[str]) -> dict[str, flo
                 raise SystemExit(f"no step within {limit_s} s of the kill: {out.read_text()[-2000:]}")
             time.sleep(0.2)
         first = min(after)
-        row = {"next_step_s": first - killed, "steps_before": float(before)}
+        row = {"next_step_s": first - killed}
         if (m := NOTICED.search(log)) and (s := STEP1.search(log)):
             row |= {"notice_s": float(m.group(2)) - killed, "restart_s": float(s.group(2)) - float(m.group(2)),
                     "resume_s": resumed[-1] - float(s.group(2)), "first_step_s": first - resumed[-1]}

@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpcdist.config.contract import IN_JOB_RESTART_VAR, STOPPED, SUPERVISOR_VAR, restart_count
@@ -107,17 +107,16 @@ class _Rank:
     """A rank's connection as the supervisor holds it."""
 
     node: str = ""
-    step: str = ""
     buffer: bytes = b""
 
 
 @dataclass
 class Failure:
-    """Why a step is suspect: srun's exit status (None: still running), and the nodes whose
-    connection timed out."""
+    """Why a step is suspect: srun's exit status (None: still running), and the nodes already
+    found dead with their evidence (None: not checked yet)."""
 
     returncode: int | None
-    silent: set[str] = field(default_factory=set)
+    dead: dict[str, str] | None = None
     why: str = ""
 
 
@@ -125,8 +124,8 @@ class Supervisor:
     """Runs the job's ranks as srun steps on its live nodes, and again without a node that died."""
 
     def __init__(self, srun: Sequence[str], job_id: str, nodes: Sequence[str], batch_node: str, want: int,
-                 floor: int, tasks_per_node: int, mark: Callable[[str, str, int], None] | None = None,
-                 address: str = "", give_up: Callable[[str], int] | None = None, max_in_place: int = 0) -> None:
+                 floor: int, tasks_per_node: int, mark: Callable[[str, str, int], None], address: str,
+                 give_up: Callable[[str], int], max_in_place: int) -> None:
         self.srun, self.job_id, self.want, self.floor, self.tasks = list(srun), job_id, want, floor, tasks_per_node
         self.order = [n for n in nodes if n != batch_node] + [n for n in nodes if n == batch_node]
         self.active = self.order[:want]
@@ -142,7 +141,7 @@ class Supervisor:
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.server, selectors.EVENT_READ)
         self.reaped: list[subprocess.Popen[bytes]] = []  # scancels still waiting for Slurm's answer
-        self.address = f"{address or socket.gethostname()}:{self.server.getsockname()[1]}"
+        self.address = f"{address}:{self.server.getsockname()[1]}"
 
     # ------------------------------------------------------------------ one step
 
@@ -182,7 +181,7 @@ class Supervisor:
                 return Failure(code, why=f"srun exited {code}")
             for sock, rank, error in self._events(0.5):
                 if error is not None and error.errno in (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH):
-                    return Failure(None, {rank.node}, f"the connection of a rank on {rank.node or '?'} timed out "
+                    return Failure(None, None, f"the connection of a rank on {rank.node or '?'} timed out "
                                    f"({error.strerror})")
                 if sock is None:  # a rank's process ended
                     ended_at = ended_at or time.monotonic()
@@ -191,7 +190,7 @@ class Supervisor:
                 ended_at = None
                 found = self.check(self.active)
                 if found:
-                    return Failure(None, set(found), "a rank ended and its step did not")
+                    return Failure(None, found, "a rank ended and its step did not")
 
     def _events(self, timeout: float) -> list[tuple[socket.socket | None, _Rank, OSError | None]]:
         """What the ranks' connections did within `timeout`: a line read (the socket), or an end
@@ -231,7 +230,7 @@ class Supervisor:
             return
         words = line.decode(errors="replace").split()
         if len(words) == 3 and words[2] in self.active:  # a line naming a node outside the step: ignored
-            rank.step, rank.node = words[0], words[2]
+            rank.node = words[2]
             if words[0].isdigit():
                 self.steps.add(words[0])
         rank.buffer = rest
@@ -279,7 +278,7 @@ class Supervisor:
             if failure.returncode == 0:
                 return 0
             noticed = time.time()
-            dead = self.check(sorted({*self.active, *failure.silent}))
+            dead = failure.dead if failure.dead is not None else self.check(self.active)
             if not dead:
                 if failure.returncode is None:
                     _say(f"warning: {failure.why}, but every node of the step answers: going on")
@@ -297,15 +296,11 @@ class Supervisor:
             self.stop(proc, {n for n in self.active if n not in dead})
             for node, why in dead.items():
                 _say(f"in-job: node {node} died ({why}; {failure.why}) noticed at {noticed:.3f}")
-                if self.mark is not None:
-                    self.mark(node, why, restart_count(os.environ) + 1)
+                self.mark(node, why, restart_count(os.environ) + 1)
             self.dead |= set(dead)
             line = self.replace(set(dead))
             if line:
-                if self.give_up is not None:
-                    return self.give_up(line)
-                print(STOPPED + line, file=sys.stderr, flush=True)
-                return STOP_EXIT
+                return self.give_up(line)
             self.restarts += 1
             proc = self.launch()
 
@@ -316,8 +311,7 @@ class Supervisor:
         gone = self.check(spares) if spares else {}
         for node, why in gone.items():
             _say(f"in-job: spare {node} is dead too ({why})")
-            if self.mark is not None:
-                self.mark(node, why, restart_count(os.environ) + 1)
+            self.mark(node, why, restart_count(os.environ) + 1)
         self.dead |= set(gone)
         live = [n for n in spares if n not in gone]
         self.active = sorted(survivors + live[:self.want - len(survivors)], key=self.order.index)
