@@ -14,6 +14,9 @@ LOCAL_RESTARTS_VAR = "HPCDIST_LOCAL_RESTART_COUNT"  # local site: how often the 
 # the same allocation, and the supervisor's address, which each rank connects to (its sign of life)
 IN_JOB_RESTART_VAR = "HPCDIST_IN_JOB_RESTART"
 SUPERVISOR_VAR = "HPCDIST_SUPERVISOR"
+# a rank started again alone while the others go on in their processes (in-place restart): the ranks it
+# takes ("2" or "2,3", one per task of its step), the world size, the ranks' nodes and tasks per node
+IN_PLACE_VAR = "HPCDIST_IN_PLACE"
 # for fault tests on CPU: gloo made to end a rank as NCCL's watchdog does (hpcdist.runtime.abort):
 # its collectives never raise, and the rank aborts (SIGABRT) this many seconds after the timeout
 IMITATE_ABORT_VAR = "HPCDIST_TEST_ABORT_AFTER_S"

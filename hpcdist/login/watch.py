@@ -95,7 +95,7 @@ def ranks_ran(sub: Submission) -> int:
 
     res = sub.spec.resources
     if sub.site.scheduler == "slurm" and res.spare_nodes:  # the supervisor's last step, as its line says
-        from hpcdist.runtime.in_job import ranks_of_last_step
+        from hpcdist.runtime.in_job_steps import ranks_of_last_step
 
         task = sub.job.task(0).paths
         return ranks_of_last_step([task.stdout, task.stderr]) or res.world_size

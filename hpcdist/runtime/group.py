@@ -29,7 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpcdist.config.contract import LAUNCH_ID_VAR
+from hpcdist.config.contract import IN_JOB_RESTART_VAR, LAUNCH_ID_VAR
 from hpcdist.config.site import SOCKET_IFNAME_VARS, under
 from hpcdist.errors import BootstrapError, cause_text
 from hpcdist.files.atomic import atomic_path
@@ -93,7 +93,8 @@ def rendezvous_key(env: dict[str, str] | os._Environ[str], info: RankInfo) -> st
     parts = [
         info.job_id or env.get("HPCDIST_RUN_ID", "") or env.get("PMIX_NAMESPACE", "") or "nojob",
         *([env[LAUNCH_ID_VAR]] if env.get(LAUNCH_ID_VAR) else []),
-        env.get("SLURM_STEP_ID", "0"),
+        # a job with spares: its restart number in place of the step (ranks started again in place are in two steps)
+        f"j{env[IN_JOB_RESTART_VAR]}" if env.get(IN_JOB_RESTART_VAR) else env.get("SLURM_STEP_ID", "0"),
         env.get("SLURM_RESTART_COUNT", "0"),
         env.get("TORCHELASTIC_RESTART_COUNT", "0"),
     ]

@@ -38,18 +38,17 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import selectors
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
-from hpcdist.config.contract import IN_JOB_RESTART_VAR, STOPPED, SUPERVISOR_VAR, restart_count
+from hpcdist.config.contract import IN_JOB_RESTART_VAR, IN_PLACE_VAR, STOPPED, SUPERVISOR_VAR, restart_count
+from hpcdist.runtime.in_job_steps import Step
 
 KEEPALIVE = (1, 1, 2)  # seconds idle, seconds between probes, probes: a silent node is noticed in ~3 s
 STOP_WAIT_S = 10.0  # how long the ranks of a killed step on live nodes may take to end
@@ -57,127 +56,120 @@ SETTLE_S = 5.0  # a rank ended: how long srun may take to end the step before th
 FAILED_SETTLE_S = 1.0  # the same once srun reported a task that failed: it then waits only for a dead node
 PICKLE_WAIT_S = 60.0  # as the task runner: submitit puts the job's pickle in place just after sbatch
 STOP_EXIT = 3  # the supervisor's exit status when the job cannot go on (as the node failure check's)
-_KEPT: list[socket.socket] = []  # a rank's connection to its supervisor, open while the process lives
 
-
-
-# srun's line for a task that ended badly: "srun: error: n3: task 1: Killed", "... tasks 0-1: Exited with exit code 1"
-SRUN_TASK_END = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")
-# the supervisor's line at each step's start, in the batch log: the login side counts the ranks of the last
-STEP_LINE = re.compile(r"^hpcdist: in-job step \d+ on \S+ \((\d+) ranks\)", re.MULTILINE)
-
-
-def ranks_of_last_step(logs: Sequence[Path]) -> int | None:
-    """How many ranks the supervisor's last step had, as the batch log (`logs`: its output and
-    error files) says; None when no log says."""
-    found = None
-    for log in logs:
-        try:
-            with log.open("rb") as f:
-                text = f.read(1 << 26).decode(errors="replace")
-        except OSError:
-            continue
-        counts = STEP_LINE.findall(text)
-        found = int(counts[-1]) if counts else found
-    return found
-
-
-def report_in(env: Mapping[str, str] | None = None) -> None:
-    """In a rank of a job with spares: connect to the supervisor and say who this is. The
-    connection stays open, unread, for the process's life: its kernel answers the supervisor's
-    keepalives. Nothing happens outside such a job, or when the supervisor cannot be reached
-    (it then learns of this rank only from its step)."""
-    env = os.environ if env is None else env
-    where = env.get(SUPERVISOR_VAR, "")
-    if not where:
-        return
-    host, _, port = where.rpartition(":")
-    node = env.get("SLURMD_NODENAME") or socket.gethostname()
-    try:
-        sock = socket.create_connection((host, int(port)), timeout=10)
-        sock.sendall(f"{env.get('SLURM_STEP_ID', '')} {env.get('SLURM_PROCID', '')} {node}\n".encode())
-    except (OSError, ValueError) as exc:
-        print(f"hpcdist: warning: cannot reach the job's supervisor at {where}: {exc}", file=sys.stderr, flush=True)
-        return
-    _KEPT.append(sock)
 
 
 @dataclass
 class _Rank:
-    """A rank's connection as the supervisor holds it."""
+    """A rank's connection as the supervisor holds it: its node and rank once it said them, and
+    whether its job failed and it waits for the supervisor's word (``in_job_rank.again``)."""
 
     node: str = ""
+    rank: int = -1
     buffer: bytes = b""
+    failed: bool = False
 
 
 @dataclass
 class Failure:
-    """Why a step is suspect: srun's exit status (None: still running), and the nodes already
-    found dead with their evidence (None: not checked yet)."""
+    """Why the steps are suspect: an exit status (None: still running), the nodes already found
+    dead with their evidence (None: not checked yet), and the ranks srun saw end by a signal, each
+    with its node (a candidate for an in-place restart)."""
 
     returncode: int | None
     dead: dict[str, str] | None = None
     why: str = ""
+    signalled: dict[int, str] = field(default_factory=dict)
 
 
 class Supervisor:
-    """Runs the job's ranks as srun steps on its live nodes, and again without a node that died."""
+    """Runs the job's ranks as srun steps on its live nodes, and again without a node that died;
+    a rank whose process died on a live node is started again alone, the others in their processes."""
 
     def __init__(self, srun: Sequence[str], job_id: str, nodes: Sequence[str], batch_node: str, want: int,
                  floor: int, tasks_per_node: int, mark: Callable[[str, str, int], None], address: str,
                  give_up: Callable[[str], int], max_in_place: int) -> None:
         self.srun, self.job_id, self.want, self.floor, self.tasks = list(srun), job_id, want, floor, tasks_per_node
+        self.nodes = list(nodes)  # Slurm's order: the ranks of a step are placed in it
         self.order = [n for n in nodes if n != batch_node] + [n for n in nodes if n == batch_node]
         self.active = self.order[:want]
         self.dead: set[str] = set()
         self.restarts = 0
         self.steps: set[str] = set()  # the Slurm step ids the ranks named
+        self.running: list[Step] = []  # this restart's sruns: the ranks' step, and those of ranks started again
         self.mark = mark
         self.give_up = give_up  # what ends the supervisor when the job cannot go on here: a requeue, or the end
         self.max_in_place, self.in_place = max_in_place, 0  # restarts after a rank's death by a signal
-        self.first_end: tuple[str, str, str] | None = None  # the step's first task srun saw fail: node, task, how
-        self.relay = threading.Thread()  # the thread that relays the step's srun messages
         self.server = socket.create_server((address, 0))
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.server, selectors.EVENT_READ)
         self.reaped: list[subprocess.Popen[bytes]] = []  # scancels still waiting for Slurm's answer
         self.address = f"{address}:{self.server.getsockname()[1]}"
 
-    # ------------------------------------------------------------------ one step
+    # ------------------------------------------------------------------ the steps
 
-    def launch(self) -> subprocess.Popen[bytes]:
+    def launch(self) -> None:
+        """The ranks' step on the active nodes (every step before it has ended)."""
         n = len(self.active)
-        argv = [self.srun[0], f"--nodes={n}", f"--ntasks={n * self.tasks}", f"--nodelist={','.join(self.active)}",
-                "--overlap", "--kill-on-bad-exit=1", *self.srun[1:]]
+        _say(f"in-job step {self.restarts} on {','.join(self.active)} ({n * self.tasks} ranks) at {time.time():.3f}")
+        self.running = [self._srun(self.active, n * self.tasks, list(range(n * self.tasks)), {})]
+
+    def _srun(self, nodes: list[str], tasks: int, ranks: list[int], extra: dict[str, str]) -> Step:
+        argv = [self.srun[0], f"--nodes={len(nodes)}", f"--ntasks={tasks}", f"--nodelist={','.join(nodes)}",
+                "--overlap", "--kill-on-bad-exit=0", *self.srun[1:]]  # a task's end is the supervisor's to judge
         env = {**os.environ, IN_JOB_RESTART_VAR: str(self.restarts), SUPERVISOR_VAR: self.address,
-               "SLURM_NTASKS": str(n * self.tasks), "SLURM_NPROCS": str(n * self.tasks)}
-        ranks = f"{n * self.tasks} ranks"  # STEP_LINE reads it back
-        _say(f"in-job step {self.restarts} on {','.join(self.active)} ({ranks}) at {time.time():.3f}")
-        self.first_end = None
-        proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE)
-        self.relay = threading.Thread(target=self._relay, args=(proc,), daemon=True)
-        self.relay.start()
-        return proc
+               "SLURM_NTASKS": str(tasks), "SLURM_NPROCS": str(tasks), **extra}
+        step = Step(subprocess.Popen(argv, env=env, stderr=subprocess.PIPE), ranks)
+        step.relay = threading.Thread(target=step.read, daemon=True)
+        step.relay.start()
+        return step
 
-    def _relay(self, proc: subprocess.Popen[bytes]) -> None:
-        """srun's own messages into the batch log, as they come; the first task it saw fail noted:
-        its node, task and how (`SRUN_TASK_END`: a signal's name, or ``Exited with exit code 1``)."""
-        assert proc.stderr is not None
-        for raw in proc.stderr:
-            sys.stderr.buffer.write(raw)
-            sys.stderr.flush()
-            match = SRUN_TASK_END.search(raw.decode(errors="replace"))
-            if match and self.first_end is None:
-                signalled = not match.group(3).startswith("Exited with exit code")
-                self.first_end = (match.group(1), match.group(2), match.group(3).strip() if signalled else "")
+    def again_in_place(self, ended: dict[int, str]) -> None:
+        """The ranks in `ended` (rank: node) started again alone, each on its node; every other rank
+        told to run the job again in its process, under the next restart number."""
+        self.in_place += 1
+        self.restarts += 1
+        world = len(self.active) * self.tasks
+        nodes = ",".join(sorted(self.active, key=self.nodes.index))
+        for step in self.running:
+            step.replaced |= set(ended) & set(step.ranks)
+        for node in sorted(set(ended.values())):
+            ranks = sorted(r for r, n in ended.items() if n == node)
+            self.running.append(self._srun([node], len(ranks), ranks, {
+                IN_PLACE_VAR: f"{','.join(map(str, ranks))};{world};{nodes};{self.tasks}"}))
+        _say(f"in-job step {self.restarts} on {','.join(self.active)} ({world} ranks) at {time.time():.3f}: rank "
+             f"{','.join(map(str, sorted(ended)))} started again alone, the others in their processes (in-place "
+             f"restart {self.in_place} of at most {self.max_in_place}, the site's preemption.max_requeues)")
+        self._tell(f"again {self.restarts}")
 
-    def watch(self, proc: subprocess.Popen[bytes]) -> Failure:
-        """Until the step ends (its exit status) or a node is suspect."""
-        ended_at: float | None = None
+    def _tell(self, word: str) -> None:
+        for key in list(self.sel.get_map().values()):
+            if key.fileobj is not self.server and key.data.rank >= 0:
+                try:
+                    key.fileobj.sendall(f"{word}\n".encode())  # type: ignore[union-attr]
+                except OSError:
+                    pass  # its end comes as an event
+                key.data.failed = False
+
+    def watch(self) -> Failure:
+        """Until every step ended (its exit status), a rank's death is reported, or a node is suspect."""
+        ended_at: float | None = None  # a rank's process ended, and srun has not said how
+        failed_at: float | None = None  # a rank's job failed, and no process ended
         while True:
-            code = proc.poll()
-            if code is not None:
-                self.relay.join(5.0)  # srun's last lines read: its report of the first failed task
+            for step in self.running:
+                if step.proc.poll() is not None:
+                    step.relay.join(5.0)  # srun's last lines read: its report of every failed task
+            failures = {r: end for step in self.running for r, end in step.failures().items()}
+            codes = [r for r, (_, how) in failures.items() if not how]
+            if codes:  # a rank's own failure (an exception, a bug): the job's, as without spares
+                node = failures[codes[0]][0]
+                return Failure(1, why=f"rank {codes[0]} on {node} exited with an error")
+            if failures:
+                return Failure(None, signalled={r: node for r, (node, _) in failures.items()},
+                               why=f"rank {min(failures)} on {failures[min(failures)][0]} ended by a signal "
+                                   f"({failures[min(failures)][1]})")
+            if all(step.proc.returncode is not None for step in self.running):
+                code = max((s.proc.returncode or 0) for s in self.running if not s.replaced)
                 return Failure(code, why=f"srun exited {code}")
             for sock, rank, error in self._events(0.5):
                 if error is not None and error.errno in (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH):
@@ -185,12 +177,19 @@ class Supervisor:
                                    f"({error.strerror})")
                 if sock is None:  # a rank's process ended
                     ended_at = ended_at or time.monotonic()
-            settle = FAILED_SETTLE_S if self.first_end is not None else SETTLE_S  # srun said a task failed
-            if ended_at is not None and time.monotonic() - ended_at > settle and proc.poll() is None:
-                ended_at = None
+                elif rank.failed:
+                    failed_at = failed_at or time.monotonic()
+            now = time.monotonic()
+            settle = FAILED_SETTLE_S if failed_at is not None else SETTLE_S
+            if (ended_at is not None and now - ended_at > settle) or (
+                    failed_at is not None and ended_at is None and now - failed_at > FAILED_SETTLE_S):
                 found = self.check(self.active)
                 if found:
-                    return Failure(None, found, "a rank ended and its step did not")
+                    return Failure(None, found, "a rank ended and its step did not" if ended_at
+                                   else "a rank's job failed")
+                if ended_at is None:  # a rank's job failed and every process and node lives: the job's own failure
+                    self._tell("stop")
+                ended_at = failed_at = None
 
     def _events(self, timeout: float) -> list[tuple[socket.socket | None, _Rank, OSError | None]]:
         """What the ranks' connections did within `timeout`: a line read (the socket), or an end
@@ -210,7 +209,7 @@ class Supervisor:
             except OSError as exc:
                 data, error = b"", exc
             if data:
-                self._hello(rank, data)
+                self._lines(rank, data)
                 out.append((sock, rank, None))
                 continue
             self.sel.unregister(sock)
@@ -222,18 +221,20 @@ class Supervisor:
         return sum(1 for key in self.sel.get_map().values()
                    if key.fileobj is not self.server and key.data.node in nodes)
 
-    def _hello(self, rank: _Rank, data: bytes) -> None:
+    def _lines(self, rank: _Rank, data: bytes) -> None:
+        """A rank's hello (its step, rank and node: one naming a node outside the step is ignored),
+        then ``failed`` when its job failed."""
         rank.buffer += data
-        line, sep, rest = rank.buffer.partition(b"\n")
-        if not sep or rank.node:
-            rank.buffer = rank.buffer[-256:]
-            return
-        words = line.decode(errors="replace").split()
-        if len(words) == 3 and words[2] in self.active:  # a line naming a node outside the step: ignored
-            rank.node = words[2]
-            if words[0].isdigit():
-                self.steps.add(words[0])
-        rank.buffer = rest
+        while b"\n" in rank.buffer:
+            line, _, rank.buffer = rank.buffer.partition(b"\n")
+            words = line.decode(errors="replace").split()
+            if not rank.node and len(words) == 3 and words[2] in self.active and words[1].isdigit():
+                rank.node, rank.rank = words[2], int(words[1])
+                if words[0].isdigit():
+                    self.steps.add(words[0])
+            elif rank.node and words == ["failed"]:
+                rank.failed = True
+        rank.buffer = rank.buffer[-256:]
 
     # ------------------------------------------------------------------ the nodes
 
@@ -247,18 +248,19 @@ class Supervisor:
         asked = [n for n in nodes if n in known]
         return {node: why for node, why in evidence(asked, known).items() if why}
 
-    def stop(self, proc: subprocess.Popen[bytes], live: set[str]) -> None:
-        """The step's ranks killed, and its srun (which would wait for the dead node until Slurm
+    def stop(self, live: set[str]) -> None:
+        """Every step's ranks killed, and its srun (which would wait for a dead node until Slurm
         declares it down); returns once the ranks on the `live` nodes closed their connections
         (or after ``STOP_WAIT_S``). scancel itself is not waited for: Slurm answers it only once
         it gave up on the dead node."""
         from hpcdist.scheduler import slurm
 
         steps = self.steps or {s for s in (slurm.job_steps(self.job_id) or set()) if s.isdigit()}
-        for step in sorted(steps):
-            self.reaped.append(slurm.kill_step(self.job_id, step))
-        proc.kill()
-        proc.wait()
+        for step_id in sorted(steps):
+            self.reaped.append(slurm.kill_step(self.job_id, step_id))
+        for step in self.running:
+            step.proc.kill()
+            step.proc.wait()
         deadline = time.monotonic() + STOP_WAIT_S
         while self._connected(live) and time.monotonic() < deadline:
             self._events(0.2)
@@ -272,28 +274,30 @@ class Supervisor:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> int:
-        proc = self.launch()
+        self.launch()
         while True:
-            failure = self.watch(proc)
+            failure = self.watch()
             if failure.returncode == 0:
                 return 0
             noticed = time.time()
-            dead = failure.dead if failure.dead is not None else self.check(self.active)
+            dead = failure.dead
+            if dead is None and failure.signalled:  # a rank's process died by a signal: its node first
+                dead = self.check(sorted(set(failure.signalled.values())))
+                if not dead and self.in_place < self.max_in_place:
+                    self.again_in_place(failure.signalled)
+                    continue
+                if not dead:
+                    _say(f"in-job: {failure.why} while every node answers, and the {self.max_in_place} in-place "
+                         f"restarts of preemption.max_requeues are spent: the job ends")
+                    failure.returncode = 1
+            dead = dead if dead is not None else self.check(self.active)
             if not dead:
                 if failure.returncode is None:
                     _say(f"warning: {failure.why}, but every node of the step answers: going on")
                     continue
-                if not self.first_end or not self.first_end[2] or self.in_place >= self.max_in_place:
-                    return failure.returncode  # the job's own failure (an exit code): every node answers
-                node, task, how = self.first_end
-                self.in_place += 1
-                self.restarts += 1
-                _say(f"in-job: task {task} on {node} ended by a signal ({how}) while every node answers: the step "
-                     f"starts again on the same nodes (in-place restart {self.in_place} of at most "
-                     f"{self.max_in_place}, the site's preemption.max_requeues)")
-                proc = self.launch()
-                continue
-            self.stop(proc, {n for n in self.active if n not in dead})
+                self.stop(set())  # the job's own failure (an exit code): every node answers
+                return failure.returncode
+            self.stop({n for n in self.active if n not in dead})
             for node, why in dead.items():
                 _say(f"in-job: node {node} died ({why}; {failure.why}) noticed at {noticed:.3f}")
                 self.mark(node, why, restart_count(os.environ) + 1)
@@ -302,7 +306,7 @@ class Supervisor:
             if line:
                 return self.give_up(line)
             self.restarts += 1
-            proc = self.launch()
+            self.launch()
 
     def replace(self, dead: set[str]) -> str:
         """The next step's nodes: the live ones and live spares; "" when it can run, else why not."""

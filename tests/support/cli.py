@@ -170,6 +170,7 @@ def rank_pids(marker: str) -> dict[int, int]:
     """rank -> pid of the running ranks (``python ... -m`` submitit's task runner behind hpcdist's
     trust check) whose command line holds `marker` (the job's log folder, or its name), read from
     /proc: a local job's rank from ``SUBMITIT_LOCAL_GLOBALID``, a Slurm job's from ``SLURM_PROCID``
+    (or, for a rank started again alone, ``HPCDIST_IN_PLACE``'s ranks)
     (srun's own command line names the runner too, and is left out)."""
     from hpcdist.launchers import SUBMITIT_RUNNER
 
@@ -181,6 +182,8 @@ def rank_pids(marker: str) -> dict[int, int]:
         except OSError:
             continue
         rank = env.get(b"SUBMITIT_LOCAL_GLOBALID", env.get(b"SLURM_PROCID"))
+        if rank is not None and env.get(b"HPCDIST_IN_PLACE"):  # a rank started again alone: the rank it took
+            rank = env[b"HPCDIST_IN_PLACE"].split(b";")[0].split(b",")[int(rank)]
         if (Path(argv[0].decode(errors="replace")).name.startswith("python") and SUBMITIT_RUNNER.encode() in argv
                 and any(marker.encode() in a for a in argv) and rank is not None
                 and b"hpcdist.runtime.in_job" not in argv):  # a job with spares: its supervisor names the runner

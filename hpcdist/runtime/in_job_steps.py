@@ -1,0 +1,73 @@
+"""The in-job supervisor's srun steps (``hpcdist.runtime.in_job``): what srun says of their tasks,
+and the line at each step's start that the login side reads back."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# srun's line for a task that ended badly: "srun: error: n3: task 1: Killed", "... tasks 0-1: Exited with exit code 1"
+SRUN_TASK_END = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")
+# the supervisor's line at each step's start, in the batch log: the login side counts the ranks of the last
+STEP_LINE = re.compile(r"^hpcdist: in-job step \d+ on \S+ \((\d+) ranks\)", re.MULTILINE)
+
+
+def ranks_of_last_step(logs: Sequence[Path]) -> int | None:
+    """How many ranks the supervisor's last step had, as the batch log (`logs`: its output and
+    error files) says; None when no log says."""
+    found = None
+    for log in logs:
+        try:
+            with log.open("rb") as f:
+                text = f.read(1 << 26).decode(errors="replace")
+        except OSError:
+            continue
+        counts = STEP_LINE.findall(text)
+        found = int(counts[-1]) if counts else found
+    return found
+
+
+@dataclass
+class Step:
+    """One srun of the supervisor's: task i runs rank ``ranks[i]``; srun's report of each rank whose
+    task ended badly (``ended``: node, and the signal's name or "" for an exit code), and the ranks
+    started again elsewhere (``replaced``), whose end is not this step's failure."""
+
+    proc: subprocess.Popen[bytes]
+    ranks: list[int]
+    relay: threading.Thread = field(default_factory=threading.Thread)
+    ended: dict[int, tuple[str, str]] = field(default_factory=dict)
+    replaced: set[int] = field(default_factory=set)
+
+    def read(self) -> None:
+        """srun's own messages into the batch log, as they come; each failed task's end noted."""
+        assert self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            sys.stderr.buffer.write(raw)
+            sys.stderr.flush()
+            match = SRUN_TASK_END.search(raw.decode(errors="replace"))
+            if match:
+                how = match.group(3).strip()
+                for task in expand_ranges(match.group(2)):
+                    if task < len(self.ranks):
+                        signal = "" if how.startswith("Exited") else how
+                        self.ended.setdefault(self.ranks[task], (match.group(1), signal))
+
+    def failures(self) -> dict[int, tuple[str, str]]:
+        return {r: end for r, end in list(self.ended.items()) if r not in self.replaced}
+
+
+def expand_ranges(text: str) -> list[int]:
+    """srun's task list ("0-1,3") as numbers."""
+    out: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        out += range(int(first), int(last or first) + 1)
+    return out
+
+
