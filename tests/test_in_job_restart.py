@@ -152,6 +152,35 @@ def test_a_killed_rank_then_a_dead_node_go_on_in_the_same_allocation(four_nodes:
     assert logged == dict(zip(range(1, STEPS + 1), got, strict=True))
 
 
+def test_a_hung_rank_is_ended_and_started_again_alone(four_nodes: Path) -> None:
+    """3 nodes + 1 spare: rank 1 hangs at step 6 (its node and process alive, its collective never
+    entered). The others' all_reduce times out (timeout_s 5) and they say so; rank 1 says nothing,
+    so the supervisor has it end itself and starts it again alone: ranks 0 and 2 go on in their
+    processes, the run is one run, and every loss is bit for bit the uninterrupted run's."""
+    root = four_nodes
+    job = Background(["submit", "--site", "local-slurm", "--wait", *storage_sets(root), "--set", "timeout_s=5",
+                      "--set", "resources.nodes=3", "--set", "resources.spare_nodes=1",
+                      "--", str(SCRIPT), "--steps", str(STEPS), "--every", "1", "--hang-rank", "1", "--hang-at", "6"])
+    try:
+        jid = job_of(job)
+        before = wait_for(lambda: (lambda p: p if len(p) == 3 else None)(rank_pids(str(root / "logs"))), 60,
+                          "the 3 ranks' processes")
+        wait_for(lambda: "started again alone" in batch_log(root), 90, "the in-place restart")
+        after = rank_pids(str(root / "logs"))
+        result = job.finish(120)
+    finally:
+        job.kill()
+    assert after[0] == before[0] and after[2] == before[2] and after.get(1, before[1]) != before[1], (before, after)
+    log = batch_log(root)
+    assert "in-job: rank 1 said nothing 10 s after the others' collectives failed" in log, log
+    assert "rank 1 started again alone, the others in their processes" in log, log
+    assert result.code == 0, result.text
+    assert f"job {jid} finished: COMPLETED; 3/3 ranks succeeded" in result.out, result.out
+    one_run(jid)
+    assert read_attrs(result_path(result.out))["resumed_from"] == 5
+    assert losses(result_path(result.out)) == reference(root, 3)
+
+
 def test_a_dead_spare_is_passed_over(four_nodes: Path) -> None:
     """2 nodes + 2 spares: the step on n2 and n3, spares n4 then n1. n4 dies idle, then n3: the
     supervisor finds n4 dead too and takes n1."""

@@ -177,8 +177,8 @@ class Watchdog(threading.Thread):
                 reason = f"the job's store (rank 0) went away ({type(exc).__name__})"
             if self._done.is_set():
                 return
-            if in_job_rank.supervised() and self._done.wait(in_job_rank.IN_PLACE_GRACE_S):
-                return  # this rank raised on its own: its supervisor may start it again in place
+            if in_job_rank.supervised():
+                continue  # a job with spares: its supervisor ends this rank, or starts it again in place
             after = after_first(reason)
             print(f"hpcdist.errors.JobError: {self.where} stopped{' ' + after if after else ''}: {reason}",
                   file=sys.stderr, flush=True)

@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hpcdist.config.contract import IN_JOB_RESTART_VAR, IN_PLACE_VAR, STOPPED, SUPERVISOR_VAR, restart_count
 from hpcdist.runtime.in_job_steps import Step
@@ -53,7 +53,9 @@ from hpcdist.runtime.in_job_steps import Step
 KEEPALIVE = (1, 1, 2)  # seconds idle, seconds between probes, probes: a silent node is noticed in ~3 s
 STOP_WAIT_S = 10.0  # how long the ranks of a killed step on live nodes may take to end
 SETTLE_S = 5.0  # a rank ended: how long srun may take to end the step before the nodes are checked
-FAILED_SETTLE_S = 1.0  # the same once srun reported a task that failed: it then waits only for a dead node
+FAILED_SETTLE_S = 1.0  # a rank's job failed: how long a process may take to be seen ending before the nodes are checked
+HUNG_AFTER_S = 10.0  # a rank silent this long after another's collective failed is hung (not waiting on it)
+KILL_WAIT_S = 5.0  # how long a hung rank told to end itself may take (one stuck in native code cannot)
 PICKLE_WAIT_S = 60.0  # as the task runner: submitit puts the job's pickle in place just after sbatch
 STOP_EXIT = 3  # the supervisor's exit status when the job cannot go on (as the node failure check's)
 
@@ -67,7 +69,8 @@ class _Rank:
     node: str = ""
     rank: int = -1
     buffer: bytes = b""
-    failed: bool = False
+    failed: str = ""  # its job failed: "comm" (a collective or rendezvous: a peer's fault) or "own"
+    done: bool = False  # its job succeeded: the process ends next
 
 
 @dataclass
@@ -79,7 +82,8 @@ class Failure:
     returncode: int | None
     dead: dict[str, str] | None = None
     why: str = ""
-    signalled: dict[int, str] = field(default_factory=dict)
+    signalled: dict[int, str] | None = None  # ranks srun saw end by a signal ({}: none, every rank raised)
+    hung: bool = False  # a hung rank did not end itself: the step starts again whole
 
 
 class Supervisor:
@@ -142,19 +146,28 @@ class Supervisor:
              f"restart {self.in_place} of at most {self.max_in_place}, the site's preemption.max_requeues)")
         self._tell(f"again {self.restarts}")
 
-    def _tell(self, word: str) -> None:
+    def _ranks(self) -> list[_Rank]:
+        return [key.data for key in self.sel.get_map().values()
+                if key.fileobj is not self.server and key.data.rank >= 0]
+
+    def _tell(self, word: str, ranks: Sequence[_Rank] | None = None) -> None:
+        """`word` to `ranks` (all that said who they are): ``again N``, ``stop``, or ``kill`` (a hung
+        rank ends itself, so srun reports it killed)."""
         for key in list(self.sel.get_map().values()):
-            if key.fileobj is not self.server and key.data.rank >= 0:
+            if key.fileobj is not self.server and key.data.rank >= 0 and (
+                    ranks is None or any(key.data is r for r in ranks)):
                 try:
                     key.fileobj.sendall(f"{word}\n".encode())  # type: ignore[union-attr]
                 except OSError:
                     pass  # its end comes as an event
-                key.data.failed = False
+                key.data.failed = ""
 
     def watch(self) -> Failure:
         """Until every step ended (its exit status), a rank's death is reported, or a node is suspect."""
         ended_at: float | None = None  # a rank's process ended, and srun has not said how
         failed_at: float | None = None  # a rank's job failed, and no process ended
+        killed_at: float | None = None  # hung ranks were told to end themselves
+        checked = False  # the nodes were checked since this watch began
         while True:
             for step in self.running:
                 if step.proc.poll() is not None:
@@ -175,21 +188,40 @@ class Supervisor:
                 if error is not None and error.errno in (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH):
                     return Failure(None, None, f"the connection of a rank on {rank.node or '?'} timed out "
                                    f"({error.strerror})")
-                if sock is None:  # a rank's process ended
+                if sock is None and not rank.done:  # a rank's process ended before its job did
                     ended_at = ended_at or time.monotonic()
                 elif rank.failed:
                     failed_at = failed_at or time.monotonic()
             now = time.monotonic()
-            settle = FAILED_SETTLE_S if failed_at is not None else SETTLE_S
-            if (ended_at is not None and now - ended_at > settle) or (
-                    failed_at is not None and ended_at is None and now - failed_at > FAILED_SETTLE_S):
+            if killed_at is not None and now - killed_at > KILL_WAIT_S:  # stuck in native code, it could not
+                return Failure(None, why="a hung rank did not end on its supervisor's word", hung=True)
+            if ended_at is not None:  # srun says how the process ended; a node that died first is found here
+                if not checked and now - ended_at > (FAILED_SETTLE_S if failed_at is not None else SETTLE_S):
+                    checked = True
+                    found = self.check(self.active)
+                    if found:
+                        return Failure(None, found, "a rank ended and its step did not")
+                continue
+            if failed_at is None or now - failed_at <= FAILED_SETTLE_S:
+                continue
+            if not checked:
+                checked = True
                 found = self.check(self.active)
                 if found:
-                    return Failure(None, found, "a rank ended and its step did not" if ended_at
-                                   else "a rank's job failed")
-                if ended_at is None:  # a rank's job failed and every process and node lives: the job's own failure
-                    self._tell("stop")
-                ended_at = failed_at = None
+                    return Failure(None, found, "a rank's job failed")
+            ranks = self._ranks()
+            if any(r.failed == "own" for r in ranks):  # an exception of the job's code while every node lives
+                self._tell("stop")  # the rank ends with its error, srun reports its exit code: the job's failure
+                failed_at = None
+                continue
+            hung = [r for r in ranks if not r.failed]  # the others' communication failed, and these said nothing
+            if not hung:
+                return Failure(None, why="every rank's communication failed", signalled={})
+            if killed_at is None and now - failed_at > HUNG_AFTER_S:
+                _say(f"in-job: rank {','.join(str(r.rank) for r in hung)} said nothing {HUNG_AFTER_S:g} s after the "
+                     f"others' collectives failed: hung, ended by its supervisor to start again in place")
+                self._tell("kill", hung)
+                killed_at = now
 
     def _events(self, timeout: float) -> list[tuple[socket.socket | None, _Rank, OSError | None]]:
         """What the ranks' connections did within `timeout`: a line read (the socket), or an end
@@ -232,8 +264,10 @@ class Supervisor:
                 rank.node, rank.rank = words[2], int(words[1])
                 if words[0].isdigit():
                     self.steps.add(words[0])
-            elif rank.node and words == ["failed"]:
-                rank.failed = True
+            elif rank.node and words[:1] == ["failed"]:
+                rank.failed = "comm" if words[1:] == ["comm"] else "own"
+            elif rank.node and words == ["done"]:
+                rank.done = True
         rank.buffer = rank.buffer[-256:]
 
     # ------------------------------------------------------------------ the nodes
@@ -281,10 +315,16 @@ class Supervisor:
                 return 0
             noticed = time.time()
             dead = failure.dead
-            if dead is None and failure.signalled:  # a rank's process died by a signal: its node first
-                dead = self.check(sorted(set(failure.signalled.values())))
+            if dead is None and (failure.signalled is not None or failure.hung):  # a rank died by a signal, or hung
+                dead = self.check(sorted(set((failure.signalled or {}).values())))
                 if not dead and self.in_place < self.max_in_place:
-                    self.again_in_place(failure.signalled)
+                    if failure.hung:
+                        self.stop(set(self.active))
+                        self.in_place += 1
+                        self.restarts += 1
+                        self.launch()
+                    else:
+                        self.again_in_place(failure.signalled or {})
                     continue
                 if not dead:
                     _say(f"in-job: {failure.why} while every node answers, and the {self.max_in_place} in-place "

@@ -15,15 +15,22 @@
 from __future__ import annotations
 
 import os
+import queue
+import re
+import signal
 import socket
 import sys
+import threading
 from collections.abc import Mapping, MutableMapping
 
 from hpcdist.config.contract import IN_PLACE_VAR, SUPERVISOR_VAR
 
 ANSWER_WAIT_S = 120.0  # how long a rank whose job failed waits for its supervisor's word
-IN_PLACE_GRACE_S = 10.0  # another rank failed: how long this one may take to raise on its own, in place
 _KEPT: list[socket.socket] = []  # this rank's connection to its supervisor, open while the process lives
+_ANSWERS: queue.Queue[str] = queue.Queue()  # the supervisor's words, as the listener read them
+# a failure of the ranks' communication (a peer gone, a collective or rendezvous timed out), not of the job's code
+_COMMUNICATION = re.compile(r"gloo|NCCL|c10d|ProcessGroup|rendezvous|Connection (reset|closed|refused)|Broken pipe|"
+                            r"[Tt]imed out")
 
 
 def supervised() -> bool:
@@ -66,26 +73,75 @@ def report_in(env: Mapping[str, str] | None = None) -> None:
     except (OSError, ValueError) as exc:
         print(f"hpcdist: warning: cannot reach the job's supervisor at {where}: {exc}", file=sys.stderr, flush=True)
         return
+    sock.settimeout(None)
     _KEPT.append(sock)
+    threading.Thread(target=_listen, args=(sock,), name="hpcdist-supervisor", daemon=True).start()
 
 
-def again() -> int | None:
-    """After this rank's job failed: the restart number under which it runs the job again in this
-    process, when the supervisor found that another rank's process died on a live node; None when
-    the failure is the job's own (or there is no supervisor to ask), and the rank ends with it."""
+def _listen(sock: socket.socket) -> None:
+    """The supervisor's words: ``again N`` and ``stop`` kept for ``again``; ``kill``: this rank hung
+    while the others' collectives failed, and ends now (SIGKILL: srun reports it killed, and the
+    supervisor starts it again alone)."""
+    buffer = b""
+    while True:
+        try:
+            data = sock.recv(256)
+        except OSError:
+            data = b""
+        if not data:
+            _ANSWERS.put("stop")
+            return
+        buffer += data
+        while b"\n" in buffer:
+            line, _, buffer = buffer.partition(b"\n")
+            word = line.decode(errors="replace").strip()
+            if word == "kill":
+                print("hpcdist: this rank hung while the others' collectives failed: its supervisor ends it, to "
+                      "start it again", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            _ANSWERS.put(word)
+
+
+def communication_failure(exc: BaseException) -> bool:
+    """Whether `exc`, or an exception it came from, is a failure of the ranks' communication (a
+    torch.distributed error, gloo's or NCCL's, a rendezvous), as a peer's death or hang causes."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, (ConnectionError, TimeoutError)) or type(cur).__name__.startswith("Dist") or (
+                isinstance(cur, RuntimeError) and _COMMUNICATION.search(str(cur))) or (
+                type(cur).__name__ == "BootstrapError"):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def again(exc: BaseException) -> int | None:
+    """After this rank's job raised `exc`: the restart number under which it runs the job again in
+    this process, when the supervisor found another rank's process dead (or hung) on a live node,
+    or every rank's communication failed; None when the failure is the job's own (or there is no
+    supervisor to ask, or it did not answer within ``ANSWER_WAIT_S``), and the rank ends with it."""
     if not _KEPT:
         return None
-    sock, data = _KEPT[0], b""
     try:
-        sock.settimeout(ANSWER_WAIT_S)
-        sock.sendall(b"failed\n")
-        while not data.endswith(b"\n"):
-            chunk = sock.recv(256)
-            if not chunk:
-                return None
-            data += chunk
-    except OSError:
+        _KEPT[0].sendall(b"failed comm\n" if communication_failure(exc) else b"failed\n")
+        told = [_ANSWERS.get(timeout=ANSWER_WAIT_S)]
+    except (OSError, queue.Empty):
         return None
-    told = [line.split() for line in data.decode(errors="replace").splitlines()]
-    numbers = [int(words[1]) for words in told if len(words) == 2 and words[0] == "again" and words[1].isdigit()]
-    return max(numbers) if numbers and all(words[:1] != ["stop"] for words in told) else None
+    while not _ANSWERS.empty():  # words sent while this rank still ran: the latest counts
+        told.append(_ANSWERS.get_nowait())
+    if "stop" in told:
+        return None
+    numbers = [int(w.split()[1]) for w in told if len(w.split()) == 2 and w.split()[1].isdigit()]
+    return max(numbers) if numbers else None
+
+
+def done() -> None:
+    """This rank's job succeeded: its supervisor is told before the process ends (an end it then
+    need not look into)."""
+    for sock in _KEPT:
+        try:
+            sock.sendall(b"done\n")
+        except OSError:
+            pass

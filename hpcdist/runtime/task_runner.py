@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     submission.utils.cloudpickle_dump = _private_dump(submission.utils.cloudpickle_dump)
     submission.utils.pickle_load = lambda filename: load_pickle(filename)  # read from what was checked
     _process(folder, submission.process_job)
+    in_job_rank.done()
     leave(0)
     return 0
 
@@ -179,8 +180,8 @@ def _process(folder: str, process_job: Callable[[str], None]) -> None:
         try:
             process_job(folder)
             return
-        except Exception:
-            restart = in_job_rank.again()
+        except Exception as exc:
+            restart = in_job_rank.again(exc)
             if restart is None:
                 raise
             os.environ.clear()

@@ -3,7 +3,8 @@ a global batch of 12 samples a step (fixed by the step number), split across the
 gradient is summed over the ranks and divided by the global batch, so a run at 4, 3 or 1 ranks
 takes the same steps up to float rounding. Checkpoints every `--every` steps, sleeps `--step-s`
 a step (to leave a test time to kill a node), and records every step's loss in its result (and
-in the job's tracker, where the spec names one)."""
+in the job's tracker, where the spec names one). `--hang-rank` hangs at step `--hang-at` of a
+run that did not resume."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--step-s", type=float, default=0.0)
+    parser.add_argument("--hang-rank", type=int, default=-1, help="this rank hangs at --hang-at, unless resumed")
+    parser.add_argument("--hang-at", type=int, default=0)
     args = parser.parse_args()
     ctx = hpcdist.init()
     w = torch.zeros(FEATURES, 1, dtype=torch.float64)
@@ -39,6 +42,9 @@ def main() -> None:
         w, losses = state["w"].clone(), state["losses"].tolist()
         ctx.log.info("resumed from step %d at world size %d", start, ctx.world_size)
     for step in range(start + 1, args.steps + 1):
+        if ctx.rank == args.hang_rank and step == args.hang_at and start == 0:
+            ctx.log.info("hanging at step %d", step)
+            time.sleep(3600)  # a rank stuck (a GPU that stopped answering): the others' collective times out
         x, y = batch(step)
         x, y = x[ctx.rank::ctx.world_size], y[ctx.rank::ctx.world_size]
         err = x @ w - y
