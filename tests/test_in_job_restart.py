@@ -143,6 +143,9 @@ def test_a_killed_rank_then_a_dead_node_go_on_in_the_same_allocation(four_nodes:
     attrs = assert_went_on(jid, result, ["n1", "n2", "n4"], ["n3"], root)
     assert 20 <= attrs["resumed_from"] < STEPS and attrs["ran_with"] == 3, attrs
     assert "rank 2 started again alone, the others in their processes (in-place restart 1 of" in batch_log(root)
+    logs = "\n".join(p.read_text(errors="replace") for p in sorted((root / "logs").rglob("*_log.err")))
+    from_memory = re.findall(r"\[rank (\d)/3 \S+\] INFO checkpoint step \d+: the state from the ranks' memory", logs)
+    assert sorted(from_memory) == ["0", "1", "2"], from_memory  # rank 2, started again, got it from a peer
     got = losses(result_path(result.out))
     assert got == reference(root, 3)  # bit for bit, each step once
     client = MlflowClient(uri)

@@ -3,22 +3,20 @@
 Rank 0 claims the directory (one writer per directory) and writes; every rank returns once a
 save is committed (or raises the same error); every rank loads the one step rank 0 resolved.
 While rank 0 writes, verifies or scans, the other ranks wait on a group of their own whose
-timeout is the checkpoint I/O budget (``io_timeout_s``), not the job's collective timeout: a
-large checkpoint on slow storage is not a hang, and every outcome, errors included, reaches
-every rank, which all raise the same one-line error.
+timeout is the checkpoint I/O budget (``io_timeout_s``): a large checkpoint on slow storage is
+not a hang, and every outcome, errors included, reaches every rank alike.
 At one rank (or with ``replicated=False``) ``save`` nests the state, encoded, under ``/state``;
-``save_tree`` writes a store tree as it is at the file's root, for a layout another reader already
-knows (the GPT's ``/model`` that ``infer_gpt`` reads). Either may run in the background: the caller
-waits only for the copy to host memory, and the next save, ``wait`` or ``Context.close`` learns
-how it ended.
+``save_tree`` writes a store tree as it is at the file's root (the GPT's ``/model`` that
+``infer_gpt`` reads). Either may run in the background: the caller waits only for the copy to host
+memory, and the next save, ``wait`` or ``Context.close`` learns how it ended.
 
 At two ranks or more, and for DTensors (FSDP2, tensor parallelism), ``save`` takes the sharded
 path, ``hpcdist.store.sharded.checkpoint``: every rank writes its own part (each replicated value once) and
 rank 0 commits the one index, all through DCP on the checkpoint I/O group.
 ``load_latest(into=state)`` fills a state of any layout in place; ``load_latest()`` gives every
-rank the whole state, read and verified once per node (``hpcdist.store.sharded.node_read``).
-Either resumes only from checkpoints no one else could have written: each rank reads through its
-checkpoint folder, checked and held open (``hpcdist.store.checkpoint.owned``); another user's
+rank the whole state, read and verified once per node (``hpcdist.store.sharded.node_read``), or,
+after an in-place restart, from the ranks' memory (``hpcdist.api.kept``). Either resumes only from
+checkpoints no one else could have written (``hpcdist.store.checkpoint.owned``): another user's
 folder is one CheckpointError on every rank, another user's step is skipped with a warning.
 """
 
@@ -30,6 +28,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from hpcdist.api import kept
 from hpcdist.api.codec import broadcast_data, decode, encode
 from hpcdist.errors import CheckpointError
 from hpcdist.runtime.requeue import Requeues
@@ -148,9 +147,9 @@ class Checkpoints:
         (`load_latest`). Rank 0's `index`, a store tree of small values, goes into a sharded
         checkpoint's index file, where ``hpcdist.store.read(path, groups=...)`` reads it alone.
         """
-        if sharded is None:
-            from hpcdist.store.sharded.replicas import holds_dtensor
+        from hpcdist.store.sharded.replicas import holds_dtensor
 
+        if sharded is None:
             sharded = holds_dtensor(state) or per_rank is not None or (replicated and self.ctx.world_size > 1)
         if sharded:
             full = dict(state)
@@ -161,6 +160,8 @@ class Checkpoints:
                 full[PER_RANK] = {_rank_key(self.ctx.rank): dict(per_rank)}
                 attrs = {**(attrs or {}), PER_RANK_ATTR: json.dumps({"keys": sorted(per_rank),
                                                                      "world_size": self.ctx.world_size})}
+            elif replicated and not holds_dtensor(state):
+                kept.keep(str(self.directory), step, state)  # in a job with spares: a copy in memory
             return self._save_sharded(step, full, attrs, background, index)
         if index is not None:
             raise ValueError("index= is for sharded saves; put the values into the state")
@@ -275,11 +276,16 @@ class Checkpoints:
                 error = str(exc)
             except Exception as exc:
                 error = f"looking for the latest checkpoint in {self.directory} failed: {type(exc).__name__}: {exc}"
-        step, error = self.share((latest.step if latest is not None else None, error), "its choice of checkpoint")
+        chosen = (latest.step, error, str(latest.attrs.get(COUNT_ATTR, "{}"))) if latest else (None, error, "{}")
+        step, error, counts = self.share(chosen, "its choice of checkpoint")
         if error:
             raise CheckpointError(error)
         if step is None:
             return None
+        state = kept.share(str(self.directory), step, self.ctx.rank, self._io_group, self.ctx.log)
+        if state is not None:  # restarted in place: the state from the ranks' memory, not the storage
+            self._restore_counts({COUNT_ATTR: counts})
+            return step, state
         loaded = latest or self.store.load(step, mapped=True)  # each rank: only from a folder and file of yours
         self._restore_counts(loaded.attrs)
         from hpcdist.store.sharded import checkpoint as sharded

@@ -161,7 +161,7 @@ class Watchdog(threading.Thread):
         self._done = threading.Event()
 
     def run(self) -> None:
-        from hpcdist.runtime import in_job_rank
+        from hpcdist.runtime import in_job_link
 
         polls = 0
         while not self._done.wait(self.interval_s):
@@ -177,7 +177,7 @@ class Watchdog(threading.Thread):
                 reason = f"the job's store (rank 0) went away ({type(exc).__name__})"
             if self._done.is_set():
                 return
-            if in_job_rank.supervised():
+            if in_job_link.supervised():
                 continue  # a job with spares: its supervisor ends this rank, or starts it again in place
             after = after_first(reason)
             print(f"hpcdist.errors.JobError: {self.where} stopped{' ' + after if after else ''}: {reason}",

@@ -8,21 +8,27 @@ steps on ``nodes`` of them; the spares run nothing. The batch node is the last n
 ranks to: Slurm ends a job whose batch node dies, ``--no-kill`` or not, so the batch node is the
 spare kept longest.
 
-- **Sign of life.** Each rank connects to the supervisor as it starts (``report_in``, called by
-  the task runner) and sends one line: its step, rank and node. The supervisor keeps each
-  connection with TCP keepalives (``KEEPALIVE``): a node whose kernel stops answering (dead, or
-  cut off) is noticed in about 3 s, with no thread and no traffic in the rank; a rank's process
-  that ends closes its connection at once.
+- **Sign of life.** Each rank connects to the supervisor as it starts and says who it is; the
+  connection, kept with TCP keepalives, shows a dead or cut-off node in about 3 s and a rank's
+  process that ended at once (``hpcdist.runtime.in_job_link``, both ends of that line).
 - **Evidence.** A connection that timed out proves nothing alone (a network blip, a forged
   line): a node is dead when Slurm says so or its slurmd gives no TCP reply within a second
-  (``rollcall.evidence``, the roll call's own test). The nodes are also checked when a step
-  fails, and when a rank ended and the step did not follow within ``SETTLE_S`` (a node that
-  died before its rank connected: the others fail at their rendezvous). A step that fails while
-  every node answers is the job's own failure (a rank's exit code: an exception, a bug) and ends
-  the job as it would without spares, unless srun saw its first task end by a signal (killed,
-  aborted: the OOM killer, NCCL's watchdog, a driver fault): then the step starts again on the
-  same nodes, at most ``preemption.max_requeues`` times.
-- **Restart.** The step is killed (``scancel --signal=KILL``); the dead node is marked in the
+  (``rollcall.evidence``, the roll call's own test). The nodes are also checked when a rank's
+  job fails, and when a rank ended and srun did not say how within ``SETTLE_S`` (a node that
+  died before its rank connected: the others fail at their rendezvous).
+- **In-place restart, every node alive.** srun runs with ``--kill-on-bad-exit=0``: each task's
+  end is the supervisor's to judge (``in_job_steps.Step``). A rank whose process ended by a signal
+  (killed, aborted: the OOM killer, NCCL's watchdog, a segfault) is started again alone, in a step
+  of its own on its node, taking its rank (``IN_PLACE_VAR``); the others' jobs have raised (their
+  peer is gone), and each runs the job again in its own process under the next restart number,
+  with torch and its modules already imported and the last checkpoint in its memory
+  (``hpcdist.api.kept``: the newcomer gets it from them, not from the storage). A rank that says
+  nothing ``HUNG_AFTER_S`` after the others' collectives failed is hung: it ends itself on the
+  supervisor's word and is started again alike (one stuck in native code: the step starts again
+  whole). When every rank's communication failed and none died, all run again in place. At most
+  ``preemption.max_requeues`` in-place restarts. A rank whose job raised anything else (an
+  exception of the job's code: a bug, bad input) ends the job as it would without spares.
+- **A dead node.** The steps are killed (``scancel --signal=KILL``); the dead node is marked in the
   site's node health record and in the job's node-failure record; a new step starts on the
   live nodes and a live spare with ``--overlap`` (the old step holds its CPUs until Slurm
   declares the dead node down, SlurmdTimeout later). The world size is the same, and the ranks
@@ -38,7 +44,6 @@ from __future__ import annotations
 
 import errno
 import os
-import selectors
 import socket
 import subprocess
 import sys
@@ -48,9 +53,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hpcdist.config.contract import IN_JOB_RESTART_VAR, IN_PLACE_VAR, STOPPED, SUPERVISOR_VAR, restart_count
+from hpcdist.runtime.in_job_link import Links
 from hpcdist.runtime.in_job_steps import Step
 
-KEEPALIVE = (1, 1, 2)  # seconds idle, seconds between probes, probes: a silent node is noticed in ~3 s
 STOP_WAIT_S = 10.0  # how long the ranks of a killed step on live nodes may take to end
 SETTLE_S = 5.0  # a rank ended: how long srun may take to end the step before the nodes are checked
 FAILED_SETTLE_S = 1.0  # a rank's job failed: how long a process may take to be seen ending before the nodes are checked
@@ -59,18 +64,6 @@ KILL_WAIT_S = 5.0  # how long a hung rank told to end itself may take (one stuck
 PICKLE_WAIT_S = 60.0  # as the task runner: submitit puts the job's pickle in place just after sbatch
 STOP_EXIT = 3  # the supervisor's exit status when the job cannot go on (as the node failure check's)
 
-
-
-@dataclass
-class _Rank:
-    """A rank's connection as the supervisor holds it: its node and rank once it said them, and
-    whether its job failed and it waits for the supervisor's word (``in_job_rank.again``)."""
-
-    node: str = ""
-    rank: int = -1
-    buffer: bytes = b""
-    failed: str = ""  # its job failed: "comm" (a collective or rendezvous: a peer's fault) or "own"
-    done: bool = False  # its job succeeded: the process ends next
 
 
 @dataclass
@@ -99,16 +92,12 @@ class Supervisor:
         self.active = self.order[:want]
         self.dead: set[str] = set()
         self.restarts = 0
-        self.steps: set[str] = set()  # the Slurm step ids the ranks named
         self.running: list[Step] = []  # this restart's sruns: the ranks' step, and those of ranks started again
         self.mark = mark
         self.give_up = give_up  # what ends the supervisor when the job cannot go on here: a requeue, or the end
         self.max_in_place, self.in_place = max_in_place, 0  # restarts after a rank's death by a signal
-        self.server = socket.create_server((address, 0))
-        self.sel = selectors.DefaultSelector()
-        self.sel.register(self.server, selectors.EVENT_READ)
+        self.links = Links(address)
         self.reaped: list[subprocess.Popen[bytes]] = []  # scancels still waiting for Slurm's answer
-        self.address = f"{address}:{self.server.getsockname()[1]}"
 
     # ------------------------------------------------------------------ the steps
 
@@ -121,7 +110,7 @@ class Supervisor:
     def _srun(self, nodes: list[str], tasks: int, ranks: list[int], extra: dict[str, str]) -> Step:
         argv = [self.srun[0], f"--nodes={len(nodes)}", f"--ntasks={tasks}", f"--nodelist={','.join(nodes)}",
                 "--overlap", "--kill-on-bad-exit=0", *self.srun[1:]]  # a task's end is the supervisor's to judge
-        env = {**os.environ, IN_JOB_RESTART_VAR: str(self.restarts), SUPERVISOR_VAR: self.address,
+        env = {**os.environ, IN_JOB_RESTART_VAR: str(self.restarts), SUPERVISOR_VAR: self.links.address,
                "SLURM_NTASKS": str(tasks), "SLURM_NPROCS": str(tasks), **extra}
         step = Step(subprocess.Popen(argv, env=env, stderr=subprocess.PIPE), ranks)
         step.relay = threading.Thread(target=step.read, daemon=True)
@@ -144,23 +133,7 @@ class Supervisor:
         _say(f"in-job step {self.restarts} on {','.join(self.active)} ({world} ranks) at {time.time():.3f}: rank "
              f"{','.join(map(str, sorted(ended)))} started again alone, the others in their processes (in-place "
              f"restart {self.in_place} of at most {self.max_in_place}, the site's preemption.max_requeues)")
-        self._tell(f"again {self.restarts}")
-
-    def _ranks(self) -> list[_Rank]:
-        return [key.data for key in self.sel.get_map().values()
-                if key.fileobj is not self.server and key.data.rank >= 0]
-
-    def _tell(self, word: str, ranks: Sequence[_Rank] | None = None) -> None:
-        """`word` to `ranks` (all that said who they are): ``again N``, ``stop``, or ``kill`` (a hung
-        rank ends itself, so srun reports it killed)."""
-        for key in list(self.sel.get_map().values()):
-            if key.fileobj is not self.server and key.data.rank >= 0 and (
-                    ranks is None or any(key.data is r for r in ranks)):
-                try:
-                    key.fileobj.sendall(f"{word}\n".encode())  # type: ignore[union-attr]
-                except OSError:
-                    pass  # its end comes as an event
-                key.data.failed = ""
+        self.links.tell(f"again {self.restarts}")
 
     def watch(self) -> Failure:
         """Until every step ended (its exit status), a rank's death is reported, or a node is suspect."""
@@ -184,7 +157,7 @@ class Supervisor:
             if all(step.proc.returncode is not None for step in self.running):
                 code = max((s.proc.returncode or 0) for s in self.running if not s.replaced)
                 return Failure(code, why=f"srun exited {code}")
-            for sock, rank, error in self._events(0.5):
+            for sock, rank, error in self.links.events(0.5, self.active):
                 if error is not None and error.errno in (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH):
                     return Failure(None, None, f"the connection of a rank on {rank.node or '?'} timed out "
                                    f"({error.strerror})")
@@ -209,9 +182,9 @@ class Supervisor:
                 found = self.check(self.active)
                 if found:
                     return Failure(None, found, "a rank's job failed")
-            ranks = self._ranks()
+            ranks = self.links.ranks()
             if any(r.failed == "own" for r in ranks):  # an exception of the job's code while every node lives
-                self._tell("stop")  # the rank ends with its error, srun reports its exit code: the job's failure
+                self.links.tell("stop")  # the rank ends with its error, srun reports its exit code: the job's failure
                 failed_at = None
                 continue
             hung = [r for r in ranks if not r.failed]  # the others' communication failed, and these said nothing
@@ -220,55 +193,8 @@ class Supervisor:
             if killed_at is None and now - failed_at > HUNG_AFTER_S:
                 _say(f"in-job: rank {','.join(str(r.rank) for r in hung)} said nothing {HUNG_AFTER_S:g} s after the "
                      f"others' collectives failed: hung, ended by its supervisor to start again in place")
-                self._tell("kill", hung)
+                self.links.tell("kill", hung)
                 killed_at = now
-
-    def _events(self, timeout: float) -> list[tuple[socket.socket | None, _Rank, OSError | None]]:
-        """What the ranks' connections did within `timeout`: a line read (the socket), or an end
-        (None, with the error when it did not end cleanly); new connections accepted."""
-        out: list[tuple[socket.socket | None, _Rank, OSError | None]] = []
-        for key, _ in self.sel.select(timeout):
-            if key.fileobj is self.server:
-                conn, _ = self.server.accept()
-                _keepalive(conn)
-                self.sel.register(conn, selectors.EVENT_READ, _Rank())
-                continue
-            sock, rank = key.fileobj, key.data
-            assert isinstance(sock, socket.socket)
-            error: OSError | None = None
-            try:
-                data = sock.recv(4096)
-            except OSError as exc:
-                data, error = b"", exc
-            if data:
-                self._lines(rank, data)
-                out.append((sock, rank, None))
-                continue
-            self.sel.unregister(sock)
-            sock.close()
-            out.append((None, rank, error))
-        return out
-
-    def _connected(self, nodes: set[str]) -> int:
-        return sum(1 for key in self.sel.get_map().values()
-                   if key.fileobj is not self.server and key.data.node in nodes)
-
-    def _lines(self, rank: _Rank, data: bytes) -> None:
-        """A rank's hello (its step, rank and node: one naming a node outside the step is ignored),
-        then ``failed`` when its job failed."""
-        rank.buffer += data
-        while b"\n" in rank.buffer:
-            line, _, rank.buffer = rank.buffer.partition(b"\n")
-            words = line.decode(errors="replace").split()
-            if not rank.node and len(words) == 3 and words[2] in self.active and words[1].isdigit():
-                rank.node, rank.rank = words[2], int(words[1])
-                if words[0].isdigit():
-                    self.steps.add(words[0])
-            elif rank.node and words[:1] == ["failed"]:
-                rank.failed = "comm" if words[1:] == ["comm"] else "own"
-            elif rank.node and words == ["done"]:
-                rank.done = True
-        rank.buffer = rank.buffer[-256:]
 
     # ------------------------------------------------------------------ the nodes
 
@@ -289,20 +215,16 @@ class Supervisor:
         it gave up on the dead node."""
         from hpcdist.scheduler import slurm
 
-        steps = self.steps or {s for s in (slurm.job_steps(self.job_id) or set()) if s.isdigit()}
+        steps = self.links.steps or {s for s in (slurm.job_steps(self.job_id) or set()) if s.isdigit()}
         for step_id in sorted(steps):
             self.reaped.append(slurm.kill_step(self.job_id, step_id))
         for step in self.running:
             step.proc.kill()
             step.proc.wait()
         deadline = time.monotonic() + STOP_WAIT_S
-        while self._connected(live) and time.monotonic() < deadline:
-            self._events(0.2)
-        for key in list(self.sel.get_map().values()):
-            if key.fileobj is not self.server:
-                self.sel.unregister(key.fileobj)
-                key.fileobj.close()  # type: ignore[union-attr]
-        self.steps = set()
+        while self.links.connected(live) and time.monotonic() < deadline:
+            self.links.events(0.2, self.active)
+        self.links.close_all()
         self.reaped = [p for p in self.reaped if p.poll() is None]
 
     # ------------------------------------------------------------------ the loop
@@ -367,14 +289,6 @@ class Supervisor:
         names = ", ".join(sorted(dead))
         return (f"node {names} died and the job has no live spare left; it may not run on fewer than "
                 f"{self.floor} nodes and {len(self.active)} live remain")
-
-
-def _keepalive(sock: socket.socket) -> None:
-    idle, interval, count = KEEPALIVE
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
 
 
 def _say(line: str) -> None:

@@ -118,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     folder = args[0]
     if not check_only:
-        from hpcdist.runtime import in_job_rank
+        from hpcdist.runtime import in_job_link
 
-        in_job_rank.adopt(os.environ)  # a rank started again alone takes the rank it replaces
-        in_job_rank.report_in()  # a job with spare nodes: its supervisor watches this process's connection
+        in_job_link.adopt(os.environ)  # a rank started again alone takes the rank it replaces
+        in_job_link.report_in()  # a job with spare nodes: its supervisor watches this process's connection
     from hpcdist.files.trust import importable_cwd
 
     sys.path[:0] = importable_cwd()  # `python -m`'s first entry, which -P left off, where no one else writes it
@@ -163,17 +163,17 @@ def main(argv: list[str] | None = None) -> int:
     submission.utils.cloudpickle_dump = _private_dump(submission.utils.cloudpickle_dump)
     submission.utils.pickle_load = lambda filename: load_pickle(filename)  # read from what was checked
     _process(folder, submission.process_job)
-    in_job_rank.done()
+    in_job_link.done()
     leave(0)
     return 0
 
 
 def _process(folder: str, process_job: Callable[[str], None]) -> None:
     """submitit's run of the job; again in this process, under the next restart number, where the
-    job's supervisor starts it again in place (``hpcdist.runtime.in_job_rank``: another rank's
+    job's supervisor starts it again in place (``hpcdist.runtime.in_job_link``: another rank's
     process died on a live node, and only that one is started anew)."""
     from hpcdist.config.contract import IN_JOB_RESTART_VAR
-    from hpcdist.runtime import in_job_rank
+    from hpcdist.runtime import in_job_link
 
     started = dict(os.environ)  # what the job sets (MASTER_ADDR of its store, RANK, ...) is undone before it runs again
     while True:
@@ -181,7 +181,7 @@ def _process(folder: str, process_job: Callable[[str], None]) -> None:
             process_job(folder)
             return
         except Exception as exc:
-            restart = in_job_rank.again(exc)
+            restart = in_job_link.again(exc)
             if restart is None:
                 raise
             os.environ.clear()

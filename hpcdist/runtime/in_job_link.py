@@ -1,4 +1,7 @@
-"""A rank's side of the in-job supervisor (``hpcdist.runtime.in_job``) of a job with spare nodes.
+"""The connection between each rank of a job with spare nodes and its in-job supervisor
+(``hpcdist.runtime.in_job``): both ends of one line protocol. A rank says ``STEP RANK NODE`` as it
+starts, ``failed`` or ``failed comm`` when its job raised, ``done`` when it succeeded; the
+supervisor answers ``again N``, ``stop``, or ``kill`` (a hung rank ends itself).
 
 - **Sign of life.** The task runner connects to the supervisor as it starts (``report_in``) and
   says who it is; the connection stays open, unread, for the process's life, and its kernel
@@ -17,14 +20,17 @@ from __future__ import annotations
 import os
 import queue
 import re
+import selectors
 import signal
 import socket
 import sys
 import threading
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
 
 from hpcdist.config.contract import IN_PLACE_VAR, SUPERVISOR_VAR
 
+KEEPALIVE = (1, 1, 2)  # seconds idle, seconds between probes, probes: a silent node is noticed in ~3 s
 ANSWER_WAIT_S = 120.0  # how long a rank whose job failed waits for its supervisor's word
 _KEPT: list[socket.socket] = []  # this rank's connection to its supervisor, open while the process lives
 _ANSWERS: queue.Queue[str] = queue.Queue()  # the supervisor's words, as the listener read them
@@ -145,3 +151,109 @@ def done() -> None:
             sock.sendall(b"done\n")
         except OSError:
             pass
+
+
+# ---------------------------------------------------------------------- the supervisor's end
+
+
+@dataclass
+class Link:
+    """A rank's connection as the supervisor holds it: its node and rank once it said them,
+    whether its job failed and it waits for the supervisor's word, or succeeded."""
+
+    node: str = ""
+    rank: int = -1
+    buffer: bytes = b""
+    failed: str = ""  # its job failed: "comm" (a collective or rendezvous: a peer's fault) or "own"
+    done: bool = False  # its job succeeded: the process ends next
+
+
+class Links:
+    """The supervisor's listening socket and every rank's connection, each kept with TCP keepalives
+    (``KEEPALIVE``): a node whose kernel stops answering (dead, or cut off) is noticed in about
+    3 s; a rank's process that ends closes its connection at once."""
+
+    def __init__(self, address: str) -> None:
+        self.server = socket.create_server((address, 0))
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.server, selectors.EVENT_READ)
+        self.address = f"{address}:{self.server.getsockname()[1]}"
+        self.steps: set[str] = set()  # the Slurm step ids the ranks named
+
+    def events(self, timeout: float, nodes: Sequence[str]) -> list[tuple[socket.socket | None, Link, OSError | None]]:
+        """What the connections did within `timeout`: a line read (the socket), or an end (None,
+        with the error when it did not end cleanly); new connections accepted. A hello naming a
+        node outside `nodes` (the step's) is ignored."""
+        out: list[tuple[socket.socket | None, Link, OSError | None]] = []
+        for key, _ in self.sel.select(timeout):
+            if key.fileobj is self.server:
+                conn, _ = self.server.accept()
+                _keepalive(conn)
+                self.sel.register(conn, selectors.EVENT_READ, Link())
+                continue
+            sock, link = key.fileobj, key.data
+            assert isinstance(sock, socket.socket)
+            error: OSError | None = None
+            try:
+                data = sock.recv(4096)
+            except OSError as exc:
+                data, error = b"", exc
+            if data:
+                self._lines(link, data, nodes)
+                out.append((sock, link, None))
+                continue
+            self.sel.unregister(sock)
+            sock.close()
+            out.append((None, link, error))
+        return out
+
+    def _lines(self, link: Link, data: bytes, nodes: Sequence[str]) -> None:
+        link.buffer += data
+        while b"\n" in link.buffer:
+            line, _, link.buffer = link.buffer.partition(b"\n")
+            words = line.decode(errors="replace").split()
+            if not link.node and len(words) == 3 and words[2] in nodes and words[1].isdigit():
+                link.node, link.rank = words[2], int(words[1])
+                if words[0].isdigit():
+                    self.steps.add(words[0])
+            elif link.node and words[:1] == ["failed"]:
+                link.failed = "comm" if words[1:] == ["comm"] else "own"
+            elif link.node and words == ["done"]:
+                link.done = True
+        link.buffer = link.buffer[-256:]
+
+    def ranks(self) -> list[Link]:
+        """The connections of ranks that said who they are."""
+        return [key.data for key in self.sel.get_map().values() if key.fileobj is not self.server
+                and key.data.rank >= 0]
+
+    def connected(self, nodes: set[str]) -> int:
+        return sum(1 for key in self.sel.get_map().values() if key.fileobj is not self.server
+                   and key.data.node in nodes)
+
+    def tell(self, word: str, ranks: Sequence[Link] | None = None) -> None:
+        """`word` to `ranks` (all that said who they are)."""
+        for key in list(self.sel.get_map().values()):
+            if key.fileobj is not self.server and key.data.rank >= 0 and (
+                    ranks is None or any(key.data is r for r in ranks)):
+                try:
+                    key.fileobj.sendall(f"{word}\n".encode())  # type: ignore[union-attr]
+                except OSError:
+                    pass  # its end comes as an event
+                key.data.failed = ""
+
+    def close_all(self) -> None:
+        """Every rank's connection closed (the listening socket stays); the step ids forgotten."""
+        for key in list(self.sel.get_map().values()):
+            if key.fileobj is not self.server:
+                self.sel.unregister(key.fileobj)
+                key.fileobj.close()  # type: ignore[union-attr]
+        self.steps = set()
+
+
+def _keepalive(sock: socket.socket) -> None:
+    idle, interval, count = KEEPALIVE
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
