@@ -19,13 +19,22 @@ Each in-job run is one job (3 nodes + 1 spare); the requeue run is the same job 
 (Slurm declares the node down after SlurmdTimeout, requeues the job, holds it ~120 s, and the
 waiter of ``submit --wait`` starts it on the 3 live nodes). Prints every run and the medians.
 
+``--kill-rank``: rank 2's process is killed instead (SIGKILL; its node lives), and the in-place
+restart (``on_rank_failure: in_place``: rank 2 alone in a new process, the others in theirs, the
+state from their memory) is measured against the whole step's (``on_rank_failure: step``: every
+rank a new process, the checkpoint read from storage), each the median of ``--runs`` jobs. Split:
+restart, to the supervisor's "in-job step 1 ... at T"; resume and first step as above.
+
     .venv/bin/python benchmarks/in_job_restart.py [--runs 5] [--node n3] [--no-requeue] [--job train_gpt]
+    .venv/bin/python benchmarks/in_job_restart.py --kill-rank [--runs 5] [--job train_gpt]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,13 +57,14 @@ TRAIN_GPT = ["jobs/train_gpt.yaml", "--set", "params.model={n_layer: 1, n_head: 
 SCRIPT = ["--", "tests/scripts/elastic_sgd.py", "--steps", "400", "--every", "1", "--step-s", "0.25"]
 
 
-def submit(root: Path, spares: int, job: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
+def submit(root: Path, spares: int, job: list[str], on_rank: str) -> tuple[subprocess.Popen[bytes], Path]:
     sets = [f"--set=site.storage.{k}={root / k}" for k in ("results", "checkpoints", "scratch", "logs")]
     out = root / "submit.out"
     spec, rest = (job[:1], job[1:]) if job[0].endswith(".yaml") else ([], job)
     cmd = [sys.executable, "-m", "hpcdist.cli", "submit", *spec, "--site", "local-slurm", "--set", "resources.nodes=3",
            "--set", "resources.tasks_per_node=1", "--set", f"resources.spare_nodes={spares}",
-           "--set", "on_node_failure=requeue", "--set", "timeout_s=10", *sets, "--wait", *rest]
+           "--set", "on_node_failure=requeue", "--set", "timeout_s=10", "--set", f"on_rank_failure={on_rank}",
+           *sets, "--wait", *rest]
     with out.open("wb") as sink:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
                                 env={"PYTHONPATH": str(ROOT), "PATH": "/usr/local/bin:/usr/bin:/bin"})
@@ -71,10 +81,13 @@ def committed(ckpts: Path) -> dict[int, float]:
     return out
 
 
-def one(node: str, spares: int, limit_s: float, job: list[str]) -> dict[str, float]:
+def one(node: str, spares: int, limit_s: float, job: list[str], on_rank: str = "") -> dict[str, float]:
+    """One job, `node` killed after step 10 (or rank 2's process, with `on_rank`: in_place or step)."""
+    from tests.support.cli import rank_pids
+
     root = SHARED / f"t-injob-bench-{time.time_ns()}"
     root.mkdir(parents=True)
-    proc, out = submit(root, spares, job)
+    proc, out = submit(root, spares, job, on_rank or "in_place")
     ckpts = root / "checkpoints" / ("train_gpt" if job[0].endswith(".yaml") else "elastic_sgd")
     jid = ""
     try:
@@ -84,8 +97,13 @@ def one(node: str, spares: int, limit_s: float, job: list[str]) -> dict[str, flo
                 raise SystemExit(f"the job did not reach step 10: {out.read_text()[-2000:]}")
             time.sleep(0.1)
         jid = re.search(r"submitted job (\d+)", out.read_text()).group(1)  # type: ignore[union-attr]
-        killed = time.time()  # the kill's first act is cutting the node's link
-        subprocess.run([ROOT / "cluster/nodefault.sh", "kill", node], check=True, capture_output=True)
+        if on_rank:
+            pid = rank_pids(str(root / "logs"))[2]
+            killed = time.time()
+            os.kill(pid, signal.SIGKILL)
+        else:
+            killed = time.time()  # the kill's first act is cutting the node's link
+            subprocess.run([ROOT / "cluster/nodefault.sh", "kill", node], check=True, capture_output=True)
         deadline = time.monotonic() + limit_s
         while True:  # the first step the restarted ranks commit: after rank 0's "resumed from"
             log = "\n".join(p.read_text(errors="replace") for p in sorted((root / "logs").rglob("*_0_log.err")))
@@ -99,12 +117,16 @@ def one(node: str, spares: int, limit_s: float, job: list[str]) -> dict[str, flo
             time.sleep(0.2)
         first = min(after)
         row = {"next_step_s": first - killed}
-        if (m := NOTICED.search(log)) and (s := STEP1.search(log)):
+        if on_rank and (s := STEP1.search(log)):
+            row |= {"restart_s": float(s.group(2)) - killed, "resume_s": resumed[-1] - float(s.group(2)),
+                    "first_step_s": first - resumed[-1]}
+        elif (m := NOTICED.search(log)) and (s := STEP1.search(log)):
             row |= {"notice_s": float(m.group(2)) - killed, "restart_s": float(s.group(2)) - float(m.group(2)),
                     "resume_s": resumed[-1] - float(s.group(2)), "first_step_s": first - resumed[-1]}
         return row
     finally:
-        subprocess.run([ROOT / "cluster/nodefault.sh", "revive", node], capture_output=True)
+        if not on_rank:
+            subprocess.run([ROOT / "cluster/nodefault.sh", "revive", node], capture_output=True)
         if jid:
             subprocess.run(["scancel", jid], capture_output=True)
         proc.wait(timeout=120)
@@ -117,6 +139,7 @@ def main() -> int:
     parser.add_argument("--node", default="n3")
     parser.add_argument("--no-requeue", action="store_true")
     parser.add_argument("--job", choices=("script", "train_gpt"), default="script")
+    parser.add_argument("--kill-rank", action="store_true", help="kill rank 2's process: in-place against whole step")
     args = parser.parse_args()
     job = SCRIPT
     if args.job == "train_gpt":
@@ -131,9 +154,11 @@ def main() -> int:
     import hpcdist
 
     slurm = subprocess.run(["sinfo", "-V"], capture_output=True, text=True).stdout.strip()
-    print(f"hpcdist {hpcdist.__version__}, torch {torch.__version__}, {slurm}; {args.job}, killing {args.node} "
-          f"after step 10")
+    print(f"hpcdist {hpcdist.__version__}, torch {torch.__version__}, {slurm}; {args.job}, killing "
+          f"{'rank 2' if args.kill_rank else args.node} after step 10")
     keys = ("next_step_s", "notice_s", "restart_s", "resume_s", "first_step_s")
+    if args.kill_rank:
+        return kill_rank(args.runs, job, keys)
     rows = []
     for n in range(args.runs):
         row = one(args.node, 1, 120, job)
@@ -145,6 +170,23 @@ def main() -> int:
         row = one(args.node, 0, 400, job)
         print(f"requeue (no spare), 1 run: next_step_s {row['next_step_s']:.1f}; "
               f"ratio requeue / in-job median {row['next_step_s'] / med['next_step_s']:.1f}")
+    return 0
+
+
+def kill_rank(runs: int, job: list[str], keys: tuple[str, ...]) -> int:
+    """Rank 2's process killed: the in-place restart against the whole step's, each `runs` jobs."""
+    medians = {}
+    for mode in ("in_place", "step"):
+        rows = []
+        for n in range(runs):
+            rows.append(one("", 1, 120, job, mode))
+            print(f"{mode} run {n + 1}: " + "  ".join(f"{k} {rows[-1][k]:.2f}" for k in keys if k in rows[-1]),
+                  flush=True)
+        med = {k: statistics.median(r[k] for r in rows) for k in keys if all(k in r for r in rows)}
+        lo, hi = min(r["next_step_s"] for r in rows), max(r["next_step_s"] for r in rows)
+        print(f"{mode} median: " + "  ".join(f"{k} {v:.2f}" for k, v in med.items()) + f"  (range {lo:.2f}-{hi:.2f})")
+        medians[mode] = med["next_step_s"]
+    print(f"ratio step / in_place: {medians['step'] / medians['in_place']:.2f}")
     return 0
 
 

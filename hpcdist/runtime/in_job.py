@@ -85,7 +85,7 @@ class Supervisor:
 
     def __init__(self, srun: Sequence[str], job_id: str, nodes: Sequence[str], batch_node: str, want: int,
                  floor: int, tasks_per_node: int, mark: Callable[[str, str, int], None], address: str,
-                 give_up: Callable[[str], int], max_in_place: int) -> None:
+                 give_up: Callable[[str], int], max_in_place: int, alone: bool = True) -> None:
         self.srun, self.job_id, self.want, self.floor, self.tasks = list(srun), job_id, want, floor, tasks_per_node
         self.nodes = list(nodes)  # Slurm's order: the ranks of a step are placed in it
         self.order = [n for n in nodes if n != batch_node] + [n for n in nodes if n == batch_node]
@@ -96,6 +96,7 @@ class Supervisor:
         self.mark = mark
         self.give_up = give_up  # what ends the supervisor when the job cannot go on here: a requeue, or the end
         self.max_in_place, self.in_place = max_in_place, 0  # restarts after a rank's death by a signal
+        self.alone = alone  # such a rank starts again alone, the others in their processes (on_rank_failure)
         self.links = Links(address)
         self.reaped: list[subprocess.Popen[bytes]] = []  # scancels still waiting for Slurm's answer
 
@@ -190,6 +191,8 @@ class Supervisor:
             hung = [r for r in ranks if not r.failed]  # the others' communication failed, and these said nothing
             if not hung:
                 return Failure(None, why="every rank's communication failed", signalled={})
+            if killed_at is None and now - failed_at > HUNG_AFTER_S and not self.alone:
+                return Failure(None, why=f"rank {','.join(str(r.rank) for r in hung)} hung", hung=True)
             if killed_at is None and now - failed_at > HUNG_AFTER_S:
                 _say(f"in-job: rank {','.join(str(r.rank) for r in hung)} said nothing {HUNG_AFTER_S:g} s after the "
                      f"others' collectives failed: hung, ended by its supervisor to start again in place")
@@ -240,7 +243,9 @@ class Supervisor:
             if dead is None and (failure.signalled is not None or failure.hung):  # a rank died by a signal, or hung
                 dead = self.check(sorted(set((failure.signalled or {}).values())))
                 if not dead and self.in_place < self.max_in_place:
-                    if failure.hung:
+                    if failure.hung or not self.alone:  # every rank in a new process: the step starts again whole
+                        _say(f"in-job: {failure.why} while every node answers: the step starts again on the same "
+                             f"nodes (in-place restart {self.in_place + 1} of at most {self.max_in_place})")
                         self.stop(set(self.active))
                         self.in_place += 1
                         self.restarts += 1
@@ -335,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
 
     supervisor = Supervisor(args[2:], job_id, nodes, here, res.nodes, res.min_nodes or res.nodes, res.tasks_per_node,
                             mark, own_address(site.network.socket_ifname, False), give_up,
-                            site.preemption.max_requeues)
+                            site.preemption.max_requeues, spec.on_rank_failure == "in_place")
     return supervisor.run()
 
 
