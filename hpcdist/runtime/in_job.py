@@ -23,9 +23,11 @@ spare kept longest.
   peer is gone), and each runs the job again in its own process under the next restart number,
   with torch and its modules already imported and the last checkpoint in its memory
   (``hpcdist.api.kept``: the newcomer gets it from them, not from the storage). A rank that says
-  nothing ``HUNG_AFTER_S`` after the others' collectives failed is hung: it ends itself on the
-  supervisor's word and is started again alike (one stuck in native code: the step starts again
-  whole). When every rank's communication failed and none died, all run again in place. At most
+  nothing ``SILENT_S`` after another died or failed is stuck (in a collective whose peer left it
+  with the connection open) or hung: it ends itself on the supervisor's word and is started again
+  alike (one stuck in native code, which cannot: the step starts again whole). The others are told
+  to go on only then, so every rank meets at one new rendezvous. When every rank's communication
+  failed and none died, all run again in place. At most
   ``preemption.max_requeues`` in-place restarts. A rank whose job raised anything else (an
   exception of the job's code: a bug, bad input) ends the job as it would without spares.
 - **A dead node.** The steps are killed (``scancel --signal=KILL``); the dead node is marked in the
@@ -59,7 +61,7 @@ from hpcdist.runtime.in_job_steps import Step
 STOP_WAIT_S = 10.0  # how long the ranks of a killed step on live nodes may take to end
 SETTLE_S = 5.0  # a rank ended: how long srun may take to end the step before the nodes are checked
 FAILED_SETTLE_S = 1.0  # a rank's job failed: how long a process may take to be seen ending before the nodes are checked
-HUNG_AFTER_S = 10.0  # a rank silent this long after another's collective failed is hung (not waiting on it)
+SILENT_S = 3.0  # a rank that says nothing this long after another died or failed is stuck (in a collective) or hung
 KILL_WAIT_S = 5.0  # how long a hung rank told to end itself may take (one stuck in native code cannot)
 PICKLE_WAIT_S = 60.0  # as the task runner: submitit puts the job's pickle in place just after sbatch
 STOP_EXIT = 3  # the supervisor's exit status when the job cannot go on (as the node failure check's)
@@ -137,10 +139,13 @@ class Supervisor:
         self.links.tell(f"again {self.restarts}")
 
     def watch(self) -> Failure:
-        """Until every step ended (its exit status), a rank's death is reported, or a node is suspect."""
+        """Until every step ended (its exit status), a node is suspect, or the ranks to start again
+        are known: those srun saw end by a signal, and those still silent ``SILENT_S`` after the
+        first sign (a death, or another rank's failed collective), told to end themselves."""
         ended_at: float | None = None  # a rank's process ended, and srun has not said how
-        failed_at: float | None = None  # a rank's job failed, and no process ended
-        killed_at: float | None = None  # hung ranks were told to end themselves
+        failed_at: float | None = None  # the first sign that ranks must start again
+        killed_at: float | None = None  # silent ranks were told to end themselves
+        killed: set[int] = set()  # which
         checked = False  # the nodes were checked since this watch began
         while True:
             for step in self.running:
@@ -151,14 +156,15 @@ class Supervisor:
             if codes:  # a rank's own failure (an exception, a bug): the job's, as without spares
                 node = failures[codes[0]][0]
                 return Failure(1, why=f"rank {codes[0]} on {node} exited with an error")
-            if failures:
-                return Failure(None, signalled={r: node for r, (node, _) in failures.items()},
-                               why=f"rank {min(failures)} on {failures[min(failures)][0]} ended by a signal "
-                                   f"({failures[min(failures)][1]})")
+            signalled = {r: node for r, (node, _) in failures.items()}
+            why = (f"rank {min(failures)} on {failures[min(failures)][0]} ended by a signal "
+                   f"({failures[min(failures)][1]})" if failures else "every rank's communication failed")
+            if signalled and not self.alone:
+                return Failure(None, why=why, signalled=signalled)
             if all(step.proc.returncode is not None for step in self.running):
                 code = max((s.proc.returncode or 0) for s in self.running if not s.replaced)
                 return Failure(code, why=f"srun exited {code}")
-            for sock, rank, error in self.links.events(0.5, self.active):
+            for sock, rank, error in self.links.events(0.5, self.active, self.restarts):
                 if error is not None and error.errno in (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH):
                     return Failure(None, None, f"the connection of a rank on {rank.node or '?'} timed out "
                                    f"({error.strerror})")
@@ -167,18 +173,20 @@ class Supervisor:
                 elif rank.failed:
                     failed_at = failed_at or time.monotonic()
             now = time.monotonic()
+            if signalled:
+                failed_at = failed_at or now
             if killed_at is not None and now - killed_at > KILL_WAIT_S:  # stuck in native code, it could not
-                return Failure(None, why="a hung rank did not end on its supervisor's word", hung=True)
-            if ended_at is not None:  # srun says how the process ended; a node that died first is found here
+                return Failure(None, why="a silent rank did not end on its supervisor's word", hung=True)
+            if ended_at is not None and not signalled:  # srun says how; a node that died first is found here
                 if not checked and now - ended_at > (FAILED_SETTLE_S if failed_at is not None else SETTLE_S):
                     checked = True
                     found = self.check(self.active)
                     if found:
                         return Failure(None, found, "a rank ended and its step did not")
                 continue
-            if failed_at is None or now - failed_at <= FAILED_SETTLE_S:
+            if failed_at is None or (now - failed_at <= FAILED_SETTLE_S and not signalled):
                 continue
-            if not checked:
+            if not checked and not signalled:
                 checked = True
                 found = self.check(self.active)
                 if found:
@@ -188,16 +196,16 @@ class Supervisor:
                 self.links.tell("stop")  # the rank ends with its error, srun reports its exit code: the job's failure
                 failed_at = None
                 continue
-            hung = [r for r in ranks if not r.failed]  # the others' communication failed, and these said nothing
-            if not hung:
-                return Failure(None, why="every rank's communication failed", signalled={})
-            if killed_at is None and now - failed_at > HUNG_AFTER_S and not self.alone:
-                return Failure(None, why=f"rank {','.join(str(r.rank) for r in hung)} hung", hung=True)
-            if killed_at is None and now - failed_at > HUNG_AFTER_S:
-                _say(f"in-job: rank {','.join(str(r.rank) for r in hung)} said nothing {HUNG_AFTER_S:g} s after the "
-                     f"others' collectives failed: hung, ended by its supervisor to start again in place")
-                self.links.tell("kill", hung)
-                killed_at = now
+            silent = [r for r in ranks if not r.failed and not r.done]  # said nothing: stuck in a collective, or hung
+            if not silent and killed <= set(signalled):  # every rank told to end did, as srun reports
+                return Failure(None, why=why, signalled=signalled)
+            if killed_at is None and now - failed_at > SILENT_S:
+                if not self.alone:
+                    return Failure(None, why=f"rank {','.join(str(r.rank) for r in silent)} said nothing", hung=True)
+                _say(f"in-job: rank {','.join(str(r.rank) for r in silent)} said nothing {SILENT_S:g} s after "
+                     f"{why if signalled else 'the others failed'}: stuck or hung, it ends itself and starts again")
+                self.links.tell("kill", silent)
+                killed, killed_at = {r.rank for r in silent}, now
 
     # ------------------------------------------------------------------ the nodes
 
@@ -226,7 +234,7 @@ class Supervisor:
             step.proc.wait()
         deadline = time.monotonic() + STOP_WAIT_S
         while self.links.connected(live) and time.monotonic() < deadline:
-            self.links.events(0.2, self.active)
+            self.links.events(0.2, self.active, self.restarts)
         self.links.close_all()
         self.reaped = [p for p in self.reaped if p.poll() is None]
 

@@ -1,6 +1,6 @@
 """The connection between each rank of a job with spare nodes and its in-job supervisor
 (``hpcdist.runtime.in_job``): both ends of one line protocol. A rank says ``STEP RANK NODE`` as it
-starts, ``failed`` or ``failed comm`` when its job raised, ``done`` when it succeeded; the
+starts, ``failed own|comm RESTART`` when its job raised, ``done`` when it succeeded; the
 supervisor answers ``again N``, ``stop``, or ``kill`` (a hung rank ends itself).
 
 - **Sign of life.** The task runner connects to the supervisor as it starts (``report_in``) and
@@ -123,15 +123,17 @@ def communication_failure(exc: BaseException) -> bool:
     return False
 
 
-def again(exc: BaseException) -> int | None:
-    """After this rank's job raised `exc`: the restart number under which it runs the job again in
-    this process, when the supervisor found another rank's process dead (or hung) on a live node,
-    or every rank's communication failed; None when the failure is the job's own (or there is no
-    supervisor to ask, or it did not answer within ``ANSWER_WAIT_S``), and the rank ends with it."""
+def again(comm: bool, restart: int) -> int | None:
+    """After this rank's job raised in its run of restart number `restart` (`comm`: a failure of
+    its communication, ``communication_failure``):
+    the restart number under which it runs the job again in this process, when the supervisor
+    found another rank's process dead (or hung) on a live node, or every rank's communication
+    failed; None when the failure is the job's own (or there is no supervisor to ask, or it did
+    not answer within ``ANSWER_WAIT_S``), and the rank ends with it."""
     if not _KEPT:
         return None
     try:
-        _KEPT[0].sendall(b"failed comm\n" if communication_failure(exc) else b"failed\n")
+        _KEPT[0].sendall(f"failed {'comm' if comm else 'own'} {restart}\n".encode())
         told = [_ANSWERS.get(timeout=ANSWER_WAIT_S)]
     except (OSError, queue.Empty):
         return None
@@ -180,10 +182,12 @@ class Links:
         self.address = f"{address}:{self.server.getsockname()[1]}"
         self.steps: set[str] = set()  # the Slurm step ids the ranks named
 
-    def events(self, timeout: float, nodes: Sequence[str]) -> list[tuple[socket.socket | None, Link, OSError | None]]:
+    def events(self, timeout: float, nodes: Sequence[str], restart: int) -> list[tuple[socket.socket | None, Link,
+                                                                                    OSError | None]]:
         """What the connections did within `timeout`: a line read (the socket), or an end (None,
         with the error when it did not end cleanly); new connections accepted. A hello naming a
-        node outside `nodes` (the step's) is ignored."""
+        node outside `nodes` (the step's) is ignored, and so is a failure in a run before
+        `restart` (the current restart number): the rank was told ``again`` already."""
         out: list[tuple[socket.socket | None, Link, OSError | None]] = []
         for key, _ in self.sel.select(timeout):
             if key.fileobj is self.server:
@@ -199,7 +203,7 @@ class Links:
             except OSError as exc:
                 data, error = b"", exc
             if data:
-                self._lines(link, data, nodes)
+                self._lines(link, data, nodes, restart)
                 out.append((sock, link, None))
                 continue
             self.sel.unregister(sock)
@@ -207,7 +211,7 @@ class Links:
             out.append((None, link, error))
         return out
 
-    def _lines(self, link: Link, data: bytes, nodes: Sequence[str]) -> None:
+    def _lines(self, link: Link, data: bytes, nodes: Sequence[str], restart: int) -> None:
         link.buffer += data
         while b"\n" in link.buffer:
             line, _, link.buffer = link.buffer.partition(b"\n")
@@ -216,8 +220,9 @@ class Links:
                 link.node, link.rank = words[2], int(words[1])
                 if words[0].isdigit():
                     self.steps.add(words[0])
-            elif link.node and words[:1] == ["failed"]:
-                link.failed = "comm" if words[1:] == ["comm"] else "own"
+            elif link.node and len(words) == 3 and words[0] == "failed" and words[2].isdigit():
+                if int(words[2]) >= restart:
+                    link.failed = "comm" if words[1] == "comm" else "own"
             elif link.node and words == ["done"]:
                 link.done = True
         link.buffer = link.buffer[-256:]

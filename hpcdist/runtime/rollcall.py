@@ -203,7 +203,11 @@ def failure_message(what: str, rank: int, host_of_rank: Sequence[str], exc: Base
                     site: Site | None = None, job_id: str = "") -> str:
     """`what` failed on this rank: the cause's first line, the peer it names, and the nodes that
     stopped answering (after a time-out, marked in `site`'s node health record, when given)."""
+    from hpcdist.runtime import in_job_link
+
     peer = peer_named(str(exc), host_of_rank)
-    gone = roll_call(rank, host_of_rank, site=site if timed_out(exc) else None, job_id=job_id, what=what)
+    # a job with spares: its supervisor checks the nodes itself, and the ranks do not wait for a roll call
+    gone = "" if in_job_link.supervised() else roll_call(rank, host_of_rank, site=site if timed_out(exc) else None,
+                                                          job_id=job_id, what=what)
     return (f"{what} failed on rank {rank} ({host_of_rank[rank]}): {cause_text(exc)}"
             + (f"; {peer}" if peer else "") + (f"; {gone}" if gone else ""))

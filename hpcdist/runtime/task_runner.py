@@ -15,6 +15,7 @@ said and the rank goes on (the image's torch is what the job asked for).
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -172,7 +173,7 @@ def _process(folder: str, process_job: Callable[[str], None]) -> None:
     """submitit's run of the job; again in this process, under the next restart number, where the
     job's supervisor starts it again in place (``hpcdist.runtime.in_job_link``: another rank's
     process died on a live node, and only that one is started anew)."""
-    from hpcdist.config.contract import IN_JOB_RESTART_VAR
+    from hpcdist.config.contract import IN_JOB_RESTART_VAR, in_job_restarts
     from hpcdist.runtime import in_job_link
 
     started = dict(os.environ)  # what the job sets (MASTER_ADDR of its store, RANK, ...) is undone before it runs again
@@ -181,13 +182,33 @@ def _process(folder: str, process_job: Callable[[str], None]) -> None:
             process_job(folder)
             return
         except Exception as exc:
-            restart = in_job_link.again(exc)
-            if restart is None:
+            if not in_job_link.supervised():
                 raise
-            os.environ.clear()
-            os.environ.update({**started, IN_JOB_RESTART_VAR: str(restart)})
-            print(f"hpcdist: rank {os.environ.get('SLURM_PROCID', '?')} runs the job again in its process "
-                  f"(in-job restart {restart})", file=sys.stderr, flush=True)
+            failure, comm = exc, in_job_link.communication_failure(exc)
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            _forget_frames(exc)
+        gc.collect()  # the failed run's process groups freed: their sockets close, and a peer waiting in one fails now
+        print(f"hpcdist: rank {os.environ.get('SLURM_PROCID', '?')}'s job failed ("
+              f"{'a communication' if comm else 'its own'} error): {type(failure).__name__}: {first}",
+              file=sys.stderr, flush=True)
+        restart = in_job_link.again(comm, in_job_restarts(os.environ))
+        if restart is None:
+            raise failure  # its traceback is in the rank's log and result already
+        os.environ.clear()
+        os.environ.update({**started, IN_JOB_RESTART_VAR: str(restart)})
+        print(f"hpcdist: rank {os.environ.get('SLURM_PROCID', '?')} runs the job again in its process "
+              f"(in-job restart {restart})", file=sys.stderr, flush=True)
+
+
+def _forget_frames(exc: BaseException) -> None:
+    """`exc` and the exceptions it came from without their tracebacks, whose frames would keep the
+    failed run's objects (its context, its process groups and their open connections) alive."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        cur.__traceback__ = None
+        cur = cur.__cause__ or cur.__context__
 
 
 def leave(code: int) -> None:
