@@ -61,7 +61,7 @@ from hpcdist.runtime.in_job_steps import Step
 STOP_WAIT_S = 10.0  # how long the ranks of a killed step on live nodes may take to end
 SETTLE_S = 5.0  # a rank ended: how long srun may take to end the step before the nodes are checked
 FAILED_SETTLE_S = 1.0  # a rank's job failed: how long a process may take to be seen ending before the nodes are checked
-SILENT_S = 3.0  # a rank that says nothing this long after another died or failed is stuck (in a collective) or hung
+SILENT_S = 2.0  # a rank that says nothing this long after another died or failed is stuck (in a collective) or hung
 KILL_WAIT_S = 5.0  # how long a hung rank told to end itself may take (one stuck in native code cannot)
 PICKLE_WAIT_S = 60.0  # as the task runner: submitit puts the job's pickle in place just after sbatch
 STOP_EXIT = 3  # the supervisor's exit status when the job cannot go on (as the node failure check's)
