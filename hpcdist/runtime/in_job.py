@@ -67,7 +67,6 @@ PICKLE_WAIT_S = 60.0  # as the task runner: submitit puts the job's pickle in pl
 STOP_EXIT = 3  # the supervisor's exit status when the job cannot go on (as the node failure check's)
 
 
-
 @dataclass
 class Failure:
     """Why the steps are suspect: an exit status (None: still running), the nodes already found
@@ -133,9 +132,10 @@ class Supervisor:
             ranks = sorted(r for r, n in ended.items() if n == node)
             self.running.append(self._srun([node], len(ranks), ranks, {
                 IN_PLACE_VAR: f"{','.join(map(str, ranks))};{world};{nodes};{self.tasks}"}))
-        _say(f"in-job step {self.restarts} on {','.join(self.active)} ({world} ranks) at {time.time():.3f}: rank "
-             f"{','.join(map(str, sorted(ended)))} started again alone, the others in their processes (in-place "
-             f"restart {self.in_place} of at most {self.max_in_place}, the site's preemption.max_requeues)")
+        who = (f"rank {','.join(map(str, sorted(ended)))} started again alone, the others in their processes"
+               if ended else "every rank runs the job again in its process")
+        _say(f"in-job step {self.restarts} on {','.join(self.active)} ({world} ranks) at {time.time():.3f}: {who} "
+             f"(in-place restart {self.in_place} of at most {self.max_in_place}, the site's preemption.max_requeues)")
         self.links.tell(f"again {self.restarts}")
 
     def watch(self) -> Failure:

@@ -10,6 +10,11 @@ In a container, the image's Python, hpcdist and torch are compared first with th
 submitted the job (``HPCDIST_SUBMITTED_WITH``): another Python minor version or another hpcdist
 cannot read what was pickled, and the rank says so in one line naming both; another torch is
 said and the rank goes on (the image's torch is what the job asked for).
+
+In a job with spare nodes the task runner is also the rank's end of the in-job supervisor's line
+(``hpcdist.runtime.in_job_link``): a rank started again alone takes the rank it replaces before
+anything reads it, and a rank whose job failed because another rank died runs it again in this
+process when its supervisor says so.
 """
 
 from __future__ import annotations
