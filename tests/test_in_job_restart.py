@@ -155,15 +155,18 @@ def test_a_killed_rank_then_a_dead_node_go_on_in_the_same_allocation(four_nodes:
     assert logged == dict(zip(range(1, STEPS + 1), got, strict=True))
 
 
-def test_a_hung_rank_is_ended_and_started_again_alone(four_nodes: Path) -> None:
+def test_a_hung_rank_then_a_communication_error_everywhere_restart_in_place(four_nodes: Path) -> None:
     """3 nodes + 1 spare: rank 1 hangs at step 6 (its node and process alive, its collective never
     entered). The others' all_reduce times out (timeout_s 5) and they say so; rank 1 says nothing
-    for 2 s, so the supervisor has it end itself and starts it again alone: ranks 0 and 2 go on in their
-    processes, the run is one run, and every loss is bit for bit the uninterrupted run's."""
+    for 2 s, so the supervisor has it end itself and starts it again alone: ranks 0 and 2 go on in
+    their processes. At step 12 every rank raises torch's DistBackendError (what an NCCL error is;
+    this machine has no GPU): no rank died, so all run the job again in their processes. One run,
+    and every loss bit for bit the uninterrupted run's."""
     root = four_nodes
     job = Background(["submit", "--site", "local-slurm", "--wait", *storage_sets(root), "--set", "timeout_s=5",
                       "--set", "resources.nodes=3", "--set", "resources.spare_nodes=1",
-                      "--", str(SCRIPT), "--steps", str(STEPS), "--every", "1", "--hang-rank", "1", "--hang-at", "6"])
+                      "--", str(SCRIPT), "--steps", str(STEPS), "--every", "1", "--hang-rank", "1", "--hang-at", "6",
+                      "--comm-error-at", "12"])
     try:
         jid = job_of(job)
         before = wait_for(lambda: (lambda p: p if len(p) == 3 else None)(rank_pids(str(root / "logs"))), 60,
@@ -180,8 +183,12 @@ def test_a_hung_rank_is_ended_and_started_again_alone(four_nodes: Path) -> None:
     assert "rank 1 started again alone, the others in their processes" in log, log
     assert result.code == 0, result.text
     assert f"job {jid} finished: COMPLETED; 3/3 ranks succeeded" in result.out, result.out
+    assert "every rank runs the job again in its process (in-place restart 2 of" in log, log
+    ranks_log = "\n".join(p.read_text(errors="replace") for p in sorted((root / "logs").rglob("*_log.err")))
+    for rank in (0, 1, 2):  # rank 1's new process, and ranks 0 and 2 twice in theirs
+        assert f"hpcdist: rank {rank} runs the job again in its process (in-job restart 2)" in ranks_log
     one_run(jid)
-    assert read_attrs(result_path(result.out))["resumed_from"] == 5
+    assert read_attrs(result_path(result.out))["resumed_from"] == 11
     assert losses(result_path(result.out)) == reference(root, 3)
 
 

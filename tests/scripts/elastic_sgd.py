@@ -4,7 +4,7 @@ gradient is summed over the ranks and divided by the global batch, so a run at 4
 takes the same steps up to float rounding. Checkpoints every `--every` steps, sleeps `--step-s`
 a step (to leave a test time to kill a node), and records every step's loss in its result (and
 in the job's tracker, where the spec names one). `--hang-rank` hangs at step `--hang-at` of a
-run that did not resume."""
+run that did not resume; `--comm-error-at` raises a communication error on every rank once."""
 
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=0.0)
     parser.add_argument("--hang-rank", type=int, default=-1, help="this rank hangs at --hang-at, unless resumed")
     parser.add_argument("--hang-at", type=int, default=0)
+    parser.add_argument("--comm-error-at", type=int, default=0,
+                        help="every rank raises torch's DistBackendError (as NCCL's errors) at this step, unless "
+                        "resumed from the step before it")
     args = parser.parse_args()
     ctx = hpcdist.init()
     w = torch.zeros(FEATURES, 1, dtype=torch.float64)
@@ -45,6 +48,8 @@ def main() -> None:
         if ctx.rank == args.hang_rank and step == args.hang_at and start == 0:
             ctx.log.info("hanging at step %d", step)
             time.sleep(3600)  # a rank stuck (a GPU that stopped answering): the others' collective times out
+        if step == args.comm_error_at and start < step - 1:
+            raise dist.DistBackendError(f"NCCL error (injected at step {step}): unhandled system error")
         x, y = batch(step)
         x, y = x[ctx.rank::ctx.world_size], y[ctx.rank::ctx.world_size]
         err = x @ w - y
