@@ -10,8 +10,8 @@ storage (the newest committed that verifies), the ranks say whether they hold th
 copy to the others over the checkpoint I/O group (the structure as plain data, the tensors as
 tensors: nothing is unpickled); when none does, the storage is read as always. A copy of any other
 step (a save that failed to commit) is never used. The cost is one host copy of the state per
-rank, only in a job with spares (``SUPERVISOR_VAR``), and only for a replicated state without
-per-rank values or DTensors.
+rank, only in a job with spares that restarts ranks in place (``KEEP_STATE_VAR``), and only for a
+replicated state without per-rank values or DTensors.
 """
 
 from __future__ import annotations
@@ -22,15 +22,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from hpcdist.api.codec import decode, encode
-from hpcdist.config.contract import SUPERVISOR_VAR
+from hpcdist.config.contract import KEEP_STATE_VAR
 
 _KEPT: dict[str, tuple[int, Any]] = {}  # checkpoint directory -> (step, encoded state on the host)
 _TENSOR = "__kept_tensor__"  # a tensor's place in the structure that travels as plain data
 
 
 def wanted(env: Mapping[str, str] | None = None) -> bool:
-    """Whether this rank keeps its saved state: in a job with spares, whose ranks start again in place."""
-    return bool((os.environ if env is None else env).get(SUPERVISOR_VAR))
+    """Whether this rank keeps its saved state: in a job with spares whose ranks start again in
+    place (``on_rank_failure: in_place``, which its supervisor passes on)."""
+    return (os.environ if env is None else env).get(KEEP_STATE_VAR) == "1"
 
 
 def keep(directory: str, step: int, state: Mapping[str, Any]) -> None:

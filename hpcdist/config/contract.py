@@ -17,6 +17,7 @@ SUPERVISOR_VAR = "HPCDIST_SUPERVISOR"
 # a rank started again alone while the others go on in their processes (in-place restart): the ranks it
 # takes ("2" or "2,3", one per task of its step), the world size, the ranks' nodes and tasks per node
 IN_PLACE_VAR = "HPCDIST_IN_PLACE"
+KEEP_STATE_VAR = "HPCDIST_KEEP_STATE"  # "1": ranks keep their last checkpoint in memory (on_rank_failure: in_place)
 # for fault tests on CPU: gloo made to end a rank as NCCL's watchdog does (hpcdist.runtime.abort):
 # its collectives never raise, and the rank aborts (SIGABRT) this many seconds after the timeout
 IMITATE_ABORT_VAR = "HPCDIST_TEST_ABORT_AFTER_S"

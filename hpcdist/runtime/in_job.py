@@ -54,7 +54,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from hpcdist.config.contract import IN_JOB_RESTART_VAR, IN_PLACE_VAR, STOPPED, SUPERVISOR_VAR, restart_count
+from hpcdist.config.contract import (
+    IN_JOB_RESTART_VAR,
+    IN_PLACE_VAR,
+    KEEP_STATE_VAR,
+    STOPPED,
+    SUPERVISOR_VAR,
+    restart_count,
+)
 from hpcdist.runtime.in_job_link import Links
 from hpcdist.runtime.in_job_steps import Step
 
@@ -113,7 +120,8 @@ class Supervisor:
         argv = [self.srun[0], f"--nodes={len(nodes)}", f"--ntasks={tasks}", f"--nodelist={','.join(nodes)}",
                 "--overlap", "--kill-on-bad-exit=0", *self.srun[1:]]  # a task's end is the supervisor's to judge
         env = {**os.environ, IN_JOB_RESTART_VAR: str(self.restarts), SUPERVISOR_VAR: self.links.address,
-               "SLURM_NTASKS": str(tasks), "SLURM_NPROCS": str(tasks), **extra}
+               KEEP_STATE_VAR: "1" if self.alone else "0", "SLURM_NTASKS": str(tasks), "SLURM_NPROCS": str(tasks),
+               **extra}
         step = Step(subprocess.Popen(argv, env=env, stderr=subprocess.PIPE), ranks)
         step.relay = threading.Thread(target=step.read, daemon=True)
         step.relay.start()
