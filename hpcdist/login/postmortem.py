@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from hpcdist.config.contract import STOPPED
-from hpcdist.scheduler.hostlist import expand_hostlist
+from hpcdist.scheduler.hostlist import expand_hostlist, task_end
 from hpcdist.scheduler.states import JobState
 from hpcdist.store.records import last_error
 from hpcdist.store.records.stackrecord import describe, read_stacks
@@ -74,18 +74,9 @@ _SRUN_WORDS = {
     "illegal instruction": "killed by SIGILL", "out of memory": "out of memory",
     "user defined signal 1": "killed by SIGUSR1", "user defined signal 2": "killed by SIGUSR2",
 }
-_SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+?)\s*$")
 _EXIT = re.compile(r"exited with exit code (\d+)", re.IGNORECASE)
 _STEPD = re.compile(r"\*\*\* (?:STEP|JOB) [\d.]+ ON (\S+) CANCELLED AT \S+(?: DUE TO ([A-Z ]+?))?(?: \*\*\*|$)")
 _OOM = re.compile(r"Detected \d+ oom[_-]kill events? in (?:StepId=)?\S+", re.IGNORECASE)
-
-
-def _ranks(text: str) -> list[int]:
-    ranks: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        ranks += list(range(int(lo), int(hi or lo) + 1))
-    return ranks
 
 
 def task_ends(log: str) -> list[TaskEnd]:
@@ -93,13 +84,13 @@ def task_ends(log: str) -> list[TaskEnd]:
     ends: list[TaskEnd] = []
     seen: set[int] = set()
     for line in log.splitlines():
-        match = _SRUN_TASK.match(line.strip())
-        if not match:
+        end = task_end(line)
+        if end is None:
             continue
-        host, ranks, words = match.groups()
+        host, ranks, words = end
         code = _EXIT.search(words)
         how = f"exited with code {code.group(1)}" if code else _SRUN_WORDS.get(words.lower(), words)
-        for rank in _ranks(ranks):
+        for rank in ranks:
             if rank not in seen:
                 seen.add(rank)
                 ends.append(TaskEnd(rank, host, how, len(ends)))

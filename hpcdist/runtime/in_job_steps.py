@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# srun's line for a task that ended badly: "srun: error: n3: task 1: Killed", "... tasks 0-1: Exited with exit code 1"
-SRUN_TASK_END = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")
+from hpcdist.scheduler.hostlist import task_end
+
 # the supervisor's line at each step's start, in the batch log: the login side counts the ranks of the last
 STEP_LINE = re.compile(r"^hpcdist: in-job step \d+ on \S+ \((\d+) ranks\)", re.MULTILINE)
 
@@ -50,24 +50,14 @@ class Step:
         for raw in self.proc.stderr:
             sys.stderr.buffer.write(raw)
             sys.stderr.flush()
-            match = SRUN_TASK_END.search(raw.decode(errors="replace"))
-            if match:
-                how = match.group(3).strip()
-                for task in expand_ranges(match.group(2)):
+            end = task_end(raw.decode(errors="replace"))
+            if end is not None:
+                node, tasks, how = end
+                for task in tasks:
                     if task < len(self.ranks):
                         signal = "" if how.startswith("Exited") else how
-                        self.ended.setdefault(self.ranks[task], (match.group(1), signal))
+                        self.ended.setdefault(self.ranks[task], (node, signal))
 
     def failures(self) -> dict[int, tuple[str, str]]:
         return {r: end for r, end in list(self.ended.items()) if r not in self.replaced}
-
-
-def expand_ranges(text: str) -> list[int]:
-    """srun's task list ("0-1,3") as numbers."""
-    out: list[int] = []
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        out += range(int(first), int(last or first) + 1)
-    return out
-
 

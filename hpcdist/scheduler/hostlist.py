@@ -1,4 +1,5 @@
-"""Slurm's compressed host lists (``n[1-3,7],gpu-[01-02]``) and task counts (``2(x3),1``).
+"""Slurm's compressed host lists (``n[1-3,7],gpu-[01-02]``), task counts (``2(x3),1``) and task
+ids (``0-1,3``, as srun names the tasks that ended badly: ``task_end``).
 
 Pure functions, checked against the examples in Slurm's documentation, so the bootstrap does
 not need ``scontrol`` on the node.
@@ -9,6 +10,8 @@ from __future__ import annotations
 import re
 
 _COUNT = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+# srun's line for tasks that ended badly: "srun: error: n3: task 1: Killed", "... tasks 0-1: Exited with exit code 1"
+_TASK_END = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+?)\s*$")
 
 
 def _split_top(text: str) -> list[str]:
@@ -78,3 +81,21 @@ def expand_tasks_per_node(text: str) -> list[int]:
             raise ValueError(f"bad tasks-per-node entry {item!r} in {text!r}")
         counts.extend([int(match.group(1))] * int(match.group(2) or 1))
     return counts
+
+
+def expand_task_ids(text: str) -> list[int]:
+    """srun's task ids (``0-1,3``) as numbers: ``[0, 1, 3]``."""
+    ids: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        ids += range(int(lo), int(hi or lo) + 1)
+    return ids
+
+
+def task_end(line: str) -> tuple[str, list[int], str] | None:
+    """srun's line for tasks that ended badly as (node, task ids, srun's words: ``Killed``,
+    ``Exited with exit code 1``); None for any other line."""
+    match = _TASK_END.match(line.strip())
+    if match is None:
+        return None
+    return match.group(1), expand_task_ids(match.group(2)), match.group(3)
