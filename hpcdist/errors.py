@@ -5,6 +5,10 @@ non-zero, so every message says what was wrong, the value seen, and what to do; 
 from another keeps it as its cause (`cause_text` for the one line, the chain for `--debug`).
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterator
+
 
 class HpcdistError(Exception):
     """Base of every error hpcdist raises on purpose."""
@@ -44,3 +48,13 @@ def cause_text(exc: BaseException) -> str:
     text = str(exc).strip()
     first = text.splitlines()[0].strip() if text else ""
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, then each exception it came from (its ``__cause__``, else its ``__context__``), once each."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        yield cur
+        cur = cur.__cause__ or cur.__context__

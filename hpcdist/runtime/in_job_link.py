@@ -111,22 +111,16 @@ def _listen(sock: socket.socket) -> None:
 def communication_failure(exc: BaseException) -> bool:
     """Whether `exc`, or an exception it came from, is a failure of the ranks' communication (a
     torch.distributed error, gloo's or NCCL's, a rendezvous), as a peer's death or hang causes."""
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if isinstance(cur, (ConnectionError, TimeoutError)) or type(cur).__name__.startswith("Dist") or (
-                isinstance(cur, RuntimeError) and _COMMUNICATION.search(str(cur))) or (
-                type(cur).__name__ == "BootstrapError"):
-            return True
-        cur = cur.__cause__ or cur.__context__
-    return False
+    from hpcdist.errors import BootstrapError, chain
+
+    return any(isinstance(cur, (ConnectionError, TimeoutError, BootstrapError)) or type(cur).__name__.startswith("Dist")
+               or (isinstance(cur, RuntimeError) and _COMMUNICATION.search(str(cur))) for cur in chain(exc))
 
 
 def again(comm: bool, restart: int) -> int | None:
     """After this rank's job raised in its run of restart number `restart` (`comm`: a failure of
-    its communication, ``communication_failure``):
-    the restart number under which it runs the job again in this process, when the supervisor
+    its communication, ``communication_failure``): the restart number under which it runs the job
+    again in this process, when the supervisor
     found another rank's process dead (or hung) on a live node, or every rank's communication
     failed; None when the failure is the job's own (or there is no supervisor to ask, or it did
     not answer within ``ANSWER_WAIT_S``), and the rank ends with it."""

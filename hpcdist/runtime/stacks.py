@@ -263,14 +263,9 @@ def stop() -> None:
 
 def is_timeout(exc: BaseException) -> bool:
     """Whether `exc`, or an exception it came from, is a timeout (torch's, gloo's, hpcdist's)."""
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if isinstance(cur, TimeoutError) or _TIMEOUT.search(str(cur)):
-            return True
-        cur = cur.__cause__ or cur.__context__
-    return False
+    from hpcdist.errors import chain
+
+    return any(isinstance(cur, TimeoutError) or _TIMEOUT.search(str(cur)) for cur in chain(exc))
 
 
 def on_failure(exc: BaseException) -> None:

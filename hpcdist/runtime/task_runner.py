@@ -179,6 +179,7 @@ def _process(folder: str, process_job: Callable[[str], None]) -> None:
     job's supervisor starts it again in place (``hpcdist.runtime.in_job_link``: another rank's
     process died on a live node, and only that one is started anew)."""
     from hpcdist.config.contract import IN_JOB_RESTART_VAR, in_job_restarts
+    from hpcdist.errors import cause_text, chain
     from hpcdist.runtime import in_job_link
 
     started = dict(os.environ)  # what the job sets (MASTER_ADDR of its store, RANK, ...) is undone before it runs again
@@ -190,11 +191,11 @@ def _process(folder: str, process_job: Callable[[str], None]) -> None:
             if not in_job_link.supervised():
                 raise
             failure, comm = exc, in_job_link.communication_failure(exc)
-            first = (str(exc).strip().splitlines() or [""])[0][:300]
-            _forget_frames(exc)
+            for cur in chain(exc):  # their frames would keep the failed run's groups and connections alive
+                cur.__traceback__ = None
         gc.collect()  # the failed run's process groups freed: their sockets close, and a peer waiting in one fails now
         print(f"hpcdist: rank {os.environ.get('SLURM_PROCID', '?')}'s job failed ("
-              f"{'a communication' if comm else 'its own'} error): {type(failure).__name__}: {first}",
+              f"{'a communication' if comm else 'its own'} error): {cause_text(failure)[:300]}",
               file=sys.stderr, flush=True)
         restart = in_job_link.again(comm, in_job_restarts(os.environ))
         if restart is None:
@@ -203,17 +204,6 @@ def _process(folder: str, process_job: Callable[[str], None]) -> None:
         os.environ.update({**started, IN_JOB_RESTART_VAR: str(restart)})
         print(f"hpcdist: rank {os.environ.get('SLURM_PROCID', '?')} runs the job again in its process "
               f"(in-job restart {restart})", file=sys.stderr, flush=True)
-
-
-def _forget_frames(exc: BaseException) -> None:
-    """`exc` and the exceptions it came from without their tracebacks, whose frames would keep the
-    failed run's objects (its context, its process groups and their open connections) alive."""
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        cur.__traceback__ = None
-        cur = cur.__cause__ or cur.__context__
 
 
 def leave(code: int) -> None:
