@@ -49,7 +49,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -122,10 +121,7 @@ class Supervisor:
         env = {**os.environ, IN_JOB_RESTART_VAR: str(self.restarts), SUPERVISOR_VAR: self.links.address,
                KEEP_STATE_VAR: "1" if self.alone else "0", "SLURM_NTASKS": str(tasks), "SLURM_NPROCS": str(tasks),
                **extra}
-        step = Step(subprocess.Popen(argv, env=env, stderr=subprocess.PIPE), ranks)
-        step.relay = threading.Thread(target=step.read, daemon=True)
-        step.relay.start()
-        return step
+        return Step(subprocess.Popen(argv, env=env, stderr=subprocess.PIPE), ranks)
 
     def again_in_place(self, ended: dict[int, str]) -> None:
         """The ranks in `ended` (rank: node) started again alone, each on its node; every other rank

@@ -40,9 +40,12 @@ class Step:
 
     proc: subprocess.Popen[bytes]
     ranks: list[int]
-    relay: threading.Thread = field(default_factory=threading.Thread)
     ended: dict[int, tuple[str, str]] = field(default_factory=dict)
     replaced: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.relay = threading.Thread(target=self.read, daemon=True)  # srun's stderr, read as it comes
+        self.relay.start()
 
     def read(self) -> None:
         """srun's own messages into the batch log, as they come; each failed task's end noted."""
