@@ -70,12 +70,19 @@ def reference(root: Path, ranks: int) -> list[float]:
     return _REFERENCES[ranks]
 
 
+def submit_spared(root: Path, *sets: str, timeout_s: int = 5,
+                  script: tuple[str, ...] = ("--step-s", "0.25")) -> Background:
+    """elastic_sgd.py (a checkpoint every step) through `hpcdist submit --wait` on the cluster, `sets` added."""
+    return Background(["submit", "--site", "local-slurm", "--wait", *storage_sets(root),
+                       "--set", f"timeout_s={timeout_s}", *sets,
+                       "--", str(SCRIPT), "--steps", str(STEPS), "--every", "1", *script])
+
+
 def spared(root: Path, *sets: str, kills: tuple[str, ...], between: str = "") -> tuple[str, Run]:
     """elastic_sgd.py with spares; `kills` killed after its 10th checkpoint, each after the
     supervisor's line `between` names the one before (at once when ""). A rank whose node died
     before it started is found by the others' rendezvous timeout: 5 s."""
-    job = Background(["submit", "--site", "local-slurm", "--wait", *storage_sets(root), "--set", "timeout_s=5",
-                      *sets, "--", str(SCRIPT), "--steps", str(STEPS), "--every", "1", "--step-s", "0.25"])
+    job = submit_spared(root, *sets)
     try:
         with ExitStack() as dead:
             jid = job_of(job)
@@ -122,10 +129,8 @@ def test_a_killed_rank_then_a_dead_node_go_on_in_the_same_allocation(four_nodes:
 
     root = four_nodes
     uri = f"sqlite:///{root / 'mlflow.db'}"
-    job = Background(["submit", "--site", "local-slurm", "--wait", *storage_sets(root), "--set", "timeout_s=10",
-                      "--set", "resources.nodes=3", "--set", "resources.spare_nodes=1",
-                      "--set", f"tracking.mlflow={{uri: '{uri}', experiment: spare}}",
-                      "--", str(SCRIPT), "--steps", str(STEPS), "--every", "1", "--step-s", "0.25"])
+    job = submit_spared(root, "--set", "resources.nodes=3", "--set", "resources.spare_nodes=1",
+                        "--set", f"tracking.mlflow={{uri: '{uri}', experiment: spare}}", timeout_s=10)
     ckpts = root / "checkpoints" / "elastic_sgd"
     try:
         jid = job_of(job)
@@ -163,10 +168,8 @@ def test_a_hung_rank_then_a_communication_error_everywhere_restart_in_place(four
     this machine has no GPU): no rank died, so all run the job again in their processes. One run,
     and every loss bit for bit the uninterrupted run's."""
     root = four_nodes
-    job = Background(["submit", "--site", "local-slurm", "--wait", *storage_sets(root), "--set", "timeout_s=5",
-                      "--set", "resources.nodes=3", "--set", "resources.spare_nodes=1",
-                      "--", str(SCRIPT), "--steps", str(STEPS), "--every", "1", "--hang-rank", "1", "--hang-at", "6",
-                      "--comm-error-at", "12"])
+    job = submit_spared(root, "--set", "resources.nodes=3", "--set", "resources.spare_nodes=1",
+                        script=("--hang-rank", "1", "--hang-at", "6", "--comm-error-at", "12"))
     try:
         jid = job_of(job)
         before = wait_for(lambda: (lambda p: p if len(p) == 3 else None)(rank_pids(str(root / "logs"))), 60,
@@ -220,10 +223,8 @@ def test_no_spare_left_and_no_shrinking_falls_back_to_slurms_requeue(four_nodes:
     supervisor restarts. The job may not run on 2 nodes: Slurm's requeue, as without spares; it
     runs again once the nodes are back (revived here, its hold lifted) and resumes bit for bit."""
     root = four_nodes
-    job = Background(["submit", "--site", "local-slurm", "--wait", *storage_sets(root), "--set", "timeout_s=5",
-                      "--set", "resources.nodes=3", "--set", "resources.spare_nodes=1",
-                      "--set", "on_node_failure=requeue",
-                      "--", str(SCRIPT), "--steps", str(STEPS), "--every", "1", "--step-s", "0.25"])
+    job = submit_spared(root, "--set", "resources.nodes=3", "--set", "resources.spare_nodes=1",
+                        "--set", "on_node_failure=requeue")
     try:
         jid = job_of(job)
         committed_step(job, root / "checkpoints" / "elastic_sgd" / "step_00000010.h5")
