@@ -230,11 +230,12 @@ def test_an_executor_call_on_storage_that_is_not_hers_is_one_error_naming_whose(
     try:
         got = as_user("alice", "-c", DENIED, str(root), cwd=place.code)
         assert got.code == 0 and "Traceback" not in got.err, got.text
-        assert got.out.strip() == (
-            f"SubmitError could not submit len to site local: [Errno 13] Permission denied: '{root}/logs' "
-            f"({root} (owner root, mode 0755) is not yours to write: root made it their own; a storage root shared "
-            f"by a group is made by the site's admin: chgrp GROUP ROOT; chmod 3770 ROOT, after which each member's "
-            f"files go to ROOT/<user>)"), got.out
+        assert got.out.strip() == (  # (issue 68: the root, its owner and mode, and the key to set)
+            f"StorageDenied site local: storage.results: {root}/results does not exist and cannot be made: {root} "
+            f"(owner root, mode 0755) is not yours to write; set site.storage.results to a folder of yours (--set "
+            f"site.storage.results=DIR, set={{'site.storage.results': DIR}} in Python, or in your copy of the site), "
+            f"or write a site of your own with `hpcdist site init` (a root a group shares is made by the site's "
+            f"admin: chgrp GROUP ROOT; chmod 3770 ROOT)"), got.out
     finally:
         shutil.rmtree(root)
 

@@ -135,11 +135,11 @@ def _standalone(site_ref: str | None, name: str | None, timeout_s: float | None,
         site = load_site(site_ref)
     if site_ref:
         os.umask(site.storage.umask)  # what this script writes to the site's storage gets storage.mode
-        from hpcdist.files.trust import own_folders
+        from hpcdist.files import roots
         from hpcdist.store import checksum
 
         checksum.use_site(site.storage.checksum)
-        own_folders(site.storage)
+        roots.ready(site.storage, site.name)
     else:  # the default site's storage; the preemption signal submitit would use
         signal = env.get("SUBMITIT_PREEMPTION_SIGNAL", "USR2").removeprefix("SIG")
         site = load_site(DEFAULT_SITE, [f"preemption.signal={signal}"])  # never discovered again on each rank

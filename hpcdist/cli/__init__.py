@@ -143,8 +143,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"hpcdist: error: {exc}", file=sys.stderr)
         return 2
+    except (OSError, ValueError) as exc:  # a file no door foresaw, a model's ValidationError: one line
+        if args.debug or not (isinstance(exc, OSError) or type(exc).__module__.startswith("pydantic")):
+            raise
+        print(f"hpcdist: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _one_line(exc: Exception) -> str:
+    """An error no door turned into hpcdist's own, in one line: a PermissionError with whose folder
+    refused (``hpcdist.files.trust.denied_hint``), anything else as its type and first line;
+    ``--debug`` shows the traceback."""
+    from hpcdist.errors import cause_text
+    from hpcdist.files.trust import denied_hint
+
+    hint = denied_hint(exc) if isinstance(exc, OSError) else ""
+    return f"{cause_text(exc)}{hint} (--debug shows the traceback)"
 
 
 if __name__ == "__main__":

@@ -13,8 +13,12 @@ from typing import Any
 def _result_kind(path: str) -> str:
     """The job kind recorded in a result file, or one clear error for anything else."""
     from hpcdist.errors import JobError
+    from hpcdist.files.roots import refusal
     from hpcdist.store.results import read_attrs
 
+    why = refusal(path)
+    if why is not None:
+        raise JobError(f"result file {path!r} cannot be read: {why}")
     if not os.path.isfile(path):
         raise JobError(f"result file {path!r} does not exist; `hpcdist submit` prints where a result lands")
     try:

@@ -457,9 +457,9 @@ def denied_hint(exc: OSError) -> str:
     if not isinstance(exc, PermissionError) or not exc.filename:
         return ""
     folder = Path(os.path.abspath(exc.filename))
-    while not folder.exists() and folder.parent != folder:
+    while not os.path.exists(folder) and folder.parent != folder:  # (False, not raising, where a folder above refuses)
         folder = folder.parent
-    where = folder if folder.is_dir() else folder.parent
+    where = folder if os.path.isdir(folder) else folder.parent
     try:
         st = os.stat(where)
     except OSError:

@@ -152,11 +152,11 @@ def resolve(spec: JobSpec, site: Site, *, origin: Path | str = "job spec", check
 def prepare(job: Job[Any], site: Site) -> Job[Any]:
     """`job` as it is submitted: the kind's submit-time step done (the ``python`` kind's code
     snapshot), its params parsed again with the updates."""
+    from hpcdist.files import roots
     from hpcdist.files.atomic import storage_umask
-    from hpcdist.files.trust import own_folders
 
     with storage_umask(site.storage.umask):
-        own_folders(site.storage)  # <root>/<user> is this user's own, or one line naming who made it
+        roots.ready(site.storage, site.name)  # roots she may use; <root>/<user> her own, or one line saying why not
     if job.kind.prepare is None:
         return job
     with storage_umask(site.storage.umask):  # what it writes to shared storage gets storage.mode

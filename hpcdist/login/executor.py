@@ -195,11 +195,11 @@ class Executor:
         module, qualname = _where(calls[0][0])
         data = {"name": _job_name(qualname), **self._data}
         folder = JobPaths(self.site.storage, data["name"]).calls
+        from hpcdist.files import roots
         from hpcdist.files.atomic import storage_umask
-        from hpcdist.files.trust import own_folders
 
         with storage_umask(self.site.storage.umask):  # <logs>/<name> as storage.mode says, whatever the shell's umask
-            own_folders(self.site.storage)  # the calls go nowhere but into this user's own <logs>/<user>
+            roots.ready(self.site.storage, self.site.name)  # the calls go nowhere but into her own <logs>/<user>
             pickles = [_write_call(folder, fn, args, kwargs) for fn, args, kwargs in calls]
         params = []
         for (fn, _, _), path in zip(calls, pickles, strict=True):

@@ -26,8 +26,9 @@ from hpcdist.config.paths import JobPaths, log_patterns
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import SubmitError
+from hpcdist.files import roots
 from hpcdist.files.atomic import storage_umask
-from hpcdist.files.trust import denied_hint, own_folders
+from hpcdist.files.trust import denied_hint
 from hpcdist.launchers import SAFE_PATH
 from hpcdist.login import jobindex, tracking
 from hpcdist.scheduler import slurm
@@ -261,7 +262,7 @@ def schedule(plan: Plan, calls: Sequence[Call] | None = None) -> list[Submission
     try:
         with storage_umask(site.storage.umask), _private_pickles(), (  # submitit's files, and the job's through sbatch
                 _detached_streams() if not plan.slurm else contextlib.nullcontext()):
-            own_folders(site.storage)  # <root>/<user>: this user's own, or one line naming who made it
+            roots.ready(site.storage, site.name)  # roots she may use; <root>/<user> her own, or one line why not
             for task in plan.tasks:  # the job's tracker run, once (a resubmission that resumes keeps it)
                 tracking.prepare(task, site)
             executor = _executor(plan, script)

@@ -36,6 +36,8 @@ import socket
 import stat
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -125,6 +127,22 @@ class _Record:
                 f"mkdir {d}; chown root:{group} {d}; chmod {SHARED_FOLDER_MODE:o} {d}")
 
 
+@contextmanager
+def _storage_denied(where: Where, write: bool) -> Iterator[None]:
+    """A scratch root she may not read (or write, when `write`) is the one line that names it
+    and the key to set (``hpcdist.files.roots``), not a PermissionError from deep in a read."""
+    try:
+        yield
+    except PermissionError as exc:
+        storage = _storage(where)
+        if storage is None:
+            raise
+        from hpcdist.files import roots
+
+        site = where.name if isinstance(where, Site) else "?"
+        raise (roots.explain(exc, storage, site, write) or exc) from exc
+
+
 def _record(where: Where) -> _Record:
     path = folder(where)
     try:
@@ -195,7 +213,8 @@ def mark(where: Where, node: str, reason: str, job_id: str = "", source: Source 
     if source not in SOURCES:
         raise ConfigError(f"mark source {source!r} is not one of {', '.join(SOURCES)}")
     rec = _record(where)
-    _ready(rec, make=True)
+    with _storage_denied(where, write=True):
+        _ready(rec, make=True)
     if job_id:  # once per node, job and source: the ranks of one job, or two waiters, do not repeat it
         for m in _scan(rec, KEEP_S, node)[0]:
             if (m.job_id, m.source) == (job_id, source):
@@ -234,7 +253,8 @@ def _said(notes: list[str]) -> None:
 def marks(where: Where, within_s: float | None = None) -> list[Mark]:
     """Every standing mark (of the last `within_s` seconds, when given; else of ``KEEP_S``), oldest
     first; what the read skipped or left unread in one warning."""
-    found, notes = _scan(_record(where), KEEP_S if within_s is None else within_s)
+    with _storage_denied(where, write=False):
+        found, notes = _scan(_record(where), KEEP_S if within_s is None else within_s)
     _said(notes)
     return sorted(found, key=lambda m: (m.when, m.node))
 
@@ -257,8 +277,9 @@ def clear(where: Where, node: str | None) -> Cleared:
     if node is not None:
         check_node(node)
     rec = _record(where)
-    if not _ready(rec, make=False):
-        return Cleared(0)
+    with _storage_denied(where, write=True):
+        if not _ready(rec, make=False):
+            return Cleared(0)
     ours = [(name, kind) for name, n, _, kind in FILE_NAMES.findall("\n".join(listing(rec.path))) if node in (None, n)]
     removed = _remove_own(rec.path, [name for name, kind in ours if kind == "mark"])
     if os.geteuid() == 0:  # a member's own clear marks still override; root's clear leaves none

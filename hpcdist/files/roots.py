@@ -1,0 +1,104 @@
+"""A site's storage roots as this user may use them: one line for a root she cannot read or write.
+
+Every door to a site's storage asks here before it touches a byte: a submit and an
+``hpcdist.Executor`` (``ready``, before the user's folders are made), ``hpcdist.init`` on the
+nodes, and the readers of what the group shares there (the node health record, through
+``explain``). A root she cannot use, or cannot make, is one ``StorageDenied`` naming the root, the
+folder that refuses (its owner and mode), the key to set (``site.storage.X``) and ``hpcdist site
+init`` for a site of her own: the shipped sites' roots are their admin's, and a copy of one refuses
+her the same way until she edits its roots. The CLI prints it as one line; the Python API raises it.
+
+Checked with ``os.access`` down from ``/``, one folder at a time, so the folder named is the first
+one that refuses, not the last one ``pathlib`` happened to touch. (Root passes every check, as
+the kernel lets it.)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from hpcdist.errors import ConfigError
+
+ROOTS = ("results", "checkpoints", "scratch", "logs")
+
+
+class StorageDenied(ConfigError):
+    """A storage root of the site that this user cannot read, write or make."""
+
+
+def problem(storage: Any, name: str, write: bool = True) -> str | None:
+    """Why this user cannot use root `name` of `storage` (read it, and write it when `write`), in
+    words naming the folder that refuses, its owner and mode; None when she can."""
+    return refusal(getattr(storage, name), write)
+
+
+def refusal(path: str | Path, write: bool = False) -> str | None:
+    """Why this user cannot read `path` (and write it when `write`; make it, where it is missing):
+    the first folder down from ``/`` that refuses her, its owner and mode; None when nothing does."""
+    from hpcdist.files.trust import describe
+
+    base = Path(os.path.abspath(path))
+    here = Path(base.anchor)
+    for part in base.parts[1:]:
+        below = here / part
+        try:
+            st = os.stat(below)
+        except FileNotFoundError:
+            if not write or os.access(here, os.W_OK | os.X_OK):
+                return None  # nothing to read yet; or made by the first writer
+            return f"{base} does not exist and cannot be made: {describe(here, os.stat(here))} is not yours to write"
+        except OSError as exc:
+            return f"{base}: {exc.strerror}"
+        here = below
+        if here != base and not os.access(here, os.X_OK):
+            return f"{base} is inside {describe(here, st)}, which is not yours to enter"
+    read = os.R_OK | (os.X_OK if os.path.isdir(base) else 0)
+    wanted = [(what, bits) for what, bits in (("read", read), ("write", os.W_OK)) if write or what == "read"]
+    missing = [what for what, bits in wanted if not os.access(base, bits)]
+    if not missing:
+        return None
+    return f"{describe(base, os.stat(base))} is not yours to {' and '.join(missing)}"
+
+
+def line(site: str, name: str, why: str) -> str:
+    """The one line: what refuses, and what to do (the key, or a site of her own)."""
+    return (f"site {site}: storage.{name}: {why}; set site.storage.{name} to a folder of yours (--set "
+            f"site.storage.{name}=DIR, set={{'site.storage.{name}': DIR}} in Python, or in your copy of the site), "
+            f"or write a site of your own with `hpcdist site init` (a root a group shares is made by the site's "
+            f"admin: chgrp GROUP ROOT; chmod 3770 ROOT)")
+
+
+def check(storage: Any, site: str, names: Iterable[str] = ROOTS, write: bool = True) -> None:
+    """A StorageDenied for the first root of `names` this user cannot read (and write, when `write`)."""
+    for name in names:
+        why = problem(storage, name, write)
+        if why is not None:
+            raise StorageDenied(line(site, name, why))
+
+
+def ready(storage: Any, site: str) -> None:
+    """Every root checked (``check``), then this user's own folder made in each root others may
+    write (``hpcdist.files.trust.own_folders``): what a submit, an executor and ``hpcdist.init``
+    ask before they write a byte there."""
+    from hpcdist.files.trust import own_folders
+
+    check(storage, site)
+    own_folders(storage)
+
+
+def explain(exc: OSError, storage: Any, site: str, write: bool = False) -> StorageDenied | None:
+    """For an OSError met under one of `storage`'s roots: the StorageDenied of that root when the
+    root itself is what refuses her; else None (the caller says what it says of the file)."""
+    if not isinstance(exc, PermissionError) or not exc.filename:
+        return None
+    path = Path(os.path.abspath(exc.filename))
+    for name in ROOTS:
+        base = Path(os.path.abspath(getattr(storage, name)))
+        if path == base or base in path.parents:
+            why = problem(storage, name, write)
+            if why is not None:
+                return StorageDenied(line(site, name, why))
+    return None
