@@ -203,10 +203,27 @@ def set_key(data: dict[str, Any], key: str, value: Any, not_a_mapping: typing.Ca
 
 
 def load_site(name_or_path: str | None = None, overrides: list[str] | None = None) -> Site:
+    from hpcdist.config.discovered import is_cached
     from hpcdist.config.site import Site, pin_launcher_args
 
     path = find_site(name_or_path)
-    data = apply_overrides(pin_launcher_args(read_yaml(path)), overrides or [], "site")
+    cached = is_cached(path)
+    try:
+        data = pin_launcher_args(read_yaml(path))
+        if cached and overrides:  # the reading itself first: an override's mistake is the user's
+            validate(Site, {**data, "name": path.stem}, path)
+        elif not overrides:
+            return validate(Site, {**data, "name": path.stem}, path)
+    except ConfigError as exc:
+        if not cached:
+            raise
+        # hpcdist's own reading of the cluster, not a file of the user's: say so, and read it again next time
+        path.unlink(missing_ok=True)
+        raise ConfigError(f"hpcdist could not express the Slurm cluster {path.stem!r} as a site (its own reading, "
+                          f"not a file of yours; it is read again at the next command): "
+                          f"{str(exc).removeprefix(f'{path}: ')}; `hpcdist site init NAME` writes the reading as a "
+                          f"file to correct and use as --site NAME") from None
+    data = apply_overrides(data, overrides or [], "site")
     # a site is named as it was named, by its file (`--site mine.yaml` is site `mine`, whatever its
     # name: says), so a copied site file never files its jobs under the site it was copied from
     return validate(Site, {**data, "name": path.stem}, path)

@@ -43,17 +43,20 @@ def _partition_claims(name: str, part: Partition, live: Live | None, cluster: Cl
     if live is None:
         have = ", ".join(p.name for p in cluster.partitions)
         return [Claim(key, "it exists", f"has no such partition (it has: {have})", False)]
+    from hpcdist.config.discovered import partition_cpus, partition_memory
+
     nodes = live.nodes
+    serving = live.in_service or nodes  # what jobs get is judged on the nodes in service, if any is
     out = [Claim(key, "it exists", f"has it, State={live.state}", live.state == "UP")]
-    out.append(Claim(f"{key}.nodes", str(part.nodes), f"has {len(nodes)}", part.nodes <= len(nodes)))
-    cpus = min((n.cpus for n in nodes), default=0)
-    out.append(Claim(f"{key}.cpus_per_node", str(part.cpus_per_node), f"has {cpus} on its smallest node",
+    out.append(Claim(f"{key}.nodes", str(part.nodes), f"has {len(nodes)} ({len(live.in_service)} in service)",
+                     part.nodes <= len(nodes)))
+    cpus, why = partition_cpus(live, serving) if serving else (0, "no node")
+    out.append(Claim(f"{key}.cpus_per_node", str(part.cpus_per_node), f"gives a job {cpus} ({why})",
                      part.cpus_per_node <= cpus))
     if part.mem_gb is not None:
-        mem = min((n.memory_mb for n in nodes), default=0)
-        if live.max_mem_per_node_mb:
-            mem = min(mem, live.max_mem_per_node_mb)
-        out.append(Claim(f"{key}.mem_gb", f"{part.mem_gb:g}", f"allows {mem} MB a node", part.mem_gb * 1024 <= mem))
+        mem, why = partition_memory(live, serving, cpus) if serving else (0, "no node")
+        out.append(Claim(f"{key}.mem_gb", f"{part.mem_gb:g}", f"allows {mem} MB a node ({why})",
+                         part.mem_gb * 1024 <= mem if mem else None))
     gpu_nodes = live.gpu_nodes
     gpus = min((n.gpus for n in gpu_nodes), default=0)
     if part.gpus_per_node:
