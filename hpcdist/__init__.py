@@ -19,16 +19,33 @@ from typing import TYPE_CHECKING, Any
 from hpcdist._version import __version__
 
 if TYPE_CHECKING:
+    from submitit import DebugExecutor, DebugJob, JobEnvironment, helpers
+
     from hpcdist.api import Context
     from hpcdist.login.executor import AutoExecutor, Executor
     from hpcdist.login.jobhandle import JobFailed, JobHandle, JobUncompleted
+    from hpcdist.login.submitit_executors import LocalExecutor, SlurmExecutor
     from hpcdist.scheduler.states import JobState
 
-__all__ = ["AutoExecutor", "Context", "Executor", "JobFailed", "JobHandle", "JobState", "JobUncompleted",
-           "__version__", "init", "job"]
-_LAZY = {"AutoExecutor": "hpcdist.login.executor", "Context": "hpcdist.api", "Executor": "hpcdist.login.executor",
-         "JobFailed": "hpcdist.login.jobhandle", "JobHandle": "hpcdist.login.jobhandle",
-         "JobState": "hpcdist.scheduler.states", "JobUncompleted": "hpcdist.login.jobhandle"}
+    Job = LocalJob = SlurmJob = JobHandle
+
+__all__ = ["AutoExecutor", "Context", "DebugExecutor", "DebugJob", "Executor", "Job", "JobEnvironment", "JobFailed",
+           "JobHandle", "JobState", "JobUncompleted", "LocalExecutor", "LocalJob", "SlurmExecutor", "SlurmJob",
+           "__version__", "helpers", "init", "job"]
+# name: (module, its name there). submitit's public names are here with submitit's meaning
+# (docs/python-api.md): its own DebugExecutor, JobEnvironment and helpers; hpcdist's executors and
+# its one job class for Job, LocalJob and SlurmJob.
+_LAZY = {"AutoExecutor": ("hpcdist.login.executor", "AutoExecutor"), "Context": ("hpcdist.api", "Context"),
+         "Executor": ("hpcdist.login.executor", "Executor"),
+         "LocalExecutor": ("hpcdist.login.submitit_executors", "LocalExecutor"),
+         "SlurmExecutor": ("hpcdist.login.submitit_executors", "SlurmExecutor"),
+         "JobFailed": ("hpcdist.login.jobhandle", "JobFailed"), "JobHandle": ("hpcdist.login.jobhandle", "JobHandle"),
+         "Job": ("hpcdist.login.jobhandle", "JobHandle"), "LocalJob": ("hpcdist.login.jobhandle", "JobHandle"),
+         "SlurmJob": ("hpcdist.login.jobhandle", "JobHandle"),
+         "JobState": ("hpcdist.scheduler.states", "JobState"),
+         "JobUncompleted": ("hpcdist.login.jobhandle", "JobUncompleted"),
+         "DebugExecutor": ("submitit", "DebugExecutor"), "DebugJob": ("submitit", "DebugJob"),
+         "JobEnvironment": ("submitit", "JobEnvironment"), "helpers": ("submitit", "helpers")}
 
 
 def init(**kwargs: Any) -> Context:
@@ -50,5 +67,6 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'hpcdist' has no attribute {name!r}")

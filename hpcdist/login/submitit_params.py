@@ -81,6 +81,31 @@ def translate(keys: Mapping[str, Any], site: Site, data: Mapping[str, Any]
     return spec, sets, parallelism
 
 
+def slurm_keys(keys: Mapping[str, Any]) -> dict[str, Any]:
+    """submitit's SlurmExecutor's parameters (bare Slurm names: ``partition``, ``time``,
+    ``ntasks_per_node``, ``mem``) as its AutoExecutor spells them (``slurm_partition``, ...),
+    which ``translate`` reads; Slurm's ``mem`` ("16GB", "500M", a bare number in MB) is ``mem_gb``."""
+    out: dict[str, Any] = {}
+    for key, value in keys.items():
+        if key == "mem":
+            out["mem_gb"] = mem_gb(value)
+        else:
+            out[key if key.startswith("slurm_") else f"slurm_{key}"] = value
+    return out
+
+
+def mem_gb(value: Any) -> float:
+    """Slurm's ``--mem`` value in GB: a number with K, M, G or T (B allowed after it), MB when bare."""
+    import re
+
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*", str(value), re.IGNORECASE)
+    if found is None:
+        raise ConfigError(f"hpcdist.SlurmExecutor: mem={value!r} is not a size Slurm reads; give e.g. "
+                          f"mem='16GB', mem='500M', or mem_gb=16")
+    scale = {"K": 1 / 1024**2, "M": 1 / 1024, "": 1 / 1024, "G": 1.0, "T": 1024.0}[found[2].upper()]
+    return float(found[1]) * scale
+
+
 def site_for(site: str | None, cluster: str | None) -> str | None:
     """The site an executor runs on, from hpcdist's `site` and submitit's `cluster`: None names
     none (``$HPCDIST_SITE``, else Slurm where srun is on PATH, else local: submitit's rule);
