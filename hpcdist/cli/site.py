@@ -60,32 +60,56 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
+    """The site named; with none, the site a submit would use (``$HPCDIST_SITE``, else the
+    cluster srun talks to, as read from it), and the one ``hpcdist site init`` wrote, when it
+    wrote exactly one."""
+    if args.site:
+        return _check_one(args.site, args, "")
+    refs: list[tuple[str | None, str]] = [(None, "the site a submit uses where none is named")]
+    if not os.environ.get("HPCDIST_SITE"):
+        import shutil
+
+        from hpcdist.config.discovered import user_sites_dir
+
+        if shutil.which("srun") is None:
+            raise ConfigError("site check: no site named, and no Slurm here (srun is not on PATH): name the Slurm "
+                              "site to check, `hpcdist site check NAME` (a name or a YAML file)")
+        written = sorted(user_sites_dir().glob("*.yaml"))
+        if len(written) == 1:
+            refs.append((str(written[0]), f"written by `hpcdist site init`: {written[0]}"))
+        elif written:
+            print(f"hpcdist: note: {len(written)} sites written by `hpcdist site init` "
+                  f"({', '.join(p.stem for p in written)}); `hpcdist site check NAME` checks one", file=sys.stderr)
+    return max(_check_one(ref, args, f" ({what})") for ref, what in refs)
+
+
+def _check_one(ref: str | None, args: argparse.Namespace, what: str) -> int:
     from hpcdist.config import load_site
     from hpcdist.console import table, text
     from hpcdist.login.site_check import check
     from hpcdist.scheduler.slurm_cluster import read_cluster
 
-    site = load_site(args.site)
+    site = load_site(ref)
     if site.scheduler != "slurm":
-        raise ConfigError(f"site {site.name!r} is a {site.scheduler} site: site check compares a Slurm site with "
-                          f"its cluster")
+        raise ConfigError(f"site {site.name!r}{what} is a {site.scheduler} site: site check compares a Slurm site "
+                          f"with its cluster; name one, `hpcdist site check NAME`")
     cluster = read_cluster()
     claims = check(site, cluster, storage=not args.no_storage)
     grid = table("claim", "the site says", "the cluster", "", left=4)
     for claim in claims:
         grid.add_row(claim.key, claim.says, claim.cluster, {True: "ok", False: "WRONG", None: "not checked"}[claim.ok])
-    sys.stdout.write(f"site {site.name!r} against the Slurm cluster {cluster.name!r}:\n" + text(grid))
+    sys.stdout.write(f"site {site.name!r}{what} against the Slurm cluster {cluster.name!r}:\n" + text(grid))
     wrong = [c for c in claims if c.ok is False]
     for claim in wrong:
         print(f"hpcdist: wrong: {claim.line(site.name)}", file=sys.stderr)
     if wrong:
         return 1
     if args.preflight:
-        return _preflight(args.site, min(2, site.partition(None)[1].nodes))
+        return _preflight(ref, min(2, site.partition(None)[1].nodes))
     return 0
 
 
-def _preflight(site: str, nodes: int) -> int:
+def _preflight(site: str | None, nodes: int) -> int:
     """The preflight job (jobs/bench_preflight.yaml's) on the site, through ``hpcdist submit --wait``."""
     import json
     import tempfile
@@ -98,7 +122,7 @@ def _preflight(site: str, nodes: int) -> int:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "preflight.yaml"
         path.write_text(json.dumps(spec))
-        return main(["submit", "--site", site, "--wait", str(path)])
+        return main(["submit", *(["--site", site] if site else []), "--wait", str(path)])
 
 
 def add_parser(subs: Any) -> None:
@@ -114,6 +138,7 @@ def add_parser(subs: Any) -> None:
                                                            "HCAs, GPU model, local scratch")
     init.add_argument("--force", action="store_true", help="write over an existing file")
     check = ssubs.add_parser("check", help="every claim of a site config checked against the live cluster")
-    check.add_argument("site", help="a site name or YAML file")
+    check.add_argument("site", nargs="?", help="a site name or YAML file (default: the site a submit uses where "
+                                               "none is named, and the one `site init` wrote, when it wrote one)")
     check.add_argument("--no-storage", action="store_true", help="skip the storage check (it runs a 2-node step)")
     check.add_argument("--preflight", action="store_true", help="then run the preflight job on the site")
