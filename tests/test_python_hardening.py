@@ -118,6 +118,22 @@ def test_a_second_submit_snapshots_none_of_the_firsts_output(tmp_path: Path, sto
     assert sorted(str(p.relative_to(snaps[1])) for p in snaps[1].rglob("*")) == ["multinode.py"]
 
 
+def test_the_snapshot_leaves_the_executors_folder_out_unsaid(tmp_path: Path) -> None:
+    """``AutoExecutor("log_%j")`` run twice from the code folder (issue 63): every ``log_<id>`` it
+    made, and any job's own files another Executor's folder holds (``log_test/``), are hpcdist's
+    output, neither copied nor warned of; a secret of the user's is still named."""
+    from hpcdist.kinds import snapshot
+
+    (tmp_path / "mylib.py").write_text("def double(x):\n    return 2 * x\n")
+    for rel in ("log_41/41_store.key", "log_41/41_0_log.out", "log_42_3/42_3_submitted.pkl",
+                "log_test/40_store.key", "log_test/40_0_result.pkl", "log_test/40/40_0_log.err", "notes/.env"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    listing = snapshot.files(tmp_path, [tmp_path / "log_%j"])
+    assert [str(p) for p in listing.files] == ["mylib.py"]
+    assert {str(p): why for p, why in listing.left_out.items()} == {"notes/.env": "a secret-looking name"}
+
+
 def test_a_rank_finishing_long_after_rank_0_is_not_killed(local_storage: list[str]) -> None:
     """Rank 0's end-of-job wait outlasts `timeout_s` while a rank still works (and shows it is alive)."""
     result = run_cli("submit", "--site", "local", "--set", "resources.tasks_per_node=2", "--set", "timeout_s=3",

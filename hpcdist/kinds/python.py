@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, StrictStr, model_validator
 
-from hpcdist.config.paths import UNSUBMITTED
 from hpcdist.config.site import Frozen
 from hpcdist.config.spec import SpecPath
 
@@ -144,12 +143,10 @@ def code_root(params: PythonParams) -> tuple[Path, str] | None:
 
 def outputs(job: Job[PythonParams], site: Site) -> list[Path]:
     """Where hpcdist writes, which no code snapshot copies: the site's storage roots and the
-    spec's own ``folder`` (up to its first part that holds the job id)."""
+    spec's own ``folder`` (a part with the job id, ``log_%j``, stands for each folder it names)."""
     out = list(site.storage.roots)
     if job.spec.folder:
-        parts = Path(job.spec.folder).parts
-        fixed = next((i for i, part in enumerate(parts) if UNSUBMITTED in part), len(parts))
-        out.append(Path(*parts[:fixed]))
+        out.append(Path(job.spec.folder))
     return out
 
 

@@ -7,10 +7,12 @@ that fails there (not installed, a broken worktree) is an error, never a reason 
 everything; elsewhere every file but caches and dot-files. Either way a file whose name looks
 secret (``.env``, ``credentials.json``, ``*.pem``, ``id_rsa``, a name with ``secret``, ``token``
 or ``password`` in it) or that is a link out of the tree is left out, and the caller says which. hpcdist's own output
-is never copied, and not mentioned: the storage roots (and a job's own folder) that lie inside the
-code folder, and any ``hpcdist-out/`` (the local site's default storage, under the folder it is
-run from), so a second submit from the same folder copies no logs, results, checkpoints or
-earlier snapshots of the first.
+is never copied, and not mentioned: the storage roots (and a job's own folder, an Executor's
+``log_%j`` standing for every ``log_<id>`` it made) that lie inside the code folder, any
+``hpcdist-out/`` (the local site's default storage, under the folder it is run from), and any
+job's own files by their names (``<id>_submitted.pkl``, ``<id>_store.key``, ``<id>_<task>_log.out``),
+so a second submit from the same folder copies no logs, results, checkpoints or earlier snapshots
+of the first, nor warns of another Executor's files.
 The copy is the user's alone (folders 0700, files 0600), whatever the storage mode: what kept a
 file from the group may be a folder above the code, which the copy does not have; and it is
 copied from a file opened without following links, so a file swapped for a link after the listing
@@ -71,16 +73,53 @@ def secret_reason(rel: Path) -> str | None:
     return None
 
 
-def _output_folders(src: Path, outputs: Sequence[Path]) -> set[Path]:
+# A job's own files in its folder, whoever's folder it was: submitit's pickles and logs, hpcdist's
+# store key (``hpcdist.config.paths``); ``123`` or an array task's ``123_4`` before the first ``_``.
+_JOB_FILE = re.compile(r"\d+(?:_\d+)?_(?:store\.key|submitted\.pkl|submission\.sh"
+                       r"|\d+_(?:log\.out|log\.err|result\.pkl))")
+_ID_PATTERN = re.compile(r"%[jAatx]")  # submitit's and Slurm's placeholders in a folder's name (log_%j)
+
+
+@dataclass(frozen=True)
+class _Outputs:
+    """hpcdist's output inside the code folder: folders relative to it, and folder-name patterns
+    (an Executor's ``log_%j``: every ``log_<id>`` its jobs made)."""
+
+    folders: set[Path]
+    patterns: tuple[tuple[Path, re.Pattern[str]], ...] = ()
+
+
+def _output_folders(src: Path, outputs: Sequence[Path]) -> _Outputs:
     """Which of `outputs` (hpcdist's output folders) lie inside `src`, relative to it; one that
-    is `src` itself, or holds it, is no folder of the code's to leave out."""
+    is `src` itself, or holds it, is no folder of the code's to leave out. A folder whose name
+    holds a job id placeholder (``%j``) stands for every folder that name takes."""
     root = src.resolve()
-    inside = (p.resolve() for p in outputs)
-    return {p.relative_to(root) for p in inside if p != root and p.is_relative_to(root)}
+    folders, patterns = set(), []
+    for out in outputs:
+        parts = out.parts
+        at = next((i for i, part in enumerate(parts) if _ID_PATTERN.search(part)), None)
+        fixed = (Path(*parts[:at]) if at else Path()) if at is not None else out
+        where = fixed.resolve()
+        if at is not None and (where == root or where.is_relative_to(root)):
+            name = re.compile("".join("[^/]+" if _ID_PATTERN.fullmatch(piece) else re.escape(piece)
+                                      for piece in re.split(r"(%[jAatx])", parts[at])))
+            patterns.append((where.relative_to(root), name))
+        elif where != root and where.is_relative_to(root):
+            folders.add(where.relative_to(root))
+    return _Outputs(folders, tuple(patterns))
 
 
-def _is_output(rel: Path, folders: set[Path]) -> bool:
-    return OUTPUT_DIR in rel.parts or any(rel.is_relative_to(f) for f in folders)
+def _is_output(rel: Path, outputs: _Outputs) -> bool:
+    if OUTPUT_DIR in rel.parts or any(rel.is_relative_to(f) for f in outputs.folders):
+        return True
+    if _JOB_FILE.fullmatch(rel.name):
+        return True
+    for base, name in outputs.patterns:
+        if rel.is_relative_to(base) and rel != base:
+            below = rel.relative_to(base).parts
+            if name.fullmatch(below[0]):
+                return True
+    return False
 
 
 def files(src: Path, outputs: Sequence[Path] = ()) -> Listing:
