@@ -27,6 +27,7 @@ def test_each_public_name_of_submitit_is_in_hpcdist_with_its_meaning(tmp_path: P
     assert {n for n in public if not hasattr(hpcdist, n)} == set()
     assert hpcdist.helpers is submitit.helpers and hpcdist.DebugExecutor is submitit.DebugExecutor
     assert hpcdist.JobEnvironment is submitit.JobEnvironment
+    assert hpcdist.Job is hpcdist.JobHandle and hpcdist.Job[int].__origin__ is hpcdist.JobHandle
     monkeypatch.setenv("HPCDIST_SITE", "local-slurm")  # a Slurm site named: LocalExecutor stays here
     local = hpcdist.LocalExecutor(tmp_path / "%j")
     assert (local.site.name, local.cluster) == ("local", "local")

@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import GenericAlias
 from typing import TYPE_CHECKING, Any
 
 from submitit.core.utils import FailedJobError, UncompletedJobError
@@ -105,6 +106,9 @@ class JobUncompleted(JobFailed, UncompletedJobError):
 class JobHandle:
     """One submitted job: ``job_id``, ``state``, ``wait()``, ``result()``, ``results()``,
     ``logs(rank)``, ``cancel()``. Made by ``submit`` or re-attached with ``hpcdist.job(ID)``."""
+
+    # ``hpcdist.Job[int]``: a script's annotation of submitit's generic ``Job[int]`` (hpcdist.Job is this class)
+    __class_getitem__: classmethod[Any, [Any], GenericAlias] = classmethod(GenericAlias)
 
     def __init__(self, record: JobRecord, submission: Submission | None = None) -> None:
         self.record = record

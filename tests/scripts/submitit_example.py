@@ -30,6 +30,9 @@ class Counter(submitit.helpers.Checkpointable):
         return self.start + steps
 
 
+finished: list[submitit.Job[int]] = []  # submitit's generic Job, as scripts annotate it
+
+
 def main(folder, slurm):
     said = {}
     # LocalExecutor: this machine, whatever srun says
