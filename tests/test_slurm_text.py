@@ -17,6 +17,7 @@ from hpcdist.config import ConfigError, load_site, safe_load, validate
 from hpcdist.config.discovered import REREAD_S, _fresh, site_text
 from hpcdist.config.site import Site
 from hpcdist.scheduler import slurm_text
+from hpcdist.scheduler.slurm_text import to_json
 from tests.support.slurm_fixtures import cluster, releases, text
 
 SHAPES = "shapes-24.11"
@@ -104,8 +105,8 @@ def test_partitions_named_3090_and_on_are_string_keys() -> None:
     data, made = site_of(SHAPES)
     assert "'3090':" in made and "'on':" in made
     assert {"3090", "on"} <= set(data["partitions"])  # not 3090 the int, not True
-    assert data["partitions"]["3090"]["nodes"] == 1  # its MaxNodes=1
-    assert "MaxNodes=1: a job may have 1 of its 2 nodes" in made
+    assert data["partitions"]["3090"]["nodes"] == 2
+    assert "MaxNodes=1: a job may have 1 of them (a job asking more is one line at submit)" in made
 
 
 def test_a_partition_that_starts_no_job_is_not_written_and_a_numeric_one_breaks_nothing() -> None:
@@ -165,7 +166,7 @@ def test_down_drained_and_future_nodes_are_not_counted() -> None:
 def test_the_partitions_own_qos_holds_its_jobs() -> None:
     mig, _ = site_of(SHAPES)
     part = mig["partitions"]["mig"]
-    assert (part["nodes"], part["gpus_per_node"], part["max_time_min"]) == (1, 2, 120)
+    assert (part["nodes"], part["gpus_per_node"], part["max_time_min"]) == (1, 9, 120)  # the wall caps its time
     limits = cluster(SHAPES).qos_limits["gpu-debug"]
     assert limits.max_tres_per_user == {"gres/gpu": "4"} and limits.max_jobs_per_user == 2
 
@@ -189,6 +190,8 @@ def test_site_check_passes_what_discovery_wrote_and_judges_nodes_in_service() ->
 def test_a_cached_reading_is_read_again_after_a_bounded_time(tmp_path: Path) -> None:
     path = tmp_path / "campus.yaml"
     path.write_text(site_text(cluster(SHAPES), "campus", cached=True))
+    assert not _fresh(path, "2025-06-02T10:15:03")  # no facts beside it (an older hpcdist's reading)
+    path.with_suffix(".json").write_text(to_json(cluster(SHAPES)))
     assert _fresh(path, "2025-06-02T10:15:03")
     assert not _fresh(path, "2025-06-03T00:00:00")  # slurm.conf changed
     old = time.time() - REREAD_S - 1

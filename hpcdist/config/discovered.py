@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpcdist._paths import cache_dir
-from hpcdist.errors import ConfigError
 
 if TYPE_CHECKING:
-    from hpcdist.scheduler.slurm_text import Cluster, Node, Partition
+    from hpcdist.scheduler.slurm_text import Cluster
 
 SLURM = "slurm"  # the name that means "the Slurm cluster srun talks to, as discovered"
 STAMP = "# configuration as of "
@@ -50,6 +49,7 @@ def discovered_site() -> Path:
     hpcdist wrote it, or when it is missing."""
     from hpcdist.files.trust import private_folder
     from hpcdist.scheduler.slurm_cluster import config_stamp, read_cluster
+    from hpcdist.scheduler.slurm_text import to_json
 
     folder = cache_dir("sites")
     stamp = config_stamp()
@@ -59,12 +59,33 @@ def discovered_site() -> Path:
     text = site_text(cluster, cluster.name, cached=True)
     private_folder(folder)
     path = folder / f"{_file_name(cluster.name)}.yaml"
+    _write_private(facts_path(path), to_json(cluster))  # first: a current site file always has its facts
+    _write_private(path, text)
+    return path
+
+
+def _write_private(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
-    return path
+
+
+def facts_path(site_path: Path) -> Path:
+    """Where the cached reading at `site_path` keeps the cluster's facts (``Cluster`` as JSON):
+    its nodes one by one and its limits, which a site's keys cannot hold, for the checks at submit."""
+    return site_path.with_suffix(".json")
+
+
+def cached_cluster(site_path: Path) -> Cluster | None:
+    """The facts kept beside the cached reading at `site_path`; None where there are none."""
+    from hpcdist.scheduler.slurm_text import from_json
+
+    try:
+        return from_json(facts_path(site_path).read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 REREAD_S = 3600.0  # a cached reading older than this is read again: an account change shows within the hour
@@ -83,7 +104,7 @@ def _fresh(path: Path, as_of: str) -> bool:
     """Whether the cached reading at `path` was made by this hpcdist, from the configuration of
     `as_of`, less than ``REREAD_S`` ago."""
     try:
-        if time.time() - path.stat().st_mtime >= REREAD_S:
+        if time.time() - path.stat().st_mtime >= REREAD_S or not facts_path(path).is_file():
             return False
         with path.open() as f:
             head = [line for line in f if line.startswith("#")][:3]
@@ -96,166 +117,31 @@ def _fresh(path: Path, as_of: str) -> bool:
 # ---------------------------------------------------------------- the text
 
 
-def _scalar(value: object) -> str:
+def scalar(value: object) -> str:
     import yaml
 
     text: str = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
     return text.removesuffix("\n...").removesuffix("...").strip()
 
 
-class _Lines:
+class Lines:
     def __init__(self) -> None:
         self.out: list[str] = []
 
     def add(self, indent: int, key: str, value: object = None, why: str = "") -> None:
-        head = " " * indent + f"{key}:" + ("" if value is None else f" {_scalar(value)}")
+        head = " " * indent + f"{key}:" + ("" if value is None else f" {scalar(value)}")
         self.out.append(f"{head:<40} # {why}" if why else head)
 
     def note(self, indent: int, text: str) -> None:
         self.out.append(" " * indent + f"# {text}")
 
 
-def _nodes_named(nodes: tuple[object, ...]) -> str:
+def nodes_named(nodes: tuple[object, ...]) -> str:
     names = [getattr(n, "name", "") for n in nodes]
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
-def _key(name: str) -> str:
-    """A partition's name as a YAML key that reads back as that string (``'3090'``, ``'on'``)."""
-    return _scalar(str(name))
-
-
-def partition_cpus(part: Partition, nodes: tuple[Node, ...]) -> tuple[int, str]:
-    """CPUs a job may have on each node (the fewest of `nodes`), and where that came from."""
-    cpus = min(n.cpus for n in nodes)
-    spec = [n for n in nodes if n.cpus < n.cpus_total]
-    why = ("CPUTot of each node" if not spec and len({n.cpus for n in nodes}) == 1 else
-           f"CPUEfctv: CPUTot {spec[0].cpus_total} less the cores CoreSpecCount keeps for the system" if spec
-           and len({n.cpus for n in nodes}) == 1 else
-           f"the fewest CPUs of its nodes ({sorted({n.cpus for n in nodes})})")
-    if part.max_cpus_per_node is not None and part.max_cpus_per_node < cpus:
-        cpus, why = part.max_cpus_per_node, f"MaxCPUsPerNode={part.max_cpus_per_node} of the partition"
-    return cpus, why
-
-
-def partition_memory(part: Partition, nodes: tuple[Node, ...], cpus: int) -> tuple[int, str]:
-    """Memory a job may have on each node in MB (0: not known), and where that came from."""
-    known = [n for n in nodes if n.memory_mb]
-    if not known:
-        return 0, "RealMemory=1 on its nodes: Slurm's default where the admin gives none"
-    mem = min(n.memory_mb for n in known)
-    kept = max(n.memory_spec_mb for n in known)
-    why = (f"RealMemory less MemSpecLimit={kept} MB: {mem} MB" if kept else f"RealMemory {mem} MB") + (
-        "" if len({n.memory_mb for n in known}) == 1 else ", the least of its nodes")
-    if part.max_mem_per_node_mb and part.max_mem_per_node_mb < mem:
-        mem, why = part.max_mem_per_node_mb, f"MaxMemPerNode={part.max_mem_per_node_mb} MB"
-    if part.max_mem_per_cpu_mb and part.max_mem_per_cpu_mb * cpus < mem:
-        mem, why = part.max_mem_per_cpu_mb * cpus, f"MaxMemPerCPU={part.max_mem_per_cpu_mb} MB x {cpus} CPUs"
-    return mem, why
-
-
-def _gpus(lines: _Lines, nodes: tuple[Node, ...], limit: int | None) -> None:
-    gpu_nodes = tuple(n for n in nodes if n.gpus)
-    if not gpu_nodes:
-        lines.add(4, "gpus_per_node", 0, "no node of it has Gres=gpu")
-        return
-    counts = {n.gpus for n in gpu_nodes}
-    where = "each node" if len(gpu_nodes) == len(nodes) else _nodes_named(gpu_nodes)
-    gpus, why = min(counts), f"Gres=gpu on {where}" + ("" if len(counts) == 1 else f" (the fewest of {sorted(counts)})")
-    if limit is not None and limit < gpus:
-        gpus, why = limit, f"{_qos_words('gres/gpu')}: {limit} of the {min(counts)} a node has"
-    lines.add(4, "gpus_per_node", gpus, why)
-    mixed = sorted({", ".join(f"gpu:{t}:{c}" for t, c in n.gpu_types) for n in gpu_nodes if len(n.gpu_types) > 1})
-    types = {n.gpu_type for n in gpu_nodes}
-    if mixed:
-        lines.note(4, f"gpu_type: a node holds GPUs of several GRES types ({'; '.join(mixed)}): gpus_per_node "
-                      f"counts them all (a request naming no type takes any); name one to ask only for it")
-    elif len(types) == 1 and None not in types:
-        lines.add(4, "gpu_type", next(iter(types)), "the GRES type: requests name it")
-    elif len(types) > 1:
-        lines.note(4, f"gpu_type: its nodes' GPUs differ ({sorted(str(t) for t in types)}); "
-                      f"name one to ask only for it")
-    if any(n.gpus_shared for n in gpu_nodes):
-        lines.note(4, "Gres=gpu:no_consume: its GPUs are shared by the jobs on a node, none is given to one alone")
-    if len(gpu_nodes) < len(nodes):
-        lines.add(4, "gpu_nodes", len(gpu_nodes), "only these of its nodes have GPUs")
-
-
-def _partition_qos(part: Partition, cluster: Cluster) -> dict[str, int]:
-    """The partition's own QOS (``QoS=``) limits on one job: its MaxTRESPerJob (node, gres/gpu) and
-    MaxWall in minutes (``wall``); they hold every job of the partition, whatever QOS it asks."""
-    qos = cluster.qos_limits.get(part.qos) if part.qos else None
-    if qos is None:
-        return {}
-    found = {k: n for k, v in qos.max_tres_per_job.items() if (n := _count(v)) is not None}
-    if qos.max_wall_min is not None:
-        found["wall"] = qos.max_wall_min
-    return found
-
-
-def _count(value: str) -> int | None:
-    return int(value) if value.isdigit() else None
-
-
-def _qos_words(tres: str) -> str:
-    return f"the partition's QoS MaxTRESPerJob={tres}"
-
-
-def _partition(lines: _Lines, part: Partition, cluster: Cluster) -> None:
-    nodes = part.in_service
-    lines.add(2, _key(part.name), None, f"scontrol show partition {part.name}: "
-                                        f"Default={'YES' if part.default else 'NO'}, State={part.state}")
-    away = [n for n in part.nodes if not n.in_service]
-    gone = f" ({', '.join(f'{n.name} {n.state}' for n in away[:4])}{' ...' if len(away) > 4 else ''} left out)" \
-        if away else ""
-    limits = _partition_qos(part, cluster)
-    count, why = len(nodes), f"its nodes: {_nodes_named(nodes)}{gone}"
-    for limit, what in ((part.max_nodes, f"MaxNodes={part.max_nodes}"), (limits.get("node"), _qos_words("node"))):
-        if limit is not None and limit < count:
-            count, why = limit, f"{what}: a job may have {limit} of its {len(nodes)} nodes ({_nodes_named(nodes)})"
-    lines.add(4, "nodes", count, why)
-    cpus, why = partition_cpus(part, nodes)
-    lines.add(4, "cpus_per_node", cpus, why)
-    mem, why = partition_memory(part, nodes, cpus)
-    mem_gb = int(mem / 1024 * 10) / 10
-    if mem_gb > 0:
-        lines.add(4, "mem_gb", mem_gb, why)
-    else:
-        lines.note(4, f"mem_gb: not written ({why}); a job asks memory with its own mem_gb")
-    if part.def_mem_per_cpu_mb:
-        lines.note(4, f"DefMemPerCPU={part.def_mem_per_cpu_mb} MB: a job that names no mem_gb gets that per CPU")
-    _gpus(lines, nodes, limits.get("gres/gpu"))
-    wall, why = part.max_time_min or YEAR_MIN, (f"MaxTime={part.max_time_min} min" if part.max_time_min
-                                                else "MaxTime=UNLIMITED")
-    if limits.get("wall") is not None and limits["wall"] < wall:
-        wall, why = limits["wall"], f"MaxWall={limits['wall']} min of the partition's QoS {part.qos}"
-    lines.add(4, "max_time_min", wall, why)
-    features = sorted({f for n in nodes for f in n.features})
-    if features:
-        lines.note(4, f"node features (sbatch: {{constraint: ...}}): {', '.join(features)}")
-
-
-def _partitions(lines: _Lines, cluster: Cluster) -> None:
-    """Each partition that runs jobs on nodes in service; the others as a comment saying why not."""
-    lines.add(0, "partitions")
-    written = []
-    for part in cluster.partitions:
-        if not part.running:
-            lines.note(2, f"partition {part.name}: not written: State={part.state}, it starts no job")
-        elif not part.in_service:
-            if part.nodes:
-                lines.note(2, f"partition {part.name}: not written: none of its nodes takes jobs now "
-                              f"({', '.join(sorted({n.state for n in part.nodes}))})")
-        else:
-            _partition(lines, part, cluster)
-            written.append(part.name)
-    if not written:
-        states = ", ".join(f"{p.name} State={p.state}" for p in cluster.partitions) or "none at all"
-        raise ConfigError(f"the Slurm cluster {cluster.name!r} has no partition that starts jobs on nodes in "
-                          f"service now (scontrol show partition: {states}); `sinfo` shows its nodes' states")
-
-
-def _account(lines: _Lines, cluster: Cluster) -> int | None:
+def _account(lines: Lines, cluster: Cluster) -> int | None:
     """The account and QOS lines; the QOS's MaxWall (which then holds every job), if any."""
     if not cluster.accounting:
         lines.note(0, "account: NAME   # accounting does not answer (sacctmgr): fill in if your site charges jobs")
@@ -280,7 +166,7 @@ def _account(lines: _Lines, cluster: Cluster) -> int | None:
     return None
 
 
-def _launcher(lines: _Lines, cluster: Cluster) -> bool:
+def _launcher(lines: Lines, cluster: Cluster) -> bool:
     """The launcher lines; whether its steps use PMIx."""
     lines.add(0, "launcher")
     lines.add(2, "kind", "srun", "Slurm's own launcher")
@@ -295,7 +181,7 @@ def _launcher(lines: _Lines, cluster: Cluster) -> bool:
     return False
 
 
-def _containers(lines: _Lines, cluster: Cluster, pmix: bool) -> None:
+def _containers(lines: Lines, cluster: Cluster, pmix: bool) -> None:
     found = []
     if cluster.pyxis:
         found.append(("pyxis", "srun --help has --container-image (NVIDIA's pyxis over enroot)"))
@@ -317,7 +203,7 @@ def _containers(lines: _Lines, cluster: Cluster, pmix: bool) -> None:
             lines.add(4, "args", [], "")
 
 
-def _storage(lines: _Lines) -> None:
+def _storage(lines: Lines) -> None:
     lines.add(0, "storage", None, "relative paths are under the folder you submit from, as submitit's folder")
     for root in ("results", "checkpoints", "scratch", "logs"):
         lines.add(2, root, f"hpcdist-out/{root}")
@@ -347,7 +233,7 @@ def shared_mounts() -> list[tuple[str, str]]:
 
 def site_text(cluster: Cluster, name: str, *, cached: bool = False, probe: dict[str, str] | None = None) -> str:
     """A site config for `cluster` as YAML, each value commented with where it came from."""
-    lines = _Lines()
+    lines = Lines()
     made = (f"the site hpcdist uses where srun is on PATH and no site is named (hpcdist {_version()}), read again "
             f"after {int(REREAD_S // 60)} min") if cached else \
         f"written by `hpcdist site init` (hpcdist {_version()}): edit it, then `hpcdist site check {name}`"
@@ -357,7 +243,9 @@ def site_text(cluster: Cluster, name: str, *, cached: bool = False, probe: dict[
     lines.add(0, "scheduler", "slurm")
     if cluster.gres_gpus:
         lines.add(0, "gpu_request", "gres", f"{cluster.select_type}: GPUs are asked as --gres=gpu:N")
-    _partitions(lines, cluster)
+    from hpcdist.config.discovered_partitions import write_partitions
+
+    write_partitions(lines, cluster)
     wall = _account(lines, cluster)
     pmix = _launcher(lines, cluster)
     _containers(lines, cluster, pmix)

@@ -43,7 +43,7 @@ def _partition_claims(name: str, part: Partition, live: Live | None, cluster: Cl
     if live is None:
         have = ", ".join(p.name for p in cluster.partitions)
         return [Claim(key, "it exists", f"has no such partition (it has: {have})", False)]
-    from hpcdist.config.discovered import partition_cpus, partition_memory
+    from hpcdist.config.discovered_partitions import partition_cpus, partition_memory
 
     nodes = live.nodes
     serving = live.in_service or nodes  # what jobs get is judged on the nodes in service, if any is
@@ -58,7 +58,7 @@ def _partition_claims(name: str, part: Partition, live: Live | None, cluster: Cl
         out.append(Claim(f"{key}.mem_gb", f"{part.mem_gb:g}", f"allows {mem} MB a node ({why})",
                          part.mem_gb * 1024 <= mem if mem else None))
     gpu_nodes = live.gpu_nodes
-    gpus = min((n.gpus for n in gpu_nodes), default=0)
+    gpus = max((n.gpus for n in gpu_nodes), default=0)  # the most of a node: a job is judged at submit
     if part.gpus_per_node:
         out.append(Claim(f"{key}.gpus_per_node", str(part.gpus_per_node),
                          f"has Gres=gpu:{gpus} on {len(gpu_nodes)} of its nodes" if gpu_nodes else "has no GPU GRES",
@@ -189,14 +189,17 @@ def check(site: Site, cluster: Cluster, storage: bool = True) -> list[Claim]:
 
 def against_cluster(plan: Plan) -> None:
     """One SubmitError, before sbatch, for the first thing the live cluster cannot give the job
-    that its site says it can: a partition it does not have, more nodes, GPUs (of the type named),
-    memory or time than its partition (or the QOS) allows. The cluster is the discovered site
+    that its site says it can: a limit of the partition, its QoS, the job's QOS or the account
+    rules, in the cluster's words (``hpcdist.login.limits``, judged on the nodes that can hold
+    the job); a partition it does not have, more nodes, GPUs (of the type named), memory or time
+    than its partition (or the QOS) allows. The cluster is the discovered site
     (``hpcdist.config.discovered``: one ``scontrol show config`` when its reading is current);
     a controller that does not answer leaves the verdict to sbatch."""
     from hpcdist.config import load_site
-    from hpcdist.config.discovered import discovered_site
+    from hpcdist.config.discovered import cached_cluster, discovered_site
     from hpcdist.config.spec import fit_to_site
     from hpcdist.errors import HpcdistError, SubmitError
+    from hpcdist.login.limits import Ask, problems, too_few_nodes
 
     spec, site = plan.base, plan.site
     try:
@@ -204,6 +207,15 @@ def against_cluster(plan: Plan) -> None:
         cluster = load_site(str(path))
     except (HpcdistError, OSError):  # no reading of the cluster: sbatch has the last word
         return
+    facts, ask = cached_cluster(path), Ask.of(plan.directives)
+
+    def refuse(problem: str | None) -> None:
+        if problem:
+            raise SubmitError(f"job {spec.name!r}: {problem}, so sbatch would refuse it or leave it pending for "
+                              f"ever (`hpcdist site check {site.name}` compares the site with the cluster)")
+
+    for problem in problems(facts, ask, nodes=False) if facts is not None else ():
+        refuse(problem)
     if site.qos not in (None, cluster.qos):
         cluster = cluster.model_copy(update={"qos": site.qos, "qos_max_time_min": None})
     asked = spec.resources.model_copy(update={"partition": plan.partition, "time_min": plan.time_min,
@@ -213,3 +225,4 @@ def against_cluster(plan: Plan) -> None:
             raise SubmitError(f"job {spec.name!r}: {key}: {value!r} is not possible on the Slurm cluster "
                               f"{cluster.name!r}, whatever site {site.name!r} says; allowed: {allowed} "
                               f"(`hpcdist site check {site.name}` compares the site with the cluster)")
+    refuse(too_few_nodes(facts, ask) if facts is not None else None)  # judged on the nodes that can hold it

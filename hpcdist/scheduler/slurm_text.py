@@ -350,3 +350,28 @@ def cluster_from(texts: Texts, user: str, groups: tuple[str, ...] = ()) -> Clust
         qos_limits=qos, pyxis="--container-image" in texts.srun_help, pmix_dir=pmix_dir(conf),
         partitions=partitions(texts.partitions, all_nodes), user=user, groups=groups,
     )
+
+
+def to_json(cluster: Cluster) -> str:
+    """`cluster` as JSON: what a cached reading keeps beside its site file for the checks at submit."""
+    import dataclasses
+    import json
+
+    return json.dumps(dataclasses.asdict(cluster), sort_keys=True)
+
+
+def from_json(text: str) -> Cluster:
+    """The ``Cluster`` that ``to_json`` wrote; ValueError (KeyError, TypeError) for anything else."""
+    import json
+
+    data = json.loads(text)
+
+    def node(d: dict[str, object]) -> Node:
+        return Node(**{**d, "gpu_types": tuple(tuple(t) for t in d["gpu_types"]),  # type: ignore[arg-type, attr-defined]
+                       "features": tuple(d["features"]), "partitions": tuple(d["partitions"])})  # type: ignore[arg-type]
+
+    parts = tuple(Partition(**{**p, "nodes": tuple(node(n) for n in p["nodes"])}) for p in data.pop("partitions"))
+    assocs = tuple(Association(**{**a, "qos": tuple(a["qos"])}) for a in data.pop("associations"))
+    limits = {name: Qos(**q) for name, q in data.pop("qos_limits").items()}
+    return Cluster(**{**data, "partitions": parts, "associations": assocs, "qos_limits": limits,
+                      "mpi_plugins": tuple(data["mpi_plugins"]), "groups": tuple(data["groups"])})

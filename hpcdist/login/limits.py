@@ -1,0 +1,170 @@
+"""What the cluster says is its limit, checked before sbatch: one line naming it in Slurm's words.
+
+A job the partition's or a QOS's limits or the account rules forbid is refused by sbatch or
+pends for ever (``PartitionNodeLimit``, ``QOSMaxGRESPerJob``, ``AccountNotAllowed``): a user
+waits, or reads sbatch's terse error. ``problems(cluster, ask)`` finds it first, from the facts
+discovery read (``hpcdist.scheduler.slurm_text.Cluster``: each node, each partition's
+``MaxNodes``, ``QoS=``, ``AllowAccounts``/``DenyAccounts``, ``AllowQos``/``DenyQos``,
+``AllowGroups``, each QOS's ``MaxTRESPerJob``, ``MaxTRESPerUser``, ``MaxJobsPerUser``,
+``MaxSubmitJobsPerUser``), and says which limit, as ``scontrol`` and ``sacctmgr`` print it.
+
+A partition whose nodes differ is judged against the nodes that can hold the job (enough CPUs,
+memory, GPUs of the type asked, the features its constraint names), never its smallest node.
+The ask is what sbatch would be given: the plan's ``#SBATCH`` options (``Ask.of``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hpcdist.scheduler.slurm_text import minutes
+
+if TYPE_CHECKING:
+    from hpcdist.scheduler.slurm_text import Cluster, Node, Partition, Qos
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One job as sbatch is asked for it."""
+
+    partition: str
+    nodes: int
+    tasks_per_node: int = 1
+    cpus_per_task: int = 1
+    gpus_per_node: int = 0
+    gpu_type: str | None = None
+    mem_mb: int | None = None
+    account: str | None = None  # None: the user's default account
+    qos: str | None = None  # None: the association's default QOS
+    array_tasks: int = 1
+    constraint: str = ""
+    time_min: int | None = None
+
+    @classmethod
+    def of(cls, directives: Iterable[tuple[str, Any]]) -> Ask:
+        """The ask of a plan's ``#SBATCH`` options (``hpcdist.login.plan.Plan.directives``)."""
+        d: Mapping[str, Any] = dict(directives)
+        gpus = str(d.get("gpus-per-node") or str(d.get("gres") or "").removeprefix("gpu:") or "0")
+        gpu_type, _, count = gpus.rpartition(":")
+        array = re.fullmatch(r"(\d+)-(\d+)(?:%\d+)?", str(d.get("array") or ""))
+        mem = str(d.get("mem") or "")
+        return cls(partition=str(d.get("partition") or ""), nodes=int(d.get("nodes") or 1),
+                   tasks_per_node=int(d.get("ntasks-per-node") or 1), cpus_per_task=int(d.get("cpus-per-task") or 1),
+                   gpus_per_node=int(count or 0), gpu_type=gpu_type or None,
+                   mem_mb=int(mem.rstrip("M")) if mem.rstrip("M").isdigit() else None,
+                   account=d.get("account") or None, qos=d.get("qos") or None,
+                   array_tasks=int(array[2]) - int(array[1]) + 1 if array else 1,
+                   constraint=str(d.get("constraint") or ""),
+                   time_min=minutes(str(d["time"])) if d.get("time") else None)
+
+    @property
+    def cpus_per_node(self) -> int:
+        return self.tasks_per_node * self.cpus_per_task
+
+
+def _names(value: str) -> list[str]:
+    return [v for v in value.split(",") if v]
+
+
+def holds(node: Node, ask: Ask) -> bool:
+    """Whether `node` can hold one node's share of `ask`."""
+    if node.cpus < ask.cpus_per_node or (ask.mem_mb and node.memory_mb and node.memory_mb < ask.mem_mb):
+        return False
+    if ask.gpus_per_node:
+        have = dict(node.gpu_types).get(ask.gpu_type, 0) if ask.gpu_type else node.gpus
+        if have < ask.gpus_per_node:
+            return False
+    wanted = set(re.findall(r"[\w.-]+", ask.constraint))
+    return not (wanted and "|" not in ask.constraint and not wanted <= set(node.features))
+
+
+def _access(part: Partition, cluster: Cluster, account: str | None, qos: str | None) -> str | None:
+    where = f"partition {part.name!r} has"
+    if account and part.allow_accounts not in ("", "ALL") and account not in _names(part.allow_accounts):
+        return f"{where} AllowAccounts={part.allow_accounts}: account {account!r} may not use it"
+    if account and account in _names(part.deny_accounts):
+        return f"{where} DenyAccounts={part.deny_accounts}: account {account!r} may not use it"
+    if qos and part.allow_qos not in ("", "ALL") and qos not in _names(part.allow_qos):
+        return f"{where} AllowQos={part.allow_qos}: QOS {qos!r} may not use it"
+    if qos and qos in _names(part.deny_qos):
+        return f"{where} DenyQos={part.deny_qos}: QOS {qos!r} may not use it"
+    groups = set(_names(part.allow_groups))
+    if part.allow_groups not in ("", "ALL") and cluster.groups and not groups & set(cluster.groups):
+        return (f"{where} AllowGroups={part.allow_groups}: user {cluster.user} is in none of them "
+                f"(her groups: {', '.join(cluster.groups)})")
+    return None
+
+
+def _tres(ask: Ask) -> dict[str, int]:
+    """The job's TRES as a QOS counts them (sacctmgr's names)."""
+    return {"node": ask.nodes, "cpu": ask.nodes * ask.cpus_per_node,
+            "gres/gpu": ask.nodes * ask.gpus_per_node, **({"mem": ask.nodes * ask.mem_mb} if ask.mem_mb else {})}
+
+
+def _amount(value: str) -> int | None:
+    """A TRES limit (``8``, ``64000``, ``500G``, ``2T``) as a number (memory in MB)."""
+    m = re.fullmatch(r"(\d+)([MGT]?)", value.strip())
+    return None if m is None else int(m[1]) * {"": 1, "M": 1, "G": 1024, "T": 1024 * 1024}[m[2]]
+
+
+def _qos_limits(qos: Qos, ask: Ask, whose: str) -> str | None:
+    asked = _tres(ask)
+    for field, limits in (("MaxTRESPerJob", qos.max_tres_per_job), ("MaxTRESPerUser", qos.max_tres_per_user)):
+        for name, value in limits.items():
+            limit = _amount(value)
+            if limit is not None and asked.get(name, 0) > limit:
+                return (f"{whose} {qos.name!r} has {field}={name}={value}: the job asks {name}={asked[name]}"
+                        + (", more than she may have at once" if field == "MaxTRESPerUser" else ""))
+    if qos.max_wall_min is not None and ask.time_min is not None and ask.time_min > qos.max_wall_min:
+        return f"{whose} {qos.name!r} has MaxWall={qos.max_wall_min} min: the job asks {ask.time_min} min"
+    if qos.max_jobs_per_user == 0:
+        return f"{whose} {qos.name!r} has MaxJobsPerUser=0: no job of hers runs under it"
+    if qos.max_submit_per_user is not None and ask.array_tasks > qos.max_submit_per_user:
+        return (f"{whose} {qos.name!r} has MaxSubmitJobsPerUser={qos.max_submit_per_user}: the array has "
+                f"{ask.array_tasks} tasks")
+    return None
+
+
+def _nodes(part: Partition, ask: Ask) -> str | None:
+    serving = part.in_service
+    fit = [n for n in serving if holds(n, ask)]
+    if len(fit) >= ask.nodes:
+        return None
+    what = [f"{ask.cpus_per_node} CPUs"] + ([f"{ask.mem_mb} MB"] if ask.mem_mb else []) + (
+        [f"{ask.gpus_per_node} GPUs" + (f" of type {ask.gpu_type}" if ask.gpu_type else "")] if ask.gpus_per_node
+        else []) + ([f"features {ask.constraint}"] if ask.constraint else [])
+    have = ", ".join(f"{n.name}: {n.cpus} CPUs" + (f", {n.memory_mb} MB" if n.memory_mb else "")
+                     + (f", Gres=gpu:{n.gpus}" if n.gpus else "") for n in serving[:6])
+    return (f"partition {part.name!r} has {len(fit)} node{'s' * (len(fit) != 1)} in service with "
+            f"{' and '.join(what)} a node, the job asks {ask.nodes} ({have}{' ...' if len(serving) > 6 else ''})")
+
+
+def problems(cluster: Cluster, ask: Ask, nodes: bool = True) -> list[str]:
+    """Each limit of `cluster` that `ask` is over, in the cluster's own words; [] when none is.
+    The access rules, MaxNodes and the QOS limits first, then (unless `nodes` is False) whether
+    enough of the partition's nodes in service can hold it."""
+    part = next((p for p in cluster.partitions if p.name == ask.partition), None)
+    if part is None:
+        return []  # a partition it does not have: the site's check says so
+    account = ask.account or cluster.default_account
+    mine = [a for a in cluster.associations if a.account == account] or list(cluster.associations)
+    qos = ask.qos or next((a.default_qos for a in mine if a.default_qos), None)
+    found = [p for p in [_access(part, cluster, account, qos)] if p]
+    if part.max_nodes is not None and ask.nodes > part.max_nodes:
+        found.append(f"partition {part.name!r} has MaxNodes={part.max_nodes}: the job asks {ask.nodes} nodes")
+    if part.qos and part.qos in cluster.qos_limits:
+        found += [p for p in [_qos_limits(cluster.qos_limits[part.qos], ask, "the partition's QoS")] if p]
+    if qos and qos in cluster.qos_limits and qos != part.qos:
+        found += [p for p in [_qos_limits(cluster.qos_limits[qos], ask, "QOS")] if p]
+    if nodes:
+        found += [p for p in [_nodes(part, ask)] if p]
+    return found
+
+
+def too_few_nodes(cluster: Cluster, ask: Ask) -> str | None:
+    """Whether fewer of the partition's nodes in service than `ask` names can hold it."""
+    part = next((p for p in cluster.partitions if p.name == ask.partition), None)
+    return None if part is None else _nodes(part, ask)

@@ -1,0 +1,98 @@
+"""What the cluster says is its limit, checked before sbatch in one line in its own words (issue 63,
+item 3), on the captured shapes of tests/fixtures/slurm/shapes-24.11: a partition's MaxNodes,
+AllowAccounts, DenyAccounts, AllowGroups and its own QoS, a QOS's MaxTRESPerJob and
+MaxSubmitJobsPerUser; and a partition whose nodes differ judges a job against the nodes that can
+hold it, not its smallest node."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpcdist.config import load_site, read_spec
+from hpcdist.config.discovered import site_text
+from hpcdist.errors import SubmitError
+from hpcdist.login.limits import Ask, problems
+from hpcdist.scheduler.slurm_text import to_json
+from tests.support.cli import REPO
+from tests.support.slurm_fixtures import cluster
+
+SHAPES = "shapes-24.11"
+
+
+def said(ask: Ask, groups: tuple[str, ...] = ("alice",)) -> list[str]:
+    return problems(cluster(SHAPES, groups=groups), ask)
+
+
+@pytest.mark.parametrize(("ask", "line"), [
+    (Ask("3090", nodes=2), "partition '3090' has MaxNodes=1: the job asks 2 nodes"),
+    (Ask("3090", nodes=1, account="physics"), "partition '3090' has AllowAccounts=vision,ml-lab: account 'physics' "
+                                              "may not use it"),
+    (Ask("on", nodes=1, account="guests"), "partition 'on' has DenyAccounts=guests: account 'guests' may not use it"),
+    (Ask("mixed", nodes=1), "partition 'mixed' has AllowGroups=ml-staff: user alice is in none of them "
+                            "(her groups: alice)"),
+    (Ask("mig", nodes=1, tasks_per_node=4, gpus_per_node=4), "the partition's QoS 'gpu-debug' has "
+                                                             "MaxTRESPerJob=gres/gpu=2: the job asks gres/gpu=4"),
+    (Ask("cpu", nodes=1, tasks_per_node=62, qos="gpu-debug"), "QOS 'gpu-debug' has MaxTRESPerJob=cpu=32: the job "
+                                                              "asks cpu=62"),
+    (Ask("cpu", nodes=1, qos="gpu-debug", array_tasks=5), "QOS 'gpu-debug' has MaxSubmitJobsPerUser=4: the array "
+                                                          "has 5 tasks"),
+    (Ask("mig", nodes=1, time_min=180), "the partition's QoS 'gpu-debug' has MaxWall=120 min: the job asks 180 min"),
+], ids=["max-nodes", "allow-accounts", "deny-accounts", "allow-groups", "partition-qos", "qos-per-job",
+        "qos-submit", "partition-qos-wall"])
+def test_each_limit_is_one_line_in_the_clusters_words(ask: Ask, line: str) -> None:
+    assert said(ask) == [line]
+
+
+def test_what_the_limits_allow_passes() -> None:
+    assert said(Ask("3090", nodes=1, tasks_per_node=8, gpus_per_node=8, gpu_type="rtx3090")) == []
+    assert said(Ask("mixed", nodes=1), groups=("alice", "ml-staff")) == []
+    assert said(Ask("mig", nodes=1, tasks_per_node=2, gpus_per_node=2)) == []
+
+
+def test_a_partition_whose_nodes_differ_judges_the_nodes_that_can_hold_the_job() -> None:
+    assert said(Ask("wide", nodes=1, tasks_per_node=8)) == []  # w1 has 8, w2 4: the job goes to w1
+    (line,) = said(Ask("wide", nodes=2, tasks_per_node=8))
+    assert line.startswith("partition 'wide' has 1 node in service with 8 CPUs a node, the job asks 2 (w1: 8 CPUs")
+    assert said(Ask("mixed", nodes=1, tasks_per_node=4, gpus_per_node=4, gpu_type="a100"), ("ml-staff",)) == []
+    (typed,) = said(Ask("mixed", nodes=1, tasks_per_node=4, gpus_per_node=4, gpu_type="v100"), ("ml-staff",))
+    assert "0 nodes in service with 4 CPUs and 4 GPUs of type v100 a node" in typed
+    site = site_text(cluster(SHAPES), "t")
+    assert "cpus_per_node: 8" in site and "its nodes differ; a job is judged at submit" in site
+
+
+def test_the_ask_is_what_sbatch_is_given() -> None:
+    ask = Ask.of((("partition", "gpu"), ("nodes", 2), ("ntasks-per-node", 4), ("cpus-per-task", 8),
+                  ("gpus-per-node", "a100:4"), ("mem", "64000M"), ("account", "proj"), ("qos", "long"),
+                  ("array", "0-9%2"), ("constraint", "ib")))
+    assert ask == Ask("gpu", 2, 4, 8, 4, "a100", 64000, "proj", "long", 10, "ib")
+    assert Ask.of((("partition", "p"), ("time", "1-00:00:00"))).time_min == 1440
+    assert Ask.of((("partition", "p"), ("gres", "gpu:2"))).gpus_per_node == 2
+
+
+def test_submit_refuses_it_before_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wiring: a job on the discovered cluster's facts (its cached reading) is one SubmitError."""
+    from hpcdist.config import discovered
+    from hpcdist.login.plan import Origin, make
+    from hpcdist.login.site_check import against_cluster
+
+    facts = cluster(SHAPES)
+    reading = tmp_path / "campus.yaml"
+    reading.write_text(site_text(facts, "campus", cached=True))
+    reading.with_suffix(".json").write_text(to_json(facts))
+    monkeypatch.setattr(discovered, "discovered_site", lambda: reading)
+    site = load_site(str(reading), [f"storage.{r}={tmp_path}/{r}" for r in ("results", "checkpoints", "scratch",
+                                                                             "logs")])
+    def refused(*sets: str) -> str:
+        spec = read_spec(REPO / "jobs" / "smoke.yaml", list(sets))
+        with pytest.raises(SubmitError) as caught:
+            against_cluster(make(spec, site, Origin("smoke.yaml", "campus")))
+        assert str(caught.value).endswith("so sbatch would refuse it or leave it pending for ever (`hpcdist site "
+                                          "check campus` compares the site with the cluster)")
+        return str(caught.value)
+
+    wide = refused("resources.partition=wide", "resources.nodes=2", "resources.tasks_per_node=8")
+    assert wide.startswith("job 'smoke': partition 'wide' has 1 node in service with 8 CPUs a node, the job asks 2")
+    limit = refused("resources.partition='3090'", "resources.nodes=2", "resources.tasks_per_node=1")
+    assert limit.startswith("job 'smoke': partition '3090' has MaxNodes=1: the job asks 2 nodes")
