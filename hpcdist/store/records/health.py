@@ -130,17 +130,20 @@ class _Record:
 @contextmanager
 def _storage_denied(where: Where, write: bool) -> Iterator[None]:
     """A scratch root she may not read (or write, when `write`) is the one line that names it
-    and the key to set (``hpcdist.files.roots``), not a PermissionError from deep in a read."""
+    and the key to set (``hpcdist.files.roots``); a record folder inside it she may not use is
+    one HealthRecordError naming whose it is: never a PermissionError from deep in a read."""
     try:
         yield
     except PermissionError as exc:
-        storage = _storage(where)
-        if storage is None:
-            raise
         from hpcdist.files import roots
 
-        site = where.name if isinstance(where, Site) else "?"
-        raise (roots.explain(exc, storage, site, write) or exc) from exc
+        storage = _storage(where)
+        denied = None if storage is None else roots.explain(exc, storage, getattr(where, "name", "?"), write)
+        if denied is not None:
+            raise denied from exc
+        why = roots.refusal(folder(where), write) or f"{exc.strerror} ({exc.filename})"
+        raise HealthRecordError(f"cannot {'write to' if write else 'read'} the node health record: {why}; ask its "
+                                f"owner, or set site health.exclude_for_h=0 to submit without the record") from exc
 
 
 def _record(where: Where) -> _Record:
