@@ -72,11 +72,13 @@ def two(ctx: hpcdist.Context) -> int:
     return ctx.rank
 
 said = []
-for make, fn in ((lambda: hpcdist.AutoExecutor("log_test/%j", cluster="slurm", site="local-slurm"), socket.gethostname),
-                 (lambda: hpcdist.Executor(site="local-slurm", nodes=2), two)):
+doors = ((lambda: hpcdist.AutoExecutor("log_test/%j", cluster="slurm", site="local-slurm").submit(socket.gethostname)),
+         (lambda: hpcdist.Executor(site="local-slurm", nodes=2).submit(two)),
+         (lambda: hpcdist.init(site="local-slurm")))
+for door in doors:
     try:
-        make().submit(fn)
-        said.append("submitted")
+        door()
+        said.append("went through")
     except HpcdistError as exc:
         said.append(f"{type(exc).__name__}: {exc}")
     except Exception as exc:
@@ -87,14 +89,15 @@ print(json.dumps(said))
 
 def test_an_executor_on_storage_not_hers_raises_hpcdists_error_with_the_submits_line(roots_of_root: Path,
                                                                                      her_folder: Path) -> None:
-    """submitit's AutoExecutor of the issue (one task, submitit runs the function) and an executor
-    of two tasks (hpcdist's calls folder): the CLI's line, as hpcdist's own error."""
+    """submitit's AutoExecutor of the issue (one task, submitit runs the function), an executor of
+    two tasks (hpcdist's calls folder) and a script's hpcdist.init: the CLI's line, as hpcdist's
+    own error."""
     got = as_user("alice", "-c", EXECUTORS, cwd=her_folder)
     assert got.code == 0 and "Traceback" not in got.err, got.text
     cli = as_user("alice", "-m", "hpcdist.cli", "submit", str(REPO / "jobs" / "smoke.yaml"), "--site",
                   "local-slurm", cwd=her_folder)
     line = _one_line(cli.err, "local-slurm")
-    assert json.loads(got.out) == [f"StorageDenied: {line}"] * 2, got.out
+    assert json.loads(got.out) == [f"StorageDenied: {line}"] * 3, got.out
 
 
 WALK = """
