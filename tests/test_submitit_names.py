@@ -46,6 +46,8 @@ def test_slurm_executor_takes_slurms_own_parameter_names(tmp_path: Path) -> None
     assert ex._data["resources"]["mem_gb"] == 0.5
     with pytest.raises(ConfigError, match="mem='lots' is not a size Slurm reads"):
         ex.update_parameters(mem="lots")
+    with pytest.raises(ConfigError, match=r"^hpcdist.SlurmExecutor: use_srun=False has no meaning here: hpcdist "):
+        ex.update_parameters(use_srun=False)
 
 
 @pytest.mark.slurm

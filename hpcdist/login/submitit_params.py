@@ -87,6 +87,10 @@ def slurm_keys(keys: Mapping[str, Any]) -> dict[str, Any]:
     which ``translate`` reads; Slurm's ``mem`` ("16GB", "500M", a bare number in MB) is ``mem_gb``."""
     out: dict[str, Any] = {}
     for key, value in keys.items():
+        name = key.removeprefix("slurm_")
+        if MEANINGLESS.get(name) or (name in RENAMED and RENAMED[name] is None):  # said by the name the user gave
+            why = MEANINGLESS.get(name) or "hpcdist gives each rank its GPUs by the site's binding (docs/gpus.md)"
+            raise ConfigError(f"hpcdist.SlurmExecutor: {key}={value!r} has no meaning here: {why}")
         if key == "mem":
             out["mem_gb"] = mem_gb(value)
         else:
