@@ -62,6 +62,13 @@ def test_a_partition_whose_nodes_differ_judges_the_nodes_that_can_hold_the_job()
     assert "cpus_per_node: 8" in site and "its nodes differ; a job is judged at submit" in site
 
 
+def test_a_feature_no_node_has_is_named() -> None:
+    assert said(Ask("cpu", nodes=1, constraint="cascadelake&ib")) == []
+    assert said(Ask("cpu", nodes=1, constraint="h100")) == [
+        "no node of partition 'cpu' has the feature 'h100' the constraint names (AvailableFeatures of its nodes: "
+        "cascadelake, ib)"]
+
+
 def test_the_ask_is_what_sbatch_is_given() -> None:
     ask = Ask.of((("partition", "gpu"), ("nodes", 2), ("ntasks-per-node", 4), ("cpus-per-task", 8),
                   ("gpus-per-node", "a100:4"), ("mem", "64000M"), ("account", "proj"), ("qos", "long"),
@@ -96,3 +103,17 @@ def test_submit_refuses_it_before_sbatch(tmp_path: Path, monkeypatch: pytest.Mon
     assert wide.startswith("job 'smoke': partition 'wide' has 1 node in service with 8 CPUs a node, the job asks 2")
     limit = refused("resources.partition='3090'", "resources.nodes=2", "resources.tasks_per_node=1")
     assert limit.startswith("job 'smoke': partition '3090' has MaxNodes=1: the job asks 2 nodes")
+
+
+def test_a_cpu_job_where_only_some_nodes_have_gpus_is_not_told_to_ask_for_them(tmp_path: Path) -> None:
+    from hpcdist.login.plan import Origin, make
+
+    def note(folder: str) -> str:
+        reading = tmp_path / f"{folder}.yaml"
+        reading.write_text(site_text(cluster(folder), folder))
+        site = load_site(str(reading), [f"storage.{r}={tmp_path}/{r}" for r in ("results", "checkpoints", "scratch",
+                                                                                 "logs")])
+        return make(read_spec(REPO / "jobs" / "smoke.yaml"), site, Origin("smoke.yaml", folder)).gpu_note
+
+    assert note("22.05-gpus") == ""  # g1 has GPUs, g2 none: a CPU job is a CPU job there
+    assert note("22.05-hpcdist").startswith("this job asks no GPUs on partition cpu, which has 4 a node")

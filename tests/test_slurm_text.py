@@ -184,6 +184,18 @@ def test_site_check_passes_what_discovery_wrote_and_judges_nodes_in_service() ->
     assert "partitions.3090.mem_gb" not in [c.key for c in claims]  # RealMemory=1: no claim to judge
 
 
+@pytest.mark.parametrize("folder", [*releases(), SHAPES])
+def test_sinfo_names_each_node_once_with_its_partitions_and_what_is_dead(folder: str) -> None:
+    states = slurm_text.node_statuses(text(folder, "sinfo.txt"))
+    # sinfo leaves FUTURE nodes out unless asked (--future), as discovery does not ask
+    assert set(states) == {n.name for n in nodes(folder).values() if n.state != "FUTURE"}
+    if folder == SHAPES:
+        assert states["c1"].partitions == ("cpu", "maint", "on")
+        assert states["c4"].reason.startswith("replaced HCA, Gres=")
+        assert sorted(n for n, s in states.items() if s.dead) == ["c3", "c4", "o1"]
+        assert states["c3"].failed and not states["c2"].failed
+
+
 # ---------------------------------------------------------------- the cached reading
 
 

@@ -130,6 +130,11 @@ def _qos_limits(qos: Qos, ask: Ask, whose: str) -> str | None:
 
 def _nodes(part: Partition, ask: Ask) -> str | None:
     serving = part.in_service
+    features = sorted({f for n in part.nodes for f in n.features})
+    unknown = [f for f in re.findall(r"[A-Za-z_][\w.-]*", ask.constraint) if f not in features]
+    if unknown:
+        return (f"no node of partition {part.name!r} has the feature {unknown[0]!r} the constraint names "
+                f"(AvailableFeatures of its nodes: {', '.join(features) or 'none'})")
     fit = [n for n in serving if holds(n, ask)]
     if len(fit) >= ask.nodes:
         return None

@@ -133,7 +133,7 @@ def resolve(base: JobSpec, site: Site, origin: Origin, tasks: Sequence[JobSpec] 
     (the one read for this plan, ``hpcdist.login.exclusions``) and the container checked on disk,
     its binds placed on the image (``config.container.placed``); else no I/O, `excluded` given."""
     from hpcdist.config.container import placed
-    from hpcdist.config.spec import container_for, gpus_unasked, plan_with
+    from hpcdist.config.spec import container_for, plan_with
 
     res, slurm = base.resources, site.scheduler == "slurm"
     partition, part = site.partition(res.partition)
@@ -143,7 +143,7 @@ def resolve(base: JobSpec, site: Site, origin: Origin, tasks: Sequence[JobSpec] 
     minutes, cpus = base.time_limit_min(site), base.cpus_per_task(site, part)
     env, paths, own = base.rank_env(site, cpus), base.paths(site), container_for(base, site)
     container = plan_with(base, site, env, own) if slurm else None
-    note = gpus_unasked(base, site, partition, part)
+    note = unasked_gpus(base, site, partition)
     array = slurm and origin.array_size is not None
     out, err = log_patterns(paths.folder, array)
     err = out if base.stderr_to_stdout else err
@@ -213,11 +213,14 @@ _NO_GPU = re.compile(r"No CUDA GPUs are available|Found no NVIDIA driver|no CUDA
                      r"only supported with GPUs, no GPUs found|torch\.cuda\.is_available\(\) is False")
 
 
-def unasked_gpus(spec: JobSpec, site: Site) -> str:
-    """One line when `spec` asks no GPUs on a node of `site` that has them (``gpus_unasked``)."""
+def unasked_gpus(spec: JobSpec, site: Site, partition: str | None = None) -> str:
+    """One line when `spec` asks no GPUs on a node of `site` that has them (``gpus_unasked``); ""
+    on a partition where only some nodes have GPUs (``gpu_nodes``): a job asking none is a CPU job
+    there, not one that forgot its GPUs."""
     from hpcdist.config.spec import gpus_unasked
 
-    return gpus_unasked(spec, site, *site.partition(spec.resources.partition))
+    name, part = site.partition(partition or spec.resources.partition)
+    return "" if part.nodes_with_gpus < part.nodes else gpus_unasked(spec, site, name, part)
 
 
 def no_gpu_note(errors: Sequence[str], spec: JobSpec, site: Site) -> str:

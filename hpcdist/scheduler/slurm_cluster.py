@@ -30,6 +30,7 @@ from hpcdist.scheduler.slurm_text import (  # noqa: F401 (the cluster's facts: s
     Association,
     Cluster,
     Node,
+    NodeStatus,
     Partition,
     Qos,
     Texts,
@@ -37,6 +38,7 @@ from hpcdist.scheduler.slurm_text import (  # noqa: F401 (the cluster's facts: s
     cluster_from,
     config,
     minutes,
+    node_statuses,
     number,
     pairs,
 )
@@ -168,28 +170,6 @@ def step(options: list[str], command: list[str], timeout_s: float) -> Step:
 # ---------------------------------------------------------------- the nodes now
 
 
-@dataclass(frozen=True)
-class NodeStatus:
-    """One node as sinfo shows it: its partitions, Slurm's state and the reason an admin or
-    slurmctld gave for it (``Not responding``, ``Kill task failed``; "" when none)."""
-
-    node: str
-    partitions: tuple[str, ...]
-    state: str  # sinfo's long form: idle, mixed, allocated, down*, drained, ...
-    reason: str = ""
-
-    @property
-    def failed(self) -> bool:
-        """Not responding (sinfo's ``*``), down or failing: what a node that died looks like."""
-        return self.state.endswith("*") or self.state.startswith(("down", "fail"))
-
-    @property
-    def dead(self) -> bool:
-        """Slurm gave up on it: down, failing or drained. Not one merely slow to answer a ping
-        (``mixed*``): a busy node is flagged so for seconds, and is not dead."""
-        return self.state.lower().startswith(("down", "drain", "fail"))
-
-
 def node_states(nodes: str = "", partition: str = "") -> dict[str, NodeStatus] | None:
     """Every node Slurm knows (or those of the host list `nodes`, or of `partition`), by name;
     None when sinfo could not be asked (unknown, not none)."""
@@ -200,13 +180,4 @@ def node_states(nodes: str = "", partition: str = "") -> dict[str, NodeStatus] |
     answer = slurm.run(["sinfo", "-N", "-h", *where, "-o", "%N|%P|%T|%E"])
     if not answer.ok:
         return None
-    found: dict[str, NodeStatus] = {}
-    for line in answer.out.splitlines():
-        parts = line.split("|", 3)
-        if len(parts) != 4:
-            continue
-        name, part, state, reason = (p.strip() for p in parts)
-        seen = found.get(name)
-        partitions = (*(seen.partitions if seen else ()), part.rstrip("*"))
-        found[name] = NodeStatus(name, partitions, state, "" if reason == "none" else reason)
-    return found
+    return node_statuses(answer.out)

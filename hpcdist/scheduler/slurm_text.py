@@ -352,6 +352,42 @@ def cluster_from(texts: Texts, user: str, groups: tuple[str, ...] = ()) -> Clust
     )
 
 
+@dataclass(frozen=True)
+class NodeStatus:
+    """One node as sinfo shows it: its partitions, Slurm's state and the reason an admin or
+    slurmctld gave for it (``Not responding``, ``Kill task failed``; "" when none)."""
+
+    node: str
+    partitions: tuple[str, ...]
+    state: str  # sinfo's long form: idle, mixed, allocated, down*, drained, ...
+    reason: str = ""
+
+    @property
+    def failed(self) -> bool:
+        """Not responding (sinfo's ``*``), down or failing: what a node that died looks like."""
+        return self.state.endswith("*") or self.state.startswith(("down", "fail"))
+
+    @property
+    def dead(self) -> bool:
+        """Slurm gave up on it: down, failing or drained. Not one merely slow to answer a ping
+        (``mixed*``): a busy node is flagged so for seconds, and is not dead."""
+        return self.state.lower().startswith(("down", "drain", "fail"))
+
+
+def node_statuses(out: str) -> dict[str, NodeStatus]:
+    """``sinfo -N -h -o '%N|%P|%T|%E'``: each node once, with every partition it is in."""
+    found: dict[str, NodeStatus] = {}
+    for line in out.splitlines():
+        parts = line.split("|", 3)
+        if len(parts) != 4:
+            continue
+        name, part, state, reason = (p.strip() for p in parts)
+        seen = found.get(name)
+        partitions = (*(seen.partitions if seen else ()), part.rstrip("*"))
+        found[name] = NodeStatus(name, partitions, state, "" if reason == "none" else reason)
+    return found
+
+
 def to_json(cluster: Cluster) -> str:
     """`cluster` as JSON: what a cached reading keeps beside its site file for the checks at submit."""
     import dataclasses
