@@ -117,3 +117,20 @@ def test_a_cpu_job_where_only_some_nodes_have_gpus_is_not_told_to_ask_for_them(t
 
     assert note("22.05-gpus") == ""  # g1 has GPUs, g2 none: a CPU job is a CPU job there
     assert note("22.05-hpcdist").startswith("this job asks no GPUs on partition cpu, which has 4 a node")
+
+
+@pytest.mark.parametrize(("folder", "reason", "note"), [
+    (SHAPES, "ReqNodeNotAvail, Reserved for maintenance",
+     "reservation 'maint-june' (Flags=MAINT,SPEC_NODES) holds c[1-2] until 2025-06-02T18:00:00"),
+    (SHAPES, "Priority", ""),
+    ("22.05-noacct", "ReqNodeNotAvail, Reserved for maintenance",
+     "reservation 'hpcdist-fixture-maint' (Flags=MAINT,IGNORE_JOBS,SPEC_NODES,ALL_NODES) holds q[1-2] from "
+     "2030-01-06T06:00:00 to 2030-01-06T18:00:00"),
+    ("22.05-hpcdist", "ReqNodeNotAvail, Reserved for maintenance", ""),
+])
+def test_a_job_waiting_behind_a_reservation_is_told_which_and_until_when(folder: str, reason: str, note: str) -> None:
+    from hpcdist.login.watch import reservation_note
+    from hpcdist.scheduler.slurm_text import reservations
+    from tests.support.slurm_fixtures import text
+
+    assert reservation_note(reason, reservations(text(folder, "reservation.txt"))) == note

@@ -10,9 +10,10 @@ progress; in place on a terminal, a line per change (at most every 10 s) in a pi
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from hpcdist.scheduler.states import JobState
 
 if TYPE_CHECKING:
     from hpcdist.login.postmortem import Ending
+    from hpcdist.scheduler.slurm_text import Reservation
 
 
 @dataclass
@@ -247,6 +249,20 @@ def hms(seconds: float | None) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+# squeue's reasons of a job that a reservation may hold: "ReqNodeNotAvail, Reserved for maintenance"
+HELD = re.compile(r"ReqNodeNotAvail|[Rr]eserv")
+
+
+def reservation_note(reason: str, found: Sequence[Reservation]) -> str:
+    """The reservations behind squeue's `reason`, in Slurm's words (name, flags, nodes, end): the
+    MAINT ones where it says "Reserved for maintenance", else those active now; "" for none."""
+    if not HELD.search(reason):
+        return ""
+    maint = "maintenance" in reason.lower()
+    held = [r for r in found if ("MAINT" in r.flags if maint else r.state == "ACTIVE" or "MAINT" in r.flags)]
+    return "; ".join(r.line() for r in held)
+
+
 class _Watcher:
     """What the status line says at each poll of ``wait``."""
 
@@ -259,6 +275,7 @@ class _Watcher:
         self.last_state: JobState | None = None
         self.queue: slurm.JobStatus | None = None
         self.queue_read = float("-inf")
+        self.held_reason, self.held_note = "", ""
 
     def __call__(self, state: JobState) -> None:
         from hpcdist.progress import read_progress
@@ -273,13 +290,22 @@ class _Watcher:
         words = [f"job {self.sub.job_id} ({self.sub.spec.name}): {state.value} {hms(elapsed)}"]
         detail = ""
         if state is JobState.PENDING and self.queue is not None and self.queue.reason not in ("", "None"):
-            detail = f"waiting: {self.queue.reason}"
+            detail = f"waiting: {self.queue.reason}" + self._held(self.queue.reason)
         elif state is not JobState.PENDING:
             report = read_progress(self.folder)
             detail = report.text() if report is not None else ""
         line = "  ".join(words + ([detail] if detail else []))
         self.line.show(line, key=f"{state.value}|{detail}", urgent=state is not self.last_state)
         self.last_state = state
+
+    def _held(self, reason: str) -> str:
+        """The reservations a pending job waits behind, named once per reason squeue gives."""
+        if reason != self.held_reason:
+            from hpcdist.scheduler.slurm_cluster import current_reservations
+
+            found = current_reservations() if HELD.search(reason) else None
+            self.held_reason, self.held_note = reason, reservation_note(reason, found or [])
+        return f"; {self.held_note}" if self.held_note else ""
 
     def _slurm_row(self, state: JobState) -> slurm.JobStatus | None:
         """squeue's row while the job is queued or runs (reason, elapsed), sacct's once it ended."""

@@ -33,6 +33,7 @@ from hpcdist.scheduler.slurm_text import (  # noqa: F401 (the cluster's facts: s
     NodeStatus,
     Partition,
     Qos,
+    Reservation,
     Texts,
     as_of,
     cluster_from,
@@ -41,6 +42,7 @@ from hpcdist.scheduler.slurm_text import (  # noqa: F401 (the cluster's facts: s
     node_statuses,
     number,
     pairs,
+    reservations,
 )
 
 
@@ -112,6 +114,12 @@ def read_cluster() -> Cluster:
                   mpi_list=mpi.out + mpi.err,  # Slurm 20.11 to 22.05 print the list on stderr
                   assoc=assoc, user=who, qos=qos, srun_help=helptext.out)
     return cluster_from(texts, user, _groups(user))
+
+
+def current_reservations() -> list[Reservation] | None:
+    """The cluster's reservations now (``scontrol -o show reservation``); None when it does not answer."""
+    answer = _ask(["scontrol", "-o", "show", "reservation"])
+    return reservations(answer.out) if answer.ok else None
 
 
 SLURMD_PORT = 6818  # Slurm's default SlurmdPort

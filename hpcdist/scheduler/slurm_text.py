@@ -388,6 +388,43 @@ def node_statuses(out: str) -> dict[str, NodeStatus]:
     return found
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """One reservation as ``scontrol -o show reservation`` prints it."""
+
+    name: str
+    start: str
+    end: str
+    nodes: str  # a host list (c[1-2]), as Slurm writes it
+    flags: tuple[str, ...] = ()
+    partition: str = ""
+    state: str = ""  # ACTIVE or INACTIVE (not begun)
+    accounts: str = ""
+    users: str = ""
+
+    def line(self) -> str:
+        """The reservation as a user should hear of it, in Slurm's words."""
+        flags = f" (Flags={','.join(self.flags)})" if self.flags else ""
+        when = f"until {self.end}" if self.state == "ACTIVE" else f"from {self.start} to {self.end}"
+        return f"reservation {self.name!r}{flags} holds {self.nodes} {when}"
+
+
+def reservations(out: str) -> list[Reservation]:
+    """``scontrol -o show reservation`` (``No reservations in the system`` when none)."""
+    found = []
+    for line in out.splitlines():
+        fields = pairs(line)
+        if "ReservationName" not in fields:
+            continue
+        found.append(Reservation(
+            name=fields["ReservationName"], start=fields.get("StartTime", ""), end=fields.get("EndTime", ""),
+            nodes=fields.get("Nodes", ""), flags=tuple(f for f in fields.get("Flags", "").split(",") if f),
+            partition=_listed(fields.get("PartitionName")), state=fields.get("State", ""),
+            accounts=_listed(fields.get("Accounts")), users=_listed(fields.get("Users")),
+        ))
+    return found
+
+
 def to_json(cluster: Cluster) -> str:
     """`cluster` as JSON: what a cached reading keeps beside its site file for the checks at submit."""
     import dataclasses
