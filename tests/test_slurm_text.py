@@ -115,6 +115,15 @@ def test_a_partition_that_starts_no_job_is_not_written_and_a_numeric_one_breaks_
     assert "partition 2019: not written: State=INACTIVE" in made and "partition maint: not written: State=DOWN" in made
 
 
+def test_a_default_partition_her_account_may_not_use_is_not_hers() -> None:
+    closed = text(SHAPES, "partition.txt").replace("PartitionName=cpu AllowGroups=ALL AllowAccounts=ALL",
+                                                   "PartitionName=cpu AllowGroups=ALL AllowAccounts=physics")
+    data, made = site_of(SHAPES, partitions=closed)
+    assert data["defaults"]["partition"] == "3090"
+    assert "Slurm's default partition 'cpu' has AllowAccounts=physics: account 'ml-lab' may not use it; the first " \
+           "yours may use" in made
+
+
 def test_a_cluster_with_no_partition_running_is_one_line() -> None:
     down = text(SHAPES, "partition.txt").replace("State=UP", "State=DOWN")
     with pytest.raises(ConfigError, match="the Slurm cluster 'campus' has no partition that starts jobs"):

@@ -261,10 +261,11 @@ def site_text(cluster: Cluster, name: str, *, cached: bool = False, probe: dict[
         if probe and probe.get(key):
             lines.note(2, f"{what} (--probe): {probe[key]}")
     _storage(lines)
-    default = cluster.default_partition
+    default, refused = cluster.partition_for(cluster.default_account)
     lines.add(0, "defaults")
     if default is not None:
-        lines.add(2, "partition", default.name, "Slurm's default partition (Default=YES)")
+        lines.add(2, "partition", default.name, f"Slurm's default {refused}; the first yours may use" if refused
+                  else "Slurm's default partition (Default=YES)")
         limit = min(default.max_time_min or YEAR_MIN, default.default_time_min or DEFAULT_TIME_MIN,
                     wall or YEAR_MIN)
         why = (f"the QOS's MaxWall (under {default.default_time_min or DEFAULT_TIME_MIN})" if limit == wall else

@@ -65,10 +65,6 @@ class Ask:
         return self.tasks_per_node * self.cpus_per_task
 
 
-def _names(value: str) -> list[str]:
-    return [v for v in value.split(",") if v]
-
-
 def holds(node: Node, ask: Ask) -> bool:
     """Whether `node` can hold one node's share of `ask`."""
     if node.cpus < ask.cpus_per_node or (ask.mem_mb and node.memory_mb and node.memory_mb < ask.mem_mb):
@@ -82,20 +78,7 @@ def holds(node: Node, ask: Ask) -> bool:
 
 
 def _access(part: Partition, cluster: Cluster, account: str | None, qos: str | None) -> str | None:
-    where = f"partition {part.name!r} has"
-    if account and part.allow_accounts not in ("", "ALL") and account not in _names(part.allow_accounts):
-        return f"{where} AllowAccounts={part.allow_accounts}: account {account!r} may not use it"
-    if account and account in _names(part.deny_accounts):
-        return f"{where} DenyAccounts={part.deny_accounts}: account {account!r} may not use it"
-    if qos and part.allow_qos not in ("", "ALL") and qos not in _names(part.allow_qos):
-        return f"{where} AllowQos={part.allow_qos}: QOS {qos!r} may not use it"
-    if qos and qos in _names(part.deny_qos):
-        return f"{where} DenyQos={part.deny_qos}: QOS {qos!r} may not use it"
-    groups = set(_names(part.allow_groups))
-    if part.allow_groups not in ("", "ALL") and cluster.groups and not groups & set(cluster.groups):
-        return (f"{where} AllowGroups={part.allow_groups}: user {cluster.user} is in none of them "
-                f"(her groups: {', '.join(cluster.groups)})")
-    return None
+    return part.refusal(account, qos, cluster.user, cluster.groups)
 
 
 def _tres(ask: Ask) -> dict[str, int]:

@@ -83,6 +83,27 @@ class Partition:
         """State=UP: it starts jobs (DOWN queues them for ever, INACTIVE and DRAIN refuse them)."""
         return self.state not in NOT_RUNNING
 
+    def refusal(self, account: str | None, qos: str | None, user: str, groups: tuple[str, ...]) -> str | None:
+        """Why its access lists refuse a job of `account` under `qos` by `user` (in `groups`), in
+        scontrol's words; None where they let it in (or cannot tell: no groups known)."""
+        where = f"partition {self.name!r} has"
+        if account and self.allow_accounts not in ("", "ALL") and account not in _names(self.allow_accounts):
+            return f"{where} AllowAccounts={self.allow_accounts}: account {account!r} may not use it"
+        if account and account in _names(self.deny_accounts):
+            return f"{where} DenyAccounts={self.deny_accounts}: account {account!r} may not use it"
+        if qos and self.allow_qos not in ("", "ALL") and qos not in _names(self.allow_qos):
+            return f"{where} AllowQos={self.allow_qos}: QOS {qos!r} may not use it"
+        if qos and qos in _names(self.deny_qos):
+            return f"{where} DenyQos={self.deny_qos}: QOS {qos!r} may not use it"
+        if self.allow_groups not in ("", "ALL") and groups and not set(_names(self.allow_groups)) & set(groups):
+            return (f"{where} AllowGroups={self.allow_groups}: user {user} is in none of them "
+                    f"(her groups: {', '.join(groups)})")
+        return None
+
+
+def _names(value: str) -> list[str]:
+    return [v for v in value.split(",") if v]
+
 
 @dataclass(frozen=True)
 class Association:
@@ -136,6 +157,17 @@ class Cluster:
         """Slurm's default partition when it runs jobs, else the first that does."""
         running = [p for p in self.partitions if p.running and p.in_service]
         return next((p for p in running if p.default), running[0] if running else None)
+
+    def partition_for(self, account: str | None) -> tuple[Partition | None, str]:
+        """The partition a job of `account` goes to by default: Slurm's default where its access
+        lists let her in, else the first running one that does; and why, when it is not Slurm's."""
+        default = self.default_partition
+        refused = default.refusal(account, None, self.user, self.groups) if default is not None else None
+        if refused is None:
+            return default, ""
+        running = [p for p in self.partitions if p.running and p.in_service]
+        other = next((p for p in running if p.refusal(account, None, self.user, self.groups) is None), None)
+        return (other, refused) if other is not None else (default, "")
 
 
 @dataclass(frozen=True)
