@@ -1,17 +1,25 @@
 """The line between a job's ranks and its in-job supervisor (hpcdist.runtime.in_job_link), without
 a cluster: the rank a process started again alone takes, which failures are its communication's,
-and what the supervisor reads from a rank. The whole path runs on the real cluster in
-tests/test_in_job_restart.py."""
+what the supervisor reads from a rank, and what it refuses from anyone else on its port. The whole
+path runs on the real cluster in tests/test_in_job_restart.py (and the attack by another user in
+tests/test_in_job_security.py)."""
 
 from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
 
 from hpcdist.config.contract import IN_PLACE_VAR
 from hpcdist.errors import JobError
-from hpcdist.runtime import in_job_link
-from hpcdist.runtime.in_job_link import Links
+from hpcdist.runtime import in_job_link, in_job_port, signed_store
+from hpcdist.runtime.in_job_link import RANK, seal
+from hpcdist.runtime.in_job_port import Links
 from hpcdist.runtime.rankinfo import RankInfo
 
 
@@ -30,7 +38,16 @@ def test_a_rank_started_again_alone_takes_the_rank_it_replaces() -> None:
 
 
 def test_a_peer_gone_is_a_communication_failure_and_a_bug_is_not() -> None:
-    reset = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [10.0.0.4]:4711: Connection reset by peer")
+    """torch.distributed's own errors (a store's time-out, here a real one), gloo's words, and
+    hpcdist's wrapping of them are the communication's; the job's own code is not, whatever its
+    exception is called or says: its own I/O's ConnectionError or "Timed out", a class named
+    Dist-something (pkg_resources' DistributionNotFound), a plain ValueError."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=0.2))
+    with pytest.raises(Exception) as timed_out:
+        store.get("never-set")
+    assert in_job_link.communication_failure(timed_out.value), type(timed_out.value)
+    reset = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [10.0.0.4]:4711: "
+                         "Connection reset by peer")
     try:
         try:
             raise reset
@@ -38,29 +55,151 @@ def test_a_peer_gone_is_a_communication_failure_and_a_bug_is_not() -> None:
             raise JobError("training step 12 (gradient all_reduce) failed on rank 0 (n2)") from exc
     except JobError as wrapped:
         assert in_job_link.communication_failure(wrapped)
-    assert in_job_link.communication_failure(RuntimeError("Timed out waiting 10000ms for recv operation"))
+
+    class DistributionNotFound(Exception):  # pkg_resources' name, not torch's
+        pass
+
+    def own_io() -> None:
+        raise ConnectionError("[Errno 111] Connection refused: the user's data server")
+
+    with pytest.raises(ConnectionError) as refused:
+        own_io()
+    assert not in_job_link.communication_failure(refused.value)
+    assert not in_job_link.communication_failure(TimeoutError("Timed out reading the user's shard"))
+    assert not in_job_link.communication_failure(RuntimeError("Timed out waiting for the user's queue"))
+    assert not in_job_link.communication_failure(DistributionNotFound("the 'foo' distribution was not found"))
     assert not in_job_link.communication_failure(ValueError("batch size 7 does not divide 12"))
     assert not in_job_link.communication_failure(KeyError("w"))
 
 
+KEY = bytes(range(32))
+
+
+def hello(nonce: str, rank: int, node: str, key: bytes = KEY, step: str = "12") -> bytes:
+    return seal(key, nonce, RANK, 0, f"hello {nonce} {step} {rank} {node}")
+
+
+def pump(links: Links, until: object, restart: int = 1, within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while not until() and time.monotonic() < deadline:  # type: ignore[operator]
+        links.events(0.1, ["n2", "n3", "n4"], restart=restart)
+
+
 def test_the_supervisor_reads_who_a_rank_is_and_ignores_a_failure_already_answered() -> None:
-    """A rank's hello names its step, rank and node (a node outside the step's is ignored); its
-    failure counts only in the current run (one of an earlier run was told `again` already)."""
-    links = Links("127.0.0.1")
+    """A rank's signed hello names its step, rank and node (a node outside the step's is not
+    taken); its failure counts only in the current run (one of an earlier run was told `again`
+    already); the supervisor's words come back signed for that connection."""
+    links = Links("127.0.0.1", KEY, {"127.0.0.1"})
     host, port = links.address.rsplit(":", 1)
     with socket.create_connection((host, int(port))) as rank, socket.create_connection((host, int(port))) as stray:
-        rank.sendall(b"12 2 n4\nfailed comm 0\n")
-        stray.sendall(b"12 0 n9\n")  # a node the step does not have
-        deadline = time.monotonic() + 5
-        while len(links.ranks()) < 1 and time.monotonic() < deadline:
-            links.events(0.2, ["n2", "n3", "n4"], restart=1)
+        rank.sendall(hello("a1", 2, "n4") + seal(KEY, "a1", RANK, 1, "failed comm 0"))
+        stray.sendall(hello("b2", 0, "n9"))  # a node the step does not have
+        pump(links, lambda: len(links.ranks()) >= 1)
         [link] = links.ranks()
         assert (link.rank, link.node, link.failed) == (2, "n4", "")  # run 0's failure: answered by `again 1`
         assert links.steps == {"12"}
-        rank.sendall(b"failed own 1\n")
-        while not link.failed and time.monotonic() < deadline:
-            links.events(0.2, ["n2", "n3", "n4"], restart=1)
+        rank.sendall(seal(KEY, "a1", RANK, 2, "failed own 1"))
+        pump(links, lambda: link.failed)
         assert link.failed == "own"
         links.tell("stop")
-        assert rank.recv(64) == b"stop\n" and link.failed == ""
+        word = rank.recv(256).decode()
+        assert in_job_link.unseal(KEY, "a1", in_job_link.SUPERVISOR, word, 0) == (1, "stop") and link.failed == ""
+        assert in_job_link.unseal(KEY, "b2", in_job_link.SUPERVISOR, word, 0) is None  # another connection's
+    links.close_all()
+
+
+def test_forged_replayed_and_idle_connections_steer_nothing(monkeypatch: pytest.MonkeyPatch,
+                                                            capfd: pytest.CaptureFixture[str]) -> None:
+    """What another user on the batch node can send: lines without the key, a hello signed with
+    another key, a genuine hello replayed, a genuine line replayed on its connection, connections
+    that open and close or never speak. None becomes a rank, a failure or an end; each is said in
+    the batch log; connections that never say who they are go after HELLO_S, and past
+    MAX_PENDING at once they are closed on arrival."""
+    monkeypatch.setattr(in_job_port, "HELLO_S", 0.5)
+    links = Links("127.0.0.1", KEY, {"127.0.0.1"})
+    host, port = links.address.rsplit(":", 1)
+    where = (host, int(port))
+    seen: list[object] = []
+
+    def watch(within: float) -> None:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            seen.extend(links.events(0.1, ["n2", "n3", "n4"], restart=0))
+
+    genuine = socket.create_connection(where)
+    genuine.sendall(hello("c3", 1, "n3") + seal(KEY, "c3", RANK, 1, "failed comm 0"))
+    pump(links, lambda: links.ranks() and links.ranks()[0].failed, restart=0)
+    [link] = links.ranks()
+    link.failed = ""
+    seen.clear()
+    forgers = [socket.create_connection(where) for _ in range(4)]
+    forgers[0].sendall(b"x 1 n2\nfailed comm 99999\n12 1 n2\n")  # the old protocol's words
+    forgers[1].sendall(hello("d4", 0, "n2", key=bytes(32)))  # another job's key
+    forgers[2].sendall(hello("c3", 1, "n3"))  # the genuine hello, replayed
+    forgers[3].close()  # opens and closes
+    genuine.sendall(seal(KEY, "c3", RANK, 1, "failed comm 0"))  # a genuine line replayed on its own connection
+    watch(1.5)
+    assert [r.rank for r in links.ranks()] == [1] and link.failed == "" and not link.done
+    assert [(ev[1], ev[2]) for ev in seen] == [(link, None)]  # the genuine connection's bytes; no end, no failure
+    flood = [socket.create_connection(where) for _ in range(in_job_port.MAX_PENDING + 8)]
+    watch(0.3)
+    pending = [k for k in links.sel.get_map().values() if k.fileobj is not links.server and k.data.rank < 0]
+    assert len(pending) <= in_job_port.MAX_PENDING
+    watch(1.0)  # HELLO_S passed: every silent one is gone
+    assert len(links.sel.get_map()) == 2  # the listening socket and the genuine rank
+    err = capfd.readouterr().err
+    assert "said who it is without the job's key" in err and "not signed with the job's key" in err, err
+    assert "the job goes on" in err
+    for sock in (*forgers, *flood, genuine):
+        sock.close()
+    links.close_all()
+
+
+def test_a_connection_from_outside_the_jobs_nodes_is_bounded_tighter() -> None:
+    """An address Slurm does not give for the job's nodes may hold at most MAX_FOREIGN waiting
+    connections; a rank that connects from one with the job's key is taken (a site's data network)."""
+    links = Links("127.0.0.1", KEY, {"10.251.0.11"})  # this host's 127.0.0.1 is no node of the job's
+    host, port = links.address.rsplit(":", 1)
+    socks = [socket.create_connection((host, int(port))) for _ in range(in_job_port.MAX_FOREIGN + 3)]
+    pump(links, lambda: False, within=0.5)
+    pending = [k for k in links.sel.get_map().values() if k.fileobj is not links.server]
+    assert len(pending) == in_job_port.MAX_FOREIGN
+    for sock in socks:
+        sock.close()
+    pump(links, lambda: False, within=0.3)
+    with socket.create_connection((host, int(port))) as rank:
+        rank.sendall(hello("e5", 0, "n2"))
+        pump(links, lambda: links.ranks())
+        assert [r.rank for r in links.ranks()] == [0] and links.known == {"10.251.0.11", "127.0.0.1"}
+    links.close_all()
+
+
+@pytest.fixture
+def keyed(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """A job folder holding job 77's key, and a rank's environment naming a supervisor."""
+    signed_store.make_key(tmp_path, "77")
+    yield str(tmp_path), {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "3", "SLURM_PROCID": "1", "SLURMD_NODENAME": "n3"}
+    for line in in_job_link._KEPT:
+        line.sock.close()
+    in_job_link._KEPT.clear()
+    while not in_job_link._ANSWERS.empty():
+        in_job_link._ANSWERS.get_nowait()
+
+
+def test_a_rank_and_its_supervisor_speak_on_the_jobs_key(keyed: tuple[str, dict[str, str]]) -> None:
+    """Both ends as the job runs them: the rank reads the job's key file and reports in, the
+    supervisor (holding the same key) takes it, the rank's failure reaches it, and its `again 4`
+    is the restart number the rank runs under."""
+    folder, env = keyed
+    key = in_job_link.job_key(folder, env)
+    assert key is not None and len(key) == 32
+    links = Links("127.0.0.1", key, {"127.0.0.1"})
+    in_job_link.report_in(folder, {**env, "HPCDIST_SUPERVISOR": links.address})
+    pump(links, lambda: links.ranks(), within=5)
+    [link] = links.ranks()
+    assert (link.rank, link.node) == (1, "n3")
+    links.tell("again 4")
+    assert in_job_link.again(True, 0) == 4
+    pump(links, lambda: link.failed, restart=0)
+    assert link.failed == "comm"
     links.close_all()

@@ -25,6 +25,7 @@ import h5py
 import pytest
 
 import hpcdist
+from hpcdist.config.contract import IMITATE_ABORT_VAR
 from hpcdist.store.records import health
 from hpcdist.store.results import read_attrs, read_table
 from tests.netfault import killed, revive
@@ -71,11 +72,11 @@ def reference(root: Path, ranks: int) -> list[float]:
 
 
 def submit_spared(root: Path, *sets: str, timeout_s: int = 5,
-                  script: tuple[str, ...] = ("--step-s", "0.25")) -> Background:
+                  script: tuple[str, ...] = ("--step-s", "0.25"), env: dict[str, str] | None = None) -> Background:
     """elastic_sgd.py (a checkpoint every step) through `hpcdist submit --wait` on the cluster, `sets` added."""
     return Background(["submit", "--site", "local-slurm", "--wait", *storage_sets(root),
                        "--set", f"timeout_s={timeout_s}", *sets,
-                       "--", str(SCRIPT), "--steps", str(STEPS), "--every", "1", *script])
+                       "--", str(SCRIPT), "--steps", str(STEPS), "--every", "1", *script], env=env)
 
 
 def spared(root: Path, *sets: str, kills: tuple[str, ...], between: str = "") -> tuple[str, Run]:
@@ -130,6 +131,7 @@ def test_a_killed_rank_then_a_dead_node_go_on_in_the_same_allocation(four_nodes:
     root = four_nodes
     uri = f"sqlite:///{root / 'mlflow.db'}"
     job = submit_spared(root, "--set", "resources.nodes=3", "--set", "resources.spare_nodes=1",
+                        "--set", "on_rank_failure=in_place",
                         "--set", f"tracking.mlflow={{uri: '{uri}', experiment: spare}}", timeout_s=10)
     ckpts = root / "checkpoints" / "elastic_sgd"
     try:
@@ -147,10 +149,14 @@ def test_a_killed_rank_then_a_dead_node_go_on_in_the_same_allocation(four_nodes:
         job.kill()
     attrs = assert_went_on(jid, result, ["n1", "n2", "n4"], ["n3"], root)
     assert 20 <= attrs["resumed_from"] < STEPS and attrs["ran_with"] == 3, attrs
-    assert "rank 2 started again alone, the others in their processes (in-place restart 1 of" in batch_log(root)
+    assert "rank 2 started again alone, the others in their processes (in-place restart 1; 1 of the 3 an hour" \
+        in batch_log(root)
     logs = "\n".join(p.read_text(errors="replace") for p in sorted((root / "logs").rglob("*_log.err")))
     from_memory = re.findall(r"\[rank (\d)/3 \S+\] INFO checkpoint step \d+: the state from the ranks' memory", logs)
     assert sorted(from_memory) == ["0", "1", "2"], from_memory  # rank 2, started again, got it from a peer
+    own = {r: "\n".join(p.read_text(errors="replace") for p in (root / "logs").rglob(f"*_{r}_log.err")) for r in (0, 2)}
+    assert "[rank 2/3 " not in own[0]  # rank 2's new process wrote its own log, not task 0's (the batch log)
+    assert own[2].count("INFO group ready: rank 2/3 ") >= 2, own[2][-3000:]  # its first process's run and the new one's
     got = losses(result_path(result.out))
     assert got == reference(root, 3)  # bit for bit, each step once
     client = MlflowClient(uri)
@@ -169,6 +175,7 @@ def test_a_hung_rank_then_a_communication_error_everywhere_restart_in_place(four
     and every loss bit for bit the uninterrupted run's."""
     root = four_nodes
     job = submit_spared(root, "--set", "resources.nodes=3", "--set", "resources.spare_nodes=1",
+                        "--set", "on_rank_failure=in_place",
                         script=("--hang-rank", "1", "--hang-at", "6", "--comm-error-at", "12"))
     try:
         jid = job_of(job)
@@ -186,12 +193,72 @@ def test_a_hung_rank_then_a_communication_error_everywhere_restart_in_place(four
     assert "rank 1 started again alone, the others in their processes" in log, log
     assert result.code == 0, result.text
     assert f"job {jid} finished: COMPLETED; 3/3 ranks succeeded" in result.out, result.out
-    assert "every rank runs the job again in its process (in-place restart 2 of" in log, log
+    assert "every rank runs the job again in its process (in-place restart 2; 2 of the 3 an hour" in log, log
     ranks_log = "\n".join(p.read_text(errors="replace") for p in sorted((root / "logs").rglob("*_log.err")))
     for rank in (0, 1, 2):  # rank 1's new process, and ranks 0 and 2 twice in theirs
         assert f"hpcdist: rank {rank} runs the job again in its process (in-job restart 2)" in ranks_log
     one_run(jid)
     assert read_attrs(result_path(result.out))["resumed_from"] == 11
+    assert losses(result_path(result.out)) == reference(root, 3)
+
+
+def test_a_hung_rank_under_nccls_abort_path_starts_the_step_again(four_nodes: Path) -> None:
+    """3 nodes + 1 spare, on_rank_failure left at its default (step): rank 1 hangs at step 6. Its
+    peers' all_reduce raises nothing, as under NCCL (gloo made to imitate it, IMITATE_ABORT_VAR):
+    their abort watch writes the summary and ends them with exit 124 (HUNG_EXIT), as on a GPU. The
+    supervisor takes that for a hang, not for an error of the job's code: every rank starts again
+    in a new process on the same nodes. One run, every loss bit for bit the uninterrupted run's."""
+    root = four_nodes
+    job = submit_spared(root, "--set", "resources.nodes=3", "--set", "resources.spare_nodes=1",
+                        script=("--hang-rank", "1", "--hang-at", "6"), env={IMITATE_ABORT_VAR: "60"})
+    try:
+        jid = job_of(job)
+        result = job.finish(180)
+    finally:
+        job.kill()
+    log = batch_log(root)
+    assert result.code == 0, result.text + log[-3000:]
+    assert f"job {jid} finished: COMPLETED; 3/3 ranks succeeded" in result.out, result.out
+    assert re.search(r"in-job: rank [02] on n\d ended by a signal \(its collective hung: it ended itself, exit 124\) "
+                     r"while every node answers: the step starts again on the same nodes \(in-place restart 1; ",
+                     log), log
+    one_run(jid)
+    assert read_attrs(result_path(result.out))["resumed_from"] == 5
+    assert losses(result_path(result.out)) == reference(root, 3)
+
+
+def test_a_node_whose_ranks_die_twice_gives_them_to_a_spare(four_nodes: Path) -> None:
+    """3 nodes + 1 spare, on_rank_failure at its default (step): rank 2's process on n4 is
+    SIGKILLed after step 10 with n4 answering: the step starts again on the same nodes. It is
+    killed again after step 20: a node whose ranks die twice within 30 min (a GPU's Xid, ECC
+    errors, the OOM killer) gets no third chance. n4 is marked with the reason and the step goes
+    on on the spare n1 with n2 and n3: one run, every step once, bit for bit."""
+    root = four_nodes
+    job = submit_spared(root, "--set", "resources.nodes=3", "--set", "resources.spare_nodes=1", timeout_s=10)
+    ckpts = root / "checkpoints" / "elastic_sgd"
+    try:
+        jid = job_of(job)
+        killed_pids: list[int] = []
+        for step in (10, 20):
+            committed_step(job, ckpts / f"step_{step:08d}.h5")
+            pids = wait_for(lambda: (lambda p: p if len(p) == 3 and p[2] not in killed_pids else None)(
+                rank_pids(str(root / "logs"))), 30, "the 3 ranks' processes")
+            os.kill(pids[2], signal.SIGKILL)
+            killed_pids.append(pids[2])
+        result = job.finish(180)
+    finally:
+        job.kill()
+    log = batch_log(root)
+    assert result.code == 0, result.text + log[-3000:]
+    assert f"job {jid} finished: COMPLETED; 3/3 ranks succeeded" in result.out, result.out
+    one_run(jid)
+    assert "the step starts again on the same nodes (in-place restart 1; " in log, log
+    assert re.search(r"in-job: node n4 is moved off: its ranks go to a spare \(its ranks died by a signal 2 times "
+                     r"within 30 min \(the last: Killed\)", log), log
+    attrs = read_attrs(result_path(result.out))
+    assert attrs["hosts"] == ["n1", "n2", "n3"] and attrs["resumed_from"] >= 20, attrs
+    marks = {(m.node, m.source): m.reason for m in health.marks(root / "scratch" / "node-health")}
+    assert list(marks) == [("n4", "node_failure")] and "died by a signal 2 times" in marks["n4", "node_failure"]
     assert losses(result_path(result.out)) == reference(root, 3)
 
 
@@ -315,3 +382,24 @@ def test_an_executor_function_goes_on_on_the_spare(four_nodes: Path) -> None:
     assert values[0]["losses"] == values[1]["losses"] == reference(root, 2)  # bit for bit, each step once
     one_run(job.job_id)
     assert ckpts.exists()
+
+
+def test_spares_are_counted_where_marked_nodes_are_excluded(tmp_path: Path) -> None:
+    """A node marked bad (as any node death leaves it, for health.exclude_for_h) leaves 3 of the 4
+    nodes: a job of 3 nodes + 1 spare no longer fits. `hpcdist submit` says so in one line naming
+    the mark, the spare and what to set, before sbatch (which said "Requested node configuration
+    is not available")."""
+    from hpcdist.scheduler.slurm_cluster import node_states
+
+    states = node_states()
+    assert states is not None, "sinfo could not be asked"
+    members = [n for n, st in states.items() if "cpu" in st.partitions]
+    store = storage_sets(tmp_path)
+    marked = run_cli("nodes", "--site", "local-slurm", *store, "--mark", members[-1], "--reason", "ECC errors")
+    assert marked.code == 0, marked.text
+    short = run_cli("submit", "jobs/smoke.yaml", "--site", "local-slurm", *store,
+                    "--set", f"resources.nodes={len(members) - 1}", "--set", "resources.spare_nodes=1")
+    assert short.code == 2 and len(short.err.strip().splitlines()) == 1 and "submitted" not in short.out, short.text
+    assert (f"would leave {len(members) - 1} of partition cpu's {len(members)} nodes for a job of "
+            f"{len(members) - 1} nodes + 1 spare: {members[-1]}: ") in short.err, short.err
+    assert "ECC errors" in short.err and "set resources.spare_nodes=0 (fewer spares)" in short.err, short.err

@@ -1,23 +1,22 @@
 """``ctx.checkpoints``: the job's ``CheckpointStore`` as every rank uses it.
 
-Rank 0 claims the directory (one writer per directory) and writes; every rank returns once a
-save is committed (or raises the same error); every rank loads the one step rank 0 resolved.
-While rank 0 writes, verifies or scans, the other ranks wait on a group of their own whose
-timeout is the checkpoint I/O budget (``io_timeout_s``): a large checkpoint on slow storage is
-not a hang, and every outcome, errors included, reaches every rank alike.
-At one rank (or with ``replicated=False``) ``save`` nests the state, encoded, under ``/state``;
-``save_tree`` writes a store tree as it is at the file's root (the GPT's ``/model`` that
-``infer_gpt`` reads). Either may run in the background: the caller waits only for the copy to host
-memory, and the next save, ``wait`` or ``Context.close`` learns how it ended.
+Rank 0 claims the directory (one writer per directory) and writes; every rank returns once a save is
+committed (or raises the same error); every rank loads the one step rank 0 resolved. While rank 0
+writes, verifies or scans, the other ranks wait on a group of their own whose timeout is the checkpoint
+I/O budget (``io_timeout_s``): a large checkpoint on slow storage is not a hang, and every outcome,
+errors included, reaches every rank alike. At one rank (or with ``replicated=False``) ``save`` nests the
+state, encoded, under ``/state``; ``save_tree`` writes a store tree as it is at the file's root (the
+GPT's ``/model`` that ``infer_gpt`` reads). Either may run in the background: the caller waits only for
+the copy to host memory, and the next save, ``wait`` or ``Context.close`` learns how it ended.
 
-At two ranks or more, and for DTensors (FSDP2, tensor parallelism), ``save`` takes the sharded
-path, ``hpcdist.store.sharded.checkpoint``: every rank writes its own part (each replicated value once) and
-rank 0 commits the one index, all through DCP on the checkpoint I/O group.
-``load_latest(into=state)`` fills a state of any layout in place; ``load_latest()`` gives every
-rank the whole state, read and verified once per node (``hpcdist.store.sharded.node_read``), or,
-after an in-place restart, from the ranks' memory (``hpcdist.api.kept``). Either resumes only from
-checkpoints no one else could have written (``hpcdist.store.checkpoint.owned``): another user's
-folder is one CheckpointError on every rank, another user's step is skipped with a warning.
+At two ranks or more, and for DTensors (FSDP2, tensor parallelism), ``save`` takes the sharded path,
+``hpcdist.store.sharded.checkpoint``: every rank writes its own part (each replicated value once) and
+rank 0 commits the one index, all through DCP on the checkpoint I/O group. ``load_latest(into=state)``
+fills a state of any layout in place; ``load_latest()`` gives every rank the whole state, read and
+verified once per node (``hpcdist.store.sharded.node_read``), or, after an in-place restart, from the
+ranks' memory (``hpcdist.api.kept``). Either resumes only from checkpoints no one else could have
+written (``hpcdist.store.checkpoint.owned``): another user's folder is one CheckpointError on every
+rank, another user's step is skipped with a warning.
 """
 
 from __future__ import annotations
@@ -41,8 +40,7 @@ if TYPE_CHECKING:
 
 
 class Owner(Protocol):
-    """What the checkpoints of a rank use of its context (``hpcdist.api.Context`` is one; this
-    module stands below the context and does not import it)."""
+    """What the checkpoints use of a rank's context (``hpcdist.api.Context``, which this module does not import)."""
 
     log: logging.Logger
     io_timeout_s: float | None
@@ -52,6 +50,8 @@ class Owner(Protocol):
     def rank(self) -> int: ...
     @property
     def world_size(self) -> int: ...
+    @property
+    def local_rank(self) -> int: ...
     @property
     def is_main(self) -> bool: ...
     @property
@@ -161,7 +161,7 @@ class Checkpoints:
                 attrs = {**(attrs or {}), PER_RANK_ATTR: json.dumps({"keys": sorted(per_rank),
                                                                      "world_size": self.ctx.world_size})}
             elif replicated and not holds_dtensor(state):
-                kept.keep(str(self.directory), step, state)  # in a job with spares: a copy in memory
+                kept.keep(str(self.directory), step, state, self.ctx.local_rank, self.ctx.log)  # with spares: in memory
             return self._save_sharded(step, full, attrs, background, index)
         if index is not None:
             raise ValueError("index= is for sharded saves; put the values into the state")
@@ -282,7 +282,7 @@ class Checkpoints:
             raise CheckpointError(error)
         if step is None:
             return None
-        state = kept.share(str(self.directory), step, self.ctx.rank, self._io_group, self.ctx.log)
+        state = kept.share(str(self.directory), step, self.ctx.rank, self.ctx.local_rank, self._io_group, self.ctx.log)
         if state is not None:  # restarted in place: the state from the ranks' memory, not the storage
             self._restore_counts({COUNT_ATTR: counts})
             return step, state

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from hpcdist.api.checkpoints import Checkpoints
-from hpcdist.config.contract import LAUNCH_TIME_VAR
+from hpcdist.config.contract import LAUNCH_TIME_VAR, RERUN_VAR
 from hpcdist.errors import JobError
 from hpcdist.runtime import requeue as rq
 
@@ -88,6 +88,9 @@ class Context:
         self.restarts, self.max_requeues = rq.restart_count(os.environ), site.preemption.max_requeues
         self.node_failure_restarts = _node_failure_runs(job) if self.restarts else 0
         self.requeue_count = rq.Requeues().at_least(self.restarts, self.node_failure_restarts)
+        # on_rank_failure: in_place: how often this process ran the job before (its module globals, threads and
+        # CUDA memory are as the failed run left them; torch.compile's caches were reset)
+        self.reruns = int(os.environ.get(RERUN_VAR, "0") or 0)
         self.stop_kind: rq.StopKind | None = None  # once should_stop() said True: time-out or preemption
         self.stop_signal = ""  # the signal that stopped the job (TERM, USR2), once should_stop() said True
         for name_ in rq.watch((site.preemption.signal, "TERM")):

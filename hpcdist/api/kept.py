@@ -9,9 +9,12 @@ storage (the newest committed that verifies), the ranks say whether they hold th
 (``share``): when all do, each uses its own copy; when some do, the lowest such rank sends its
 copy to the others over the checkpoint I/O group (the structure as plain data, the tensors as
 tensors: nothing is unpickled); when none does, the storage is read as always. A copy of any other
-step (a save that failed to commit) is never used. The cost is one host copy of the state per
-rank, only in a job with spares that restarts ranks in place (``KEEP_STATE_VAR``), and only for a
-replicated state without per-rank values or DTensors.
+step (a save that failed to commit) is never used. The cost is bounded: one host copy of the state
+per node (its local rank 0 keeps it; the copy of the step before is dropped first, and a GPU's
+tensors are copied to pinned memory behind the step's own work on its stream, not waited for), none
+where the copy would take more than half of what the node has free (said once in the log), only in
+a job with spares that restarts ranks in place (``on_rank_failure: in_place``, ``KEEP_STATE_VAR``),
+and only for a replicated state without per-rank values or DTensors.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from hpcdist.api.codec import decode, encode
 from hpcdist.config.contract import KEEP_STATE_VAR
 
 _KEPT: dict[str, tuple[int, Any]] = {}  # checkpoint directory -> (step, encoded state on the host)
+_SKIPPED: set[str] = set()  # the directories whose state was too large to keep (said once)
+FREE_SHARE = 0.5  # the most of the node's available memory one copy may take
 _TENSOR = "__kept_tensor__"  # a tensor's place in the structure that travels as plain data
 
 
@@ -34,26 +39,59 @@ def wanted(env: Mapping[str, str] | None = None) -> bool:
     return (os.environ if env is None else env).get(KEEP_STATE_VAR) == "1"
 
 
-def keep(directory: str, step: int, state: Mapping[str, Any]) -> None:
-    """In a job with spares, a host copy of `state`, saved as `step` in `directory` (the tensors
-    copied now: training goes on); nothing elsewhere."""
-    if not wanted():
+def keep(directory: str, step: int, state: Mapping[str, Any], local_rank: int, log: logging.Logger) -> None:
+    """In a job with spares, on a node's local rank 0, a host copy of `state`, saved as `step` in
+    `directory` (the tensors copied now, a GPU's behind the work already queued on its stream:
+    training goes on); nothing elsewhere, and nothing where it would not fit."""
+    if not wanted() or local_rank != 0:
         return
     import torch
+
+    _KEPT.pop(directory, None)  # never two copies at once
+    encoded = encode(dict(state))
+    size, free = _nbytes(encoded), _available()
+    if free is not None and size > FREE_SHARE * free:
+        if directory not in _SKIPPED:
+            _SKIPPED.add(directory)
+            log.warning("checkpoint state of %.1f GB not kept in memory for an in-place restart: the node has %.1f GB "
+                        "free; a rank started again reads it from the storage", size / 1e9, free / 1e9)
+        return
 
     def host(value: Any) -> Any:
         if isinstance(value, dict):
             return {k: host(v) for k, v in value.items()}
         if isinstance(value, torch.Tensor):
+            if value.is_cuda:
+                pinned = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+                return pinned.copy_(value.detach(), non_blocking=True)
             return value.detach().to("cpu", copy=True)
         if hasattr(value, "dtype") and hasattr(value, "shape"):  # a numpy array: a tensor, as a load gives it
             return torch.tensor(value)
         return value
 
-    _KEPT[directory] = (step, host(encode(dict(state))))
+    _KEPT[directory] = (step, host(encoded))
 
 
-def share(directory: str, step: int, rank: int, group: Any, log: logging.Logger) -> dict[str, Any] | None:
+def _nbytes(tree: Any) -> int:
+    if isinstance(tree, dict):
+        return sum(_nbytes(v) for v in tree.values())
+    return int(getattr(tree, "nbytes", 0) or 0)
+
+
+def _available() -> int | None:
+    """What this node has free (MemAvailable), in bytes; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def share(directory: str, step: int, rank: int, local_rank: int, group: Any,
+          log: logging.Logger) -> dict[str, Any] | None:
     """In a job with spares, the state saved as `step` in `directory`, from this rank's copy or a
     peer's (every rank of `group` calls this alike); None when no rank holds it (or outside such a
     job, or with no group), and the caller reads the storage."""
@@ -61,6 +99,9 @@ def share(directory: str, step: int, rank: int, group: Any, log: logging.Logger)
         return None
     import torch
     import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # a kept copy of GPU tensors is complete
 
     from hpcdist.runtime.plain import all_gather_plain, broadcast_plain
 
@@ -81,7 +122,8 @@ def share(directory: str, step: int, rank: int, group: Any, log: logging.Logger)
             dist.broadcast(tensor, src=src, group=group)
         if rank != src:
             mine = _filled(skeleton, iter(tensors))
-            _KEPT[directory] = (step, mine)
+            if local_rank == 0:  # the node's copy, for the next restart
+                _KEPT[directory] = (step, mine)
     log.info("checkpoint step %d: the state from the ranks' memory (rank %d's), not the storage", step, src)
     return decode(_cloned(mine))
 

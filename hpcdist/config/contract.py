@@ -17,6 +17,7 @@ SUPERVISOR_VAR = "HPCDIST_SUPERVISOR"
 # a rank started again alone while the others go on in their processes (in-place restart): the ranks it
 # takes ("2" or "2,3", one per task of its step), the world size, the ranks' nodes and tasks per node
 IN_PLACE_VAR = "HPCDIST_IN_PLACE"
+RERUN_VAR = "HPCDIST_RERUN_IN_PROCESS"  # how often this process ran the job before (on_rank_failure: in_place)
 KEEP_STATE_VAR = "HPCDIST_KEEP_STATE"  # "1": ranks keep their last checkpoint in memory (on_rank_failure: in_place)
 # for fault tests on CPU: gloo made to end a rank as NCCL's watchdog does (hpcdist.runtime.abort):
 # its collectives never raise, and the rank aborts (SIGABRT) this many seconds after the timeout
@@ -25,6 +26,10 @@ CALL_JOB_VAR = "HPCDIST_CALL_JOB"  # a direct Executor call's spec and site (a 0
 # hpcdist's own line in the batch log when a requeued run ends before its ranks start
 # (hpcdist.runtime.node_failure writes it, hpcdist.login.postmortem reads it)
 STOPPED = "hpcdist: not run again: "
+# A rank whose collective hung ends itself with this status once its summary is written and NCCL's
+# watchdog did not end it (hpcdist.runtime.abort): the in-job supervisor takes it for a hang, not
+# for an error of the job's code, and starts the rank again as it would a killed one.
+HUNG_EXIT = 124
 LOCAL_AFTER_VAR = "HPCDIST_LOCAL_AFTER"  # local site: "PID:START" of a job to wait for first (map_array's max_parallel)
 
 

@@ -279,6 +279,10 @@ class Preemption(Frozen):
     signal: Literal["USR1", "USR2", "TERM", "INT", "HUP"] = "USR2"
     seconds_before_end: int = Field(default=120, ge=0)
     max_requeues: int = Field(default=3, ge=0)
+    in_job_restarts_per_hour: int = Field(
+        default=3, ge=0, description="a job with spare nodes: in-place restarts (a rank killed or hung on a live "
+        "node, started again there) it may take in any hour; a rate, so a long job with a fault a day never runs "
+        "out; past it the job ends, naming the fault")
 
     def warning_s(self, limit_s: float) -> int:
         """Seconds before the time limit that the signal comes: ``seconds_before_end``, or half

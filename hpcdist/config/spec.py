@@ -101,9 +101,10 @@ class JobSpec(Frozen):
         default=None, description="when a node dies: run again without it (requeue) or end (fail); "
         "None: the kind's default (requeue for train_gpt, fail for the others)")
     on_rank_failure: Literal["in_place", "step"] = Field(
-        default="in_place", description="a job with spare nodes, when a rank's process dies or hangs on a live node: "
-        "start that rank again alone while the others run the job again in their processes (in_place: the job's "
-        "code runs twice in one process), or start every rank again in a new process (step)")
+        default="step", description="a job with spare nodes, when a rank's process dies or hangs on a live node: "
+        "start every rank again in a new process (step, the default), or start that rank again alone while the "
+        "others run the job again in their processes (in_place: faster, for code written to run twice in one "
+        "process: module globals, threads and CUDA memory stay as the failed run left them)")
     container: Container | None = Field(default=None, description="the image each rank runs in (over the site's)")
     folder: str | None = Field(default=None, description="where the job's pickles and per-rank logs go (submitit's "
                                "folder; %j is the job id); default <storage.logs>/<name>/%j")

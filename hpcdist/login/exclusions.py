@@ -104,13 +104,17 @@ def _check_enough(found: Exclusions, spec: JobSpec, name: str, partition: Partit
     else:
         total = partition.nodes
         left = total - len(excluded)
-    wanted = spec.resources.nodes
+    res = spec.resources
+    wanted = res.nodes + res.spare_nodes  # Slurm holds the spares too
     if left >= wanted:
         return
     marks = "; ".join(m.describe() for m in found.marked)
+    job = f"{res.nodes} nodes + {res.spare_nodes} spare" if res.spare_nodes else f"{wanted}"
+    fewer = (f"set resources.spare_nodes={max(left - res.nodes, 0)} (fewer spares), "
+             if res.spare_nodes and left >= res.nodes else "")
     raise SubmitError(
         f"excluding the nodes marked bad would leave {max(left, 0)} of partition {name}'s {total} nodes for a job "
-        f"of {wanted}: {marks}; if a node is fine again run `hpcdist nodes --clear NODE` (or `--clear all`), "
+        f"of {job}: {marks}; {fewer}if a node is fine again run `hpcdist nodes --clear NODE` (or `--clear all`), "
         f"or set site health.exclude_for_h=0 to submit without the record"
     )
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpcdist.config.contract import IMITATE_ABORT_VAR
+from hpcdist.config.contract import HUNG_EXIT, IMITATE_ABORT_VAR
 from hpcdist.store.records import last_error
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ log = logging.getLogger("hpcdist")
 
 INTERVAL_S = 0.5  # how often the flight recorder is read
 GRACE_S = 15.0  # after the summary, the longest a rank waits for NCCL's abort (and its dump) before it ends itself
-ENDED_EXIT = 124  # the exit status of a rank that ended itself after its summary
+ENDED_EXIT = HUNG_EXIT  # the exit status of a rank that ended itself after its summary
 DUMP_VAR, DUMP_FILE_VAR = "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE"
 
 

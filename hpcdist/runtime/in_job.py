@@ -10,26 +10,25 @@ spare kept longest.
 
 - **Sign of life.** Each rank connects to the supervisor as it starts and says who it is; the
   connection, kept with TCP keepalives, shows a dead or cut-off node in about 3 s and a rank's
-  process that ended at once (``hpcdist.runtime.in_job_link``, both ends of that line).
+  process that ended at once (``hpcdist.runtime.in_job_link``, the line and the rank's end;
+  ``hpcdist.runtime.in_job_port``, the supervisor's: every line signed with the job's key).
 - **Evidence.** A connection that timed out proves nothing alone (a network blip, a forged
   line): a node is dead when Slurm says so or its slurmd gives no TCP reply within a second
   (``rollcall.evidence``, the roll call's own test). The nodes are also checked when a rank's
   job fails, and when a rank ended and srun did not say how within ``SETTLE_S`` (a node that
   died before its rank connected: the others fail at their rendezvous).
-- **In-place restart, every node alive.** srun runs with ``--kill-on-bad-exit=0``: each task's
-  end is the supervisor's to judge (``in_job_steps.Step``). A rank whose process ended by a signal
-  (killed, aborted: the OOM killer, NCCL's watchdog, a segfault) is started again alone, in a step
-  of its own on its node, taking its rank (``IN_PLACE_VAR``); the others' jobs have raised (their
-  peer is gone), and each runs the job again in its own process under the next restart number,
-  with torch and its modules already imported and the last checkpoint in its memory
-  (``hpcdist.api.kept``: the newcomer gets it from them, not from the storage). A rank that says
-  nothing ``SILENT_S`` after another died or failed is stuck (in a collective whose peer left it
-  with the connection open) or hung: it ends itself on the supervisor's word and is started again
-  alike (one stuck in native code, which cannot: the step starts again whole). The others are told
-  to go on only then, so every rank meets at one new rendezvous. When every rank's communication
-  failed and none died, all run again in place. At most
-  ``preemption.max_requeues`` in-place restarts. A rank whose job raised anything else (an
-  exception of the job's code: a bug, bad input) ends the job as it would without spares.
+- **A rank's fault, every node alive.** srun runs with ``--kill-on-bad-exit=0 --wait=0``: each
+  task's end is the supervisor's to judge (``in_job_steps.Step``). A rank whose process ended by a
+  signal (the OOM killer, NCCL's watchdog, a segfault) or ended itself after a hung collective
+  (``HUNG_EXIT``) starts again: by default the whole step on the same nodes (``on_rank_failure:
+  step``); under ``in_place`` that rank alone, in a step of its own on its node taking its rank
+  (``IN_PLACE_VAR``), while the others run the job again in their processes under the next restart
+  number with the last checkpoint in memory (``hpcdist.api.kept``). A rank silent ``SILENT_S``
+  after another died or failed is stuck or hung: it ends itself on the supervisor's word (one stuck
+  in native code cannot: the step starts again whole), and only then are the others told to go
+  on, so every rank meets at one new rendezvous. At most ``preemption.in_job_restarts_per_hour``
+  such restarts in any hour; a node whose ranks die twice is taken out as a dead one
+  (``in_job_faults``). An exception of the job's own code ends the job as without spares.
 - **A dead node.** The steps are killed (``scancel --signal=KILL``); the dead node is marked in the
   site's node health record and in the job's node-failure record; a new step starts on the
   live nodes and a live spare with ``--overlap`` (the old step holds its CPUs until Slurm
@@ -61,8 +60,9 @@ from hpcdist.config.contract import (
     SUPERVISOR_VAR,
     restart_count,
 )
-from hpcdist.runtime.in_job_link import Links
-from hpcdist.runtime.in_job_steps import Step
+from hpcdist.runtime.in_job_faults import Budget, Faults, dead, node_addresses
+from hpcdist.runtime.in_job_port import Links
+from hpcdist.runtime.in_job_steps import HUNG_WORDS, Step
 
 STOP_WAIT_S = 10.0  # how long the ranks of a killed step on live nodes may take to end
 SETTLE_S = 5.0  # a rank ended: how long srun may take to end the step before the nodes are checked
@@ -84,6 +84,7 @@ class Failure:
     why: str = ""
     signalled: dict[int, str] | None = None  # ranks srun saw end by a signal ({}: none, every rank raised)
     hung: bool = False  # a hung rank did not end itself: the step starts again whole
+    faulty: dict[str, str] | None = None  # the nodes whose own rank died by a signal (not of a peer's hang), and how
 
 
 class Supervisor:
@@ -91,8 +92,9 @@ class Supervisor:
     a rank whose process died on a live node is started again alone, the others in their processes."""
 
     def __init__(self, srun: Sequence[str], job_id: str, nodes: Sequence[str], batch_node: str, want: int,
-                 floor: int, tasks_per_node: int, mark: Callable[[str, str, int], None], address: str,
-                 give_up: Callable[[str], int], max_in_place: int, alone: bool = True) -> None:
+                 floor: int, tasks_per_node: int, mark: Callable[[str, str, int], None], links: Links,
+                 give_up: Callable[[str], int], max_in_place: int, alone: bool = False,
+                 slurmds: dict[str, tuple[str, int]] | None = None) -> None:
         self.srun, self.job_id, self.want, self.floor, self.tasks = list(srun), job_id, want, floor, tasks_per_node
         self.nodes = list(nodes)  # Slurm's order: the ranks of a step are placed in it
         self.order = [n for n in nodes if n != batch_node] + [n for n in nodes if n == batch_node]
@@ -102,9 +104,11 @@ class Supervisor:
         self.running: list[Step] = []  # this restart's sruns: the ranks' step, and those of ranks started again
         self.mark = mark
         self.give_up = give_up  # what ends the supervisor when the job cannot go on here: a requeue, or the end
-        self.max_in_place, self.in_place = max_in_place, 0  # restarts after a rank's death by a signal
+        self.budget = Budget(max_in_place)  # in-place restarts allowed in any hour, and taken
         self.alone = alone  # such a rank starts again alone, the others in their processes (on_rank_failure)
-        self.links = Links(address)
+        self.links = links
+        self.slurmds = slurmds or {}  # each node's slurmd address, as Slurm gave it when the job began
+        self.faults = Faults()  # each live node's deaths of a rank by a signal, when
         self.reaped: list[subprocess.Popen[bytes]] = []  # scancels still waiting for Slurm's answer
 
     # ------------------------------------------------------------------ the steps
@@ -116,8 +120,14 @@ class Supervisor:
         self.running = [self._srun(self.active, n * self.tasks, list(range(n * self.tasks)), {})]
 
     def _srun(self, nodes: list[str], tasks: int, ranks: list[int], extra: dict[str, str]) -> Step:
+        """One srun of `ranks` on `nodes`. A task's end is the supervisor's to judge (srun kills no
+        other task for it, now or ``WaitTime`` later: the survivors of an in-place restart go on);
+        each rank's log is appended to, never truncated, by every run of it; a step of one rank
+        started again writes that rank's log, not task 0's."""
+        args = self.srun[1:] if len(ranks) != 1 or ranks == [0] else [a.replace("%t", str(ranks[0]))
+                                                                      for a in self.srun[1:]]
         argv = [self.srun[0], f"--nodes={len(nodes)}", f"--ntasks={tasks}", f"--nodelist={','.join(nodes)}",
-                "--overlap", "--kill-on-bad-exit=0", *self.srun[1:]]  # a task's end is the supervisor's to judge
+                "--overlap", "--kill-on-bad-exit=0", "--wait=0", "--open-mode=append", *args]
         env = {**os.environ, IN_JOB_RESTART_VAR: str(self.restarts), SUPERVISOR_VAR: self.links.address,
                KEEP_STATE_VAR: "1" if self.alone else "0", "SLURM_NTASKS": str(tasks), "SLURM_NPROCS": str(tasks),
                **extra}
@@ -126,21 +136,22 @@ class Supervisor:
     def again_in_place(self, ended: dict[int, str]) -> None:
         """The ranks in `ended` (rank: node) started again alone, each on its node; every other rank
         told to run the job again in its process, under the next restart number."""
-        self.in_place += 1
-        self.restarts += 1
+        self.take_restart()
         world = len(self.active) * self.tasks
         nodes = ",".join(sorted(self.active, key=self.nodes.index))
         for step in self.running:
             step.replaced |= set(ended) & set(step.ranks)
-        for node in sorted(set(ended.values())):
-            ranks = sorted(r for r, n in ended.items() if n == node)
-            self.running.append(self._srun([node], len(ranks), ranks, {
-                IN_PLACE_VAR: f"{','.join(map(str, ranks))};{world};{nodes};{self.tasks}"}))
+        for rank, node in sorted(ended.items()):  # a step each: its log is the rank's own
+            self.running.append(self._srun([node], 1, [rank], {IN_PLACE_VAR: f"{rank};{world};{nodes};{self.tasks}"}))
         who = (f"rank {','.join(map(str, sorted(ended)))} started again alone, the others in their processes"
                if ended else "every rank runs the job again in its process")
         _say(f"in-job step {self.restarts} on {','.join(self.active)} ({world} ranks) at {time.time():.3f}: {who} "
-             f"(in-place restart {self.in_place} of at most {self.max_in_place}, the site's preemption.max_requeues)")
+             f"({self.budget.line()})")
         self.links.tell(f"again {self.restarts}")
+
+    def take_restart(self) -> None:
+        self.budget.take()
+        self.restarts += 1
 
     def watch(self) -> Failure:
         """Until every step ended (its exit status), a node is suspect, or the ranks to start again
@@ -151,6 +162,7 @@ class Supervisor:
         killed_at: float | None = None  # silent ranks were told to end themselves
         killed: set[int] = set()  # which
         checked = False  # the nodes were checked since this watch began
+        succeeded: set[int] = set()  # the ranks that said (signed) that their job succeeded
         while True:
             for step in self.running:
                 if step.proc.poll() is not None:
@@ -161,14 +173,23 @@ class Supervisor:
                 node = failures[codes[0]][0]
                 return Failure(1, why=f"rank {codes[0]} on {node} exited with an error")
             signalled = {r: node for r, (node, _) in failures.items()}
+            faulty = {node: how for node, how in failures.values() if not how.startswith(HUNG_WORDS)}
             why = (f"rank {min(failures)} on {failures[min(failures)][0]} ended by a signal "
                    f"({failures[min(failures)][1]})" if failures else "every rank's communication failed")
             if signalled and not self.alone:
-                return Failure(None, why=why, signalled=signalled)
+                return Failure(None, why=why, signalled=signalled, faulty=faulty)
             if all(step.proc.returncode is not None for step in self.running):
                 code = max((s.proc.returncode or 0) for s in self.running if not s.replaced)
+                succeeded |= {link.rank for _, link, _ in self.links.events(0.5, self.active, self.restarts)
+                              if link.done}  # a rank's last line may come after srun's end
+                if code and not failures and succeeded >= set(range(len(self.active) * self.tasks)):
+                    _say(f"warning: srun exited {code} after every rank said that its job succeeded (srun's own "
+                         f"errors are above: its ports are open to anyone on the node): the job succeeded")
+                    code = 0
                 return Failure(code, why=f"srun exited {code}")
             for sock, rank, error in self.links.events(0.5, self.active, self.restarts):
+                if rank.done:
+                    succeeded.add(rank.rank)
                 if error is not None and error.errno in (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH):
                     return Failure(None, None, f"the connection of a rank on {rank.node or '?'} timed out "
                                    f"({error.strerror})")
@@ -202,7 +223,7 @@ class Supervisor:
                 continue
             silent = [r for r in ranks if not r.failed and not r.done]  # said nothing: stuck in a collective, or hung
             if not silent and killed <= set(signalled):  # every rank told to end did, as srun reports
-                return Failure(None, why=why, signalled=signalled)
+                return Failure(None, why=why, signalled=signalled, faulty=faulty)
             if killed_at is None and now - failed_at > SILENT_S:
                 if not self.alone:
                     return Failure(None, why=f"rank {','.join(str(r.rank) for r in silent)} said nothing", hung=True)
@@ -214,14 +235,8 @@ class Supervisor:
     # ------------------------------------------------------------------ the nodes
 
     def check(self, nodes: Sequence[str]) -> dict[str, str]:
-        """Those of `nodes` that are dead, each with its evidence (Slurm's word, or a slurmd that
-        does not answer)."""
-        from hpcdist.runtime.rollcall import evidence
-        from hpcdist.scheduler import slurm_cluster
-
-        known = slurm_cluster.node_states() or {}
-        asked = [n for n in nodes if n in known]
-        return {node: why for node, why in evidence(asked, known).items() if why}
+        """Those of `nodes` that are dead, each with its evidence (``in_job_faults.dead``)."""
+        return dead(nodes, self.slurmds)
 
     def stop(self, live: set[str]) -> None:
         """Every step's ranks killed, and its srun (which would wait for a dead node until Slurm
@@ -253,21 +268,23 @@ class Supervisor:
             noticed = time.time()
             dead = failure.dead
             if dead is None and (failure.signalled is not None or failure.hung):  # a rank died by a signal, or hung
-                dead = self.check(sorted(set((failure.signalled or {}).values())))
-                if not dead and self.in_place < self.max_in_place:
+                spares = [n for n in self.order if n not in self.active and n not in self.dead]
+                dead = self.check(sorted(set((failure.signalled or {}).values()))) or (
+                    self.faults.repeated(failure.faulty or {}) if spares else {})
+                if not dead and self.budget.allows():
                     if failure.hung or not self.alone:  # every rank in a new process: the step starts again whole
-                        _say(f"in-job: {failure.why} while every node answers: the step starts again on the same "
-                             f"nodes (in-place restart {self.in_place + 1} of at most {self.max_in_place})")
                         self.stop(set(self.active))
-                        self.in_place += 1
-                        self.restarts += 1
+                        self.take_restart()
+                        _say(f"in-job: {failure.why} while every node answers: the step starts again on the same "
+                             f"nodes ({self.budget.line()})")
                         self.launch()
                     else:
                         self.again_in_place(failure.signalled or {})
                     continue
                 if not dead:
-                    _say(f"in-job: {failure.why} while every node answers, and the {self.max_in_place} in-place "
-                         f"restarts of preemption.max_requeues are spent: the job ends")
+                    _say(f"in-job: {failure.why} while every node answers, and the job took the "
+                         f"{self.budget.per_hour} in-place restarts an hour that the site's "
+                         f"preemption.in_job_restarts_per_hour allows: the job ends (raise it to allow more)")
                     failure.returncode = 1
             dead = dead if dead is not None else self.check(self.active)
             if not dead:
@@ -278,7 +295,8 @@ class Supervisor:
                 return failure.returncode
             self.stop({n for n in self.active if n not in dead})
             for node, why in dead.items():
-                _say(f"in-job: node {node} died ({why}; {failure.why}) noticed at {noticed:.3f}")
+                how = "is moved off: its ranks go to a spare" if self.faults.repeats(node) else "died"
+                _say(f"in-job: node {node} {how} ({why}; {failure.why}) noticed at {noticed:.3f}")
                 self.mark(node, why, restart_count(os.environ) + 1)
             self.dead |= set(dead)
             line = self.replace(set(dead))
@@ -315,11 +333,14 @@ def _say(line: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m hpcdist.runtime.in_job FOLDER -- srun ...``: the batch script's launch of a job
     with spare nodes (FOLDER is submitit's, where the job's pickle holds its spec and site)."""
+    from hpcdist.errors import BootstrapError
     from hpcdist.runtime import node_failure
     from hpcdist.runtime.agent import SIGNAL_VAR, keep_alive_on
     from hpcdist.runtime.group import own_address
+    from hpcdist.runtime.in_job_link import job_key
     from hpcdist.runtime.node_failure import submitted
     from hpcdist.scheduler.hostlist import expand_hostlist
+    from hpcdist.scheduler.slurm_cluster import slurmd_addresses
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) < 3 or args[1] != "--":
@@ -350,9 +371,22 @@ def main(argv: list[str] | None = None) -> int:
             print(STOPPED + ends, file=sys.stderr, flush=True)
         return STOP_EXIT
 
+    try:
+        key = job_key(args[0], os.environ)
+    except BootstrapError as exc:
+        key, why = None, str(exc)
+    else:
+        why = f"no key file for job {job_id} in {args[0]}"
+    if key is None:
+        _say(f"error: the in-job supervisor signs its line to the ranks with the job's key: {why}; submit the job "
+             f"again")
+        return 1
+    slurmds = slurmd_addresses(nodes)
+    address = own_address(site.network.socket_ifname, False)
+    links = Links(address, key, node_addresses(nodes, slurmds) | {address})
     supervisor = Supervisor(args[2:], job_id, nodes, here, res.nodes, res.min_nodes or res.nodes, res.tasks_per_node,
-                            mark, own_address(site.network.socket_ifname, False), give_up,
-                            site.preemption.max_requeues, spec.on_rank_failure == "in_place")
+                            mark, links, give_up, site.preemption.in_job_restarts_per_hour,
+                            spec.on_rank_failure == "in_place", slurmds)
     return supervisor.run()
 
 

@@ -1,11 +1,19 @@
 """The connection between each rank of a job with spare nodes and its in-job supervisor
-(``hpcdist.runtime.in_job``): both ends of one line protocol. A rank says ``STEP RANK NODE`` as it
-starts, ``failed own|comm RESTART`` when its job raised, ``done`` when it succeeded; the
-supervisor answers ``again N``, ``stop``, or ``kill`` (a hung rank ends itself).
+(``hpcdist.runtime.in_job``): the line protocol, and the rank's end of it. A rank says ``hello NONCE STEP RANK
+NODE`` as it starts, ``failed own|comm RESTART`` when its job raised, ``done`` when it succeeded;
+the supervisor answers ``again N``, ``stop``, or ``kill`` (a hung rank ends itself).
 
+- **The job's line alone.** The supervisor's port is reachable by every user with a step on the
+  batch node (``/proc/net/tcp`` lists it). Every line, both ways, carries an HMAC-SHA256 made with
+  the job's key (the 0600 key file that also signs its rendezvous store,
+  ``hpcdist.runtime.signed_store``) over the direction, the connection's nonce (the rank's, random,
+  in its hello), a sequence number and the words; a reader takes only a line whose MAC matches and
+  whose sequence is above the last it took on that connection, and a hello whose nonce it has not
+  seen. A forged, replayed or foreign line is logged and ignored, and connections are bounded
+  (``hpcdist.runtime.in_job_port``, the supervisor's end).
 - **Sign of life.** The task runner connects to the supervisor as it starts (``report_in``) and
-  says who it is; the connection stays open, unread, for the process's life, and its kernel
-  answers the supervisor's keepalives.
+  says who it is; the connection stays open for the process's life, and its kernel answers the
+  supervisor's keepalives.
 - **In-place restart.** When a rank's process dies on a node that lives (killed, the OOM killer,
   a segfault), the other ranks are not started again: their job raises (a collective's peer is
   gone), and the task runner asks the supervisor (``again``), which answers with the next restart
@@ -17,26 +25,72 @@ supervisor answers ``again N``, ``stop``, or ``kill`` (a hung rank ends itself).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import queue
 import re
-import selectors
+import secrets
 import signal
 import socket
 import sys
 import threading
-from collections.abc import Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
 
 from hpcdist.config.contract import IN_PLACE_VAR, SUPERVISOR_VAR
 
-KEEPALIVE = (1, 1, 2)  # seconds idle, seconds between probes, probes: a silent node is noticed in ~3 s
 ANSWER_WAIT_S = 120.0  # how long a rank whose job failed waits for its supervisor's word
-_KEPT: list[socket.socket] = []  # this rank's connection to its supervisor, open while the process lives
+LINE_MAX = 1024  # a line longer than this is no line of the protocol
+RANK, SUPERVISOR = "rank", "supervisor"  # who signed a line: each end signs its own direction
+_DOMAIN = b"hpcdist-link-1\0"
+
+
+def seal(key: bytes, nonce: str, side: str, seq: int, words: str) -> bytes:
+    """The line `words`, signed by `side` on the connection `nonce` as its `seq`-th."""
+    return f"{_mac(key, nonce, side, seq, words)} {seq} {words}\n".encode()
+
+
+def unseal(key: bytes, nonce: str, side: str, line: str, after: int) -> tuple[int, str] | None:
+    """(sequence, words) of `line` when `side` signed it with `key` on the connection `nonce` and its
+    sequence is above `after` (the last taken); None for anything else: forged, altered, replayed,
+    or signed for another connection or direction."""
+    parts = line.strip().split(" ", 2)
+    if len(parts) != 3 or not parts[1].isdigit() or len(parts[1]) > 20:
+        return None
+    mac, seq, words = parts[0], int(parts[1]), parts[2]
+    if seq <= after or not hmac.compare_digest(mac.encode(), _mac(key, nonce, side, seq, words).encode()):
+        return None
+    return seq, words
+
+
+def _mac(key: bytes, nonce: str, side: str, seq: int, words: str) -> str:
+    message = b"\0".join((_DOMAIN, side.encode(), nonce.encode(), str(seq).encode(), words.encode()))
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+# ---------------------------------------------------------------------- the rank's end
+
+
+@dataclass
+class _Line:
+    """This rank's connection to its supervisor, open while the process lives."""
+
+    sock: socket.socket
+    key: bytes
+    nonce: str
+    sent: int = 0  # the sequence of this rank's last line (its hello is 0)
+    heard: int = 0  # the sequence of the supervisor's last line taken
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, words: str) -> None:
+        with self.lock:
+            self.sent += 1
+            self.sock.sendall(seal(self.key, self.nonce, RANK, self.sent, words))
+
+
+_KEPT: list[_Line] = []
 _ANSWERS: queue.Queue[str] = queue.Queue()  # the supervisor's words, as the listener read them
-# a failure of the ranks' communication (a peer gone, a collective or rendezvous timed out), not of the job's code
-_COMMUNICATION = re.compile(r"gloo|NCCL|c10d|ProcessGroup|rendezvous|Connection (reset|closed|refused)|Broken pipe|"
-                            r"[Tt]imed out")
 
 
 def supervised() -> bool:
@@ -63,10 +117,24 @@ def adopt(env: MutableMapping[str, str]) -> None:
             env[name] = str(value)
 
 
-def report_in(env: Mapping[str, str] | None = None) -> None:
-    """In a rank of a job with spares: connect to the supervisor and say who this is (its step,
-    rank and node). Nothing happens outside such a job, or when the supervisor cannot be reached
-    (it then learns of this rank only from its step)."""
+def job_key(folder: str, env: Mapping[str, str]) -> bytes | None:
+    """The job's key (its 0600 key file in submitit's folder `folder`), for both ends of the line;
+    None when the job has none. BootstrapError for a file that is not this user's own 0600 one."""
+    from hpcdist.config.contract import array_task_id
+    from hpcdist.runtime import signed_store
+
+    job_id = array_task_id(env) or env.get("SLURM_JOB_ID", "")
+    path = signed_store.key_file({**env, "SUBMITIT_FOLDER": folder}, job_id)
+    return signed_store.wait_for_key(path, signed_store.KEY_WAIT_S)
+
+
+def report_in(folder: str, env: Mapping[str, str] | None = None) -> None:
+    """In a rank of a job with spares: connect to the supervisor and say, signed with the job's key,
+    who this is (its step, rank and node). Nothing happens outside such a job, or when the
+    supervisor cannot be reached or the job has no key (it then learns of this rank only from its
+    step)."""
+    from hpcdist.errors import BootstrapError
+
     env = os.environ if env is None else env
     where = env.get(SUPERVISOR_VAR, "")
     if not where:
@@ -74,24 +142,31 @@ def report_in(env: Mapping[str, str] | None = None) -> None:
     host, _, port = where.rpartition(":")
     node = env.get("SLURMD_NODENAME") or socket.gethostname()
     try:
+        key = job_key(folder, env)
+        if key is None:
+            raise BootstrapError(f"the job has no key file in {folder} to sign its lines with")
         sock = socket.create_connection((host, int(port)), timeout=10)
-        sock.sendall(f"{env.get('SLURM_STEP_ID', '')} {env.get('SLURM_PROCID', '')} {node}\n".encode())
-    except (OSError, ValueError) as exc:
-        print(f"hpcdist: warning: cannot reach the job's supervisor at {where}: {exc}", file=sys.stderr, flush=True)
+        line = _Line(sock, key, secrets.token_hex(16))
+        who = f"{env.get('SLURM_STEP_ID') or '-'} {env.get('SLURM_PROCID') or '-'} {node}"
+        sock.sendall(seal(key, line.nonce, RANK, 0, f"hello {line.nonce} {who}"))
+    except (OSError, ValueError, BootstrapError) as exc:
+        print(f"hpcdist: warning: cannot report to the job's supervisor at {where}: {exc}; this rank is not "
+              f"started again in place", file=sys.stderr, flush=True)
         return
     sock.settimeout(None)
-    _KEPT.append(sock)
-    threading.Thread(target=_listen, args=(sock,), name="hpcdist-supervisor", daemon=True).start()
+    _KEPT.append(line)
+    threading.Thread(target=_listen, args=(line,), name="hpcdist-supervisor", daemon=True).start()
 
 
-def _listen(sock: socket.socket) -> None:
-    """The supervisor's words: ``again N`` and ``stop`` kept for ``again``; ``kill``: this rank hung
-    while the others' collectives failed, and ends now (SIGKILL: srun reports it killed, and the
-    supervisor starts it again alone)."""
+def _listen(line: _Line) -> None:
+    """The supervisor's words, each checked: ``again N`` and ``stop`` kept for ``again``; ``kill``:
+    this rank hung while the others' collectives failed, and ends now (SIGKILL: srun reports it
+    killed, and the supervisor starts it again alone). A line not signed by the supervisor on this
+    connection is said and ignored."""
     buffer = b""
     while True:
         try:
-            data = sock.recv(256)
+            data = line.sock.recv(256)
         except OSError:
             data = b""
         if not data:
@@ -99,35 +174,70 @@ def _listen(sock: socket.socket) -> None:
             return
         buffer += data
         while b"\n" in buffer:
-            line, _, buffer = buffer.partition(b"\n")
-            word = line.decode(errors="replace").strip()
+            raw, _, buffer = buffer.partition(b"\n")
+            taken = unseal(line.key, line.nonce, SUPERVISOR, raw.decode(errors="replace"), line.heard)
+            if taken is None:
+                print("hpcdist: warning: ignored a line from the supervisor's connection not signed with the job's "
+                      "key", file=sys.stderr, flush=True)
+                continue
+            line.heard, word = taken
             if word == "kill":
                 print("hpcdist: this rank hung while the others' collectives failed: its supervisor ends it, to "
                       "start it again", file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             _ANSWERS.put(word)
+        buffer = buffer[-LINE_MAX:]
 
 
 def communication_failure(exc: BaseException) -> bool:
-    """Whether `exc`, or an exception it came from, is a failure of the ranks' communication (a
-    torch.distributed error, gloo's or NCCL's, a rendezvous), as a peer's death or hang causes."""
+    """Whether `exc`, or an exception it came from, is a failure of the ranks' communication, as a
+    peer's death or hang causes: torch.distributed's own errors (``DistError`` and its kinds, the
+    backend's, the network's and the store's), a RuntimeError of gloo, NCCL or c10d (their source
+    file or their name in the text), a connection or time-out error raised inside
+    torch.distributed, or hpcdist's rendezvous (``BootstrapError``). An exception of the job's own
+    code is not, whatever its class is called or its text says (its own I/O's ConnectionError or
+    "Timed out"): running it again would fail again."""
     from hpcdist.errors import BootstrapError, chain
 
-    return any(isinstance(cur, (ConnectionError, TimeoutError, BootstrapError)) or type(cur).__name__.startswith("Dist")
-               or (isinstance(cur, RuntimeError) and _COMMUNICATION.search(str(cur))) for cur in chain(exc))
+    dist_error = _dist_error()
+    for cur in chain(exc):
+        if isinstance(cur, BootstrapError) or (dist_error is not None and isinstance(cur, dist_error)):
+            return True
+        if isinstance(cur, RuntimeError) and _LIBRARY.search(str(cur)):
+            return True
+        if isinstance(cur, (RuntimeError, ConnectionError, TimeoutError)) and _raised_in_torch_distributed(cur):
+            return True
+    return False
+
+
+_LIBRARY = re.compile(r"gloo/|\bProcessGroup(Gloo|NCCL|MPI)\b|\bNCCL (error|WARN|communicator)|"
+                                    r"\[c10d\]|\bc10d::")
+
+
+def _dist_error() -> type[BaseException] | None:
+    dist = sys.modules.get("torch.distributed")
+    found = getattr(dist, "DistError", None) if dist is not None else None
+    return found if isinstance(found, type) else None
+
+
+def _raised_in_torch_distributed(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and f"{os.sep}torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename
 
 
 def again(comm: bool, restart: int) -> int | None:
     """After this rank's job raised in its run of restart number `restart` (`comm`: a failure of
     its communication, ``communication_failure``): the restart number under which it runs the job
-    again in this process, when the supervisor
-    found another rank's process dead (or hung) on a live node, or every rank's communication
-    failed; None when the failure is the job's own (or there is no supervisor to ask, or it did
-    not answer within ``ANSWER_WAIT_S``), and the rank ends with it."""
+    again in this process, when the supervisor found another rank's process dead (or hung) on a
+    live node, or every rank's communication failed; None when the failure is the job's own (or
+    there is no supervisor to ask, or it did not answer within ``ANSWER_WAIT_S``), and the rank
+    ends with it."""
     if not _KEPT:
         return None
     try:
-        _KEPT[0].sendall(f"failed {'comm' if comm else 'own'} {restart}\n".encode())
+        _KEPT[0].send(f"failed {'comm' if comm else 'own'} {restart}")
         told = [_ANSWERS.get(timeout=ANSWER_WAIT_S)]
     except (OSError, queue.Empty):
         return None
@@ -142,117 +252,8 @@ def again(comm: bool, restart: int) -> int | None:
 def done() -> None:
     """This rank's job succeeded: its supervisor is told before the process ends (an end it then
     need not look into)."""
-    for sock in _KEPT:
+    for line in _KEPT:
         try:
-            sock.sendall(b"done\n")
+            line.send("done")
         except OSError:
             pass
-
-
-# ---------------------------------------------------------------------- the supervisor's end
-
-
-@dataclass
-class Link:
-    """A rank's connection as the supervisor holds it: its node and rank once it said them,
-    whether its job failed and it waits for the supervisor's word, or succeeded."""
-
-    node: str = ""
-    rank: int = -1
-    buffer: bytes = b""
-    failed: str = ""  # its job failed: "comm" (a collective or rendezvous: a peer's fault) or "own"
-    done: bool = False  # its job succeeded: the process ends next
-
-
-class Links:
-    """The supervisor's listening socket and every rank's connection, each kept with TCP keepalives
-    (``KEEPALIVE``): a node whose kernel stops answering (dead, or cut off) is noticed in about
-    3 s; a rank's process that ends closes its connection at once."""
-
-    def __init__(self, address: str) -> None:
-        self.server = socket.create_server((address, 0))
-        self.sel = selectors.DefaultSelector()
-        self.sel.register(self.server, selectors.EVENT_READ)
-        self.address = f"{address}:{self.server.getsockname()[1]}"
-        self.steps: set[str] = set()  # the Slurm step ids the ranks named
-
-    def events(self, timeout: float, nodes: Sequence[str], restart: int) -> list[tuple[socket.socket | None, Link,
-                                                                                    OSError | None]]:
-        """What the connections did within `timeout`: a line read (the socket), or an end (None,
-        with the error when it did not end cleanly); new connections accepted. A hello naming a
-        node outside `nodes` (the step's) is ignored, and so is a failure in a run before
-        `restart` (the current restart number): the rank was told ``again`` already."""
-        out: list[tuple[socket.socket | None, Link, OSError | None]] = []
-        for key, _ in self.sel.select(timeout):
-            if key.fileobj is self.server:
-                conn, _ = self.server.accept()
-                _keepalive(conn)
-                self.sel.register(conn, selectors.EVENT_READ, Link())
-                continue
-            sock, link = key.fileobj, key.data
-            assert isinstance(sock, socket.socket)
-            error: OSError | None = None
-            try:
-                data = sock.recv(4096)
-            except OSError as exc:
-                data, error = b"", exc
-            if data:
-                self._lines(link, data, nodes, restart)
-                out.append((sock, link, None))
-                continue
-            self.sel.unregister(sock)
-            sock.close()
-            out.append((None, link, error))
-        return out
-
-    def _lines(self, link: Link, data: bytes, nodes: Sequence[str], restart: int) -> None:
-        link.buffer += data
-        while b"\n" in link.buffer:
-            line, _, link.buffer = link.buffer.partition(b"\n")
-            words = line.decode(errors="replace").split()
-            if not link.node and len(words) == 3 and words[2] in nodes and words[1].isdigit():
-                link.node, link.rank = words[2], int(words[1])
-                if words[0].isdigit():
-                    self.steps.add(words[0])
-            elif link.node and len(words) == 3 and words[0] == "failed" and words[2].isdigit():
-                if int(words[2]) >= restart:
-                    link.failed = "comm" if words[1] == "comm" else "own"
-            elif link.node and words == ["done"]:
-                link.done = True
-        link.buffer = link.buffer[-256:]
-
-    def ranks(self) -> list[Link]:
-        """The connections of ranks that said who they are."""
-        return [key.data for key in self.sel.get_map().values() if key.fileobj is not self.server
-                and key.data.rank >= 0]
-
-    def connected(self, nodes: set[str]) -> int:
-        return sum(1 for key in self.sel.get_map().values() if key.fileobj is not self.server
-                   and key.data.node in nodes)
-
-    def tell(self, word: str, ranks: Sequence[Link] | None = None) -> None:
-        """`word` to `ranks` (all that said who they are)."""
-        for key in list(self.sel.get_map().values()):
-            if key.fileobj is not self.server and key.data.rank >= 0 and (
-                    ranks is None or any(key.data is r for r in ranks)):
-                try:
-                    key.fileobj.sendall(f"{word}\n".encode())  # type: ignore[union-attr]
-                except OSError:
-                    pass  # its end comes as an event
-                key.data.failed = ""
-
-    def close_all(self) -> None:
-        """Every rank's connection closed (the listening socket stays); the step ids forgotten."""
-        for key in list(self.sel.get_map().values()):
-            if key.fileobj is not self.server:
-                self.sel.unregister(key.fileobj)
-                key.fileobj.close()  # type: ignore[union-attr]
-        self.steps = set()
-
-
-def _keepalive(sock: socket.socket) -> None:
-    idle, interval, count = KEEPALIVE
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)

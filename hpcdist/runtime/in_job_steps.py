@@ -11,8 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpcdist.config.contract import HUNG_EXIT
 from hpcdist.scheduler.hostlist import task_end
 
+HUNG_WORDS = "its collective hung"  # how srun's report of a rank that ended itself after a hang is read
 # the supervisor's line at each step's start, in the batch log: the login side counts the ranks of the last
 STEP_LINE = re.compile(r"^hpcdist: in-job step \d+ on \S+ \((\d+) ranks\)", re.MULTILINE)
 
@@ -35,8 +37,9 @@ def ranks_of_last_step(logs: Sequence[Path]) -> int | None:
 @dataclass
 class Step:
     """One srun of the supervisor's: task i runs rank ``ranks[i]``; srun's report of each rank whose
-    task ended badly (``ended``: node, and the signal's name or "" for an exit code), and the ranks
-    started again elsewhere (``replaced``), whose end is not this step's failure."""
+    task ended badly (``ended``: node, and the signal's name, or how a rank whose collective hung
+    ended itself (``HUNG_EXIT``, NCCL's path), or "" for any other exit code: the job's own error),
+    and the ranks started again elsewhere (``replaced``), whose end is not this step's failure."""
 
     proc: subprocess.Popen[bytes]
     ranks: list[int]
@@ -59,6 +62,8 @@ class Step:
                 for task in tasks:
                     if task < len(self.ranks):
                         signal = "" if how.startswith("Exited") else how
+                        if how.strip() == f"Exited with exit code {HUNG_EXIT}":
+                            signal = f"{HUNG_WORDS}: it ended itself, exit {HUNG_EXIT}"
                         self.ended.setdefault(self.ranks[task], (node, signal))
 
     def failures(self) -> dict[int, tuple[str, str]]:

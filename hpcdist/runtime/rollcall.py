@@ -137,13 +137,19 @@ def _mark(site: Site, nodes: Sequence[str], job_id: str, reason: str) -> None:
             log.warning("could not mark %s in the node health record: %s", node, exc)
 
 
-def evidence(nodes: Sequence[str], known: dict[str, Any]) -> dict[str, str]:
-    """For each of `nodes`, what shows it is gone ("" when nothing does): Slurm's state, else a
-    connect to its slurmd that got no answer within ``PROBE_S`` (the nodes probed at once)."""
+def evidence(nodes: Sequence[str], known: dict[str, Any],
+             slurmds: dict[str, tuple[str, int]] | None = None) -> dict[str, str]:
+    """For each of `nodes`, what shows it is gone ("" when nothing does): Slurm's state (`known`;
+    a node it does not hold is judged by its slurmd alone), else a connect to its slurmd that got
+    no answer within ``PROBE_S`` (the nodes probed at once). Its address is Slurm's, asked now;
+    where the controller does not answer, `slurmds` (those it gave before)."""
     from hpcdist.scheduler.slurm_cluster import slurmd_addresses
 
-    found = {node: f"Slurm says {known[node].state}" if known[node].failed else "" for node in nodes}
-    addresses = slurmd_addresses([node for node, said in found.items() if not said])
+    found = {node: f"Slurm says {known[node].state}" if node in known and known[node].failed else ""
+             for node in nodes}
+    unsaid = [node for node, said in found.items() if not said]
+    addresses = ((slurmd_addresses(unsaid) if unsaid else {})
+                 or {n: a for n, a in (slurmds or {}).items() if n in unsaid})
     probes = [threading.Thread(target=lambda n=node, a=address: found.update({n: _unanswered(a)}), daemon=True)
               for node, address in addresses.items()]
     for probe in probes:

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         from hpcdist.runtime import in_job_link
 
         in_job_link.adopt(os.environ)  # a rank started again alone takes the rank it replaces
-        in_job_link.report_in()  # a job with spare nodes: its supervisor watches this process's connection
+        in_job_link.report_in(folder)  # a job with spare nodes: its supervisor watches this process's connection
     from hpcdist.files.trust import importable_cwd
 
     sys.path[:0] = importable_cwd()  # `python -m`'s first entry, which -P left off, where no one else writes it
@@ -178,11 +178,12 @@ def _process(folder: str, process_job: Callable[[str], None]) -> None:
     """submitit's run of the job; again in this process, under the next restart number, where the
     job's supervisor starts it again in place (``hpcdist.runtime.in_job_link``: another rank's
     process died on a live node, and only that one is started anew)."""
-    from hpcdist.config.contract import IN_JOB_RESTART_VAR, in_job_restarts
+    from hpcdist.config.contract import IN_JOB_RESTART_VAR, RERUN_VAR, in_job_restarts
     from hpcdist.errors import cause_text, chain
     from hpcdist.runtime import in_job_link
 
     started = dict(os.environ)  # what the job sets (MASTER_ADDR of its store, RANK, ...) is undone before it runs again
+    reruns = 0  # how often the job ran in this process before: hpcdist.Context's `reruns`
     while True:
         try:
             process_job(folder)
@@ -200,8 +201,12 @@ def _process(folder: str, process_job: Callable[[str], None]) -> None:
         restart = in_job_link.again(comm, in_job_restarts(os.environ))
         if restart is None:
             raise failure  # its traceback is in the rank's log and result already
+        reruns += 1
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is not None:  # torch.compile's caches and guards hold the failed run's modules and groups
+            dynamo.reset()
         os.environ.clear()
-        os.environ.update({**started, IN_JOB_RESTART_VAR: str(restart)})
+        os.environ.update({**started, IN_JOB_RESTART_VAR: str(restart), RERUN_VAR: str(reruns)})
         print(f"hpcdist: rank {os.environ.get('SLURM_PROCID', '?')} runs the job again in its process "
               f"(in-job restart {restart})", file=sys.stderr, flush=True)
 

@@ -117,8 +117,8 @@ class Background:
     """`hpcdist submit ... --wait` running in the background while a test interferes; what it
     has printed so far is readable while it runs (`printed`), so a test can act on a line."""
 
-    def __init__(self, args: list[str]) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
         self.proc = subprocess.Popen(  # as a terminal starts it: `kill` is a Ctrl-C, wherever the suite runs
             cli_argv(*args, sigint="SIG_DFL"), cwd=REPO, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
