@@ -7,7 +7,7 @@ set -euo pipefail
 # charliecloud-runtime (ch-run) and debootstrap: the container image (cluster/image.sh); podman with
 # uidmap (newuidmap), slirp4netns and runc: rootless podman for the members (cluster/users.sh)
 PACKAGES=(slurm-wlm slurmdbd munge mariadb-server openmpi-bin libopenmpi-dev hdf5-tools iproute2 python3-venv
-  charliecloud-runtime debootstrap podman uidmap slirp4netns runc)
+  charliecloud-runtime debootstrap podman uidmap slirp4netns runc iptables)
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do

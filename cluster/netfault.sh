@@ -6,13 +6,16 @@
 #   netfault.sh restore NODE     no rate limit, link up (always safe to run)
 #   netfault.sh show NODE        the link's state and queueing discipline, both ends
 #   netfault.sh exec NODE CMD... run CMD in the node's network namespace (for measuring)
+#   netfault.sh controller NODE off|on   the Slurm controller's port refused from the node (a TCP
+#                                reset, as while slurmctld restarts or fails over), or open again;
+#                                restore also opens it
 # Needs the cluster up in netns mode (cluster/up.sh); says so in one line otherwise.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=lib.sh
 source "$HERE/lib.sh"
 
-usage() { echo "usage: $0 slow NODE RATE | cut NODE | restore NODE | show NODE | exec NODE CMD..." >&2; exit 2; }
+usage() { echo "usage: $0 slow NODE RATE | cut NODE | restore NODE | show NODE | exec NODE CMD... | controller NODE off|on" >&2; exit 2; }
 (($# >= 2)) || usage
 action=$1 node=$2
 shift 2
@@ -20,6 +23,7 @@ mode=$(cat "$MODE_FILE" 2>/dev/null || echo "down")
 [[ $mode == netns ]] || { echo "netfault: the cluster is not in netns mode ($mode); run cluster/up.sh" >&2; exit 1; }
 [[ " ${NODES[*]} " == *" $node "* ]] || { echo "netfault: no node '$node'; nodes are ${NODES[*]}" >&2; exit 2; }
 veth=$(node_veth "$node")
+ctld_rule=(OUTPUT -p tcp -d "$HOST_ADDR" --dport 6817 -j REJECT --reject-with tcp-reset)
 
 case $action in
   slow)
@@ -48,6 +52,15 @@ case $action in
     done
     in_netns "$node" ip neigh flush dev "$NODE_IFNAME" 2>/dev/null || true
     ip neigh flush dev "$BRIDGE" nud failed nud incomplete 2>/dev/null || true
+    while in_netns "$node" iptables -D "${ctld_rule[@]}" 2>/dev/null; do :; done
+    ;;
+  controller)
+    (($# == 1)) || usage
+    case $1 in
+      off) in_netns "$node" iptables -A "${ctld_rule[@]}"; log "netfault: the controller refused from $node" ;;
+      on) while in_netns "$node" iptables -D "${ctld_rule[@]}" 2>/dev/null; do :; done ;;
+      *) usage ;;
+    esac
     ;;
   show)
     ip -br link show "$veth"

@@ -60,6 +60,17 @@ def cut(node: str) -> Iterator[None]:
         restore(node)
 
 
+@contextmanager
+def controller_refused(node: str) -> Iterator[None]:
+    """The Slurm controller's port refused from the node inside the block (a TCP reset: what the
+    node sees while slurmctld restarts or fails over); open again on the way out."""
+    try:
+        _netfault("controller", node, "off")
+        yield
+    finally:
+        _netfault("controller", node, "on")
+
+
 def on_node(node: str, argv: Sequence[str], **kwargs: object) -> subprocess.Popen[str]:
     """Start ARGV in the node's network namespace (outside Slurm), e.g. to measure its link."""
     return subprocess.Popen([str(NETFAULT), "exec", node, *argv], text=True, **kwargs)  # type: ignore[call-overload]

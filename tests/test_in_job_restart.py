@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -28,7 +29,7 @@ import hpcdist
 from hpcdist.config.contract import IMITATE_ABORT_VAR
 from hpcdist.store.records import health
 from hpcdist.store.results import read_attrs, read_table
-from tests.netfault import killed, revive
+from tests.netfault import controller_refused, killed, revive
 from tests.support.cli import Run, rank_pids, result_path, run_cli, storage_sets
 from tests.support.train import Background, queue_state, wait_for
 from tests.test_node_failure import SCRIPT, committed_step, history, job_of
@@ -259,6 +260,31 @@ def test_a_node_whose_ranks_die_twice_gives_them_to_a_spare(four_nodes: Path) ->
     assert attrs["hosts"] == ["n1", "n2", "n3"] and attrs["resumed_from"] >= 20, attrs
     marks = {(m.node, m.source): m.reason for m in health.marks(root / "scratch" / "node-health")}
     assert list(marks) == [("n4", "node_failure")] and "died by a signal 2 times" in marks["n4", "node_failure"]
+    assert losses(result_path(result.out)) == reference(root, 3)
+
+
+def test_a_controller_that_does_not_answer_is_asked_again(four_nodes: Path) -> None:
+    """3 nodes + 1 spare: after step 10 the controller stops answering the batch node n1 (its port
+    refused there, as while slurmctld restarts or fails over), and n3 dies. The controller's
+    silence is not taken for "every node lives": the supervisor asks again, and once it answers
+    (the port open again) n3 is found dead and the spare n1 takes its place, in one run."""
+    root = four_nodes
+    job = submit_spared(root, "--set", "resources.nodes=3", "--set", "resources.spare_nodes=1")
+    try:
+        jid = job_of(job)
+        committed_step(job, root / "checkpoints" / "elastic_sgd" / "step_00000010.h5")
+        with killed("n3"):
+            with controller_refused("n1"):
+                wait_for(lambda: "in-job: the Slurm controller does not answer; asking again" in batch_log(root), 60,
+                         "the supervisor's line on the controller")
+                time.sleep(4)  # a few of its questions go unanswered
+            result = job.finish(180)
+    finally:
+        job.kill()
+    assert_went_on(jid, result, ["n1", "n2", "n4"], ["n3"], root)
+    log = batch_log(root)
+    assert "the Slurm controller still does not answer" not in log  # it answered within the supervisor's wait
+    assert "every node of the step answers: going on" not in log and "on the same nodes" not in log, log[-3000:]
     assert losses(result_path(result.out)) == reference(root, 3)
 
 
