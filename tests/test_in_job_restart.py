@@ -106,6 +106,15 @@ def one_run(jid: str) -> None:
     assert states[-1] == "COMPLETED" and set(states) <= {"RESIZING", "COMPLETED"}, states
 
 
+def completed_once(jid: str, result: Run, ranks: int, root: Path) -> str:
+    """The job COMPLETED, every rank succeeded, in one run; its batch log."""
+    log = batch_log(root)
+    assert result.code == 0, result.text + log[-3000:]
+    assert f"job {jid} finished: COMPLETED; {ranks}/{ranks} ranks succeeded" in result.out, result.out
+    one_run(jid)
+    return log
+
+
 def assert_went_on(jid: str, result: Run, hosts: list[str], dead: list[str], root: Path) -> dict[str, object]:
     """COMPLETED in its first run on `hosts`, the `dead` nodes named, marked and in the log."""
     assert result.code == 0, result.text
@@ -217,13 +226,10 @@ def test_a_hung_rank_under_nccls_abort_path_starts_the_step_again(four_nodes: Pa
         result = job.finish(180)
     finally:
         job.kill()
-    log = batch_log(root)
-    assert result.code == 0, result.text + log[-3000:]
-    assert f"job {jid} finished: COMPLETED; 3/3 ranks succeeded" in result.out, result.out
+    log = completed_once(jid, result, 3, root)
     assert re.search(r"in-job: rank [02] on n\d ended by a signal \(its collective hung: it ended itself, exit 124\) "
                      r"while every node answers: the step starts again on the same nodes \(in-place restart 1; ",
                      log), log
-    one_run(jid)
     assert read_attrs(result_path(result.out))["resumed_from"] == 5
     assert losses(result_path(result.out)) == reference(root, 3)
 
@@ -249,10 +255,7 @@ def test_a_node_whose_ranks_die_twice_gives_them_to_a_spare(four_nodes: Path) ->
         result = job.finish(180)
     finally:
         job.kill()
-    log = batch_log(root)
-    assert result.code == 0, result.text + log[-3000:]
-    assert f"job {jid} finished: COMPLETED; 3/3 ranks succeeded" in result.out, result.out
-    one_run(jid)
+    log = completed_once(jid, result, 3, root)
     assert "the step starts again on the same nodes (in-place restart 1; " in log, log
     assert re.search(r"in-job: node n4 is moved off: its ranks go to a spare \(its ranks died by a signal 2 times "
                      r"within 30 min \(the last: Killed\)", log), log

@@ -27,6 +27,7 @@ def roots_of_root() -> Path:
     """The shipped site's storage as root's first submit leaves it (made here when no test made it
     yet, so no member's first run makes it hers)."""
     require_members()
+    SHARED.mkdir(mode=0o755, exist_ok=True)  # as the suite's slurm_storage makes it: others' tests go through it
     for folder in (SHARED, *(SHARED / name for name in ROOTS)):
         folder.mkdir(mode=0o750, exist_ok=True)
         assert folder.owner() == "root", folder

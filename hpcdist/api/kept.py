@@ -49,7 +49,9 @@ def keep(directory: str, step: int, state: Mapping[str, Any], local_rank: int, l
 
     _KEPT.pop(directory, None)  # never two copies at once
     encoded = encode(dict(state))
-    size, free = _nbytes(encoded), _available()
+    from hpcdist.store.hostmem import available_bytes
+
+    size, free = _nbytes(encoded), available_bytes()
     if free is not None and size > FREE_SHARE * free:
         if directory not in _SKIPPED:
             _SKIPPED.add(directory)
@@ -76,18 +78,6 @@ def _nbytes(tree: Any) -> int:
     if isinstance(tree, dict):
         return sum(_nbytes(v) for v in tree.values())
     return int(getattr(tree, "nbytes", 0) or 0)
-
-
-def _available() -> int | None:
-    """What this node has free (MemAvailable), in bytes; None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def share(directory: str, step: int, rank: int, local_rank: int, group: Any,

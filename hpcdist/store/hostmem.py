@@ -10,12 +10,13 @@ processes each, load 7-8; ``perf`` put 73 % of the huge-page read in ``clear_pag
 ``MADV_NOHUGEPAGE``, as torch's tensors get by default; small ones are an ordinary ``np.empty``.
 
 Also the process's resident memory now, and its peak since a mark (``resident_bytes``,
-``mark_peak``, ``peak_resident_bytes``): what a rank holds after loading or building a model;
-they see torch's allocations, which ``tracemalloc`` does not. The mark resets Linux's high-water
-mark (``VmHWM``, by ``/proc/self/clear_refs``), so a peak reached before it (imports, an earlier
-model) does not hide the growth after it. ``mark_memory`` and ``peak_memory`` measure the same where a
-rank's tensors live: CUDA's allocator for a CUDA device, else the resident memory; and
-``release_free_heap`` gives back what a loop of allocations left on the C heap.
+``mark_peak``, ``peak_resident_bytes``), and the node's available memory (``available_bytes``): what
+a rank holds after loading or building a model; they see torch's allocations, which ``tracemalloc``
+does not. The mark resets Linux's high-water mark (``VmHWM``, by ``/proc/self/clear_refs``), so a
+peak reached before it (imports, an earlier model) does not hide the growth after it.
+``mark_memory`` and ``peak_memory`` measure the same where a rank's tensors live: CUDA's allocator
+for a CUDA device, else the resident memory; and ``release_free_heap`` gives back what a loop of
+allocations left on the C heap.
 """
 
 from __future__ import annotations
@@ -65,16 +66,29 @@ def mark_peak() -> int:
     return resident_bytes()
 
 
-def peak_resident_bytes() -> int:
-    """This process's peak resident memory since ``mark_peak`` (else since it started), in bytes:
-    ``VmHWM`` of ``/proc/self/status``, or ``ru_maxrss`` where there is none."""
+def _proc_kib(path: str, field: str) -> int | None:
+    """`field` of a ``/proc`` file of ``NAME: N kB`` lines, in bytes; None where it cannot be read."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def available_bytes() -> int | None:
+    """What this node has free for a new allocation (``MemAvailable``), in bytes; None where unknown."""
+    return _proc_kib("/proc/meminfo", "MemAvailable")
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory since ``mark_peak`` (else since it started), in bytes:
+    ``VmHWM`` of ``/proc/self/status``, or ``ru_maxrss`` where there is none."""
+    peak = _proc_kib("/proc/self/status", "VmHWM")
+    if peak is not None:
+        return peak
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
