@@ -127,3 +127,27 @@ def test_a_default_partition_the_site_lacks_is_one_short_line(tmp_path: Path) ->
         load_site(str(path))
     said = "(top level): defaults.partition 'batch' is not one of the partitions ['cpu', 'gpu']"
     assert str(err.value) == f"{path}: {said}"
+
+
+NUMBERED_SITE = """name: numbered
+scheduler: slurm
+partitions:
+  "3090": {nodes: 2, cpus_per_node: 8, mem_gb: 16, gpus_per_node: 0, max_time_min: 60}
+  "on": {nodes: 2, cpus_per_node: 8, mem_gb: 16, gpus_per_node: 0, max_time_min: 60}
+storage: {results: /tmp/r, checkpoints: /tmp/c, scratch: /tmp/s, logs: /tmp/l}
+"""
+
+
+def test_a_partition_named_with_a_number_or_a_yaml_word_is_asked_for_by_its_name(tmp_path: Path) -> None:
+    """`--set resources.partition=3090` (YAML reads an int) renders `--partition=3090`; a bare `on`
+    (YAML reads True) is one line saying to quote it, and quoted it renders."""
+    site = tmp_path / "numbered.yaml"
+    site.write_text(NUMBERED_SITE)
+    base = ("render", str(REPO / "jobs" / "smoke.yaml"), "--site", str(site))
+    numbered = run_cli(*base, "--set", "resources.partition=3090")
+    assert numbered.code == 0 and "#SBATCH --partition=3090\n" in numbered.out, numbered.text
+    bare = run_cli(*base, "--set", "resources.partition=on")
+    assert bare.code == 2 and len(bare.err.strip().splitlines()) == 1, bare.text
+    assert "resources.partition: True is how YAML reads a bare on/off" in bare.err and "quote" in bare.err
+    quoted = run_cli(*base, "--set", "resources.partition='on'")
+    assert quoted.code == 0 and "#SBATCH --partition=on\n" in quoted.out, quoted.text

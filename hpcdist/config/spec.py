@@ -12,9 +12,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from hpcdist.config.container import NONE, Container, outermost
 from hpcdist.config.contract import LAUNCH_TIME_VAR, RESTART_COUNT_VAR
@@ -43,10 +43,19 @@ class SpecPath:
     hint: str = ""  # how to make a missing input, for the message
 
 
+def _partition_name(value: object) -> object:
+    """A partition named with a number (``3090``) as its name: YAML and ``--set`` read it as an
+    int. A YAML boolean (``on``, ``yes``: a partition named so) cannot be told back into its word."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value} is how YAML reads a bare on/off/yes/no/true/false; quote the partition's name "
+                         f"(partition: 'on', or --set \"resources.partition='on'\")")
+    return str(value) if isinstance(value, int | float) else value
+
+
 class Resources(Frozen):
     """What the job asks the scheduler for."""
 
-    partition: str | None = None
+    partition: Annotated[str | None, BeforeValidator(_partition_name)] = None
     nodes: int = Field(default=1, ge=1)
     # The fewest nodes a job may run again on after a node failure, when fewer live nodes than it
     # asked remain (``hpcdist.login.node_failure_wait`` updates the pending job's node count). None: 1 for a
