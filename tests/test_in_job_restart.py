@@ -164,7 +164,11 @@ def test_a_killed_rank_then_a_dead_node_go_on_in_the_same_allocation(four_nodes:
     logs = "\n".join(p.read_text(errors="replace") for p in sorted((root / "logs").rglob("*_log.err")))
     from_memory = re.findall(r"\[rank (\d)/3 \S+\] INFO checkpoint step \d+: the state from the ranks' memory", logs)
     assert sorted(from_memory) == ["0", "1", "2"], from_memory  # rank 2, started again, got it from a peer
-    own = {r: "\n".join(p.read_text(errors="replace") for p in (root / "logs").rglob(f"*_{r}_log.err")) for r in (0, 2)}
+    own = {r: "\n".join(p.read_text(errors="replace") for p in (root / "logs").rglob(f"*_{r}_log.err"))
+           for r in (0, 1, 2)}
+    for r in (0, 1):  # hpcdist.Context.reruns tells the ranks that lived that they run the job again
+        assert f"[rank {r}/3 " in own[r] and "this process runs the job again (1 run before)" in own[r], own[r][-2000:]
+    assert "runs the job again (" not in own[2]  # rank 2's new process: its first run
     assert "[rank 2/3 " not in own[0]  # rank 2's new process wrote its own log, not task 0's (the batch log)
     assert own[2].count("INFO group ready: rank 2/3 ") >= 2, own[2][-3000:]  # its first process's run and the new one's
     got = losses(result_path(result.out))

@@ -37,6 +37,8 @@ def main() -> None:
                         "resumed from the step before it")
     args = parser.parse_args()
     ctx = hpcdist.init()
+    if ctx.reruns:  # on_rank_failure: in_place, a rank that lived: its module state is the failed run's
+        ctx.log.info("this process runs the job again (%d run before)", ctx.reruns)
     w = torch.zeros(FEATURES, 1, dtype=torch.float64)
     start, losses = 0, []
     latest = ctx.checkpoints.load_latest()
