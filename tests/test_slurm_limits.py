@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 
 from hpcdist.config import load_site, read_spec
-from hpcdist.config.discovered import site_text
+from hpcdist.config.discovered import site_text, to_json
 from hpcdist.errors import SubmitError
 from hpcdist.login.limits import Ask, problems
-from hpcdist.scheduler.slurm_text import to_json
 from tests.support.cli import REPO
 from tests.support.slurm_fixtures import cluster
 
@@ -130,7 +129,7 @@ def test_a_cpu_job_where_only_some_nodes_have_gpus_is_not_told_to_ask_for_them(t
 ])
 def test_a_job_waiting_behind_a_reservation_is_told_which_and_until_when(folder: str, reason: str, note: str) -> None:
     from hpcdist.login.watch import reservation_note
-    from hpcdist.scheduler.slurm_text import reservations
+    from hpcdist.scheduler.slurm_now import reservations
     from tests.support.slurm_fixtures import text
 
     assert reservation_note(reason, reservations(text(folder, "reservation.txt"))) == note

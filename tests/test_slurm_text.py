@@ -14,10 +14,9 @@ from typing import Any
 import pytest
 
 from hpcdist.config import ConfigError, load_site, safe_load, validate
-from hpcdist.config.discovered import REREAD_S, _fresh, site_text
+from hpcdist.config.discovered import REREAD_S, _fresh, site_text, to_json
 from hpcdist.config.site import Site
-from hpcdist.scheduler import slurm_text
-from hpcdist.scheduler.slurm_text import to_json
+from hpcdist.scheduler import slurm_now, slurm_text
 from tests.support.slurm_fixtures import cluster, releases, text
 
 SHAPES = "shapes-24.11"
@@ -195,7 +194,7 @@ def test_site_check_passes_what_discovery_wrote_and_judges_nodes_in_service() ->
 
 @pytest.mark.parametrize("folder", [*releases(), SHAPES])
 def test_sinfo_names_each_node_once_with_its_partitions_and_what_is_dead(folder: str) -> None:
-    states = slurm_text.node_statuses(text(folder, "sinfo.txt"))
+    states = slurm_now.node_statuses(text(folder, "sinfo.txt"))
     # sinfo leaves FUTURE nodes out unless asked (--future), as discovery does not ask
     assert set(states) == {n.name for n in nodes(folder).values() if n.state != "FUTURE"}
     if folder == SHAPES:

@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpcdist._paths import cache_dir
+from hpcdist.config.discovered_partitions import YEAR_MIN, Lines, write_partitions
 
 if TYPE_CHECKING:
     from hpcdist.scheduler.slurm_text import Cluster
 
 SLURM = "slurm"  # the name that means "the Slurm cluster srun talks to, as discovered"
 STAMP = "# configuration as of "
-YEAR_MIN = 525600  # a partition whose MaxTime is UNLIMITED
 SHARED_FS = ("lustre", "gpfs", "beegfs", "nfs", "nfs4", "wekafs", "cephfs", "panfs")
 DEFAULT_TIME_MIN = 30
 
@@ -49,7 +49,6 @@ def discovered_site() -> Path:
     hpcdist wrote it, or when it is missing."""
     from hpcdist.files.trust import private_folder
     from hpcdist.scheduler.slurm_cluster import config_stamp, read_cluster
-    from hpcdist.scheduler.slurm_text import to_json
 
     folder = cache_dir("sites")
     stamp = config_stamp()
@@ -80,7 +79,6 @@ def facts_path(site_path: Path) -> Path:
 
 def cached_cluster(site_path: Path) -> Cluster | None:
     """The facts kept beside the cached reading at `site_path`; None where there are none."""
-    from hpcdist.scheduler.slurm_text import from_json
 
     try:
         return from_json(facts_path(site_path).read_text())
@@ -115,30 +113,6 @@ def _fresh(path: Path, as_of: str) -> bool:
 
 
 # ---------------------------------------------------------------- the text
-
-
-def scalar(value: object) -> str:
-    import yaml
-
-    text: str = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
-    return text.removesuffix("\n...").removesuffix("...").strip()
-
-
-class Lines:
-    def __init__(self) -> None:
-        self.out: list[str] = []
-
-    def add(self, indent: int, key: str, value: object = None, why: str = "") -> None:
-        head = " " * indent + f"{key}:" + ("" if value is None else f" {scalar(value)}")
-        self.out.append(f"{head:<40} # {why}" if why else head)
-
-    def note(self, indent: int, text: str) -> None:
-        self.out.append(" " * indent + f"# {text}")
-
-
-def nodes_named(nodes: tuple[object, ...]) -> str:
-    names = [getattr(n, "name", "") for n in nodes]
-    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
 def _account(lines: Lines, cluster: Cluster) -> int | None:
@@ -243,7 +217,6 @@ def site_text(cluster: Cluster, name: str, *, cached: bool = False, probe: dict[
     lines.add(0, "scheduler", "slurm")
     if cluster.gres_gpus:
         lines.add(0, "gpu_request", "gres", f"{cluster.select_type}: GPUs are asked as --gres=gpu:N")
-    from hpcdist.config.discovered_partitions import write_partitions
 
     write_partitions(lines, cluster)
     wall = _account(lines, cluster)
@@ -281,3 +254,30 @@ def _version() -> str:
     from hpcdist._version import __version__
 
     return __version__
+
+
+def to_json(cluster: Cluster) -> str:
+    """`cluster` as JSON: what a cached reading keeps beside its site file for the checks at submit."""
+    import dataclasses
+    import json
+
+    return json.dumps(dataclasses.asdict(cluster), sort_keys=True)
+
+
+def from_json(text: str) -> Cluster:
+    """The ``Cluster`` that ``to_json`` wrote; ValueError (KeyError, TypeError) for anything else."""
+    import json
+
+    from hpcdist.scheduler.slurm_text import Association, Cluster, Node, Partition, Qos
+
+    data = json.loads(text)
+
+    def node(d: dict[str, object]) -> Node:
+        return Node(**{**d, "gpu_types": tuple(tuple(t) for t in d["gpu_types"]),  # type: ignore[arg-type, attr-defined]
+                       "features": tuple(d["features"]), "partitions": tuple(d["partitions"])})  # type: ignore[arg-type]
+
+    parts = tuple(Partition(**{**p, "nodes": tuple(node(n) for n in p["nodes"])}) for p in data.pop("partitions"))
+    assocs = tuple(Association(**{**a, "qos": tuple(a["qos"])}) for a in data.pop("associations"))
+    limits = {name: Qos(**q) for name, q in data.pop("qos_limits").items()}
+    return Cluster(**{**data, "partitions": parts, "associations": assocs, "qos_limits": limits,
+                      "mpi_plugins": tuple(data["mpi_plugins"]), "groups": tuple(data["groups"])})

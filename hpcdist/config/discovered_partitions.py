@@ -1,5 +1,6 @@
 """The partitions of a site read from the live cluster (``hpcdist.config.discovered``): what a
-partition gives a job on one node, each value with where it came from.
+partition gives a job on one node, each value with where it came from; and the site file's lines
+as discovery writes them (``Lines``: a key, its value as YAML, why).
 
 Only nodes in service count (not DOWN, DRAIN or FUTURE). CPUs are ``CPUEfctv`` capped by the
 partition's ``MaxCPUsPerNode``; memory is ``RealMemory`` less ``MemSpecLimit`` capped by
@@ -14,11 +15,37 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hpcdist.config.discovered import YEAR_MIN, Lines, nodes_named, scalar
 from hpcdist.errors import ConfigError
 
 if TYPE_CHECKING:
     from hpcdist.scheduler.slurm_text import Cluster, Node, Partition
+
+
+YEAR_MIN = 525600  # a partition whose MaxTime is UNLIMITED
+
+
+def scalar(value: object) -> str:
+    import yaml
+
+    text: str = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+    return text.removesuffix("\n...").removesuffix("...").strip()
+
+
+class Lines:
+    def __init__(self) -> None:
+        self.out: list[str] = []
+
+    def add(self, indent: int, key: str, value: object = None, why: str = "") -> None:
+        head = " " * indent + f"{key}:" + ("" if value is None else f" {scalar(value)}")
+        self.out.append(f"{head:<40} # {why}" if why else head)
+
+    def note(self, indent: int, text: str) -> None:
+        self.out.append(" " * indent + f"# {text}")
+
+
+def nodes_named(nodes: tuple[object, ...]) -> str:
+    names = [getattr(n, "name", "") for n in nodes]
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
 def _key(name: str) -> str:

@@ -27,7 +27,7 @@ from hpcdist.scheduler.states import JobState
 
 if TYPE_CHECKING:
     from hpcdist.login.postmortem import Ending
-    from hpcdist.scheduler.slurm_text import Reservation
+    from hpcdist.scheduler.slurm_now import Reservation
 
 
 @dataclass

@@ -25,24 +25,21 @@ from dataclasses import dataclass
 
 from hpcdist.errors import SubmitError
 from hpcdist.scheduler import slurm
+from hpcdist.scheduler.slurm_now import NodeStatus, Reservation, node_statuses, reservations  # noqa: F401
 from hpcdist.scheduler.slurm_text import (  # noqa: F401 (the cluster's facts: slurm_cluster users name them here)
     UNLIMITED,
     Association,
     Cluster,
     Node,
-    NodeStatus,
     Partition,
     Qos,
-    Reservation,
     Texts,
     as_of,
     cluster_from,
     config,
     minutes,
-    node_statuses,
     number,
     pairs,
-    reservations,
 )
 
 

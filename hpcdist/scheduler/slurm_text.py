@@ -281,7 +281,7 @@ def nodes(out: str) -> list[Node]:
     return found
 
 
-def _listed(value: str | None) -> str:
+def listed(value: str | None) -> str:
     return "" if value in (None, "", "(null)", "N/A", "NONE") else str(value)
 
 
@@ -302,11 +302,11 @@ def partitions(out: str, all_nodes: list[Node]) -> tuple[Partition, ...]:
             max_mem_per_node_mb=number(fields.get("MaxMemPerNode")),
             max_mem_per_cpu_mb=number(fields.get("MaxMemPerCPU")),
             max_cpus_per_node=number(fields.get("MaxCPUsPerNode")), max_nodes=number(fields.get("MaxNodes")),
-            state=fields.get("State", "UP"), qos=_listed(fields.get("QoS")),
+            state=fields.get("State", "UP"), qos=listed(fields.get("QoS")),
             allow_qos=fields.get("AllowQos", "ALL" if "DenyQos" not in fields else ""),
-            deny_qos=_listed(fields.get("DenyQos")),
+            deny_qos=listed(fields.get("DenyQos")),
             allow_accounts=fields.get("AllowAccounts", "ALL" if "DenyAccounts" not in fields else ""),
-            deny_accounts=_listed(fields.get("DenyAccounts")), allow_groups=fields.get("AllowGroups", "ALL"),
+            deny_accounts=listed(fields.get("DenyAccounts")), allow_groups=fields.get("AllowGroups", "ALL"),
         ))
     return tuple(found)
 
@@ -382,101 +382,3 @@ def cluster_from(texts: Texts, user: str, groups: tuple[str, ...] = ()) -> Clust
         qos_limits=qos, pyxis="--container-image" in texts.srun_help, pmix_dir=pmix_dir(conf),
         partitions=partitions(texts.partitions, all_nodes), user=user, groups=groups,
     )
-
-
-@dataclass(frozen=True)
-class NodeStatus:
-    """One node as sinfo shows it: its partitions, Slurm's state and the reason an admin or
-    slurmctld gave for it (``Not responding``, ``Kill task failed``; "" when none)."""
-
-    node: str
-    partitions: tuple[str, ...]
-    state: str  # sinfo's long form: idle, mixed, allocated, down*, drained, ...
-    reason: str = ""
-
-    @property
-    def failed(self) -> bool:
-        """Not responding (sinfo's ``*``), down or failing: what a node that died looks like."""
-        return self.state.endswith("*") or self.state.startswith(("down", "fail"))
-
-    @property
-    def dead(self) -> bool:
-        """Slurm gave up on it: down, failing or drained. Not one merely slow to answer a ping
-        (``mixed*``): a busy node is flagged so for seconds, and is not dead."""
-        return self.state.lower().startswith(("down", "drain", "fail"))
-
-
-def node_statuses(out: str) -> dict[str, NodeStatus]:
-    """``sinfo -N -h -o '%N|%P|%T|%E'``: each node once, with every partition it is in."""
-    found: dict[str, NodeStatus] = {}
-    for line in out.splitlines():
-        parts = line.split("|", 3)
-        if len(parts) != 4:
-            continue
-        name, part, state, reason = (p.strip() for p in parts)
-        seen = found.get(name)
-        partitions = (*(seen.partitions if seen else ()), part.rstrip("*"))
-        found[name] = NodeStatus(name, partitions, state, "" if reason == "none" else reason)
-    return found
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """One reservation as ``scontrol -o show reservation`` prints it."""
-
-    name: str
-    start: str
-    end: str
-    nodes: str  # a host list (c[1-2]), as Slurm writes it
-    flags: tuple[str, ...] = ()
-    partition: str = ""
-    state: str = ""  # ACTIVE or INACTIVE (not begun)
-    accounts: str = ""
-    users: str = ""
-
-    def line(self) -> str:
-        """The reservation as a user should hear of it, in Slurm's words."""
-        flags = f" (Flags={','.join(self.flags)})" if self.flags else ""
-        when = f"until {self.end}" if self.state == "ACTIVE" else f"from {self.start} to {self.end}"
-        return f"reservation {self.name!r}{flags} holds {self.nodes} {when}"
-
-
-def reservations(out: str) -> list[Reservation]:
-    """``scontrol -o show reservation`` (``No reservations in the system`` when none)."""
-    found = []
-    for line in out.splitlines():
-        fields = pairs(line)
-        if "ReservationName" not in fields:
-            continue
-        found.append(Reservation(
-            name=fields["ReservationName"], start=fields.get("StartTime", ""), end=fields.get("EndTime", ""),
-            nodes=fields.get("Nodes", ""), flags=tuple(f for f in fields.get("Flags", "").split(",") if f),
-            partition=_listed(fields.get("PartitionName")), state=fields.get("State", ""),
-            accounts=_listed(fields.get("Accounts")), users=_listed(fields.get("Users")),
-        ))
-    return found
-
-
-def to_json(cluster: Cluster) -> str:
-    """`cluster` as JSON: what a cached reading keeps beside its site file for the checks at submit."""
-    import dataclasses
-    import json
-
-    return json.dumps(dataclasses.asdict(cluster), sort_keys=True)
-
-
-def from_json(text: str) -> Cluster:
-    """The ``Cluster`` that ``to_json`` wrote; ValueError (KeyError, TypeError) for anything else."""
-    import json
-
-    data = json.loads(text)
-
-    def node(d: dict[str, object]) -> Node:
-        return Node(**{**d, "gpu_types": tuple(tuple(t) for t in d["gpu_types"]),  # type: ignore[arg-type, attr-defined]
-                       "features": tuple(d["features"]), "partitions": tuple(d["partitions"])})  # type: ignore[arg-type]
-
-    parts = tuple(Partition(**{**p, "nodes": tuple(node(n) for n in p["nodes"])}) for p in data.pop("partitions"))
-    assocs = tuple(Association(**{**a, "qos": tuple(a["qos"])}) for a in data.pop("associations"))
-    limits = {name: Qos(**q) for name, q in data.pop("qos_limits").items()}
-    return Cluster(**{**data, "partitions": parts, "associations": assocs, "qos_limits": limits,
-                      "mpi_plugins": tuple(data["mpi_plugins"]), "groups": tuple(data["groups"])})
