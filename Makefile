@@ -67,8 +67,9 @@ test: install cluster-up image lint
 # The benchmarks are type-checked too: no test runs them, and a changed call inside hpcdist would
 # otherwise stop the command a figure in docs/performance.md is reproduced with.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check hpcdist tests benchmarks
+	$(VENV)/bin/ruff check hpcdist hydra_plugins tests benchmarks
 	$(VENV)/bin/mypy hpcdist
+	$(VENV)/bin/mypy --explicit-package-bases hydra_plugins
 	$(VENV)/bin/mypy --explicit-package-bases benchmarks
 
 # Every GPU path on a machine with one GPU and no network (< 10 min); "no GPU" and exit 2 elsewhere.

@@ -130,8 +130,7 @@ class Executor:
             warnings.warn('No submission happened during "with executor.batch()" context.', category=RuntimeWarning,
                           stacklevel=3)
             return
-        real = self._submit_calls([(fn, args, kwargs) for _, fn, args, kwargs in held], array=True,
-                                  max_parallel=self._array_parallelism)
+        real = self._submit_calls([(fn, a, kw) for _, fn, a, kw in held], True, self._array_parallelism)
         for (handle, *_), job in zip(held, real, strict=True):
             handle.__dict__.update(job.__dict__)
 
@@ -149,17 +148,19 @@ class Executor:
         """One job array of the callables (each called without arguments; submitit's name)."""
         return self._submit_calls([(fn, (), {}) for fn in fns], array=True, max_parallel=self._array_parallelism)
 
-    def map_array(self, fn: Callable[..., Any], *iterables: Iterable[Any], max_parallel: int | None = None
-                  ) -> list[JobHandle]:
+    def map_array(self, fn: Callable[..., Any], *iterables: Iterable[Any], max_parallel: int | None = None,
+                  first_index: int = 0) -> list[JobHandle]:
         """One job array, a job per item: ``fn(a, b, ...)`` for each tuple of the iterables'
         items (submitit's shape: a list of jobs, not of results). `max_parallel` tasks at a time.
-        On the local site, with no scheduler, each item is a job of its own."""
+        On the local site, with no scheduler, each item is a job of its own. Item i is named
+        ``<name>-<first_index + i>`` (a later batch of one sweep continues its numbers)."""
         calls: list[Call] = [(fn, tuple(i), {}) for i in zip(*iterables, strict=True)]
         if max_parallel is not None and max_parallel < 1:
             raise ConfigError(f"hpcdist.Executor.map_array: max_parallel={max_parallel}; give at least 1, or None")
-        return self._submit_calls(calls, array=True, max_parallel=max_parallel or self._array_parallelism)
+        return self._submit_calls(calls, True, max_parallel or self._array_parallelism, first_index)
 
-    def _submit_calls(self, calls: list[Call], array: bool, max_parallel: int | None = None) -> list[JobHandle]:
+    def _submit_calls(self, calls: list[Call], array: bool, max_parallel: int | None = None, first: int = 0
+                      ) -> list[JobHandle]:
         if not calls:
             return []
         for fn, _, _ in calls:
@@ -167,14 +168,14 @@ class Executor:
                 raise ConfigError(f"hpcdist.Executor.submit: {fn!r} is a {type(fn).__name__}, not a function")
         try:
             if self._world_size == 1 and not any(wants_context(fn) for fn, _, _ in calls):
-                return self._submit_direct(calls, array, max_parallel)
-            return self._submit_all(calls, array, max_parallel)
+                return self._submit_direct(calls, array, max_parallel, first)
+            return self._submit_all(calls, array, max_parallel, first)
         except OSError as exc:  # a storage folder not this user's: one line saying whose, as `hpcdist submit`
             from hpcdist.files.trust import denied_hint
 
             name = getattr(calls[0][0], "__qualname__", repr(calls[0][0]))
             raise SubmitError(f"could not submit {name} to site {self.site.name}: {exc}{denied_hint(exc)}") from exc
-    def _submit_direct(self, calls: list[Call], array: bool, max_parallel: int | None) -> list[JobHandle]:
+    def _submit_direct(self, calls: list[Call], array: bool, max_parallel: int | None, first: int) -> list[JobHandle]:
         """One task and no group asked for: submitit runs the function itself on the node, as its
         own executors do (no bootstrap, no torch, submitit's checkpoint-and-requeue). Its package
         is snapshot as for any call; ``hpcdist.init()`` inside still works (``HPCDIST_CALL_JOB``)."""
@@ -185,9 +186,9 @@ class Executor:
         params = {"call": "submitit", "call_name": f"{module}:{qualname}", "direct": True,
                   "call_module": None if module == "__main__" else module}
         base = prepare(self._check(data, params), self.site)
-        return self._schedule([base.spec] * len(calls), calls, array, max_parallel)
+        return self._schedule([base.spec] * len(calls), calls, array, max_parallel, first)
 
-    def _submit_all(self, calls: list[Call], array: bool, max_parallel: int | None) -> list[JobHandle]:
+    def _submit_all(self, calls: list[Call], array: bool, max_parallel: int | None, first: int) -> list[JobHandle]:
         """Several tasks, or a function that takes the rank's Context: hpcdist's bootstrap and
         group on every rank, then the function (``hpcdist.kinds.python_run``)."""
         from hpcdist.kinds.registry import prepare
@@ -209,10 +210,10 @@ class Executor:
         # One check and one code snapshot for all the calls (an array's items differ in their call only).
         base = prepare(self._check(data, params[0]), self.site)
         specs = [base.spec.model_copy(update={"params": {**base.spec.params, **p}}) for p in params]
-        return self._schedule(specs, None, array, max_parallel)
+        return self._schedule(specs, None, array, max_parallel, first)
 
-    def _schedule(self, specs: list[JobSpec], calls: list[Call] | None, array: bool,
-                  max_parallel: int | None) -> list[JobHandle]:
+    def _schedule(self, specs: list[JobSpec], calls: list[Call] | None, array: bool, max_parallel: int | None,
+                  first: int) -> list[JobHandle]:
         """The jobs queued: on Slurm one job array (or one job); on the local site a job per item,
         each waiting for the one `max_parallel` before it to end."""
         from hpcdist.kinds.registry import resolve
@@ -222,7 +223,8 @@ class Executor:
         from hpcdist.login.plan import Origin, make
 
         if array:
-            specs = [s.model_copy(update={"name": item_name(s.name, i, len(specs))}) for i, s in enumerate(specs)]
+            specs = [s.model_copy(update={"name": item_name(s.name, first + i, first + len(specs))})
+                     for i, s in enumerate(specs)]
         if calls is not None:
             specs = self._direct_env(specs, shared=array and self.site.scheduler == "slurm" and len(specs) > 1)
         jobs = [resolve(s, self.site, origin=ORIGIN, check=False).spec for s in specs]
@@ -243,7 +245,6 @@ class Executor:
         # Each job is queued: its handle holds its record even where the index could not keep it
         # (add() warned), so a job is never reported missing, and retried, once it is queued.
         return [JobHandle(s.record or find(s.job_id, self.site.name), s) for s in subs]
-
 
     def _direct_env(self, specs: list[JobSpec], shared: bool) -> list[JobSpec]:
         """Direct calls' specs with what each task reads: its spec and site in a 0600 file
