@@ -23,6 +23,9 @@ SLURM_ETC=/etc/slurm
 # and one config folder each, below these. up.sh counts their daemons as known, not as strays.
 VARIANTS_STATE=${HPCDIST_SLURM_VARIANTS_STATE:-/var/tmp/hpcdist-slurm-variants}
 VARIANTS_ETC=/etc/slurm-variants
+# Other Slurm releases of cluster/releases.sh (README.md, "Releases"): a Debian root, wrappers, state
+# and logs per release below this. up.sh counts their daemons as known, not as strays.
+RELEASES_STATE=${HPCDIST_SLURM_RELEASES_STATE:-/var/tmp/hpcdist-releases}
 
 # Accounting database (local socket only; the password never leaves this machine).
 DB_NAME=slurm_acct_db

@@ -22,11 +22,11 @@ HOST=$(hostname -s)
 
 # ensure_not_running COMM: fail when a COMM process runs that none of our pid files names
 # (say one started with another HPCDIST_SLURM_STATE): a second daemon would lose the port. The
-# variants' daemons (variants.sh: their own ports) are known too.
+# variants' and releases' daemons (variants.sh, releases.sh: their own ports) are known too.
 ensure_not_running() {
   local comm=$1 ours=" " f d pid
   # (|| true: a pattern that matches nothing stays as it is, and a failed cat would end the script)
-  for f in "$STATE"/run/*.pid "$VARIANTS_STATE"/*/run/*.pid; do ours+="$(cat "$f" 2>/dev/null || true) "; done
+  for f in "$STATE"/run/*.pid "$VARIANTS_STATE"/*/run/*.pid "$RELEASES_STATE"/*/state/run/*.pid; do ours+="$(cat "$f" 2>/dev/null || true) "; done
   for d in /proc/[0-9]*; do
     pid=${d#/proc/}
     proc_is "$pid" "$comm" && [[ $ours != *" $pid "* ]] || continue
