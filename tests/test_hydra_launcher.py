@@ -6,8 +6,8 @@ every sbatch option by name.
 The Slurm part of Hydra's suites: ``test_sweep_1_job`` (its ``hydra.job.id`` Slurm's),
 ``test_sweep_2_jobs`` (a Slurm job array; ``multirun.yaml`` and a folder per job, as Hydra writes
 them), ``test_sweep_and_override`` (each job's config composed on the node from its overrides),
-and the integration suite's ``test_custom_sweeper_run_workdir`` (a job's working directory on the
-node, from a relative sweep folder and from ``override_dirname``). The others differ from these
+and two cases of the integration suite's ``test_custom_sweeper_run_workdir`` (a job's working
+directory on the node, from a relative sweep folder and from ``override_dirname``). The others differ from these
 only in what Hydra does before the launcher (composition errors, config groups, resolvers, the
 task's name), which the local site runs in full; a task that raises on a node is the last test.
 """
@@ -15,7 +15,10 @@ task's name), which the local site runs in full; a task that raises on a node is
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -73,6 +76,16 @@ def test_a_meaningless_submitit_key_is_one_line_with_its_reason() -> None:
         executor({"site": "local-slurm", "gpus_per_node": 99})
 
 
+def test_nodes_whose_python_lacks_hydra_are_one_line_saying_what_to_install() -> None:
+    from hpcdist.login.hydra_sweep import executor
+
+    bare = "/usr/bin/python3"  # Debian's, with neither hydra-core nor hpcdist
+    with pytest.raises(ConfigError) as missing:
+        executor({"set": {"site": {"python": bare}}})
+    assert str(missing.value) == (f"hydra/launcher=hpcdist: the nodes' python {bare} (site.python) cannot import "
+                                  f"hydra and hpcdist; install them there: {bare} -m pip install 'hpcdist[hydra]'")
+
+
 @pytest.mark.parametrize(("launcher_name", "overrides"), [("hpcdist", [])])
 class TestHydraSuiteLocal(LauncherTestSuite):
     """Hydra's LauncherTestSuite in full, on the local site."""
@@ -117,6 +130,18 @@ class TestHydraIntegrationSlurm(IntegrationTestSuite):
         return ["-m", "hydra/hydra_logging=disabled", "hydra/job_logging=disabled", "hydra/launcher=hpcdist",
                 "hydra.launcher.site=local-slurm", "hydra.launcher.time_min=5", slurm_site(slurm_storage)]
 
+    @pytest.mark.parametrize(("task_config", "overrides", "expected_dir"), [
+        pytest.param({}, ["hydra.sweep.dir=cli_dir", "hydra.sweep.subdir=cli_dir_${hydra.job.num}"],
+                     "cli_dir/cli_dir_0", id="sweep_dir_cli_override"),
+        pytest.param({"hydra": {"sweep": {"dir": "hydra_cfg", "subdir": "${hydra.job.override_dirname}"}},
+                      "a": "hello", "b": 20}, ["a=1", "b=2"], "hydra_cfg/a=1,b=2", id="subdir:override_dirname"),
+    ])
+    def test_custom_sweeper_run_workdir(self, tmpdir: Path, task_config: Any, overrides: list[str], expected_dir: str,
+                                        task_launcher_cfg: Any, extra_flags: list[str]) -> None:
+        """Two of Hydra's five cases: a relative sweep folder, and a folder named by the overrides."""
+        super().test_custom_sweeper_run_workdir(tmpdir, task_config, overrides, expected_dir, task_launcher_cfg,
+                                                extra_flags)
+
 
 APP = """
 import hydra
@@ -136,7 +161,7 @@ if __name__ == "__main__":
 
 def test_on_slurm_a_sweep_returns_at_once_with_its_ids_and_its_failed_job_is_failed(slurm_storage: Path,
                                                                                      tmp_path: Path) -> None:
-    """wait: false on 2 nodes a job, with Slurm's account, QOS and comment by name: the ids and
+    """wait: false on 2 nodes a job, 2 at a time, with Slurm's account, QOS and comment by name: the ids and
     the command come back while the jobs are queued; Slurm then says FAILED for the job whose
     task raised (hydra-submitit-launcher's says COMPLETED), and each job's folder is Hydra's."""
     (tmp_path / "app.py").write_text(textwrap.dedent(APP))
@@ -146,6 +171,7 @@ def test_on_slurm_a_sweep_returns_at_once_with_its_ids_and_its_failed_job_is_fai
         [sys.executable, "app.py", "-m", "hydra/launcher=hpcdist", "hydra.launcher.site=local-slurm",
          "hydra.launcher.wait=false", "hydra.launcher.nodes=2", "hydra.launcher.time_min=5",
          "hydra.launcher.account=root", "hydra.launcher.qos=normal", "hydra.launcher.comment=hydra-sweep",
+         "hydra.launcher.array_parallelism=2",
          slurm_site(slurm_storage), f"hydra.sweep.dir={sweep}", "+lr=0.1,0.2", "+fail=false,true"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
         env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -176,7 +202,85 @@ def test_on_slurm_a_sweep_returns_at_once_with_its_ids_and_its_failed_job_is_fai
     assert "Comment=hydra-sweep" in shown and "QOS=normal" in shown and "Account=root" in shown
     script = (slurm_storage / "logs" / "app-0" / array / f"{array}_submission.sh").read_text()
     assert "#SBATCH --account=root\n" in script and "#SBATCH --qos=normal\n" in script
+    assert "#SBATCH --array=0-3%2\n" in script
     for n in range(4):  # Hydra's own files of each job, rank 0's
         assert (sweep / str(n) / ".hydra" / "overrides.yaml").is_file()
     failed = run_cli("wait", ids[1])
     assert failed.code != 0 and "ValueError: lr 0.1 diverged" in failed.out + failed.err
+
+
+RESUMABLE = """
+import pathlib, time
+import hydra
+
+@hydra.main(version_base=None, config_path=None)
+def main(cfg):
+    mark = pathlib.Path("started")  # in the job's own folder (hydra.job.chdir)
+    if mark.exists():
+        return print("resumed", flush=True)
+    mark.touch()
+    time.sleep(60)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_a_job_stopped_at_its_time_limit_is_requeued_and_runs_again(tmp_path: Path) -> None:
+    """submitit's Checkpointable: the signal before the time limit requeues the same Hydra job,
+    whose task finds what its first run left in its folder."""
+    (tmp_path / "app.py").write_text(textwrap.dedent(RESUMABLE))
+    proc = subprocess.run(
+        [sys.executable, "app.py", "-m", "hydra/launcher=hpcdist", "hydra.launcher.timeout_min=0.5",
+         "hydra.launcher.signal_delay_s=22", "hydra.launcher.max_num_timeout=1", "hydra.job.chdir=true",
+         "hydra.sweep.dir=sweep", "+x=1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "sweep" / "0" / "started").is_file()
+    import hpcdist
+
+    (listed,) = json.loads(run_cli("jobs", "--json", cwd=tmp_path).out)  # this test's own job index
+    job = hpcdist.job(listed["job_id"])
+    assert job.state is hpcdist.JobState.COMPLETED
+    assert "resumed" in (job.stdout() or "")
+
+
+def shown(page: str) -> list[str]:
+    """The guide's `python examples/hydra_train_gpt.py ...` line of `page`, as argv."""
+    text = re.sub(r"\\\n\s*", " ", (REPO / page).read_text())
+    (line,) = [x.strip() for x in text.splitlines() if x.strip().startswith("python examples/hydra_train_gpt.py")]
+    return shlex.split(line)
+
+
+def run_shown(argv: list[str], cwd: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """The line as the guide shows it (its example from this checkout), with `extra` overrides."""
+    assert run_cli("data", "prepare", str(REPO / "README.md"), "-o", str(cwd / "tokens.h5")).code == 0
+    full = [sys.executable, str(REPO / argv[1]), *argv[2:], *extra]
+    proc = subprocess.run(full, cwd=cwd, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_the_readmes_hydra_sweep_runs_on_this_machine(tmp_path: Path) -> None:
+    run_shown(shown("README.md"), tmp_path)
+    jobs = json.loads(run_cli("jobs", "--json", cwd=tmp_path).out)
+    assert sorted((j["name"], j["state"]) for j in jobs) == [("hydra_train_gpt-0", "COMPLETED"),
+                                                             ("hydra_train_gpt-1", "COMPLETED")]
+    assert all(Path(j["result"]).is_file() for j in jobs)  # train_gpt's result file
+
+
+def test_the_python_api_pages_sweep_of_train_gpt_over_4_values_on_2_nodes_each(slurm_storage: Path,
+                                                                               tmp_path: Path) -> None:
+    argv = shown("docs/python-api.md")
+    assert "hydra.launcher.nodes=2" in argv and "params.optim.lr=1e-3,6e-4,3e-4,1e-4" in argv
+    run_shown(argv, tmp_path, "hydra.launcher.site=local-slurm", slurm_site(slurm_storage), "hydra.sweep.dir=sweep")
+    jobs = json.loads(run_cli("jobs", "--json", cwd=tmp_path).out)
+    assert sorted((j["name"], j["state"]) for j in jobs) == [(f"hydra_train_gpt-{n}", "COMPLETED") for n in range(4)]
+    (array,) = {j["job_id"].split("_")[0] for j in jobs}  # one job array
+    sacct = subprocess.run(["sacct", "-X", "-n", "-P", "-j", array, "--format=NNodes"], capture_output=True, text=True,
+                           timeout=30)
+    assert sacct.stdout.split() == ["2"] * 4
+    assert all(Path(j["result"]).is_file() for j in jobs)
+    lrs = [(tmp_path / "sweep" / str(n) / ".hydra" / "overrides.yaml").read_text() for n in range(4)]
+    assert [float(x.split("params.optim.lr=")[1].split()[0]) for x in lrs] == [1e-3, 6e-4, 3e-4, 1e-4]

@@ -55,10 +55,27 @@ def executor(params: Mapping[str, Any]) -> Executor:
     if params.get("stderr_to_stdout"):
         keys["stderr_to_stdout"] = True
     try:
-        return Executor(params.get("submitit_folder"), site=params.get("site"),
-                        max_num_timeout=params.get("max_num_timeout"), set=dotted(params.get("set") or {}), **keys)
+        ex = Executor(params.get("submitit_folder"), site=params.get("site"),
+                      max_num_timeout=params.get("max_num_timeout"), set=dotted(params.get("set") or {}), **keys)
     except ConfigError as exc:
         raise ConfigError(f"hydra/launcher=hpcdist: {exc}") from exc
+    nodes_have_hydra(ex.site.python if ex.site.container is None and "container" not in ex._data else None)
+    return ex
+
+
+def nodes_have_hydra(python: str | None) -> None:
+    """Each rank unpickles Hydra's objects: a site's own ``python`` (the nodes' interpreter,
+    where it is not this one) without hydra-core is one line before anything is queued, not a
+    ModuleNotFoundError in every job."""
+    import subprocess
+    import sys
+
+    if not python or not Path(python).is_absolute() or not Path(python).exists() or \
+            Path(python).resolve() == Path(sys.executable).resolve():
+        return
+    if subprocess.run([python, "-c", "import hydra, hpcdist"], capture_output=True, timeout=60).returncode != 0:
+        raise ConfigError(f"hydra/launcher=hpcdist: the nodes' python {python} (site.python) cannot import hydra "
+                          f"and hpcdist; install them there: {python} -m pip install 'hpcdist[hydra]'")
 
 
 def dotted(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
