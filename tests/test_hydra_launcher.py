@@ -161,23 +161,26 @@ if __name__ == "__main__":
 
 def test_on_slurm_a_sweep_returns_at_once_with_its_ids_and_its_failed_job_is_failed(slurm_storage: Path,
                                                                                      tmp_path: Path) -> None:
-    """wait: false on 2 nodes a job, 2 at a time, with Slurm's account, QOS and comment by name: the ids and
-    the command come back while the jobs are queued; Slurm then says FAILED for the job whose
-    task raised (hydra-submitit-launcher's says COMPLETED), and each job's folder is Hydra's."""
+    """wait: false on 2 nodes a job, 2 at a time, with Slurm's account, QOS and comment by name, and
+    no site named (on a login node: the cluster srun talks to): the ids and the command come back
+    while the jobs are queued; Slurm then says FAILED for the jobs whose task raised
+    (hydra-submitit-launcher's say COMPLETED), and each job's folder is Hydra's."""
     (tmp_path / "app.py").write_text(textwrap.dedent(APP))
     sweep = tmp_path / "sweep"
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "app.py", "-m", "hydra/launcher=hpcdist", "hydra.launcher.site=local-slurm",
-         "hydra.launcher.wait=false", "hydra.launcher.nodes=2", "hydra.launcher.time_min=5",
+        [sys.executable, "app.py", "-m", "hydra/launcher=hpcdist", "hydra.launcher.wait=false",
+         "hydra.launcher.nodes=2", "hydra.launcher.time_min=5",
          "hydra.launcher.account=root", "hydra.launcher.qos=normal", "hydra.launcher.comment=hydra-sweep",
          "hydra.launcher.array_parallelism=2",
          slurm_site(slurm_storage), f"hydra.sweep.dir={sweep}", "+lr=0.1,0.2", "+fail=false,true"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
+        env={**{k: v for k, v in os.environ.items() if k != "HPCDIST_SITE"}, "PYTHONPATH": str(REPO)})
     queued_s = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("queued 4 jobs of the sweep on site local-slurm"))
+    assert "no site named: Slurm's srun is on PATH, so jobs go to that cluster" in proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("queued 4 jobs of the sweep on site "))
+    assert " local" not in line
     ids = line.rpartition(": ")[2].split()
     assert len(ids) == 4 and len({i.split("_")[0] for i in ids}) == 1  # one job array
     assert "  follow: hpcdist jobs --last 4" in proc.stdout
@@ -284,3 +287,13 @@ def test_the_python_api_pages_sweep_of_train_gpt_over_4_values_on_2_nodes_each(s
     assert all(Path(j["result"]).is_file() for j in jobs)
     lrs = [(tmp_path / "sweep" / str(n) / ".hydra" / "overrides.yaml").read_text() for n in range(4)]
     assert [float(x.split("params.optim.lr=")[1].split()[0]) for x in lrs] == [1e-3, 6e-4, 3e-4, 1e-4]
+
+
+def test_a_sweep_whose_task_raised_fails_with_the_error_after_every_job_ended(tmp_path: Path) -> None:
+    (tmp_path / "app.py").write_text(textwrap.dedent(APP))
+    proc = subprocess.run([sys.executable, "app.py", "-m", "hydra/launcher=hpcdist", "+lr=0.5", "+fail=true,false"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 1 and "ValueError: lr 0.5 diverged" in proc.stderr, proc.stdout + proc.stderr
+    jobs = json.loads(run_cli("jobs", "--json", cwd=tmp_path).out)
+    assert sorted((j["name"], j["state"]) for j in jobs) == [("app-0", "FAILED"), ("app-1", "COMPLETED")]
