@@ -54,12 +54,14 @@ def executor(params: Mapping[str, Any]) -> Executor:
     keys.update({f"slurm_{k}": params[k] for k in SLURM_OPTIONS if params.get(k) not in (None, {})})
     if params.get("stderr_to_stdout"):
         keys["stderr_to_stdout"] = True
+    sets = dotted(params.get("set") or {})
     try:
         ex = Executor(params.get("submitit_folder"), site=params.get("site"),
-                      max_num_timeout=params.get("max_num_timeout"), set=dotted(params.get("set") or {}), **keys)
+                      max_num_timeout=params.get("max_num_timeout"), set=sets, **keys)
     except ConfigError as exc:
         raise ConfigError(f"hydra/launcher=hpcdist: {exc}") from exc
-    nodes_have_hydra(ex.site.python if ex.site.container is None and "container" not in ex._data else None)
+    in_image = ex.site.container is not None or any(k.startswith("container.") for k in sets)
+    nodes_have_hydra(None if in_image else ex.site.python)  # an image's python is inside it: not checked here
     return ex
 
 
@@ -80,7 +82,7 @@ def nodes_have_hydra(python: str | None) -> None:
 
 def dotted(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """`set` as the executor takes it, ``{"site.storage.logs": ...}``, from Hydra's nesting of a
-    dotted key (``hydra.launcher.set={site:{storage:{logs:/x}}}``, or a YAML block)."""
+    dotted key (``+hydra.launcher.set.site={storage:{logs:/x}}``, or a YAML block)."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, Mapping) and value:
