@@ -231,11 +231,12 @@ if __name__ == "__main__":
 
 def test_a_job_stopped_at_its_time_limit_is_requeued_and_runs_again(tmp_path: Path) -> None:
     """submitit's Checkpointable: the signal before the time limit requeues the same Hydra job,
-    whose task finds what its first run left in its folder."""
+    whose task finds what its first run left in its folder. The signal comes 15 s after the start
+    (45 s limit, 30 s warning): time for the task to start on a loaded machine."""
     (tmp_path / "app.py").write_text(textwrap.dedent(RESUMABLE))
     proc = subprocess.run(
-        [sys.executable, "app.py", "-m", "hydra/launcher=hpcdist", "hydra.launcher.timeout_min=0.5",
-         "hydra.launcher.signal_delay_s=22", "hydra.launcher.max_num_timeout=1", "hydra.job.chdir=true",
+        [sys.executable, "app.py", "-m", "hydra/launcher=hpcdist", "hydra.launcher.timeout_min=0.75",
+         "hydra.launcher.signal_delay_s=30", "hydra.launcher.max_num_timeout=1", "hydra.job.chdir=true",
          "hydra.sweep.dir=sweep", "+x=1"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
