@@ -1,6 +1,7 @@
 """``hydra/launcher=hpcdist``: Hydra's own launcher test suites (hydra-core's
-``hydra.test_utils.launcher_common_tests``) against it, in full on the local site and in part on
-the local Slurm cluster, and what hydra-submitit-launcher lacks: failed jobs FAILED, ``wait: false``,
+``hydra.test_utils.launcher_common_tests``: LauncherTestSuite, IntegrationTestSuite, and
+BatchedSweeperTestSuite for a sweep in batches) against it, in full on the local site and in part
+on the local Slurm cluster, and what hydra-submitit-launcher lacks: failed jobs FAILED, ``wait: false``,
 every sbatch option by name.
 
 The Slurm part of Hydra's suites: ``test_sweep_1_job`` (its ``hydra.job.id`` Slurm's),
@@ -30,7 +31,7 @@ import pytest
 from hydra.core.config_store import ConfigStore
 from hydra.core.plugins import Plugins
 from hydra.plugins.launcher import Launcher
-from hydra.test_utils.launcher_common_tests import IntegrationTestSuite, LauncherTestSuite
+from hydra.test_utils.launcher_common_tests import BatchedSweeperTestSuite, IntegrationTestSuite, LauncherTestSuite
 
 from hpcdist.config.spec import Resources
 from hpcdist.errors import ConfigError
@@ -89,6 +90,17 @@ def test_nodes_whose_python_lacks_hydra_are_one_line_saying_what_to_install() ->
 @pytest.mark.parametrize(("launcher_name", "overrides"), [("hpcdist", [])])
 class TestHydraSuiteLocal(LauncherTestSuite):
     """Hydra's LauncherTestSuite in full, on the local site."""
+
+
+@pytest.mark.parametrize(("launcher_name", "overrides"), [("hpcdist", ["hydra.sweeper.max_batch_size=2"])])
+class TestHydraBatchesLocal(BatchedSweeperTestSuite):
+    """Hydra's sweep in batches of 2: job N of the sweep is hpcdist's job <name>-N across batches."""
+
+    def test_sweep_2_jobs_2_batches(self, hydra_sweep_runner: Any, launcher_name: str, overrides: list[str],
+                                    tmpdir: Path) -> None:
+        super().test_sweep_2_jobs_2_batches(hydra_sweep_runner, launcher_name, overrides, tmpdir)
+        jobs = json.loads(run_cli("jobs", "--json").out)
+        assert sorted(j["name"] for j in jobs) == [f"a_module-{n}" for n in range(6)]
 
 
 @pytest.mark.parametrize(("task_launcher_cfg", "extra_flags"), [
