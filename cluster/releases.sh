@@ -359,7 +359,11 @@ start_daemons() {
     slurmd_ok "$n" && continue
     log "starting slurmd -N $n ($R)"
     started_at[$n]=$(date +%s)
-    setsid bash -c "$(supervised_slurmd "$n")" </dev/null >/dev/null 2>&1 &
+    # In a mount namespace of its own where the host's PMIx folder is the root's: Debian's mpi_pmix
+    # plugin dlopens libpmix by that path (and libpmix its components), which from the host would
+    # load the host's PMIx 4 into the root's slurmstepd.
+    setsid unshare -m --propagation slave bash -c "mount --bind $ROOT/$LIBDIR/pmix2 /$LIBDIR/pmix2 &&
+      $(supervised_slurmd "$n")" </dev/null >/dev/null 2>&1 &
     wait_for 10 slurmd_ok "$n" || fail "slurmd -N $n ($R) did not start" "$STATE/log/slurmd-$n.log"
   done
   mark_active slurm.conf

@@ -1,0 +1,62 @@
+"""Other Slurm releases beside the 22.05 test bed (cluster/releases.sh): clusters whose daemons and
+commands are that release, each run from a Debian root of the suite that ships it. A client reaches
+one through ``release_env(release)``: that release's commands first on PATH, its SLURM_CONF.
+
+- ``24.11``: Debian trixie's slurm-wlm, cluster ``r2411``, partition ``main`` on nodes t1, t2
+
+They are opt-in for now: ``make test`` does not start them, and a test of one runs only where
+HPCDIST_RELEASES names it (``HPCDIST_RELEASES=24.11``, comma-separated), where it fails when that
+release does not answer; elsewhere it is skipped, saying how to start it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+RELEASES = ("24.11",)
+CLUSTERS = {"24.11": "r2411"}
+NODES = {"24.11": ("t1", "t2")}
+RELEASES_STATE = os.environ.get("HPCDIST_SLURM_RELEASES_STATE", "/var/tmp/hpcdist-releases")
+RELEASES_ETC = "/etc/slurm-releases"
+USER_PATH = "/usr/local/bin:/usr/bin:/bin"  # what tests/support/members.run_as gives a user
+
+
+def release_env(release: str, path: str = USER_PATH) -> dict[str, str]:
+    """The environment a client needs to reach release `release`: its wrappers first on `path`."""
+    if release not in RELEASES:
+        raise ValueError(f"no Slurm release {release!r} on the test bed; releases are {', '.join(RELEASES)}")
+    return {"PATH": f"{RELEASES_STATE}/{release}/bin:{path}", "SLURM_CONF": f"{RELEASES_ETC}/{release}/slurm.conf"}
+
+
+def wanted() -> list[str]:
+    """The releases this run must test (HPCDIST_RELEASES)."""
+    return [r.strip() for r in os.environ.get("HPCDIST_RELEASES", "").split(",") if r.strip()]
+
+
+def require_release(release: str) -> None:
+    """Fail where HPCDIST_RELEASES names `release`, skip elsewhere, when its controller does not
+    answer or its commands are another release's."""
+    start = f"bash cluster/releases.sh up {release} (after make cluster-up)"
+    if release not in wanted():
+        pytest.skip(f"Slurm {release} is tested where HPCDIST_RELEASES names it; start it with {start}")
+    env = {**os.environ, **release_env(release)}
+    scontrol = f"{RELEASES_STATE}/{release}/bin/scontrol"
+    said = ""
+    if not os.path.exists(scontrol):
+        said = f"{scontrol} is missing"
+    else:
+        try:
+            version = subprocess.run([scontrol, "--version"], env=env, capture_output=True, text=True, timeout=30,
+                                     check=False).stdout.strip()
+            ping = subprocess.run([scontrol, "ping"], env=env, capture_output=True, text=True, timeout=30, check=False)
+            answer = ((ping.stdout + ping.stderr).strip().splitlines() or ["no answer"])[0]
+            if not version.endswith(f" {release}") and f" {release}." not in version:
+                said = f"its scontrol is {version!r}"
+            elif "is UP" not in answer:
+                said = f"its controller does not answer ({answer[:200]})"
+        except subprocess.TimeoutExpired:
+            said = "scontrol timed out after 30 s"
+    if said:
+        pytest.fail(f"Slurm {release}: {said}; start it with {start}")
