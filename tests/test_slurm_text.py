@@ -6,6 +6,7 @@ have got wrong."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from hpcdist.config import ConfigError, load_site, safe_load, validate
 from hpcdist.config.discovered import REREAD_S, _fresh, site_text, to_json
 from hpcdist.config.site import Site
 from hpcdist.scheduler import slurm_now, slurm_text
-from tests.support.slurm_fixtures import cluster, releases, text
+from tests.support.slurm_fixtures import FIXTURES, cluster, releases, text
 
 SHAPES = "shapes-24.11"
 
@@ -38,7 +39,7 @@ def nodes(folder: str = SHAPES) -> dict[str, slurm_text.Node]:
 
 
 def test_every_captured_release_is_here() -> None:
-    assert {"22.05-hpcdist", "22.05-parts", "22.05-gpus", "22.05-noacct"} <= set(releases())
+    assert {"22.05-hpcdist", "22.05-parts", "22.05-gpus", "22.05-noacct", "24.11-r2411"} <= set(releases())
 
 
 @pytest.mark.parametrize("folder", releases())
@@ -62,6 +63,26 @@ def test_the_captured_clusters_say_what_their_set_up_made_them() -> None:
     assert "account" not in noacct and "accounting does not answer" in made
     parts, made = site_of("22.05-parts")  # alice has no association on parts: none is borrowed from another
     assert "account" not in parts and "you have no association on cluster parts" in made
+    r2411, made = site_of("24.11-r2411")  # cluster/releases.sh's Slurm 24.11
+    assert r2411["partitions"]["main"] == {"nodes": 2, "cpus_per_node": 4, "mem_gb": 3.9, "gpus_per_node": 0,
+                                           "max_time_min": 60}
+    assert r2411["launcher"]["args"] == {"srun": ["--mpi=pmix"]} and r2411["account"] == "root"
+    # an unset MpiDefault, which 24.11 prints as (null) where 22.05 printed none
+    assert "MpiDefault=none; srun --mpi=list: none, pmix, cray_shasta, pmi2, pmix_v5" in made
+
+
+@pytest.mark.parametrize("folder", [f for f in releases() if (FIXTURES / f / "node.json").is_file()])
+def test_the_text_read_says_what_the_releases_json_says(folder: str) -> None:
+    """Where a release prints --json (24.11 does; Debian's 22.05 does not), the nodes and partitions
+    read from its text are those of its JSON: names, CPUs, memory, partitions, MaxTime."""
+    as_json = json.loads((FIXTURES / folder / "node.json").read_text())["nodes"]
+    read = {n.name: n for n in slurm_text.nodes(text(folder, "node.txt"))}
+    assert {n["name"]: (n["effective_cpus"], n["real_memory"], tuple(n["partitions"])) for n in as_json} == \
+        {n.name: (n.cpus, n.memory_mb, n.partitions) for n in read.values()}
+    parts = json.loads((FIXTURES / folder / "partition.json").read_text())["partitions"]
+    site = cluster(folder)
+    assert {p["name"]: p["maximums"]["time"]["number"] for p in parts} == \
+        {p.name: p.max_time_min for p in site.partitions}
 
 
 def test_the_associations_are_asked_of_this_cluster_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,6 +101,7 @@ def test_the_associations_are_asked_of_this_cluster_only(monkeypatch: pytest.Mon
     ("mpi-20.11", ("cray_shasta", "none", "pmi2", "pmix", "pmix_v3")),
     ("mpi-21.08", ("none", "pmix_v3", "cray_shasta", "pmi2", "pmix")),
     ("22.05-hpcdist", ("pmix", "none", "cray_shasta", "pmi2", "pmix_v4")),
+    ("24.11-r2411", ("none", "pmix", "cray_shasta", "pmi2", "pmix_v5")),
     (SHAPES, ("none", "cray_shasta", "pmi2", "pmix", "pmix_v4", "pmix_v5")),
 ])
 def test_mpi_plugins_of_every_format(folder: str, plugins: tuple[str, ...]) -> None:

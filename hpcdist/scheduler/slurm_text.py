@@ -375,7 +375,8 @@ def cluster_from(texts: Texts, user: str, groups: tuple[str, ...] = ()) -> Clust
     default = texts.user.strip().splitlines()[0].strip() if accounting and texts.user.strip() else None
     return Cluster(
         name=conf.get("ClusterName", "slurm"), as_of=as_of(texts.config), version=conf.get("SLURM_VERSION", ""),
-        mpi_default=conf.get("MpiDefault", "none"), mpi_plugins=mpi_plugins(texts.mpi_list),
+        # an unset MpiDefault: 22.05 prints none, 24.11 (null)
+        mpi_default=listed(conf.get("MpiDefault")) or "none", mpi_plugins=mpi_plugins(texts.mpi_list),
         select_type=conf.get("SelectType", ""), accounting=accounting,
         enforce=conf.get("AccountingStorageEnforce", "none"), default_account=default or None,
         associations=associations(texts.assoc or ""), qos_max_wall_min={n: q.max_wall_min for n, q in qos.items()},
