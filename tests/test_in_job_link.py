@@ -203,3 +203,51 @@ def test_a_rank_and_its_supervisor_speak_on_the_jobs_key(keyed: tuple[str, dict[
     pump(links, lambda: link.failed, restart=0)
     assert link.failed == "comm"
     links.close_all()
+
+
+def test_the_restart_budget_is_a_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """preemption.in_job_restarts_per_hour: 2 restarts use up the hour; once they are older than
+    the window (an hour; 0.3 s here) the job may restart again, so a long job with a fault a day
+    never runs out."""
+    from hpcdist.runtime import in_job_faults
+
+    monkeypatch.setattr(in_job_faults, "HOUR_S", 0.3)
+    budget = in_job_faults.Budget(2)
+    for _ in range(2):
+        assert budget.allows()
+        budget.take()
+    assert not budget.allows() and "2 of the 2 an hour" in budget.line()
+    time.sleep(0.35)
+    assert budget.allows() and budget.taken == 2
+
+
+def test_the_kept_copy_is_one_per_node_and_none_where_it_would_not_fit(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """on_rank_failure: in_place keeps the last saved state in host memory: on a node's local rank
+    0 only, the copy of the step before dropped first, and none (said once) where it would take
+    more than half of what the node has free."""
+    import logging
+
+    import torch
+
+    from hpcdist.api import kept
+    from hpcdist.config.contract import KEEP_STATE_VAR
+    from hpcdist.store import hostmem
+
+    monkeypatch.setenv(KEEP_STATE_VAR, "1")
+    monkeypatch.setattr(kept, "_KEPT", {})
+    log = logging.getLogger("test-kept")
+    state = {"w": torch.ones(1000, dtype=torch.float64)}  # 8 kB
+    kept.keep("ckpt", 3, state, 1, log)
+    assert kept._KEPT == {}  # local rank 1: its node's rank 0 keeps it
+    kept.keep("ckpt", 3, state, 0, log)
+    state["w"] += 1  # training goes on: the copy is the state as saved
+    assert kept._KEPT["ckpt"][0] == 3 and float(kept._KEPT["ckpt"][1]["w"].sum()) == 1000.0
+    monkeypatch.setattr(hostmem, "available_bytes", lambda: 10_000)  # 8 kB > half of 10 kB
+    with caplog.at_level(logging.WARNING, logger="test-kept"):
+        kept.keep("ckpt", 4, state, 0, log)
+        kept.keep("ckpt", 5, state, 0, log)
+    assert "ckpt" not in kept._KEPT  # step 3's copy dropped, step 4's not made
+    assert [r.getMessage() for r in caplog.records].count(
+        "checkpoint state of 0.0 GB not kept in memory for an in-place restart: the node has 0.0 GB free; a rank "
+        "started again reads it from the storage") == 1

@@ -135,14 +135,17 @@ def test_a_killed_rank_then_a_dead_node_go_on_in_the_same_allocation(four_nodes:
     """3 nodes + 1 spare (all four): the step runs on n2-n4, n1 (the batch node) waits. After step
     10 rank 2's process (on n4) is killed, its node alive: srun saw a task end by a signal, so the
     step starts again on the same nodes. After step 20 n3 dies: the spare n1 takes its place. The
-    script logs its loss to MLflow (a SQLite file on the shared storage): one run throughout."""
+    script logs its loss to MLflow (a SQLite file on the shared storage): one run throughout.
+    srun runs as on a site whose WaitTime is 1 s (SLURM_WAIT=1 in the submit's environment): the
+    supervisor's --wait=0 keeps ranks 0 and 1 in their processes after rank 2's end."""
     from mlflow.tracking import MlflowClient
 
     root = four_nodes
     uri = f"sqlite:///{root / 'mlflow.db'}"
     job = submit_spared(root, "--set", "resources.nodes=3", "--set", "resources.spare_nodes=1",
                         "--set", "on_rank_failure=in_place",
-                        "--set", f"tracking.mlflow={{uri: '{uri}', experiment: spare}}", timeout_s=10)
+                        "--set", f"tracking.mlflow={{uri: '{uri}', experiment: spare}}", timeout_s=10,
+                        env={"SLURM_WAIT": "1"})  # srun as on a site with WaitTime=1: it would end the survivors
     ckpts = root / "checkpoints" / "elastic_sgd"
     try:
         jid = job_of(job)
