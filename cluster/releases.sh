@@ -137,9 +137,9 @@ build_root() {
     >"$tmp.log" 2>&1 || { tail -n 20 "$tmp.log" >&2; die_build "debootstrap failed (its log's tail above)"; }
   rm -f "$tmp.log"
   rm -rf "$tmp"/usr/share/{doc,man,info,locale}/* "$tmp"/var/cache/apt/* "$tmp"/var/lib/apt/lists/*
+  [[ -x $tmp/usr/sbin/slurmstepd && -d $tmp/$LIBDIR/slurm-wlm ]] || die_build "no slurmstepd or plugin folder in it"
   patch_root "$tmp"
   own_links "$tmp"
-  [[ -x $tmp/usr/sbin/slurmstepd && -d $tmp/$LIBDIR/slurm-wlm ]] || die_build "no slurmstepd or plugin folder in it"
   echo "$key" >"$tmp/.hpcdist-root"
   chmod 755 "$tmp"
   [[ ! -e $ROOT ]] || mv "$ROOT" "$ROOT.old"
@@ -147,6 +147,7 @@ build_root() {
   rm -rf "$ROOT.old"
   trap - EXIT
   log "built $ROOT ($(du -sh "$ROOT" | cut -f1), $((SECONDS - t)) s)"
+  REBUILT=1
 }
 
 # The release's version as its own slurmd says it ("slurm-wlm 24.11.5" -> 24.11; it reads no config).
@@ -313,7 +314,7 @@ EOF
   if ! rslurmdbd_ok; then
     stop_pidfile "$STATE/run/slurmdbd.pid" slurmdbd
     log "starting slurmdbd of $R (port ${DBD_PORT[$R]}, database $(db_name))"
-    "$ROOT/usr/sbin/slurmdbd"
+    "$ROOT/usr/sbin/slurmdbd" 9>&- # not holding up's lock for as long as it runs
     wait_for 60 rslurmdbd_ok || fail "slurmdbd of $R did not answer" "$STATE/log/slurmdbd.log"
   fi
   mark_active slurmdbd.conf
@@ -352,7 +353,7 @@ start_daemons() {
   if ! slurmctld_ok; then
     stop_pidfile "$STATE/run/slurmctld.pid" slurmctld
     log "starting slurmctld of $R (port ${CTLD_PORT[$R]})"
-    "$ROOT/usr/sbin/slurmctld"
+    "$ROOT/usr/sbin/slurmctld" 9>&-
     wait_for 30 slurmctld_ok || fail "slurmctld of $R did not answer" "$STATE/log/slurmctld.log"
   fi
   for n in "${RNODES[@]}"; do
@@ -413,7 +414,9 @@ cmd_up() {
     mkdir -p "$BASE"
     exec 9>"$BASE/.lock"
     flock 9
+    REBUILT=0
     build_root
+    ((REBUILT == 0)) || stop_daemons # they run the files of the root it replaced
     check_version
     munge_compatible
     make_wrappers
@@ -428,15 +431,20 @@ cmd_up() {
   done
 }
 
+stop_daemons() {
+  local n
+  for n in "$STATE"/run/slurmd-*.pid; do [[ -e $n ]] && stop_pidfile "$n" slurmd; done
+  stop_pidfile "$STATE/run/slurmctld.pid" slurmctld
+  stop_pidfile "$STATE/run/slurmdbd.pid" slurmdbd
+}
+
 cmd_down() {
-  local r n names=("$@")
+  local r names=("$@")
   ((${#names[@]})) || names=("${ALL[@]}")
   for r in "${names[@]}"; do
     use "$r"
     [[ -d $STATE ]] || continue
-    for n in "$STATE"/run/slurmd-*.pid; do [[ -e $n ]] && stop_pidfile "$n" slurmd; done
-    stop_pidfile "$STATE/run/slurmctld.pid" slurmctld
-    stop_pidfile "$STATE/run/slurmdbd.pid" slurmdbd
+    stop_daemons
   done
   log "Slurm ${names[*]} down"
 }
