@@ -46,12 +46,15 @@ demo: install
 	$(VENV)/bin/hpcdist report $$(ls -t hpcdist-out/results/demo_infer/*.h5 | head -n 1)
 
 # The main cluster, then the three variant clusters beside it (cluster/README.md, "Variants"), which
-# use its munged, slurmdbd and the accounts users.sh makes.
+# use its munged, slurmdbd and the accounts users.sh makes, then Slurm 24.11 ("Releases": its root
+# debootstrapped once, about a minute; its own slurmdbd on the main cluster's MariaDB and munged).
 cluster-up: system-deps
 	bash cluster/up.sh
 	bash cluster/variants.sh up
+	bash cluster/releases.sh up
 
 cluster-down:
+	bash cluster/releases.sh down
 	bash cluster/variants.sh down
 	bash cluster/down.sh
 
