@@ -4,16 +4,15 @@ one through ``release_env(release)``: that release's commands first on PATH, its
 
 - ``24.11``: Debian trixie's slurm-wlm, cluster ``r2411``, partition ``main`` on nodes t1, t2
 
-They are opt-in for now: ``make test`` does not start them, and a test of one runs only where
-HPCDIST_RELEASES names it (``HPCDIST_RELEASES=24.11``, comma-separated), where it fails when that
-release does not answer; elsewhere it is skipped, saying how to start it."""
+`make cluster-up` starts them (cluster/releases.sh up); a test of one fails under `make test`
+(HPCDIST_REQUIRE_SLURM=1) when it does not answer, and is skipped elsewhere, saying how to start it."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 
-import pytest
+from tests.support.cli import missing
 
 RELEASES = ("24.11",)
 CLUSTERS = {"24.11": "r2411"}
@@ -30,17 +29,11 @@ def release_env(release: str, path: str = USER_PATH) -> dict[str, str]:
     return {"PATH": f"{RELEASES_STATE}/{release}/bin:{path}", "SLURM_CONF": f"{RELEASES_ETC}/{release}/slurm.conf"}
 
 
-def wanted() -> list[str]:
-    """The releases this run must test (HPCDIST_RELEASES)."""
-    return [r.strip() for r in os.environ.get("HPCDIST_RELEASES", "").split(",") if r.strip()]
-
-
 def require_release(release: str) -> None:
-    """Fail where HPCDIST_RELEASES names `release`, skip elsewhere, when its controller does not
-    answer or its commands are another release's."""
-    start = f"bash cluster/releases.sh up {release} (after make cluster-up)"
-    if release not in wanted():
-        pytest.skip(f"Slurm {release} is tested where HPCDIST_RELEASES names it; start it with {start}")
+    """Fail under `make test` (HPCDIST_REQUIRE_SLURM=1: make cluster-up starts the releases), skip
+    elsewhere, when release `release`'s controller does not answer or its commands are another
+    release's."""
+    start = f"bash cluster/releases.sh up {release} (make cluster-up starts it)"
     env = {**os.environ, **release_env(release)}
     scontrol = f"{RELEASES_STATE}/{release}/bin/scontrol"
     said = ""
@@ -52,11 +45,11 @@ def require_release(release: str) -> None:
                                      check=False).stdout.strip()
             ping = subprocess.run([scontrol, "ping"], env=env, capture_output=True, text=True, timeout=30, check=False)
             answer = ((ping.stdout + ping.stderr).strip().splitlines() or ["no answer"])[0]
-            if not version.endswith(f" {release}") and f" {release}." not in version:
+            if f" {release}." not in version:
                 said = f"its scontrol is {version!r}"
             elif "is UP" not in answer:
                 said = f"its controller does not answer ({answer[:200]})"
         except subprocess.TimeoutExpired:
             said = "scontrol timed out after 30 s"
     if said:
-        pytest.fail(f"Slurm {release}: {said}; start it with {start}")
+        missing(f"Slurm {release}: {said}; start it with {start}")
