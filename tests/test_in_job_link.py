@@ -7,6 +7,7 @@ tests/test_in_job_security.py)."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -79,6 +80,14 @@ def hello(nonce: str, rank: int, node: str, key: bytes = KEY, step: str = "12") 
     return seal(key, nonce, RANK, 0, f"hello {nonce} {step} {rank} {node}")
 
 
+def lines_of(sock: socket.socket, count: int) -> list[str]:
+    """The next `count` lines the supervisor wrote on `sock`."""
+    data = b""
+    while data.count(b"\n") < count:
+        data += sock.recv(256)
+    return data.decode().splitlines()[:count]
+
+
 def pump(links: Links, until: object, restart: int = 1, within: float = 5.0) -> None:
     deadline = time.monotonic() + within
     while not until() and time.monotonic() < deadline:  # type: ignore[operator]
@@ -102,8 +111,9 @@ def test_the_supervisor_reads_who_a_rank_is_and_ignores_a_failure_already_answer
         pump(links, lambda: link.failed)
         assert link.failed == "own"
         links.tell("stop")
-        word = rank.recv(256).decode()
-        assert in_job_link.unseal(KEY, "a1", in_job_link.SUPERVISOR, word, 0) == (1, "stop") and link.failed == ""
+        taken, word = lines_of(rank, 2)
+        assert in_job_link.unseal(KEY, "a1", in_job_link.SUPERVISOR, taken, 0) == (1, "hello")  # it was taken
+        assert in_job_link.unseal(KEY, "a1", in_job_link.SUPERVISOR, word, 1) == (2, "stop") and link.failed == ""
         assert in_job_link.unseal(KEY, "b2", in_job_link.SUPERVISOR, word, 0) is None  # another connection's
     links.close_all()
 
@@ -144,7 +154,7 @@ def test_forged_replayed_and_idle_connections_steer_nothing(monkeypatch: pytest.
     flood = [socket.create_connection(where) for _ in range(in_job_port.MAX_PENDING + 8)]
     watch(0.3)
     pending = [k for k in links.sel.get_map().values() if k.fileobj is not links.server and k.data.rank < 0]
-    assert len(pending) <= in_job_port.MAX_PENDING
+    assert len(pending) <= links.max_pending == in_job_port.MAX_PENDING + 1  # one rank may be connecting
     watch(1.0)  # HELLO_S passed: every silent one is gone
     assert len(links.sel.get_map()) == 2  # the listening socket and the genuine rank
     err = capfd.readouterr().err
@@ -160,10 +170,10 @@ def test_a_connection_from_outside_the_jobs_nodes_is_bounded_tighter() -> None:
     connections; a rank that connects from one with the job's key is taken (a site's data network)."""
     links = Links("127.0.0.1", KEY, {"10.251.0.11"})  # this host's 127.0.0.1 is no node of the job's
     host, port = links.address.rsplit(":", 1)
-    socks = [socket.create_connection((host, int(port))) for _ in range(in_job_port.MAX_FOREIGN + 3)]
+    socks = [socket.create_connection((host, int(port))) for _ in range(in_job_port.MAX_FOREIGN + 4)]
     pump(links, lambda: False, within=0.5)
     pending = [k for k in links.sel.get_map().values() if k.fileobj is not links.server]
-    assert len(pending) == in_job_port.MAX_FOREIGN
+    assert len(pending) == links.max_foreign == in_job_port.MAX_FOREIGN + 1  # one rank may be connecting
     for sock in socks:
         sock.close()
     pump(links, lambda: False, within=0.3)
@@ -194,8 +204,11 @@ def test_a_rank_and_its_supervisor_speak_on_the_jobs_key(keyed: tuple[str, dict[
     key = in_job_link.job_key(folder, env)
     assert key is not None and len(key) == 32
     links = Links("127.0.0.1", key, {"127.0.0.1"})
-    in_job_link.report_in(folder, {**env, "HPCDIST_SUPERVISOR": links.address})
-    pump(links, lambda: links.ranks(), within=5)
+    reporting = threading.Thread(target=in_job_link.report_in,
+                                 args=(folder, {**env, "HPCDIST_SUPERVISOR": links.address}))
+    reporting.start()  # it waits for the supervisor's hello, which the pump sends
+    pump(links, lambda: links.ranks() and not reporting.is_alive(), within=10)
+    assert in_job_link.supervised()
     [link] = links.ranks()
     assert (link.rank, link.node) == (1, "n3")
     links.tell("again 4")
@@ -251,3 +264,27 @@ def test_the_kept_copy_is_one_per_node_and_none_where_it_would_not_fit(
     assert [r.getMessage() for r in caplog.records].count(
         "checkpoint state of 0.0 GB not kept in memory for an in-place restart: the node has 0.0 GB free; a rank "
         "started again reads it from the storage") == 1
+
+
+def test_a_rank_turned_away_by_a_flood_connects_again(keyed: tuple[str, dict[str, str]],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another user holds every waiting place of the supervisor's port: the rank's first
+    connection is closed unanswered. It connects again a second later, once the idle ones were
+    dropped (HELLO_S), and is taken."""
+    monkeypatch.setattr(in_job_port, "HELLO_S", 0.5)
+    folder, env = keyed
+    key = in_job_link.job_key(folder, env)
+    assert key is not None
+    links = Links("127.0.0.1", key, {"127.0.0.1"})
+    host, port = links.address.rsplit(":", 1)
+    flood = [socket.create_connection((host, int(port))) for _ in range(links.max_pending)]
+    pump(links, lambda: False, within=0.2)
+    reporting = threading.Thread(target=in_job_link.report_in,
+                                 args=(folder, {**env, "HPCDIST_SUPERVISOR": links.address}))
+    reporting.start()
+    pump(links, lambda: links.ranks() and not reporting.is_alive(), within=10)
+    assert [r.rank for r in links.ranks()] == [1] and in_job_link.supervised()
+    assert links.refused >= 1  # its first connection, closed past the bound
+    for sock in flood:
+        sock.close()
+    links.close_all()

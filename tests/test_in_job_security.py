@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli import result_path
+from tests.support.cli import require_slurm, result_path
 from tests.support.members import GROUP_ROOT, finish, require_members, run_as, spawn
 from tests.support.train import wait_for
 from tests.test_in_job_restart import STEPS, losses, one_run, reference
@@ -75,6 +75,7 @@ print("attacked", " ".join(f"{a}:{p}" for a, p in sorted(hit)))
 @pytest.fixture
 def fresh() -> Iterator[Path]:
     """A place in the group root for the job's storage roots."""
+    require_slurm()
     require_members()
     base = GROUP_ROOT / "scratch" / f"t-atk-{uuid.uuid4().hex[:8]}"
     base.mkdir(parents=True)
@@ -83,6 +84,7 @@ def fresh() -> Iterator[Path]:
     shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.mark.slurm  # the suite's cluster group: node-fault tests must not run beside it
 def test_another_user_on_the_batch_node_cannot_steer_the_supervisor(fresh: Path, tmp_path: Path) -> None:
     name = f"atk-{uuid.uuid4().hex[:6]}"
     roots = [a for key in ("results", "checkpoints", "scratch", "logs")

@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     slurmds = slurmd_addresses(nodes)
     address = own_address(site.network.socket_ifname, False)
-    links = Links(address, key, node_addresses(nodes, slurmds) | {address})
+    links = Links(address, key, node_addresses(nodes, slurmds) | {address}, world=res.nodes * res.tasks_per_node)
     supervisor = Supervisor(args[2:], job_id, nodes, here, res.nodes, res.min_nodes or res.nodes, res.tasks_per_node,
                             mark, links, give_up, site.preemption.in_job_restarts_per_hour,
                             spec.on_rank_failure == "in_place", slurmds)

@@ -1,7 +1,8 @@
 """The connection between each rank of a job with spare nodes and its in-job supervisor
-(``hpcdist.runtime.in_job``): the line protocol, and the rank's end of it. A rank says ``hello NONCE STEP RANK
-NODE`` as it starts, ``failed own|comm RESTART`` when its job raised, ``done`` when it succeeded;
-the supervisor answers ``again N``, ``stop``, or ``kill`` (a hung rank ends itself).
+(``hpcdist.runtime.in_job``): the line protocol, and the rank's end of it. A rank says ``hello NONCE
+STEP RANK NODE`` as it starts (the supervisor answers ``hello``), ``failed own|comm RESTART`` when
+its job raised, ``done`` when it succeeded; the supervisor answers ``again N``, ``stop``, or
+``kill`` (a hung rank ends itself).
 
 - **The job's line alone.** The supervisor's port is reachable by every user with a step on the
   batch node (``/proc/net/tcp`` lists it). Every line, both ways, carries an HMAC-SHA256 made with
@@ -35,12 +36,14 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 
 from hpcdist.config.contract import IN_PLACE_VAR, SUPERVISOR_VAR
 
 ANSWER_WAIT_S = 120.0  # how long a rank whose job failed waits for its supervisor's word
+HELLO_TRIES = 5  # connections a rank makes until the supervisor answers its hello
 LINE_MAX = 1024  # a line longer than this is no line of the protocol
 RANK, SUPERVISOR = "rank", "supervisor"  # who signed a line: each end signs its own direction
 _DOMAIN = b"hpcdist-link-1\0"
@@ -130,9 +133,10 @@ def job_key(folder: str, env: Mapping[str, str]) -> bytes | None:
 
 def report_in(folder: str, env: Mapping[str, str] | None = None) -> None:
     """In a rank of a job with spares: connect to the supervisor and say, signed with the job's key,
-    who this is (its step, rank and node). Nothing happens outside such a job, or when the
-    supervisor cannot be reached or the job has no key (it then learns of this rank only from its
-    step)."""
+    who this is (its step, rank and node), until the supervisor answers ``hello`` (a connection it
+    closed unanswered, past its bound on waiting connections, is made again, up to
+    ``HELLO_TRIES`` times). Nothing happens outside such a job, or when the supervisor cannot be
+    reached or the job has no key (it then learns of this rank only from its step)."""
     from hpcdist.errors import BootstrapError
 
     env = os.environ if env is None else env
@@ -141,21 +145,48 @@ def report_in(folder: str, env: Mapping[str, str] | None = None) -> None:
         return
     host, _, port = where.rpartition(":")
     node = env.get("SLURMD_NODENAME") or socket.gethostname()
+    why = ""
     try:
         key = job_key(folder, env)
         if key is None:
             raise BootstrapError(f"the job has no key file in {folder} to sign its lines with")
-        sock = socket.create_connection((host, int(port)), timeout=10)
-        line = _Line(sock, key, secrets.token_hex(16))
-        who = f"{env.get('SLURM_STEP_ID') or '-'} {env.get('SLURM_PROCID') or '-'} {node}"
-        sock.sendall(seal(key, line.nonce, RANK, 0, f"hello {line.nonce} {who}"))
+        for _ in range(HELLO_TRIES):
+            line = _Line(socket.create_connection((host, int(port)), timeout=10), key, secrets.token_hex(16))
+            who = f"{env.get('SLURM_STEP_ID') or '-'} {env.get('SLURM_PROCID') or '-'} {node}"
+            line.sock.sendall(seal(key, line.nonce, RANK, 0, f"hello {line.nonce} {who}"))
+            why = _answered(line)
+            if not why:
+                break
+            line.sock.close()
+            time.sleep(1.0)
     except (OSError, ValueError, BootstrapError) as exc:
-        print(f"hpcdist: warning: cannot report to the job's supervisor at {where}: {exc}; this rank is not "
+        why = str(exc)
+    if why:
+        print(f"hpcdist: warning: cannot report to the job's supervisor at {where}: {why}; this rank is not "
               f"started again in place", file=sys.stderr, flush=True)
         return
-    sock.settimeout(None)
+    line.sock.settimeout(None)
     _KEPT.append(line)
     threading.Thread(target=_listen, args=(line,), name="hpcdist-supervisor", daemon=True).start()
+
+
+def _answered(line: _Line) -> str:
+    """"" once the supervisor's signed ``hello`` came on `line`; else why not (it closed the
+    connection, or said nothing within 10 s)."""
+    buffer = b""
+    while b"\n" not in buffer:
+        try:
+            data = line.sock.recv(256)
+        except OSError as exc:
+            return f"no answer to its hello ({exc})"
+        if not data:
+            return "the supervisor closed the connection unanswered"
+        buffer += data
+    taken = unseal(line.key, line.nonce, SUPERVISOR, buffer.partition(b"\n")[0].decode(errors="replace"), 0)
+    if taken is None or taken[1] != "hello":
+        return "its answer was not signed with the job's key"
+    line.heard = taken[0]
+    return ""
 
 
 def _listen(line: _Line) -> None:

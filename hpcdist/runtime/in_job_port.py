@@ -6,12 +6,12 @@ The port is reachable by every user with a step on the batch node. A connection 
 first line, ``hello NONCE STEP RANK NODE``, is signed with the job's key as sequence 0 on a nonce
 never seen, naming a node of the step; every later line is signed on that nonce with a sequence
 above the last taken. A forged, replayed or foreign line is said in the batch log (at most
-``MAX_WARNINGS`` such lines) and ignored. Connections are bounded: at most ``MAX_PENDING`` at
-once that have not said who they are, each for ``HELLO_S``; of those at most ``MAX_FOREIGN`` from
-an address Slurm does not give for the job's nodes (a rank from one, a site's data network, is
-taken on the job's key and its address learnt); one per rank (a newer hello of a rank drops the
-older connection, its process gone). Only a connection that said who it is makes events: one that
-opens and closes, or says nothing, steers nothing.
+``MAX_WARNINGS`` such lines) and ignored. Connections are bounded: at most ``MAX_PENDING`` (and one
+per rank) at once that have not said who they are, each for ``HELLO_S``; of those at most
+``MAX_FOREIGN`` (and one per rank) from an address Slurm does not give for the job's nodes (a rank
+from one, a site's data network, is taken on the job's key and its address learnt); one per rank (a
+newer hello of a rank drops the older connection, its process gone). Only a connection that said who
+it is makes events: one that opens and closes, or says nothing, steers nothing.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Links:
     count; `known` holds the addresses of the job's nodes (None: not known, every address is
     held to the tighter bound of a foreign one)."""
 
-    def __init__(self, address: str, key: bytes, known: set[str] | None = None) -> None:
+    def __init__(self, address: str, key: bytes, known: set[str] | None = None, world: int = 1) -> None:
         self.server = socket.create_server((address, 0))
         self.server.setblocking(False)
         self.sel = selectors.DefaultSelector()
@@ -69,6 +69,8 @@ class Links:
         self.steps: set[str] = set()  # the Slurm step ids the ranks named
         self.nonces: set[str] = set()  # every hello's nonce taken: a replayed hello is refused
         self.refused = 0  # lines and connections refused, as said in the batch log
+        # every rank may be connecting at once (from a data network's addresses too), beside the bound
+        self.max_pending, self.max_foreign = MAX_PENDING + world, MAX_FOREIGN + world
 
     def events(self, timeout: float, nodes: Sequence[str], restart: int) -> list[tuple[socket.socket | None, Link,
                                                                                     OSError | None]]:
@@ -115,7 +117,8 @@ class Links:
         conn.setblocking(True)
         link = Link(peer=str(peer[0]), opened=time.monotonic(), known=self.known is not None and peer[0] in self.known)
         waiting = [k.data for k in self.sel.get_map().values() if k.fileobj is not self.server and k.data.rank < 0]
-        if len(waiting) >= MAX_PENDING or (not link.known and sum(not w.known for w in waiting) >= MAX_FOREIGN):
+        foreign = sum(not w.known for w in waiting)
+        if len(waiting) >= self.max_pending or (not link.known and foreign >= self.max_foreign):
             conn.close()
             self._refuse(link, f"closed: {len(waiting)} connections already wait to say who they are")
             return
@@ -171,6 +174,11 @@ class Links:
         link.node, link.rank, link.nonce = node, int(rank), nonce
         if step.isdigit():
             self.steps.add(step)
+        link.sent += 1
+        try:
+            sock.sendall(seal(self.key, nonce, SUPERVISOR, link.sent, "hello"))  # the rank waits for this word
+        except OSError:
+            pass  # its end comes as an event
         return True
 
     def _refuse(self, link: Link, why: str) -> None:
