@@ -283,8 +283,9 @@ def test_a_controller_that_does_not_answer_is_asked_again(four_nodes: Path) -> N
     try:
         jid = job_of(job)
         committed_step(job, root / "checkpoints" / "elastic_sgd" / "step_00000010.h5")
-        with killed("n3"):
-            with controller_refused("n1"):
+        with ExitStack() as dead:
+            with controller_refused("n1"):  # before n3 dies: the supervisor's first check of n3 finds it silent
+                dead.enter_context(killed("n3"))  # revived once the job ended
                 wait_for(lambda: "in-job: the Slurm controller does not answer; asking again" in batch_log(root), 60,
                          "the supervisor's line on the controller")
                 time.sleep(4)  # a few of its questions go unanswered
