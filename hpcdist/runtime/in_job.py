@@ -268,9 +268,8 @@ class Supervisor:
             noticed = time.time()
             dead = failure.dead
             if dead is None and (failure.signalled is not None or failure.hung):  # a rank died by a signal, or hung
-                spares = [n for n in self.order if n not in self.active and n not in self.dead]
                 dead = self.check(sorted(set((failure.signalled or {}).values()))) or (
-                    self.faults.repeated(failure.faulty or {}) if spares else {})
+                    self.faults.repeated(failure.faulty or {}) if self.spares() else {})
                 if not dead and self.budget.allows():
                     if failure.hung or not self.alone:  # every rank in a new process: the step starts again whole
                         self.stop(set(self.active))
@@ -305,10 +304,14 @@ class Supervisor:
             self.restarts += 1
             self.launch()
 
+    def spares(self) -> list[str]:
+        """The nodes held for the job that run no rank and are not known dead, in the order they are given."""
+        return [n for n in self.order if n not in self.active and n not in self.dead]
+
     def replace(self, dead: set[str]) -> str:
         """The next step's nodes: the live ones and live spares; "" when it can run, else why not."""
         survivors = [n for n in self.active if n not in dead]
-        spares = [n for n in self.order if n not in self.active and n not in self.dead]
+        spares = self.spares()
         gone = self.check(spares) if spares else {}
         for node, why in gone.items():
             _say(f"in-job: spare {node} is dead too ({why})")

@@ -23,14 +23,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hpcdist.runtime.in_job_link import RANK, SUPERVISOR, seal, unseal
+from hpcdist.runtime.in_job_link import LINE_MAX, RANK, SUPERVISOR, seal, unseal
 
 KEEPALIVE = (1, 1, 2)  # seconds idle, seconds between probes, probes: a silent node is noticed in ~3 s
 HELLO_S = 5.0  # how long a new connection may take to say, signed, who it is
 MAX_PENDING = 16  # connections at once that have not said who they are (from the job's nodes' addresses)
 MAX_FOREIGN = 2  # of those, from an address Slurm does not give for any of the job's nodes
 MAX_WARNINGS = 20  # lines the supervisor writes of what it refused; then one saying it stops saying so
-LINE_MAX = 1024  # a line longer than this is no line of the protocol
 
 
 @dataclass
