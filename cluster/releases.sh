@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Other Slurm releases on this machine beside up.sh's 22.05 (README.md, "Releases"): each a
 # cluster whose daemons AND client commands are that release, taken from the Debian suite that
-# ships it (24.11: trixie), so the suite meets the Slurm its users log in to.
+# ships it (24.11: trixie; 26.05: forky), so the suite meets the Slurm its users log in to.
 #
-#   releases.sh up [RELEASE...]    start 24.11 (or those named): the root, its wrappers, slurmdbd,
+#   releases.sh up [RELEASE...]    start 24.11 and 26.05 (or those named): the root, its wrappers, slurmdbd,
 #                                  slurmctld and two nodes (idempotent: about a second when all runs)
 #   releases.sh down [RELEASE...]  stop its daemons; root, state and logs are kept
 #   releases.sh env RELEASE        print `export PATH=BIN:$PATH SLURM_CONF=...` for `eval`
@@ -29,16 +29,16 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$HERE/lib.sh"
 
 MAIN_STATE=$STATE # up.sh's: munged and MariaDB run from it
-ALL=(24.11)
+ALL=(24.11 26.05)
 # Per release: the Debian suite that ships it, its ClusterName, slurmctld and slurmdbd ports, node
 # names and first node port (the second node has the next). up.sh's cluster has 6817-6819 and
 # 17001-17008, the variants 6831-6833 and 17011-17032.
-declare -A SUITE=([24.11]=trixie)
-declare -A CLUSTER=([24.11]=r2411)
-declare -A CTLD_PORT=([24.11]=6841)
-declare -A DBD_PORT=([24.11]=6849)
-declare -A NODE_NAMES=([24.11]="t1 t2")
-declare -A NODE_PORT=([24.11]=17041)
+declare -A SUITE=([24.11]=trixie [26.05]=forky)
+declare -A CLUSTER=([24.11]=r2411 [26.05]=r2605)
+declare -A CTLD_PORT=([24.11]=6841 [26.05]=6851)
+declare -A DBD_PORT=([24.11]=6849 [26.05]=6859)
+declare -A NODE_NAMES=([24.11]="t1 t2" [26.05]="u1 u2")
+declare -A NODE_PORT=([24.11]=17041 [26.05]=17051)
 # What the root holds: Slurm's daemons and commands, its slurmdbd, munge's library (and its
 # client, for the compatibility check) and patchelf, which points Slurm's programs at the root.
 PACKAGES=slurm-wlm,slurmdbd,munge,patchelf
@@ -95,7 +95,8 @@ patch_root() {
     [[ $(head -c 4 "$tmp$f" | od -An -c | tr -d ' ') == 177ELF ]] || continue
     files+=("$f")
   done < <(chroot "$tmp" dpkg -L slurm-client slurmctld slurmd slurmdbd slurm-wlm-basic-plugins \
-             slurm-wlm-mysql-plugin libslurm42 2>/dev/null | grep -E '^/usr/(s?bin|lib/x86_64-linux-gnu)/' | sort -u)
+             slurm-wlm-mysql-plugin "$(libslurm_package "$tmp")" 2>/dev/null |
+           grep -E '^/usr/(s?bin|lib/x86_64-linux-gnu)/' | sort -u)
   ((${#files[@]} > 20)) || die_build "found only ${#files[@]} ELF files of Slurm's packages in the root"
   for f in "${files[@]}"; do
     if [[ $f == /usr/bin/* || $f == /usr/sbin/* ]]; then
@@ -117,11 +118,24 @@ own_links() {
   done
 }
 die_build() { fail "building the $R root: $*"; }
+# libslurm_package TMP: the name of libslurm's package in TMP, which changes with its soname and
+# Debian's transitions (24.11: libslurm42; 26.05: libslurm45t64).
+libslurm_package() {
+  chroot "$1" dpkg-query -W -f '${Package} ${Status}\n' 'libslurm[0-9]*' 2>/dev/null |
+    awk '$NF == "installed" { print $1; exit }'
+}
+# debootstrap_script SUITE: debootstrap's script for SUITE. A Debian suite newer than this
+# machine's debootstrap (forky on bookworm's 1.0.128) has none; every suite since bullseye is
+# bootstrapped as sid is (the trixie script is a link to sid's), so sid's serves it.
+debootstrap_script() {
+  local dir=/usr/share/debootstrap/scripts
+  if [[ -e $dir/$1 ]]; then echo "$dir/$1"; else echo "$dir/sid"; fi
+}
 
 # build_root: ROOT as the stamp of its inputs says it should be, else built anew into ROOT.tmp.PID
 # and renamed (the old one removed after). The .debs cache beside it keeps a rebuild off the net.
 root_key() {
-  { printf '%s\n' "${SUITE[$R]}" "$MIRROR" "$PACKAGES" "$ROOT"; declare -f build_root patch_root own_links; } |
+  { printf '%s\n' "${SUITE[$R]}" "$MIRROR" "$PACKAGES" "$ROOT"; declare -f build_root patch_root own_links libslurm_package; } |
     sha256sum | cut -c1-16
 }
 build_root() {
@@ -134,7 +148,7 @@ build_root() {
   trap 'rm -rf "$tmp" "$tmp.log"' EXIT
   log "building the Slurm $R root: debootstrap --variant=minbase ${SUITE[$R]} from $MIRROR with $PACKAGES"
   debootstrap --variant=minbase --include="$PACKAGES" --cache-dir="$debs" "${SUITE[$R]}" "$tmp" "$MIRROR" \
-    >"$tmp.log" 2>&1 || { tail -n 20 "$tmp.log" >&2; die_build "debootstrap failed (its log's tail above)"; }
+    "$(debootstrap_script "${SUITE[$R]}")" >"$tmp.log" 2>&1 || { tail -n 20 "$tmp.log" >&2; die_build "debootstrap failed (its log's tail above)"; }
   rm -f "$tmp.log"
   rm -rf "$tmp"/usr/share/{doc,man,info,locale}/* "$tmp"/var/cache/apt/* "$tmp"/var/lib/apt/lists/*
   [[ -x $tmp/usr/sbin/slurmstepd && -d $tmp/$LIBDIR/slurm-wlm ]] || die_build "no slurmstepd or plugin folder in it"
@@ -345,7 +359,7 @@ supervised_slurmd() {
 
 declare -A started_at=()
 start_daemons() {
-  local n
+  local n bind
   if stale slurm.conf; then
     for n in "${RNODES[@]}"; do stop_pidfile "$STATE/run/slurmd-$n.pid" slurmd; done
     stop_pidfile "$STATE/run/slurmctld.pid" slurmctld
@@ -362,9 +376,11 @@ start_daemons() {
     started_at[$n]=$(date +%s)
     # In a mount namespace of its own where the host's PMIx folder is the root's: Debian's mpi_pmix
     # plugin dlopens libpmix by that path (and libpmix its components), which from the host would
-    # load the host's PMIx 4 into the root's slurmstepd.
-    setsid unshare -m --propagation slave bash -c "mount --bind $ROOT/$LIBDIR/pmix2 /$LIBDIR/pmix2 &&
-      $(supervised_slurmd "$n")" </dev/null >/dev/null 2>&1 &
+    # load the host's PMIx 4 into the root's slurmstepd. A root without PMIx (forky's 26.05 is
+    # built without the mpi_pmix plugin) has nothing to bind.
+    bind=true
+    [[ -d $ROOT/$LIBDIR/pmix2 ]] && bind="mount --bind $ROOT/$LIBDIR/pmix2 /$LIBDIR/pmix2"
+    setsid unshare -m --propagation slave bash -c "$bind && $(supervised_slurmd "$n")" </dev/null >/dev/null 2>&1 &
     wait_for 10 slurmd_ok "$n" || fail "slurmd -N $n ($R) did not start" "$STATE/log/slurmd-$n.log"
   done
   mark_active slurm.conf

@@ -3,6 +3,7 @@ commands are that release, each run from a Debian root of the suite that ships i
 one through ``release_env(release)``: that release's commands first on PATH, its SLURM_CONF.
 
 - ``24.11``: Debian trixie's slurm-wlm, cluster ``r2411``, partition ``main`` on nodes t1, t2
+- ``26.05``: Debian forky's slurm-wlm, cluster ``r2605``, partition ``main`` on nodes u1, u2
 
 `make cluster-up` starts them (cluster/releases.sh up); a test of one fails under `make test`
 (HPCDIST_REQUIRE_SLURM=1) when it does not answer, and is skipped elsewhere, saying how to start it."""
@@ -14,9 +15,9 @@ import subprocess
 
 from tests.support.cli import missing
 
-RELEASES = ("24.11",)
-CLUSTERS = {"24.11": "r2411"}
-NODES = {"24.11": ("t1", "t2")}
+RELEASES = ("24.11", "26.05")
+CLUSTERS = {"24.11": "r2411", "26.05": "r2605"}
+NODES = {"24.11": ("t1", "t2"), "26.05": ("u1", "u2")}
 RELEASES_STATE = os.environ.get("HPCDIST_SLURM_RELEASES_STATE", "/var/tmp/hpcdist-releases")
 RELEASES_ETC = "/etc/slurm-releases"
 USER_PATH = "/usr/local/bin:/usr/bin:/bin"  # what tests/support/members.run_as gives a user
