@@ -1,7 +1,8 @@
 """What a live Slurm cluster is, read from its own commands: the facts a site config states.
 
 ``read_cluster()`` asks the controller (``scontrol show config``, ``show partition``, ``show
-node``), ``srun`` (its MPI plugins, whether pyxis adds ``--container-image``) and the accounting
+node``: as JSON where the release prints it, ``hpcdist.scheduler.slurm_json``), ``srun`` (its
+MPI plugins, whether pyxis adds ``--container-image``) and the accounting
 (``sacctmgr``: the user's associations on this cluster and the QOS limits), each through
 ``slurm.run`` with its timeout, into one frozen ``Cluster``; what their text means is read by
 ``hpcdist.scheduler.slurm_text``, which the tests feed each release's captured text.
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 from hpcdist.errors import SubmitError
 from hpcdist.scheduler import slurm
+from hpcdist.scheduler.slurm_json import nodes_json
 from hpcdist.scheduler.slurm_now import NodeStatus, Reservation, node_statuses, reservations  # noqa: F401
 from hpcdist.scheduler.slurm_text import (  # noqa: F401 (the cluster's facts: slurm_cluster users name them here)
     UNLIMITED,
@@ -97,7 +99,10 @@ def read_cluster() -> Cluster:
         raise SubmitError(f"cannot read the Slurm cluster: {answer.why}; is this a login node of it "
                           f"(`scontrol ping` says whether its controller answers)?")
     conf = config(answer.out)
-    node_answer = _ask(["scontrol", "-o", "show", "node"])
+    # the form made for programs where the release has it; once: 22.05 answers "unrecognized option"
+    as_json = slurm.run(["scontrol", "--json", "show", "node"], retry=False, timeout=min(slurm.timeout_s(), 20.0))
+    node_json = as_json.out if as_json.ok and nodes_json(as_json.out) else ""
+    node_answer = _ask(["scontrol", "-o", "show", "node"]) if not node_json else slurm.Answer(True)
     part_answer = _ask(["scontrol", "-o", "show", "partition"])
     for asked in (node_answer, part_answer):
         if not asked.ok:
@@ -109,7 +114,7 @@ def read_cluster() -> Cluster:
     helptext = _ask(["srun", "--help"]) if shutil.which("srun") else slurm.Answer(False)
     texts = Texts(config=answer.out, nodes=node_answer.out, partitions=part_answer.out,
                   mpi_list=mpi.out + mpi.err,  # Slurm 20.11 to 22.05 print the list on stderr
-                  assoc=assoc, user=who, qos=qos, srun_help=helptext.out)
+                  assoc=assoc, user=who, qos=qos, srun_help=helptext.out, nodes_json=node_json)
     return cluster_from(texts, user, _groups(user))
 
 

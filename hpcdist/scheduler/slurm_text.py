@@ -172,7 +172,8 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Texts:
-    """What each command printed; ``assoc`` None where sacctmgr did not answer (or is not used)."""
+    """What each command printed; ``assoc`` None where sacctmgr did not answer (or is not used);
+    ``nodes`` may be "" where ``nodes_json`` holds them."""
 
     config: str
     nodes: str
@@ -182,6 +183,7 @@ class Texts:
     user: str = ""
     qos: str = ""
     srun_help: str = ""
+    nodes_json: str = ""  # scontrol --json show node, where the release prints it: read before the text
 
 
 def minutes(value: str) -> int | None:
@@ -254,31 +256,29 @@ def gres_gpus(gres: str) -> tuple[int, tuple[tuple[str, int], ...], bool]:
     return count, tuple(types.items()), shared
 
 
+def node_of(fields: dict[str, str]) -> Node:
+    """One node from its fields by ``scontrol -o show node``'s names (``slurm_json`` maps the
+    JSON's onto them): what a job may use of it."""
+    total = number(fields.get("CPUTot")) or 1
+    cpus = number(fields.get("CPUEfctv"))
+    if cpus is None:  # before 22.05: CPUTot less the specialized cores' threads
+        cpus = total - (number(fields.get("CoreSpecCount")) or 0) * (number(fields.get("ThreadsPerCore")) or 1)
+    real = number(fields.get("RealMemory")) or 0
+    kept = number(fields.get("MemSpecLimit")) or 0
+    count, types, shared = gres_gpus(fields.get("Gres", ""))
+    return Node(
+        name=fields["NodeName"], cpus=max(cpus, 1), memory_mb=0 if real <= 1 else max(real - kept, 0),
+        memory_spec_mb=kept, gpus=count,
+        gpu_type=types[0][0] if len(types) == 1 and types[0][1] == count else None, gpu_types=types,
+        features=tuple(f for f in fields.get("AvailableFeatures", "").split(",") if f and f != "(null)"),
+        partitions=tuple(p for p in fields.get("Partitions", "").split(",") if p),
+        state=fields.get("State", ""), cpus_total=total, gpus_shared=shared,
+    )
+
+
 def nodes(out: str) -> list[Node]:
     """``scontrol -o show node``: each node with what a job may use of it."""
-    found = []
-    for line in out.splitlines():
-        fields = pairs(line)
-        if "NodeName" not in fields:
-            continue
-        total = number(fields.get("CPUTot")) or 1
-        cpus = number(fields.get("CPUEfctv"))
-        if cpus is None:  # before 22.05: CPUTot less the specialized cores' threads
-            spec = (number(fields.get("CoreSpecCount")) or 0) * (number(fields.get("ThreadsPerCore")) or 1)
-            cpus = total - spec
-        real = number(fields.get("RealMemory")) or 0
-        kept = number(fields.get("MemSpecLimit")) or 0
-        memory = 0 if real <= 1 else max(real - kept, 0)
-        count, types, shared = gres_gpus(fields.get("Gres", ""))
-        feats = fields.get("AvailableFeatures", "")
-        found.append(Node(
-            name=fields["NodeName"], cpus=max(cpus, 1), memory_mb=memory, memory_spec_mb=kept, gpus=count,
-            gpu_type=types[0][0] if len(types) == 1 and types[0][1] == count else None, gpu_types=types,
-            features=tuple(f for f in feats.split(",") if f and f != "(null)"),
-            partitions=tuple(p for p in fields.get("Partitions", "").split(",") if p),
-            state=fields.get("State", ""), cpus_total=total, gpus_shared=shared,
-        ))
-    return found
+    return [node_of(fields) for fields in map(pairs, out.splitlines()) if "NodeName" in fields]
 
 
 def listed(value: str | None) -> str:
@@ -369,7 +369,9 @@ def pmix_dir(conf: dict[str, str]) -> str | None:
 def cluster_from(texts: Texts, user: str, groups: tuple[str, ...] = ()) -> Cluster:
     """The cluster the commands' `texts` describe, as `user` (in `groups`) sees it."""
     conf = config(texts.config)
-    all_nodes = nodes(texts.nodes)
+    from hpcdist.scheduler.slurm_json import nodes_json
+
+    all_nodes = (nodes_json(texts.nodes_json) if texts.nodes_json else None) or nodes(texts.nodes)
     accounting = texts.assoc is not None
     qos = qos_rows(texts.qos) if accounting else {}
     default = texts.user.strip().splitlines()[0].strip() if accounting and texts.user.strip() else None
