@@ -47,13 +47,16 @@ demo: install
 
 # The main cluster, then the three variant clusters beside it (cluster/README.md, "Variants"), which
 # use its munged, slurmdbd and the accounts users.sh makes, then Slurm 24.11 ("Releases": its root
-# debootstrapped once, about a minute; its own slurmdbd on the main cluster's MariaDB and munged).
+# debootstrapped once, about a minute; its own slurmdbd on the main cluster's MariaDB and munged);
+# then the login node's sshd on loopback that a "laptop" submits through (cluster/sshd.sh, docs/laptop.md).
 cluster-up: system-deps
 	bash cluster/up.sh
 	bash cluster/variants.sh up
 	bash cluster/releases.sh up
+	bash cluster/sshd.sh up
 
 cluster-down:
+	bash cluster/sshd.sh down
 	bash cluster/releases.sh down
 	bash cluster/variants.sh down
 	bash cluster/down.sh

@@ -5,9 +5,10 @@
 set -euo pipefail
 
 # charliecloud-runtime (ch-run) and debootstrap: the container image (cluster/image.sh); podman with
-# uidmap (newuidmap), slirp4netns and runc: rootless podman for the members (cluster/users.sh)
+# uidmap (newuidmap), slirp4netns and runc: rootless podman for the members (cluster/users.sh);
+# openssh-server and rsync: the login node a laptop submits to over ssh (cluster/sshd.sh)
 PACKAGES=(slurm-wlm slurmdbd munge mariadb-server openmpi-bin libopenmpi-dev hdf5-tools iproute2 python3-venv
-  charliecloud-runtime debootstrap podman uidmap slirp4netns runc iptables)
+  charliecloud-runtime debootstrap podman uidmap slirp4netns runc iptables openssh-server rsync)
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do
@@ -26,6 +27,9 @@ if ((EUID != 0)); then
 fi
 
 echo "[cluster] installing: ${missing[*]}"
+# Debian's own switch that keeps its ssh service (port 22, every address) from starting, at install
+# or boot: the test bed's sshd is cluster/sshd.sh's, on loopback, keys only.
+[[ -e /etc/ssh/sshd_not_to_be_run ]] || { mkdir -p /etc/ssh && touch /etc/ssh/sshd_not_to_be_run; }
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -q
 apt-get install -y -q "${missing[@]}"
