@@ -15,7 +15,7 @@ from hpcdist.config import safe_load, validate
 from hpcdist.config.discovered import site_text
 from hpcdist.config.site import Site
 from hpcdist.scheduler import slurm, slurm_cluster, slurm_text
-from hpcdist.scheduler.slurm_json import nodes_json
+from hpcdist.scheduler.slurm_text import nodes_json
 from tests.support.slurm_fixtures import FIXTURES, cluster, text
 
 LIVE = "shapes-24.11-live"

@@ -133,3 +133,111 @@ def test_a_job_waiting_behind_a_reservation_is_told_which_and_until_when(folder:
     from tests.support.slurm_fixtures import text
 
     assert reservation_note(reason, reservations(text(folder, "reservation.txt"))) == note
+
+
+# ---------------------------------------------------------------- what the cluster holds now
+
+
+def test_her_jobs_are_read_as_squeue_prints_them() -> None:
+    from hpcdist.scheduler.slurm_now import queued_jobs
+    from tests.support.slurm_fixtures import text
+
+    live = queued_jobs(text("shapes-24.11-live", "squeue.txt"))  # 24.11 as alice: an array's tasks one by one
+    assert [(j.job_id, j.partition, j.state, j.cpus, j.gpus) for j in live] == [
+        ("2", "3090", "PENDING", 1, 2), ("3_0", "mig", "PENDING", 1, 2), ("3_1", "mig", "PENDING", 1, 2),
+        ("3_2", "mig", "PENDING", 1, 2), ("1", "wide", "RUNNING", 4, 0)]
+    assert live[0].qos == ""  # (null): a cluster without accounting
+    assert queued_jobs("7|normal|gpu|RUNNING|2|16|gpu:4|None\n")[0].gpus == 8  # older releases' %b, per node
+
+
+def per_user_of(ask: Ask) -> tuple[list[str], list[str]]:
+    from hpcdist.login.limits import per_user
+    from hpcdist.scheduler.slurm_now import queued_jobs
+    from tests.support.slurm_fixtures import text
+
+    return per_user(cluster(SHAPES), ask, queued_jobs(text(SHAPES, "squeue.txt")))
+
+
+def test_her_running_and_queued_jobs_count_against_the_qos_per_user_limits() -> None:
+    """mig's QoS gpu-debug: MaxSubmitJobsPerUser=4, MaxJobsPerUser=2, MaxTRESPerUser=gres/gpu=4;
+    she has 3 jobs in mig, 2 running with 3 GPUs."""
+    refused, waits = per_user_of(Ask("mig", nodes=1, gpus_per_node=2, array_tasks=2))
+    assert refused == ["the partition's QoS 'gpu-debug' has MaxSubmitJobsPerUser=4: 3 of her jobs are queued or "
+                       "running under it (4101, 4102, 4103) and this one adds 2"]
+    assert waits == ["the partition's QoS 'gpu-debug' has MaxJobsPerUser=2 and 2 of her jobs run under it (4101, "
+                     "4102): this one waits for one to end",
+                     "the partition's QoS 'gpu-debug' has MaxTRESPerUser=gres/gpu=4 and her running jobs hold "
+                     "gres/gpu=3: this one (asking 2) waits for enough to end"]
+    assert per_user_of(Ask("cpu", nodes=1)) == ([], [])  # QOS normal: no per-user limit
+    assert per_user_of(Ask("cpu", nodes=1, qos="gpu-debug")) == ([], [])  # none of hers runs under gpu-debug
+
+
+@pytest.mark.parametrize(("folder", "now", "ask", "refused", "wait"), [
+    (SHAPES, "2025-06-02T10:15:03", Ask("cpu", nodes=1), None,
+     "reservation 'maint-june' (Flags=MAINT,SPEC_NODES) holds c[1-2] until 2025-06-02T18:00:00: 2 of the 2 nodes "
+     "of partition 'cpu' that can hold it, so it waits until then"),
+    (SHAPES, "2025-06-02T18:00:00", Ask("cpu", nodes=1), None, ""),  # it ended
+    (SHAPES, "2025-06-05T08:30:00", Ask("3090", nodes=1, account="vision", time_min=60), None, ""),  # g2 is free
+    (SHAPES, "2025-06-05T08:30:00", Ask("3090", nodes=1, account="vision", time_min=60, constraint="rtx3090"),
+     None, ""),
+    (SHAPES, "2025-06-02T10:15:03", Ask("cpu", nodes=1, reservation="maint"), "there is no reservation 'maint' "
+     "(scontrol show reservation: maint-june, ml-lab-demo)", ""),
+    (SHAPES, "2025-06-02T10:15:03", Ask("cpu", nodes=1, reservation="maint-june"), "reservation 'maint-june' has "
+     "Users=root Accounts=(null): user alice (account 'ml-lab') may not use it", ""),
+    (SHAPES, "2025-06-02T10:15:03", Ask("3090", nodes=1, reservation="ml-lab-demo"), None, ""),  # her account's
+    ("shapes-24.11-live", "2026-11-29T04:00:00", Ask("on", nodes=2), None,
+     "reservation 'maint-june' (Flags=MAINT,SPEC_NODES) holds c[1-2] until 2026-11-29T15:58:39: 2 of the 2 nodes "
+     "of partition 'on' that can hold it, so it waits until then"),
+    ("shapes-24.11-live", "2026-11-29T04:00:00", Ask("wide", nodes=2), None, ""),
+], ids=["maint-now", "maint-ended", "other-account-later", "constraint", "unknown", "not-hers", "hers",
+        "live-maint", "live-free"])
+def test_a_reservation_is_named_before_sbatch(folder: str, now: str, ask: Ask, refused: str | None,
+                                              wait: str) -> None:
+    from datetime import datetime
+
+    from hpcdist.login.limits import reservations
+    from hpcdist.scheduler.slurm_now import reservations as read
+    from tests.support.slurm_fixtures import text
+
+    facts = cluster(folder)
+    assert reservations(facts, ask, read(text(folder, "reservation.txt")), datetime.fromisoformat(now)) == \
+        (refused, wait)
+
+
+def test_submit_names_what_the_cluster_holds_now_before_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The wiring: against_cluster asks the reservations and her jobs (here the fixture's, as
+    scontrol and squeue print them); a named reservation she may not use, or a job over
+    MaxSubmitJobsPerUser, is one SubmitError; a job over MaxJobsPerUser is one line, and goes in."""
+    from hpcdist.config import discovered
+    from hpcdist.login.plan import Origin, make
+    from hpcdist.login.site_check import against_cluster
+    from hpcdist.scheduler import slurm_cluster
+    from hpcdist.scheduler.slurm_now import queued_jobs, reservations
+    from tests.support.slurm_fixtures import text
+
+    facts = cluster(SHAPES)
+    reading = tmp_path / "campus.yaml"
+    reading.write_text(site_text(facts, "campus", cached=True))
+    reading.with_suffix(".json").write_text(to_json(facts))
+    monkeypatch.setattr(discovered, "discovered_site", lambda: reading)
+    monkeypatch.setattr(slurm_cluster, "current_reservations", lambda: reservations(text(SHAPES, "reservation.txt")))
+    monkeypatch.setattr(slurm_cluster, "my_jobs", lambda user: queued_jobs(text(SHAPES, "squeue.txt")))
+    site = load_site(str(reading), [f"storage.{r}={tmp_path}/{r}" for r in ("results", "checkpoints", "scratch",
+                                                                             "logs")])
+
+    def check(*sets: str) -> None:
+        spec = read_spec(REPO / "jobs" / "smoke.yaml", ["resources.partition=mig", "resources.tasks_per_node=1",
+                                                        *sets])
+        against_cluster(make(spec, site, Origin("smoke.yaml", "campus")))
+
+    with pytest.raises(SubmitError, match="^job 'smoke': reservation 'maint-june' has Users=root Accounts=.null.: "
+                                          "user alice .account 'ml-lab'. may not use it, so sbatch would refuse it"):
+        check("sbatch.reservation=maint-june")
+    check("resources.gpus_per_node=1")
+    assert capsys.readouterr().err.splitlines() == [
+        "hpcdist: job 'smoke' will wait: the partition's QoS 'gpu-debug' has MaxJobsPerUser=2 and 2 of her jobs run "
+        "under it (4101, 4102): this one waits for one to end"]
+    monkeypatch.setattr(slurm_cluster, "my_jobs", lambda user: queued_jobs(text(SHAPES, "squeue.txt") * 2))
+    with pytest.raises(SubmitError, match="MaxSubmitJobsPerUser=4: 6 of her jobs are queued or running"):
+        check()

@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING, Any
 from hpcdist.scheduler.slurm_text import minutes
 
 if TYPE_CHECKING:
+    from datetime import datetime
+
+    from hpcdist.scheduler.slurm_now import QueuedJob, Reservation
     from hpcdist.scheduler.slurm_text import Cluster, Node, Partition, Qos
 
 
@@ -42,6 +45,7 @@ class Ask:
     array_tasks: int = 1
     constraint: str = ""
     time_min: int | None = None
+    reservation: str | None = None
 
     @classmethod
     def of(cls, directives: Iterable[tuple[str, Any]]) -> Ask:
@@ -58,7 +62,8 @@ class Ask:
                    account=d.get("account") or None, qos=d.get("qos") or None,
                    array_tasks=int(array[2]) - int(array[1]) + 1 if array else 1,
                    constraint=str(d.get("constraint") or ""),
-                   time_min=minutes(str(d["time"])) if d.get("time") else None)
+                   time_min=minutes(str(d["time"])) if d.get("time") else None,
+                   reservation=str(d["reservation"]) if d.get("reservation") else None)
 
     @property
     def cpus_per_node(self) -> int:
@@ -156,3 +161,84 @@ def too_few_nodes(cluster: Cluster, ask: Ask) -> str | None:
     """Whether fewer of the partition's nodes in service than `ask` names can hold it."""
     part = next((p for p in cluster.partitions if p.name == ask.partition), None)
     return None if part is None else _nodes(part, ask)
+
+
+def _job_qos(cluster: Cluster, ask: Ask) -> tuple[str | None, list[tuple[Qos, str]]]:
+    """The job's account, and the QOS that hold it: the partition's own, then the job's (asked,
+    else her association's default), each with how a line names it."""
+    account = ask.account or cluster.default_account
+    mine = [a for a in cluster.associations if a.account == account] or list(cluster.associations)
+    qos = ask.qos or next((a.default_qos for a in mine if a.default_qos), None)
+    part = next((p for p in cluster.partitions if p.name == ask.partition), None)
+    held = [(cluster.qos_limits[part.qos], "the partition's QoS")] if part and part.qos in cluster.qos_limits else []
+    if qos and qos in cluster.qos_limits and (part is None or qos != part.qos):
+        held.append((cluster.qos_limits[qos], "QOS"))
+    return account, held
+
+
+def per_user(cluster: Cluster, ask: Ask, jobs: list[QueuedJob]) -> tuple[list[str], list[str]]:
+    """What a QOS's per-user limits make of `ask` beside her `jobs` now (squeue, one per array
+    task): (refusals, waits). sbatch refuses a job over MaxSubmitJobsPerUser; one over
+    MaxJobsPerUser or MaxTRESPerUser with hers running waits until enough of them end."""
+    refused, waits = [], []
+    for qos, whose in _job_qos(cluster, ask)[1]:
+        partition_qos = whose.startswith("the partition")  # it charges every job of the partition
+        under = [j for j in jobs if (j.partition == ask.partition if partition_qos else j.qos == qos.name)]
+        running = [j for j in under if j.running]
+        ids = ", ".join(j.job_id for j in under[:6]) + (" ..." if len(under) > 6 else "")
+        if qos.max_submit_per_user is not None and len(under) + ask.array_tasks > qos.max_submit_per_user:
+            refused.append(f"{whose} {qos.name!r} has MaxSubmitJobsPerUser={qos.max_submit_per_user}: {len(under)} "
+                           f"of her jobs are queued or running under it ({ids}) and this one adds {ask.array_tasks}")
+        if qos.max_jobs_per_user and len(running) >= qos.max_jobs_per_user:
+            waits.append(f"{whose} {qos.name!r} has MaxJobsPerUser={qos.max_jobs_per_user} and {len(running)} of "
+                         f"her jobs run under it ({', '.join(j.job_id for j in running[:6])}): this one waits for "
+                         f"one to end")
+        used = {"node": sum(j.nodes for j in running), "cpu": sum(j.cpus for j in running),
+                "gres/gpu": sum(j.gpus for j in running)}
+        for name, value in qos.max_tres_per_user.items():
+            limit, asked = _amount(value), _tres(ask).get(name, 0)
+            if limit is not None and name in used and asked <= limit < used[name] + asked:
+                waits.append(f"{whose} {qos.name!r} has MaxTRESPerUser={name}={value} and her running jobs "
+                             f"hold {name}={used[name]}: this one (asking {asked}) waits for enough to end")
+    return refused, waits
+
+
+def reservations(cluster: Cluster, ask: Ask, found: list[Reservation], now: datetime) -> tuple[str | None, str]:
+    """What the reservations of the cluster now make of `ask`: (a refusal, a wait). The reservation
+    it names must be there and let her in; without one, nodes that reservations hold for
+    others during the job's time may leave too few of those that can hold it until one ends."""
+    from datetime import timedelta
+
+    from hpcdist.scheduler.hostlist import expand_hostlist
+    from hpcdist.scheduler.slurm_now import may_use, when
+
+    account = _job_qos(cluster, ask)[0]
+    if ask.reservation:
+        named = next((r for r in found if r.name == ask.reservation), None)
+        if named is None:
+            return (f"there is no reservation {ask.reservation!r} (scontrol show reservation: "
+                    f"{', '.join(r.name for r in found) or 'none'})"), ""
+        if not may_use(named, cluster.user, account):
+            return (f"reservation {named.name!r} has Users={named.users or '(null)'} Accounts="
+                    f"{named.accounts or '(null)'}: user {cluster.user} (account {account!r}) may not use it"), ""
+        return None, ""
+    part = next((p for p in cluster.partitions if p.name == ask.partition), None)
+    if part is None:
+        return None, ""
+    fit = {n.name for n in part.in_service if holds(n, ask)}
+    span = ask.time_min or part.default_time_min or part.max_time_min or 0
+    held: list[tuple[Reservation, set[str]]] = []
+    for r in found:
+        start, end = when(r.start), when(r.end)
+        if start is None or end is None or end <= now or start >= now + timedelta(minutes=span):
+            continue
+        if may_use(r, cluster.user, account):
+            continue
+        names = {n.name for n in part.nodes} if r.nodes == "ALL" else set(expand_hostlist(r.nodes))
+        if names & fit:
+            held.append((r, names & fit))
+    left = fit - set().union(*(names for _, names in held)) if held else fit
+    if len(fit) < ask.nodes or len(left) >= ask.nodes:
+        return None, ""
+    return None, (f"{'; '.join(r.line() for r, _ in held)}: {len(fit) - len(left)} of the {len(fit)} nodes of "
+                  f"partition {part.name!r} that can hold it, so it waits until then")

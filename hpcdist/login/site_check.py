@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, get_args
 
@@ -20,6 +21,7 @@ from hpcdist.config.site import StorageRoot
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Partition, Site
+    from hpcdist.login.limits import Ask
     from hpcdist.login.plan import Plan
     from hpcdist.scheduler.slurm_cluster import Cluster
     from hpcdist.scheduler.slurm_cluster import Partition as Live
@@ -226,3 +228,32 @@ def against_cluster(plan: Plan) -> None:
                               f"{cluster.name!r}, whatever site {site.name!r} says; allowed: {allowed} "
                               f"(`hpcdist site check {site.name}` compares the site with the cluster)")
     refuse(too_few_nodes(facts, ask) if facts is not None else None)  # judged on the nodes that can hold it
+    if facts is not None:
+        now_against_cluster(spec.name, facts, ask, refuse)
+
+
+def now_against_cluster(name: str, facts: Cluster, ask: Ask, refuse: Callable[[str | None], None]) -> None:
+    """What the cluster holds now, before sbatch: the reservations (the one the job names must
+    let her in; those that hold for others the nodes it could have), and her own jobs under a
+    QOS with per-user limits (squeue). A refusal is `refuse`d; a wait is one line on stderr, and
+    the job is submitted."""
+    import sys
+    from datetime import datetime
+
+    from hpcdist.login.limits import per_user, reservations
+    from hpcdist.scheduler.slurm_cluster import current_reservations, my_jobs
+
+    found = current_reservations()
+    refused, wait = reservations(facts, ask, found or [], datetime.now()) if found is not None else (None, "")
+    refuse(refused)
+    waits = [wait] if wait else []
+    qos = [q for q in facts.qos_limits.values() if q.max_submit_per_user is not None or q.max_jobs_per_user
+           or q.max_tres_per_user]
+    jobs = my_jobs(facts.user) if qos and facts.user else None
+    if jobs is not None:
+        refusals, more = per_user(facts, ask, jobs)
+        for problem in refusals:
+            refuse(problem)
+        waits += more
+    for line in waits:
+        print(f"hpcdist: job {name!r} will wait: {line}", file=sys.stderr, flush=True)

@@ -26,8 +26,15 @@ from dataclasses import dataclass
 
 from hpcdist.errors import SubmitError
 from hpcdist.scheduler import slurm
-from hpcdist.scheduler.slurm_json import nodes_json
-from hpcdist.scheduler.slurm_now import NodeStatus, Reservation, node_statuses, reservations  # noqa: F401
+from hpcdist.scheduler.slurm_json import node_fields
+from hpcdist.scheduler.slurm_now import (  # noqa: F401
+    NodeStatus,
+    QueuedJob,
+    Reservation,
+    node_statuses,
+    queued_jobs,
+    reservations,
+)
 from hpcdist.scheduler.slurm_text import (  # noqa: F401 (the cluster's facts: slurm_cluster users name them here)
     UNLIMITED,
     Association,
@@ -101,7 +108,7 @@ def read_cluster() -> Cluster:
     conf = config(answer.out)
     # the form made for programs where the release has it; once: 22.05 answers "unrecognized option"
     as_json = slurm.run(["scontrol", "--json", "show", "node"], retry=False, timeout=min(slurm.timeout_s(), 20.0))
-    node_json = as_json.out if as_json.ok and nodes_json(as_json.out) else ""
+    node_json = as_json.out if as_json.ok and node_fields(as_json.out) else ""
     node_answer = _ask(["scontrol", "-o", "show", "node"]) if not node_json else slurm.Answer(True)
     part_answer = _ask(["scontrol", "-o", "show", "partition"])
     for asked in (node_answer, part_answer):
@@ -122,6 +129,13 @@ def current_reservations() -> list[Reservation] | None:
     """The cluster's reservations now (``scontrol -o show reservation``); None when it does not answer."""
     answer = _ask(["scontrol", "-o", "show", "reservation"])
     return reservations(answer.out) if answer.ok else None
+
+
+def my_jobs(user: str) -> list[QueuedJob] | None:
+    """`user`'s jobs queued or running now, one per array task (what a QOS's per-user limits
+    count); None when squeue does not answer."""
+    answer = _ask(["squeue", "-h", "-u", user, "-t", "PD,R", "-r", "-o", "%i|%q|%P|%T|%D|%C|%b|%r"])
+    return queued_jobs(answer.out) if answer.ok else None
 
 
 SLURMD_PORT = 6818  # Slurm's default SlurmdPort

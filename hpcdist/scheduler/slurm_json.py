@@ -3,8 +3,9 @@
 Releases since 23.02 print their nodes as JSON (``scontrol --json show node``; Debian's 22.05
 answers "unrecognized option"), the form made for programs: a ``Reason`` that holds ``Gres=...``,
 an ``OS`` with spaces, a state of several flags are fields of their own there, not text to split.
-Each node's JSON is mapped onto ``scontrol -o show node``'s names and read by the one reader of
-a node (``slurm_text.node_of``), so both forms give the same ``Node``.
+Each node's JSON is mapped onto ``scontrol -o show node``'s names (``node_fields``) and read by
+the one reader of a node (``slurm_text.node_of``, through ``slurm_text.nodes_json``), so both
+forms give the same ``Node``.
 
 Partitions stay on text: 24.11's JSON (data_parser v0.0.42) carries no ``Default`` and no
 ``Hidden`` of a partition, which discovery needs (tests/fixtures/slurm/24.11-r2411). Standard
@@ -15,8 +16,6 @@ from __future__ import annotations
 
 import json
 from typing import Any
-
-from hpcdist.scheduler.slurm_text import Node, node_of
 
 # a node's JSON field -> scontrol -o show node's name for it
 _FIELDS = {"name": "NodeName", "cpus": "CPUTot", "effective_cpus": "CPUEfctv", "specialized_cores": "CoreSpecCount",
@@ -34,15 +33,12 @@ def _value(key: str, value: Any) -> str | None:
     return None if value is None else str(value)
 
 
-def nodes_json(out: str) -> list[Node] | None:
-    """``scontrol --json show node``'s nodes; None where `out` is not such JSON (a release without
-    ``--json`` prints its usage, an error prints ``errors``): the text is read then."""
+def node_fields(out: str) -> list[dict[str, str]] | None:
+    """``scontrol --json show node``'s nodes, each by the text's names (``CPUTot``, ``Gres``,
+    ``State``: ``IDLE+DRAIN``); None where `out` is not such JSON (a release without ``--json``
+    prints its usage): the text is read then."""
     try:
-        rows = json.loads(out)["nodes"]
-        found = []
-        for row in rows:
-            fields = {text: v for key, text in _FIELDS.items() if (v := _value(key, row.get(key))) is not None}
-            found.append(node_of(fields))
+        return [{text: v for key, text in _FIELDS.items() if (v := _value(key, row.get(key))) is not None}
+                for row in json.loads(out)["nodes"]]
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
-    return found

@@ -1,11 +1,14 @@
 """What Slurm says of the moment, read from text (``hpcdist.scheduler.slurm_text`` reads what the
-cluster is): each node's state as sinfo shows it, and the reservations ``scontrol -o show
-reservation`` prints. Pure functions of text; ``hpcdist.scheduler.slurm_cluster`` runs the commands.
+cluster is): each node's state as sinfo shows it, the reservations ``scontrol -o show
+reservation`` prints and who may use them, and the user's own jobs as squeue shows them. Pure
+functions of text; ``hpcdist.scheduler.slurm_cluster`` runs the commands.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from datetime import datetime
 
 from hpcdist.scheduler.slurm_text import listed, pairs
 
@@ -80,4 +83,63 @@ def reservations(out: str) -> list[Reservation]:
             partition=listed(fields.get("PartitionName")), state=fields.get("State", ""),
             accounts=listed(fields.get("Accounts")), users=listed(fields.get("Users")),
         ))
+    return found
+
+
+def when(stamp: str) -> datetime | None:
+    """A time as Slurm prints it (``2025-06-02T18:00:00``, the controller's local time); None for
+    ``Unknown``, ``None`` or nothing."""
+    try:
+        return datetime.fromisoformat(stamp)
+    except ValueError:
+        return None
+
+
+def may_use(reservation: Reservation, user: str, account: str | None) -> bool:
+    """Whether `user` (charging `account`) is one of `reservation`'s Users or Accounts; a name
+    with ``-`` before it is one Slurm keeps out."""
+    users, accounts = _names(reservation.users), _names(reservation.accounts)
+    if f"-{user}" in users or (account and f"-{account}" in accounts):
+        return False
+    if user in users or (account and account in accounts):
+        return True
+    denies_only = all(n.startswith("-") for n in users + accounts) and bool(users + accounts)
+    return denies_only
+
+
+def _names(value: str) -> list[str]:
+    return [v for v in value.split(",") if v]
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    """One of the user's jobs (one task of an array) as ``squeue -r -o '%i|%q|%P|%T|%D|%C|%b|%r'``
+    prints it: what a QOS's per-user limits count."""
+
+    job_id: str
+    qos: str
+    partition: str
+    state: str  # PENDING, RUNNING
+    nodes: int
+    cpus: int
+    gpus: int  # of all its nodes
+    reason: str = ""
+
+    @property
+    def running(self) -> bool:
+        return self.state == "RUNNING"
+
+
+def queued_jobs(out: str) -> list[QueuedJob]:
+    """``squeue -h -u USER -t PD,R -r -o '%i|%q|%P|%T|%D|%C|%b|%r'``: `%b` is the GPUs of each node
+    (24.11 ``gres/gpu:a100:2``, older releases ``gpu:2``; ``N/A`` for none)."""
+    found = []
+    for line in out.splitlines():
+        cells = line.split("|")
+        if len(cells) < 8 or not cells[4].isdigit():
+            continue
+        nodes = int(cells[4])
+        per_node = sum(int(m) for m in re.findall(r"(?:^|,)(?:gres[/:])?gpu(?::[^:,(]+)?:(\d+)", cells[6]))
+        found.append(QueuedJob(cells[0], listed(cells[1]), cells[2], cells[3], nodes, int(cells[5] or 0),
+                               per_node * nodes, cells[7]))
     return found

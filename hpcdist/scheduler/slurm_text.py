@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from hpcdist.scheduler.slurm_json import node_fields
+
 UNLIMITED = None  # a limit Slurm reports as UNLIMITED, INFINITE or NONE
 
 # ``Key=Value`` pairs of one ``scontrol -o`` line; a value may hold spaces (OS=Linux 6.1 #1 SMP)
@@ -281,6 +283,16 @@ def nodes(out: str) -> list[Node]:
     return [node_of(fields) for fields in map(pairs, out.splitlines()) if "NodeName" in fields]
 
 
+def nodes_json(out: str) -> list[Node] | None:
+    """``scontrol --json show node`` (``hpcdist.scheduler.slurm_json``): the same nodes; None
+    where `out` is not that JSON."""
+    rows = node_fields(out)
+    try:
+        return None if rows is None else [node_of(fields) for fields in rows]
+    except KeyError:  # a node without a name
+        return None
+
+
 def listed(value: str | None) -> str:
     return "" if value in (None, "", "(null)", "N/A", "NONE") else str(value)
 
@@ -369,8 +381,6 @@ def pmix_dir(conf: dict[str, str]) -> str | None:
 def cluster_from(texts: Texts, user: str, groups: tuple[str, ...] = ()) -> Cluster:
     """The cluster the commands' `texts` describe, as `user` (in `groups`) sees it."""
     conf = config(texts.config)
-    from hpcdist.scheduler.slurm_json import nodes_json
-
     all_nodes = (nodes_json(texts.nodes_json) if texts.nodes_json else None) or nodes(texts.nodes)
     accounting = texts.assoc is not None
     qos = qos_rows(texts.qos) if accounting else {}
