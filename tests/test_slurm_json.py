@@ -32,7 +32,7 @@ def by_name(nodes: list[slurm_text.Node] | None) -> dict[str, tuple[Any, ...]]:
 
 @pytest.mark.parametrize("folder", WITH_JSON)
 def test_the_nodes_of_the_json_are_the_nodes_of_the_text(folder: str) -> None:
-    assert {"24.11-r2411", LIVE} <= set(WITH_JSON)
+    assert {"24.11-r2411", "26.05-r2605", LIVE} <= set(WITH_JSON)
     assert by_name(nodes_json(text(folder, "node.json"))) == by_name(slurm_text.nodes(text(folder, "node.txt")))
 
 
@@ -59,7 +59,8 @@ def fake_slurm(folder: str, asked: list[str]) -> Any:
     return run
 
 
-@pytest.mark.parametrize(("folder", "json_read"), [("24.11-r2411", True), (LIVE, True), ("22.05-hpcdist", False)])
+@pytest.mark.parametrize(("folder", "json_read"), [("24.11-r2411", True), ("26.05-r2605", True), (LIVE, True),
+                                                   ("22.05-hpcdist", False)])
 def test_read_cluster_asks_for_json_first(folder: str, json_read: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     asked: list[str] = []
     monkeypatch.setattr(slurm, "run", fake_slurm(folder, asked))
@@ -103,7 +104,8 @@ def test_what_the_live_controller_showed_that_the_hand_written_shapes_did_not() 
     assert "mixed" not in {p.name for p in live.partitions} and '"x1"' not in shown and "NodeName=x1" not in shown
     c1 = next(n for n in live.partitions[0].nodes if n.name == "c1")
     assert set(c1.state.split("+")) == {"IDLE", "MAINTENANCE", "RESERVED"} and c1.in_service
-    for folder in WITH_JSON:
+    for folder in ("24.11-r2411", LIVE):  # 26.05's (data_parser v0.0.45) has "flags": ["DEFAULT"]
         parts = json.loads(text(folder, "partition.json"))["partitions"]
         assert not any("flags" in p or "default" in json.dumps(p["partition"]).lower() for p in parts)
         assert "Default=YES" in text(folder, "partition.txt")
+    assert json.loads(text("26.05-r2605", "partition.json"))["partitions"][0]["flags"] == ["DEFAULT"]

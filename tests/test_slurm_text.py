@@ -39,7 +39,8 @@ def nodes(folder: str = SHAPES) -> dict[str, slurm_text.Node]:
 
 
 def test_every_captured_release_is_here() -> None:
-    assert {"22.05-hpcdist", "22.05-parts", "22.05-gpus", "22.05-noacct", "24.11-r2411"} <= set(releases())
+    assert {"22.05-hpcdist", "22.05-parts", "22.05-gpus", "22.05-noacct", "24.11-r2411", "26.05-r2605"} <= \
+        set(releases())
 
 
 @pytest.mark.parametrize("folder", releases())
