@@ -92,6 +92,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"hpcdist {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--on", metavar="HOST", default=None,
+                        help="run Slurm's commands on this login node through your ssh (default: $HPCDIST_LOGIN)")
     subs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="one of those below")
     modules = [REGISTRY[command].module] if command in REGISTRY else list(dict.fromkeys(e.module for e in COMMANDS))
     for module in modules:
@@ -113,7 +115,7 @@ def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
 def _parse(own: list[str]) -> argparse.Namespace:
     """`own` parsed by a parser holding only its command's subparsers; a command line that
     fails there is parsed again by the whole parser, whose message and usage it then prints."""
-    name = next((a for a in own if not a.startswith("-")), None)
+    name = next((a for i, a in enumerate(own) if not a.startswith("-") and (i == 0 or own[i - 1] != "--on")), None)
     if name in REGISTRY:
         try:
             with contextlib.redirect_stderr(io.StringIO()):
@@ -133,6 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             build_parser().error(f"{args.command}: give a job spec YAML or `-- SCRIPT ARG...`, not both or neither")
     run = getattr(importlib.import_module(REGISTRY[args.command].module), f"cmd_{args.command}")
     try:
+        _login(args)
         code = int(run(args))
         # the interpreter's exit then skips the last collection over everything the command
         # loaded (pydantic's models, the templates): a third of render's time above its libraries
@@ -150,6 +153,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _login(args: argparse.Namespace) -> None:
+    """`--on HOST` (or $HPCDIST_LOGIN): Slurm's commands run there through ssh, whose connection
+    opens now, so a refusal is the first and only line (``hpcdist.scheduler.ssh``)."""
+    from hpcdist.scheduler import ssh
+
+    if args.on:
+        ssh.use(args.on)
+    if ssh.login():
+        ssh.check()
 
 
 def _one_line(exc: Exception) -> str:

@@ -116,9 +116,10 @@ def _auto_site() -> str:
     import sys
 
     from hpcdist.config.discovered import SLURM, auto_site
+    from hpcdist.scheduler.ssh import login
 
-    chosen = auto_site()
-    if chosen == SLURM:
+    chosen = SLURM if login() else auto_site()  # `--on HOST`: the cluster behind that login node
+    if chosen == SLURM and not login():
         print("hpcdist: no site named: Slurm's srun is on PATH, so jobs go to that cluster, read from it "
               "(`hpcdist sites --show slurm`); --site local runs them on this machine", file=sys.stderr)
     return chosen

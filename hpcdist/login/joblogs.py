@@ -16,6 +16,7 @@ from collections import deque
 from pathlib import Path
 
 from hpcdist.errors import SubmitError
+from hpcdist.login import remote
 from hpcdist.login.jobhandle import JobHandle
 from hpcdist.login.jobindex import JobRecord, lookup
 from hpcdist.scheduler.slurm import Vanished
@@ -83,6 +84,8 @@ def follow(record: JobRecord, ranks: list[int], tail: int | None) -> None:
     partial: dict[Path, bytes] = {}
 
     def drain(final: bool) -> None:
+        if record.scheduler == "slurm" and remote.active():
+            remote.fetch_record(record)
         for rank in ranks:
             for label, path in record.rank_files(rank):
                 if path not in offsets:  # first sight: start from its last `tail` lines (all by default)
@@ -121,6 +124,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
     ranks = _ranks(record, args.rank, args.all)
     if args.tail is not None and args.tail < 0:
         raise SubmitError(f"--tail {args.tail}: give a number of lines, 0 or more")
+    if record.scheduler == "slurm" and remote.active():  # `--on HOST`: the logs as the cluster has them now
+        remote.fetch_record(record)
     if args.follow:
         follow(record, ranks, args.tail)
     else:

@@ -30,7 +30,7 @@ from hpcdist.files import roots
 from hpcdist.files.atomic import storage_umask
 from hpcdist.files.trust import denied_hint
 from hpcdist.launchers import SAFE_PATH
-from hpcdist.login import jobindex, tracking
+from hpcdist.login import jobindex, remote, tracking
 from hpcdist.scheduler import slurm
 from hpcdist.scheduler.local_jobs import LOCAL_CONTROLLER, machine_gpus, process_started
 
@@ -39,17 +39,24 @@ if TYPE_CHECKING:
 
 
 @functools.cache
-def _script_executor_class() -> Callable[[Path, str, int, int], Any]:
+def _script_executor_class() -> Callable[..., Any]:
     """submitit's Slurm executor with the submission script replaced by hpcdist's (made on first
     use: submitit is imported only when something is submitted)."""
     import submitit
 
     class ScriptExecutor(submitit.SlurmExecutor):
-        def __init__(self, folder: Path, script: str, num_tasks: int, max_num_timeout: int) -> None:
+        def __init__(self, folder: Path, script: str, num_tasks: int, max_num_timeout: int,
+                     roots: tuple[Path, ...] = ()) -> None:
             super().__init__(folder, max_num_timeout=max_num_timeout)
             self._script = script
+            self._roots = roots  # the site's storage roots: what a job's folder is sent below over ssh
             self._tasks = num_tasks
             self.array = False  # the script has --array: even one task is an array task (ID_0)
+
+        @classmethod
+        def affinity(cls) -> int:
+            """submitit's "is Slurm here" (srun on PATH); under `--on HOST` it is on the login node."""
+            return 2 if remote.active() else int(super().affinity())
 
         def _make_submission_file_text(self, command: str, uid: str) -> str:
             return self._script
@@ -68,6 +75,8 @@ def _script_executor_class() -> Callable[[Path, str, int, int], Any]:
             path.write_text(self._make_submission_file_text(command, tmp))
             key = None if self.array else _new_key(path.parent)  # an array's keys: one per task, below
             try:
+                if remote.active():  # `--on HOST`: the script sbatch reads, and the job's folder, there first
+                    remote.send(path.parent, self._roots, pickles=False)
                 job_id = slurm.sbatch(path)
             except BaseException:
                 if key is not None:
@@ -221,7 +230,7 @@ def _executor(plan: Plan, script: str) -> Any:
     executor: Any
     if plan.slurm:
         executor = _script_executor_class()(plan.folder, script, _tasks(plan.base),
-                                            plan.site.preemption.max_requeues)
+                                            plan.site.preemption.max_requeues, plan.site.storage.roots)
     else:
         executor = _local_executor_class()(plan.folder, max_num_timeout=plan.site.preemption.max_requeues,
                                            python=shlex.quote(plan.site.python) if plan.site.python else None)
@@ -253,7 +262,9 @@ def schedule(plan: Plan, calls: Sequence[Call] | None = None) -> list[Submission
             f"env_passthrough: {', '.join(unset)} not set in this shell; the job takes it from the shell you "
             f"submit from: `export {unset[0]}=...` (or read it from a file) before `hpcdist submit`"
         )
-    if plan.slurm and shutil.which("sbatch") is None:
+    if plan.slurm and remote.active():  # `--on HOST`: the connection, the paths, the cluster's Python and hpcdist
+        remote.ready(plan)
+    elif plan.slurm and shutil.which("sbatch") is None:
         raise SubmitError(f"site {site.name!r} uses Slurm but `sbatch` is not on PATH; run on a login node")
     if plan.slurm:
         from hpcdist.login.site_check import against_cluster
@@ -274,6 +285,8 @@ def schedule(plan: Plan, calls: Sequence[Call] | None = None) -> list[Submission
                 with executor.batch():
                     pending = [executor.submit(fn, *args, **kwargs) for fn, args, kwargs in todo]
                 jobs = list(pending)
+            if plan.slurm and remote.active():
+                remote.send_submitted(plan)  # the job's key and pickled call, which its ranks wait for
     except slurm.Refused as exc:
         said = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         raise SubmitError(f"the scheduler refused job {base.name!r}: {said} (`hpcdist site check {site.name}` "

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpcdist.errors import SubmitError
 from hpcdist.files.trust import load_pickle  # a result pickle another user could have written: refused
+from hpcdist.login import remote
 from hpcdist.login.submit import Submission
 from hpcdist.polling import poll_until
 from hpcdist.scheduler import slurm
@@ -188,6 +189,8 @@ def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
         raise SubmitError(
             f"job {sub.job_id} did not finish within {timeout_s:g} s; it is still {job_state(sub).value}"
         )
+    if sub.site.scheduler == "slurm" and remote.active():  # `--on HOST`: the job's files as the cluster has them
+        remote.fetch([sub.job.paths.folder, sub.paths.progress], [sub.result_path])
     if failures is not None and failures.cause:  # ended by on_node_failure: fail, or the bound
         return Finished(JobState.NODE_FAIL, outcomes(sub, JobState.NODE_FAIL), failures.cause)
     end = _slurm_ending(sub) if sub.site.scheduler == "slurm" and state is not JobState.COMPLETED else None

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hpcdist.errors import SubmitError
+from hpcdist.scheduler import ssh
 from hpcdist.scheduler.states import JobState
 
 JOB_ID = re.compile(r"\d+(_\d+)?")  # a job, or an array task as sacct and submitit name it (ARRAYID_INDEX)
@@ -60,9 +61,11 @@ class Answer:
 def run(argv: Sequence[str], *, retry: bool = True, timeout: float | None = None,
         env: dict[str, str] | None = None) -> Answer:
     """`argv` (a Slurm command) with a timeout, tried again on failure unless `retry` is False
-    (commands that must not run twice: sbatch, scontrol requeue). An unknown job id is an answer."""
+    (commands that must not run twice: sbatch, scontrol requeue). An unknown job id is an answer.
+    Under ``--on HOST`` it runs on that login node through ssh (``hpcdist.scheduler.ssh``)."""
     program = argv[0]
-    if shutil.which(program) is None:
+    remote = ssh.login()
+    if not remote and shutil.which(program) is None:
         return Answer(False, why=f"`{program}` is not on PATH (run this on a login node of the cluster)")
     limit = timeout or timeout_s()
     attempts = tries() if retry else 1
@@ -71,7 +74,11 @@ def run(argv: Sequence[str], *, retry: bool = True, timeout: float | None = None
         if attempt:
             time.sleep(min(0.5 * 2.0 ** (attempt - 1), 4.0))
         try:
-            proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=limit, check=False, env=env)
+            proc = (ssh.run(argv, limit) if remote else
+                    subprocess.run(list(argv), capture_output=True, text=True, timeout=limit, check=False, env=env))
+        except ssh.Unreachable as exc:
+            why = str(exc)
+            continue
         except subprocess.TimeoutExpired:
             why = f"`{program}` did not answer within {limit:g} s ({_TIMEOUT_HINT})"
             continue
@@ -226,7 +233,7 @@ def kill_step(job_id: str, step: str) -> subprocess.Popen[bytes]:
     check_job_ids([job_id])
     if not step.isdigit():
         raise ValueError(f"not a job step number: {step!r}")
-    return subprocess.Popen(["scancel", "--signal=KILL", f"{job_id}.{step}"], stdout=subprocess.DEVNULL,
+    return subprocess.Popen(ssh.argv_for(["scancel", "--signal=KILL", f"{job_id}.{step}"]), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
 
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hpcdist.errors import SubmitError
-from hpcdist.scheduler import slurm
+from hpcdist.scheduler import slurm, ssh
 from hpcdist.scheduler.slurm_json import node_fields
 from hpcdist.scheduler.slurm_now import (  # noqa: F401
     NodeStatus,
@@ -118,7 +118,7 @@ def read_cluster() -> Cluster:
     assoc, who, qos = (_accounting(user, conf.get("ClusterName", "slurm"))
                        if conf.get("AccountingStorageType", "").endswith("slurmdbd") else (None, "", ""))
     mpi = _ask(["srun", "--mpi=list"])
-    helptext = _ask(["srun", "--help"]) if shutil.which("srun") else slurm.Answer(False)
+    helptext = _ask(["srun", "--help"]) if shutil.which("srun") or ssh.login() else slurm.Answer(False)
     texts = Texts(config=answer.out, nodes=node_answer.out, partitions=part_answer.out,
                   mpi_list=mpi.out + mpi.err,  # Slurm 20.11 to 22.05 print the list on stderr
                   assoc=assoc, user=who, qos=qos, srun_help=helptext.out, nodes_json=node_json)
@@ -182,8 +182,8 @@ def step(options: list[str], command: list[str], timeout_s: float) -> Step:
     """One ``srun`` step of `command` with `options`, waiting at most `timeout_s` for its nodes
     and its end (``hpcdist site check``'s storage test, ``site init --probe``)."""
     try:
-        proc = subprocess.run(["srun", *options, *command], capture_output=True, text=True, timeout=timeout_s,
-                              check=False)
+        proc = subprocess.run(ssh.argv_for(["srun", *options, *command]), capture_output=True, text=True,
+                              timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
         return Step(None)
     except OSError as exc:
