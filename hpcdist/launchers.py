@@ -334,14 +334,18 @@ class TorchrunLauncher(Launcher):
     )
     def prelude(self, plan: LaunchPlan) -> list[str]:
         """The head node's address and a port free on it for this job's c10d store (a fixed port,
-        torchrun's 29400, would put two jobs with the same head node on one store)."""
+        torchrun's 29400, would put two jobs with the same head node on one store).
+
+        With no ``network.socket_ifname``, the address is the one Slurm reaches the head node by,
+        its ``NodeAddr``: a node's name need not resolve (``NodeName=t1 NodeHostname=vm
+        NodeAddr=127.0.0.1``), and then torchrun's agents waited their whole timeout on it."""
         agent = f"{plan.host()} -m {AGENT}"
-        if plan.socket_ifname is None:
-            find = 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1'
-        else:
-            find = f"{agent} --address {shlex.quote(plan.socket_ifname)}"
-        return [f"HPCDIST_HEAD_ADDR=$({find}) || exit 1", f"HPCDIST_RDZV_PORT=$({agent} --free-port) || exit 1",
-                "export HPCDIST_HEAD_ADDR HPCDIST_RDZV_PORT"]
+        port = [f"HPCDIST_RDZV_PORT=$({agent} --free-port) || exit 1", "export HPCDIST_HEAD_ADDR HPCDIST_RDZV_PORT"]
+        if plan.socket_ifname is not None:
+            return [f"HPCDIST_HEAD_ADDR=$({agent} --address {shlex.quote(plan.socket_ifname)}) || exit 1", *port]
+        return ['HPCDIST_HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1) || exit 1',
+                'HPCDIST_HEAD_ADDR=$(scontrol show node "$HPCDIST_HEAD_NODE" | tr " " "\\n" | sed -n "s/^NodeAddr=//p")',
+                ': "${HPCDIST_HEAD_ADDR:=$HPCDIST_HEAD_NODE}"', *port]
 
     def command(self, plan: LaunchPlan) -> str:
         ifname = ["--ifname", shlex.quote(plan.socket_ifname)] if plan.socket_ifname else []
