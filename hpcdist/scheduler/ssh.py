@@ -118,7 +118,7 @@ def check(timeout: float = 60.0) -> None:
         raise Unreachable(f"ssh {login()}: no answer within {timeout:g} s; `ssh {login()} true` shows why") from exc
 
 
-def _rsync(args: list[str], what: str, timeout: float) -> None:
+def _rsync(args: list[str], what: str, timeout: float, missing_ok: bool = False) -> None:
     if shutil.which("rsync") is None:
         raise SubmitError("`rsync` is not on PATH: --on HOST copies a job's files with it (install rsync)")
     host = login()
@@ -132,8 +132,11 @@ def _rsync(args: list[str], what: str, timeout: float) -> None:
         raise SubmitError(failure(host, proc.stderr))
     if "command not found" in proc.stderr or proc.returncode == 127:
         raise SubmitError(f"ssh {host}: rsync is not installed on the login node; ask its admins for it")
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("rsync error:")]
+    sender = [line for line in lines if "[sender]" in line]  # what the login node said, not our end's echo
+    if missing_ok and proc.returncode == 23 and sender and all("No such file or directory" in x for x in sender):
+        return  # not there (yet): a job that writes no result, a folder not made
     if proc.returncode not in (0, 24):  # 24: a file vanished while copied (a job writing)
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
         raise SubmitError(f"ssh {host}: copying {what} failed (rsync exit {proc.returncode}): "
                           f"{lines[0] if lines else '(no message)'}")
 
@@ -154,10 +157,12 @@ def get(folders: Sequence[Path] = (), files: Sequence[Path] = (), timeout: float
     for path in (*folders, *files):
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     for folder in folders:
-        _rsync(["--ignore-missing-args", f"{host}:{folder}/", f"{folder}/"], f"{folder} from the cluster", timeout)
+        _rsync(["--ignore-missing-args", f"{host}:{folder}/", f"{folder}/"], f"{folder} from the cluster", timeout,
+               missing_ok=True)
     if files:
         for path in files:
-            _rsync(["--ignore-missing-args", f"{host}:{path}", str(path)], f"{path} from the cluster", timeout)
+            _rsync(["--ignore-missing-args", f"{host}:{path}", str(path)], f"{path} from the cluster", timeout,
+                   missing_ok=True)
 
 
 def close(host: str | None = None) -> None:

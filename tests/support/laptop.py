@@ -61,8 +61,12 @@ def setup() -> Path:
     files = {
         "id_ed25519": key.read_text(),
         "known_hosts": f"[127.0.0.1]:{PORT} {host_key}\n",
+        "known_hosts_none": "",  # login-unverified: the same node, its host key not known
         "config": (f"Host {HOST}\n  HostName 127.0.0.1\n  Port {PORT}\n  User {USER}\n"
-                   f"  IdentityFile ~/.ssh/id_ed25519\n  IdentitiesOnly yes\n"),
+                   f"  IdentityFile ~/.ssh/id_ed25519\n  IdentitiesOnly yes\n"
+                   f"Host {HOST}-unverified\n  HostName localhost\n  Port {PORT}\n  User {USER}\n"
+                   f"  IdentityFile ~/.ssh/id_ed25519\n  IdentitiesOnly yes\n"
+                   f"  UserKnownHostsFile ~/.ssh/known_hosts_none\n  StrictHostKeyChecking yes\n"),
     }
     for name, text in files.items():
         path = ssh_dir / name
