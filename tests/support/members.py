@@ -53,14 +53,18 @@ def run_as(user: str, *argv: str, umask: str = "022", cwd: Path | None = None, t
            env: dict[str, str] | None = None) -> Run:
     """The command `argv` as `user`, in a clean environment (HOME, USER, LOGNAME, PATH and `env`)
     with the shell umask `umask`, as that user would type it."""
-    home = Path(f"/home/{user}")
+    proc = subprocess.run(user_argv(user, argv, umask, env), cwd=cwd or Path(f"/home/{user}"), capture_output=True,
+                          text=True, timeout=timeout, check=False)
+    return Run(proc.returncode, proc.stdout, proc.stderr)
+
+
+def user_argv(user: str, argv: tuple[str, ...], umask: str = "022", env: dict[str, str] | None = None) -> list[str]:
+    """What runs `argv` as `user` in `run_as`'s clean environment."""
     # the suite's site for jobs that name none (tests/support/fixtures.default_site), unless `env` says otherwise
     inherited = {"HPCDIST_SITE": os.environ["HPCDIST_SITE"]} if os.environ.get("HPCDIST_SITE") else {}
     extra = [f"{k}={v}" for k, v in {**inherited, **(env or {})}.items()]
-    cmd = ["runuser", "-u", user, "--", "env", "-i", f"HOME={home}", f"USER={user}", f"LOGNAME={user}",
-           "PATH=/usr/local/bin:/usr/bin:/bin", *extra, "sh", "-c", f'umask {umask} && exec "$@"', "sh", *argv]
-    proc = subprocess.run(cmd, cwd=cwd or home, capture_output=True, text=True, timeout=timeout, check=False)
-    return Run(proc.returncode, proc.stdout, proc.stderr)
+    return ["runuser", "-u", user, "--", "env", "-i", f"HOME=/home/{user}", f"USER={user}", f"LOGNAME={user}",
+            "PATH=/usr/local/bin:/usr/bin:/bin", *extra, "sh", "-c", f'umask {umask} && exec "$@"', "sh", *argv]
 
 
 def spawn(user: str, *args: str, umask: str = "022") -> subprocess.Popen[str]:
@@ -95,6 +99,11 @@ class Member:
     def python(self, *args: str, timeout: float = 240) -> Run:
         return run_as(self.user, str(USERS_VENV / "bin" / "python"), *args, cwd=self.folder, env=self.env,
                       timeout=timeout)
+
+    def start(self, program: str, *args: str) -> subprocess.Popen[str]:
+        """`program` (``hpcdist`` or ``python``) started in the background, as `hpcdist` and `python` run it."""
+        return subprocess.Popen(user_argv(self.user, (str(USERS_VENV / "bin" / program), *args), env=self.env),
+                                cwd=self.folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def member_in(folder: Path, files: dict[str, str], user: str = "alice", **env: str) -> Member:
