@@ -344,7 +344,7 @@ class TorchrunLauncher(Launcher):
         if plan.socket_ifname is not None:
             return [f"HPCDIST_HEAD_ADDR=$({agent} --address {shlex.quote(plan.socket_ifname)}) || exit 1", *port]
         return ['HPCDIST_HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1) || exit 1',
-                'HPCDIST_HEAD_ADDR=$(scontrol show node "$HPCDIST_HEAD_NODE" | tr " " "\\n" | sed -n "s/^NodeAddr=//p")',
+                'HPCDIST_HEAD_ADDR=$(scontrol show node "$HPCDIST_HEAD_NODE" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)',
                 ': "${HPCDIST_HEAD_ADDR:=$HPCDIST_HEAD_NODE}"', *port]
 
     def command(self, plan: LaunchPlan) -> str:
