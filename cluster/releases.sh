@@ -357,6 +357,30 @@ supervised_slurmd() {
        "echo \"[cluster] \$(date -Is) slurmd -N $1 crashed (exit \$rc); started again\" >> $log; sleep 1; done"
 }
 
+# The folder a slurmd's mount namespace sees as the host's PMIx folder (/$LIBDIR/pmix2): the root's
+# PMIx, which Debian's mpi_pmix plugin dlopens by that path into the root's slurmstepd, and beside it
+# the host's own libpmix and components (these win a name both have): the host's Open MPI in the
+# job's tasks (mpirun, mpi4py), in the same namespace, opens them by the same folder
+# (/$LIBDIR/libpmix.so.2 -> pmix2/lib/libpmix.so.2.6.2) and found no libpmix without them. Made once
+# per root and host PMIx, into a folder of their own, so a running slurmd's is never changed.
+pmix_folder() {
+  local host dir f
+  host=$(readlink -f "/$LIBDIR/libpmix.so.2" || true)
+  dir=$STATE/pmix2-$(cat "$ROOT/.hpcdist-root")-${host##*/}
+  if [[ ! -d $dir ]]; then
+    rm -rf "$dir.tmp"
+    cp -a "$ROOT/$LIBDIR/pmix2" "$dir.tmp"
+    if [[ $host == /$LIBDIR/pmix2/lib/* ]]; then
+      cp -a "$host" "$dir.tmp/lib/"
+      for f in "/$LIBDIR/pmix2/lib/pmix/"*.so; do
+        if [[ -e $f ]]; then cp -a "$f" "$dir.tmp/lib/pmix/"; fi
+      done
+    fi
+    mv "$dir.tmp" "$dir"
+  fi
+  echo "$dir"
+}
+
 declare -A started_at=()
 start_daemons() {
   local n bind
@@ -374,12 +398,12 @@ start_daemons() {
     slurmd_ok "$n" && continue
     log "starting slurmd -N $n ($R)"
     started_at[$n]=$(date +%s)
-    # In a mount namespace of its own where the host's PMIx folder is the root's: Debian's mpi_pmix
-    # plugin dlopens libpmix by that path (and libpmix its components), which from the host would
-    # load the host's PMIx 4 into the root's slurmstepd. A root without PMIx (forky's 26.05 is
+    # In a mount namespace of its own where the host's PMIx folder is the root's (pmix_folder): Debian's
+    # mpi_pmix plugin dlopens libpmix by that path (and libpmix its components), which from the host
+    # would load the host's PMIx 4 into the root's slurmstepd. A root without PMIx (forky's 26.05 is
     # built without the mpi_pmix plugin) has nothing to bind.
     bind=true
-    [[ -d $ROOT/$LIBDIR/pmix2 ]] && bind="mount --bind $ROOT/$LIBDIR/pmix2 /$LIBDIR/pmix2"
+    [[ -d $ROOT/$LIBDIR/pmix2 ]] && bind="mount --bind $(pmix_folder) /$LIBDIR/pmix2"
     setsid unshare -m --propagation slave bash -c "$bind && $(supervised_slurmd "$n")" </dev/null >/dev/null 2>&1 &
     wait_for 10 slurmd_ok "$n" || fail "slurmd -N $n ($R) did not start" "$STATE/log/slurmd-$n.log"
   done
