@@ -125,56 +125,54 @@ def history(release: str, jid: str) -> list[str]:
     return slurm(release, "sacct", "-j", jid, "-X", "-n", "-P", "--duplicates", "-o", "State").split()
 
 
-def test_autoexecutor_cancel_and_a_checkpointable_requeued_at_its_time_limit(release: str, alice: Member) -> None:
+def smoke(alice: Member, launcher: str) -> Run:
+    """jobs/smoke.yaml on 2 nodes x 1 task with `launcher` (three at once fit the release's nodes)."""
+    return alice.hpcdist("submit", "--wait", "smoke.yaml", "--set", "resources.nodes=2",
+                         "--set", "resources.tasks_per_node=1", "--set", f"site.launcher.kind={launcher}", timeout=WAIT)
+
+
+def ranks_ok(ran: Run, release: str) -> str:
+    """The smoke job's summary said it ran on both nodes of the release; its rank 0's log."""
+    assert ran.code == 0, ran.out + ran.err
+    assert f"to site {CLUSTERS[release]}" in ran.out and "COMPLETED; 2/2 ranks succeeded" in ran.out, ran.out
+    hosts = {line.split('"host": "')[1].split('"')[0] for line in ran.out.splitlines() if '"host": "' in line}
+    assert hosts == set(NODES[release]), ran.out
+    return ran.out
+
+
+def test_autoexecutor_cancel_checkpointable_and_smoke_with_every_launcher(release: str, alice: Member) -> None:
+    """A submitit user's script, and meanwhile (while its Counter waits for its time limit) the
+    smoke job with srun, mpirun and torchrun. srun's steps start with PMIx where the release's srun
+    has it: the site discovery wrote says so (tests/test_slurm_releases.py)."""
+    pmix = "pmix" in slurm(release, "srun", "--mpi=list").split()
     script = alice.start("python", "executor.py")
     try:
+        with ThreadPoolExecutor(3) as pool:
+            ran = {kind: pool.submit(smoke, alice, kind) for kind in ("srun", "mpirun", "torchrun")}
         jid = wait_for(lambda: (alice.folder / "counter.id").is_file() and (alice.folder / "counter.id").read_text(),
                        WAIT, "the Counter's job id")
+
         def ended() -> bool:  # Slurm may stop it more than once: its signal may come up to a minute early
             release_if_held(release, jid)
             return script.poll() is not None
 
         wait_for(ended, 2 * WAIT, "the script to end", poll=1)
-        ran = finish(script)
+        executed = finish(script)
     finally:
         script.kill()
-    assert ran.code == 0, ran.err
-    assert NO_SITE_LINE in ran.err and "Traceback" not in ran.err, ran.err
-    assert "sleeper JobUncompleted CANCELLED" in ran.out, ran.out
-    counted = re.search(r"^counter (\d+) COMPLETED$", ran.out, re.M)
-    assert counted and int(counted[1]) > 0, ran.out  # a fresh Counter would count for ever
+    # each rank took its rank as its launcher gave it: srun's PMIx server (PMIX_RANK) or Slurm's, Open MPI's, torchrun's
+    for kind, table in (("srun", "pmix" if pmix else "slurm"), ("mpirun", "openmpi"), ("torchrun", "torchrun")):
+        job = re.search(r"submitted job (\d+)", ranks_ok(ran[kind].result(), release))
+        shown = alice.hpcdist("logs", job[1]).out if job else ""
+        assert re.search(rf"group ready: rank \d/2 .* via {table},", shown), (kind, shown)
+
+    assert executed.code == 0, executed.err
+    assert NO_SITE_LINE in executed.err and "Traceback" not in executed.err, executed.err
+    assert "sleeper JobUncompleted CANCELLED" in executed.out, executed.out
+    counted = re.search(r"^counter (\d+) COMPLETED$", executed.out, re.M)
+    assert counted and int(counted[1]) > 0, executed.out  # a fresh Counter would count for ever
     states = history(release, jid)
     assert states[-1] == "COMPLETED" and set(states[:-1]) == {"REQUEUED"} and len(states) >= 2, states
-
-
-def smoke(alice: Member, *sets: str) -> Run:
-    flags = [x for s in ("resources.nodes=2", *sets) for x in ("--set", s)]
-    return alice.hpcdist("submit", "--wait", "smoke.yaml", *flags, timeout=WAIT)
-
-
-def ranks_ok(ran: Run, release: str) -> None:
-    assert ran.code == 0, ran.out + ran.err
-    assert f"to site {CLUSTERS[release]}" in ran.out and "COMPLETED; 4/4 ranks succeeded" in ran.out, ran.out
-    hosts = {line.split('"host": "')[1].split('"')[0] for line in ran.out.splitlines() if '"host": "' in line}
-    assert hosts == set(NODES[release]), ran.out
-
-
-def rank_log(alice: Member, ran: Run) -> str:
-    jid = re.search(r"submitted job (\d+)", ran.out)
-    assert jid, ran.out
-    return alice.hpcdist("logs", jid[1]).out
-
-
-def test_smoke_on_two_nodes_with_srun_and_pmix_mpirun_and_torchrun(release: str, alice: Member) -> None:
-    """The site discovery wrote starts srun's steps with PMIx where the release's srun has it."""
-    pmix = "pmix" in slurm(release, "srun", "--mpi=list").split()
-    with ThreadPoolExecutor(3) as pool:  # two at once fit the two nodes; the third waits its turn
-        ran = {kind: pool.submit(smoke, alice, f"site.launcher.kind={kind}") for kind in ("srun", "mpirun", "torchrun")}
-    # as each rank took its rank: srun's PMIx server (PMIX_RANK) or Slurm's, Open MPI's, torchrun's
-    for kind, table in (("srun", "pmix" if pmix else "slurm"), ("mpirun", "openmpi"), ("torchrun", "torchrun")):
-        ranks_ok(ran[kind].result(), release)
-        shown = rank_log(alice, ran[kind].result())
-        assert re.search(rf"group ready: rank \d/4 .* via {table},", shown), (kind, shown)
 
 
 def loss_at(log: str, step: int) -> float:
