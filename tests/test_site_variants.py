@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli import REPO, require_slurm, run_cli
+from tests.support.cli import REPO, run_cli
 from tests.support.members import NO_SITE_LINE, Member, member_in, require_members
 from tests.support.train import TINY, write_corpus
 from tests.support.variants import require_variant, variant_env
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.other_clusters]  # a group beside the main cluster's
 
 NODES = {"parts": ("p1", "p2"), "gpus": ("g1", "g2"), "noacct": ("q1", "q2")}
 DEFAULT = {"parts": "batch", "gpus": "gpu", "noacct": "debug"}
@@ -52,8 +52,7 @@ def tokens() -> Iterator[Path]:
 
 
 def on(variant: str) -> Iterator[Member]:
-    require_slurm()
-    require_members()
+    require_members()  # not require_slurm: the main cluster's nodes may be down for a node-fault test beside
     require_variant(variant)
     folder = Path(f"/home/alice/t-{variant}-{uuid.uuid4().hex[:8]}")
     try:

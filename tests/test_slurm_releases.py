@@ -16,7 +16,7 @@ import pytest
 from tests.support.members import NO_SITE_LINE, Member, member_in, require_members
 from tests.support.releases import CLUSTERS, NODES, RELEASES, release_env, require_release
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.other_clusters]  # a group beside the main cluster's
 
 # A submitit user's script, run as she would: the function's node, the SLURM_CONF and the srun its
 # step finds (the release's, through the PATH the job inherited), then a job array.

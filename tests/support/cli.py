@@ -111,6 +111,7 @@ def slurm_up() -> tuple[bool, str]:
 # rest run beside them, so one test's dead or cut node never hits another test's job.
 CLUSTER_TESTS: set[str] = set()
 SLURM_FIXTURES = ("slurm_storage", "slurm_storage_module", "separate_hosts")
+OTHER_GROUP = "other_clusters"  # the group of the tests marked other_clusters: the variants and releases only
 
 
 def require_slurm() -> None:
@@ -123,7 +124,7 @@ def require_slurm() -> None:
     if current and current not in CLUSTER_TESTS:
         pytest.fail(f"{current} uses the Slurm cluster but is not marked: add @pytest.mark.slurm "
                     f"(tests.support.fixtures runs marked tests one at a time in the suite's cluster group)")
-    if current and os.environ.get("PYTEST_XDIST_WORKER") and not running.endswith("@cluster"):
+    if current and os.environ.get("PYTEST_XDIST_WORKER") and not running.endswith(("@cluster", f"@{OTHER_GROUP}")):
         pytest.fail(f"{current} runs beside other tests: pytest-xdist's --dist loadgroup did not group it "
                     f"(pytest-xdist issue 1386, pytest 9.2 and later); install the dev extra's pytest<9.2")
     up, said = slurm_up()

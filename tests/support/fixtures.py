@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli import CLUSTER_TESTS, SHARED, SLURM_FIXTURES, missing, require_slurm, storage_sets
+from tests.support.cli import CLUSTER_TESTS, OTHER_GROUP, SHARED, SLURM_FIXTURES, missing, require_slurm, storage_sets
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -18,12 +18,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test that uses the Slurm cluster goes into one xdist group, ``cluster``: with `make
     test`'s ``-n 2 --dist loadgroup`` they run one after another on one worker (a node killed or a
     link cut by one test never hits another's job, and the 2-node tests keep n1 and n2 to
-    themselves), while the tests that need no cluster run on the other worker beside them."""
+    themselves), while the tests that need no cluster run on the other worker beside them.
+
+    The tests of the clusters beside the main one (``other_clusters``: the variants and the other
+    Slurm releases, each with its own controller and single-host nodes, which no node fault or cut
+    link of the main cluster's tests reaches) are a group of their own, ``other_clusters``, run one
+    after another beside the ``cluster`` group rather than in it: that group is the suite's longest
+    path (2044 of its 2069 s on 2026-11-29), while the other worker's tests took 1298 s."""
     for item in items:
         if item.get_closest_marker("slurm") is None and set(SLURM_FIXTURES) & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slurm)
         if item.get_closest_marker("slurm") is not None:
-            item.add_marker(pytest.mark.xdist_group("cluster"))
+            apart = item.get_closest_marker("other_clusters") is not None
+            item.add_marker(pytest.mark.xdist_group(OTHER_GROUP if apart else "cluster"))
             CLUSTER_TESTS.add(item.nodeid)
 
 
