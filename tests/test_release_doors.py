@@ -20,16 +20,14 @@ import re
 import shutil
 import subprocess
 import time
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 from tests.support.cli import REPO, Run
-from tests.support.members import NO_SITE_LINE, Member, member_in, require_members
-from tests.support.releases import CLUSTERS, NODES, RELEASES, release_env, require_release
+from tests.support.members import NO_SITE_LINE, Member
+from tests.support.releases import CLUSTERS, NODES, RELEASES, alice_on, release_env
 from tests.support.train import TINY, wait_for, write_corpus
 
 pytestmark = [pytest.mark.slurm, pytest.mark.other_clusters]  # a group beside the main cluster's
@@ -88,15 +86,7 @@ def release(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def alice(release: str) -> Iterator[Member]:
-    require_members()
-    require_release(release)
-    folder = Path(f"/home/alice/t-doors{release.replace('.', '')}-{uuid.uuid4().hex[:8]}")
-    try:
-        # her job index of this test alone: another cluster's job of the same id would be in hers
-        yield member_in(folder, {"executor.py": EXECUTOR, "sleeper.py": SLEEPER},
-                        XDG_STATE_HOME=str(folder / ".state"), **release_env(release))
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    yield from alice_on(release, "doors", {"executor.py": EXECUTOR, "sleeper.py": SLEEPER}, own_index=True)
 
 
 def slurm(release: str, *argv: str) -> str:

@@ -6,15 +6,12 @@ and ``hpcdist site init`` then ``site check``. Parametrized by release (tests/su
 
 from __future__ import annotations
 
-import shutil
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.support.members import NO_SITE_LINE, Member, member_in, require_members
-from tests.support.releases import CLUSTERS, NODES, RELEASES, release_env, require_release
+from tests.support.members import NO_SITE_LINE, Member
+from tests.support.releases import CLUSTERS, NODES, RELEASES, alice_on, release_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.other_clusters]  # a group beside the main cluster's
 
@@ -44,13 +41,7 @@ def release(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def alice(release: str) -> Iterator[Member]:
-    require_members()
-    require_release(release)
-    folder = Path(f"/home/alice/t-slurm{release.replace('.', '')}-{uuid.uuid4().hex[:8]}")
-    try:
-        yield member_in(folder, {"where.py": SCRIPT}, **release_env(release))
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    yield from alice_on(release, "slurm", {"where.py": SCRIPT})
 
 
 def test_autoexecutor_submit_result_and_map_array(release: str, alice: Member) -> None:

@@ -11,9 +11,14 @@ one through ``release_env(release)``: that release's commands first on PATH, its
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 from tests.support.cli import missing
+from tests.support.members import Member, member_in, require_members
 
 RELEASES = ("24.11", "26.05")
 CLUSTERS = {"24.11": "r2411", "26.05": "r2605"}
@@ -54,3 +59,18 @@ def require_release(release: str) -> None:
             said = "scontrol timed out after 30 s"
     if said:
         missing(f"Slurm {release}: {said}; start it with {start}")
+
+
+def alice_on(release: str, name: str, files: dict[str, str], own_index: bool = False) -> Iterator[Member]:
+    """alice in a folder of her own (`name` and the release in its name) holding `files`, reaching
+    release `release` (``release_env``); the folder is removed after. For a test's fixture.
+    `own_index`: her job index in that folder (``XDG_STATE_HOME``): another cluster's job of the
+    same id would otherwise be in hers."""
+    require_members()
+    require_release(release)
+    folder = Path(f"/home/alice/t-{name}{release.replace('.', '')}-{uuid.uuid4().hex[:8]}")
+    try:
+        own = {"XDG_STATE_HOME": str(folder / ".state")} if own_index else {}
+        yield member_in(folder, files, **own, **release_env(release))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
