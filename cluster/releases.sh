@@ -7,6 +7,12 @@
 #                                  slurmctld and two nodes (idempotent: about a second when all runs)
 #   releases.sh down [RELEASE...]  stop its daemons; root, state and logs are kept
 #   releases.sh env RELEASE        print `export PATH=BIN:$PATH SLURM_CONF=...` for `eval`
+#   releases.sh kill RELEASE NODE  the node dies as hardware does (nodefault.sh's kill for these
+#                                  single-host nodes): its slurmd's port silenced, then its slurmd and
+#                                  every process in its mount namespace (slurmstepd, the job's tasks)
+#                                  killed with SIGKILL; Slurm marks it DOWN after SlurmdTimeout
+#   releases.sh revive RELEASE NODE  the node back (its port answers, slurmd started as `up` starts
+#                                  it); returns once Slurm shows every node of RELEASE in service
 #
 # The release's files come from a Debian root made once with debootstrap (--variant=minbase,
 # Slurm's packages and what they need, no docs) at $RELEASES_STATE/RELEASE/root, cached as
@@ -48,7 +54,8 @@ MEMBERS=(alice bob carol) # cluster/users.sh's accounts
 RELEASES_ETC=/etc/slurm-releases
 
 usage() {
-  echo "usage: releases.sh up [RELEASE...] | down [RELEASE...] | env RELEASE   (RELEASE: ${ALL[*]})" >&2
+  echo "usage: releases.sh up [RELEASE...] | down [RELEASE...] | env RELEASE | kill RELEASE NODE | revive RELEASE NODE" \
+       "  (RELEASE: ${ALL[*]})" >&2
   exit 2
 }
 is_release() { [[ " ${ALL[*]} " == *" $1 "* ]]; }
@@ -489,15 +496,74 @@ cmd_down() {
   log "Slurm ${names[*]} down"
 }
 
+# ---------------------------------------------------------------------------------------
+# Node faults. A node of a release is a slurmd on this host in a mount namespace of its own
+# (start_daemons), so a dead node is: its slurmd's port gives no reply (a DROP rule on lo, as a
+# dead host's address gives none: a refused connection would prove a live kernel, and the in-job
+# supervisor takes only silence for death), and every process of that namespace is gone.
+drop_rule() { # NODE: the iptables rule (less the chain) that silences NODE's slurmd port
+  local i=0 n
+  for n in "${RNODES[@]}"; do
+    [[ $n == "$1" ]] && break
+    i=$((i + 1))
+  done
+  echo "-i lo -p tcp --dport $((NODE_PORT[$R] + i)) -m comment --comment hpcdist-releases-dead-$R-$1 -j DROP"
+}
+ns_pids() { # MNTNS: the processes in that mount namespace
+  local d
+  for d in /proc/[0-9]*; do
+    [[ $(readlink "$d/ns/mnt" 2>/dev/null) == "$1" ]] && echo "${d#/proc/}"
+  done
+  return 0
+}
+release_node() { [[ " ${RNODES[*]} " == *" $1 "* ]] || { log "Slurm $R has no node '$1'; its nodes are ${RNODES[*]}"; exit 2; }; }
+
+cmd_kill() {
+  local node=$2 pid ns pids
+  use "$1"
+  release_node "$node"
+  pid=$(cat "$STATE/run/slurmd-$node.pid" 2>/dev/null) || pid=
+  proc_is "$pid" slurmd || fail "slurmd -N $node ($R) is not running: nothing to kill (releases.sh revive $R $node starts it)"
+  ns=$(readlink "/proc/$pid/ns/mnt")
+  [[ $ns != "$(readlink /proc/$$/ns/mnt)" ]] || fail "slurmd -N $node ($R) shares this shell's mount namespace: not killing it"
+  # shellcheck disable=SC2046 # the rule's words
+  iptables -I INPUT $(drop_rule "$node")
+  # slurmd first, so it forks no new slurmstepd; then everything else, until nothing is left (a task may fork while we kill)
+  kill -KILL "$pid" 2>/dev/null || true
+  for _ in $(seq 50); do
+    pids=$(ns_pids "$ns")
+    [[ -z $pids ]] && break
+    # shellcheck disable=SC2086 # one pid a word
+    kill -KILL $pids 2>/dev/null || true
+    sleep 0.1
+  done
+  [[ -z $(ns_pids "$ns") ]] || fail "processes still live in $node ($R): $(ns_pids "$ns" | xargs)"
+  log "Slurm $R: $node killed (its slurmd's port silent, every process in it killed); Slurm marks it DOWN after $SLURMD_TIMEOUT s"
+}
+
+cmd_revive() { # the port answers again, then `up`: slurmd started, Slurm (ReturnToService=2) takes the node back
+  use "$1"
+  release_node "$2"
+  # shellcheck disable=SC2046 # the rule's words
+  while iptables -D INPUT $(drop_rule "$2") 2>/dev/null; do :; done
+  cmd_up "$1"
+}
+
 (($#)) || usage
 cmd=$1
 shift
-for r in "$@"; do is_release "$r" || { log "no release '$r' here; releases are ${ALL[*]}"; exit 2; }; done
+names=("$@")
+if [[ $cmd == kill || $cmd == revive ]]; then names=("${@:1:1}"); fi # the second is a node
+for r in "${names[@]}"; do is_release "$r" || { log "no release '$r' here; releases are ${ALL[*]}"; exit 2; }; done
 case $cmd in
   env)
     (($# == 1)) || usage
     echo "export PATH=$RELEASES_STATE/$1/bin:\$PATH SLURM_CONF=$RELEASES_ETC/$1/slurm.conf" ;;
   up | down)
+    ((EUID == 0)) || { log "releases.sh $cmd must run as root"; exit 1; }
+    "cmd_$cmd" "$@" ;;
+  kill | revive)
+    (($# == 2)) || usage
     ((EUID == 0)) || { log "releases.sh $cmd must run as root"; exit 1; }
     "cmd_$cmd" "$@" ;;
   *) usage ;;

@@ -11,8 +11,8 @@ and site init/check), as the ordinary user alice with no site written by hand:
 
 Each test runs its jobs at once where the release's two nodes hold them. A requeued job is held by
 Slurm for about two minutes (BeginTime); the tests release it as the suite's 22.05 tests do
-(``scontrol update StartTime=now``, as root). Not here: hot spares and node death, which need
-nodes of their own network (the releases' nodes are one host)."""
+(``scontrol update StartTime=now``, as root). Hot spares and node death on the releases:
+tests/test_release_faults.py."""
 
 from __future__ import annotations
 
