@@ -4,7 +4,8 @@
 # ships it (24.11: trixie; 26.05: forky), so the suite meets the Slurm its users log in to.
 #
 #   releases.sh up [RELEASE...]    start 24.11 and 26.05 (or those named): the root, its wrappers, slurmdbd,
-#                                  slurmctld and two nodes (idempotent: about a second when all runs)
+#                                  slurmctld and two nodes, a node `kill` left dead among them
+#                                  (idempotent: about a second when all runs)
 #   releases.sh down [RELEASE...]  stop its daemons; root, state and logs are kept
 #   releases.sh env RELEASE        print `export PATH=BIN:$PATH SLURM_CONF=...` for `eval`
 #   releases.sh kill RELEASE NODE  the node dies as hardware does (nodefault.sh's kill for these
@@ -451,7 +452,7 @@ wait_ready() {
 }
 
 cmd_up() {
-  local r names=("$@") t=$SECONDS
+  local r n names=("$@") t=$SECONDS
   ((${#names[@]})) || names=("${ALL[@]}")
   munge_ok || fail "munged does not answer: run cluster/up.sh (make cluster-up) first" /var/log/munge/munged.log
   HOST=$(hostname -s)
@@ -470,6 +471,7 @@ cmd_up() {
     prepare
     start_slurmdbd
     accounts
+    for n in "${RNODES[@]}"; do undrop "$n"; done # a node `kill` left dead
     start_daemons
     wait_ready
     log "Slurm $R up ($((SECONDS - t)) s): $(scontrol --version), cluster ${CLUSTER[$R]}, controller :${CTLD_PORT[$R]}," \
@@ -541,11 +543,14 @@ cmd_kill() {
   log "Slurm $R: $node killed (its slurmd's port silent, every process in it killed); Slurm marks it DOWN after $SLURMD_TIMEOUT s"
 }
 
-cmd_revive() { # the port answers again, then `up`: slurmd started, Slurm (ReturnToService=2) takes the node back
+undrop() { # NODE: its slurmd's port answers again (no rule left; `up` runs it for every node)
+  # shellcheck disable=SC2046 # the rule's words
+  while iptables -D INPUT $(drop_rule "$1") 2>/dev/null; do :; done
+}
+
+cmd_revive() { # `up`: the port answers again, slurmd started, Slurm (ReturnToService=2) takes the node back
   use "$1"
   release_node "$2"
-  # shellcheck disable=SC2046 # the rule's words
-  while iptables -D INPUT $(drop_rule "$2") 2>/dev/null; do :; done
   cmd_up "$1"
 }
 
