@@ -23,7 +23,7 @@ from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.errors import HpcdistError
 from hpcdist.kinds.registry import Job, resolve
-from hpcdist.runtime import abort, group, stacks, teardown
+from hpcdist.runtime import abort, group, in_job_link, stacks, teardown
 from hpcdist.runtime.bootstrap import bootstrap
 from hpcdist.runtime.job_rank import JobRank
 
@@ -59,6 +59,8 @@ def run_job(job: Job[Any], site: Site) -> dict[str, Any]:
             out = job.kind.load_runner()(ctx, job.params) or {}
         except BaseException as exc:
             stacks.on_failure(exc)  # a collective that timed out: every rank's stack, before the others stop
+            if in_job_link.supervised():  # the survivors still waiting on this rank fail now, not in 2 s
+                teardown.drop()
             _check_out_failed(store, ctx)
             raise
         if not group.finish(store, ctx.info, ctx.timeout_s):

@@ -180,7 +180,7 @@ def _process(folder: str, process_job: Callable[[str], None]) -> None:
     process died on a live node, and only that one is started anew)."""
     from hpcdist.config.contract import IN_JOB_RESTART_VAR, RERUN_VAR, in_job_restarts
     from hpcdist.errors import cause_text, chain
-    from hpcdist.runtime import in_job_link
+    from hpcdist.runtime import in_job_link, teardown
 
     started = dict(os.environ)  # what the job sets (MASTER_ADDR of its store, RANK, ...) is undone before it runs again
     reruns = 0  # how often the job ran in this process before: hpcdist.Context's `reruns`
@@ -194,6 +194,7 @@ def _process(folder: str, process_job: Callable[[str], None]) -> None:
             failure, comm = exc, in_job_link.communication_failure(exc)
             for cur in chain(exc):  # their frames would keep the failed run's groups and connections alive
                 cur.__traceback__ = None
+        teardown.drop()  # a group still registered (the script's own, hpcdist.init's) is no garbage
         gc.collect()  # the failed run's process groups freed: their sockets close, and a peer waiting in one fails now
         print(f"hpcdist: rank {os.environ.get('SLURM_PROCID', '?')}'s job failed ("
               f"{'a communication' if comm else 'its own'} error): {cause_text(failure)[:300]}",

@@ -40,3 +40,29 @@ def leave() -> None:
     gc.collect()
     dist.destroy_process_group()
     gc.collect()  # what only the groups' destruction released
+
+
+def drop() -> None:
+    """After this rank's job failed under an in-job supervisor that may start it again in place:
+    its process groups closed at once, no barrier. Closing gloo's sockets is what makes a
+    survivor that still waits on this rank in a collective fail now rather than at its timeout
+    (gloo's ``abort()`` does not close them: measured here, a peer waiting on a rank that had
+    called it stayed in its all-reduce until that rank's process ended; after
+    ``destroy_process_group`` it raised within a second). NCCL's communicators are aborted
+    instead, which does not wait for their kernels. A failure to close is logged: the rank goes on
+    to ask its supervisor either way. A process that never imported torch.distributed has none."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        abort = getattr(c10d, "_abort_process_group", None)
+        if dist.get_backend() == "nccl" and abort is not None:
+            abort()
+        else:
+            dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - the failure that matters was raised before
+        log.warning("closing the failed run's process groups: %s: %s", type(exc).__name__, str(exc)[:200])
