@@ -27,6 +27,14 @@ restart, to the supervisor's "in-job step 1 ... at T"; resume and first step as 
 
     .venv/bin/python benchmarks/in_job_restart.py [--runs 5] [--node n3] [--no-requeue] [--job train_gpt]
     .venv/bin/python benchmarks/in_job_restart.py --kill-rank [--runs 5] [--job train_gpt]
+    .venv/bin/python benchmarks/in_job_restart.py --kill-batch-node [--runs 5] [--no-requeue] [--job train_gpt]
+
+``--kill-batch-node``: the node that runs the batch script and the supervisor is killed (Slurm's
+BatchHost: n1, where the job holds all four nodes); the job ends NODE_FAIL and its standby job
+(``hpcdist.runtime.standby``) runs it on on the three live nodes. Split: ended, to the job's end in
+Slurm (EndTime, whole seconds); takeover, to the standby's record that it took over (its file's
+time); resume, to the standby's rank 0 "resumed from"; first step as above. Beside it, unless
+``--no-requeue``, one run of the job with no spare whose batch node is killed (Slurm's requeue).
 """
 
 from __future__ import annotations
@@ -81,8 +89,19 @@ def committed(ckpts: Path) -> dict[int, float]:
     return out
 
 
+def batch_host(jid: str) -> str:
+    shown = subprocess.run(["scontrol", "-o", "show", "job", jid], capture_output=True, text=True).stdout
+    return re.search(r" BatchHost=(\S+)", shown).group(1)  # type: ignore[union-attr]
+
+
+def end_time(jid: str) -> float:
+    shown = subprocess.run(["scontrol", "-o", "show", "job", jid], capture_output=True, text=True).stdout
+    return datetime.strptime(re.search(r" EndTime=(\S+)", shown).group(1), "%Y-%m-%dT%H:%M:%S").timestamp()  # type: ignore[union-attr]
+
+
 def one(node: str, spares: int, limit_s: float, job: list[str], on_rank: str = "") -> dict[str, float]:
-    """One job, `node` killed after step 10 (or rank 2's process, with `on_rank`: in_place or step)."""
+    """One job, `node` killed after step 10 (or rank 2's process, with `on_rank`: in_place or step;
+    its batch node, with `node` "batch")."""
     from tests.support.cli import rank_pids
 
     root = SHARED / f"t-injob-bench-{time.time_ns()}"
@@ -97,6 +116,8 @@ def one(node: str, spares: int, limit_s: float, job: list[str], on_rank: str = "
                 raise SystemExit(f"the job did not reach step 10: {out.read_text()[-2000:]}")
             time.sleep(0.1)
         jid = re.search(r"submitted job (\d+)", out.read_text()).group(1)  # type: ignore[union-attr]
+        if node == "batch":
+            node = batch_host(jid)
         if on_rank:
             pid = rank_pids(str(root / "logs"))[2]
             killed = time.time()
@@ -120,6 +141,10 @@ def one(node: str, spares: int, limit_s: float, job: list[str], on_rank: str = "
         if on_rank and (s := STEP1.search(log)):
             row |= {"restart_s": float(s.group(2)) - killed, "resume_s": resumed[-1] - float(s.group(2)),
                     "first_step_s": first - resumed[-1]}
+        elif spares and (took := next((root / "logs").rglob("*_took_over"), None)):
+            taken = took.stat().st_mtime
+            row |= {"ended_s": end_time(jid) - killed, "takeover_s": taken - killed, "resume_s": resumed[-1] - taken,
+                    "first_step_s": first - resumed[-1]}
         elif (m := NOTICED.search(log)) and (s := STEP1.search(log)):
             row |= {"notice_s": float(m.group(2)) - killed, "restart_s": float(s.group(2)) - float(m.group(2)),
                     "resume_s": resumed[-1] - float(s.group(2)), "first_step_s": first - resumed[-1]}
@@ -127,7 +152,9 @@ def one(node: str, spares: int, limit_s: float, job: list[str], on_rank: str = "
     finally:
         if not on_rank:
             subprocess.run([ROOT / "cluster/nodefault.sh", "revive", node], capture_output=True)
-        if jid:
+        if jid:  # the job and its standbys
+            subprocess.run([sys.executable, "-m", "hpcdist.cli", "cancel", jid], cwd=ROOT, capture_output=True,
+                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/local/bin:/usr/bin:/bin"})
             subprocess.run(["scancel", jid], capture_output=True)
         proc.wait(timeout=120)
         subprocess.run(["rm", "-rf", str(root)], check=False)
@@ -140,6 +167,7 @@ def main() -> int:
     parser.add_argument("--no-requeue", action="store_true")
     parser.add_argument("--job", choices=("script", "train_gpt"), default="script")
     parser.add_argument("--kill-rank", action="store_true", help="kill rank 2's process: in-place against whole step")
+    parser.add_argument("--kill-batch-node", action="store_true", help="kill the batch node: the standby job")
     args = parser.parse_args()
     job = SCRIPT
     if args.job == "train_gpt":
@@ -155,19 +183,23 @@ def main() -> int:
 
     slurm = subprocess.run(["sinfo", "-V"], capture_output=True, text=True).stdout.strip()
     print(f"hpcdist {hpcdist.__version__}, torch {torch.__version__}, {slurm}; {args.job}, killing "
-          f"{'rank 2' if args.kill_rank else args.node} after step 10")
-    keys = ("next_step_s", "notice_s", "restart_s", "resume_s", "first_step_s")
+          f"{'rank 2' if args.kill_rank else 'the batch node' if args.kill_batch_node else args.node} after step 10")
+    keys = ("next_step_s", "notice_s", "ended_s", "takeover_s", "restart_s", "resume_s", "first_step_s")
     if args.kill_rank:
         return kill_rank(args.runs, job, keys)
+    node = "batch" if args.kill_batch_node else args.node
     rows = []
     for n in range(args.runs):
-        row = one(args.node, 1, 120, job)
+        row = one(node, 1, 180, job)
         rows.append(row)
-        print(f"in-job run {n + 1}: " + "  ".join(f"{k} {row[k]:.2f}" for k in keys if k in row), flush=True)
+        print(f"{'standby' if args.kill_batch_node else 'in-job'} run {n + 1}: "
+              + "  ".join(f"{k} {row[k]:.2f}" for k in keys if k in row), flush=True)
     med = {k: statistics.median(r[k] for r in rows) for k in keys if all(k in r for r in rows)}
-    print("in-job median: " + "  ".join(f"{k} {v:.2f}" for k, v in med.items()))
+    lo, hi = min(r["next_step_s"] for r in rows), max(r["next_step_s"] for r in rows)
+    said = "  ".join(f"{k} {v:.2f}" for k, v in med.items())
+    print(f"{'standby' if args.kill_batch_node else 'in-job'} median: {said}  (range {lo:.2f}-{hi:.2f})")
     if not args.no_requeue:
-        row = one(args.node, 0, 400, job)
+        row = one(node, 0, 400, job)
         print(f"requeue (no spare), 1 run: next_step_s {row['next_step_s']:.1f}; "
               f"ratio requeue / in-job median {row['next_step_s'] / med['next_step_s']:.1f}")
     return 0

@@ -440,3 +440,57 @@ def test_spares_are_counted_where_marked_nodes_are_excluded(tmp_path: Path) -> N
     assert (f"would leave {len(members) - 1} of partition cpu's {len(members)} nodes for a job of "
             f"{len(members) - 1} nodes + 1 spare: {members[-1]}: ") in short.err, short.err
     assert "ECC errors" in short.err and "set resources.spare_nodes=0 (fewer spares)" in short.err, short.err
+
+
+def test_the_batch_nodes_death_is_caught_by_the_standby_job(four_nodes: Path) -> None:
+    """2 nodes + 1 spare on n2-n4 (n1 excluded): Slurm runs the batch script and the supervisor on
+    n2, which the supervisor gives no rank while it has another spare. n2 dies after step 10.
+    Slurm takes it out of the --no-kill job and would leave the job running with no batch script;
+    the ranks' connections to the supervisor time out, a rank finds n2's slurmd silent and cancels
+    the job, naming n2. Its standby job, queued behind it at submission, takes over on n3 and n4:
+    the ranks resume from the last checkpoint, every step's loss once, n2 named and marked.
+    `submit --wait` follows the job into its standby; the standby's own standby is gone from the
+    queue once it completed."""
+    from hpcdist.runtime.standby import read_link
+    from tests.test_node_failure import uninterrupted_losses
+
+    root, steps, jid, standby = four_nodes, 60, "", None
+    job = Background(["submit", "--site", "local-slurm", "--wait", *storage_sets(root), "--set", "timeout_s=5",
+                      "--set", "resources.nodes=2", "--set", "resources.spare_nodes=1", "--set", "sbatch.exclude=n1",
+                      "--", str(SCRIPT), "--steps", str(steps), "--every", "1", "--step-s", "0.3"])
+    try:
+        jid = job_of(job)
+        folder = root / "logs" / "elastic_sgd"
+        committed_step(job, root / "checkpoints" / "elastic_sgd" / "step_00000010.h5")
+        shown = subprocess.run(["scontrol", "-o", "show", "job", jid], capture_output=True, text=True).stdout
+        assert " BatchHost=n2 " in shown, shown
+        standby = read_link(folder / jid / f"{jid}_standby")
+        assert standby is not None and queue_state(standby) == "PENDING Dependency"
+        with killed("n2"):
+            result = job.finish(180)
+    finally:
+        job.kill()
+        subprocess.run(["scancel", *(i for i in (jid, standby) if i)], capture_output=True, check=False)
+    assert standby is not None
+    log = (folder / standby / f"{standby}_0_log.err").read_text(errors="replace")
+    assert result.code == 0, result.text + log[-3000:]
+    file = root / "results" / "elastic_sgd" / f"{standby}.h5"
+    said = (rf"job {jid} ended CANCELLED: its batch node n2 died, its rank found: its slurmd at \S+ does not answer "
+            rf".*; its standby job {standby} runs it on .*, result {file}\)")
+    assert re.search(said, result.err), result.err
+    assert f"job {standby} finished: COMPLETED; 2/2 ranks succeeded" in result.out, result.out
+    assert f"standby job {standby} takes over job {jid}, which ended CANCELLED: its batch node n2 died" in log
+    assert history(jid)[0] == "CANCELLED" and history(standby) == ["COMPLETED"]  # no requeue, no NODE_FAIL
+    assert re.search(r"ran again without node n2 \(died in run 1, ", result.out), result.out
+    attrs = read_attrs(file)
+    assert attrs["hosts"] == ["n3", "n4"] and attrs["excluded_nodes"] == "n2", attrs
+    assert 10 <= int(str(attrs["resumed_from"])) < steps, attrs
+    with h5py.File(file) as f:
+        table = read_table(f["loss"])
+    assert table["step"].tolist() == list(range(1, steps + 1))  # every step once
+    assert all(abs(a - b) <= 1e-9 * abs(b) for a, b in zip(table["loss"].tolist(), uninterrupted_losses(steps),
+                                                           strict=True))
+    assert ("n2", "node_failure") in {(m.node, m.source) for m in health.marks(root / "scratch" / "node-health")}
+    chained = read_link(folder / standby / f"{standby}_standby")  # the standby's own, cancelled by Slurm
+    assert chained is not None
+    wait_for(lambda: not queue_state(chained), 30, f"job {chained} gone from the queue")

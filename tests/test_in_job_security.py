@@ -96,8 +96,8 @@ def test_another_user_on_the_batch_node_cannot_steer_the_supervisor(fresh: Path,
         wait_for(lambda: next(iter(fresh.rglob("step_00000003.h5")), None) or job.poll() is not None, 120,
                  "alice's step 3")
         assert job.poll() is None, finish(job, 10).text
-        queued = subprocess.run(["squeue", "-h", "-u", "alice", "-n", name, "-o", "%i %B"], capture_output=True,
-                                text=True).stdout.split()
+        queued = subprocess.run(["squeue", "-h", "-u", "alice", "-n", name, "-t", "RUNNING", "-o", "%i %B"],
+                                capture_output=True, text=True).stdout.split()  # running: not its standby
         jid, batch = queued
         attack = run_as("carol", "srun", "--immediate=60", "-w", batch, "-n", "1", "-t", "2", "/usr/bin/python3",
                         "-c", ATTACK, str(pwd.getpwnam("alice").pw_uid), "3", timeout=120)

@@ -171,7 +171,7 @@ def test_each_store_folder_imports_only_what_its_concern_builds_on() -> None:
 # the launchers' and the batch script's lines run (``python -m ...``), and ``hpcdist.init()``.
 RANK_ENTRIES = ("hpcdist.runtime", "hpcdist.runtime.entry", "hpcdist.runtime.task_runner", "hpcdist.runtime.task_ids",
                 "hpcdist.runtime.agent", "hpcdist.runtime.local_controller", "hpcdist.runtime.node_failure",
-                "hpcdist.runtime.requeue", "hpcdist.runtime.in_job", "hpcdist.api")
+                "hpcdist.runtime.requeue", "hpcdist.runtime.in_job", "hpcdist.runtime.standby", "hpcdist.api")
 # Modules of the node side's packages that no rank imports, each with why it lives there and not in
 # hpcdist/login: a reader on the login side kept beside the writer that owns the format.
 LOGIN_ONLY_ON_THE_NODE_SIDE = {

@@ -89,6 +89,23 @@ class JobPaths:
         each (``hpcdist.runtime.requeue``): such a run ended by no node death."""
         return self.progress / "requeues.txt"
 
+    @property
+    def standby(self) -> Path:
+        """The id of the job's standby job, queued behind it for its batch node's death
+        (``hpcdist.runtime.standby``), once one is."""
+        return self.folder / f"{self.job_id}_standby"
+
+    @property
+    def batch_node_died(self) -> Path:
+        """The job's batch node, as a rank found it dead before the job was ended for its standby
+        (``hpcdist.runtime.standby.supervisor_lost``): the node and why."""
+        return self.folder / f"{self.job_id}_batch_node_died"
+
+    @property
+    def took_over(self) -> Path:
+        """The id of the job this standby job took over (``hpcdist.runtime.standby``), once it did."""
+        return self.folder / f"{self.job_id}_took_over"
+
     def result(self, suffix: str = "") -> Path:
         """``<results>/<name>/<job id><suffix>.h5``: where the job's result lands."""
         return under(self.storage.root("results"), self.name, f"{self.job_id}{suffix}.h5")

@@ -73,6 +73,7 @@ PARAMETERS = (
     Parameter("open-mode", "nothing (hpcdist appends to the logs)"),
     Parameter("signal", "the site's preemption.signal and preemption.seconds_before_end"),
     Parameter("requeue", "nothing (hpcdist jobs requeue on preemption)"),
+    Parameter("no-requeue", "resources.spare_nodes (its standby job, not Slurm, runs it on when its batch node dies)"),
     Parameter("no-kill", "resources.spare_nodes (a dead node leaves the allocation, the job stays)"),
     Parameter("array", "`hpcdist submit --sweep`"),
     Parameter("dependency", "--after, or --chain", owned=False),

@@ -82,7 +82,7 @@ def attach(record: JobRecord) -> Submission:
         raise JobError(f"job {record.job_id}'s record in hpcdist's job index was written by another hpcdist "
                        f"version and does not load in this one ({first[0].strip()}); follow it with that version, "
                        f"or read its files in {record.folder}") from exc
-    return Submission(job=job, spec=spec, site=site, script="")
+    return Submission(job=job, spec=spec, site=site, script="", record=record)
 
 
 class JobFailed(JobError, FailedJobError):
@@ -174,6 +174,8 @@ class JobHandle:
             else:
                 finished = wait(self.submission, timeout_s=timeout_s)
             self._finished = finished
+            if self.submission.record is not None and self.submission.record.took_over:  # a standby ran it on
+                self.record = self.submission.record
             self.record = mark_ended(self.record, finished.state.value)
         return self._finished
 
@@ -283,6 +285,10 @@ class JobHandle:
         `grace_s` later (a rank that ignores the signal, its children, a controller starved of
         CPU) is killed (SIGKILL), so nothing of the job runs on."""
         record = self.record
+        if record.scheduler == "slurm" and self.submission.spec.resources.spare_nodes:
+            from hpcdist.login.standby import cancel_chain  # the job and the standbys queued behind it
+
+            return cancel_chain(self.submission.spec, self.submission.site, record)
         state = self.state
         if state.final:
             return f"job {record.job_id} ({record.name}) already ended: {state.value}; nothing to cancel"

@@ -67,6 +67,7 @@ class JobRecord:
     cancelled: float | None = None  # when `hpcdist cancel` cancelled it (the local site has no accounting)
     started: int | None = None  # local site: the controller's start time (``scheduler.local_jobs``), as pids are reused
     ended: str | None = None  # the final state, once a waiter learnt it (kept when the results are deleted)
+    took_over: str | None = None  # a standby job: the job whose run it goes on with (hpcdist.runtime.standby)
 
     def log_paths(self, rank: int) -> tuple[Path, Path]:
         """Rank `rank`'s stdout and stderr files."""

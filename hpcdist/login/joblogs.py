@@ -126,8 +126,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
         raise SubmitError(f"--tail {args.tail}: give a number of lines, 0 or more")
     if record.scheduler == "slurm" and remote.active():  # `--on HOST`: the logs as the cluster has them now
         remote.fetch_record(record)
-    if args.follow:
-        follow(record, ranks, args.tail)
-    else:
-        show(record, ranks, args.tail)
+    from hpcdist.login.jobhandle import attach
+    from hpcdist.login.standby import runs  # a job with spares: the runs its standby jobs took over too
+
+    sub = attach(record)
+    for run in runs(record, sub.spec, sub.site, following=args.follow):
+        if args.follow:
+            follow(run, ranks, args.tail)
+        else:
+            show(run, ranks, args.tail)
     return 0

@@ -244,7 +244,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if args.json:  # for scripts and tests: one object per job, the index's paths whole
         print(json.dumps([{"job_id": r.record.job_id, "name": r.record.name, "kind": r.record.kind,
                            "site": r.record.site, "state": r.state, "elapsed": r.elapsed, "nodes": r.nodes,
-                           "excluded": r.excluded,
+                           "excluded": r.excluded, "took_over": r.record.took_over,
                            "result": r.record.result, "checkpoints": r.record.checkpoints,
                            "logs": r.record.folder} for r in rows], indent=1))
         if note:

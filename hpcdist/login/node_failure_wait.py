@@ -3,7 +3,9 @@
 One path. When a node stops answering, Slurm declares it DOWN after ``SlurmdTimeout`` and, as the
 site's ``JobRequeue`` and hpcdist's ``--requeue`` ask, requeues the job under the same id: the
 only actor left when the dead node was the head (the batch script, rank 0 and its store) is
-Slurm. hpcdist never resubmits a job for a node failure. What a failure means (which node died,
+Slurm. hpcdist never resubmits a job without spares for a node failure (a job with spares is
+submitted ``--no-requeue``, and its batch node's death is caught by the standby job queued
+behind it: ``hpcdist.runtime.standby``; its other nodes' by its supervisor). What a failure means (which node died,
 the policy, the bound ``preemption.max_requeues``, the records) is decided in one place,
 ``hpcdist.runtime.node_failure``, for the two that act on it:
 

@@ -178,7 +178,9 @@ def resolve(base: JobSpec, site: Site, origin: Origin, tasks: Sequence[JobSpec] 
         size = origin.array_size
         values |= {"time": sbatch.slurm_time(minutes), "account": site.account or None, "qos": site.qos or None,
                    "output": out.replace("%t", "0"), "error": err.replace("%t", "0"), "open-mode": "append",
-                   "signal": launcher.signal_flag(site.preemption.signal, delay_s), "requeue": True,
+                   "signal": launcher.signal_flag(site.preemption.signal, delay_s),
+                   # spares: a batch node's death ends the job for its standby (hpcdist.runtime.standby)
+                   "requeue": None if res.spare_nodes else True, "no-requeue": True if res.spare_nodes else None,
                    "no-kill": True if res.spare_nodes else None,
                    "array": None if size is None else f"0-{size - 1}" + (f"%{origin.max_parallel}"
                                                                           if origin.max_parallel else "")}
@@ -190,7 +192,7 @@ def resolve(base: JobSpec, site: Site, origin: Origin, tasks: Sequence[JobSpec] 
         base=base, tasks=tuple(tasks) or (base,), site=site, origin=origin, partition=partition, time_min=minutes,
         cpus_per_task=cpus, gpus_per_node=res.gpus_per_node, env=env, job_env=job_env, folder=paths.folder,
         stdout=out, stderr=err, limit_s=limit_s, signal_delay_s=delay_s, launch=launch,
-        launch_line=in_job_line(launch, launcher.command(launch)) if res.spare_nodes and slurm
+        launch_line=in_job_line(launch, launcher.command(launch), not array) if res.spare_nodes and slurm
         else launcher.command(launch),
         prelude=tuple(launcher.prelude(launch)) if slurm else (),
         container=container, container_prelude=container_prelude, directives=directives,
@@ -199,12 +201,23 @@ def resolve(base: JobSpec, site: Site, origin: Origin, tasks: Sequence[JobSpec] 
 
 
 IN_JOB = "hpcdist.runtime.in_job"  # the batch step's supervisor of a job with spare nodes
+STANDBY = "hpcdist.runtime.standby"  # its standby job, queued behind it for its batch node's death
 
 
-def in_job_line(launch: LaunchPlan, line: str) -> str:
+def in_job_line(launch: LaunchPlan, line: str, standby: bool = True) -> str:
     """The launcher's srun `line` run by the in-job supervisor, which gives each of its steps
-    the nodes (the live ones and the spares) and the task count."""
-    return f"{launch.host()} -m {IN_JOB} {shlex.quote(str(launch.folder))} -- {line}"
+    the nodes (the live ones and the spares) and the task count; before it (not in an array), the
+    standby step: a run queues the job's standby if it has none, and a standby (the script's
+    argument names the job it stands by for) takes over or ends here, before any rank
+    (``hpcdist.runtime.standby``: its exit 3 ends the run; a failure of its own ends only a standby)."""
+    folder = shlex.quote(str(launch.folder))
+    supervised = f"{launch.host()} -m {IN_JOB} {folder} -- {line}"
+    if not standby:
+        return supervised
+    return (f'{launch.host()} -m {STANDBY} {folder} "$@"; hpcdist_standby=$?\n'
+            f'if [ "$hpcdist_standby" -eq 3 ]; then exit 0; fi\n'
+            f'if [ "$hpcdist_standby" -ne 0 ] && [ -n "${{1:-}}" ]; then exit "$hpcdist_standby"; fi\n'
+            f"{supervised}")
 
 
 # What a rank says when CUDA finds no GPU: torch's lazy init with CUDA_VISIBLE_DEVICES empty, no

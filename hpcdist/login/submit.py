@@ -287,6 +287,10 @@ def schedule(plan: Plan, calls: Sequence[Call] | None = None) -> list[Submission
                 jobs = list(pending)
             if plan.slurm and remote.active():
                 remote.send_submitted(plan)  # the job's key and pickled call, which its ranks wait for
+            if plan.slurm and plan.base.resources.spare_nodes:  # its batch node's death: hpcdist.runtime.standby
+                from hpcdist.login.standby import queue_first
+
+                queue_first(plan.base, site, str(jobs[0].job_id), plan.array)
     except slurm.Refused as exc:
         said = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         raise SubmitError(f"the scheduler refused job {base.name!r}: {said} (`hpcdist site check {site.name}` "

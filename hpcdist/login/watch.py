@@ -184,11 +184,18 @@ def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
             raise SubmitError(Vanished.message(sub.job_id))
         return None
 
-    state = poll_until(ended, timeout_s, poll_s, first_s=0.1)  # 0.1, 0.2, 0.4, 0.8, then every poll_s
-    if state is None:
-        raise SubmitError(
-            f"job {sub.job_id} did not finish within {timeout_s:g} s; it is still {job_state(sub).value}"
-        )
+    while True:
+        state = poll_until(ended, timeout_s, poll_s, first_s=0.1)  # 0.1, 0.2, 0.4, 0.8, then every poll_s
+        if state is None:
+            raise SubmitError(
+                f"job {sub.job_id} did not finish within {timeout_s:g} s; it is still {job_state(sub).value}"
+            )
+        standby = _standby(sub, state)
+        if standby is None:
+            break
+        _follow(sub, standby, state)  # its batch node died: its standby job runs it on
+        failures = NodeFailures(sub.job_id, sub.spec, sub.site, sub.paths)
+        vanished = Vanished()
     if sub.site.scheduler == "slurm" and remote.active():  # `--on HOST`: the job's files as the cluster has them
         remote.fetch([sub.job.paths.folder, sub.paths.progress], [sub.result_path])
     if failures is not None and failures.cause:  # ended by on_node_failure: fail, or the bound
@@ -207,6 +214,36 @@ def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
         stacks = timeout_stacks(stack_files(sub.paths, sub.spec.resources.world_size), sub.spec.resources.world_size)
         note = no_gpu_note([f"{o.error}\n{o.traceback}" for o in done if not o.ok], sub.spec, sub.site)
     return Finished(state, done, end.headline() if end else "", tuple(stacks), note)
+
+
+def _standby(sub: Submission, state: JobState) -> str | None:
+    """The standby job that runs a job with spares on after it ended `state` (``hpcdist.login.standby``)."""
+    if sub.site.scheduler != "slurm" or not sub.spec.resources.spare_nodes or not state.final:
+        return None
+    from hpcdist.login.standby import successor
+
+    return successor(sub.spec, sub.site, sub.job_id, state)
+
+
+def _follow(sub: Submission, standby: str, state: JobState) -> None:
+    """`sub` made standby job `standby`'s, which runs its job on (it ended `state`): waiting,
+    results and logs read the standby's from now on, and the job index has its record."""
+    import submitit
+
+    from hpcdist.login import jobindex
+    from hpcdist.login.standby import standby_record
+    from hpcdist.runtime.standby import taken_over
+
+    before = sub.job_id
+    folder = sub.spec.paths(sub.site, standby).folder
+    sub.job = submitit.SlurmJob(folder=folder, job_id=standby, tasks=list(range(sub.spec.resources.world_size)))
+    why = taken_over(sub.spec, sub.site, before, state)
+    print(f"hpcdist: job {before} ended {state.value}: {why}; its standby job {standby} runs it on from its last "
+          f"checkpoint (logs {folder}, result {sub.spec.paths(sub.site, standby).result()})", file=sys.stderr,
+          flush=True)
+    if sub.record is not None:
+        sub.record = standby_record(sub.record, sub.spec, sub.site, standby)
+        jobindex.add(sub.record)
 
 
 def _slurm_ending(sub: Submission) -> Ending:

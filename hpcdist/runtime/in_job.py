@@ -5,8 +5,10 @@ The batch script runs ``python -m hpcdist.runtime.in_job FOLDER -- srun ...`` (`
 The job holds ``nodes + spare_nodes`` nodes under ``--no-kill``: Slurm takes a dead node out of the
 allocation and leaves the job running. This process, on the batch node, runs the ranks as srun
 steps on ``nodes`` of them; the spares run nothing. The batch node is the last node it gives
-ranks to: Slurm ends a job whose batch node dies, ``--no-kill`` or not, so the batch node is the
-spare kept longest.
+ranks to: its death takes this process with it (Slurm then leaves the ``--no-kill`` job running
+without a batch script), so it is the spare kept longest. A rank finds it dead and cancels the
+job, and the standby job queued behind it runs the job on: for a job with spares, hpcdist
+resubmits a job for a node failure (``hpcdist.runtime.standby``).
 
 - **Sign of life.** Each rank connects to the supervisor as it starts and says who it is; the
   connection, kept with TCP keepalives, shows a dead or cut-off node in about 3 s and a rank's

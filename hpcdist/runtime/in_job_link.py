@@ -166,8 +166,11 @@ def report_in(folder: str, env: Mapping[str, str] | None = None) -> None:
               f"started again in place", file=sys.stderr, flush=True)
         return
     line.sock.settimeout(None)
+    for option, value in ((socket.TCP_KEEPIDLE, 1), (socket.TCP_KEEPINTVL, 1), (socket.TCP_KEEPCNT, 2)):
+        line.sock.setsockopt(socket.IPPROTO_TCP, option, value)  # a dead supervisor's node: noticed in ~3 s
+    line.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     _KEPT.append(line)
-    threading.Thread(target=_listen, args=(line,), name="hpcdist-supervisor", daemon=True).start()
+    threading.Thread(target=_listen, args=(line, folder, env), name="hpcdist-supervisor", daemon=True).start()
 
 
 def _answered(line: _Line) -> str:
@@ -189,17 +192,22 @@ def _answered(line: _Line) -> str:
     return ""
 
 
-def _listen(line: _Line) -> None:
+def _listen(line: _Line, folder: str, env: Mapping[str, str]) -> None:
     """The supervisor's words, each checked: ``again N`` and ``stop`` kept for ``again``; ``kill``:
     this rank hung while the others' collectives failed, and ends now (SIGKILL: srun reports it
     killed, and the supervisor starts it again alone). A line not signed by the supervisor on this
-    connection is said and ignored."""
+    connection is said and ignored. A connection that timed out may be the batch node's death,
+    which Slurm does not end a ``--no-kill`` job for: ``standby.supervisor_lost`` looks into it."""
     buffer = b""
     while True:
         try:
             data = line.sock.recv(256)
         except OSError:
-            data = b""
+            _ANSWERS.put("stop")
+            from hpcdist.runtime.standby import supervisor_lost
+
+            supervisor_lost(folder, env)
+            return
         if not data:
             _ANSWERS.put("stop")
             return

@@ -24,7 +24,8 @@ script runs when ``SLURM_RESTART_COUNT`` is above 0).
 A job with spare nodes goes on in its own allocation (``hpcdist.runtime.in_job``, under
 ``--no-kill``): its supervisor records each dead node here (``record_in_job``), and once no spare
 is left and the job may not shrink, this module's policy and bound decide between Slurm's
-requeue and the end (``no_spare_left``).
+requeue and the end (``no_spare_left``). Its batch node's death is its standby job's to catch
+(``hpcdist.runtime.standby``); the standby records that node here too (``record_in_job``).
 
 Without a waiter nobody can exclude the node from the pending job or lower its node count:
 Slurm's requeue starts it on nodes that are not DOWN, at its own size, and this run's start

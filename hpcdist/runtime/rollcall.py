@@ -22,7 +22,6 @@ one machine).
 
 from __future__ import annotations
 
-import errno
 import re
 import socket
 import threading
@@ -163,12 +162,9 @@ def _unanswered(address: tuple[str, int]) -> str:
     """"its slurmd at ADDR:PORT does not answer" when a TCP connect there got no reply within
     ``PROBE_S`` or the network says the host is unreachable; "" when it connected or was refused
     (a live kernel), or failed otherwise (no evidence either way)."""
-    try:
-        socket.create_connection(address, timeout=PROBE_S).close()
-    except OSError as exc:
-        if isinstance(exc, TimeoutError) or exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN):
-            return f"its slurmd at {address[0]}:{address[1]} does not answer ({exc.strerror or 'no reply'})"
-    return ""
+    from hpcdist.scheduler.slurm_cluster import slurmd_silent
+
+    return slurmd_silent(address, PROBE_S)
 
 
 _PEER = re.compile(r"\[?\b(\d{1,3}(?:\.\d{1,3}){3})\]?:\d+")

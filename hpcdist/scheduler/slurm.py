@@ -170,6 +170,8 @@ class JobInfo:
     num_nodes: str = ""  # NumNodes: "4", or "3-4" while a job that may shrink is pending
     submitted: str = ""  # SubmitTime; a requeue sets it: when the run before ended (2026-11-24T02:30:25)
     user: str = ""  # UserId's name: whose job it is (Slurm shows every user's jobs, as without PrivateData)
+    batch_host: str = ""  # BatchHost: the node that ran (runs) its batch script, "" for none yet
+    nodes: str = ""  # NodeList: the nodes of its run (n[1-3]), "" for none
 
 
 def show_job(job_id: str) -> JobInfo | None:
@@ -183,7 +185,9 @@ def show_job(job_id: str) -> JobInfo | None:
         excluded, required = (fields.get(k, "").replace("(null)", "") for k in ("ExcNodeList", "ReqNodeList"))
         return JobInfo(JobState.from_slurm(fields["JobState"]), fields["JobState"], int(fields.get("Restarts", "0")),
                        excluded=excluded, required=required, num_nodes=fields.get("NumNodes", ""),
-                       submitted=fields.get("SubmitTime", ""), user=fields.get("UserId", "").split("(")[0])
+                       submitted=fields.get("SubmitTime", ""), user=fields.get("UserId", "").split("(")[0],
+                       batch_host=fields.get("BatchHost", "").replace("(null)", ""),
+                       nodes=fields.get("NodeList", "").replace("(null)", ""))
     except (KeyError, ValueError):
         return None
 
@@ -238,8 +242,11 @@ def kill_step(job_id: str, step: str) -> subprocess.Popen[bytes]:
 
 
 def requeue(job_id: str) -> None:
-    """``scontrol requeue``: once (a second try could requeue the job's next start)."""
+    """``scontrol requeue``: once (a second try could requeue the job's next start). A job with
+    spare nodes is submitted ``--no-requeue`` (its batch node's death ends it, for its standby job:
+    ``hpcdist.runtime.standby``), which Slurm refuses to requeue: it is made requeueable first."""
     check_job_ids([job_id])
+    run(["scontrol", "update", f"JobId={job_id}", "Requeue=1"])  # where it fails, the requeue's own error says why
     answer = run(["scontrol", "requeue", job_id], retry=False, timeout=max(timeout_s(), 60.0))
     if not answer.ok:
         raise SubmitError(f"could not requeue job {job_id}: {answer.why}")
@@ -260,10 +267,13 @@ def submit_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not k.startswith(_LAUNCH_IDENTITY)}
 
 
-def sbatch(script: str | os.PathLike[str]) -> str:
-    """Submit a batch script; Slurm's job id. Once, with the timeout: a retry could queue it twice."""
-    answer = run(["sbatch", "--parsable", os.fspath(script)], retry=False, timeout=max(timeout_s(), 60.0),
-                 env=submit_env(os.environ))
+def sbatch(script: str | os.PathLike[str], options: Sequence[str] = (), args: Sequence[str] = (),
+           env: Mapping[str, str] | None = None) -> str:
+    """Submit a batch script; Slurm's job id. Once, with the timeout: a retry could queue it twice.
+    `options` come before the script (they win over its ``#SBATCH`` lines), `args` are the
+    script's own; `env` is what the job gets (this process's by default)."""
+    answer = run(["sbatch", "--parsable", *options, os.fspath(script), *args], retry=False,
+                 timeout=max(timeout_s(), 60.0), env=submit_env(os.environ if env is None else env))
     if not answer.ok:
         raise Refused(answer.why)
     job_id = answer.out.strip().split(";")[0]  # --parsable: "ID" or "ID;CLUSTER"

@@ -141,6 +141,21 @@ def my_jobs(user: str) -> list[QueuedJob] | None:
 SLURMD_PORT = 6818  # Slurm's default SlurmdPort
 
 
+def slurmd_silent(address: tuple[str, int], timeout_s: float) -> str:
+    """"its slurmd at ADDR:PORT does not answer" when a TCP connect there got no reply within
+    `timeout_s` or the network says the host is unreachable; "" when it connected or was refused
+    (a live kernel), or failed otherwise (no evidence either way)."""
+    import errno
+    import socket
+
+    try:
+        socket.create_connection(address, timeout=timeout_s).close()
+    except OSError as exc:
+        if isinstance(exc, TimeoutError) or exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN):
+            return f"its slurmd at {address[0]}:{address[1]} does not answer ({exc.strerror or 'no reply'})"
+    return ""
+
+
 def slurmd_addresses(nodes: Sequence[str]) -> dict[str, tuple[str, int]]:
     """Where the slurmd of each of `nodes` listens: its NodeAddr and its Port (the node's own, else
     the cluster's SlurmdPort, else Slurm's default), from one ``scontrol show node`` (and at most
