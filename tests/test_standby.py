@@ -163,3 +163,64 @@ def test_the_logs_of_a_job_go_on_in_the_standby_that_took_it_over(queued: tuple[
     assert then.log_paths(1) == (spec.paths(site, "778").folder / "778_1_log.out",
                                  spec.paths(site, "778").folder / "778_1_log.err")
     assert then.result == str(spec.paths(site, "778").result())
+
+
+def fake_running(bin_dir: Path, n2: str, port: int) -> Path:
+    """Job 777 running, batch host n2 (sinfo: n2 `n2`); n2's slurmd at 127.0.0.1:`port`; squeue:
+    777 cancelled, 778 (its standby) running; scancel notes its argument."""
+    bin_dir.mkdir()
+    calls = bin_dir / "calls"
+    scripts = {
+        "scontrol": (f'case "$*" in *"show job"*) echo "{SHOW.format(job="777", state="RUNNING")}";; '
+                     f'*"show node"*) echo "NodeName=n2 NodeAddr=127.0.0.1 Port={port} State=IDLE";; esac\n'),
+        "sinfo": f"printf 'n2|cpu*|{n2}|none\\n'\n",
+        "squeue": "printf '777|sgd|CANCELLED|0:10|n[2-4]|None\\n778|sgd|RUNNING|0:01|n[3-4]|None\\n'\n",
+        "scancel": f'echo "scancel $*" >> {calls}\n',
+    }
+    for name, body in scripts.items():
+        (bin_dir / name).write_text("#!/bin/sh\n" + body)
+        (bin_dir / name).chmod(0o755)
+    return calls
+
+
+@pytest.mark.parametrize("n2", ["down*", "idle"])
+def test_a_rank_ends_the_job_only_when_its_batch_node_is_dead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              n2: str) -> None:
+    """A rank whose line to the supervisor timed out: with Slurm saying the batch node is down it
+    names the node in the job's folder and cancels the job (for its standby); with the node idle
+    and its slurmd answering (the supervisor gone on a live node) it does nothing."""
+    import socket
+
+    with socket.socket() as slurmd:
+        slurmd.bind(("127.0.0.1", 0))
+        slurmd.listen()
+        calls = fake_running(tmp_path / "bin", n2, slurmd.getsockname()[1])
+        monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+        spec, site = job(tmp_path)
+        folder = spec.paths(site, "777").folder
+        folder.mkdir(parents=True)
+        standby.supervisor_lost(str(folder).replace("777", "%j"), {"SLURM_JOB_ID": "777"})
+    marker = spec.paths(site, "777").batch_node_died
+    if n2 == "idle":
+        assert not marker.exists() and not calls.exists()
+        return
+    assert marker.read_text() == "n2 Slurm says down*\n" and calls.read_text() == "scancel 777\n"
+    assert standby.taken_over(spec, site, "777", JobState.CANCELLED) == (
+        "its batch node n2 died, its rank found: Slurm says down*")
+
+
+def test_cancel_of_a_job_with_spares_cancels_its_standby(queued: tuple[JobSpec, Site, Path], tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hpcdist cancel 777` after 777 ended and its standby 778 took over: 778 is cancelled."""
+    from hpcdist.login.jobindex import JobRecord
+
+    spec, site, _ = queued
+    standby.queue(spec, site, "777")
+    calls = fake_running(tmp_path / "bin2", "idle", 9)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin2'}:{os.environ['PATH']}")
+    record = JobRecord(job_id="777", site=site.name, scheduler="slurm", name="sgd", kind=spec.kind, spec_path="x",
+                       submitted=0.0, host="login", tasks=2, nodes=2, folder="", stdout="", stderr="", result="",
+                       checkpoints="", spec=spec.model_dump(mode="json"), site_model=site.model_dump(mode="json"))
+    said = login_standby.cancel_chain(spec, site, record)
+    assert said == "job 777 (sgd) ended CANCELLED; cancelled its standby job 778, which ran it on"
+    assert calls.read_text() == "scancel 778\n"
