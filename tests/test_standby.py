@@ -156,10 +156,12 @@ def test_the_logs_of_a_job_go_on_in_the_standby_that_took_it_over(queued: tuple[
                        checkpoints=str(paths.checkpoints), spec=spec.model_dump(mode="json"),
                        site_model=site.model_dump(mode="json"))
     assert [r.job_id for r in login_standby.runs(record, spec, site)] == ["777"]
+    assert login_standby.continued_in(record) == ""
     took = spec.paths(site, "778").took_over
     took.write_text("777\n")
     first, then = login_standby.runs(record, spec, site)
     assert first is record and then.job_id == "778" and then.took_over == "777"
+    assert login_standby.continued_in(record) == "778"  # `hpcdist jobs`: CANCELLED (run on in job 778)
     assert then.log_paths(1) == (spec.paths(site, "778").folder / "778_1_log.out",
                                  spec.paths(site, "778").folder / "778_1_log.err")
     assert then.result == str(spec.paths(site, "778").result())

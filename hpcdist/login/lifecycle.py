@@ -26,6 +26,7 @@ from hpcdist.login import submit as sub_
 from hpcdist.login.jobhandle import JobHandle
 from hpcdist.login.jobindex import JobRecord, records
 from hpcdist.login.node_failure_wait import describe
+from hpcdist.login.standby import continued_in
 from hpcdist.login.submit import Submission
 from hpcdist.login.watch import Finished, hms, slurm_seconds, watch
 from hpcdist.scheduler import slurm
@@ -208,6 +209,8 @@ def job_rows(recs: list[JobRecord]) -> tuple[list[JobRow], str]:
         state_text = reading.state.value
         if reading.state is JobState.PENDING and row.reason not in ("", "None"):
             state_text += f" ({row.reason})"
+        if reading.state.final and (after := continued_in(r)):  # its batch node died: its standby runs it on
+            state_text += f" (run on in job {after})"
         rows.append(JobRow(r, state_text, hms(slurm_seconds(row.elapsed)), row.nodes or "-", _excluded(r)))
     return rows, note
 

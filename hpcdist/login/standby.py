@@ -105,3 +105,20 @@ def standby_record(record: jobindex.JobRecord, spec: JobSpec, site: Site, standb
     return replace(record, job_id=standby, folder=str(folder), stdout=out, stderr=err,
                    result=str(paths.result().absolute()), submitted=time.time(), ended=None, cancelled=None,
                    took_over=record.job_id)
+
+
+def continued_in(record: jobindex.JobRecord) -> str:
+    """The last standby that took the job's run over, as ``hpcdist jobs`` names it beside the
+    job's own state ("" for none, or a job without spares)."""
+    if record.scheduler != "slurm" or not record.spec.get("resources", {}).get("spare_nodes"):
+        return ""
+    try:
+        spec, site = JobSpec.model_validate(record.spec), Site.model_validate(record.site_model)
+    except ValueError:  # a record another hpcdist version wrote
+        return ""
+    ids, last = chain(spec, site, record.job_id), ""
+    for before, after in zip(ids, ids[1:], strict=False):
+        if read_link(spec.paths(site, after).took_over) != before:
+            break
+        last = after
+    return last
