@@ -121,6 +121,9 @@ def test_a_rank_records_every_thread_and_where_a_timeout_was_raised() -> None:
             raise RuntimeError("Timed out waiting 5000ms for recv operation to complete")  # gloo's words
         except RuntimeError as exc:
             assert is_timeout(exc) and not is_timeout(ValueError("bad shape"))
+            # a peer gone, in a message that names the budget's setting: not a timeout
+            assert not is_timeout(RuntimeError("no answer within the budget of 1800 s (checkpoint.io_timeout_s), or "
+                                               "rank 0 is gone (Read error: Connection reset by peer)"))
             taken = capture(3, "n2", "timeout", exc)
     finally:
         release.set()

@@ -57,7 +57,10 @@ _HPCDIST = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PLUMBING = tuple(os.path.join(_HPCDIST, d) + os.sep for d in ("runtime", "api", "jobs"))
 _LIBRARIES = tuple(sorted({os.path.abspath(p) + os.sep for k, p in sysconfig.get_paths().items()
                            if k in ("stdlib", "platstdlib", "purelib", "platlib")}))
-_TIMEOUT = re.compile(r"timed? ?out|timeout|did not join within", re.IGNORECASE)
+# whole words: a setting's name in a message ("checkpoint.io_timeout_s", said where a peer's
+# connection was reset) is not a timeout, and taking it for one held a rank in the stacks' wait
+# past its in-job supervisor's patience (it was then killed and started again as a hung rank)
+_TIMEOUT = re.compile(r"\btimed? ?out\b|\btimeout\b|did not join within", re.IGNORECASE)
 
 
 def frame_kind(file: str) -> str:
