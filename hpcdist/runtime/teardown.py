@@ -48,7 +48,9 @@ def drop() -> None:
     survivor that still waits on this rank in a collective fail now rather than at its timeout
     (gloo's ``abort()`` does not close them: measured here, a peer waiting on a rank that had
     called it stayed in its all-reduce until that rank's process ended; after
-    ``destroy_process_group`` it raised within a second). NCCL's communicators are aborted
+    ``destroy_process_group`` it raised within a second). That holds only where nothing else
+    refers to the group: gloo closes a group's sockets when its last reference goes, and a
+    failure's traceback frames keep one until they are cleared. NCCL's communicators are aborted
     instead, which does not wait for their kernels. A failure to close is logged: the rank goes on
     to ask its supervisor either way. A process that never imported torch.distributed has none."""
     import sys
