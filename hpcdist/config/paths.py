@@ -31,6 +31,11 @@ def log_patterns(folder: Path, array: bool = False) -> tuple[str, str]:
     return out, err
 
 
+def batch_node_died(folder: Path, job_id: str) -> Path:
+    """``JobPaths.batch_node_died`` where only submitit's folder of job `job_id` is known (a rank)."""
+    return folder / f"{job_id}_batch_node_died"
+
+
 @dataclass(frozen=True)
 class JobPaths:
     storage: Storage
@@ -99,7 +104,7 @@ class JobPaths:
     def batch_node_died(self) -> Path:
         """The job's batch node, as a rank found it dead before the job was ended for its standby
         (``hpcdist.runtime.standby.supervisor_lost``): the node and why."""
-        return self.folder / f"{self.job_id}_batch_node_died"
+        return batch_node_died(self.folder, self.job_id)
 
     @property
     def took_over(self) -> Path:

@@ -49,11 +49,14 @@ def chain(spec: JobSpec, site: Site, job_id: str) -> list[str]:
     return ids
 
 
-def successor(spec: JobSpec, site: Site, job_id: str, state: JobState) -> str | None:
-    """The standby that runs job `job_id` on after it ended `state`; None when its run ends there."""
-    if site.scheduler != "slurm" or not spec.resources.spare_nodes or not taken_over(spec, site, job_id, state):
+def successor(spec: JobSpec, site: Site, job_id: str, state: JobState) -> tuple[str, str] | None:
+    """The standby that runs job `job_id` on after it ended `state`, and why it does; None when
+    its run ends there."""
+    if site.scheduler != "slurm" or not spec.resources.spare_nodes or not state.final:
         return None
-    return read_link(spec.paths(site, job_id).standby)
+    why = taken_over(spec, site, job_id, state)
+    standby = read_link(spec.paths(site, job_id).standby) if why else None
+    return (standby, why) if standby else None
 
 
 def cancel_chain(spec: JobSpec, site: Site, record: jobindex.JobRecord) -> str:
@@ -73,6 +76,7 @@ def cancel_chain(spec: JobSpec, site: Site, record: jobindex.JobRecord) -> str:
     if record.job_id not in live:
         return f"{head} ended {first.value}; cancelled its {named}, which ran it on"
     return f"cancelled {head} on site {record.site}" + (f" and its {named}" if standbys else "")
+
 
 def runs(record: jobindex.JobRecord, spec: JobSpec, site: Site,
          following: bool = False) -> Iterator[jobindex.JobRecord]:
@@ -96,6 +100,7 @@ def runs(record: jobindex.JobRecord, spec: JobSpec, site: Site,
         current = standby_record(current, spec, site, after)
         seen.add(after)
         yield current
+
 
 def standby_record(record: jobindex.JobRecord, spec: JobSpec, site: Site, standby: str) -> jobindex.JobRecord:
     """The index's record of standby job `standby`, which runs on the job of `record`."""

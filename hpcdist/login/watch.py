@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from hpcdist.errors import SubmitError
 from hpcdist.files.trust import load_pickle  # a result pickle another user could have written: refused
 from hpcdist.login import remote
+from hpcdist.login.standby import standby_record, successor
 from hpcdist.login.submit import Submission
 from hpcdist.polling import poll_until
 from hpcdist.scheduler import slurm
@@ -190,10 +191,10 @@ def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
             raise SubmitError(
                 f"job {sub.job_id} did not finish within {timeout_s:g} s; it is still {job_state(sub).value}"
             )
-        standby = _standby(sub, state)
-        if standby is None:
+        after = successor(sub.spec, sub.site, sub.job_id, state)
+        if after is None:
             break
-        _follow(sub, standby, state)  # its batch node died: its standby job runs it on
+        _follow(sub, *after, state)  # its batch node died: its standby job runs it on
         failures = NodeFailures(sub.job_id, sub.spec, sub.site, sub.paths)
         vanished = Vanished()
     if sub.site.scheduler == "slurm" and remote.active():  # `--on HOST`: the job's files as the cluster has them
@@ -216,28 +217,15 @@ def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
     return Finished(state, done, end.headline() if end else "", tuple(stacks), note)
 
 
-def _standby(sub: Submission, state: JobState) -> str | None:
-    """The standby job that runs a job with spares on after it ended `state` (``hpcdist.login.standby``)."""
-    if sub.site.scheduler != "slurm" or not sub.spec.resources.spare_nodes or not state.final:
-        return None
-    from hpcdist.login.standby import successor
-
-    return successor(sub.spec, sub.site, sub.job_id, state)
-
-
-def _follow(sub: Submission, standby: str, state: JobState) -> None:
-    """`sub` made standby job `standby`'s, which runs its job on (it ended `state`): waiting,
-    results and logs read the standby's from now on, and the job index has its record."""
+def _follow(sub: Submission, standby: str, why: str, state: JobState) -> None:
+    """`sub` made standby job `standby`'s, which runs its job on (it ended `state`, `why` it goes
+    on): waiting, results and logs read the standby's from now on, and the job index has its record."""
     import submitit
 
     from hpcdist.login import jobindex
-    from hpcdist.login.standby import standby_record
-    from hpcdist.runtime.standby import taken_over
-
     before = sub.job_id
     folder = sub.spec.paths(sub.site, standby).folder
     sub.job = submitit.SlurmJob(folder=folder, job_id=standby, tasks=list(range(sub.spec.resources.world_size)))
-    why = taken_over(sub.spec, sub.site, before, state)
     print(f"hpcdist: job {before} ended {state.value}: {why}; its standby job {standby} runs it on from its last "
           f"checkpoint (logs {folder}, result {sub.spec.paths(sub.site, standby).result()})", file=sys.stderr,
           flush=True)

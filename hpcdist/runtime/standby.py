@@ -48,6 +48,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from hpcdist.config.contract import restart_count
+from hpcdist.config.paths import batch_node_died
 from hpcdist.config.site import Site
 from hpcdist.config.spec import JobSpec
 from hpcdist.files.atomic import atomic_path
@@ -180,7 +181,7 @@ def supervisor_lost(folder: str, env: Mapping[str, str]) -> None:
             slurmd_silent(address, 1.0) if address else ""
         if not why:
             return
-        path = SubmititPaths(folder, job_id=job_id).folder / f"{job_id}_batch_node_died"
+        path = batch_node_died(SubmititPaths(folder, job_id=job_id).folder, job_id)
         with atomic_path(path, mode=0o600) as tmp:
             tmp.write_text(f"{node} {why}\n")
         _say(f"the batch node {node} of job {job_id} died ({why}), which Slurm leaves the job running without: "
