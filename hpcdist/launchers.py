@@ -337,14 +337,15 @@ class TorchrunLauncher(Launcher):
         torchrun's 29400, would put two jobs with the same head node on one store).
 
         With no ``network.socket_ifname``, the address is the one Slurm reaches the head node by,
-        its ``NodeAddr``: a node's name need not resolve (``NodeName=t1 NodeHostname=vm
+        its ``NodeAddr`` (sinfo's ``%o``, a field of its own on every release; one line per
+        partition of the node): a node's name need not resolve (``NodeName=t1 NodeHostname=vm
         NodeAddr=127.0.0.1``), and then torchrun's agents waited their whole timeout on it."""
         agent = f"{plan.host()} -m {AGENT}"
         port = [f"HPCDIST_RDZV_PORT=$({agent} --free-port) || exit 1", "export HPCDIST_HEAD_ADDR HPCDIST_RDZV_PORT"]
         if plan.socket_ifname is not None:
             return [f"HPCDIST_HEAD_ADDR=$({agent} --address {shlex.quote(plan.socket_ifname)}) || exit 1", *port]
         return ['HPCDIST_HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1) || exit 1',
-                'HPCDIST_HEAD_ADDR=$(scontrol show node "$HPCDIST_HEAD_NODE" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)',
+                'HPCDIST_HEAD_ADDR=$(sinfo -h -N -n "$HPCDIST_HEAD_NODE" -o %o | head -n 1)',
                 ': "${HPCDIST_HEAD_ADDR:=$HPCDIST_HEAD_NODE}"', *port]
 
     def command(self, plan: LaunchPlan) -> str:
