@@ -64,7 +64,8 @@ class Progress:
 
     On a terminal (stderr): a rich bar with the latest `info`, elapsed and remaining time. Elsewhere,
     as in a batch job's log: ``"{unit} N/total  info"`` through `log` every `every` steps and at
-    the last, or nothing when `every` is 0. Each update is also rank 0's progress report
+    the last, or nothing when `every` is 0. With ``unit="B"`` the steps are bytes (a copy's
+    size and speed). Each update is also rank 0's progress report
     (``hpcdist.progress``). Use it as a context manager or call `close()`.
     """
 
@@ -85,11 +86,20 @@ class Progress:
         self._bar: Any = None
         if show and sys.stderr.isatty():
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                MofNCompleteColumn,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
             from rich.progress import Progress as Bar
 
+            count = (DownloadColumn(), TransferSpeedColumn()) if unit == "B" else (MofNCompleteColumn(),)  # bytes
             self._bar = Bar(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                TextColumn("{task.description}"), BarColumn(), *count, TextColumn("{task.fields[info]}"),
                 TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=transient,
             )
             self._bar.start()

@@ -20,6 +20,7 @@ hpcdist's bootstrap and ``hpcdist.init()``; see ``hpcdist.kinds.python_run``.
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -34,6 +35,7 @@ from hpcdist.config.paths import JobPaths
 from hpcdist.errors import ConfigError, SubmitError
 from hpcdist.kinds.python import wants_context
 from hpcdist.login.submitit_params import site_for, translate, yaml_value
+from hpcdist.scheduler import ssh
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Site
@@ -50,13 +52,17 @@ class Executor:
     submitit's shape: ``Executor(folder)`` (submitit's first argument: where the job's pickles
     and logs go, ``%j`` the job id; default the site's ``storage.logs``), ``update_parameters``,
     ``submit``, ``map_array``, ``submit_array``, ``batch()``, submitit's parameter names
-    (``timeout_min``, ``slurm_partition``, ``local_setup``, ...) beside hpcdist's."""
+    (``timeout_min``, ``slurm_partition``, ``local_setup``, ...) beside hpcdist's. ``login="HOST"``
+    (or ``$HPCDIST_LOGIN``): from a laptop through that login node, as ``hpcdist --on HOST``."""
 
     def __init__(self, folder: str | Path | None = None, *, site: str | None = None, cluster: str | None = None,
                  max_num_timeout: int | None = None, spec: str | Path | Mapping[str, Any] | None = None,
-                 set: Mapping[str, Any] | None = None, **keys: Any) -> None:  # noqa: A002 (submitit's name)
+                 set: Mapping[str, Any] | None = None, login: str | None = None,  # noqa: A002 (submitit's name)
+                 **keys: Any) -> None:
         from hpcdist.config import load_site
 
+        if login is not None:  # as `hpcdist --on HOST`: Slurm's commands and the job's files over ssh, from now on
+            ssh.use(login)
         if isinstance(folder, str) and "/" not in folder and "%" not in folder and not Path(folder).exists():
             from hpcdist.config import site_names
 
@@ -255,7 +261,9 @@ class Executor:
 
         folder, stem = JobPaths(self.site.storage, specs[0].name).calls, uuid.uuid4().hex
         with storage_umask(self.site.storage.umask):
-            files = [_write_private(folder, f"{stem}-{i}.json", _job_json(s, self.site)) for i, s in enumerate(specs)]
+            site = self.site.model_dump(mode="json")
+            files = [_write_private(folder, f"{stem}-{i}.json", json.dumps(
+                {"spec": s.model_dump(mode="json"), "site": site}).encode()) for i, s in enumerate(specs)]
         out = []
         for spec, path in zip(specs, files, strict=True):
             env = {**spec.env, CALL_JOB_VAR: str(folder / f"{stem}-%a.json") if shared else str(path)}
@@ -276,12 +284,6 @@ class AutoExecutor(Executor):
 
 
 CODE_DIR_VAR = "HPCDIST_CODE_DIR"  # a direct call's code snapshot, first on the rank's sys.path
-
-
-def _job_json(spec: JobSpec, site: Site) -> bytes:
-    import json
-
-    return json.dumps({"spec": spec.model_dump(mode="json"), "site": site.model_dump(mode="json")}).encode()
 
 
 def _write_private(folder: Path, name: str, payload: bytes) -> Path:
@@ -312,17 +314,19 @@ def _spec_data(base: Mapping[str, Any], keys: Mapping[str, Any], sets: Mapping[s
         elif key in top:
             data[key] = value
         else:
-            raise ConfigError(
-                f"hpcdist.Executor: unknown argument {key}={value!r}; give a resource "
-                f"({', '.join(sorted(resources))}), a job spec key ({', '.join(sorted(top))}), "
-                f"or a deeper key as set={{'{key}.…': value}}"
-            )
+            raise ConfigError(f"hpcdist.Executor: unknown argument {key}={value!r}; give a resource "
+                              f"({', '.join(sorted(resources))}), a job spec key ({', '.join(sorted(top))}), "
+                              f"or a deeper key as set={{'{key}.…': value}}")
     from hpcdist.config import set_key
 
     for key, value in sets.items():
         if not key.startswith("site."):
             set_key(data, key, value, partial(_not_a_mapping, key))
     return data
+
+
+def _not_a_mapping(key: str, part: str) -> str:
+    return f"hpcdist.Executor: set={{{key!r}: ...}}: {part!r} is not a mapping"
 
 
 def _base(spec: str | Path | Mapping[str, Any] | None) -> dict[str, Any]:
@@ -342,10 +346,6 @@ def _base(spec: str | Path | Mapping[str, Any] | None) -> dict[str, Any]:
                           f"functions (kind python): leave kind and params out")
     data.pop("kind", None)
     return data
-
-
-def _not_a_mapping(key: str, part: str) -> str:
-    return f"hpcdist.Executor: set={{{key!r}: ...}}: {part!r} is not a mapping"
 
 
 def _where(fn: Callable[..., Any]) -> tuple[str, str]:

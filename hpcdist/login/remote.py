@@ -23,6 +23,7 @@ from hpcdist.errors import SubmitError
 from hpcdist.scheduler import ssh
 
 if TYPE_CHECKING:
+    from hpcdist.config.site import Site
     from hpcdist.login.jobindex import JobRecord
     from hpcdist.login.plan import Plan
 
@@ -49,16 +50,12 @@ def versions_here() -> str:
 
 
 def ready(plan: Plan) -> None:
-    """Before anything is queued over ssh: the connection opens, the site keeps its files under
-    absolute paths (the same on the cluster), no variable is to be passed from this shell, and
-    the cluster's Python runs what this one does."""
+    """Before anything is queued over ssh: the connection opens, the site's storage roots are on
+    the login node (the same paths as here), no variable is to be passed from this shell, the
+    cluster's Python runs what this one does; then the job's inputs go up (``send_inputs``)."""
     host = ssh.login()
     ssh.check()
-    relative = [str(root) for root in plan.site.storage.roots if not root.is_absolute()]
-    if relative:
-        raise SubmitError(f"site {plan.site.name!r} keeps files under {', '.join(relative)}, relative to the folder "
-                          f"you submit from; over ssh its storage roots must be absolute paths of the cluster "
-                          f"(--set site.storage.logs=/scratch/$USER/hpcdist/logs, and results, checkpoints, scratch)")
+    roots_there(plan.site)
     if plan.base.env_passthrough:
         raise SubmitError(f"env_passthrough ({', '.join(plan.base.env_passthrough)}): over ssh sbatch runs in the "
                           f"login node's environment, not this shell's; set them in the site's or job's env, "
@@ -81,6 +78,68 @@ def ready(plan: Plan) -> None:
                          if a != b)
         raise SubmitError(f"ssh {host}: {python} differs from this machine ({diff}); a pickled call needs the same "
                           f"on both: install the same versions, or --set site.python=PATH to one that has them")
+    send_inputs(plan)
+
+
+def inputs(plan: Plan) -> list[Path]:
+    """What the ranks read outside the job's folder, made here before sbatch: the code snapshot
+    (``params.code_dir``), an Executor's pickled calls and its direct calls' spec files."""
+    from hpcdist.config.contract import CALL_JOB_VAR
+
+    found: dict[Path, None] = {}
+    for task in plan.tasks:
+        call = task.params.get("call")
+        for value in (task.params.get("code_dir"), call if call not in (None, "-", "submitit") else None,
+                      task.env.get(CALL_JOB_VAR)):
+            if value:
+                path = Path(value)
+                found[path if path.is_dir() else path.parent] = None
+    return [path for path in found if path.is_absolute() and path.exists()]
+
+
+def send_inputs(plan: Plan) -> None:
+    """The job's inputs (``inputs``) copied up before anything is queued, with a progress line:
+    a rich bar on a terminal, else one line once they are there."""
+    import time
+
+    from hpcdist.console import Progress
+
+    folders = inputs(plan)
+    if not folders:
+        return
+    files = [f for folder in folders for f in folder.rglob("*") if f.is_file() and not f.is_symlink()]
+    total = sum(f.stat().st_size for f in files)
+    parts: dict[Path, list[str]] = {}
+    for folder in folders:
+        root, part = _split(Path(os.path.abspath(folder)), plan.site.storage.roots)
+        parts.setdefault(root, []).append(part)
+    started, what = time.monotonic(), "the code snapshot" if any(t.params.get("code_dir") for t in plan.tasks) \
+        else "the calls"
+    with Progress(f"{what} to {ssh.login()}", max(total, 1), unit="B", transient=False) as bar:
+        for root, below in parts.items():
+            ssh.put(root, below, sent=lambda size: bar.update(bar.done + size))
+        bar.update(max(total, 1))
+    if not sys.stderr.isatty():
+        print(f"hpcdist: {what} sent to {ssh.login()}: {len(files)} files, {_size(total)} in "
+              f"{time.monotonic() - started:.2f} s", file=sys.stderr)
+
+
+def _size(count: int) -> str:
+    return f"{count / 1e6:.1f} MB" if count >= 1e6 else f"{count / 1e3:.1f} kB"
+
+
+def roots_there(site: Site) -> None:
+    """The site's storage roots on the login node, made there as hpcdist makes them here (the
+    storage's folder mode) where missing, or one line saying why not: the roots are the
+    cluster's paths, the same on both sides (a relative one is under the folder you submit from)."""
+    made = ssh.run(["sh", "-c", 'm=$1; shift; for r; do test -d "$r" || mkdir -p -m "$m" "$r" || exit 1; done', "sh",
+                    f"{site.storage.folder_mode:o}", *map(str, site.storage.roots)], timeout=60.0)
+    if made.returncode:
+        said = (made.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise SubmitError(f"ssh {ssh.login()}: the login node cannot make site {site.name!r}'s storage roots ({said}); "
+                          f"over ssh they are paths of the cluster (a relative one is under the folder you submit "
+                          f"from, {Path.cwd()}): --set site.storage.logs=/scratch/$USER/hpcdist/logs, and results, "
+                          f"checkpoints, scratch")
 
 
 def _split(folder: Path, roots: Iterable[Path]) -> tuple[Path, str]:

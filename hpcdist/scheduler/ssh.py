@@ -20,7 +20,8 @@ import os
 import shlex
 import shutil
 import subprocess
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hpcdist.errors import SubmitError
@@ -110,6 +111,35 @@ def run(argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]
     return proc
 
 
+def on_login_node(argv: Sequence[str], timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """`argv` where Slurm's commands run: on the login node under ``--on HOST``, else here. For
+    what the login node itself has (its programs, its mounts, its files), not a node's."""
+    if login():
+        return run(argv, timeout)
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False,
+                          stdin=subprocess.DEVNULL)
+
+
+def programs(names: Sequence[str]) -> dict[str, str]:
+    """Which of `names` are on the login node's PATH (here without ``--on``): name -> its path."""
+    if not login():
+        return {name: found for name in names if (found := shutil.which(name))}
+    said = on_login_node(["sh", "-c", 'for p; do command -v "$p" || true; done', "sh", *names]).stdout
+    paths = [line.strip() for line in said.splitlines() if line.strip().startswith("/")]
+    return {name: path for name in names for path in paths if Path(path).name == name}
+
+
+def missing(paths: Sequence[Path]) -> set[Path]:
+    """Which of `paths` the login node does not have (a job's inputs are the cluster's files)."""
+    said = run(["sh", "-c", 'for p; do test -e "$p" || echo "$p"; done', "sh", *map(str, paths)], 60.0).stdout
+    return {path for path in paths if str(path) in said.splitlines()}
+
+
+def where() -> str:
+    """The machine `programs` and `on_login_node` ask, in words."""
+    return f"on the login node ({login()})" if login() else "here"
+
+
 def check(timeout: float = 60.0) -> None:
     """Open the shared connection now (``true`` on the login node), or say in one line why not."""
     try:
@@ -118,14 +148,42 @@ def check(timeout: float = 60.0) -> None:
         raise Unreachable(f"ssh {login()}: no answer within {timeout:g} s; `ssh {login()} true` shows why") from exc
 
 
-def _rsync(args: list[str], what: str, timeout: float, missing_ok: bool = False) -> None:
+SENT = "hpcdist-sent "  # rsync's line for each file it copied (--out-format), its size after it
+
+
+def _copy(argv: list[str], timeout: float, sent: Callable[[int], None]) -> subprocess.CompletedProcess[str]:
+    """rsync run as ``subprocess.run`` runs it, `sent` told each file's size as it is copied."""
+    proc = subprocess.Popen([*argv, f"--out-format={SENT}%l"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True)
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    said = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(SENT) and line[len(SENT):].strip().isdigit():
+                sent(int(line[len(SENT):]))
+            else:
+                said.append(line)
+        code = proc.wait()
+    finally:
+        killed = not timer.is_alive()
+        timer.cancel()
+    if killed:
+        raise subprocess.TimeoutExpired(argv, timeout)
+    return subprocess.CompletedProcess(argv, code, "", "".join(said))
+
+
+def _rsync(args: list[str], what: str, timeout: float, missing_ok: bool = False,
+           sent: Callable[[int], None] | None = None) -> None:
     if shutil.which("rsync") is None:
         raise SubmitError("`rsync` is not on PATH: --on HOST copies a job's files with it (install rsync)")
     host = login()
     argv = ["rsync", "-a", "-e", shlex.join(["ssh", *options()]), *args]
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False,
-                              stdin=subprocess.DEVNULL)
+        proc = (_copy(argv, timeout, sent) if sent is not None else
+                subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False,
+                               stdin=subprocess.DEVNULL))
     except subprocess.TimeoutExpired as exc:
         raise SubmitError(f"ssh {host}: copying {what} took over {timeout:g} s") from exc
     if proc.returncode == SSH_FAILED or "connection unexpectedly closed" in proc.stderr and proc.returncode == 12:
@@ -141,13 +199,15 @@ def _rsync(args: list[str], what: str, timeout: float, missing_ok: bool = False)
                           f"{lines[0] if lines else '(no message)'}")
 
 
-def put(root: Path, parts: Sequence[str], exclude: Sequence[str] = (), timeout: float = 600.0) -> None:
+def put(root: Path, parts: Sequence[str], exclude: Sequence[str] = (), timeout: float = 600.0,
+        sent: Callable[[int], None] | None = None) -> None:
     """Copy `root`/PARTS... (folders whole) to the same paths on the login node: `root` must be
     there, the folders below it are made with their modes here; nothing there is overwritten
-    (a file that exists there is the cluster's: a log, a result)."""
+    (a file that exists there is the cluster's: a log, a result). `sent` is told the size of
+    each file as it is copied (a progress line)."""
     sources = [f"{root}/./{part}" for part in parts]
     _rsync(["--relative", "--ignore-existing", *(f"--exclude={e}" for e in exclude), *sources, f"{login()}:{root}/"],
-           f"{', '.join(parts)} to {root}", timeout)
+           f"{', '.join(parts)} to {root}", timeout, sent=sent)
 
 
 def get(folders: Sequence[Path] = (), files: Sequence[Path] = (), timeout: float = 600.0) -> None:
