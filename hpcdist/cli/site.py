@@ -70,8 +70,9 @@ def _check(args: argparse.Namespace) -> int:
         import shutil
 
         from hpcdist.config.discovered import user_sites_dir
+        from hpcdist.scheduler import ssh
 
-        if shutil.which("srun") is None:
+        if shutil.which("srun") is None and not ssh.login():  # `--on HOST`: the cluster behind that login node
             raise ConfigError("site check: no site named, and no Slurm here (srun is not on PATH): name the Slurm "
                               "site to check, `hpcdist site check NAME` (a name or a YAML file)")
         written = sorted(user_sites_dir().glob("*.yaml"))

@@ -156,14 +156,18 @@ def _launcher(lines: Lines, cluster: Cluster) -> bool:
 
 
 def _containers(lines: Lines, cluster: Cluster, pmix: bool) -> None:
+    from hpcdist.scheduler import ssh  # `--on HOST`: the login node's PATH, not this laptop's
+
     found = []
     if cluster.pyxis:
         found.append(("pyxis", "srun --help has --container-image (NVIDIA's pyxis over enroot)"))
-    for program, runtime in (("apptainer", "apptainer"), ("singularity", "apptainer"), ("ch-run", "charliecloud"),
-                             ("podman", "podman")):
-        if shutil.which(program) and runtime not in {r for r, _ in found}:
-            found.append((runtime, f"{program} is on PATH here ({shutil.which(program)}); the nodes need it too"))
-    if shutil.which("enroot") and not cluster.pyxis:
+    runtimes = (("apptainer", "apptainer"), ("singularity", "apptainer"), ("ch-run", "charliecloud"),
+                ("podman", "podman"))
+    on_path = ssh.programs([program for program, _ in runtimes] + ["enroot"])
+    for program, runtime in runtimes:
+        if program in on_path and runtime not in {r for r, _ in found}:
+            found.append((runtime, f"{program} is on PATH {ssh.where()} ({on_path[program]}); the nodes need it too"))
+    if "enroot" in on_path and not cluster.pyxis:
         lines.note(0, "enroot is on PATH but srun has no --container-image: hpcdist runs enroot images through pyxis")
     if not found:
         lines.note(0, "containers: none found (no pyxis in srun --help; no apptainer, ch-run or podman on PATH)")
@@ -183,7 +187,9 @@ def _storage(lines: Lines) -> None:
         lines.add(2, root, f"hpcdist-out/{root}")
     shared = shared_mounts()
     if shared:
-        lines.note(2, "shared file systems in this machine's mount table (a root on one is seen by every node):")
+        from hpcdist.scheduler import ssh
+
+        lines.note(2, f"shared file systems in the mount table {ssh.where()} (a root on one is seen by every node):")
         for mount, kind in shared:
             lines.note(2, f"  {mount} ({kind}): e.g. results: {mount}/$USER/hpcdist/results")
     else:
@@ -192,10 +198,13 @@ def _storage(lines: Lines) -> None:
 
 
 def shared_mounts() -> list[tuple[str, str]]:
-    """(mount point, type) of the shared file systems in the mount table, as candidates for roots."""
+    """(mount point, type) of the shared file systems in the mount table (the login node's under
+    ``--on HOST``), as candidates for roots."""
+    from hpcdist.scheduler import ssh
+
     found = []
     try:
-        text = Path("/proc/mounts").read_text()
+        text = ssh.on_login_node(["cat", "/proc/mounts"]).stdout if ssh.login() else Path("/proc/mounts").read_text()
     except OSError:
         return []
     for line in text.splitlines():

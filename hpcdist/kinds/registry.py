@@ -131,15 +131,23 @@ def resolve(spec: JobSpec, site: Site, *, origin: Path | str = "job spec", check
     job = Job(spec, kind, validate(kind.params_model(), spec.params, origin, prefix=("params",)))
     if check:
         check_fits(spec, site, origin)
-        absent = missing_inputs(job, site)
-        for key, value, path, hint in [a for a in absent if a[2] not in made_earlier]:
-            message = f"{origin}: {key}: {value!r} does not exist" + (f" ({path})" if str(path) != value else "")
+        absent, unseen, seen_on = missing_inputs(job, site), list[Any](), ""
+        if absent and site.scheduler == "slurm":  # `--on HOST`: the inputs are the cluster's, asked on its login node
+            from hpcdist.scheduler import ssh
+
+            if ssh.login():
+                there, seen_on = ssh.missing([a[2] for a in absent]), f" on {ssh.login()}"
+                unseen = [a for a in absent if a[2] in there]
+        for key, value, path, hint in [a for a in (unseen if seen_on else absent) if a[2] not in made_earlier]:
+            message = f"{origin}: {key}: {value!r} does not exist{seen_on}" + (
+                f" ({path})" if str(path) != value else "")
             if on_missing is None:
                 where = "the spec file's folder, or the current one when given with --set" if isinstance(
                     origin, Path) else "the current folder"
                 raise ConfigError(f"{message}; {hint or 'create it'}, or fix the path (a relative one is read "
                                   f"from {where})")
-            on_missing(f"{message} here; the job fails unless it exists where it runs ({hint or 'create it'})")
+            on_missing(f"{message}{'' if seen_on else ' here'}; the job fails unless it exists where it runs "
+                       f"({hint or 'create it'})")
         if absent:
             return job  # the kind's checks read the inputs: they run on the nodes instead
         kind_check = kind.load_check()

@@ -11,13 +11,13 @@ allocations, each bounded in time.
 
 from __future__ import annotations
 
-import shutil
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, get_args
 
 from hpcdist.config.site import StorageRoot
+from hpcdist.scheduler import ssh
 
 if TYPE_CHECKING:
     from hpcdist.config.site import Partition, Site
@@ -87,7 +87,8 @@ def _runtime_claims(site: Site, cluster: Cluster) -> list[Claim]:
                              "'s srun does" if cluster.pyxis else "'s srun --help has no --container-image",
                              cluster.pyxis))
             continue
-        found = next((shutil.which(p) for p in programs.get(runtime, ()) if shutil.which(p)), None)
+        on_path = ssh.programs(programs.get(runtime, ()))  # `--on HOST`: the login node's PATH
+        found = next((on_path[p] for p in programs.get(runtime, ()) if p in on_path), None)
         out.append(Claim(f"containers.{runtime}", f"{runtime} is installed",
                          f"login node has {found}" if found else "login node has none of " +
                          ", ".join(programs.get(runtime, (runtime,))), found is not None))
@@ -147,7 +148,11 @@ def _storage_claim(site: Site) -> Claim:
     for root in get_args(StorageRoot):
         folder = site.storage.root(root)
         try:
-            if not folder.exists():
+            if ssh.login():  # `--on HOST`: the login node's folders, made as private_folder makes them
+                made = ssh.on_login_node(["sh", "-c", 'test -d "$1" || mkdir -p -m 0700 "$1"', "sh", str(folder)])
+                if made.returncode:
+                    raise OSError(made.returncode, made.stderr.strip() or "mkdir failed")
+            elif not folder.exists():
                 private_folder(folder)
         except OSError as exc:
             return Claim("storage", "its roots are shared", f"login node cannot make {folder}: {exc.strerror}", False)
@@ -163,12 +168,15 @@ def _storage_claim(site: Site) -> Claim:
         ran = step(options, ["sh", "-c", script], STEP_TIMEOUT_S)
         if ran.code is None:
             return Claim("storage", "its roots are shared", f"gave no nodes within {STEP_TIMEOUT_S:g} s", None)
-        seen = all(p.is_file() and p.read_text().strip() for p in probes)
+        seen = (ssh.on_login_node(["sh", "-c", 'for p; do test -s "$p" || exit 1; done', "sh", *map(str, probes)])
+                .returncode == 0 if ssh.login() else all(p.is_file() and p.read_text().strip() for p in probes))
         what = (f"{'two nodes' if nodes == 2 else 'a node'} and the login node see them" if ran.code == 0 and seen
                 else f"srun exited {ran.code}: {ran.err.strip()[:200]}" if ran.code
                 else "the login node does not see what a node wrote")
         return Claim("storage", "its roots are shared", what, ran.code == 0 and seen)
     finally:
+        if ssh.login():
+            ssh.on_login_node(["rm", "-f", *map(str, probes)])
         for p in probes:
             p.unlink(missing_ok=True)
 
