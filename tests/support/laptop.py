@@ -25,6 +25,7 @@ PORT = int(os.environ.get("HPCDIST_SSHD_PORT") or 6822)
 LAPTOP = Path("/var/tmp/hpcdist-laptop")  # the laptop's disk: alice's home and storage root there
 USER = "alice"
 HOST = "login"  # the Host of the laptop's ~/.ssh/config
+CLOSED_PORT = 1  # login-closed: a port nothing listens on, so the connection is refused
 SLURM_COMMANDS = ("sacct", "sacctmgr", "salloc", "sattach", "sbatch", "sbcast", "scancel", "scontrol", "sdiag",
                   "sinfo", "sprio", "squeue", "sreport", "srun", "sshare", "sstat", "strigger", "scrontab")
 HIDDEN_DIRS = ("/etc/slurm", "/etc/slurm-variants", "/etc/slurm-releases", "/run/munge", "/var/tmp/hpcdist-releases")
@@ -66,7 +67,8 @@ def setup() -> Path:
                    f"  IdentityFile ~/.ssh/id_ed25519\n  IdentitiesOnly yes\n"
                    f"Host {HOST}-unverified\n  HostName localhost\n  Port {PORT}\n  User {USER}\n"
                    f"  IdentityFile ~/.ssh/id_ed25519\n  IdentitiesOnly yes\n"
-                   f"  UserKnownHostsFile ~/.ssh/known_hosts_none\n  StrictHostKeyChecking yes\n"),
+                   f"  UserKnownHostsFile ~/.ssh/known_hosts_none\n  StrictHostKeyChecking yes\n"
+                   f"Host {HOST}-closed\n  HostName 127.0.0.1\n  Port {CLOSED_PORT}\n  User {USER}\n"),
     }
     for name, text in files.items():
         path = ssh_dir / name
