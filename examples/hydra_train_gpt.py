@@ -12,10 +12,15 @@ the job's return value; with ``hydra.launcher.wait=false`` the sweep returns onc
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
+try:
+    import hydra
+    from omegaconf import DictConfig, OmegaConf
+except ImportError:  # hpcdist installed without its Hydra extra: one line saying what to do, not a traceback
+    sys.exit("hpcdist: error: this example is a Hydra app and Hydra is not installed in this Python "
+             f"({sys.executable}): pip install 'hpcdist[hydra]', then run it again")
 
 
 @hydra.main(version_base=None, config_path=".", config_name="hydra_train_gpt")

@@ -87,6 +87,17 @@ def test_nodes_whose_python_lacks_hydra_are_one_line_saying_what_to_install() ->
                                   f"hydra and hpcdist; install them there: {bare} -m pip install 'hpcdist[hydra]'")
 
 
+def test_the_readmes_hydra_app_without_hydra_installed_is_one_line_saying_what_to_install(tmp_path: Path) -> None:
+    blocker = tmp_path / "sitecustomize.py"  # this Python as one where `pip install 'hpcdist[hydra]'` was not done
+    blocker.write_text("import sys\nsys.modules['hydra'] = None\n")
+    app = str(REPO / "examples" / "hydra_train_gpt.py")
+    proc = subprocess.run([sys.executable, app, "-m", "hydra/launcher=hpcdist"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("hpcdist: error: this example is a Hydra app and Hydra is not installed"), proc.stderr
+    assert proc.stderr.endswith("pip install 'hpcdist[hydra]', then run it again\n"), proc.stderr
+
+
 @pytest.mark.parametrize(("launcher_name", "overrides"), [("hpcdist", [])])
 class TestHydraSuiteLocal(LauncherTestSuite):
     """Hydra's LauncherTestSuite in full, on the local site."""
