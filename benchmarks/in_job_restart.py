@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path("/var/tmp/hpcdist-shared")
 NOTICED = re.compile(r"node (\S+) died .* noticed at ([\d.]+)")
 STEP1 = re.compile(r"in-job step 1 on (\S+) .* at ([\d.]+)")
+KEEP = "--keep" in sys.argv  # each run's folder kept
 RESUMED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank 0/\d+ [^]]*\] INFO resumed from ")
 
 
@@ -157,7 +158,10 @@ def one(node: str, spares: int, limit_s: float, job: list[str], on_rank: str = "
                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/local/bin:/usr/bin:/bin"})
             subprocess.run(["scancel", jid], capture_output=True)
         proc.wait(timeout=120)
-        subprocess.run(["rm", "-rf", str(root)], check=False)
+        if not KEEP:
+            subprocess.run(["rm", "-rf", str(root)], check=False)
+        else:
+            print(f"kept {root}", flush=True)
 
 
 def main() -> int:
@@ -168,6 +172,7 @@ def main() -> int:
     parser.add_argument("--job", choices=("script", "train_gpt"), default="script")
     parser.add_argument("--kill-rank", action="store_true", help="kill rank 2's process: in-place against whole step")
     parser.add_argument("--kill-batch-node", action="store_true", help="kill the batch node: the standby job")
+    parser.add_argument("--keep", action="store_true", help="keep each run's folder (logs, checkpoints) to read")
     args = parser.parse_args()
     job = SCRIPT
     if args.job == "train_gpt":

@@ -60,7 +60,7 @@ def run_job(job: Job[Any], site: Site) -> dict[str, Any]:
         except BaseException as exc:
             stacks.on_failure(exc)  # a collective that timed out: every rank's stack, before the others stop
             if in_job_link.supervised():  # the survivors still waiting on this rank fail now, not in 2 s
-                teardown.drop()
+                teardown.drop(exc)
             _check_out_failed(store, ctx)
             raise
         if not group.finish(store, ctx.info, ctx.timeout_s):

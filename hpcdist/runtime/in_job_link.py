@@ -26,6 +26,7 @@ its job raised, ``done`` when it succeeded; the supervisor answers ``again N``, 
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import hmac
 import os
@@ -222,7 +223,8 @@ def _listen(line: _Line, folder: str, env: Mapping[str, str]) -> None:
             line.heard, word = taken
             if word == "kill":
                 print("hpcdist: this rank hung while the others' collectives failed: its supervisor ends it, to "
-                      "start it again", file=sys.stderr, flush=True)
+                      "start it again; where each of its threads was:", file=sys.stderr, flush=True)
+                faulthandler.dump_traceback(sys.stderr, all_threads=True)  # what the user asks first: stuck where?
                 os.kill(os.getpid(), signal.SIGKILL)
             _ANSWERS.put(word)
         buffer = buffer[-LINE_MAX:]
