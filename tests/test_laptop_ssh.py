@@ -39,7 +39,7 @@ def tag() -> Iterator[str]:
     yield tag
     laptop.end_connection()
     for root in (laptop.GROUP_ROOT, laptop.disk_root()):
-        for folder in root.glob(f"*/{laptop.USER}/*-{tag}"):
+        for folder in root.glob(f"*/{laptop.USER}/*-{tag}*"):  # an array's items are NAME-TAG-I
             shutil.rmtree(folder, ignore_errors=True)
     for path in (laptop.home() / "work").glob(f"*{tag}*"):  # its scripts and the site `site init` wrote
         path.unlink()
@@ -130,9 +130,10 @@ def square(x):
 def where(ctx: hpcdist.Context, x):  # a rank's Context: hpcdist's bootstrap and group, its call pickled
     return [ctx.rank, ctx.world_size, x]
 
-folder = sys.argv[1]
-plain = hpcdist.Executor(folder + "/plain/%j", login="login", site="local-group", time_min=2)
-group = hpcdist.Executor(folder + "/group/%j", login="login", site="local-group", tasks_per_node=2, time_min=2)
+folder, tag = sys.argv[1:]
+plain = hpcdist.Executor(folder + "/plain/%j", login="login", site="local-group", time_min=2, name="sq-" + tag)
+group = hpcdist.Executor(folder + "/group/%j", login="login", site="local-group", tasks_per_node=2, time_min=2,
+                         name="where-" + tag)
 squares, ranks = plain.map_array(square, [1, 2, 3]), group.map_array(where, [10, 20])
 print("ids", *(job.job_id for job in squares + ranks), flush=True)
 print("squares", [job.result() for job in squares])
@@ -146,7 +147,7 @@ def test_executor_map_array_from_the_laptop_then_job_by_id_over_hpcdist_login(ta
     shutil.chown(script, laptop.USER, laptop.USER)
     folder = laptop.GROUP_ROOT / "logs" / laptop.USER / f"exec-{tag}"
     python = str(laptop.USERS_VENV / "bin" / "python")
-    run = laptop.on_laptop(python, f"work/{script.name}", str(folder))
+    run = laptop.on_laptop(python, f"work/{script.name}", str(folder), tag)
     assert run.code == 0, run.text
     assert "squares [1, 4, 9]" in run.out and "ranks [[[0, 2, 10], [1, 2, 10]], [[0, 2, 20], [1, 2, 20]]]" in run.out
     ids = run.out.split("ids ", 1)[1].split("\n", 1)[0].split()
