@@ -152,33 +152,35 @@ def ctld_restart() -> None:
         time.sleep(0.5)
 
 
-def fault(kind: str, soak: Soak, rng: random.Random) -> tuple[str, Callable[[], None] | None]:
-    """Make the fault; returns its target and what heals it once the job trains again."""
+def fault(kind: str, soak: Soak, rng: random.Random) -> tuple[float, str, Callable[[], None] | None]:
+    """Make the fault; returns when (just before its act), its target, and what heals it once the
+    job trains again."""
     ranks = soak.ranks()
     running = [j for j in soak.jobs().values() if j[0] == "RUNNING"]
     batch = running[0][1] if running else ""
     rank = rng.choice(sorted(ranks))
     pid, node = ranks[rank]
+    t0 = time.time()
     if kind == "rank_kill":
         os.kill(pid, signal.SIGKILL)
-        return f"rank {rank} on {node}", None
+        return t0, f"rank {rank} on {node}", None
     if kind == "rank_hang":
         os.kill(pid, signal.SIGSTOP)
-        return f"rank {rank} on {node}", None
+        return t0, f"rank {rank} on {node}", None
     if kind == "link_cut":
         sh(ROOT / "cluster/netfault.sh", "cut", node)
         time.sleep(CUT_S)
         sh(ROOT / "cluster/netfault.sh", "restore", node)
-        return node, lambda: heal(soak, node, revive=False)
+        return t0, node, lambda: heal(soak, node, revive=False)
     if kind == "slurmd_restart":
         os.kill(slurmd_pid(node), signal.SIGABRT)  # up.sh's loop starts a crashed slurmd again
-        return node, None
+        return t0, node, None
     if kind == "slurmctld_restart":
         ctld_restart()
-        return "slurmctld", None
+        return t0, "slurmctld", None
     target = batch if kind == "batch_node_kill" else node
     sh(ROOT / "cluster/nodefault.sh", "kill", target)
-    return target, lambda: heal(soak, target)
+    return t0, target, lambda: heal(soak, target)
 
 
 def heal(soak: Soak, node: str, revive: bool = True) -> None:
@@ -307,8 +309,7 @@ def main() -> int:
             kind = kinds[len(rows) % len(kinds)] if args.in_turn else rng.choice(can)
             if kind not in can:
                 raise SystemExit(f"--in-turn: the job cannot take {kind} now (it takes {', '.join(can)})")
-            t0 = time.time()
-            target, healing = fault(kind, soak, rng)
+            t0, target, healing = fault(kind, soak, rng)
             row = {"fault": kind, "target": target, "at_s": t0 - start, "load": os.getloadavg()[0],
                    **recovered(soak, t0)}
             rows.append(row)
