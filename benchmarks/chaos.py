@@ -28,7 +28,7 @@ and whether TensorBoard shows one run with each step once.
 
     .venv/bin/python benchmarks/chaos.py [--minutes 20] [--steps 9000] [--every 30 90] [--seed 1]
     .venv/bin/python benchmarks/chaos.py --faults 3 --kinds rank_kill,rank_hang,node_kill --in-turn \
-        --steps 1200 --every 5 10
+        --steps 900 --every 3 6 --settle 4 --reference-alongside   # tests/test_chaos.py
 
 It needs the 22.05 cluster (``make cluster-up``) to itself, as root: it kills its nodes and daemons.
 """
@@ -204,8 +204,8 @@ def allowed(kinds: list[str], soak: Soak) -> list[str]:
     return out
 
 
-def recovered(soak: Soak, t0: float, limit_s: float = 420) -> dict[str, float]:
-    """Wait until the job trains again for 10 s without a restart; the time to its next step."""
+def recovered(soak: Soak, t0: float, settle_s: float, limit_s: float = 420) -> dict[str, float]:
+    """Wait until the job trains again for `settle_s` without a restart; the time to its next step."""
     deadline = t0 + limit_s
     while True:
         now = time.time()
@@ -213,7 +213,7 @@ def recovered(soak: Soak, t0: float, limit_s: float = 420) -> dict[str, float]:
         after = sorted(t for t in commits.values() if t > t0)
         resumes = [t for t in soak.resumes() if t > t0]
         flowing = after and now - after[-1] < 2 and (not resumes or any(t > resumes[-1] for t in after))
-        settled = now - max([t0, *resumes]) > 10
+        settled = now - max([t0, *resumes]) > settle_s
         if flowing and settled:
             break
         if soak.proc.poll() is not None:
@@ -230,15 +230,24 @@ def recovered(soak: Soak, t0: float, limit_s: float = 420) -> dict[str, float]:
     return {"next_step_s": (end if longest > 2 else after[0]) - t0, "restarted": 0}
 
 
-def reference(job: list[str], root: Path) -> Path:
-    """The same spec unfaulted on the local site, 3 ranks: its result file. Its collectives wait
-    longer (the soak's 10 s finds hangs quickly; here a busy machine must not end the run)."""
-    done = subprocess.run([sys.executable, "-m", "hpcdist.cli", "submit", *job[:1], "--site", "local", "--wait",
-                           "--set", "resources.nodes=1", "--set", "resources.tasks_per_node=3", *storage(root),
-                           *job[1:], "--set", "timeout_s=300"], cwd=ROOT, capture_output=True, text=True, env=ENV)
-    found = re.search(r"result: (\S+\.h5)", done.stdout)
-    if done.returncode or not found:
-        raise SystemExit(f"the unfaulted run failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+def reference(job: list[str], root: Path) -> subprocess.Popen[str]:
+    """The same spec unfaulted on the local site, 3 ranks (``reference_result`` reads its result
+    file). Its collectives wait longer (the soak's 10 s finds hangs quickly; here a busy machine
+    must not end the run), and it saves only its last step: a checkpoint changes no number of
+    the run, so this also checks that the soak's thousands of saves did not."""
+    root.mkdir(parents=True, exist_ok=True)
+    last = next(a.split("=")[1] for a in reversed(job) if a.startswith("params.steps="))
+    cmd = [sys.executable, "-m", "hpcdist.cli", "submit", *job[:1], "--site", "local", "--wait",
+           "--set", "resources.nodes=1", "--set", "resources.tasks_per_node=3", *storage(root), *job[1:],
+           "--set", "timeout_s=300", "--set", f"params.checkpoint.every={last}"]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+
+
+def reference_result(proc: subprocess.Popen[str]) -> Path:
+    out, _ = proc.communicate(timeout=3600)
+    found = re.search(r"result: (\S+\.h5)", out)
+    if proc.returncode or not found:
+        raise SystemExit(f"the unfaulted run failed: {out[-3000:]}")
     return Path(found.group(1))
 
 
@@ -277,6 +286,10 @@ def main() -> int:
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"faults to choose from ({','.join(KINDS)})")
     parser.add_argument("--in-turn", action="store_true", help="the kinds in the order given, not at random")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--settle", type=float, default=10, help="seconds of training after a fault that count "
+                        "as recovered (a restart within them is the same fault's)")
+    parser.add_argument("--reference-alongside", action="store_true", help="run the unfaulted run during the soak "
+                        "(sooner, for a test; the soak's times are then not figures)")
     parser.add_argument("--json", type=Path, default=None, help="also write the report here as JSON")
     args = parser.parse_args()
     kinds = args.kinds.split(",")
@@ -298,6 +311,7 @@ def main() -> int:
            "-o", tokens)
     job = ["jobs/train_gpt.yaml", *MODEL, "--set", f"params.data={tokens}", "--set", f"params.steps={args.steps}"]
     soak, rows = Soak(root, job), list[dict[str, Any]]()
+    alongside = reference(job, root / "reference") if args.reference_alongside else None
     start = time.time()
     try:
         while soak.proc.poll() is None and time.time() - start < args.minutes * 60 and (
@@ -311,7 +325,7 @@ def main() -> int:
                 raise SystemExit(f"--in-turn: the job cannot take {kind} now (it takes {', '.join(can)})")
             t0, target, healing = fault(kind, soak, rng)
             row = {"fault": kind, "target": target, "at_s": t0 - start, "load": os.getloadavg()[0],
-                   **recovered(soak, t0)}
+                   **recovered(soak, t0, args.settle)}
             rows.append(row)
             print(f"fault {len(rows)} at {row['at_s']:.0f} s: {kind} ({target}): next step after "
                   f"{row['next_step_s']:.1f} s{', restarted' if row['restarted'] else ''} "
@@ -324,10 +338,13 @@ def main() -> int:
         if code or not found:
             raise SystemExit(f"the job did not complete (exit {code}): {text[-3000:]}")
         print(f"job completed after {time.time() - start:.0f} s; the unfaulted run on the local site ...", flush=True)
-        checks = compare(Path(found.group(1)), reference(job, root / "reference"), soak, args.steps)
+        ref = alongside or reference(job, root / "reference")
+        checks = compare(Path(found.group(1)), reference_result(ref), soak, args.steps)
     finally:
-        for kind_nodes in ("n1", "n2", "n3", "n4"):
-            subprocess.run([ROOT / "cluster/netfault.sh", "restore", kind_nodes], capture_output=True)
+        for node in ("n1", "n2", "n3", "n4"):
+            subprocess.run([ROOT / "cluster/netfault.sh", "restore", node], capture_output=True)
+        if alongside is not None and alongside.poll() is None:
+            alongside.kill()
         if soak.proc.poll() is None:
             soak.proc.kill()
             for jid in soak.jobs():

@@ -25,7 +25,8 @@ def test_three_faults_in_turn_leave_every_step_once_and_bit_for_bit(separate_hos
     report = tmp_path / "chaos.json"
     try:
         done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "chaos.py"), "--faults", "3", "--kinds",
-                               "rank_kill,rank_hang,node_kill", "--in-turn", "--steps", "1200", "--every", "5", "10",
+                               "rank_kill,rank_hang,node_kill", "--in-turn", "--steps", "900", "--every", "3", "6",
+                               "--settle", "4", "--reference-alongside",
                                "--json", str(report)], cwd=REPO, capture_output=True, text=True, timeout=900)
     finally:
         for node in ("n1", "n2", "n3", "n4"):
