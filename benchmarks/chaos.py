@@ -9,6 +9,7 @@ The faults, each chosen at random among those the job can take at that moment:
 - ``rank_kill``: a rank's process SIGKILLed (its node lives);
 - ``rank_hang``: a rank's process stopped (SIGSTOP): alive, in no collective;
 - ``link_cut``: a rank node's link down for 15 s (``cluster/netfault.sh cut``, then ``restore``);
+  only while the job holds a spare (a node silent that long is taken for dead);
 - ``slurmd_restart``: a rank node's slurmd aborted (SIGABRT) and started again by its service loop;
 - ``slurmctld_restart``: the controller stopped (SIGTERM) and started again;
 - ``node_kill``: a node that runs a rank dies (``cluster/nodefault.sh kill``); only while the job
@@ -17,16 +18,18 @@ The faults, each chosen at random among those the job can take at that moment:
   while a standby job waits behind it.
 
 A dead node is revived once the job trains again and its mark in the site's health record is
-cleared (an admin's repair), so a later standby can have it. For each fault the soak reports the
-time from the fault to the next step: the first checkpoint committed after the last rank 0
-"resumed from" that followed the fault, or, where nothing was restarted, the end of the longest
-pause between commits (a checkpoint every step: a step is done when its checkpoint is). At the
-end it reports the faults survived (the job completed), steps lost (absent from the result's
-``/train/steps``) and steps run twice (a step's checkpoint committed again: the run went back past
-a committed step), whether every loss and the final model equal the unfaulted run's bit for bit,
-and whether TensorBoard shows one run with each step once.
+cleared (an admin's repair), so a later standby can have it. The job may restart in the job 100
+times an hour (``preemption.in_job_restarts_per_hour``; the default 3 is for real faults).
 
-    .venv/bin/python benchmarks/chaos.py [--minutes 20] [--steps 9000] [--every 30 90] [--seed 1]
+For each fault the soak reports the time from the fault to the next step: the first checkpoint
+committed after the last rank 0 "resumed from" that followed the fault, or, where nothing was
+restarted, the end of the longest pause between commits (a checkpoint every step: a step is done
+when its checkpoint is). At the end it reports the faults survived (the job completed), steps lost
+(absent from the result's ``/train/steps``) and steps run twice (a step's checkpoint committed
+again: the run went back past a committed step), whether every loss and the final model equal the
+unfaulted run's bit for bit, and whether TensorBoard shows one run with each step once.
+
+    .venv/bin/python benchmarks/chaos.py [--minutes 20] [--steps 14000] [--every 30 90] [--seed 1]
     .venv/bin/python benchmarks/chaos.py --faults 3 --kinds rank_kill,rank_hang,node_kill --in-turn \
         --steps 900 --every 3 6 --settle 4 --reference-alongside   # tests/test_chaos.py
 
@@ -65,7 +68,9 @@ MODEL = ["--set", "params.model={n_layer: 1, n_head: 2, d_model: 32, context: 32
          "--set", "params.batch.micro=4", "--set", "params.batch.accum=1",
          "--set", "params.checkpoint.every=1", "--set", "params.checkpoint.keep_last=3",
          "--set", "params.eval.every=0", "--set", "params.log_every=50", "--set", "timeout_s=10",
-         "--set", "tracking={tensorboard: true}"]
+         "--set", "tracking={tensorboard: true}",
+         # a fault a minute: more in-job restarts than the site's default budget (3 an hour) allows
+         "--set", "site.preemption.in_job_restarts_per_hour=100"]
 
 
 def sh(*argv: str | Path, check: bool = True, timeout: float = 120) -> str:
@@ -196,9 +201,9 @@ def heal(soak: Soak, node: str, revive: bool = True) -> None:
 def allowed(kinds: list[str], soak: Soak) -> list[str]:
     jobs = soak.jobs()
     running = [j for j in jobs.values() if j[0] == "RUNNING"]
-    out = [k for k in kinds if k not in ("node_kill", "batch_node_kill")]
-    if "node_kill" in kinds and running and len(running[0][2]) >= 4:
-        out.append("node_kill")  # its spare still idle
+    out = [k for k in kinds if k not in ("node_kill", "link_cut", "batch_node_kill")]
+    if running and len(running[0][2]) >= 4:  # its spare still idle: a node may die (a cut link's is taken for dead)
+        out += [k for k in ("node_kill", "link_cut") if k in kinds]
     if "batch_node_kill" in kinds and running and any(j[0] == "PENDING" for j in jobs.values()):
         out.append("batch_node_kill")  # a standby waits behind it
     return out
@@ -280,7 +285,7 @@ def compare(faulted: Path, ref: Path, soak: Soak, steps: int) -> dict[str, objec
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=20, help="stop making faults after this long")
-    parser.add_argument("--steps", type=int, default=9000, help="train_gpt's steps (the job's length)")
+    parser.add_argument("--steps", type=int, default=14000, help="train_gpt's steps (the job's length)")
     parser.add_argument("--faults", type=int, default=0, help="stop after this many faults (0: no limit)")
     parser.add_argument("--every", type=float, nargs=2, default=(30, 90), metavar=("MIN", "MAX"))
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"faults to choose from ({','.join(KINDS)})")

@@ -214,6 +214,9 @@ def test_a_hung_rank_then_a_communication_error_everywhere_restart_in_place(four
     ranks_log = "\n".join(p.read_text(errors="replace") for p in sorted((root / "logs").rglob("*_log.err")))
     for rank in (0, 1, 2):  # rank 1's new process, and ranks 0 and 2 twice in theirs
         assert f"hpcdist: rank {rank} runs the job again in its process (in-job restart 2)" in ranks_log
+    # the hung rank said where it was before it ended: in the script's sleep, the line its user looks for
+    hung = ranks_log.split("its supervisor ends it, to start it again; where each of its threads was:", 1)
+    assert len(hung) == 2 and re.search(r'elastic_sgd\.py", line \d+ in main', hung[1]), ranks_log[-3000:]
     one_run(jid)
     assert read_attrs(result_path(result.out))["resumed_from"] == 11
     assert losses(result_path(result.out)) == reference(root, 3)
