@@ -131,8 +131,8 @@ def where(ctx: hpcdist.Context, x):  # a rank's Context: hpcdist's bootstrap and
     return [ctx.rank, ctx.world_size, x]
 
 folder, tag = sys.argv[1:]
-plain = hpcdist.Executor(folder + "/plain/%j", login="login", site="local-group", time_min=2, name="sq-" + tag)
-group = hpcdist.Executor(folder + "/group/%j", login="login", site="local-group", tasks_per_node=2, time_min=2,
+plain = hpcdist.Executor(folder + "/plain/%j", login="login", site="local-group", time_min=5, name="sq-" + tag)
+group = hpcdist.Executor(folder + "/group/%j", login="login", site="local-group", tasks_per_node=2, time_min=5,
                          name="where-" + tag)
 squares, ranks = plain.map_array(square, [1, 2, 3]), group.map_array(where, [10, 20])
 print("ids", *(job.job_id for job in squares + ranks), flush=True)
