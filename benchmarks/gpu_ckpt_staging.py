@@ -1,5 +1,5 @@
 """On a GPU: a background save's copy of CUDA tensors is one copy into pinned, reused host buffers
-(``rawio.snapshot``, ``sharded.Stager``), bit for bit, and how fast against a pageable ``.cpu()``.
+(``snapshot.snapshot``, ``sharded.Stager``), bit for bit, and how fast against a pageable ``.cpu()``.
 
 A row of ``make gpu-check``, which runs it as a user's script on the local site and judges the
 report it writes (``gpu_judges.judge_staging``):
@@ -28,7 +28,7 @@ import torch
 
 from hpcdist.model.checkpoint import model_tree
 from hpcdist.store import CheckpointStore, read
-from hpcdist.store.checkpoint.rawio import snapshot
+from hpcdist.store.checkpoint.staging import snapshot
 from hpcdist.store.sharded import checkpoint as sharded
 
 # the checks of the report, each a bool; gpu_check's row fails on any that is not True

@@ -13,7 +13,8 @@ below the store: the site config and the login node's records use them too):
 - ``hostmem``: host memory marks and the pinned staging of an asynchronous save;
 - ``checkpoint/``: the ``hpcdist.checkpoint`` format and what every checkpoint shares: ``values``
   (plain values as JSON, never a pickle), ``tree`` (nested dict <-> HDF5 group, digests),
-  ``rawio`` (arrays by ``os.pwrite``/``os.preadv``, the index), ``directory`` (steps, the
+  ``rawio`` (arrays by ``os.pwrite``, the index), ``rawread`` (arrays back by
+  ``os.preadv``), ``staging`` (an asynchronous save's host copy), ``directory`` (steps, the
   ``latest`` pointer, runs, retention), ``single`` (save, commit, read, verify, headers),
   ``discovery`` (the newest committed step that verifies), ``manager`` (``CheckpointStore``),
   ``claim`` (one writer per directory), ``collective`` (tensor-only collectives), ``owned``

@@ -38,7 +38,7 @@ from hpcdist.errors import CheckpointError
 from hpcdist.store.checkpoint import directory as layout
 from hpcdist.store.checkpoint import discovery, owned
 from hpcdist.store.checkpoint import single as checkpoints
-from hpcdist.store.checkpoint.rawio import snapshot
+from hpcdist.store.checkpoint.staging import snapshot
 from hpcdist.store.checkpoint.tree import Tree, pool
 
 if TYPE_CHECKING:

@@ -1,17 +1,17 @@
-"""The fast path of a checkpoint's arrays: raw writes and reads beside HDF5, and `snapshot`.
+"""The fast path of a checkpoint's arrays: the raw writer beside HDF5, and the index it records.
 
 `write_tree` writes a tree in the format of ``hpcdist.store.checkpoint.tree`` while a thread pool hashes
 its arrays (``hpcdist.store.checksum``). A checkpoint's numeric arrays are written without HDF5's copy: their contiguous
 storage is allocated when the dataset is created (through h5py's low-level API) and one writer
 thread puts their bytes there with ``os.pwritev``, starting the disk's writeback as it goes
 (``write_tree(..., raw=path)``); the
-`TreeIndex` it returns (where each array lies, its digest) lets `read_indexed` read them back
-with one ``os.preadv`` each, hashing overlapped, without walking HDF5 objects (~0.4 ms each
-through h5py). `snapshot` is the copy an asynchronous save blocks for. The file stays the same
-HDF5 a plain ``create_dataset(data=...)`` writes; torch is never imported here.
+`TreeIndex` it returns (where each array lies, its digest) lets ``rawread.read_indexed`` read them
+back with one ``os.preadv`` each, hashing overlapped, without walking HDF5 objects (~0.4 ms each
+through h5py). The copy an asynchronous save blocks for is ``staging.py``'s. The file stays the
+same HDF5 a plain ``create_dataset(data=...)`` writes; torch is never imported here.
 
-Over 400 lines: the writer, the reader and the snapshot share the layout arithmetic and the
-thread pools that overlap hashing with I/O; they change together, measured by one benchmark
+The writer, the reader (``rawread.py``) and the staging copy (``staging.py``) share the layout
+(`TreeIndex`, `Placed`) and the thread pools of ``tree.py``; one benchmark measures them together
 (``benchmarks/train_checkpoint_io.py``).
 """
 
@@ -32,23 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hpcdist.errors import CheckpointError
-from hpcdist.store import checksum, hostmem
+from hpcdist.store import checksum
 from hpcdist.store.checkpoint.tree import (
     DTYPE_ATTR,
-    Check,
-    Tree,
-    check_digests,
-    check_leaf,
     flatten,
-    from_bits,
-    hash_like,
     hash_threads,
-    plain,
     pool,
     sha256_of,
-    tensor_array,
-    torch_dtype_name,
 )
 
 if TYPE_CHECKING:
@@ -60,89 +50,6 @@ BATCH_BYTES = 8 << 20  # work handed to a hashing or writing thread at once
 def _digest_batch(arrays: list[np.ndarray], algorithm: str | None) -> list[str]:
     """Each array's recorded digest: `algorithm`'s (``"xxh3-128:<hex>"``), or format 1's bare sha256 for None."""
     return [checksum.digest(a, algorithm) if algorithm else sha256_of(a) for a in arrays]
-
-
-# ---------------------------------------------------------------- the copy an async save takes
-
-
-def snapshot(tree: Mapping[str, Any], reuse: Mapping[str, Any] | None = None, prefix: str = "") -> Tree:
-    """A copy of `tree` in host memory that later changes to its tensors do not reach.
-
-    Every array or tensor leaf is copied into a NumPy array: into the same-shaped array of
-    `reuse` (an earlier snapshot no longer in use, so no fresh pages are faulted in) when there is
-    one, else into a new one. A tensor of a dtype NumPy lacks (bfloat16) is copied as its bits
-    and kept as a CPU tensor of its dtype over that copy. Other leaves are kept (they are
-    immutable values or lists of them).
-    A tensor on a device (a GPU) is copied once, straight into host memory: into the reused
-    tensor, else into a new one, pinned when CUDA is there (the copy then runs as DMA, all of
-    them queued at once and waited for at the end); it stays a CPU tensor of its dtype.
-    This is all an asynchronous save blocks for; a leaf HDF5 cannot store raises here, at the
-    call, as a CheckpointError naming it (`check_leaf`).
-    """
-    queued: list[bool] = []
-    out = _snapshot(tree, reuse, prefix, queued)
-    if queued:
-        import torch
-
-        torch.cuda.synchronize()
-    return out
-
-
-def _snapshot(tree: Mapping[str, Any], reuse: Mapping[str, Any] | None, prefix: str, queued: list[bool]) -> Tree:
-    out: Tree = {}
-    for key, value in tree.items():
-        old = reuse.get(key) if reuse is not None else None
-        if isinstance(value, Mapping):
-            out[key] = _snapshot(value, old if isinstance(old, Mapping) else None, f"{prefix}{key}/", queued)
-            continue
-        if hasattr(value, "detach") and not _on_cpu(value):
-            out[key] = _device_copy(value, old, queued)
-            continue
-        src = _host_view(value)
-        check_leaf(f"{prefix}{key}", value, src)
-        if src is None:
-            out[key] = list(value) if isinstance(value, list) else value
-            continue
-        bits = torch_dtype_name(value)  # "" unless the copy is kept as a tensor of that dtype
-        mine = _host_view(old) if old is not None and torch_dtype_name(old) == bits else None
-        if isinstance(mine, np.ndarray) and mine.shape == src.shape and mine.dtype == src.dtype:
-            np.copyto(mine, src)
-            out[key] = old
-            continue
-        if src is not value and not isinstance(value, np.ndarray) and not _on_cpu(value):
-            copy = src  # already a fresh host copy (from a device)
-        else:
-            copy = hostmem.empty(src.shape, src.dtype)  # 4 KiB pages, as a torch copy: see hostmem
-            np.copyto(copy, src)
-        out[key] = from_bits(copy, bits) if bits else copy
-    return out
-
-
-def _device_copy(value: Any, old: Any, queued: list[bool]) -> Any:
-    """A device tensor's one copy into host memory (`old`, an earlier copy of the same layout, when given)."""
-    import torch
-
-    src = value.detach()
-    same = (isinstance(old, torch.Tensor) and _on_cpu(old) and old.shape == src.shape and old.dtype == src.dtype
-            and old.is_contiguous())
-    host = old if same else torch.empty(src.shape, dtype=src.dtype, pin_memory=torch.cuda.is_available())
-    host.copy_(src, non_blocking=host.is_pinned())
-    if host.is_pinned():
-        queued.append(True)
-    return host
-
-
-def _on_cpu(value: Any) -> bool:
-    return str(getattr(value, "device", "cpu")) == "cpu"
-
-
-def _host_view(value: Any) -> np.ndarray | None:
-    """A leaf's array without copying where it can (CPU tensors and arrays), or None."""
-    if isinstance(value, np.ndarray):
-        return value
-    if hasattr(value, "detach") and hasattr(value, "numpy"):
-        return tensor_array(value)
-    return None
 
 
 # ---------------------------------------------------------------- writing
@@ -458,89 +365,4 @@ def write_tree(f: h5py.Group, tree: Mapping[str, Any], raw: Path | None = None,
     return TreeIndex(group_names, placed, others, sum(a.nbytes for _, a in arrays),
                      {f"{base}/{name}": dtype for name, dtype in dtypes.items()})
 
-
-# ---------------------------------------------------------------- reading
-
-
-def _mapping(fd: int) -> Any:
-    """The whole file `fd` mapped copy-on-write (None where it cannot be: read it instead)."""
-    import mmap
-
-    try:
-        size = os.fstat(fd).st_size
-        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
-    except (OSError, ValueError):
-        return None
-
-
-def read_indexed(
-    f: h5py.File, path: Path, index: TreeIndex, names: list[str], *, verify: bool, where: object,
-    mapped: bool = False,
-) -> tuple[Tree, int]:
-    """The top-level groups `names` of checkpoint file `f` (at `path`) read by its `index`.
-
-    Group attributes and the `others` come through HDF5; each placed array is read with one
-    `os.preadv` into a new array while a thread pool hashes those already read; with `mapped`
-    each is instead a copy-on-write view of the file's pages (``MAP_PRIVATE``: no copy until one
-    is written; the arrays keep the file mapped while they live), hashed in place. Raises
-    CheckpointError if the index disagrees with the file (a dataset moved or missing) and
-    ChecksumError if bytes do not match their digest; the caller then reads through HDF5.
-    """
-    import h5py
-
-    wanted = {f"/{n}" for n in names}
-
-    def selected(name: str) -> bool:
-        return "/" + name.split("/")[1] in wanted
-
-    tree: Tree = {}
-
-    def node(name: str) -> Tree:
-        out = tree
-        for part in name.strip("/").split("/"):
-            out = out.setdefault(part, {})
-        return out
-
-    for g in sorted((g for g in index.groups if selected(g)), key=lambda g: g.count("/")):
-        group = f[g]
-        if not isinstance(group, h5py.Group):
-            raise CheckpointError(f"{where}: index names {g} as a group, the file does not")
-        node(g).update({k: plain(v) for k, v in group.attrs.items()})
-    checks: list[Check] = []
-    nbytes = 0
-    hashing = pool("hash", hash_threads())
-    try:
-        for name in (o for o in index.others if selected(o)):
-            item = f[name]
-            arr = np.asarray(item[()])
-            nbytes += arr.nbytes
-            recorded = checksum.recorded_in(item.attrs)
-            checks.append((name, hash_like(hashing, arr, recorded) if verify and recorded else None, recorded))
-            parent, _, leaf = name.rpartition("/")
-            node(parent)[leaf] = from_bits(arr, index.dtypes[name]) if name in index.dtypes else arr
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            view = _mapping(fd) if mapped else None
-            for p in (p for p in index.placed if selected(p.name)):
-                size = int(np.prod(p.shape, dtype=np.int64)) * np.dtype(p.dtype).itemsize
-                if view is not None and size and p.offset + size <= len(view):
-                    arr = np.frombuffer(view, np.dtype(p.dtype), size // np.dtype(p.dtype).itemsize, p.offset)
-                    arr = arr.reshape(p.shape)
-                elif view is not None and size:  # past the end of the mapping would be SIGBUS
-                    raise CheckpointError(f"{where}: dataset {p.name} lies past the end of the file; truncated")
-                else:
-                    arr = hostmem.empty(p.shape, np.dtype(p.dtype))  # 4 KiB pages: see hostmem
-                if view is None and arr.nbytes and (
-                        os.preadv(fd, [arr.reshape(-1).view(np.uint8).data], p.offset) != arr.nbytes):
-                    raise CheckpointError(f"{where}: dataset {p.name} lies past the end of the file; truncated")
-                nbytes += arr.nbytes
-                checks.append((p.name, hash_like(hashing, arr, p.digest) if verify and p.digest else None, p.digest))
-                parent, _, leaf = p.name.rpartition("/")
-                node(parent)[leaf] = from_bits(arr, index.dtypes[p.name]) if p.name in index.dtypes else arr
-        finally:
-            os.close(fd)
-        check_digests(checks, verify=verify, where=where)
-    finally:  # nothing of this call still hashing when it returns, failed or not
-        futures.wait([digest for _, digest, _ in checks if digest is not None])
-    return {n: tree.get(n, {}) for n in names}, nbytes
 

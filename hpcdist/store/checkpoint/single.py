@@ -54,7 +54,8 @@ from hpcdist.files.atomic import atomic_path
 from hpcdist.store import checksum as checksums
 from hpcdist.store.checkpoint.directory import checkpoint_name, prune, read_pointer, write_pointer
 from hpcdist.store.checkpoint.owned import drop_group_write, make_folder
-from hpcdist.store.checkpoint.rawio import TreeIndex, read_indexed, write_tree
+from hpcdist.store.checkpoint.rawio import TreeIndex, write_tree
+from hpcdist.store.checkpoint.rawread import read_indexed
 from hpcdist.store.checkpoint.tree import DatasetInfo, Tree, attr_value, describe_group, plain, read_tree
 
 FORMAT = "hpcdist.checkpoint"
@@ -235,7 +236,7 @@ def _open_failure(path: Path, exc: BaseException) -> CheckpointError:
 def read(path: Path | str, *, groups: tuple[str, ...] | None = None, verify: bool = True,
          mapped: bool = False) -> Checkpoint:
     """Root attributes and the named groups (all when None) of a checkpoint, checksums verified;
-    with `mapped`, its arrays are copy-on-write views of the file (``rawio.read_indexed``)."""
+    with `mapped`, its arrays are copy-on-write views of the file (``rawread.read_indexed``)."""
     import h5py
 
     path = Path(path)

@@ -16,7 +16,8 @@ This module owns that format: the attribute converters (`attr_value` in, `plain`
 flattening of a tree into datasets and attributes, reading through HDF5 with every
 digest checked (hashing in threads: hashlib releases the GIL) and describing a group without
 reading its data. Writing a tree, and the fast raw path of a checkpoint's arrays (``os.pwrite``,
-the `TreeIndex`, ``os.preadv``, `snapshot`), is ``hpcdist.store.checkpoint.rawio``. torch is never
+the `TreeIndex`), is ``hpcdist.store.checkpoint.rawio``; reading by that index (``os.preadv``) is
+``rawread``, the host copy of an asynchronous save ``staging``. torch is never
 imported here: tensors are recognised by their methods and converted on the way in.
 """
 
@@ -59,7 +60,7 @@ def pool(name: str, workers: int, initializer: Callable[[], None] | None = None)
     for every future they submitted, errors included, before they return.
 
     Every thread of the store is one of these: ``hash`` (verifying reads: `read_tree`,
-    ``rawio.read_indexed``, the sharded reader), ``hash-low`` (hashing beside a write, at a lower
+    ``rawread.read_indexed``, the sharded reader), ``hash-low`` (hashing beside a write, at a lower
     priority), ``write`` (the raw writer), ``checkpoint`` (a background save, ``CheckpointStore.save_async``;
     its threads are named ``hpcdist-checkpoint_N`` in stacks, as before the pools)
     and ``purge`` (deleting pruned shard folders)."""

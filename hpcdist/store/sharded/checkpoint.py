@@ -134,7 +134,7 @@ def save_with(state: dict[str, Any], writer: ShardedWriter, process_group: Any =
 
 class Stager(AsyncStager):
     """The host copy a background save blocks for, made into the previous save's buffers when the
-    state has the same layout (no fresh pages to fault in, as `rawio.snapshot`'s `reuse`). Use one
+    state has the same layout (no fresh pages to fault in, as `staging.snapshot`'s `reuse`). Use one
     per run and wait for a save before staging the next: the buffers are the save's source. Given
     the state `prepare` left this rank, each rank copies only the replicated values it writes, so
     a replicated state's copy is split across the ranks instead of made whole on each."""
