@@ -11,16 +11,23 @@ her the same way until she edits its roots. The CLI prints it as one line; the P
 Checked with ``os.access`` down from ``/``, one folder at a time, so the folder named is the first
 one that refuses, not the last one ``pathlib`` happened to touch. (Root passes every check, as
 the kernel lets it.)
+
+A root that others may write holds one folder per user (``<root>/<user>``), which must be the
+user's own: `own_folder` makes it, or refuses one another user made, naming who; `own_folders`
+does so for every root, and refuses a root reached through a link another user could repoint
+(the test of ``hpcdist.files.trust``).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from hpcdist.errors import ConfigError
+from hpcdist.files.trust import UntrustedFileError, describe, owner_name, real_folder
 
 ROOTS = ("results", "checkpoints", "scratch", "logs")
 
@@ -81,10 +88,8 @@ def check(storage: Any, site: str, names: Iterable[str] = ROOTS, write: bool = T
 
 def ready(storage: Any, site: str) -> None:
     """Every root checked (``check``), then this user's own folder made in each root others may
-    write (``hpcdist.files.trust.own_folders``): what a submit, an executor and ``hpcdist.init``
+    write (`own_folders`): what a submit, an executor and ``hpcdist.init``
     ask before they write a byte there."""
-    from hpcdist.files.trust import own_folders
-
     check(storage, site)
     own_folders(storage)
 
@@ -102,3 +107,63 @@ def explain(exc: OSError, storage: Any, site: str, write: bool = False) -> Stora
             if why is not None:
                 return StorageDenied(line(site, name, why))
     return None
+
+
+class StorageRoots(Protocol):
+    """What `own_folders` reads of a site's storage (``hpcdist.config.site.Storage``), named by
+    its shape: the config imports this package, so importing the config here would close a circle."""
+
+    @property
+    def folder_mode(self) -> int: ...
+
+    def root(self, name: Any) -> Path: ...
+
+
+def own_folder(folder: Path, mode: int) -> Path:
+    """This user's folder of a storage root others may write (``<root>/<user>``): made with
+    `mode` when missing, and otherwise (or when another user made it first, in the same moment)
+    accepted only when it is a folder of this user's, checked with ``lstat``; a group- or
+    world-writable one of hers is closed (another member could have put names there for her
+    jobs to use). One another user made is refused, naming who and what to do."""
+    try:
+        folder.mkdir(mode)
+        os.chmod(folder, mode | (os.stat(folder).st_mode & stat.S_ISGID))
+    except FileExistsError:
+        pass
+    st = os.lstat(folder)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        who = owner_name(st.st_uid)
+        raise UntrustedFileError(
+            f"{describe(folder, st)} is your folder of a storage root shared by a group, but {who} made it: "
+            f"hpcdist keeps your files only in a folder of your own (its owner could rename or replace "
+            f"anything in it); {who} or the site's admin removes it (rm -r {folder}), then run again"
+        )
+    if st.st_mode & 0o022:
+        os.chmod(folder, stat.S_IMODE(st.st_mode) & ~0o022)
+    return folder
+
+
+def own_folders(storage: StorageRoots) -> None:
+    """`own_folder` for each root of `storage` that holds a folder per user: what a submit, an
+    executor and ``hpcdist.init`` ask before they write a byte there."""
+    from hpcdist.files.atomic import make_folders
+
+    for name in ("logs", "results", "checkpoints", "scratch"):
+        base, mine = getattr(storage, name), storage.root(name)
+        _no_foreign_links(name, mine)  # before a folder is made through a link another could repoint
+        if mine != base:
+            make_folders(base, storage.folder_mode)
+            own_folder(mine, storage.folder_mode)
+        _no_foreign_links(name, mine)
+
+
+def _no_foreign_links(name: str, root: Path) -> None:
+    """A storage root reached through a link another user could repoint (one in a group's 2770
+    project folder) is one UntrustedFileError naming the link: its jobs would write, and read
+    back, wherever that user points it. A part not made yet is made as a real folder."""
+    try:
+        real_folder(root)
+    except FileNotFoundError:
+        pass
+    except UntrustedFileError as exc:
+        raise UntrustedFileError(f"storage.{name}: refusing {root}: {exc.why}", exc.why) from None

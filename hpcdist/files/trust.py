@@ -12,15 +12,11 @@ Checked once, read from what was checked: `read_trusted` and `opened_trusted` wa
 ``/`` one folder at a time (``openat(O_DIRECTORY|O_NOFOLLOW)``), follow a link on the way only
 where no one but the user or root could repoint it (the link theirs, in a folder that passes the
 test above; ``/scratch -> /lustre`` does, ``hpc -> /scratch/alice`` in a group's 2770 project
-folder does not), check each open folder with ``fstat``, open the file itself with ``O_NOFOLLOW`` and read the
-bytes from that descriptor, so a swap of any folder or of the file between the check and the
-read changes nothing. Everything hpcdist reads back and would run goes through them (submitit's
-pickles, an executor call, a result pickle, the rendezvous endpoint and secret, a checkpoint
-folder); anything else is refused in one line naming the file, its owner and its mode, and
-nothing is read.
-
-A storage root that others may write holds one folder per user (``<root>/<user>``), which must
-be the user's own: `own_folder` makes it, or refuses one another user made, naming who.
+folder does not), check each open folder with ``fstat``, open the file with ``O_NOFOLLOW`` and
+read it from that descriptor: a swap of a folder or of the file after the check changes nothing.
+Everything hpcdist reads back and would run goes through them (submitit's pickles, an executor
+call, a result pickle, the rendezvous endpoint and secret, a checkpoint folder); anything else is
+refused in one line naming the file, its owner and its mode, and nothing is read.
 
 In a user namespace (a rank in a Charliecloud or Apptainer container, run by an ordinary user)
 the kernel shows every owner it does not map, root included, as the overflow uid (``nobody``):
@@ -28,14 +24,12 @@ there a folder above the file owned by ``nobody`` is taken for root's, with the 
 its mode. Another user's folder looks the same, so the job script checks submitit's pickle
 outside first, with the real owners (``python -m hpcdist.runtime.task_runner --check``).
 
-``current_user`` (``hpcdist.files.user``'s, re-exported by ``hpcdist.config.site``) is the one
-answer to "who am I" for paths (the per-user folders of a shared storage root): from the
+``current_user`` (``hpcdist.files.user``'s) is the one answer to "who am I" for paths: from the
 process's uid, never from ``$USER``, which a shell may leave as it was.
 
-Over 400 lines: the walk from ``/`` (folders and links) and the test of each step are one rule,
-whose refusals must name the same owner, mode and way out; splitting the walk from the reads
-that use its descriptors would hand those descriptors across modules. (Folding snapshot.py's own
-walk in here, and moving the per-user folders out, is the planned split.)
+Over 400 lines: the walk (folders and links) and the test of each step are one rule, whose
+refusals name the same owner, mode and way out. Each user's folder in a shared root, the planned
+split, is ``files.roots``'s now; the code snapshot's own walk (``kinds/snapshot.py``) stays there.
 """
 
 from __future__ import annotations
@@ -47,26 +41,14 @@ import stat
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from hpcdist.errors import HpcdistError
 from hpcdist.files.user import current_user
 
-
-class StorageRoots(Protocol):
-    """What ``own_folders`` reads of a site's storage (``hpcdist.config.site.Storage``), named by
-    its shape: the config reads a tracking identity through this module, so importing it here would
-    close a circle."""
-
-    @property
-    def folder_mode(self) -> int: ...
-
-    def root(self, name: Any) -> Path: ...
-
-
 __all__ = ["UntrustedFileError", "current_user", "cwd_problem", "denied_hint", "describe", "importable_cwd",
-           "load_pickle", "opened_plain", "opened_trusted", "own_folder", "own_folders", "owner_name", "private_folder",
-           "problem", "read_trusted", "real_folder", "trusted", "trusted_folder"]
+           "load_pickle", "opened_plain", "opened_trusted", "owner_name", "private_folder", "problem", "read_trusted",
+           "real_folder", "trusted", "trusted_folder"]
 
 _FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_PATH", 0)
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
@@ -400,56 +382,6 @@ def private_folder(folder: Path) -> Path:
     if st.st_mode & 0o077:
         os.chmod(folder, 0o700)
     return folder
-
-
-def own_folder(folder: Path, mode: int) -> Path:
-    """This user's folder of a storage root others may write (``<root>/<user>``): made with
-    `mode` when missing, and otherwise (or when another user made it first, in the same moment)
-    accepted only when it is a folder of this user's, checked with ``lstat``; a group- or
-    world-writable one of hers is closed (another member could have put names there for her
-    jobs to use). One another user made is refused, naming who and what to do."""
-    try:
-        folder.mkdir(mode)
-        os.chmod(folder, mode | (os.stat(folder).st_mode & stat.S_ISGID))
-    except FileExistsError:
-        pass
-    st = os.lstat(folder)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        who = owner_name(st.st_uid)
-        raise UntrustedFileError(
-            f"{describe(folder, st)} is your folder of a storage root shared by a group, but {who} made it: "
-            f"hpcdist keeps your files only in a folder of your own (its owner could rename or replace "
-            f"anything in it); {who} or the site's admin removes it (rm -r {folder}), then run again"
-        )
-    if st.st_mode & 0o022:
-        os.chmod(folder, stat.S_IMODE(st.st_mode) & ~0o022)
-    return folder
-
-
-def own_folders(storage: StorageRoots) -> None:
-    """`own_folder` for each root of `storage` that holds a folder per user: what a submit, an
-    executor and ``hpcdist.init`` ask before they write a byte there."""
-    from hpcdist.files.atomic import make_folders
-
-    for name in ("logs", "results", "checkpoints", "scratch"):
-        base, mine = getattr(storage, name), storage.root(name)
-        _no_foreign_links(name, mine)  # before a folder is made through a link another could repoint
-        if mine != base:
-            make_folders(base, storage.folder_mode)
-            own_folder(mine, storage.folder_mode)
-        _no_foreign_links(name, mine)
-
-
-def _no_foreign_links(name: str, root: Path) -> None:
-    """A storage root reached through a link another user could repoint (one in a group's 2770
-    project folder) is one UntrustedFileError naming the link: its jobs would write, and read
-    back, wherever that user points it. A part not made yet is made as a real folder."""
-    try:
-        real_folder(root)
-    except FileNotFoundError:
-        pass
-    except UntrustedFileError as exc:
-        raise UntrustedFileError(f"storage.{name}: refusing {root}: {exc.why}", exc.why) from None
 
 
 def denied_hint(exc: OSError) -> str:
