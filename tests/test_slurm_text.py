@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -233,15 +234,31 @@ def test_sinfo_names_each_node_once_with_its_partitions_and_what_is_dead(folder:
 def test_a_cached_reading_is_read_again_after_a_bounded_time(tmp_path: Path) -> None:
     path = tmp_path / "campus.yaml"
     path.write_text(site_text(cluster(SHAPES), "campus", cached=True))
-    assert not _fresh(path, "2025-06-02T10:15:03")  # no facts beside it (an older hpcdist's reading)
+    stamp = cluster(SHAPES).as_of
+    assert not _fresh(path, stamp)  # no facts beside it (an older hpcdist's reading)
     path.with_suffix(".json").write_text(to_json(cluster(SHAPES)))
-    assert _fresh(path, "2025-06-02T10:15:03")
-    assert not _fresh(path, "2025-06-03T00:00:00")  # slurm.conf changed
+    assert _fresh(path, stamp)
+    assert not _fresh(path, "sha1-0123456789abcdef")  # slurm.conf changed
     old = time.time() - REREAD_S - 1
     os.utime(path, (old, old))
-    assert not _fresh(path, "2025-06-02T10:15:03")  # an account added in sacctmgr shows within REREAD_S
+    assert not _fresh(path, stamp)  # an account added in sacctmgr shows within REREAD_S
     path.write_text(path.read_text().replace("(hpcdist ", "(hpcdist 0.0.0-older "))
-    assert not _fresh(path, "2025-06-02T10:15:03")
+    assert not _fresh(path, stamp)
+
+
+@pytest.mark.parametrize("folder", ["22.05-hpcdist", "24.11-r2411", "26.05-r2605"])
+def test_the_configuration_stamp_is_what_slurm_conf_says_not_when_it_was_asked(folder: str) -> None:
+    """scontrol's first line is the time of its answer on every release, and it ends with a ping of
+    the controllers: neither is the configuration, so neither changes the stamp; MaxArraySize does."""
+    said = text(folder, "config.txt")
+    later = "\n".join(["Configuration data as of 2031-01-01T00:00:00", *said.splitlines()[1:],
+                       "Slurmctld(primary) at elsewhere is DOWN"])
+    later = re.sub(r"NEXT_JOB_ID( +)= \d+", r"NEXT_JOB_ID\1= 4242", later)  # a job submitted since
+    assert "NEXT_JOB_ID             = 4242" in later
+    assert slurm_text.as_of(later) == slurm_text.as_of(said) and slurm_text.as_of(said).startswith("sha1-")
+    smaller = said.replace("MaxArraySize            = 1001", "MaxArraySize            = 11")
+    assert slurm_text.as_of(smaller) != slurm_text.as_of(said)
+    assert cluster(folder).max_array_size == 1001
 
 
 def test_a_reading_that_does_not_load_is_named_as_hpcdists_not_hers(tmp_path: Path,

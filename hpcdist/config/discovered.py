@@ -5,8 +5,11 @@ a job gets when it names none where ``srun`` is on PATH (submitit's rule).
 YAML with a comment beside each value saying where it came from; what the cluster cannot tell
 (the network interface, where shared storage is) is a commented line to fill in, never a guess.
 ``discovered_site()`` keeps that text per user (``$XDG_CACHE_HOME/hpcdist/sites/<cluster>.yaml``,
-0600), stamped with the controller's configuration time: a changed slurm.conf is read again, and
-so is a reading older than an hour (an account added or expired in sacctmgr).
+0600), stamped with a digest of the controller's configuration: a changed slurm.conf is read again,
+and so is a reading older than an hour (an account added or expired in sacctmgr). The stamp is
+asked at most once a minute (``CHECK_S``) for all of a user's hpcdist processes: a command, a
+script's ``Executor`` and each of its submissions would otherwise each cost the controller a
+``show config`` and the ping that scontrol sends with it.
 The file is then an ordinary site file, loaded and validated as a written one is.
 """
 
@@ -26,7 +29,7 @@ if TYPE_CHECKING:
     from hpcdist.scheduler.slurm_text import Cluster
 
 SLURM = "slurm"  # the name that means "the Slurm cluster srun talks to, as discovered"
-STAMP = "# configuration as of "
+STAMP = "# configuration "
 SHARED_FS = ("lustre", "gpfs", "beegfs", "nfs", "nfs4", "wekafs", "cephfs", "panfs")
 DEFAULT_TIME_MIN = 30
 
@@ -51,15 +54,54 @@ def discovered_site() -> Path:
     from hpcdist.scheduler.slurm_cluster import config_stamp, read_cluster
 
     folder = cache_dir("sites")
+    checked = _checked_recently(folder)
+    if checked is not None:
+        return checked
     stamp = config_stamp()
     if stamp is not None and _fresh(folder / f"{_file_name(stamp[0])}.yaml", stamp[1]):
-        return folder / f"{_file_name(stamp[0])}.yaml"
+        return _mark_checked(folder, folder / f"{_file_name(stamp[0])}.yaml")
     cluster = read_cluster()
     text = site_text(cluster, cluster.name, cached=True)
     private_folder(folder)
     path = folder / f"{_file_name(cluster.name)}.yaml"
     _write_private(facts_path(path), to_json(cluster))  # first: a current site file always has its facts
     _write_private(path, text)
+    return _mark_checked(folder, path)
+
+
+CHECK_S = 60.0  # a reading checked against the controller this recently is used without asking again
+
+
+def _marker(folder: Path) -> Path:
+    """Where the time of the last check of the cluster these commands reach is kept: one per
+    scontrol, SLURM_CONF and login node (the test bed's clusters share one cache folder)."""
+    from hpcdist.scheduler import ssh
+    from hpcdist.scheduler.queue_cache import cluster_key
+
+    return folder / f".checked-{cluster_key(ssh.login())}"
+
+
+def _checked_recently(folder: Path) -> Path | None:
+    """The reading checked within ``CHECK_S`` by any process of this user, if it is still this
+    hpcdist's and within ``REREAD_S``; None to ask the controller."""
+    marker = _marker(folder)
+    try:
+        if time.time() - marker.stat().st_mtime >= CHECK_S:
+            return None
+        path = folder / marker.read_text().strip()
+        head = [line for line in path.read_text().splitlines()[:3] if line.startswith(STAMP)]
+    except OSError:
+        return None
+    if path.parent != folder or not head or not _fresh(path, head[0][len(STAMP):].split(" ")[0]):
+        return None
+    return path
+
+
+def _mark_checked(folder: Path, path: Path) -> Path:
+    try:
+        _write_private(_marker(folder), path.name)
+    except OSError:  # a reading that cannot be marked is only asked again
+        pass
     return path
 
 
@@ -222,7 +264,7 @@ def site_text(cluster: Cluster, name: str, *, cached: bool = False, probe: dict[
         f"written by `hpcdist site init` (hpcdist {_version()}): edit it, then `hpcdist site check {name}`"
     lines.note(0, f"Site {name!r}: the Slurm cluster {cluster.name!r} (Slurm {cluster.version}), read from it as "
                   f"user {cluster.user} on {time.strftime('%Y-%m-%d %H:%M')}; {made}.")
-    lines.out.append(f"{STAMP}{cluster.as_of} (scontrol show config; a newer one is read again)")
+    lines.out.append(f"{STAMP}{cluster.as_of} (scontrol show config; a changed one is read again)")
     lines.add(0, "scheduler", "slurm")
     if cluster.gres_gpus:
         lines.add(0, "gpu_request", "gres", f"{cluster.select_type}: GPUs are asked as --gres=gpu:N")

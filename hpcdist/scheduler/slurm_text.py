@@ -13,6 +13,7 @@ library only.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 
@@ -103,8 +104,7 @@ class Partition:
         return None
 
 
-def _names(value: str) -> list[str]:
-    return [v for v in value.split(",") if v]
+_names = re.compile(r"[^,]+").findall  # the names of a comma-separated list, empty ones left out
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,8 @@ class Qos:
 @dataclass(frozen=True)
 class Cluster:
     name: str
-    as_of: str  # the controller's configuration stamp: a change of slurm.conf changes it
+    as_of: str  # the controller's configuration stamp (``as_of``): a change of slurm.conf changes it
+    max_array_size: int = 1001  # MaxArraySize: an array's task indices are below it (Slurm's default)
     version: str = ""
     mpi_default: str = "none"
     mpi_plugins: tuple[str, ...] = ()
@@ -224,8 +225,10 @@ def config(out: str) -> dict[str, str]:
 
 
 def as_of(out: str) -> str:
-    """The controller's stamp on its first line (``Configuration data as of 2026-11-28T02:21:04``)."""
-    return out.splitlines()[0].rpartition(" as of ")[2].strip() if out else ""
+    """A digest of ``scontrol show config`` less what changes without slurm.conf (measured on 22.05,
+    24.11, 26.05): its first line (the time of the answer), NEXT_JOB_ID and the ping lines at its end."""
+    kept = [x for x in out.splitlines()[1:] if not re.match(r"Slurmctld\(\w+\) at .* is |NEXT_JOB_ID\b", x)]
+    return f"sha1-{hashlib.sha1(chr(10).join(kept).encode()).hexdigest()[:16]}" if out else ""
 
 
 def number(value: str | None) -> int | None:
@@ -389,8 +392,8 @@ def cluster_from(texts: Texts, user: str, groups: tuple[str, ...] = ()) -> Clust
         name=conf.get("ClusterName", "slurm"), as_of=as_of(texts.config), version=conf.get("SLURM_VERSION", ""),
         # an unset MpiDefault: 22.05 prints none, 24.11 (null)
         mpi_default=listed(conf.get("MpiDefault")) or "none", mpi_plugins=mpi_plugins(texts.mpi_list),
-        select_type=conf.get("SelectType", ""), accounting=accounting,
-        enforce=conf.get("AccountingStorageEnforce", "none"), default_account=default or None,
+        select_type=conf.get("SelectType", ""), accounting=accounting, default_account=default or None,
+        enforce=conf.get("AccountingStorageEnforce", "none"), max_array_size=number(conf.get("MaxArraySize")) or 1001,
         associations=associations(texts.assoc or ""), qos_max_wall_min={n: q.max_wall_min for n, q in qos.items()},
         qos_limits=qos, pyxis="--container-image" in texts.srun_help, pmix_dir=pmix_dir(conf),
         partitions=partitions(texts.partitions, all_nodes), user=user, groups=groups,
