@@ -221,7 +221,8 @@ def test_submit_names_what_the_cluster_holds_now_before_sbatch(tmp_path: Path, m
     reading.write_text(site_text(facts, "campus", cached=True))
     reading.with_suffix(".json").write_text(to_json(facts))
     monkeypatch.setattr(discovered, "discovered_site", lambda: reading)
-    monkeypatch.setattr(slurm_cluster, "current_reservations", lambda: reservations(text(SHAPES, "reservation.txt")))
+    monkeypatch.setattr(slurm_cluster, "current_reservations",
+                        lambda shared=None: reservations(text(SHAPES, "reservation.txt")))
     monkeypatch.setattr(slurm_cluster, "my_jobs", lambda user: queued_jobs(text(SHAPES, "squeue.txt")))
     site = load_site(str(reading), [f"storage.{r}={tmp_path}/{r}" for r in ("results", "checkpoints", "scratch",
                                                                              "logs")])

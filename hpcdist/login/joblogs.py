@@ -102,13 +102,19 @@ def follow(record: JobRecord, ranks: list[int], tail: int | None) -> None:
                     data = head + sep
                 printer.lines(label, path, data.decode(errors="replace").splitlines(keepends=True))
 
-    checked, vanished = float("-inf"), Vanished()
+    from hpcdist.login.watch import hurry
+
+    checked, vanished, reading = float("-inf"), Vanished(), None
     while True:
         drain(final=False)
         if time.monotonic() - checked >= STATE_EVERY_S:
             checked = time.monotonic()
-            reading = JobHandle(record).reading()
-            gone = vanished.gone(reading)  # squeue answered without it, and sacct is down: it ended
+            handle = JobHandle(record)
+            if record.scheduler == "slurm" and handle.submission.job.task(0).paths.result_pickle.exists():
+                hurry()  # rank 0 returned: Slurm's word on the end comes next
+            reading, heard = handle.reading(), reading.asked if reading is not None else -1.0
+            # squeue answered without it, and sacct is down: it ended (a kept answer is no second one)
+            gone = reading.asked != heard and vanished.gone(reading)
             if reading.state.final or gone:
                 time.sleep(1.0)  # the last lines a node flushes as the job ends
                 drain(final=True)

@@ -29,7 +29,7 @@ from hpcdist.login.node_failure_wait import describe
 from hpcdist.login.standby import continued_in
 from hpcdist.login.submit import Submission
 from hpcdist.login.watch import Finished, hms, slurm_seconds, watch
-from hpcdist.scheduler import slurm
+from hpcdist.scheduler import slurm_watch
 from hpcdist.scheduler.states import JobState
 
 
@@ -185,7 +185,7 @@ class JobRow:
 def job_rows(recs: list[JobRecord]) -> tuple[list[JobRow], str]:
     """One row per job: Slurm's from one batched squeue and sacct call, local ones from their
     processes and results; and a note when Slurm's accounting could not be read."""
-    watcher = slurm.Watcher()
+    watcher = slurm_watch.Watcher()
     readings = watcher.readings([r.job_id for r in recs if r.scheduler == "slurm"])
     note = ""
     if watcher.accounting_error:

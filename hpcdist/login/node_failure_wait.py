@@ -80,11 +80,15 @@ class NodeFailures:
         self.live_seen = ""
         self._checked = float("-inf")
 
-    def poll(self, state: JobState) -> None:
+    def poll(self, state: JobState, restarts: str = "") -> None:
+        """`restarts`: squeue's count with the state, where the waiter's query had it (saves a
+        ``scontrol show job`` per job waited on: a job never started again needs no look)."""
         if state in (JobState.RUNNING, JobState.COMPLETING):
             self.ran = True
             return
         now = time.monotonic()
+        if self.late and not self.ran and restarts == "0":
+            self.late = False  # pending for its first run: nothing to do until it has run
         if self.cause or not (self.ran or self.late) or state not in (JobState.PENDING, JobState.REQUEUED):
             return
         if now - self._checked < CHECK_EVERY_S:

@@ -20,6 +20,8 @@ from hpcdist.config.site import StorageRoot
 from hpcdist.scheduler import ssh
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from hpcdist.config.site import Partition, Site
     from hpcdist.login.limits import Ask
     from hpcdist.login.plan import Plan
@@ -240,6 +242,14 @@ def against_cluster(plan: Plan) -> None:
         now_against_cluster(spec.name, facts, ask, refuse)
 
 
+def _shared(what: str) -> Path:
+    """Where the user's hpcdist processes share what they read of this cluster (``queue_cache``)."""
+    from hpcdist.login.jobindex import state_dir
+    from hpcdist.scheduler import queue_cache
+
+    return queue_cache.path_in(state_dir() / "queue", ssh.login(), what)
+
+
 def now_against_cluster(name: str, facts: Cluster, ask: Ask, refuse: Callable[[str | None], None]) -> None:
     """What the cluster holds now, before sbatch: the reservations (the one the job names must
     let her in; those that hold for others the nodes it could have), and her own jobs under a
@@ -251,7 +261,7 @@ def now_against_cluster(name: str, facts: Cluster, ask: Ask, refuse: Callable[[s
     from hpcdist.login.limits import per_user, reservations
     from hpcdist.scheduler.slurm_cluster import current_reservations, my_jobs
 
-    found = current_reservations()
+    found = current_reservations(_shared("reservations"))
     refused, wait = reservations(facts, ask, found or [], datetime.now()) if found is not None else (None, "")
     refuse(refused)
     waits = [wait] if wait else []

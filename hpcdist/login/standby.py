@@ -61,10 +61,10 @@ def successor(spec: JobSpec, site: Site, job_id: str, state: JobState) -> tuple[
 
 def cancel_chain(spec: JobSpec, site: Site, record: jobindex.JobRecord) -> str:
     """``hpcdist cancel`` of a job with spares: the job and every standby behind it that has not ended."""
-    from hpcdist.scheduler import slurm
+    from hpcdist.scheduler import slurm, slurm_watch
 
     ids = chain(spec, site, record.job_id)
-    readings = slurm.Watcher().readings(ids)
+    readings = slurm_watch.Watcher().readings(ids)
     live = [i for i in ids if not readings[i].state.final]
     for job_id in live:
         slurm.scancel(job_id)

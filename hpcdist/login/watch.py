@@ -23,7 +23,7 @@ from hpcdist.login import remote
 from hpcdist.login.standby import standby_record, successor
 from hpcdist.login.submit import Submission
 from hpcdist.polling import poll_until
-from hpcdist.scheduler import slurm
+from hpcdist.scheduler import slurm, slurm_watch
 from hpcdist.scheduler.slurm import Vanished
 from hpcdist.scheduler.states import JobState
 
@@ -58,9 +58,10 @@ class Finished:
 
 
 # Every Slurm job this process waits for is read in one squeue (and one sacct) with the others it
-# waits for, at most every half second (submitit's SlurmInfoWatcher): 50 handles of one array
-# cost one query per poll, not 50; the watcher keeps final states and asks only for the others.
-_SHARED = slurm.Watcher(ttl_s=0.5)
+# waits for, less often as they age, and with the user's other processes through a file in her
+# state folder (``hpcdist.scheduler.slurm_watch``): 50 handles of one array, or 20 `submit --wait`
+# at once, cost one query per poll, not 50; the watcher keeps final states and asks only for the others.
+_SHARED = slurm_watch.Watcher(backoff=True)
 _WATCHED: dict[str, None] = {}
 
 
@@ -69,8 +70,17 @@ def watch_together(job_ids: list[str]) -> None:
     _WATCHED.update(dict.fromkeys(job_ids))
 
 
+def hurry() -> None:
+    """Read the queue again within a second: a job's end is near (its rank 0 returned)."""
+    _SHARED.hurry()
+
+
 def _slurm_reading(job_id: str) -> slurm.Reading:
+    from hpcdist.login.jobindex import state_dir
+    from hpcdist.scheduler import queue_cache, ssh
+
     _WATCHED[job_id] = None
+    _SHARED.shared = queue_cache.path_in(state_dir() / "queue", ssh.login())  # this cluster's, as now reached
     return _SHARED.readings(list(_WATCHED))[job_id]
 
 
@@ -140,6 +150,11 @@ def outcomes(sub: Submission, state: JobState = JobState.UNKNOWN, end: Ending | 
     return out
 
 
+def results_in(sub: Submission) -> bool:
+    """Every rank of the job's run wrote its result file (a file test, no command)."""
+    return all(sub.job.task(rank).paths.result_pickle.exists() for rank in range(ranks_ran(sub)))
+
+
 def every_rank_returned(sub: Submission) -> bool:
     """A direct ``hpcdist.Executor`` call on Slurm whose every task wrote a successful result:
     done, as submitit's own jobs count it, though Slurm may still say RUNNING or COMPLETING for
@@ -147,10 +162,7 @@ def every_rank_returned(sub: Submission) -> bool:
     ranks), and so does a task that failed (the cause line reads Slurm's accounting)."""
     if sub.site.scheduler != "slurm" or not sub.spec.params.get("direct"):
         return False
-    ranks = ranks_ran(sub)
-    if not all(sub.job.task(rank).paths.result_pickle.exists() for rank in range(ranks)):
-        return False
-    return all(o.ok for o in outcomes(sub, JobState.COMPLETED))
+    return results_in(sub) and all(o.ok for o in outcomes(sub, JobState.COMPLETED))
 
 
 def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
@@ -170,18 +182,25 @@ def wait(sub: Submission, poll_s: float = 1.0, timeout_s: float | None = None,
     vanished = Vanished()
     failures = NodeFailures(sub.job_id, sub.spec, sub.site, sub.paths) if sub.site.scheduler == "slurm" else None
 
+    heard = [-1.0]  # when the newest reading was asked: a kept one is not a second answer
+
     def ended() -> JobState | None:
+        if every_rank_returned(sub):  # a direct call's result is in; Slurm says so after its epilog
+            if on_poll is not None:
+                on_poll(JobState.COMPLETED)
+            return JobState.COMPLETED
+        if sub.site.scheduler == "slurm" and sub.job.task(0).paths.result_pickle.exists():
+            _SHARED.hurry()  # rank 0 returned: Slurm's word on the end comes next
         reading = read_state(sub)
         state = reading.state
-        if state in (JobState.RUNNING, JobState.COMPLETING) and every_rank_returned(sub):
-            state = JobState.COMPLETED  # a direct call's result is in; Slurm says so after its epilog
-        if failures is not None:
-            failures.poll(reading.state)  # a requeue after a node failure: exclude the node, or end
+        if failures is not None:  # a requeue after a node failure: exclude the node, or end
+            failures.poll(reading.state, reading.row.restarts if reading.row is not None else "")
         if on_poll is not None:
             on_poll(state)
         if state.final:
             return state
-        if sub.site.scheduler == "slurm" and vanished.gone(reading):
+        new, heard[0] = reading.asked != heard[0], reading.asked
+        if sub.site.scheduler == "slurm" and new and vanished.gone(reading):
             raise SubmitError(Vanished.message(sub.job_id))
         return None
 
@@ -336,8 +355,9 @@ class _Watcher:
         return f"; {self.held_note}" if self.held_note else ""
 
     def _slurm_row(self, state: JobState) -> slurm.JobStatus | None:
-        """squeue's row while the job is queued or runs (reason, elapsed), sacct's once it ended."""
-        return slurm.read_state(self.sub.job_id).row
+        """squeue's row while the job is queued or runs (reason, elapsed), sacct's once it ended:
+        the reading the waiter got, asked no second time."""
+        return read_state(self.sub).row
 
 
 def watch(sub: Submission, submitted: float | None = None, timeout_s: float | None = None,

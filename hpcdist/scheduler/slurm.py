@@ -5,8 +5,9 @@ Every call has a timeout (``HPCDIST_SLURM_TIMEOUT_S``, 30 s) and is tried again 
 times out (``HPCDIST_SLURM_TRIES``, 3: slurmctld restarting, a busy controller); what still fails
 means *unknown*, never *gone*: only a successful answer that does not list a job counts as its
 absence (``Reading.absent``). Job ids are checked once, here, before they reach a command line.
-``Watcher`` batches the queries of many jobs into one squeue and one sacct call and caches them,
-as submitit's ``SlurmInfoWatcher`` does. Standard library only: the nodes requeue through it too.
+``hpcdist.scheduler.slurm_watch.Watcher`` batches the queries of many jobs into one squeue and one
+sacct call and keeps them, as submitit's ``SlurmInfoWatcher`` does. Standard library only: the
+nodes requeue through it too.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class JobStatus:
     elapsed: str
     nodes: str
     reason: str = ""  # squeue's %r: why a pending job waits (Resources, Priority, Dependency)
+    restarts: str = ""  # squeue's RestartCnt: how often Slurm started it again ("" where not asked)
 
 
 def sacct_rows(job_ids: Sequence[str]) -> list[JobStatus]:
@@ -145,6 +147,27 @@ def squeue_rows(job_ids: Sequence[str]) -> dict[str, JobStatus] | None:
         parts = line.split("|")
         if len(parts) == 6:
             rows[parts[0]] = JobStatus(parts[0], parts[1], parts[2], "", parts[3], parts[4], parts[5])
+    return rows
+
+
+# squeue -O: each field then "|"; the name last, as it may hold anything
+_QUEUE_FIELDS = "JobArrayID:|,Name:|,State:|,TimeUsed:|,NodeList:|,Reason:|,RestartCnt:|"
+
+
+def my_queue() -> dict[str, JobStatus] | None:
+    """Every job of this user slurmctld holds (as ``squeue_rows``, one row per array task), with
+    its restart count: one question whatever the number of jobs, and a light one (``--me`` loads
+    her jobs alone; ``-j`` with several ids loads the cluster's). None when squeue could not be asked."""
+    answer = run(["squeue", "-h", "--me", "-r", "--states=all", "-O", _QUEUE_FIELDS])
+    if not answer.ok:
+        return None
+    rows = {}
+    for line in answer.out.splitlines():
+        job, _, rest = line.partition("|")
+        fields = rest.removesuffix("|").rsplit("|", 5)
+        if is_job_id(job.strip()) and len(fields) == 6:
+            name, state, used, nodes, reason, restarts = (f.strip() for f in fields)
+            rows[job.strip()] = JobStatus(job.strip(), name, state, "", used, nodes, reason, restarts)
     return rows
 
 
@@ -289,64 +312,43 @@ def sbatch(script: str | os.PathLike[str], options: Sequence[str] = (), args: Se
 class Reading:
     """A job's state at one read, and whether the answer proves the job is gone: squeue answered
     without it and accounting had nothing (down, or not yet). A failed command is UNKNOWN and
-    not absent."""
+    not absent. `asked`: when the answer was asked (monotonic), which tells a new one from a kept one."""
 
     state: JobState
     row: JobStatus | None = None  # sacct's newest record, else squeue's row
     absent: bool = False
+    asked: float = 0.0
 
 
-class Watcher:
-    """Reads the states of many jobs with one squeue and one sacct call, cached for `ttl_s` (a
-    final state for as long as the watcher lives)."""
-
-    def __init__(self, ttl_s: float = 2.0) -> None:
-        self.ttl_s = ttl_s
-        self._read: dict[str, tuple[float, Reading]] = {}
-        self.accounting_error = ""  # the last sacct failure, for a note under a table
-
-    def readings(self, job_ids: Sequence[str]) -> dict[str, Reading]:
-        """Each job's reading: asked again once older than `ttl_s`, unless it is final (it never
-        changes), so many jobs waited for together cost one query per poll for those still going."""
-        now = time.monotonic()
-        stale = [j for j in dict.fromkeys(job_ids) if j not in self._read
-                 or not self._read[j][1].state.final and now - self._read[j][0] >= self.ttl_s]
-        if stale:
-            for job_id, reading in self._query(stale).items():
-                self._read[job_id] = (now, reading)
-        return {j: self._read[j][1] for j in job_ids}
-
-    def reading(self, job_id: str) -> Reading:
-        return self.readings([job_id])[job_id]
-
-    def _query(self, job_ids: list[str]) -> dict[str, Reading]:
-        """squeue for every job (the controller's word on a queued, running or just ended one),
-        then sacct for the ones it no longer holds (or when squeue could not be asked)."""
-        queue = squeue_rows(job_ids)
-        rest = [j for j in job_ids if queue is None or j not in queue]
-        accounted: dict[str, JobStatus] = {}
-        if rest:
-            try:
-                for row in sacct_rows(rest):
-                    accounted[row.job_id] = row  # the newest record of a requeued job wins
-                self.accounting_error = ""
-            except SubmitError as exc:
-                self.accounting_error = str(exc)
-        out = {}
-        for job_id in job_ids:
-            queued = None if queue is None else queue.get(job_id)
-            if queued is not None:
-                out[job_id] = Reading(JobState.from_slurm(queued.state), queued)
-            elif job_id in accounted:
-                out[job_id] = Reading(JobState.from_slurm(accounted[job_id].state), accounted[job_id])
-            else:
-                out[job_id] = Reading(JobState.UNKNOWN, absent=queue is not None)
-        return out
+def readings_of(job_ids: Sequence[str], queue: dict[str, JobStatus] | None,
+                asked: float) -> tuple[dict[str, Reading], str]:
+    """Each job's reading from `queue` (squeue's answer, the controller's word on a queued,
+    running or just ended job; None: squeue could not be asked), then sacct for the ones it does
+    not hold; and why accounting could not be read ("" when it could)."""
+    rest = [j for j in job_ids if queue is None or j not in queue]
+    accounted: dict[str, JobStatus] = {}
+    error = ""
+    if rest:
+        try:
+            for row in sacct_rows(rest):
+                accounted[row.job_id] = row  # the newest record of a requeued job wins
+        except SubmitError as exc:
+            error = str(exc)
+    out = {}
+    for job_id in job_ids:
+        queued = None if queue is None else queue.get(job_id)
+        if queued is not None:
+            out[job_id] = Reading(JobState.from_slurm(queued.state), queued, asked=asked)
+        elif job_id in accounted:
+            out[job_id] = Reading(JobState.from_slurm(accounted[job_id].state), accounted[job_id], asked=asked)
+        else:
+            out[job_id] = Reading(JobState.UNKNOWN, absent=queue is not None, asked=asked)
+    return out, error
 
 
 def read_state(job_id: str) -> Reading:
-    """One job's state now (squeue, then sacct; uncached)."""
-    return Watcher(ttl_s=0.0).reading(job_id)
+    """One job's state now (squeue, then sacct; uncached: ``slurm_watch.Watcher`` batches and keeps)."""
+    return readings_of([job_id], squeue_rows([job_id]), time.monotonic())[0][job_id]
 
 
 GONE_AFTER_S = 5.0  # how long a job may be proven absent before a waiter gives up

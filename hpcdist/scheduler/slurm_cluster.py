@@ -23,6 +23,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from hpcdist.errors import SubmitError
 from hpcdist.scheduler import slurm, ssh
@@ -125,10 +126,39 @@ def read_cluster() -> Cluster:
     return cluster_from(texts, user, _groups(user))
 
 
-def current_reservations() -> list[Reservation] | None:
-    """The cluster's reservations now (``scontrol -o show reservation``); None when it does not answer."""
-    answer = _ask(["scontrol", "-o", "show", "reservation"])
-    return reservations(answer.out) if answer.ok else None
+RESERVATIONS_KEPT_S = 60.0  # an Executor's 50 submissions, or 20 `submit` at once, ask once, not 50 times
+_reservations: dict[tuple[str, str], tuple[float, list[Reservation]]] = {}
+
+
+def current_reservations(shared: Path | None = None) -> list[Reservation] | None:
+    """The cluster's reservations now (``scontrol -o show reservation``), kept a minute in this
+    process and, given `shared` (a file in the user's state folder), for her other processes;
+    None when it does not answer."""
+    import dataclasses
+    import time
+
+    from hpcdist.scheduler import queue_cache
+
+    key, now = (os.environ.get("SLURM_CONF", ""), ssh.login()), time.monotonic()
+    if key in _reservations and now - _reservations[key][0] < RESERVATIONS_KEPT_S:
+        return _reservations[key][1]
+    kept = queue_cache.read(shared, RESERVATIONS_KEPT_S) if shared is not None else None
+    try:
+        found = None if kept is None else [
+            Reservation(row[0], row[1], row[2], row[3], tuple(f for f in row[4].split(",") if f), row[5], row[6],
+                        row[7], row[8]) for row in kept[1].values()]
+    except (TypeError, IndexError):
+        found = None
+    if found is None:
+        at, answer = time.time(), _ask(["scontrol", "-o", "show", "reservation"])
+        if not answer.ok:
+            return None
+        found = reservations(answer.out)
+        if shared is not None:
+            rows = [[",".join(v) if isinstance(v, tuple) else str(v) for v in dataclasses.astuple(r)] for r in found]
+            queue_cache.write(shared, at, {str(i): row for i, row in enumerate(rows)})
+    _reservations[key] = (now, found)
+    return found
 
 
 def my_jobs(user: str) -> list[QueuedJob] | None:
