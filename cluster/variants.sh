@@ -28,6 +28,11 @@ declare -A NODE_PORT=([parts]=17011 [gpus]=17021 [noacct]=17031)
 # gpus' short QOS. A QOS is global in slurmdbd: the prefix keeps it apart from the main cluster's.
 QOS_SHORT="v-short"
 QOS_SHORT_WALL=00:20:00
+# gpus' sweep QOS, asked by name only: a user may have 3 jobs (array tasks) queued or running under it.
+QOS_SWEEP="v-sweep"
+QOS_SWEEP_SUBMIT=3
+# gpus' MaxArraySize: an array's indices stay below it (Slurm's default is 1001).
+GPUS_MAX_ARRAY=5
 GPU_USERS=(alice bob)
 
 usage() {
@@ -107,6 +112,7 @@ AccountingStorageHost=localhost
 AccountingStorageTRES=gres/gpu
 # A job needs an association (account), and its QOS's limits hold (v-short: 20 minutes at most).
 AccountingStorageEnforce=associations,limits,qos
+MaxArraySize=$GPUS_MAX_ARRAY
 EOF
       ;;
     noacct) cat <<EOF
@@ -209,23 +215,24 @@ setup_accounting() {
 
 # What gpus' accounting holds once set up, one line per fact, as sacctmgr prints them.
 gpu_accounts_now() {
-  sacctmgr -n -P show qos "$QOS_SHORT" format=name,maxwall
+  sacctmgr -n -P show qos "$QOS_SHORT,$QOS_SWEEP" format=name,maxwall,maxsubmitjobsperuser | sort
   sacctmgr -n -P show user withassoc where cluster=gpus name="$(IFS=,; echo "${GPU_USERS[*]}"),root" \
     format=user,defaultaccount,account,qos,defaultqos | sort
 }
 gpu_accounts_wanted() {
   local user
-  echo "$QOS_SHORT|$QOS_SHORT_WALL"
+  echo "$QOS_SHORT|$QOS_SHORT_WALL|"
+  echo "$QOS_SWEEP||$QOS_SWEEP_SUBMIT"
   {
-    for user in "${GPU_USERS[@]}"; do echo "$user|proj-b|proj-b|normal,$QOS_SHORT|$QOS_SHORT"; done
+    for user in "${GPU_USERS[@]}"; do echo "$user|proj-b|proj-b|normal,$QOS_SHORT,$QOS_SWEEP|$QOS_SHORT"; done
     echo "root|root|proj-a|normal|"
     echo "root|root|proj-b|normal|"
     echo "root|root|root|normal|"
   } | sort
 }
 # gpu_accounts: accounts proj-a and proj-b; alice and bob in proj-b (their default here, so a job
-# needs no -A), allowed QOS normal and v-short, v-short by default; root in both. Written only
-# when what accounting holds differs (a second run asks two questions and writes nothing).
+# needs no -A), allowed QOS normal, v-short and v-sweep, v-short by default; root in both. Written
+# only when what accounting holds differs (a second run asks two questions and writes nothing).
 gpu_accounts() {
   local users
   users=$(IFS=,; echo "${GPU_USERS[*]}")
@@ -236,11 +243,16 @@ gpu_accounts() {
   else
     sacctmgr_add modify qos where name="$QOS_SHORT" set MaxWall="$QOS_SHORT_WALL"
   fi
+  if [[ -z $(sacctmgr -n -P show qos "$QOS_SWEEP" format=name) ]]; then
+    sacctmgr_add add qos "$QOS_SWEEP" MaxSubmitJobsPerUser="$QOS_SWEEP_SUBMIT"
+  else
+    sacctmgr_add modify qos where name="$QOS_SWEEP" set MaxSubmitJobsPerUser="$QOS_SWEEP_SUBMIT"
+  fi
   sacctmgr_add add account proj-a,proj-b cluster=gpus Description=variant-gpus Organization=hpcdist
   sacctmgr_add add user root account=proj-a,proj-b cluster=gpus
   sacctmgr_add add user "$users" account=proj-b cluster=gpus DefaultAccount=proj-b
   sacctmgr_add modify user where name="$users" cluster=gpus account=proj-b \
-    set QOS=normal,"$QOS_SHORT" DefaultQOS="$QOS_SHORT"
+    set QOS=normal,"$QOS_SHORT","$QOS_SWEEP" DefaultQOS="$QOS_SHORT"
   sacctmgr_add modify user where name="$users" cluster=gpus set DefaultAccount=proj-b
   [[ $(gpu_accounts_now) == "$(gpu_accounts_wanted)" ]] ||
     fail "gpus' accounting is not as set up: $(diff <(gpu_accounts_wanted) <(gpu_accounts_now) | paste -sd ' ')" \

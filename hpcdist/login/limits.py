@@ -176,6 +176,24 @@ def _job_qos(cluster: Cluster, ask: Ask) -> tuple[str | None, list[tuple[Qos, st
     return account, held
 
 
+def room(cluster: Cluster, ask: Ask, jobs: list[QueuedJob]) -> tuple[int | None, str]:
+    """How many more of `ask`'s tasks the QOS that hold it take now under MaxSubmitJobsPerUser
+    beside her `jobs` (squeue, one per array task), and that limit in the cluster's words; None
+    where no such limit holds it (``hpcdist.login.arrays`` holds the rest of an array back)."""
+    least: int | None = None
+    words = ""
+    for qos, whose in _job_qos(cluster, ask)[1]:
+        if qos.max_submit_per_user is None:
+            continue
+        partition_qos = whose.startswith("the partition")  # it charges every job of the partition
+        under = [j for j in jobs if (j.partition == ask.partition if partition_qos else j.qos == qos.name)]
+        free = max(0, qos.max_submit_per_user - len(under))
+        if least is None or free < least:
+            least, words = free, (f"{whose} {qos.name!r} has MaxSubmitJobsPerUser={qos.max_submit_per_user} and "
+                                  f"{len(under)} of her jobs are queued or running under it")
+    return least, words
+
+
 def per_user(cluster: Cluster, ask: Ask, jobs: list[QueuedJob]) -> tuple[list[str], list[str]]:
     """What a QOS's per-user limits make of `ask` beside her `jobs` now (squeue, one per array
     task): (refusals, waits). sbatch refuses a job over MaxSubmitJobsPerUser; one over

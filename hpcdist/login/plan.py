@@ -52,6 +52,7 @@ class Origin:
     sweeps: tuple[str, ...] = ()  # `--sweep KEY=V1,V2`: the job is an array, one task per combination
     max_parallel: int | None = None  # the array's %N
     tasks: int | None = None  # an array of this many tasks without sweeps (hpcdist.Executor.map_array)
+    part: tuple[int, int] | None = None  # (first task, tasks) of an array split to fit (hpcdist.login.arrays)
 
     def command(self, verb: str = "submit") -> str:
         parts = ["hpcdist", verb, *([self.job_path] if not self.argv else []), "--site", self.site_ref]
@@ -68,6 +69,8 @@ class Origin:
     @property
     def array_size(self) -> int | None:
         """How many tasks the job array has (None: not an array)."""
+        if self.part is not None:
+            return self.part[1]
         if not self.sweeps:  # the sweep module loads only for a sweep (every plan asks this)
             return self.tasks
         from hpcdist.config.sweep import tasks

@@ -253,6 +253,12 @@ def schedule(plan: Plan, calls: Sequence[Call] | None = None) -> list[Submission
     from hpcdist.login import render
     from hpcdist.runtime import run_rank  # the callable only; nothing runs here
 
+    if plan.slurm and plan.array and plan.origin.part is None:  # over MaxArraySize, or a QOS's MaxSubmitJobs
+        from hpcdist.login.arrays import schedule_parts
+
+        parts = schedule_parts(plan, calls, schedule)
+        if parts is not None:
+            return parts
     todo: list[Call] = list(calls) if calls is not None else [(run_rank, (task, plan.site), {}) for task in plan.tasks]
 
     base, site, script = plan.base, plan.site, render.script(plan)

@@ -3,7 +3,8 @@ set up as a kind of real site is. A client reaches one through ``variant_env(nam
 
 - ``parts``: partitions ``batch`` (default, 30 min, 500 MB per CPU) and ``short`` (5 min, 250 MB)
 - ``gpus``: typed GPUs on one node only (g1 ``gpu:a100:2``), MpiDefault=pmix, accounting enforced
-  (alice and bob in account proj-b, QOS v-short of 20 minutes by default)
+  (alice and bob in account proj-b, QOS v-short of 20 minutes by default, v-sweep with
+  MaxSubmitJobsPerUser=3 when asked), MaxArraySize=5
 - ``noacct``: no accounting (sacct fails)"""
 
 from __future__ import annotations
