@@ -122,3 +122,41 @@ def test_waiting_on_a_running_job_survives_a_flaky_squeue_and_accounting_down(
     waited = run_cli("wait", job, env={"PATH": f"{bin_dir}:{os.environ['PATH']}"}, timeout=200)
     assert done.exists(), f"the waiter ended while the job still ran: {waited.text}"
     assert waited.code == 0 and f"job {job} finished: COMPLETED; 1/1 ranks succeeded" in waited.out, waited.text
+
+
+def test_a_users_waiters_share_one_answer_and_ask_again_only_as_the_jobs_age(path_first: Path, tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes' watchers (here two in one) on one file of her state folder: the second uses
+    the answer the first got, and each asks again only once half the jobs' age has passed (2 s at
+    least); squeue is asked for her queue, sacct for nothing it holds. Slurm's commands as scripts:
+    only the count of questions is checked."""
+    from hpcdist.scheduler import slurm_watch
+
+    rows = "101|train|RUNNING|0:05|n1|None|0|\\n102|eval x|PENDING|0:00||Priority|1|\\n"
+    fake(path_first, "squeue", f'echo "$*" >> {tmp_path}/asked\nprintf "{rows}"\n')
+    fake(path_first, "sacct", f"echo sacct >> {tmp_path}/asked\nexit 1\n")
+    shared = tmp_path / "state" / "queue" / "queue-x.json"
+    first, second = slurm_watch.Watcher(backoff=True, shared=shared), slurm_watch.Watcher(backoff=True, shared=shared)
+    clock, wall = [1000.0], time.time()
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(time, "time", lambda: wall + clock[0] - 1000.0)  # the file's age too
+    read = first.readings(["101", "102"])
+    assert (read["101"].state, read["102"].state, read["102"].row.restarts) == (  # type: ignore[union-attr]
+        JobState.RUNNING, JobState.PENDING, "1")
+    assert read["102"].row.name == "eval x"  # type: ignore[union-attr]
+    assert second.reading("102").state is JobState.PENDING  # her other process: the file, no question
+    asked = (tmp_path / "asked").read_text().splitlines()
+    assert asked == ["-h --me -r --states=all -O "
+                     "JobArrayID:|,Name:|,State:|,TimeUsed:|,NodeList:|,Reason:|,RestartCnt:|"]
+    assert oct(shared.stat().st_mode & 0o777) == "0o600" and oct(shared.parent.stat().st_mode & 0o777) == "0o700"
+    for after, asks in ((1.0, 1), (2.5, 2), (3.5, 2), (5.0, 3)):  # 2 s, then half the age: 2.5 s after 5 s
+        clock[0] = 1000.0 + after
+        first.readings(["101", "102"])
+        assert len((tmp_path / "asked").read_text().splitlines()) == asks, after
+    first.hurry()
+    clock[0] += 0.5
+    first.readings(["101"])
+    assert len((tmp_path / "asked").read_text().splitlines()) == 3  # hurried: asked within a second, not at once
+    clock[0] += 0.6
+    first.readings(["101"])
+    assert len((tmp_path / "asked").read_text().splitlines()) == 4
