@@ -210,16 +210,21 @@ def allowed(kinds: list[str], soak: Soak) -> list[str]:
 
 
 def recovered(soak: Soak, t0: float, settle_s: float, limit_s: float = 420) -> dict[str, float]:
-    """Wait until the job trains again for `settle_s` without a restart; the time to its next step."""
+    """Wait until the job has committed steps for `settle_s` with no pause over 2 s and no restart
+    since; the time from the fault to its next step."""
     deadline = t0 + limit_s
     while True:
         now = time.time()
-        commits = soak.commits()
-        after = sorted(t for t in commits.values() if t > t0)
+        soak.commits()
+        after = sorted(t for t in soak.first_commit.values() if t > t0)  # every commit seen, pruned or not
         resumes = [t for t in soak.resumes() if t > t0]
-        flowing = after and now - after[-1] < 2 and (not resumes or any(t > resumes[-1] for t in after))
-        settled = now - max([t0, *resumes]) > settle_s
-        if flowing and settled:
+        run = [t for t in after if t > max([t0, *resumes])]
+        since = run[-1] if run and now - run[-1] < 2 else None  # the start of the last stretch with no pause
+        for earlier in reversed(run[:-1]):
+            if since is None or since - earlier > 2:
+                break
+            since = earlier
+        if since is not None and now - since >= settle_s:
             break
         if soak.proc.poll() is not None:
             if not after:
@@ -275,7 +280,9 @@ def compare(faulted: Path, ref: Path, soak: Soak, steps: int) -> dict[str, objec
                            size_guidance={"scalars": 0})
     acc.Reload()
     logged = [e.step for e in acc.Scalars("loss")]
+    differ = np.nonzero(np.asarray(a["loss"]) != np.asarray(b["loss"]))[0] if len(a["loss"]) == len(b["loss"]) else [0]
     return {"steps_lost": len(set(range(1, steps + 1)) - set(got)),
+            "first_differing_step": int(a["step"][differ[0]]) if len(differ) else None,
             "steps_run_twice": len(soak.twice) + len(got) - len(set(got)),
             "losses_bit_for_bit": bool(np.array_equal(np.asarray(a["loss"]), np.asarray(b["loss"]))),
             "final_model_bit_for_bit": model_equal,
@@ -367,7 +374,10 @@ def main() -> int:
         print(f"  {kind:18s} {len(mine):3d}  median {statistics.median(mine):6.1f} s  max {max(mine):6.1f} s")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
-    subprocess.run(["rm", "-rf", str(root)], check=False)
+    if checks["losses_bit_for_bit"] and checks["final_model_bit_for_bit"]:
+        subprocess.run(["rm", "-rf", str(root)], check=False)
+    else:
+        print(f"the runs differ from step {checks['first_differing_step']}: their files are kept in {root}")
     return 0
 
 

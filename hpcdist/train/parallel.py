@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -44,9 +45,10 @@ def build(cfg: GPTConfig, ctx: JobRank, parallel: ParallelParams, precision: Pre
     before = mark_memory(ctx.device)
     if not parallel.fsdp:
         model = GPT(cfg).to(ctx.device)
+        order = ready_order(model, ctx, precision) if ctx.world_size > 1 else None  # eager, before any compile
         if compile_parts is not None:
             compile_parts(model)
-        net = wrap(model, ctx, parallel, precision)
+        net = wrap(model, ctx, parallel, precision, order)
     else:
         with torch.device("meta"):
             model = GPT(cfg)
@@ -97,13 +99,16 @@ def held_bytes(model: nn.Module) -> tuple[int, int]:
     return held, sum(p.numel() * p.element_size() for p in params)
 
 
-def wrap(model: nn.Module, ctx: JobRank, parallel: ParallelParams, precision: Precision) -> nn.Module:
-    """The module the steps run: DDP around `model`, or `model` itself sharded in place by FSDP2;
-    one rank alone runs `model` as it is (DDP's gradient buckets would only copy and wait)."""
+def wrap(model: nn.Module, ctx: JobRank, parallel: ParallelParams, precision: Precision,
+         order: list[int] | None = None) -> nn.Module:
+    """The module the steps run: DDP around `model` (its gradient buckets laid out in `order`,
+    ``ready_order``'s, from the first step), or `model` itself sharded in place by FSDP2; one rank
+    alone runs `model` as it is (DDP's gradient buckets would only copy and wait)."""
     if not parallel.fsdp:
         if ctx.world_size == 1:
             return model
-        return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        with buckets_in(model, order):
+            return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -125,6 +130,58 @@ def wrap(model: nn.Module, ctx: JobRank, parallel: ParallelParams, precision: Pr
                      f", {replicate} replicas (HSDP)" if replicate > 1 else "",
                      ", bf16 parameters with fp32 reduction" if policy.param_dtype is not None else "")
     return model
+
+
+def ready_order(model: GPT, ctx: JobRank, precision: Precision) -> list[int]:
+    """The order in which `model`'s parameters get their gradients in a backward pass (the indices
+    of its trainable parameters), from one backward of a tiny batch under the loop's autocast,
+    with the random generators as they were and no gradient left behind.
+
+    DDP lays out its gradient buckets in parameter order for its first step and in this order
+    from its second (its bucket rebuild). A gradient element's place in its bucket decides in
+    which order the ranks' values are added (the ring all-reduce's chunks), and with three ranks
+    or more a different order of addition rounds differently: so a run resumed from a checkpoint,
+    whose new DDP took its first step in parameter order, drifted from the uninterrupted run in
+    the last bits (measured: 3 ranks, rank 0 killed at step 78, train_gpt's losses differed from
+    step 82 on, and its final model). Laid out in this order from the first step, every start
+    of a run adds alike, and a resume is exact at any world size."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    order: list[int] = []
+    hooks = [p.register_post_accumulate_grad_hook(lambda _, i=i: order.append(i)) for i, p in enumerate(params)]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    idx = torch.zeros((1, min(8, model.cfg.context)), dtype=torch.long, device=ctx.device)
+    cuda = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.autocast(ctx.device.type, dtype=dtype or torch.float32,
+                                                                enabled=dtype is not None):
+            model(idx, idx).backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for p in params:
+            p.grad = None
+    return order
+
+
+@contextlib.contextmanager
+def buckets_in(model: nn.Module, order: list[int] | None) -> Iterator[None]:
+    """DDP's first bucket assignment made as its bucket rebuild makes it, from `order`: its own
+    function (``_compute_bucket_assignment_by_size``, the one the rebuild calls) over the
+    parameters in that order, with DDP's default caps (1 MiB for the first bucket, 25 MiB after).
+    DDP asks that function once, in its constructor, and reverses what it returns; where torch
+    no longer has it, DDP's own assignment stands (a resume is then exact at 2 ranks only)."""
+    assign = getattr(dist, "_compute_bucket_assignment_by_size", None)
+    if not order or assign is None:
+        yield
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    caps = [int(getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1024 * 1024)), 25 * 1024 * 1024]
+    buckets, limits = assign([params[i] for i in order], caps, [False] * len(order), order)
+    dist._compute_bucket_assignment_by_size = lambda *_, **__: (buckets[::-1], limits[::-1])
+    try:
+        yield
+    finally:
+        dist._compute_bucket_assignment_by_size = assign
 
 
 def mixed_precision(ctx: JobRank, parallel: ParallelParams, precision: Precision) -> bool:
