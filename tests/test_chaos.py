@@ -19,6 +19,7 @@ from tests.support.cli import REPO
 pytestmark = pytest.mark.slurm
 
 
+@pytest.mark.timeout(600)  # about 150 s alone; a busy machine stretches every restart
 def test_three_faults_in_turn_leave_every_step_once_and_bit_for_bit(separate_hosts: Path, tmp_path: Path) -> None:
     for node in ("n1", "n2", "n3", "n4"):
         revive(node)
