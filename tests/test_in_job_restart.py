@@ -20,6 +20,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
+from datetime import datetime
 from pathlib import Path
 
 import h5py
@@ -497,3 +498,59 @@ def test_the_batch_nodes_death_is_caught_by_the_standby_job(four_nodes: Path) ->
     chained = read_link(folder / standby / f"{standby}_standby")  # the standby's own, cancelled by Slurm
     assert chained is not None
     wait_for(lambda: not queue_state(chained), 30, f"job {chained} gone from the queue")
+
+
+def test_train_gpt_restarted_in_place_reads_no_checkpoint_file(four_nodes: Path, tokens: Path) -> None:
+    """train_gpt on 3 nodes + 1 spare (a checkpoint every step), rank 2's process killed after
+    step 10: restarted in place, every rank takes the last committed step from the memory of the
+    ranks that lived (the one CheckpointManager's rule: the newest committed step, from memory when
+    the ranks hold it), and no process opens a checkpoint file from rank 2's new start until every
+    rank has resumed (inotify on the shared folder: the nodes share this machine's file system;
+    before that, rank 0's in-flight save may still prune). Every step once, COMPLETED in one run."""
+    from tests.support.opens import Opens
+    from tests.support.train import ckpt_dir, train_args
+
+    root, steps = four_nodes, 40
+    job = Background(train_args(root, tokens, "--set", "resources.nodes=3", "--set", "resources.spare_nodes=1",
+                                "--set", "resources.tasks_per_node=1", "--set", "on_rank_failure=in_place",
+                                "--set", f"params.steps={steps}", "--set", "params.checkpoint.every=1",
+                                "--set", "params.log_every=5", "--set", "timeout_s=10", site="local-slurm"),
+                     env={"SLURM_WAIT": "1"})
+    opens: Opens | None = None
+    try:
+        jid = job_of(job)
+
+        def committed() -> int:  # the step `latest` names (a checkpoint every step: step 10's file is soon pruned)
+            if job.proc.poll() is not None:
+                raise AssertionError(f"the job ended before step 10: {job.finish(10).text}")
+            try:
+                return int((ckpt_dir(root) / "latest").read_text().split()[-1][5:13])
+            except (OSError, ValueError, IndexError):
+                return 0
+
+        wait_for(lambda: committed() >= 10, 120, "step 10's checkpoint")
+        before = wait_for(lambda: (lambda p: p if len(p) == 3 else None)(rank_pids(str(root / "logs"))), 30,
+                          "the 3 ranks' processes")
+        os.kill(before[2], signal.SIGKILL)
+        wait_for(lambda: rank_pids(str(root / "logs")).get(2, before[2]) != before[2], 60, "rank 2's new process")
+        opens = Opens(ckpt_dir(root))  # from rank 2's new start: the in-flight save of rank 0 is over
+        started = time.time()
+        result = job.finish(180)
+    finally:
+        job.kill()
+        stamped = opens.close() if opens is not None else []
+    completed_once(jid, result, 3, root)
+    resumed = []
+    for r in (0, 1, 2):
+        log = "\n".join(p.read_text(errors="replace") for p in sorted((root / "logs").rglob(f"*_{r}_log.err")))
+        lines = re.findall(r"^(\S+ \S+) \[rank \d/3 [^]]*\] INFO resumed from \S+step_(\d{8})\.h5: step \d+, "
+                           r".*\((.*)\)$", log, re.M)
+        assert len(lines) == 1 and lines[0][2] == "from the ranks' memory, no file read", (r, lines, log[-3000:])
+        resumed.append(datetime.strptime(lines[0][0], "%Y-%m-%d %H:%M:%S,%f").timestamp())
+    window = [name for at, name in stamped if started <= at <= max(resumed) + 0.001]
+    read = [name for name in window if re.fullmatch(r"step_\d{8}\.h5", name)]
+    assert read == [], read
+    with h5py.File(result_path(result.out)) as f:
+        assert read_table(f["train/steps"])["step"].tolist() == list(range(1, steps + 1))  # each step once
+        ops = [op.decode() if isinstance(op, bytes) else str(op) for op in read_table(f["train/checkpoints"])["op"]]
+    assert "memory" in ops and "read" not in ops, ops

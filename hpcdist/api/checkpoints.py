@@ -1,22 +1,23 @@
-"""``ctx.checkpoints``: the job's ``CheckpointStore`` as every rank uses it.
+"""``CheckpointManager``: ``ctx.checkpoints``, the one checkpoint manager of train_gpt and of your code.
 
-Rank 0 claims the directory (one writer per directory) and writes; every rank returns once a save is
-committed (or raises the same error); every rank loads the one step rank 0 resolved. While rank 0
-writes, verifies or scans, the other ranks wait on a group of their own whose timeout is the checkpoint
-I/O budget (``io_timeout_s``): a large checkpoint on slow storage is not a hang, and every outcome,
-errors included, reaches every rank alike. At one rank (or with ``replicated=False``) ``save`` nests the
-state, encoded, under ``/state``; ``save_tree`` writes a store tree as it is at the file's root (the
-GPT's ``/model`` that ``infer_gpt`` reads). Either may run in the background: the caller waits only for
-the copy to host memory, and the next save, ``wait`` or ``Context.close`` learns how it ended.
+It owns every decision about a run's checkpoints, as torchtitan's ``CheckpointManager`` does:
+when a step saves (``save(step, last_step=...)``, the policy of ``schedule``: ``save_policy``),
+what goes in (the scheduled ``CheckpointState``, or the state given to ``save``), where it goes
+(one file, sharded, in the background, kept in memory for an in-place restart: ``kept``), and
+which step a load takes (``load(step=-1)``, ``load_latest``: the newest committed step that
+verifies, ``resume_step``, one rule). The format is ``hpcdist.store``'s, with no policy.
 
-At two ranks or more, and for DTensors (FSDP2, tensor parallelism), ``save`` takes the sharded path,
-``hpcdist.store.sharded.checkpoint``: every rank writes its own part (each replicated value once) and
-rank 0 commits the one index, all through DCP on the checkpoint I/O group. ``load_latest(into=state)``
-fills a state of any layout in place; ``load_latest()`` gives every rank the whole state, read and
-verified once per node (``hpcdist.store.sharded.node_read``), or, after an in-place restart, from the
-ranks' memory (``hpcdist.api.kept``). Either resumes only from checkpoints no one else could have
-written (``hpcdist.store.checkpoint.owned``): another user's folder is one CheckpointError on every
-rank, another user's step is skipped with a warning.
+Rank 0 claims the directory (one writer per directory) and writes; every rank returns once a save
+is committed (or raises the same error); every rank loads the one step rank 0 chose. The other
+ranks wait on a group of their own whose timeout is the checkpoint I/O budget (``io_timeout_s``):
+a large checkpoint on slow storage is not a hang. At one rank (or ``replicated=False``) ``save``
+nests the state, encoded, under ``/state``; ``save_tree`` writes a store tree at the file's root
+(the GPT's ``/model`` that ``infer_gpt`` reads). At two ranks or more, and for DTensors, ``save``
+is sharded (``hpcdist.store.sharded.checkpoint``): every rank writes its own part, rank 0 commits
+the index. ``load_latest()`` gives every rank the whole state, read and verified once per node
+(``hpcdist.store.sharded.node_read``); ``load_latest(into=state)`` fills any layout in place
+(``sharded_load``). Only checkpoints no one else could have written are read
+(``hpcdist.store.checkpoint.owned``).
 """
 
 from __future__ import annotations
@@ -29,10 +30,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from hpcdist.api import kept
 from hpcdist.api.codec import broadcast_data, decode, encode
+from hpcdist.api.save_policy import PREEMPTED, SavePolicy
+from hpcdist.api.sharded_load import PER_RANK, PER_RANK_ATTR, load_into, per_rank_keys, rank_key
 from hpcdist.errors import CheckpointError
 from hpcdist.runtime.requeue import Requeues
 
 if TYPE_CHECKING:
+    from hpcdist.api.state import CheckpointState
     from hpcdist.store.checkpoint.claim import Claim
     from hpcdist.store.checkpoint.manager import CheckpointStore
     from hpcdist.store.checkpoint.single import SaveStats
@@ -59,16 +63,16 @@ class Owner(Protocol):
     def broadcast(self, value: Any) -> Any: ...
     def counts_if_requeued(self) -> Requeues: ...
     def restore_requeues(self, counts: Requeues, job_id: str) -> None: ...
+    def should_stop(self) -> bool: ...
+    def ignore_stop(self) -> None: ...
 
 
-PER_RANK = "__per_rank__"  # a sharded checkpoint's values of each rank: ``__per_rank__.r<rank:05d>.<key>``
-PER_RANK_ATTR = "per_rank_json"  # root attribute: the per-rank keys (`save`'s `per_rank`) and the world size
 DEFAULT_IO_TIMEOUT_S = 1800.0  # a checkpoint's write, hash and commit: 1 TB at 0.6 GB/s
 COUNT_ATTR = "requeue_count_json"  # root attribute: the job id and its requeue count when saved
 
 
-class Checkpoints:
-    """The job's ``CheckpointStore`` as every rank uses it: rank 0 claims and writes, all load."""
+class CheckpointManager:
+    """The job's checkpoints as every rank uses them: rank 0 claims and writes, all load."""
 
     def __init__(self, ctx: Owner, directory: Path, keep_last: int | None) -> None:
         from hpcdist.store.checkpoint.manager import CheckpointStore
@@ -104,6 +108,9 @@ class Checkpoints:
         self._sharded_pending: tuple[Any, Any] | None = None  # (ShardedWriter, Future) of a background save
         self._stager: Any = None  # host buffers of background sharded saves, reused
         self._in_flight = False  # every rank: a background save of rank 0's file may be in flight
+        self.policy: SavePolicy | None = None  # when a step saves, and what (`schedule`)
+        self.state: CheckpointState | None = None
+        self.stop = ""  # why the loop stops: "preempted" (a signal), "run_steps", or "" (it does not)
         if dist.is_initialized() and ctx.world_size > 1:  # every rank makes it, here, in the same order
             from datetime import timedelta
 
@@ -128,12 +135,17 @@ class Checkpoints:
     def directory(self) -> Path:
         return self.store.directory
 
-    def save(self, step: int, state: Mapping[str, Any], *, attrs: Mapping[str, Any] | None = None,
-             background: bool = False, sharded: bool | None = None, index: Mapping[str, Any] | None = None,
-             replicated: bool = True, per_rank: Mapping[str, Any] | None = None) -> Path:
+    def save(self, step: int, state: Mapping[str, Any] | None = None, *, last_step: bool = False,
+             attrs: Mapping[str, Any] | None = None, background: bool = False, sharded: bool | None = None,
+             index: Mapping[str, Any] | None = None, replicated: bool = True,
+             per_rank: Mapping[str, Any] | None = None) -> Path | None:
         """Commit `state` (a nested dict of tensors, arrays and plain values) as `step`; every rank
         returns once it is committed (once it is copied, with `background`), or raises the same
         error. Returns where the checkpoint is (or will be once committed).
+
+        Without `state`, torchtitan's ``save(curr_step, last_step=...)``: the loop asks every step,
+        and the policy of `schedule` decides whether this one saves the scheduled state (its path,
+        else None) and whether the loop stops (`stop` says why).
 
         What is not a DTensor is taken to be the same on every rank (DDP's model and optimizer;
         DCP's rule), so at 2 ranks or more the state is saved sharded: each value written once, the
@@ -149,6 +161,8 @@ class Checkpoints:
         """
         from hpcdist.store.sharded.replicas import holds_dtensor
 
+        if state is None:
+            return self._save_scheduled(step, last_step)
         if sharded is None:
             sharded = holds_dtensor(state) or per_rank is not None or (replicated and self.ctx.world_size > 1)
         if sharded:
@@ -157,20 +171,26 @@ class Checkpoints:
                 clash = sorted(set(per_rank) & set(state))
                 if clash:
                     raise ValueError(f"per_rank keys {clash} are in the state too; give each value one key")
-                full[PER_RANK] = {_rank_key(self.ctx.rank): dict(per_rank)}
+                full[PER_RANK] = {rank_key(self.ctx.rank): dict(per_rank)}
                 attrs = {**(attrs or {}), PER_RANK_ATTR: json.dumps({"keys": sorted(per_rank),
                                                                      "world_size": self.ctx.world_size})}
             elif replicated and not holds_dtensor(state):
-                kept.keep(str(self.directory), step, state, self.ctx.local_rank, self.ctx.log)  # with spares: in memory
+                kept.keep(str(self.directory), step, state, self.ctx.local_rank, self.ctx.log,  # with spares: in memory
+                          attrs=self._commit_attrs(attrs))
             return self._save_sharded(step, full, attrs, background, index)
         if index is not None:
             raise ValueError("index= is for sharded saves; put the values into the state")
         return self._commit(step, lambda: {"state": encode(state)}, 0, attrs, background)
 
-    def save_tree(self, step: int, tree: Mapping[str, Any], *, epoch: int = 0,
-                  attrs: Mapping[str, Any] | None = None, background: bool = False) -> Path:
+    def save_tree(self, step: int, tree: Mapping[str, Any], *, epoch: int = 0, attrs: Mapping[str, Any] | None = None,
+                  background: bool = False, replicated: bool = False) -> Path:
         """`save` for a store tree (nested dicts of arrays, tensors and attribute values, not
-        encoded) written as it is at the file's root, for a layout another reader knows."""
+        encoded) written as it is at the file's root, for a layout another reader knows. Rank 0's
+        is written; with `replicated`, every rank gives the same tree, kept in memory for an
+        in-place restart in a job with spares."""
+        if replicated:
+            kept.keep(str(self.directory), step, tree, self.ctx.local_rank, self.ctx.log,
+                      attrs=self._commit_attrs(attrs), tree=True)
         return self._commit(step, lambda: tree, epoch, attrs, background)
 
     def _commit_attrs(self, attrs: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -253,55 +273,99 @@ class Checkpoints:
             stats.seconds, stats.mb_per_s, f"; removed {len(stats.removed)} older" if stats.removed else "",
         )
 
-    def load_latest(self, into: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]] | None:
-        """(step, state) of the newest committed checkpoint that verifies, or None: rank 0 picks
-        the step, every rank loads that one (never a newer one a concurrent writer commits). Its
-        tensors are copy-on-write views of the checkpoint's pages, verified once per node
-        (``hpcdist.store.sharded.node_read``): ``load_state_dict`` copies them once, and a rank that
-        writes into one gets its own pages then.
+    # ---------------------------------------------------------------- the scheduled saves
 
-        With `into`, a state of any layout (DTensors of another mesh or world size, plain tensors
-        in one process) is filled in place from a sharded checkpoint, each rank reading and
-        verifying only the chunks it needs; a step that fails on any rank is reported and the
-        next older one tried, on every rank alike. Returns (step, into).
-        """
+    def schedule(self, policy: SavePolicy | None, state: CheckpointState) -> None:
+        """Save `state` when `policy` says (``save(step, last_step=...)``; None: not yet, a resume
+        comes first) and restore it (``load``)."""
+        self.policy, self.state, self.stop = policy, state, ""
+
+    def due(self, step: int, *, last_step: bool = False) -> bool:
+        """Whether ``save(step, last_step=...)`` may save or stop at `step` (asked before the loop
+        flushes what the checkpoint records)."""
+        return self.policy is not None and self.policy.due(step, last_step)
+
+    def _save_scheduled(self, step: int, last_step: bool) -> Path | None:
+        policy, state = self.policy, self.state
+        if policy is None or state is None:
+            raise ValueError("save(step) without a state saves what schedule() named; call schedule() first")
+        with state.named(f"training step {step} (stop agreement all_reduce)"):
+            decision = policy.decide(step, last_step, self.ctx.should_stop)
+        if decision.signal_ignored:
+            self.ctx.ignore_stop()
+        self.stop = decision.stop
+        if decision.stop == PREEMPTED:
+            state.stopping(step)
+        if not decision.saves:
+            return None
+        background = policy.background and not decision.final
+        how = "sharded checkpoint save" if state.sharded else "checkpoint gather to rank 0"
+        with state.named(f"training step {step} ({how})"):
+            tree = state.state_dict()
+            if state.sharded:  # every rank writes its shards; rank 0's small groups go into the index
+                path = self.save(step, state.sharded_state_dict(), attrs=state.attrs(), background=background,
+                                 sharded=True, index=tree if self.ctx.is_main else None)
+            else:
+                path = self.save_tree(step, tree, epoch=state.epoch(), attrs=state.attrs(), background=background,
+                                      replicated=kept.wanted())
+            state.saved(path, background)
+        return path
+
+    # ---------------------------------------------------------------- loads
+
+    def load(self, step: int = -1) -> bool:
+        """torchtitan's ``load(step=-1)``: the scheduled state restored from `step` (-1: the newest
+        committed step that verifies, from the ranks' memory when they hold it); False when there
+        is none to restore (a fresh start). A step that is unusable for the state is one
+        CheckpointError on every rank."""
+        from hpcdist.api import state_load
+
+        assert self.state is not None, "load() restores what schedule() named; call schedule() first"
+        return state_load.load(self, self.state, step)
+
+    def choose(self, step: int = -1, **how: Any) -> tuple[dict[str, Any], Any, set[int]]:
+        """Every rank: the step rank 0 chose (``hpcdist.api.resume_step``, `how` its options), as
+        shared; rank 0's verified read of it (None elsewhere, or from memory); the steps the ranks
+        hold in memory. A failure is one CheckpointError on every rank."""
+        from hpcdist.api.resume_step import on_every_rank
+
+        return on_every_rank(self, step, **how)
+
+    def load_latest(self, into: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]] | None:
+        """(step, state) of the step `choose` picks, or None; every rank loads that one (never a
+        newer one a concurrent writer commits), from the ranks' memory when they hold it. Tensors
+        are copy-on-write views of the file's pages, verified once per node (``node_read``): a rank
+        that writes into one gets its own pages then. With `into`, a state of any layout is filled
+        in place from a sharded checkpoint (``sharded_load``); returns (step, into)."""
         if into is not None:
-            return self._load_sharded(into)
+            return load_into(self, into)
         self.wait()  # a background save in flight uses the I/O group too
-        latest, error = None, ""
-        if self.ctx.is_main:
-            try:
-                latest = self.store.load_latest(self.ctx.log.warning, mapped=True)  # views of the file's pages
-            except CheckpointError as exc:  # a folder another user could have written, named: one line
-                error = str(exc)
-            except Exception as exc:
-                error = f"looking for the latest checkpoint in {self.directory} failed: {type(exc).__name__}: {exc}"
-        chosen = (latest.step, error, str(latest.attrs.get(COUNT_ATTR, "{}"))) if latest else (None, error, "{}")
-        step, error, counts = self.share(chosen, "its choice of checkpoint")
-        if error:
-            raise CheckpointError(error)
+        shared, latest, held = self.choose(mapped=True)
+        step = shared["step"]
         if step is None:
             return None
-        state = kept.share(str(self.directory), step, self.ctx.rank, self.ctx.local_rank, self._io_group, self.ctx.log)
-        if state is not None:  # restarted in place: the state from the ranks' memory, not the storage
-            self._restore_counts({COUNT_ATTR: counts})
-            return step, state
+        if step in held:  # restarted in place: the state from the ranks' memory, not the storage
+            state = kept.share(str(self.directory), step, self.ctx.rank, self.ctx.local_rank, self._io_group,
+                               self.ctx.log)
+            if state is not None:
+                self.restore_counts(state.attrs)
+                return step, state.state
         loaded = latest or self.store.load(step, mapped=True)  # each rank: only from a folder and file of yours
-        self._restore_counts(loaded.attrs)
+        self.restore_counts(loaded.attrs)
         from hpcdist.store.sharded import checkpoint as sharded
 
         if sharded.is_sharded(loaded.attrs):  # the whole state on every rank, read once per node
             from hpcdist.store.sharded.node_read import Sharing
 
             self._sharing = self._sharing or Sharing(self._io_group)
-            state, stats = self._sharing.read(loaded.path, loaded, own=True)
+            whole, stats = self._sharing.read(loaded.path, loaded, own=True)
             self.loaded.append(stats)
             self.ctx.log.info("%s", stats.describe())
-            mine = state.pop(PER_RANK, {}).get(_rank_key(self.ctx.rank))
-            if _per_rank_keys(loaded.attrs, self.ctx.rank) is None:
+            mine = whole.pop(PER_RANK, {}).get(rank_key(self.ctx.rank))
+            if per_rank_keys(loaded.attrs, self.ctx.rank) is None:
                 self.ctx.log.warning("checkpoint step %d holds no per-rank values of rank %d (saved at another "
                                      "world size)", step, self.ctx.rank)
-            return step, {**state, **(mine or {})}
+            return step, {**whole, **(mine or {})}
         return step, decode(loaded.tree["state"])
 
     def load_sharded(self, path: Path, into: dict[str, Any]) -> dict[str, Any]:
@@ -314,71 +378,16 @@ class Checkpoints:
         self.wait()  # a background save in flight uses the I/O group too
         return sharded.load(path, into, process_group=self._io_group, own=True)
 
-    def _restore_counts(self, attrs: Mapping[str, Any]) -> None:
+    def restore_counts(self, attrs: Mapping[str, Any]) -> None:
+        """The requeue counts a commit recorded (`COUNT_ATTR`) restored, so the bound survives a requeue."""
         count = json.loads(str(attrs.get(COUNT_ATTR, "{}")))
         if count:
             self.ctx.restore_requeues(Requeues(int(count["requeues"]), int(count["timeouts"])), str(count["job_id"]))
 
-    def _load_sharded(self, into: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
-        from hpcdist.store.sharded import checkpoint as sharded
-
-        self.wait()  # a background save in flight uses the I/O group too
-        # committed steps, newest first: whether each is sharded, and its per-rank record
-        steps: list[tuple[int, bool, str]] = []
-        error = ""
-        if self.ctx.is_main:
-            try:
-                steps = self._own_steps()
-            except (CheckpointError, OSError) as exc:
-                error = str(exc)
-        steps, error = self.share((steps, error), "its list of committed checkpoints")
-        if error:
-            raise CheckpointError(error)
-        for step, is_sharded, per_rank in steps:
-            if not is_sharded:  # never skip a newer unsharded step for an older sharded one
-                raise CheckpointError(
-                    f"checkpoint {self.store.path(step)} was saved unsharded: load it with load_latest() "
-                    "without into= and load_state_dict, or save sharded (save(..., sharded=True))")
-            keys = _per_rank_keys({PER_RANK_ATTR: per_rank}, self.ctx.rank)
-            if keys is None:
-                self.ctx.log.warning("checkpoint step %d holds no per-rank values of rank %d (saved at another "
-                                     "world size): they keep their values", step, self.ctx.rank)
-            mine = {k: into[k] for k in keys or () if k in into}
-            view = {k: v for k, v in into.items() if k not in mine}
-            if mine:
-                view[PER_RANK] = {_rank_key(self.ctx.rank): mine}
-            try:
-                attrs = sharded.load(self.store.path(step), view, process_group=self._io_group, own=True)
-            except CheckpointError as exc:
-                self.ctx.log.warning("checkpoint step %d not loaded: %s", step, exc)
-                continue
-            into.update({k: v for k, v in view.items() if k != PER_RANK})  # values DCP put in place of the old
-            into.update(view.get(PER_RANK, {}).get(_rank_key(self.ctx.rank), {}))
-            self._restore_counts(attrs)
-            return step, into
-        return None
-
-    def _own_steps(self) -> list[tuple[int, bool, str]]:
-        """Rank 0: the committed steps that are this user's own, newest first: whether each is
-        sharded, and its per-rank record; another user's is skipped with one warning (``owned``)."""
-        from hpcdist.store.checkpoint import owned
-        from hpcdist.store.checkpoint.single import read_header
-        from hpcdist.store.sharded import checkpoint as sharded
-
-        steps: list[tuple[int, bool, str]] = []
-        with self.store.opened() as here:
-            for step in reversed(self.store.steps()):
-                path = self.store.path(step)
-                why = owned.step_problem(here / path.name)
-                if why is not None:
-                    self.ctx.log.warning("skipping checkpoint %s: %s", path, why)
-                    continue
-                try:
-                    attrs = read_header(here / path.name, "sharded").attrs
-                    steps.append((step, sharded.is_sharded(attrs), str(attrs.get(PER_RANK_ATTR, ""))))
-                except CheckpointError:
-                    steps.append((step, True, ""))  # unreadable: the load below reports it and goes on
-        return steps
+    @property
+    def io_group(self) -> Any:
+        """The checkpoint I/O group (None at one rank)."""
+        return self._io_group
 
     def release(self) -> None:
         """Drop rank 0's claim (no collective: safe at exit and after a failure)."""
@@ -387,14 +396,4 @@ class Checkpoints:
             self.claim = None
 
 
-def _rank_key(rank: int) -> str:
-    return f"r{rank:05d}"
-
-
-def _per_rank_keys(attrs: Mapping[str, Any], rank: int) -> list[str] | None:
-    """The per-rank keys a checkpoint holds for `rank` ([] when it has none; None when it has them
-    for fewer ranks, saved at a smaller world size)."""
-    record = json.loads(str(attrs.get(PER_RANK_ATTR, "{}")) or "{}")
-    if not record:
-        return []
-    return [str(k) for k in record["keys"]] if rank < int(record["world_size"]) else None
+Checkpoints = CheckpointManager  # the name before the manager took train_gpt's policy (issue 65)

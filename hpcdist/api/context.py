@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from hpcdist.api.checkpoints import Checkpoints
+from hpcdist.api.checkpoints import CheckpointManager
 from hpcdist.config.contract import LAUNCH_TIME_VAR, RERUN_VAR
 from hpcdist.errors import JobError
 from hpcdist.runtime import requeue as rq
@@ -77,7 +77,7 @@ class Context:
         self._checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else job.checkpoint_dir
         self._keep_last = keep_last
         self.io_timeout_s = io_timeout_s  # how long ranks wait for rank 0's checkpoint I/O (None: the default)
-        self._checkpoints: Checkpoints | None = None
+        self._checkpoints: CheckpointManager | None = None
         self._requeue, self._own_group = job.requeue, own_group
         self._closed = False
         self._tracking: Any = None  # the job's tracker run (hpcdist.track), opened by the first track() on rank 0
@@ -120,10 +120,10 @@ class Context:
         return dist.group.WORLD
 
     @property
-    def checkpoints(self) -> Checkpoints:
+    def checkpoints(self) -> CheckpointManager:
         """The job's checkpoint directory, claimed by rank 0 on first use (a collective)."""
         if self._checkpoints is None:
-            self._checkpoints = Checkpoints(self, self._checkpoint_dir, self._keep_last)
+            self._checkpoints = CheckpointManager(self, self._checkpoint_dir, self._keep_last)
         return self._checkpoints
 
     def track(self, step: int, **metrics: float) -> None:

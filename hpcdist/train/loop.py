@@ -2,15 +2,16 @@
 
 The first user of the public API (``hpcdist.api``): the run's ``Context`` claims the checkpoint
 directory, saves (in the background between the final ones), tells when to stop and requeues.
-Every rank builds the same model from the seed (under FSDP2 only its own shard of it), rank 0
-picks the checkpoint to resume from (the newest committed one that verifies) and tells the
-others, then all ranks train under DDP or FSDP2 (``params.parallel``, ``hpcdist.train.parallel``).
-This module owns the build, the step, the validation and the loop, which reads like torchtitan's:
-after each step it asks ``checkpointer.save(step, last_step=...)``, and the
-``CheckpointManager`` (``hpcdist.train.checkpoint``) decides whether the step saves and whether
-the loop stops (a preemption or time-out signal, ``run_steps``); on a signal the job requeues,
-up to ``preemption.max_requeues`` times for time-outs. Rank 0's ``results`` hold the metrics,
-written when the run ends. A step does not wait for the device: its loss and gradient norm stay
+Every rank builds the same model from the seed (under FSDP2 only its own shard of it), the
+checkpoint manager picks the checkpoint to resume from (the newest committed one that verifies, or
+the ranks' memory after an in-place restart), then all ranks train under DDP or FSDP2
+(``params.parallel``, ``hpcdist.train.parallel``). This module owns the build, the step, the
+validation and the loop, which reads like torchtitan's: after each step it asks
+``checkpointer.save(step, last_step=...)``, and the one ``CheckpointManager`` (``ctx.checkpoints``,
+with ``hpcdist.train.checkpoint``'s policy and state) decides whether the step saves and whether
+the loop stops (a preemption or time-out signal, ``run_steps``); on a signal the job requeues, up
+to ``preemption.max_requeues`` times for time-outs. Rank 0's ``results`` hold the metrics, written
+when the run ends. A step does not wait for the device: its loss and gradient norm stay
 there until the step log flushes (``hpcdist.train.step_log``), and the model's blocks and head are
 compiled on GPUs (``hpcdist.train.speed``). A failed collective is named by
 ``hpcdist.train.failure``; resume, result and state are their own modules.
@@ -36,7 +37,7 @@ from hpcdist.data.tokens import describe
 from hpcdist.errors import JobError
 from hpcdist.model.gpt import GPTConfig
 from hpcdist.train import parallel, speed
-from hpcdist.train.checkpoint import CheckpointManager
+from hpcdist.train.checkpoint import TrainState, policy
 from hpcdist.train.failure import named
 from hpcdist.train.metrics import add_rank_log_file, perplexity
 from hpcdist.train.params import TrainParams, effective_compile, effective_precision, model_config
@@ -197,7 +198,8 @@ def loop(r: Run) -> dict[str, Any]:
     """Train to ``params.steps``, or until the checkpoint manager says stop (a signal, ``run_steps``)."""
     params = r.params
     log = StepLog(r)
-    checkpointer = CheckpointManager(r, log)
+    checkpointer = r.api.checkpoints  # the one CheckpointManager: it decides whether a step saves and stops
+    checkpointer.schedule(policy(r, log), TrainState(r))
     comm = "FSDP all-gather/reduce-scatter" if r.sharded else "gradient all_reduce"
     try:
         while r.step < params.steps:
@@ -210,12 +212,14 @@ def loop(r: Run) -> dict[str, Any]:
             r.tokens_seen += r.tokens_per_step
             epoch_ends = r.order.epoch_ends_before(r.position)
             validates = bool(params.eval.every and r.step % params.eval.every == 0) or r.step == params.steps
-            log.add(lr, loss, grad_norm, flush=epoch_ends or validates or checkpointer.due(r.step))
+            last = r.step == params.steps
+            log.add(lr, loss, grad_norm, flush=epoch_ends or validates or checkpointer.due(r.step, last_step=last))
             if epoch_ends:
                 _next_epoch(r)
             if validates:
                 _validate(r)
-            if checkpointer.save(r.step, last_step=r.step == params.steps):
+            checkpointer.save(r.step, last_step=last)
+            if checkpointer.stop:
                 break
     finally:
         log.close()

@@ -1,0 +1,56 @@
+"""``CheckpointManager.load(step=-1)``: the scheduled ``CheckpointState`` restored from the chosen step.
+
+The step is ``hpcdist.api.resume_step``'s (the newest committed one that verifies, or the one the
+ranks hold in memory after an in-place restart). From memory no step file is read: the state comes
+from this rank's copy or a peer's (``hpcdist.api.kept``). From storage every rank reads the file
+(checksums verified; rank 0 reuses the read it verified while choosing), and a sharded state first
+fills its shards from the chosen step or, when its chunks fail their checksums, the next older one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from hpcdist.api import kept
+from hpcdist.api.state import Source
+from hpcdist.store.checkpoint.directory import step_of
+
+if TYPE_CHECKING:
+    from hpcdist.api.checkpoints import CheckpointManager
+    from hpcdist.api.state import CheckpointState
+
+
+def load(manager: CheckpointManager, state: CheckpointState, step: int = -1) -> bool:
+    """`state` restored from `step` (-1: the newest); False when there is no checkpoint to restore."""
+    manager.wait()  # a background save in flight uses the I/O group too
+    shared, latest, held = manager.choose(step, check=state.check, unusable=state.unusable, clean=True,
+                                          mapped=True, older=state.sharded)
+    chosen = shared["step"]
+    if chosen is None:
+        return False
+    if chosen in held and not state.sharded:
+        t0 = time.perf_counter()
+        copy = kept.share(str(manager.directory), chosen, manager.ctx.rank, manager.ctx.local_rank, manager.io_group,
+                          manager.ctx.log)
+        if copy is not None:
+            size = _nbytes(copy.state)
+            state.load_state_dict(copy.state, Source(chosen, manager.store.path(chosen), True, size,
+                                                     time.perf_counter() - t0))
+            return True
+    path = manager.store.path(chosen)
+    if state.sharded:  # each shard read through the checked folder (``sharded.load(own=True)``)
+        path = state.load_sharded(manager, [path, *(manager.store.path(s) for s in shared["older"])])
+    # each rank reads it through its checkpoint folder, checked and held open: yours, whatever is renamed
+    ours = latest if latest is not None and latest.step == step_of(path) else None
+    t0 = time.perf_counter()
+    loaded = ours or manager.store.load(step_of(path) or 0)  # a sharded checkpoint's index: all but shards
+    seconds = loaded.seconds if ours is None else loaded.seconds or time.perf_counter() - t0
+    state.load_state_dict(loaded.tree, Source(loaded.step, path, False, loaded.bytes, seconds))
+    return True
+
+
+def _nbytes(tree: object) -> int:
+    if isinstance(tree, dict):
+        return sum(_nbytes(v) for v in tree.values())
+    return int(getattr(tree, "nbytes", 0) or 0)
