@@ -41,15 +41,8 @@ class Source:
 class CheckpointState:
     """The state a ``CheckpointManager`` saves when its policy says, and restores on ``load``."""
 
-    @property
-    def sharded(self) -> bool:
-        """Whether the model and optimizer are DTensors each rank saves its part of."""
-        return False
-
-    @property
-    def unusable(self) -> str:
-        """"error": files there but none usable is an error, not a fresh start (else a warning)."""
-        return ""
+    sharded = False  # the model and optimizer are DTensors each rank saves its part of
+    unusable = ""  # "error": files there but none usable is an error, not a fresh start (else a warning)
 
     def state_dict(self) -> dict[str, Any]:
         """The store tree to save (rank 0's is written; every rank's when kept in memory)."""

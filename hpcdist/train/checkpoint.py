@@ -78,15 +78,9 @@ class TrainState(CheckpointState):
 
     def __init__(self, run: Run) -> None:
         self.run = run
+        self.sharded = run.sharded
+        self.unusable = run.params.checkpoint.if_unusable
         self.tracked = len(run.metrics.rows["checkpoints"])  # rows sent to the trackers (those before this start were)
-
-    @property
-    def sharded(self) -> bool:
-        return self.run.sharded
-
-    @property
-    def unusable(self) -> str:
-        return self.run.params.checkpoint.if_unusable
 
     def state_dict(self) -> dict[str, Any]:
         """The tree on rank 0 (every rank's generators gathered to it); on every rank in a job that
