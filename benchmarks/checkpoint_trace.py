@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -123,6 +124,8 @@ def main() -> int:
     with Trip() as loading:
         resume(again)  # the resume's load: the step chosen, read, verified, restored
     ctx.close()
+    os.chdir(ROOT)
+    shutil.rmtree(work, ignore_errors=True)
     assert again.step == 1, again.step
     entries = saving.entries + loading.entries
     counts = Counter(module for module, _ in entries)
