@@ -97,21 +97,6 @@ def test_site_env_cannot_set_the_socket_interface() -> None:
         load_site("local-slurm", ["env.NCCL_SOCKET_IFNAME=ib0"])
 
 
-def test_check_in_store_requests_grow_linearly() -> None:
-    """At 32 ranks the old check-in (every rank polls every key) made over 1,000 requests; the
-    counter and one wait per rank make a handful per rank (benchmarks/checkin_scaling.py times it)."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from benchmarks.checkin_scaling import new_check_in, one_run
-
-    server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
-    for world in (8, 32):
-        _, requests = one_run(server, world, new_check_in, 30.0)  # checks every rank's host table
-        assert requests <= 4 * world + 2, (world, requests)
-
-
 def test_finish_names_the_ranks_that_never_checked_out(caplog: pytest.LogCaptureFixture,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(logging.getLogger("hpcdist"), "propagate", True)

@@ -6,13 +6,9 @@ error, so no rank waits for an endpoint that will never come), else in a file on
 else (no shared directory) on the first host of the node list with a port derived from the job id.
 hpcdist's own messages in the store are signed (``hpcdist.runtime.signed_store``): with the job's
 key file, or a key rank 0 sends with its endpoint.
-Every rank then checks in: a counter and one blocking wait per rank, so store requests grow
-linearly with the ranks; a rank that does not arrive within the timeout is named in the error
-that every other rank raises. Every wait here has the job's finite timeout.
-
-Over 400 lines: the store's opening, its secret, the three ways of publishing the endpoint and
-the check-in are one protocol, whose timeouts and error messages must agree; split across
-modules, each half would need the other's details.
+Every rank then checks in (``checkin``: a few requests and bytes per rank whatever the world
+size) and, at the end, checks out (``checkout``); both are re-exported here. Every wait here has
+the job's finite timeout.
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ import json
 import logging
 import os
 import socket
-import time
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +30,14 @@ from hpcdist.errors import BootstrapError, cause_text
 from hpcdist.files.atomic import atomic_path
 from hpcdist.polling import poll_until
 from hpcdist.runtime import abort, signed_store
+from hpcdist.runtime.checkin import check_in as check_in
+from hpcdist.runtime.checkin import place_gpus as place_gpus
+from hpcdist.runtime.checkin import take_seats
+from hpcdist.runtime.checkout import BEAT_WATCH_S as BEAT_WATCH_S
+from hpcdist.runtime.checkout import beat as beat
+from hpcdist.runtime.checkout import check_out as check_out
+from hpcdist.runtime.checkout import finish as finish
+from hpcdist.runtime.checkout import watch_beat as watch_beat
 from hpcdist.runtime.rankinfo import RankInfo
 
 if TYPE_CHECKING:
@@ -316,133 +319,6 @@ def _read_endpoint(path: Path) -> dict[str, Any] | None:
     return dict(data) if isinstance(data, dict) else {"refused": f"{path} holds no endpoint"}
 
 
-def check_in(store: Store, info: RankInfo, timeout: float) -> dict[int, str]:
-    """Every rank announces itself and waits for all others; returns rank -> host (`take_seats`
-    without GPUs)."""
-    return take_seats(store, info, timeout)[0]
-
-
-def take_seats(store: Store, info: RankInfo, timeout: float, gpus: Sequence[str] = (),
-               prefer: int = 0) -> tuple[dict[int, str], int | None]:
-    """Every rank announces itself and waits for all others; returns rank -> host, and under NCCL
-    this rank's GPU: an index into `gpus`, the UUIDs of the GPUs it sees, in CUDA's order.
-
-    Rank 0, seeing every rank's GPUs, gives each a GPU of its own (``place_gpus``): where each task
-    sees a subset (``--gpu-bind=closest``), the local rank modulo what a task sees would give two
-    ranks one GPU. Ranks that can only have a GPU another rank has are refused here, on every rank
-    with the same message, before NCCL's "Duplicate GPU detected" would stop ``init_process_group``
-    naming neither the ranks nor what to change. `prefer` is the index this rank would take alone.
-
-    Requests grow linearly with the ranks: each rank sets its key and bumps a counter; the last
-    to arrive marks the roll complete; rank 0 then reads every key in one request and publishes
-    the host table, which every other rank waits for (one blocking wait, no polling).
-    A rank missing after `timeout` is named in the error every waiting rank raises. The count
-    only says when to look: rank 0 reads the signed seats themselves (``signed_store``), so a
-    forged count or seat delays the roll, never changes it.
-    """
-    seat = f"{info.hostname} {prefer} {','.join(gpus)}" if gpus else info.hostname
-    store.set(f"hpcdist/join/{info.rank}", seat)
-    _count_in(store, "hpcdist/joined", info.world_size)
-    keys = _rank_keys("hpcdist/join", info.world_size)
-    shared = ""
-    placed: list[int] = []
-    try:
-        if info.is_main:
-            store.wait(["hpcdist/joined/all"], timedelta(seconds=timeout))
-            seats = [v.decode().split(" ", 2) for v in store.multi_get(keys)]
-            hosts: Any = [s[0] for s in seats]
-            placed, shared = place_gpus(seats)
-            if gpus and not shared:
-                store.set("hpcdist/gpus", json.dumps(placed))
-            store.set("hpcdist/hosts", json.dumps({"shared": shared} if shared else hosts))
-        else:
-            store.wait(["hpcdist/hosts"], timedelta(seconds=timeout))
-            hosts = json.loads(store.get("hpcdist/hosts"))
-            if isinstance(hosts, dict) and "missing" in hosts:  # rank 0 gave up: it names them to everyone
-                raise TimeoutError(f"rank 0 saw rank(s) {_ranks(hosts['missing'])} missing")
-            if gpus and not isinstance(hosts, dict):
-                placed = json.loads(store.get("hpcdist/gpus"))
-    except Exception as exc:  # the wait timed out, or rank 0 (the store's server) gave up or died
-        missing = _missing(store, keys)
-        if info.is_main and missing is not None:
-            try:
-                store.set("hpcdist/hosts", json.dumps({"missing": missing}))
-            except Exception:  # noqa: BLE001 - best effort: the others time out on their own
-                pass
-        if missing is None:
-            raise BootstrapError(
-                f"rendezvous: rank(s) ? of {info.world_size} had not joined when rank 0's store closed "
-                f"(this is rank {info.rank} on {info.hostname}; {cause_text(exc)}); see rank 0's log"
-            ) from exc
-        raise BootstrapError(
-            f"rendezvous: rank(s) {_ranks(missing) or 'none'} of {info.world_size} did not join within "
-            f"{timeout:g} s (this is rank {info.rank} on {info.hostname}); the missing rank "
-            f"died or was never started: see its log"
-        ) from exc
-    if isinstance(hosts, dict) or (info.is_main and shared):
-        _all_refused(store, info, timeout)
-        raise BootstrapError(shared if info.is_main else hosts["shared"])
-    return dict(enumerate(hosts)), (placed[info.rank] if gpus else None)
-
-
-def _all_refused(store: Store, info: RankInfo, timeout: float) -> None:
-    """Every rank has read rank 0's refusal before rank 0, the store's server, leaves with it: else a
-    rank still waiting would see only the store close."""
-    _count_in(store, "hpcdist/refused", info.world_size)
-    if info.is_main:
-        try:
-            store.wait(["hpcdist/refused/all"], timedelta(seconds=min(timeout, 30.0)))
-        except Exception:  # noqa: BLE001 - a rank that is gone cannot read it anyway
-            pass
-
-
-def place_gpus(seats: list[list[str]]) -> tuple[list[int], str]:
-    """Each rank's GPU (an index into the GPUs it sees; -1 for a rank without) from every rank's seat
-    (host, preferred index, comma-separated UUIDs): in rank order, each takes its preferred GPU, or
-    the next one it sees that no rank on its host has taken. The refusal, when a rank finds none
-    free, names it, the rank that holds its GPU and the host; else ""."""
-    taken: dict[tuple[str, str], int] = {}
-    out: list[int] = []
-    for rank, seat in enumerate(seats):
-        if len(seat) < 3 or not seat[2]:
-            out.append(-1)
-            continue
-        host, prefer, uuids = seat[0], int(seat[1]), seat[2].split(",")
-        order = [(prefer + i) % len(uuids) for i in range(len(uuids))]
-        free = next((i for i in order if (host, uuids[i]) not in taken), None)
-        if free is None:
-            holder = taken[(host, uuids[prefer % len(uuids)])]
-            return out, (f"ranks {holder}, {rank} were given one GPU ({uuids[prefer % len(uuids)]}) on {host}: NCCL "
-                         f"needs a GPU per rank; bind one GPU per task (--gpus-per-task=1 or --gpu-bind) or set "
-                         f"tasks_per_node to the GPUs per node")
-        taken[(host, uuids[free])] = rank
-        out.append(free)
-    return out, ""
-
-
-def _rank_keys(prefix: str, world_size: int) -> list[str]:
-    return [f"{prefix}/{r}" for r in range(world_size)]
-
-
-def _count_in(store: Store, counter: str, world_size: int) -> None:
-    """Add this rank to `counter`; the rank that completes it sets ``<counter>/all`` for the waiters."""
-    if store.add(counter, 1) == world_size:
-        store.set(f"{counter}/all", "1")
-
-
-def _missing(store: Store, keys: list[str]) -> list[int] | None:
-    """The ranks whose key is absent (one request per rank: only after a failed wait); None when
-    the store itself no longer answers."""
-    try:
-        return [r for r, k in enumerate(keys) if not store.check([k])]
-    except Exception:  # noqa: BLE001 - the server is gone: any error means the same
-        return None
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
-
-
 def rendezvous(info: RankInfo, timeout: float, env: Mapping[str, str], rendezvous_dir: Path | None,
                ifname: str | None, mpi_comm: Any = None, gpus: Sequence[str] = (),
                prefer: int = 0) -> tuple[signed_store.SignedStore, Endpoint, dict[int, str], int | None]:
@@ -456,7 +332,7 @@ def rendezvous(info: RankInfo, timeout: float, env: Mapping[str, str], rendezvou
     signed_store.use(store)  # the roll call after a failure answers through it
     hosts_by_rank, gpu = take_seats(store, info, timeout, gpus, prefer)
     forget_endpoint(rendezvous_dir, key, info)
-    return store, endpoint, hosts_by_rank, gpu
+    return store, endpoint, dict(hosts_by_rank), gpu  # the rank's own copy (ctx.hosts): its process, its memory
 
 
 def init_process_group(
@@ -481,94 +357,3 @@ def init_process_group(
         timeout=timedelta(seconds=abort.group_timeout(timeout, backend, os.environ)),  # a test's imitated NCCL
         **kwargs,
     )
-
-
-def check_out(store: Store, info: RankInfo, failed: bool = False) -> None:
-    """This rank is done (or failed: it will not finish), so rank 0 need not wait for it."""
-    store.set(f"hpcdist/done/{info.rank}", "failed" if failed else "1")
-
-
-def beat(store: Store, info: RankInfo) -> None:
-    """This rank is alive and working: rank 0's end-of-job wait goes on while its beat changes (a
-    signed value, not a counter: a forged beat is ignored)."""
-    store.set(f"hpcdist/beat/{info.rank}", str(time.monotonic_ns()))
-
-
-def finish(store: Store, info: RankInfo, timeout: float) -> list[int]:
-    """A last check-out so rank 0 (the store's server) leaves only after every rank is done.
-
-    Rank 0 waits in rounds of `timeout` for every rank's signed check-out. After a round, it
-    watches the beat of each rank still missing (``watch_beat``): a rank that is still working
-    (a genuine beat newer than the last one read, as the python job's watchdog writes every
-    second) is waited for, however long it takes, up to the job's own time limit, since closing the
-    store would stop it. Beats someone else writes back, forges or deletes neither keep rank 0
-    waiting nor hide a genuine beat written during the watch (said in the log). A rank with no
-    genuine new beat during the watch is given up on: rank 0 leaves anyway, the job's work being done
-    and only the farewell late, but says so: a warning names the ranks that never checked out,
-    which are returned.
-    """
-    check_out(store, info)
-    if not info.is_main:
-        return []
-    done = _rank_keys("hpcdist/done", info.world_size)
-    seen = {r: signed_store.signed(store).look(f"hpcdist/beat/{r}")[0] for r in range(info.world_size)}
-    while True:
-        try:
-            store.wait(done, timedelta(seconds=timeout))
-            return []
-        except Exception as exc:  # noqa: BLE001 - timed out (the server is this process)
-            missing = _missing(store, done) or []
-            signs = {r: watch_beat(signed_store.signed(store), r, seen) for r in missing}
-            tampered = [r for r in missing if signs[r] == "tampered"]
-            if tampered:
-                log.warning("check-out: the beat of rank(s) %s was written by someone else in the job's store (old "
-                            "beats written back, forged or deleted): no sign of life, and none of death",
-                            _ranks(tampered))
-            alive = [r for r in missing if signs[r] == "working"]
-            if alive:
-                log.info("check-out: rank(s) %s still working after rank 0 finished; waiting for them",
-                         _ranks(alive))
-                continue
-            still = _missing(store, done)  # a rank may have checked out while rank 0 watched its beat
-            missing = missing if still is None else [r for r in missing if r in still]
-            if not missing:
-                return []
-            log.warning(
-                "check-out: rank(s) %s of %d did not check out within %g s (%s); rank 0 leaves anyway, "
-                "their store connections close now: see their logs", _ranks(missing) or "?", info.world_size,
-                timeout, cause_text(exc),
-            )
-            return missing
-
-
-BEAT_WATCH_S = 3.0  # how long rank 0 watches a missing rank's beat key: three of the watchdog's beats
-
-
-def watch_beat(store: signed_store.SignedStore, rank: int, seen: dict[int, bytes | None],
-               watch_s: float = BEAT_WATCH_S) -> str:
-    """Whether `rank` beat since rank 0 last read its beat (`seen`, updated): "working" (a genuine
-    beat newer than the last one read), "tampered" (within `watch_s` the key was written, but only
-    with values that are no newer genuine beat: replayed, forged, or deleted at once), or "silent"
-    (nobody wrote it).
-
-    Rank 0 takes each value it reads out of the store and waits for the key to be written again: a
-    store wait wakes at every write, and rank 0 reads at once, so a rank that beats is seen even
-    when someone writes old beats back or deletes them; and beats written back are no sign of life."""
-    key = f"hpcdist/beat/{rank}"
-    written = False
-    deadline = time.monotonic() + watch_s
-    while True:
-        now, _ = store.look(key)
-        if now is not None and now != seen.get(rank):
-            seen[rank] = now
-            return "working"
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        store.plain.delete_key(key)  # consumed: only a write after this wakes the wait below
-        try:
-            store.plain.wait([key], timedelta(seconds=left))
-        except Exception:  # noqa: BLE001 - torch's wait timeout: no write since
-            break
-        written = True
-    return "tampered" if written else "silent"

@@ -22,10 +22,10 @@ one machine).
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import threading
-import time
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -53,46 +53,112 @@ def _default_store() -> Any:
 
 
 def roll_call(rank: int, host_of_rank: Sequence[str], wait_s: float = ROLL_CALL_S, store: Any = None,
-              site: Site | None = None, job_id: str = "", what: str = "a collective") -> str:
+              site: Site | None = None, job_id: str = "", what: str = "a collective",
+              verdict_s: float | None = None) -> str:
     """A phrase naming the nodes whose ranks did not answer within `wait_s`, or "" if all did;
-    with `site`, those nodes are marked in its health record (after `what` failed in `job_id`)."""
+    with `site`, those nodes are marked in its health record (after `what` failed in `job_id`).
+    `verdict_s`: how long past `wait_s` a rank waits for the verdict (``verdict_wait_s``).
+
+    Each rank answers (a signed key and a counter) and waits once for the verdict, which the first
+    rank to answer makes: when the count is complete or `wait_s` has passed, it checks which
+    answers are there (halving the set of keys, so one silent rank costs it a few dozen requests)
+    and that they are genuine, and publishes the ranks missing. So a rank's roll call is a handful
+    of requests and bytes whatever the world size, and no rank polls. Where the verdict does not
+    come (its maker died after answering), a rank finds the missing ranks itself."""
     store = store if store is not None else _default_store()
     if store is None:
         return ""
     world = len(host_of_rank)
-    missing: list[int] = list(range(world))
+    verdict_s = verdict_wait_s(world) if verdict_s is None else verdict_s
+    verdict: list[list[int] | None] = []
     done = threading.Event()
 
     def call() -> None:
-        nonlocal missing
         from hpcdist.runtime.signed_store import signed
 
-        roll = signed(store)
-        roll.set(f"hpcdist/rollcall/{rank}", "1")
-        deadline = time.monotonic() + wait_s
-        while True:
-            missing = [r for r in range(world) if not roll.check([f"hpcdist/rollcall/{r}"])]
-            if not missing or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        try:
+            verdict.append(_answer(signed(store), rank, world, wait_s, verdict_s))
+        except Exception:  # noqa: BLE001 - the store does not answer: said below
+            verdict.append(None)
         done.set()
 
     threading.Thread(target=call, name="hpcdist-roll-call", daemon=True).start()
-    if not done.wait(wait_s + 2.0):
+    if not done.wait(wait_s + verdict_s + 2.0) or verdict[0] is None:
         return (f"{host_of_rank[0]} does not answer (rank 0 there serves the rendezvous store; "
                 f"no reply within {wait_s:g} s): the link to {host_of_rank[0]} is down or its ranks are gone")
+    missing = verdict[0]
     if not missing:
         return ""
     by_node: dict[str, list[int]] = {}
     for r in missing:
         by_node.setdefault(host_of_rank[r], []).append(r)
-    answered = [r for r in range(world) if r not in missing]
-    if site is not None and answered and rank == answered[0]:
-        silent = [n for n, rs in by_node.items() if len(rs) == host_of_rank.count(n)]  # every rank there
+    silent_ranks = set(missing)
+    first_answer = next((r for r in range(world) if r not in silent_ranks), None)
+    if site is not None and rank == first_answer:
+        silent = [n for n, rs in by_node.items() if len(rs) == list(host_of_rank).count(n)]  # every rank there
         _mark(site, silent, job_id, f"no rank answered the roll call within {wait_s:g} s after {what} failed")
     named = ", ".join(f"{node} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})"
                       for node, rs in by_node.items())
     return f"no answer within {wait_s:g} s from {named}: the link to {', '.join(by_node)} is down or its ranks are gone"
+
+
+_KEY = "hpcdist/rollcall"
+
+
+def verdict_wait_s(world: int) -> float:
+    """Beyond `wait_s`: how long a rank waits for the verdict before finding the missing ranks
+    itself; the store wakes every waiting rank in turn, so it grows with them (17 s at 16,384)."""
+    return 1.0 + world / 1000
+
+
+def _answer(roll: Any, rank: int, world: int, wait_s: float, verdict_s: float) -> list[int]:
+    """Answer the roll call, then the ranks that did not (`roll`: the job's SignedStore)."""
+    from datetime import timedelta
+
+    roll.set(f"{_KEY}/{rank}", "1")
+    order = roll.add(_KEY, 1)
+    if order == world:
+        roll.set(f"{_KEY}/all", "1")
+    if order != 1:
+        try:
+            return [int(r) for r in json.loads(roll.fetch([f"{_KEY}/verdict"],
+                                                          timedelta(seconds=wait_s + verdict_s))[0])]
+        except Exception:  # noqa: BLE001 - no verdict in time (its maker stopped, or a forged count): look ourselves
+            return _silent(roll, world)
+    try:
+        roll.fetch([f"{_KEY}/all"], timedelta(seconds=wait_s))
+    except Exception:  # noqa: BLE001 - someone did not answer in time
+        pass
+    missing = _silent(roll, world)
+    roll.set(f"{_KEY}/verdict", json.dumps(missing))
+    return missing
+
+
+def _silent(roll: Any, world: int) -> list[int]:
+    """The ranks with no genuine answer: the absent found by halving (``check`` is one request for
+    any number of keys), the present read in one request and their signatures checked (a forged
+    answer counts as none)."""
+    from datetime import timedelta
+
+    keys = [f"{_KEY}/{r}" for r in range(world)]
+    absent: list[int] = []
+    parts = [(0, world)] if world else []
+    while parts:
+        lo, hi = parts.pop()
+        if roll.plain.check(keys[lo:hi]):
+            continue
+        if hi - lo == 1:
+            absent.append(lo)
+        else:
+            parts += [((lo + hi) // 2, hi), (lo, (lo + hi) // 2)]
+    gone = set(absent)
+    present = [r for r in range(world) if r not in gone]
+    try:
+        roll.fetch([keys[r] for r in present], timedelta(seconds=0.1))  # all there: at once
+        forged: list[int] = []
+    except Exception:  # noqa: BLE001 - some answer is not genuine (or went since): which, one by one
+        forged = [r for r in present if roll.peek(keys[r]) is None]
+    return sorted(absent + forged)
 
 
 def slurm_node_name(host: str, known: Collection[str]) -> str | None:

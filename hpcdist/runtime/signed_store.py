@@ -120,6 +120,14 @@ class SignedStore:
         else:
             self._genuine(keys, limit.total_seconds())
 
+    def fetch(self, keys: Sequence[str], timeout: timedelta) -> list[bytes]:
+        """The genuine values of `keys`, waiting up to `timeout` for every one: ``wait`` and
+        ``multi_get`` in one (a value is read once, not once to check and once to use)."""
+        if self.secret is None:
+            self.plain.wait(list(keys), timeout)
+            return [bytes(v) for v in self.plain.multi_get(list(keys))]
+        return self._genuine(keys, timeout.total_seconds())
+
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """torch's ``compare_set`` over genuine values, a forged value counting as absent: with
         `expected` "" the first genuine writer wins, and a forged holder is replaced, never kept.
