@@ -69,7 +69,7 @@ MODEL = ["--set", "params.model={n_layer: 1, n_head: 2, d_model: 32, context: 32
          "--set", "params.checkpoint.every=1", "--set", "params.checkpoint.keep_last=3",
          "--set", "params.eval.every=0", "--set", "params.log_every=50", "--set", "timeout_s=10",
          # a hang during a save's exchange waits this long (default 1800 s: a large checkpoint's write)
-         "--set", "params.checkpoint.io_timeout_s=20", "--set", "resources.time_min=90",
+         "--set", "params.checkpoint.io_timeout_s=20", "--set", "resources.time_min=60",
          "--set", "tracking={tensorboard: true}",
          # a fault a minute: more in-job restarts than the site's default budget (3 an hour) allows
          "--set", "site.preemption.in_job_restarts_per_hour=100"]
