@@ -124,8 +124,10 @@ class Soak:
         shown = sh("squeue", "-h", "-O", "JobID:16,State:16,BatchHost:16,NodeList:40,STDOUT:400", check=False)
         out = {}
         for line in shown.splitlines():
-            jid, state, host, nodes, stdout = (line.split() + [""] * 5)[:5]
-            if str(self.root) in line and "/" in stdout:
+            # fixed-width columns: a pending job's batch host and nodes are blank
+            jid, state, host, nodes, stdout = (line[a:b].strip() for a, b in ((0, 16), (16, 32), (32, 48), (48, 88),
+                                                                                 (88, None)))
+            if stdout.startswith(f"{self.root}/"):
                 names = sh("scontrol", "show", "hostnames", nodes, check=False).split() if state == "RUNNING" else []
                 out[jid] = (state, host, names)
         return out

@@ -114,7 +114,7 @@ def main() -> int:
     })
     ctx = hpcdist.init(name="checkpoint-trace", checkpoint_dir=work / "checkpoints")
     run = build(ctx.job, ctx, params)
-    resume(run)  # a fresh start: nothing to load
+    resume(run, TrainState(run))  # a fresh start: nothing to load
     run.step = 1
     checkpoints = ctx.checkpoints
     checkpoints.schedule(policy(run, StepLog(run)), TrainState(run))
@@ -122,7 +122,7 @@ def main() -> int:
         checkpoints.save(run.step, last_step=False)  # the loop's call: the policy saves step 1 and commits it
     again = build(ctx.job, ctx, params)
     with Trip() as loading:
-        resume(again)  # the resume's load: the step chosen, read, verified, restored
+        resume(again, TrainState(again))  # the resume's load: the step chosen, read, verified, restored
     ctx.close()
     os.chdir(ROOT)
     shutil.rmtree(work, ignore_errors=True)

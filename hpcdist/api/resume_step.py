@@ -31,8 +31,10 @@ from hpcdist.store.checkpoint.owned import pointer_problem, shown
 from hpcdist.store.checkpoint.single import RUN_ATTR
 from hpcdist.store.checkpoint.tree import plain
 
+# hpcdist.api.checkpoints.CheckpointManager, which imports this module: typed by name only, no import circle
+Manager = Any
+
 if TYPE_CHECKING:
-    from hpcdist.api.checkpoints import CheckpointManager
     from hpcdist.store.checkpoint.manager import CheckpointStore
     from hpcdist.store.checkpoint.single import Checkpoint
 
@@ -57,7 +59,7 @@ class Choice:
         return {"step": self.step, "memory": self.memory, "older": self.older, "error": self.error}
 
 
-def on_every_rank(manager: CheckpointManager, step: int = -1, **how: Any) -> tuple[dict[str, Any], Any, set[int]]:
+def on_every_rank(manager: Manager, step: int = -1, **how: Any) -> tuple[dict[str, Any], Any, set[int]]:
     """``CheckpointManager.choose``: the ranks say which step they hold in memory (in a job with
     spares), rank 0 chooses (`choose`, `how` its options), every rank is told, or raises its error."""
     from hpcdist.api import kept

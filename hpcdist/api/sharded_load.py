@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hpcdist.errors import CheckpointError
 
-if TYPE_CHECKING:
-    from hpcdist.api.checkpoints import CheckpointManager
+# hpcdist.api.checkpoints.CheckpointManager, which imports this module: typed by name only, no import circle
+Manager = Any
 
 PER_RANK = "__per_rank__"  # a sharded checkpoint's values of each rank: ``__per_rank__.r<rank:05d>.<key>``
 PER_RANK_ATTR = "per_rank_json"  # root attribute: the per-rank keys (`save`'s `per_rank`) and the world size
@@ -36,7 +36,7 @@ def per_rank_keys(attrs: Mapping[str, Any], rank: int) -> list[str] | None:
     return [str(k) for k in record["keys"]] if rank < int(record["world_size"]) else None
 
 
-def load_into(manager: CheckpointManager, into: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+def load_into(manager: Manager, into: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
     """(step, `into`) filled from the newest committed sharded checkpoint whose chunks verify, or None."""
     from hpcdist.store.sharded import checkpoint as sharded
 
@@ -79,7 +79,7 @@ def load_into(manager: CheckpointManager, into: dict[str, Any]) -> tuple[int, di
     return None
 
 
-def own_steps(manager: CheckpointManager) -> list[tuple[int, bool, str]]:
+def own_steps(manager: Manager) -> list[tuple[int, bool, str]]:
     """Rank 0: the committed steps that are this user's own, newest first: whether each is
     sharded, and its per-rank record; another user's is skipped with one warning (``owned``)."""
     from hpcdist.store.checkpoint import owned

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+# hpcdist.api.checkpoints.CheckpointManager, which imports this module: typed by name only, no import circle
+Manager = Any
+
 if TYPE_CHECKING:
-    from hpcdist.api.checkpoints import CheckpointManager
     from hpcdist.store.checkpoint.single import Checkpoint
 
 
@@ -56,7 +58,7 @@ class CheckpointState:
         """The DTensors every rank writes its part of (with `sharded`)."""
         return {}
 
-    def load_sharded(self, manager: CheckpointManager, paths: list[Path]) -> Path:
+    def load_sharded(self, manager: Manager, paths: list[Path]) -> Path:
         """Fill the sharded state from the first of `paths` (newest first) whose shards verify; which."""
         raise NotImplementedError
 

@@ -10,18 +10,20 @@ fills its shards from the chosen step or, when its chunks fail their checksums, 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hpcdist.api import kept
 from hpcdist.api.state import Source
 from hpcdist.store.checkpoint.directory import step_of
 
+# hpcdist.api.checkpoints.CheckpointManager, which imports this module: typed by name only, no import circle
+Manager = Any
+
 if TYPE_CHECKING:
-    from hpcdist.api.checkpoints import CheckpointManager
     from hpcdist.api.state import CheckpointState
 
 
-def load(manager: CheckpointManager, state: CheckpointState, step: int = -1) -> bool:
+def load(manager: Manager, state: CheckpointState, step: int = -1) -> bool:
     """`state` restored from `step` (-1: the newest); False when there is no checkpoint to restore."""
     manager.wait()  # a background save in flight uses the I/O group too
     shared, latest, held = manager.choose(step, check=state.check, unusable=state.unusable, clean=True,

@@ -177,7 +177,7 @@ def run(ctx: JobRank, params: TrainParams) -> dict[str, Any]:
             r = build(ctx, api, params)
             ctx.timings["train_build"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            resume(r)
+            resume(r, TrainState(r))
             ctx.timings["train_resume"] = time.perf_counter() - t0
             try:
                 return loop(r)

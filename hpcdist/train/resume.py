@@ -36,7 +36,7 @@ from hpcdist.train import state as st
 from hpcdist.train.metrics import Metrics
 
 if TYPE_CHECKING:
-    from hpcdist.api.state import Source
+    from hpcdist.api.state import CheckpointState, Source
     from hpcdist.store.checkpoint.single import Checkpoint
     from hpcdist.train.run import Run
 
@@ -73,13 +73,12 @@ def _first_start(run: Run) -> bool:
     return not ours
 
 
-def resume(run: Run) -> None:
+def resume(run: Run, state: CheckpointState) -> None:
     """Every rank restores the checkpoint the manager chose (checksums verified, or from the ranks'
-    memory), or starts fresh: from ``params.init``'s weights when given."""
-    from hpcdist.train.checkpoint import TrainState
-
+    memory) into `state` (``hpcdist.train.checkpoint.TrainState``, which the loop makes: it calls
+    this module's checks and restore), or starts fresh: from ``params.init``'s weights when given."""
     ctx, checkpoints = run.ctx, run.api.checkpoints
-    checkpoints.schedule(None, TrainState(run))
+    checkpoints.schedule(None, state)
     fresh = ""
     if ctx.is_main and not run.params.checkpoint.resume and _first_start(run):
         fresh = "params.checkpoint.resume is false"
