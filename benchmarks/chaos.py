@@ -350,7 +350,7 @@ def main() -> int:
                 healing()
         code = soak.proc.wait(timeout=3600)
         text = soak.out.read_text()
-        found = re.findall(r"result: (\S+\.h5)", text)  # the last: a standby's, when one ran the job on
+        found = re.findall(r"result:? (\S+\.h5)", text)  # the last: a standby's ("..., result F)"), when one ran on
         if code or not found:
             raise SystemExit(f"the job did not complete (exit {code}): {text[-3000:]}")
         print(f"job completed after {time.time() - start:.0f} s; the unfaulted run on the local site ...", flush=True)
