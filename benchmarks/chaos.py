@@ -55,13 +55,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.in_job_restart import RESUMED  # noqa: E402  (rank 0's "resumed from" line, one pattern)
 from tests.support.cli import rank_pids  # noqa: E402  (the suite's reading of /proc, shared)
 
 SHARED = Path("/var/tmp/hpcdist-shared")
 STATE = Path(os.environ.get("HPCDIST_SLURM_STATE", "/var/tmp/hpcdist-slurm"))
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/local/bin:/usr/bin:/usr/sbin:/bin:/sbin"}
 KINDS = ("rank_kill", "rank_hang", "link_cut", "slurmd_restart", "slurmctld_restart", "node_kill", "batch_node_kill")
-RESUMED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank 0/\d+ [^]]*\] INFO resumed from ")
 CUT_S = 15
 # the suite's 1-layer GPT, a checkpoint every step, validation only at the end
 MODEL = ["--set", "params.model={n_layer: 1, n_head: 2, d_model: 32, context: 32}",
