@@ -158,11 +158,23 @@ def test_a_killed_rank_and_a_dead_node_go_on_with_a_spare_and_in_a_requeue(relea
         assert requeued.proc.poll() is None and requeued.step() < STEPS["requeued"] - 20, requeued.step()
         releases_sh("kill", release, dead)
 
-        def excluded() -> bool:  # Slurm requeued it (NODE_FAIL, after SlurmdTimeout) and the waiter excluded the node
-            return (slurm(release, "squeue", "-h", "-j", requeued.jid, "-o", "%T") == "PENDING"
-                    and dead in field(release, requeued.jid, "ExcNodeList"))
+        seen: list[str] = []
 
-        wait_for(excluded, 150, f"the requeued job pending with {dead} excluded", poll=0.5)
+        def excluded() -> bool:  # Slurm requeued it (NODE_FAIL, after SlurmdTimeout) and the waiter excluded the node
+            state, refused = slurm(release, "squeue", "-h", "-j", requeued.jid, "-o", "%T"), field(
+                release, requeued.jid, "ExcNodeList")
+            seen[:] = [f"{state or 'not in the queue'}, excluded {refused or 'none'}"]
+            return state == "PENDING" and dead in refused
+
+        try:
+            wait_for(excluded, 150, f"the requeued job pending with {dead} excluded", poll=0.5)
+        except AssertionError as exc:  # what Slurm and the waiter said, for the failure's reader
+            requeued.kill()
+            out, err = requeued.proc.communicate(timeout=30)
+            raise AssertionError(f"{exc}; last seen: {seen}; runs in accounting: {history(release, requeued.jid)}; "
+                                 f"{dead}: {slurm(release, 'scontrol', '-o', 'show', 'node', dead)[:300]}; "
+                                 f"its waiter said: {requeued.first}{out[-1500:]}{err[-2500:]}; its log: "
+                                 f"{requeued.log()[-2500:]}") from None
         time.sleep(2)  # not within a second of the requeue: the old run's credential (tests/support/train.py)
         slurm(release, "scontrol", "update", f"JobId={requeued.jid}", "StartTime=now")  # Slurm holds it ~2 min
         went_on, ran_again = spared.finish(), requeued.finish()

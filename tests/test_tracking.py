@@ -299,3 +299,23 @@ def test_an_unchanged_script_continues_its_mlflow_run_after_a_requeue(train_root
     assert {run_id for run_id, _ in started} == {runs[0].info.run_id} and started[1][1] != "0"
     logged, values = history(mlflow_server.uri, runs[0].info.run_id, "x")
     assert logged == list(range(60)) and values == [s * 0.5 for s in range(60)]
+
+
+def test_steps_a_killed_start_never_sent_reach_tensorboard_from_the_checkpoint(train_root: Path, tokens: Path) -> None:
+    """A start whose rank 0 was killed before its tracker thread sent anything (issue 64's chaos
+    soak: rank 0 SIGKILLed at step 18, within the thread's first second) leaves no event file and
+    no high-water mark, though its checkpoints hold the steps. Made here by removing what the
+    first start sent: the next start resumes at step 30 and TensorBoard shows every step once."""
+    root = train_root / "unsent"
+    args = train_args(root, tokens, "--set", "tracking={tensorboard: true}", "--set", "resources.tasks_per_node=1")
+    first = run_cli(*args, "--set", "params.run_steps=30", timeout=180)
+    assert first.code == 0 and "run_steps=30 reached" in first.out, first.text
+    folder = root / "logs" / "train_gpt" / "tracking"
+    for sent in [*(folder / "tensorboard").iterdir(), folder / "steps.json"]:
+        sent.unlink()
+    again = run_cli(*args, timeout=180)
+    assert again.code == 0, again.text
+    assert "resumed from" in rank_log(root) and ": step 30," in rank_log(root), rank_log(root)[-2000:]
+    steps = result_steps(result_path(again.out))
+    logged, values = tensorboard_scalars(folder / "tensorboard", "loss")
+    assert logged == list(range(1, STEPS + 1)) and values == [float(np.float32(v)) for v in steps["loss"]]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import numbers
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -69,6 +69,17 @@ class Run:
         if clean:
             self._put(Item("metrics", step=int(step), values=clean))
 
+    def backfill(self, rows: Iterable[tuple[int, dict[str, float]]]) -> None:
+        """Metrics at steps an earlier start took and may not have sent (its rank 0 was killed
+        within a second of them, before its tracker thread sent them): the resumed state's rows,
+        each tracker getting those past the last step it took before this start. Called by a
+        restart before it logs its own first step."""
+        rows = list(rows)
+        for channel in self.channels:
+            for step, values in rows:
+                if channel.taken is None or step > channel.taken:
+                    channel.put(Item("metrics", step=int(step), values=dict(values)))
+
     def params(self, values: dict[str, Any]) -> None:
         self._put(Item("params", values={k: str(v)[:500] for k, v in values.items()}))
 
@@ -94,8 +105,8 @@ class Run:
                 channel.say_unsent(timeout_s)
 
 
-def _tracker(name: str, tracking: Tracking, identity: Identity, folder: Path, job_id: str) -> Tracker:
-    high = read_high_water(folder, name)
+def _tracker(name: str, tracking: Tracking, identity: Identity, folder: Path, job_id: str,
+             high: int | None) -> Tracker:
     if name == "mlflow":
         from hpcdist.track.mlflow_run import MlflowTracker
 
@@ -122,7 +133,9 @@ def open_run(spec: JobSpec, site: Site, job_id: str, rank: int) -> Run | None:
         log.warning("tracking: no run identity in %s (the job was not submitted by hpcdist submit?): "
                     "nothing is sent to %s", folder, ", ".join(tracking.names))
         return None
-    channels = [Channel(_tracker(name, tracking, identity, folder, job_id), folder) for name in tracking.names]
+    highs = {name: read_high_water(folder, name) for name in tracking.names}
+    channels = [Channel(_tracker(name, tracking, identity, folder, job_id, highs[name]), folder, taken=highs[name])
+                for name in tracking.names]
     run = Run(channels)
     run.params({**job_params(spec, site), "hpcdist.git_commit": identity.git_commit})
     # the whole job and site, as the result file keeps them (its spec_json and site_json attributes)

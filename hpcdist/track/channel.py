@@ -25,8 +25,10 @@ MAX_PENDING = 200_000  # items kept for a tracker that is down; the oldest metri
 class Channel:
     """Items for one tracker, sent by its own daemon thread."""
 
-    def __init__(self, tracker: Tracker, folder: Path, every_s: float = 1.0, warn_every_s: float = WARN_EVERY_S):
+    def __init__(self, tracker: Tracker, folder: Path, every_s: float = 1.0, warn_every_s: float = WARN_EVERY_S,
+                 taken: int | None = None):
         self.tracker, self.folder = tracker, folder
+        self.taken = taken  # the last step the tracker took before this start (its high-water mark)
         self.every_s, self.warn_every_s = every_s, warn_every_s
         self._pending: list[Item] = []
         self._lock = threading.Lock()

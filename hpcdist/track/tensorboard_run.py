@@ -1,6 +1,9 @@
 """The job's TensorBoard run: one event-file folder per job (``tensorboard_dir``), written with
-torch's ``SummaryWriter``. A restart opens it with ``purge_step`` at its first step, so what an
-earlier start logged from that step on is dropped by TensorBoard's reader: each step once."""
+torch's ``SummaryWriter``. Every start opens its own event file with ``purge_step`` at the first
+step it logs, so what an earlier start logged from that step on is dropped by TensorBoard's reader:
+each step once. (An earlier start that wrote no step, its rank 0 killed before its first send, left
+no high-water mark to say it was a restart: so the purge is not only for restarts. On a fresh run
+nothing is before it to purge.)"""
 
 from __future__ import annotations
 
@@ -24,8 +27,7 @@ class TensorboardTracker:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            purge = first_step if self.high_water is not None else None  # a restart: drop what it logs again
-            self._writer = SummaryWriter(str(self.dir), purge_step=purge)
+            self._writer = SummaryWriter(str(self.dir), purge_step=first_step)  # drop what it logs again
         return self._writer
 
     def send(self, items: list[Item]) -> None:

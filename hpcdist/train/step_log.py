@@ -98,12 +98,26 @@ class StepLog:
         ctx, params = run.ctx, run.params
         self.progress = (Progress("train", params.steps, start=run.step, log=ctx.log, every=params.log_every)
                          if ctx.is_main else None)
+        if ctx.is_main and run.step > 0:
+            self._backfill()
         if ctx.is_main:
             ctx.log.info(
                 "training %s: %.2fM parameters, %d steps from step %d, global batch %d x %d tokens, peak lr %.3g, %s",
                 ctx.spec.name, run.cfg.num_params() / 1e6, params.steps, run.step, run.order.global_batch,
                 run.cfg.context, run.peak_lr, run.precision,
             )
+
+    def _backfill(self) -> None:
+        """A restart: the resumed checkpoint's step rows to the trackers, which send those they
+        did not take before (an earlier start killed within a second of its steps sent none of
+        them; the checkpoint has each)."""
+        tracking = self.run.api.tracking_run()
+        if tracking is None:
+            return
+        steps = self.run.metrics.columns("steps")
+        names = [c for c in steps if c not in ("step", "ppl")]
+        tracking.backfill((int(s), {c: float(steps[c][i]) for c in names}) for i, s in enumerate(steps["step"])
+                          if s <= self.run.step)
 
     def start(self) -> None:
         """A step begins (the window's clock starts at its first)."""
