@@ -168,10 +168,10 @@ def _login(args: argparse.Namespace) -> None:
 
 def _one_line(exc: Exception) -> str:
     """An error no door turned into hpcdist's own, in one line: a PermissionError with whose folder
-    refused (``hpcdist.files.trust.denied_hint``), anything else as its type and first line;
+    refused (``hpcdist.files.roots.denied_hint``), anything else as its type and first line;
     ``--debug`` shows the traceback."""
     from hpcdist.errors import cause_text
-    from hpcdist.files.trust import denied_hint
+    from hpcdist.files.roots import denied_hint
 
     hint = denied_hint(exc) if isinstance(exc, OSError) else ""
     return f"{cause_text(exc)}{hint} (--debug shows the traceback)"

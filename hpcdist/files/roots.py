@@ -15,7 +15,8 @@ the kernel lets it.)
 A root that others may write holds one folder per user (``<root>/<user>``), which must be the
 user's own: `own_folder` makes it, or refuses one another user made, naming who; `own_folders`
 does so for every root, and refuses a root reached through a link another user could repoint
-(the test of ``hpcdist.files.trust``).
+(the test of ``hpcdist.files.trust``). A PermissionError met on shared storage anyway (a submit,
+the CLI) gets its one line here too (`denied_hint`): whose folder refused, and what to do.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any, Protocol
 
 from hpcdist.errors import ConfigError
 from hpcdist.files.trust import UntrustedFileError, describe, owner_name, real_folder
+from hpcdist.files.user import current_user
 
 ROOTS = ("results", "checkpoints", "scratch", "logs")
 
@@ -167,3 +169,25 @@ def _no_foreign_links(name: str, root: Path) -> None:
         pass
     except UntrustedFileError as exc:
         raise UntrustedFileError(f"storage.{name}: refusing {root}: {exc.why}", exc.why) from None
+
+
+def denied_hint(exc: OSError) -> str:
+    """For a PermissionError on shared storage: whose folder refused, and what to do; else ""."""
+    if not isinstance(exc, PermissionError) or not exc.filename:
+        return ""
+    folder = Path(os.path.abspath(exc.filename))
+    while not os.path.exists(folder) and folder.parent != folder:  # (False, not raising, where a folder above refuses)
+        folder = folder.parent
+    where = folder if os.path.isdir(folder) else folder.parent
+    try:
+        st = os.stat(where)
+    except OSError:
+        return ""
+    if st.st_uid == os.geteuid():
+        return ""
+    if where.name == current_user():
+        return (f" ({describe(where, st)} is your folder of a shared storage root, but {owner_name(st.st_uid)} "
+                f"made it; they or the site's admin remove it: rm -r {where})")
+    return (f" ({describe(where, st)} is not yours to write: {owner_name(st.st_uid)} made it their own; a storage "
+            f"root shared by a group is made by the site's admin: chgrp GROUP ROOT; chmod 3770 ROOT, after which "
+            f"each member's files go to ROOT/<user>)")

@@ -27,9 +27,8 @@ outside first, with the real owners (``python -m hpcdist.runtime.task_runner --c
 ``current_user`` (``hpcdist.files.user``'s) is the one answer to "who am I" for paths: from the
 process's uid, never from ``$USER``, which a shell may leave as it was.
 
-Over 400 lines: the walk (folders and links) and the test of each step are one rule, whose
-refusals name the same owner, mode and way out. Each user's folder in a shared root, the planned
-split, is ``files.roots``'s now; the code snapshot's own walk (``kinds/snapshot.py``) stays there.
+Each user's folder in a shared root, and what a PermissionError there means (``denied_hint``), are
+``files.roots``'s; the code snapshot's own walk (``kinds/snapshot.py``) stays there.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ from typing import Any
 from hpcdist.errors import HpcdistError
 from hpcdist.files.user import current_user
 
-__all__ = ["UntrustedFileError", "current_user", "cwd_problem", "denied_hint", "describe", "importable_cwd",
+__all__ = ["UntrustedFileError", "current_user", "cwd_problem", "describe", "importable_cwd",
            "load_pickle", "opened_plain", "opened_trusted", "owner_name", "private_folder", "problem", "read_trusted",
            "real_folder", "trusted", "trusted_folder"]
 
@@ -382,25 +381,3 @@ def private_folder(folder: Path) -> Path:
     if st.st_mode & 0o077:
         os.chmod(folder, 0o700)
     return folder
-
-
-def denied_hint(exc: OSError) -> str:
-    """For a PermissionError on shared storage: whose folder refused, and what to do; else ""."""
-    if not isinstance(exc, PermissionError) or not exc.filename:
-        return ""
-    folder = Path(os.path.abspath(exc.filename))
-    while not os.path.exists(folder) and folder.parent != folder:  # (False, not raising, where a folder above refuses)
-        folder = folder.parent
-    where = folder if os.path.isdir(folder) else folder.parent
-    try:
-        st = os.stat(where)
-    except OSError:
-        return ""
-    if st.st_uid == os.geteuid():
-        return ""
-    if where.name == current_user():
-        return (f" ({describe(where, st)} is your folder of a shared storage root, but {owner_name(st.st_uid)} "
-                f"made it; they or the site's admin remove it: rm -r {where})")
-    return (f" ({describe(where, st)} is not yours to write: {owner_name(st.st_uid)} made it their own; a storage "
-            f"root shared by a group is made by the site's admin: chgrp GROUP ROOT; chmod 3770 ROOT, after which "
-            f"each member's files go to ROOT/<user>)")

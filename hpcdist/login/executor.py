@@ -177,7 +177,7 @@ class Executor:
                 return self._submit_direct(calls, array, max_parallel, first)
             return self._submit_all(calls, array, max_parallel, first)
         except OSError as exc:  # a storage folder not this user's: one line saying whose, as `hpcdist submit`
-            from hpcdist.files.trust import denied_hint
+            from hpcdist.files.roots import denied_hint
 
             name = getattr(calls[0][0], "__qualname__", repr(calls[0][0]))
             raise SubmitError(f"could not submit {name} to site {self.site.name}: {exc}{denied_hint(exc)}") from exc

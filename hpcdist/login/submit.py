@@ -28,7 +28,6 @@ from hpcdist.config.spec import JobSpec
 from hpcdist.errors import SubmitError
 from hpcdist.files import roots
 from hpcdist.files.atomic import storage_umask
-from hpcdist.files.trust import denied_hint
 from hpcdist.launchers import SAFE_PATH
 from hpcdist.login import jobindex, remote, tracking
 from hpcdist.scheduler import slurm
@@ -302,7 +301,7 @@ def schedule(plan: Plan, calls: Sequence[Call] | None = None) -> list[Submission
         raise SubmitError(f"the scheduler refused job {base.name!r}: {said} (`hpcdist site check {site.name}` "
                           f"compares site {site.name!r} with the cluster)") from exc
     except OSError as exc:
-        raise SubmitError(f"could not submit job {base.name!r}: {exc}{denied_hint(exc)}") from exc
+        raise SubmitError(f"could not submit job {base.name!r}: {exc}{roots.denied_hint(exc)}") from exc
     origin = plan.origin
     submissions = [Submission(job=job, spec=task, site=site, script=script)
                    for job, task in zip(jobs, plan.tasks, strict=True)]
