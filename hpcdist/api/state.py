@@ -69,9 +69,9 @@ class CheckpointState:
     def epoch(self) -> int:
         return 0
 
-    def check(self, checkpoint: Checkpoint, held: Path, path: Path) -> str | None:
-        """Rank 0: why the chosen checkpoint (its verified read; the file through the folder held
-        open as `held`, named `path`) cannot be restored into this state, or None."""
+    def check(self, checkpoint: Checkpoint, path: Path) -> str | None:
+        """Rank 0: why the chosen checkpoint (its verified read, of the file `path`) cannot be
+        restored into this state, or None; asked before any rank reads it."""
         return None
 
     def saved(self, path: Path | None, background: bool) -> None:

@@ -1,10 +1,12 @@
 """``CheckpointManager.load(step=-1)``: the scheduled ``CheckpointState`` restored from the chosen step.
 
 The step is ``hpcdist.api.resume_step``'s (the newest committed one that verifies, or the one the
-ranks hold in memory after an in-place restart). From memory no step file is read: the state comes
-from this rank's copy or a peer's (``hpcdist.api.kept``). From storage every rank reads the file
-(checksums verified; rank 0 reuses the read it verified while choosing), and a sharded state first
-fills its shards from the chosen step or, when its chunks fail their checksums, the next older one.
+ranks hold in memory after an in-place restart), once the state's ``check`` accepted rank 0's read
+of it: the state is asked here, with what the choice gave, not from inside the choice. From memory
+no step file is read: the state comes from this rank's copy or a peer's (``hpcdist.api.kept``).
+From storage every rank reads the file (checksums verified; rank 0 reuses the read it verified
+while choosing), and a sharded state first fills its shards from the chosen step or, when its
+chunks fail their checksums, the next older one.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from hpcdist.api import kept
+from hpcdist.api import kept, resume_step
 from hpcdist.api.state import Source
+from hpcdist.errors import CheckpointError
 from hpcdist.store.checkpoint.directory import step_of
 
 # hpcdist.api.checkpoints.CheckpointManager, which imports this module: typed by name only, no import circle
@@ -26,8 +29,16 @@ if TYPE_CHECKING:
 def load(manager: Manager, state: CheckpointState, step: int = -1) -> bool:
     """`state` restored from `step` (-1: the newest); False when there is no checkpoint to restore."""
     manager.wait()  # a background save in flight uses the I/O group too
-    shared, latest, held = manager.choose(step, check=state.check, unusable=state.unusable, clean=True,
-                                          mapped=True, older=state.sharded)
+    choice, held = resume_step.propose(manager, step, unusable=state.unusable, clean=True, mapped=True,
+                                       older=state.sharded)
+    latest = choice.checkpoint  # rank 0's verified read of the chosen file (None elsewhere, or from memory)
+    if latest is not None:  # the state's own test of it, before any rank reads a tensor
+        try:
+            choice.refuse(state.check(latest, latest.path))
+        except Exception as exc:  # an error every rank raises (`agree`): no rank waits for rank 0
+            choice.refuse(str(exc) if isinstance(exc, CheckpointError) else
+                          f"choosing a checkpoint in {manager.directory} failed: {type(exc).__name__}: {exc}")
+    shared = resume_step.agree(manager, choice)
     chosen = shared["step"]
     if chosen is None:
         return False

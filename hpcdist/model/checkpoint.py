@@ -233,15 +233,16 @@ def _sharded_model(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """The shape of each tensor in the checkpoint's `/model` group (or a sharded checkpoint's
-    ``model`` entries), read without its data."""
-    header = store.read_header(path, MODEL_GROUP)
-    if is_sharded(header.attrs):
+def shapes_in(checkpoint: store.Checkpoint) -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor in a checkpoint's `/model` group (or a sharded checkpoint's
+    ``model`` entries, from the index it holds), as the checkpoint was read and verified."""
+    if is_sharded(checkpoint.attrs):
         from hpcdist.store.sharded.layout import read_index, tensors_of
 
-        return {k: e.size for k, e in tensors_of(read_index(path)[1], MODEL_GROUP + ".").items()}
-    return {k: d.shape for k, d in (header.datasets or {}).items()}
+        text = read_index(checkpoint.path, checkpoint)[1]
+        return {k: e.size for k, e in tensors_of(text, MODEL_GROUP + ".").items()}
+    model = checkpoint.tree.get(MODEL_GROUP, {})
+    return {k: tuple(v.shape) for k, v in model.items() if hasattr(v, "shape")}
 
 
 def check_shapes(path: Path, expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tuple[int, ...]]) -> None:

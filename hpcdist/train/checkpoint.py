@@ -149,8 +149,8 @@ class TrainState(CheckpointState):
     def named(self, what: str) -> AbstractContextManager[Any]:
         return named(self.run, what)
 
-    def check(self, checkpoint: Checkpoint, held: Path, path: Path) -> str | None:
-        return resume.check(self.run, checkpoint, held, path)
+    def check(self, checkpoint: Checkpoint, path: Path) -> str | None:
+        return resume.check(self.run, checkpoint, path)
 
     def load_state_dict(self, tree: dict[str, Any], source: Source) -> None:
         resume.restore(self.run, tree, source)

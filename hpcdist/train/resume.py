@@ -25,8 +25,8 @@ from hpcdist.model.checkpoint import (
     is_sharded,
     load_model_state,
     parameter_shapes,
+    shapes_in,
     state_dict_of,
-    stored_shapes,
 )
 from hpcdist.runtime.requeue import Requeues
 from hpcdist.store import read as read_checkpoint
@@ -95,16 +95,13 @@ def resume(run: Run, state: CheckpointState) -> None:
         start_from_init(run)
 
 
-def check(run: Run, checkpoint: Checkpoint, held: Path, path: Path) -> str | None:
+def check(run: Run, checkpoint: Checkpoint, path: Path) -> str | None:
     """Rank 0: why the chosen checkpoint `path` cannot resume this run, before any tensor is used:
     its model's shapes, DDP or FSDP, its tokenizer. Judged on the read that verified it (a sharded
-    checkpoint's shapes from its index, read through the held folder as `held`)."""
+    checkpoint's shapes from the index it holds)."""
     written_sharded = is_sharded(checkpoint.attrs)
-    model = checkpoint.tree.get(MODEL_GROUP, {})
-    found = stored_shapes(held) if written_sharded else {k: tuple(v.shape) for k, v in model.items()
-                                                         if hasattr(v, "shape")}
     try:
-        check_shapes(path, parameter_shapes(run.cfg), found)
+        check_shapes(path, parameter_shapes(run.cfg), shapes_in(checkpoint))
     except CheckpointError as exc:
         return str(exc)
     if written_sharded != run.sharded:

@@ -50,11 +50,12 @@ class Run:
     commits_seen: int = 0  # of api.checkpoints.committed, already in the metrics
     tokenizer: Tokenizer | None = None  # the token file's: recorded in every checkpoint
     compile_cache: Path | None = None  # where torch.compile keeps its code; None: the model runs eager
+    # whether the model is sharded (FSDP2): its checkpoints are then sharded too. Read once from the
+    # frozen params, so the loop, its checkpoint state and its resume read a fact, not a computation
+    sharded: bool = field(init=False)
 
-    @property
-    def sharded(self) -> bool:
-        """Whether the model is sharded (FSDP2): its checkpoints are then sharded too."""
-        return self.params.parallel.fsdp
+    def __post_init__(self) -> None:
+        self.sharded = self.params.parallel.fsdp
 
     @property
     def ctx(self) -> JobRank:

@@ -22,6 +22,7 @@ from hpcdist.store.checkpoint.directory import (
     checkpoints_in,
     read_commit,
     read_pointer,
+    remove_temporaries,
     step_of,
     temporaries_in,
 )
@@ -42,8 +43,10 @@ class Scan:
     temporaries: list[Path] = field(default_factory=list)
     checkpoint: Checkpoint | None = None  # `latest` as read while verifying, when `scan(keep=True)`
     run_id: str | None = None  # the run `latest` belongs to ("" for a file of an earlier build)
+    removed: list[Path] = field(default_factory=list)  # temporaries of killed writers removed, `scan(clean=True)`
 
     def report(self) -> list[str]:
+        """What was skipped or ignored, one line each (what was removed is said by `tell` only)."""
         lines = []
         if self.pointer_problem:
             lines.append(f"checkpoint pointer: {self.pointer_problem}; falling back to the files present")
@@ -52,18 +55,23 @@ class Scan:
         return lines
 
     def tell(self, report: Callable[[str], None] | None = None) -> Scan:
-        """Each line of `report()` to `report` (the hpcdist log's warnings by default); returns self."""
-        for line in self.report():
+        """The temporaries removed, then each line of `report()`, to `report` (the hpcdist log's
+        warnings by default); returns self."""
+        removed = ([f"removed {len(self.removed)} temporary file(s) left by killed writers in "
+                    f"{self.removed[0].parent}"] if self.removed else [])
+        for line in removed + self.report():
             (report or log.warning)(line)
         return self
 
 
-def scan(directory: Path | str, *, keep: bool = False, mapped: bool = False, within: Path | None = None) -> Scan:
+def scan(directory: Path | str, *, keep: bool = False, mapped: bool = False, within: Path | None = None,
+         clean: bool = False) -> Scan:
     """The newest committed checkpoint in `directory` whose checksums verify, and what was skipped.
 
     With `keep`, the verified read of that checkpoint is kept (`Scan.checkpoint`), so a caller
     that loads it next does not read the file twice; with `mapped` too, its arrays are views of
-    the file (``checkpoints.read``).
+    the file (``checkpoints.read``). With `clean`, the temporaries killed writers left are removed
+    first (only when no writer of this directory runs) and said in one line (`Scan.removed`).
     Only files of the run the pointer names are candidates (any file when no pointer says which):
     another run's files are skipped, never resumed. Only this user's own are read at all
     (``hpcdist.store.checkpoint.owned``): a folder another user could have written is one
@@ -73,15 +81,16 @@ def scan(directory: Path | str, *, keep: bool = False, mapped: bool = False, wit
     """
     directory = Path(directory)
     if within is not None:
-        return _shown(_scan(within, keep, mapped), within, directory)
+        return _shown(_scan(within, keep, mapped, clean), within, directory)
     if not directory.is_dir():
         return Scan(None)
     with held(directory) as here:
-        return _shown(_scan(here, keep, mapped), here, directory)
+        return _shown(_scan(here, keep, mapped, clean), here, directory)
 
 
-def _scan(directory: Path, keep: bool, mapped: bool) -> Scan:
+def _scan(directory: Path, keep: bool, mapped: bool, clean: bool) -> Scan:
     """`scan` of a held folder (paths through ``/proc/self/fd/N``; `_shown` names them as the user does)."""
+    removed = remove_temporaries(directory) if clean else []
     skipped: list[tuple[Path, str]] = []
     files = []
     for p in checkpoints_in(directory):
@@ -96,7 +105,8 @@ def _scan(directory: Path, keep: bool, mapped: bool) -> Scan:
     pointer, problem_ = commit.path, commit.problem
     if not files:
         has_pointer = (directory / POINTER).exists()
-        return Scan(None, skipped, pointer_problem=problem_ if has_pointer else "", temporaries=temporaries)
+        return Scan(None, skipped, pointer_problem=problem_ if has_pointer else "", temporaries=temporaries,
+                    removed=removed)
     if pointer is not None:
         limit = step_of(pointer) or 0
         for p in files:
@@ -116,8 +126,8 @@ def _scan(directory: Path, keep: bool, mapped: bool) -> Scan:
             skipped.append((path, str(exc).removeprefix(f"{path}: ")))
             continue
         run = str(plain(loaded.attrs.get(RUN_ATTR, "")))
-        return Scan(path, skipped, problem_, temporaries, loaded if keep else None, run)
-    return Scan(None, skipped, problem_, temporaries)
+        return Scan(path, skipped, problem_, temporaries, loaded if keep else None, run, removed)
+    return Scan(None, skipped, problem_, temporaries, removed=removed)
 
 
 def _shown(found: Scan, here: Path, directory: Path) -> Scan:
@@ -130,7 +140,7 @@ def _shown(found: Scan, here: Path, directory: Path) -> Scan:
     return Scan(None if found.latest is None else named(found.latest),
                 [(named(p), shown(why, here, directory)) for p, why in found.skipped],
                 shown(found.pointer_problem, here, directory), [named(p) for p in found.temporaries],
-                found.checkpoint, found.run_id)
+                found.checkpoint, found.run_id, [named(p) for p in found.removed])
 
 
 def _run_name(run: str) -> str:

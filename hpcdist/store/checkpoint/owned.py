@@ -162,8 +162,10 @@ def check_folder(directory: Path | str) -> None:
 
 def make_folder(directory: Path) -> None:
     """`directory` and the folders above it that are missing, made without group or world write
-    (mode 0755, less what the umask takes): a run's own checkpoints are never refused for it."""
-    make_folders(directory, 0o755, umask=True)
+    (mode 0755, less what the umask takes): a run's own checkpoints are never refused for it. One
+    that is there already (the run's claim made it) is left as it is, at the cost of one stat."""
+    if not os.path.isdir(directory):
+        make_folders(directory, 0o755, umask=True)
 
 
 def drop_group_write(path: Path) -> None:
