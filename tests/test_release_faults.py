@@ -8,13 +8,17 @@ A release has two nodes, single-host (one machine, each slurmd in a mount namesp
 one node's death serves two jobs that run at once on both nodes:
 
 - **hot spares**: 1 node x 2 tasks + 1 spare. The supervisor gives the ranks to the node that is not
-  the batch node; the batch node is the spare. After step 10 a rank's process is SIGKILLed (its node
+  the batch node; the batch node is the spare. After step 5 a rank's process is SIGKILLed (its node
   lives): the step starts again on the same node. Then that node dies: the spare takes its ranks.
   COMPLETED in the job's first run, every step's loss once.
 - **a requeue**: 2 nodes x 1 task, no spare, ``on_node_failure: requeue`` and ``min_nodes: 1``. The
   same death: Slurm declares the node DOWN after SlurmdTimeout and requeues the job; the waiter
   excludes the node and shrinks the job to the node that lives; it resumes from its checkpoint and
   the postmortem names the node (``ran again without node t2 (died in run 1, ...``).
+
+Both jobs wait before a step of theirs (the script's ``--wait-at``) until the node is dead, so the
+fault lands while both run, whatever the machine's load (a requeued job that ran ahead had finished
+before it in one run of five under load).
 
 A node dies as ``releases.sh kill`` makes it (its slurmd's port silent, every process of its mount
 namespace killed) and is revived after the test, even one that fails. Slurm holds a requeued job
@@ -49,9 +53,10 @@ pytestmark = [pytest.mark.slurm, pytest.mark.other_clusters]  # a group beside t
 RELEASES_SH = REPO / "cluster" / "releases.sh"
 SCRIPT = REPO / "tests" / "scripts" / "elastic_sgd.py"
 WAIT = 240
-# Steps of each job: the requeued one is still running when the node dies (after the spared job's
-# rank was killed at step 5 and its step started again), and its last ~45 steps run after the requeue.
-STEPS = {"spared": 30, "requeued": 80}
+# Steps of each job, and the step each waits before until the test has killed the node (the file
+# GO exists): the spared job's rank is killed at step 5 or later and its step starts again before
+# then, and the requeued job's last 30 steps run after the requeue, however loaded the machine.
+STEPS, GATE, GO = {"spared": 30, "requeued": 40}, {"spared": 15, "requeued": 10}, "go"
 SPARED = ("--set", "resources.nodes=1", "--set", "resources.tasks_per_node=2", "--set", "resources.spare_nodes=1")
 REQUEUED = ("--set", "resources.nodes=2", "--set", "resources.tasks_per_node=1", "--set", "resources.min_nodes=1",
             "--set", "on_node_failure=requeue")
@@ -97,7 +102,8 @@ class Submitted:
     def __init__(self, alice: Member, name: str, *sets: str) -> None:
         self.name, self.out = name, alice.folder / "hpcdist-out"
         self.proc = alice.start("hpcdist", "submit", "--wait", "--set", f"name={name}", "--set", "timeout_s=5", *sets,
-                                "--", "elastic_sgd.py", "--steps", str(STEPS[name]), "--every", "1", "--step-s", "0.25")
+                                "--", "elastic_sgd.py", "--steps", str(STEPS[name]), "--every", "1", "--step-s", "0.25",
+                                "--wait-at", str(GATE[name]), "--wait-for", str(alice.folder / GO))
         self.first = ""
 
     def job_id(self) -> str:
@@ -155,8 +161,10 @@ def test_a_killed_rank_and_a_dead_node_go_on_with_a_spare_and_in_a_requeue(relea
         wait_for(lambda: "INFO resumed from step" in spared.log(), 60, "the spared job's step started again")
         batch = field(release, spared.jid, "BatchHost")  # its spare; its ranks run on the other node
         [dead] = [n for n in NODES[release] if n != batch]
-        assert requeued.proc.poll() is None and requeued.step() < STEPS["requeued"] - 20, requeued.step()
+        wait_for(lambda: spared.step() == GATE["spared"] - 1 and requeued.step() == GATE["requeued"] - 1, WAIT,
+                 "both jobs waiting at their steps")
         releases_sh("kill", release, dead)
+        (alice.folder / GO).touch()  # go on: the spared job on its spare, the requeued one into its dead peer
 
         seen: list[str] = []
 

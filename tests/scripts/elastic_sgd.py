@@ -4,12 +4,15 @@ gradient is summed over the ranks and divided by the global batch, so a run at 4
 takes the same steps up to float rounding. Checkpoints every `--every` steps, sleeps `--step-s`
 a step (to leave a test time to kill a node), and records every step's loss in its result (and
 in the job's tracker, where the spec names one). `--hang-rank` hangs at step `--hang-at` of a
-run that did not resume; `--comm-error-at` raises a communication error on every rank once."""
+run that did not resume; `--comm-error-at` raises a communication error on every rank once;
+`--wait-at` holds every rank before that step until the file `--wait-for` exists (no collective
+in flight meanwhile: a test makes its fault while the job stands there, whatever the load)."""
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,6 +38,8 @@ def main() -> None:
     parser.add_argument("--comm-error-at", type=int, default=0,
                         help="every rank raises torch's DistBackendError (as NCCL's errors) at this step, unless "
                         "resumed from the step before it")
+    parser.add_argument("--wait-at", type=int, default=0, help="every rank waits before this step ...")
+    parser.add_argument("--wait-for", type=Path, default=None, help="... until this file exists")
     args = parser.parse_args()
     ctx = hpcdist.init()
     if ctx.reruns:  # on_rank_failure: in_place, a rank that lived: its module state is the failed run's
@@ -50,6 +55,8 @@ def main() -> None:
         if ctx.rank == args.hang_rank and step == args.hang_at and start == 0:
             ctx.log.info("hanging at step %d", step)
             time.sleep(3600)  # a rank stuck (a GPU that stopped answering): the others' collective times out
+        while step == args.wait_at and args.wait_for is not None and not args.wait_for.exists():
+            time.sleep(0.1)
         if step == args.comm_error_at and start < step - 1:
             raise dist.DistBackendError(f"NCCL error (injected at step {step}): unhandled system error")
         x, y = batch(step)
