@@ -43,6 +43,13 @@ def job(server: dist.TCPStore, secret: bytes = b"k" * 32, prefix: str = PREFIX) 
     return SignedStore(dist.PrefixStore(prefix, client(server)), secret, prefix)
 
 
+def settled(*stores: dist.Store | SignedStore) -> None:
+    """A round trip on each store's own connection: the server has taken what it sent before. A
+    TCPStore's set is not answered, so a read on another connection could come first."""
+    for store in stores:
+        signed_store.plain(store).check(["settled"])
+
+
 @pytest.fixture
 def warnings(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """The warnings hpcdist logs, as they are logged (from any thread)."""
@@ -69,7 +76,9 @@ def test_altered_moved_and_replayed_values_are_refused(server: dist.TCPStore, wa
     intruder.set(f"{PREFIX}/hpcdist/failed", genuine)  # a genuine value moved to another key
     job(server, prefix="hpcdist/77.0.1.0").set("hpcdist/join/1", "n1")  # another launch (a requeue) of the job
     intruder.set(f"{PREFIX}/hpcdist/join/1", intruder.get("hpcdist/77.0.1.0/hpcdist/join/1"))
-    job(server, secret=b"o" * 32).set("hpcdist/join/0", "evil")  # signed with another job's key
+    other_job = job(server, secret=b"o" * 32)
+    other_job.set("hpcdist/join/0", "evil")  # signed with another job's key
+    settled(intruder, other_job)
     for key in ("hpcdist/hosts", "hpcdist/failed", "hpcdist/join/1", "hpcdist/join/0"):
         assert mine.peek(key) is None and not mine.check([key]), key
         assert sum(f"ignored a forged or altered value of {PREFIX}/{key} in the job's store" in w
@@ -97,6 +106,7 @@ def test_a_forgery_set_first_never_blocks_the_genuine_message(server: dist.TCPSt
 def test_the_first_genuine_failure_wins_and_a_forged_one_is_replaced(server: dist.TCPStore) -> None:
     rank1, rank2, intruder = job(server), job(server), client(server)
     intruder.set(f"{PREFIX}/hpcdist/failed", "rank 0 on n1: forged")
+    settled(intruder)
     assert rank1.compare_set("hpcdist/failed", "", "rank 1 on n2: boom") == b"rank 1 on n2: boom"
     assert rank2.compare_set("hpcdist/failed", "", "rank 2 on n3: later") == b"rank 1 on n2: boom"
     assert rank2.peek("hpcdist/failed") == b"rank 1 on n2: boom"
@@ -188,7 +198,9 @@ def test_a_forged_seat_and_count_before_a_rank_joins_do_not_change_the_roll(serv
 def test_a_forged_roll_call_answer_does_not_hide_a_silent_rank(server: dist.TCPStore) -> None:
     from hpcdist.runtime.rollcall import roll_call
 
-    client(server).set(f"{PREFIX}/hpcdist/rollcall/1", "1")  # "n2 answered", says someone else
+    someone = client(server)
+    someone.set(f"{PREFIX}/hpcdist/rollcall/1", "1")  # "n2 answered", says someone else
+    settled(someone)
     said = roll_call(0, ["n1", "n2"], wait_s=0.3, store=job(server))
     assert said.startswith("no answer within 0.3 s from n2 (rank 1)"), said
 
@@ -200,11 +212,14 @@ def test_a_replayed_value_is_refused_once_a_newer_one_was_read(server: dist.TCPS
     rank1.set("hpcdist/beat/1", "100")
     old = intruder.get(f"{PREFIX}/hpcdist/beat/1")
     rank1.set("hpcdist/beat/1", "200")
+    settled(rank1)
     assert rank0.peek("hpcdist/beat/1") == b"200" and rank0.peek("hpcdist/beat/1") == b"200"  # re-read: no replay
     intruder.set(f"{PREFIX}/hpcdist/beat/1", old)
+    settled(intruder)
     assert rank0.peek("hpcdist/beat/1") is None and rank0.look("hpcdist/beat/1") == (None, True)
     assert sum(f"ignored a replayed value of {PREFIX}/hpcdist/beat/1" in w for w in warnings) == 1, warnings
     rank1.set("hpcdist/beat/1", "300")
+    settled(rank1)
     assert rank0.peek("hpcdist/beat/1") == b"300"
 
 
