@@ -98,9 +98,9 @@ class StepLog:
         ctx, params = run.ctx, run.params
         self.progress = (Progress("train", params.steps, start=run.step, log=ctx.log, every=params.log_every)
                          if ctx.is_main else None)
-        if ctx.is_main and run.step > 0:
-            self._backfill()
         if ctx.is_main:
+            if run.step > 0:
+                self._backfill()
             ctx.log.info(
                 "training %s: %.2fM parameters, %d steps from step %d, global batch %d x %d tokens, peak lr %.3g, %s",
                 ctx.spec.name, run.cfg.num_params() / 1e6, params.steps, run.step, run.order.global_batch,
