@@ -27,13 +27,18 @@ def _bytes_and_requests(world: int, key_file: Path) -> tuple[list[int], list[int
 def test_a_ranks_store_traffic_does_not_grow_with_the_world_size(tmp_path: Path) -> None:
     """Between 16 and 128 ranks a rank's bytes stay within 10 % (the digits of longer rank numbers)
     and its requests do not grow: the host table every rank read was 8x longer at 128 ranks before
-    it was packed (issue 67). Rank 0 and the one rank that collects the roll call read every rank's
-    keys, and their bytes grow with the world."""
+    it was packed (issue 67). Two ranks do a job for all, whichever the threads' order makes them:
+    the first to answer the roll call reads every rank's keys (its bytes grow with the world, as
+    rank 0's do), and the last to check in marks the count complete (one request more, at every
+    size; when that was rank 0 or the roll call's reader in one run and another rank in the other,
+    comparing the second-busiest ranks failed a clean-clone run)."""
     key = signed_store.make_key(tmp_path, "sim")
     small_bytes, small_requests, small_rank0 = _bytes_and_requests(16, key)
     big_bytes, big_requests, big_rank0 = _bytes_and_requests(128, key)
-    small, big = sorted(small_bytes)[-2], sorted(big_bytes)[-2]  # the collector of the roll call apart
+    small, big = sorted(small_bytes)[-3], sorted(big_bytes)[-3]  # every rank but the two with a job for all
     assert big <= 1.1 * small, (small, big)
-    assert sorted(big_requests)[-2] <= sorted(small_requests)[-2], (small_requests, big_requests)
+    assert sorted(big_requests)[-3] <= sorted(small_requests)[-3], (small_requests, big_requests)
+    completer = sorted(big_requests)[-2]  # one request more than the others, at any size
+    assert completer <= sorted(small_requests)[-3] + 1, (small_requests, big_requests)
     assert max(big_bytes) > 4 * max(small_bytes)  # the collector's reads do grow: the count sees them
     assert big_rank0 > 4 * small_rank0
