@@ -8,13 +8,11 @@ one frame makes to the same module one after the other (a loop over the tree's l
 entry. Prints each module's entries along the trip, in the order first entered, and exits 1 if
 any module is entered more than `--most` times (2).
 
-One module is entered three times, and must be: ``hpcdist.model.checkpoint``, the GPT's own
-knowledge on top of the store. On the way out it makes the model's tree; on the way back it is
-asked at two moments with every rank's read between them: the chosen file's shapes, tested on
-rank 0's verified read before any rank reads a tensor (for a sharded checkpoint, before any shard
-is filled), and the model's state dict, made from what every rank read. One call for both would
-either read every rank's file before a file of the wrong shape is refused, or test after the
-shards were filled. (docs/layout.md shows the figure.)
+The GPT's own knowledge on top of the store is two modules, each entered at most twice:
+``hpcdist.model.checkpoint`` makes the model's tree on the way out and its state dict from what
+every rank read on the way back; ``hpcdist.model.shapes`` tests the chosen file's shapes on rank
+0's verified read before any rank reads a tensor (for a sharded checkpoint, before any shard is
+filled). They were one module, entered three times. (docs/layout.md shows the figure.)
 
     .venv/bin/python benchmarks/checkpoint_trace.py [--most 2] [--path]
 """

@@ -50,9 +50,9 @@ from hpcdist.infer.broadcast import (  # noqa: E402
     layout,
     plan_buckets,
 )
-from hpcdist.model.checkpoint import parameter_shapes as expected_shapes  # noqa: E402
 from hpcdist.model.config import GPTConfig  # noqa: E402
 from hpcdist.model.hf import SIZES  # noqa: E402
+from hpcdist.model.shapes import parameter_shapes as expected_shapes  # noqa: E402
 
 NAMES = ("in_place", "packed", "fresh", "per_tensor", "single_buffer", "single_fresh")
 METHODS = NAMES[:4]  # hpcdist's; each runs beside its peer in every iteration

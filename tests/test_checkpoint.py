@@ -24,6 +24,7 @@ from hpcdist import store
 from hpcdist.errors import CheckpointError
 from hpcdist.model import checkpoint as gpt_ckpt
 from hpcdist.model.gpt import GPT, GPTConfig
+from hpcdist.model.shapes import check_shapes
 from hpcdist.store.checkpoint import directory as layout
 from tests.support.cli import REPO
 from tests.support.digests import digest_of
@@ -210,7 +211,7 @@ def test_other_model_shape_lists_the_mismatched_tensors(tmp_path: Path) -> None:
     with h5py.File(path) as f:
         found = {k: d.shape for k, d in f["model"].items()}
     with pytest.raises(CheckpointError) as err:
-        gpt_ckpt.check_shapes(path, expected, found)
+        check_shapes(path, expected, found)
     msg = str(err.value)
     assert "transformer.wte.weight: checkpoint [61, 16] vs model [61, 32]" in msg
     assert "transformer.h.2.ln_1.weight: missing in checkpoint" in msg

@@ -13,9 +13,9 @@ import torch
 
 from hpcdist.errors import CheckpointError
 from hpcdist.infer.shard_load import read_shard, shard_state
-from hpcdist.model.checkpoint import parameter_shapes as expected_shapes
 from hpcdist.model.checkpoint import read_full, read_header
 from hpcdist.model.gpt import GPT, GPTConfig
+from hpcdist.model.shapes import parameter_shapes as expected_shapes
 from hpcdist.store import resolve
 from tests.support.infer import TINY, make_checkpoint, make_sharded_checkpoint
 

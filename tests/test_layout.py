@@ -272,3 +272,15 @@ def test_no_rank_unpickles_what_another_sends() -> None:
             if named in OBJECT_COLLECTIVES:
                 found.append(f"{name}:{getattr(node, 'lineno', 0)}: {named}")
     assert found == []
+
+
+def test_one_checkpoint_saved_and_resumed_enters_no_module_more_than_twice() -> None:
+    """docs/layout.md's figure: train_gpt's save to its commit and back through the resume's load,
+    traced by the command the page prints; it exits 1 naming any module entered three times."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "checkpoint_trace.py")], cwd=REPO,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "over 2: none" in done.stdout

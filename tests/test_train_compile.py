@@ -25,8 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hpcdist.config import load_site
 from hpcdist.errors import ConfigError
 from hpcdist.kinds.registry import load_job
-from hpcdist.model.checkpoint import parameter_shapes
 from hpcdist.model.gpt import GPT, GPTConfig, head_logits, head_loss, padded_vocab
+from hpcdist.model.shapes import parameter_shapes
 from hpcdist.store.results import read_table
 from hpcdist.train.checkpoint import stop_every
 from tests.support import train as fx

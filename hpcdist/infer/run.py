@@ -29,7 +29,7 @@ from hpcdist.infer.params import BroadcastParams, InferParams, inspect, locate_c
 from hpcdist.infer.shard_load import kv_layout, read_shard
 from hpcdist.infer.tp import TPGPT, TPGroup, weight_bytes
 from hpcdist.model.checkpoint import CheckpointHeader
-from hpcdist.model.checkpoint import parameter_shapes as expected_shapes
+from hpcdist.model.shapes import parameter_shapes as expected_shapes
 from hpcdist.progress import report_progress
 from hpcdist.runtime.plain import all_gather_plain, broadcast_plain
 from hpcdist.store import checksum

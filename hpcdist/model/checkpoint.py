@@ -16,9 +16,9 @@ In a ``hpcdist.checkpoint`` file the GPT adds:
   imported model's chat template travels in it too: ``chat_template_utf8`` (one Jinja template)
   or ``chat_templates_json_utf8`` (named ones, ``{"default": ..., "tool_use": ...}``), UTF-8 bytes.
 
-Here: the parameter shapes of a config (`parameter_shapes`), the `/model` tree of a state dict
-and the state dict of a `/model` tree (the one tied-weight restore), the shape check training
-runs before resuming, and the header reader inference runs on the login node. Only pydantic,
+Here: the `/model` tree of a state dict and the state dict of a `/model` tree (the one tied-weight
+restore), and the header reader inference runs on the login node. The shapes a checkpoint's model
+must have, and training's check of them before resuming, are ``hpcdist.model.shapes``'. Only pydantic,
 NumPy and h5py are imported at module level, so a login node checks a checkpoint against a spec
 without torch; torch is imported where tensors are made.
 """
@@ -35,6 +35,7 @@ import numpy as np
 
 from hpcdist.errors import CheckpointError
 from hpcdist.model.config import GPTConfig
+from hpcdist.model.shapes import MODEL_GROUP, is_sharded, parameter_shapes
 from hpcdist.store import checksum
 from hpcdist.store.checkpoint import single as store
 from hpcdist.store.checkpoint.discovery import resolve
@@ -46,53 +47,12 @@ if TYPE_CHECKING:
     from hpcdist.data.tokenizer import ByteTokenizer, FileTokenizer
     from hpcdist.store.sharded.layout import Piece
 
-MODEL_GROUP = "model"
 CONFIG_ATTR = "model_config_json"
 TIED_ATTR = "tied_json"
 CHAT_TEMPLATE = "chat_template_utf8"  # in the tokenizer group: the Jinja chat template, UTF-8 bytes
 CHAT_TEMPLATES = "chat_templates_json_utf8"  # or named ones ({"default": ..., "tool_use": ...}), as UTF-8 JSON
 ChatTemplate = str | dict[str, str]  # one Jinja template, or templates by name
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the dtypes a model tensor is stored in, and their sizes
-
-
-def parameter_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """The stored tensors of a GPT of shape `cfg`, in ``state_dict()`` order (a tied head left out).
-
-    A LayerNorm has a weight and a bias, an RMSNorm a weight only; a learned-position model has
-    ``wpe``, a rotary one none; biases are there where the config has them; an untied head is
-    ``lm_head.weight``.
-    """
-    d, h, v = cfg.d_model, cfg.d_hidden, cfg.vocab_size
-    q, kv = cfg.n_head * cfg.d_head, cfg.n_kv * cfg.d_head
-    fc = h * (2 if cfg.mlp == "swiglu" else 1)
-
-    def norm(name: str) -> dict[str, tuple[int, ...]]:
-        return {name + ".weight": (d,), **({name + ".bias": (d,)} if cfg.norm == "layernorm" else {})}
-
-    def linear(name: str, n_out: int, n_in: int, bias: bool) -> dict[str, tuple[int, ...]]:
-        return {name + ".weight": (n_out, n_in), **({name + ".bias": (n_out,)} if bias else {})}
-
-    out: dict[str, tuple[int, ...]] = {"transformer.wte.weight": (v, d)}
-    if cfg.positions == "learned":
-        out["transformer.wpe.weight"] = (cfg.context, d)
-    for i in range(cfg.n_layer):
-        p = f"transformer.h.{i}."
-        out.update(norm(p + "ln_1"))
-        out.update(linear(p + "attn.c_attn", q + 2 * kv, d, cfg.attention_bias))
-        out.update(linear(p + "attn.c_proj", d, q, cfg.attention_out_bias))
-        out.update(norm(p + "ln_2"))
-        out.update(linear(p + "mlp.c_fc", fc, d, cfg.mlp_bias))
-        out.update(linear(p + "mlp.c_proj", d, h, cfg.mlp_bias))
-    out.update(norm("transformer.ln_f"))
-    if not cfg.tied:
-        out["lm_head.weight"] = (v, d)
-    return out
-
-
-def is_sharded(attrs: Mapping[str, Any]) -> bool:
-    """Whether root `attrs` are a sharded checkpoint's index (``hpcdist.store.sharded.layout``'s
-    test, without its torch import: the login node reads headers)."""
-    return attrs.get("layout") == "sharded"
 
 
 def model_attrs(cfg: GPTConfig) -> dict[str, str]:
@@ -231,36 +191,6 @@ def _sharded_model(path: Path) -> dict[str, torch.Tensor]:
     if not state:
         raise CheckpointError(f"{path}: the sharded checkpoint has no {MODEL_GROUP} entries")
     return state
-
-
-def shapes_in(checkpoint: store.Checkpoint) -> dict[str, tuple[int, ...]]:
-    """The shape of each tensor in a checkpoint's `/model` group (or a sharded checkpoint's
-    ``model`` entries, from the index it holds), as the checkpoint was read and verified."""
-    if is_sharded(checkpoint.attrs):
-        from hpcdist.store.sharded.layout import read_index, tensors_of
-
-        text = read_index(checkpoint.path, checkpoint)[1]
-        return {k: e.size for k, e in tensors_of(text, MODEL_GROUP + ".").items()}
-    model = checkpoint.tree.get(MODEL_GROUP, {})
-    return {k: tuple(v.shape) for k, v in model.items() if hasattr(v, "shape")}
-
-
-def check_shapes(path: Path, expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tuple[int, ...]]) -> None:
-    """A clear error listing every tensor whose shape (or presence) differs from the model's."""
-    problems = []
-    for key in sorted(set(expected) | set(found)):
-        if key not in found:
-            problems.append(f"{key}: missing in checkpoint (model has {list(expected[key])})")
-        elif key not in expected:
-            problems.append(f"{key}: in checkpoint {list(found[key])} but not in the model")
-        elif tuple(expected[key]) != tuple(found[key]):
-            problems.append(f"{key}: checkpoint {list(found[key])} vs model {list(expected[key])}")
-    if problems:
-        shown = "; ".join(problems)
-        raise CheckpointError(
-            f"{path} was written for a different model shape ({len(problems)} tensor(s) differ): {shown}; "
-            f"use the same params.model as the run that wrote it, or a fresh checkpoint directory"
-        )
 
 
 # ---------------------------------------------------------------- inference: header, then weights

@@ -150,7 +150,7 @@ def from_hf_state(hf_state: Mapping[str, torch.Tensor], cfg: GPTConfig, where: P
     shaped tensor."""
     import torch
 
-    from hpcdist.model.checkpoint import parameter_shapes
+    from hpcdist.model.shapes import parameter_shapes
 
     if cfg.family != "gpt2":
         from hpcdist.model import hf_llama

@@ -178,7 +178,7 @@ def from_hf_state(hf_state: Mapping[str, torch.Tensor], cfg: GPTConfig, where: P
     shaped tensor."""
     import torch
 
-    from hpcdist.model.checkpoint import parameter_shapes
+    from hpcdist.model.shapes import parameter_shapes
 
     got = {k: v for k, v in hf_state.items() if not k.endswith(SKIP)}
     parts = _parts(cfg)

@@ -19,15 +19,8 @@ from hpcdist.api import kept
 from hpcdist.data.tokenizer import GROUP as TOKENIZER
 from hpcdist.data.tokenizer import mismatch
 from hpcdist.errors import CheckpointError
-from hpcdist.model.checkpoint import (
-    MODEL_GROUP,
-    check_shapes,
-    is_sharded,
-    load_model_state,
-    parameter_shapes,
-    shapes_in,
-    state_dict_of,
-)
+from hpcdist.model.checkpoint import load_model_state, state_dict_of
+from hpcdist.model.shapes import MODEL_GROUP, check_shapes, is_sharded, parameter_shapes, shapes_in
 from hpcdist.runtime.requeue import Requeues
 from hpcdist.store import read as read_checkpoint
 from hpcdist.store.checkpoint.discovery import resolve
