@@ -6,7 +6,8 @@ admins throttle (submitit's issue 1759). Here one ``squeue --me`` answers for ev
 user at once, and sacct is asked only of those the controller no longer holds (ended over
 ``MinJobAge`` ago). With backoff, as submitit's ``SlurmInfoWatcher``, the queue is asked again once
 half the time since a job was added (or requeued) has passed: 2 s apart at first, at most
-``HPCDIST_POLL_MAX_S`` (30 s) apart, at once after ``hurry`` (a job's ranks wrote their results).
+``HPCDIST_POLL_MAX_S`` (60 s, as submitit's ``delay_s``) apart, at once after ``hurry`` (a job's ranks
+wrote their results).
 With a shared file (``hpcdist.scheduler.queue_cache``, in the user's own state folder) an answer
 another of her processes got within that time is used instead of asking: twenty ``submit --wait``
 at once poll like one. Standard library only.
@@ -44,7 +45,7 @@ class Watcher:
         """How long an answer is kept now."""
         if not self.backoff:
             return self.ttl_s
-        top = max(POLL_MIN_S, float(os.environ.get(POLL_MAX_VAR) or 30.0))
+        top = max(POLL_MIN_S, float(os.environ.get(POLL_MAX_VAR) or 60.0))
         return min(top, max(POLL_MIN_S, (now - self._since) / 2))
 
     def hurry(self) -> None:
