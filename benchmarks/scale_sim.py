@@ -7,7 +7,10 @@ cluster's are (``gpu-node-000123``, 15 characters). No process group is made. Tw
 same run:
 
 - ``torch``: what ``init_process_group`` does over env://: each rank's TCPStore client (with the
-  world size, as torch's rendezvous makes it), then torch's own ``_store_based_barrier``;
+  world size, as torch's rendezvous makes it), then torch's own ``_store_based_barrier``; then,
+  as the peer of the roll call's last step, the bare store in the same shape (``wake-all``): every
+  rank but rank 0 starts a thread that waits for one key and reads it, and waits for that thread
+  within a bound; rank 0 sets the key after ``--roll-call-s``;
 - ``hpcdist``: hpcdist's own code, phase by phase: ``group.open_store`` (a client, the job's key,
   the signed store), ``take_seats`` with eight GPU UUIDs per rank (the check-in, host table and
   GPU seats), ``--beats`` beats per rank, the roll call after one failure (one rank silent, every
@@ -17,11 +20,20 @@ same run:
 
 Printed per N and phase: the wall time (from releasing every rank to the last one done, and to
 half of them), store requests and bytes per rank (mean, and the most any rank other than rank 0
-made; rank 0 apart), the clients' memory per rank and the server's peak above its own start.
+made; rank 0 apart), the clients' memory per rank and the server's peak above its own start, and
+the CPU seconds the ranks' processes (user and system) and the server spent in it.
 Requests and bytes are counted at each client, as TCPStore's wire format carries them (a 1-byte
 command, 8-byte lengths before each key and value, the PrefixStore's prefix in each key),
 excluding the TCPStore client's own connect and handshake, which both paths pay alike. The
 ranks share this machine's cores: times are an upper bound, counts do not depend on the machine.
+
+A rank of a job owns its interpreter; here 256 share one, and one lock (the GIL). Python hands
+that lock on every 5 ms by default, and every thread waiting for it wakes at that interval to
+ask for it; when one key wakes hundreds of threads of each process at once (each rank's thread
+that waits for the roll call's verdict, then the rank's own thread that waits for it within its
+bound), those wake-ups can take both cores as system time for tens of seconds, torch's bare store
+in the same shape (``wake-all``) alike. The rank processes hand the lock on every
+``--switch-interval`` (0.1 s) instead; 0.005 is Python's (docs/performance.md has both).
 Run:
 
     python benchmarks/scale_sim.py --ranks 256 1024 4096 16384 [--skip "roll call"] [--json FILE]
@@ -61,7 +73,7 @@ import torch.distributed as dist  # noqa: E402
 from hpcdist.runtime import group, rollcall, signed_store  # noqa: E402
 from hpcdist.runtime.rankinfo import RankInfo  # noqa: E402
 
-PHASES = {"torch": ("connect", "barrier"),
+PHASES = {"torch": ("connect", "barrier", "wake-all"),
           "hpcdist": ("connect", "check-in", "beats", "roll call", "check-out")}
 GPUS_PER_NODE = 8
 
@@ -185,11 +197,36 @@ def _torch_phase(me: Rank, phase: str, args: argparse.Namespace, key: str) -> No
         client = dist.TCPStore("127.0.0.1", info.master_port or 0, info.world_size, False,
                                timedelta(seconds=args.timeout))
         me.store = Counted(dist.PrefixStore("default_pg", client), "default_pg", me.tally)
+    elif phase == "wake-all":
+        _wake_all(me, args)
     else:
         from torch.distributed.distributed_c10d import _store_based_barrier
 
         _store_based_barrier(info.rank, me.store, "sim", info.world_size,  # type: ignore[arg-type]
                              timedelta(seconds=args.timeout))
+
+
+def _wake_all(me: Rank, args: argparse.Namespace) -> None:
+    """The roll call's wait for its verdict on torch's bare store: no MAC, no count, no verdict."""
+    key = "sim/wake-all"
+    if me.info.rank == 0:
+        time.sleep(args.roll_call_s)
+        me.store.set(key, f"[{me.info.world_size // 2 + 1}]")
+        return
+    got: list[bytes] = []
+    done = threading.Event()
+
+    def read() -> None:
+        me.store.wait([key], timedelta(seconds=args.roll_call_s + args.verdict_s))
+        got.extend(me.store.multi_get([key]))
+        done.set()
+
+    try:
+        threading.Thread(target=read, daemon=True).start()
+    except RuntimeError:  # no thread to spare, as rollcall.roll_call: read in this one
+        read()
+    if not done.wait(args.roll_call_s + args.verdict_s + 2.0):
+        raise TimeoutError(f"{key} not read within {args.roll_call_s + args.verdict_s + 2.0:g} s")
 
 
 class Silent(Exception):
@@ -248,6 +285,7 @@ def _ranks_process(ranks: range, world: int, args: argparse.Namespace, port: int
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     threading.stack_size(512 * 1024)
+    sys.setswitchinterval(args.switch_interval)
     run: Callable[[Rank, str, argparse.Namespace, str], None] = (_torch_phase if path == "torch"
                                                                    else _hpcdist_phase)
     mine = [Rank(r, world, args.per_node, port) for r in ranks]
@@ -271,19 +309,29 @@ def _ranks_process(ranks: range, world: int, args: argparse.Namespace, port: int
         t.start()
     barrier.wait()  # every process ready: the parent's clock starts
     rss: dict[str, int] = {"start": _rss_kib(os.getpid(), "VmRSS")}
+    cpu: dict[str, tuple[float, float]] = {}
     for phase in PHASES[path]:
+        before = os.times()
         go.wait()
         end.wait()
         rss[phase] = _rss_kib(os.getpid(), "VmRSS")
+        after = os.times()
+        cpu[phase] = (after.user - before.user, after.system - before.system)
         barrier.wait()  # every rank of every process done with the phase
     errors = [me.error for me in mine if me.error][:3]
     wrong = [me.wrong for me in mine if me.wrong]
-    conn.send(({me.info.rank: me.tally.counts for me in mine}, {me.info.rank: me.ends for me in mine}, rss, errors,
-               (len(wrong), wrong[:1])))
+    conn.send(({me.info.rank: me.tally.counts for me in mine}, {me.info.rank: me.ends for me in mine}, rss, cpu,
+               errors, (len(wrong), wrong[:1])))
     for t in threads:
         t.join(5)
     conn.recv()  # stores stay open until the parent has stopped the clock of every path
     os._exit(0)
+
+
+def _cpu_s(pid: int | None) -> float:
+    """The CPU seconds (user and system) process `pid` has spent so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _watch(procs: list[Any], barrier: Any) -> None:
@@ -315,14 +363,16 @@ def one_path(path: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
         procs.append(proc)
     seconds: dict[str, float] = {}
     starts: dict[str, float] = {}
+    server_cpu: dict[str, float] = {}
     watch = threading.Thread(target=_watch, args=(procs + [server], barrier), daemon=True)
     watch.start()
     try:
         barrier.wait(timeout=args.timeout)  # every process has its threads
         for phase in PHASES[path]:
-            starts[phase] = time.monotonic()
+            starts[phase], server_before = time.monotonic(), _cpu_s(server.pid)
             barrier.wait(timeout=args.timeout * 3)  # every rank done with the phase
             seconds[phase] = time.monotonic() - starts[phase]
+            server_cpu[phase] = _cpu_s(server.pid) - server_before
     except threading.BrokenBarrierError:
         dead = [f"pid {p.pid}: exit code {p.exitcode}" for p in procs + [server] if p.exitcode is not None]
         for proc in procs + [server]:
@@ -332,10 +382,11 @@ def one_path(path: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
     counts: dict[int, dict[str, list[int]]] = {}
     ends: dict[int, dict[str, float]] = {}
     rss_kib: dict[str, int] = {}
+    cpu_s = {phase: [0.0, 0.0] for phase in PHASES[path]}
     errors: list[str] = []
     wrong: list[Any] = [0, []]
     for a in pipes:
-        got, got_ends, rss, errs, (n_wrong, said) = a.recv()
+        got, got_ends, rss, cpu, errs, (n_wrong, said) = a.recv()
         wrong[0] += n_wrong
         wrong[1] += said
         counts.update(got)
@@ -343,6 +394,9 @@ def one_path(path: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
         errors += errs
         for phase, kib in rss.items():
             rss_kib[phase] = rss_kib.get(phase, 0) + kib
+        for phase, (user, system) in cpu.items():
+            cpu_s[phase][0] += user
+            cpu_s[phase][1] += system
     client_kib = {phase: (rss_kib[phase] - rss_kib["start"]) / world for phase in PHASES[path]}
     half = {phase: statistics.median(e[phase] - starts[phase] for e in ends.values() if phase in e)
             for phase in PHASES[path]}
@@ -357,7 +411,8 @@ def one_path(path: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
     if errors:
         raise SystemExit(f"{path} at {world} ranks: " + "; ".join(errors))
     return {"seconds": seconds, "half_done": half, "counts": counts, "server_peak_mib": (peak_kib - base_kib) / 1024,
-            "client_kib_per_rank": client_kib, "roll_call_wrong": wrong[0], "roll_call_said": wrong[1][:1]}
+            "client_kib_per_rank": client_kib, "ranks_cpu_s": cpu_s, "server_cpu_s": server_cpu,
+            "switch_interval_s": args.switch_interval, "roll_call_wrong": wrong[0], "roll_call_said": wrong[1][:1]}
 
 
 def per_rank(counts: dict[int, dict[str, list[int]]], phases: Sequence[str]) -> dict[str, float]:
@@ -381,11 +436,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--beats", type=int, default=3)
     p.add_argument("--roll-call-s", type=float, default=rollcall.ROLL_CALL_S)
     p.add_argument("--verdict-s", type=float, default=120.0,
-                   help="how long past --roll-call-s a rank waits for the roll call's verdict: the store wakes "
-                        "every waiting rank in turn, which takes this machine's few cores far longer than a cluster")
+                   help="how long past --roll-call-s a rank waits for the roll call's verdict (a job's rank: "
+                        "rollcall.verdict_wait_s): this machine's two cores wake thousands of ranks' threads, "
+                        "where a cluster's nodes wake their own")
+    p.add_argument("--switch-interval", type=float, default=0.1,
+                   help="how often a rank process's interpreter hands its lock on (sys.setswitchinterval): "
+                        "Python's 0.005 wakes every thread waiting for it that often, which costs this machine's "
+                        "kernel in proportion to the 256 ranks sharing it, where a job's rank has its own")
     p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--skip", nargs="*", default=[], choices=("beats", "roll call"),
-                   help="phases of the hpcdist path to leave out")
+    p.add_argument("--skip", nargs="*", default=[], choices=("beats", "roll call", "wake-all"),
+                   help="phases to leave out")
     p.add_argument("--hpcdist-first", action="store_true",
                    help="run hpcdist's path before torch's (the second path's connects find the first's ports in "
                         "TIME_WAIT)")
@@ -395,11 +455,13 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> int:
     args = parser().parse_args()
-    PHASES["hpcdist"] = tuple(p for p in PHASES["hpcdist"] if p not in args.skip)
+    for path in PHASES:
+        PHASES[path] = tuple(p for p in PHASES[path] if p not in args.skip)
     with tempfile.TemporaryDirectory() as tmp:
         args.key_file = str(signed_store.make_key(Path(tmp), "sim"))
-        print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.procs or 'one per 256 ranks in'} processes, "
-              f"{args.per_node} ranks per node; requests and bytes per rank: mean (most), rank 0 apart", flush=True)
+        print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.procs or 'one per 256 ranks in'} processes "
+              f"(switch interval {args.switch_interval:g} s), {args.per_node} ranks per node; requests and bytes per "
+              f"rank: mean (most), rank 0 apart", flush=True)
         out = []
         for world in args.ranks:
             row: dict[str, Any] = {"ranks": world}
@@ -427,12 +489,12 @@ def _print(row: dict[str, Any]) -> None:
     from rich.table import Table
 
     world = row["ranks"]
-    torch_s = sum(row["torch"]["seconds"].values())
+    torch_s = row["torch"]["seconds"]["connect"] + row["torch"]["seconds"]["barrier"]
     rdv = row["hpcdist"]["seconds"]["connect"] + row["hpcdist"]["seconds"]["check-in"]
     table = Table(title=f"{world:,} ranks: rendezvous hpcdist {rdv:.2f} s, torch {torch_s:.2f} s "
                         f"({rdv / torch_s:.2f}x)", title_justify="left")
     for name in ("path", "phase", "s", "half done, s", "requests/rank", "bytes/rank", "rank 0 requests",
-                 "rank 0 bytes", "client KiB/rank", "server peak MiB"):
+                 "rank 0 bytes", "client KiB/rank", "ranks' CPU s user/sys", "server CPU s", "server peak MiB"):
         table.add_column(name, justify="left" if name in ("path", "phase") else "right")
     for path in ("torch", "hpcdist"):
         res = row[path]
@@ -441,8 +503,9 @@ def _print(row: dict[str, Any]) -> None:
             table.add_row(path, phase, f"{res['seconds'][phase]:.2f}", f"{res['half_done'][phase]:.2f}",
                           f"{c['requests']:.1f} ({c['requests_max']})", f"{c['bytes']:.0f} ({c['bytes_max']})",
                           str(c["rank0_requests"]), str(c["rank0_bytes"]), f"{res['client_kib_per_rank'][phase]:.0f}",
+                          "{:.1f}/{:.1f}".format(*res["ranks_cpu_s"][phase]), f"{res['server_cpu_s'][phase]:.1f}",
                           f"{res['server_peak_mib']:.1f}" if phase == PHASES[path][-1] else "")
-    Console(width=160).print(table)
+    Console(width=200).print(table)
     if row["hpcdist"]["roll_call_wrong"]:
         print(f"roll call: {row['hpcdist']['roll_call_wrong']} of {world - 1} ranks did not name the silent rank, "
               f"e.g. {row['hpcdist']['roll_call_said']}", flush=True)

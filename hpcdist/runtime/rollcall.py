@@ -64,7 +64,11 @@ def roll_call(rank: int, host_of_rank: Sequence[str], wait_s: float = ROLL_CALL_
     answers are there (halving the set of keys, so one silent rank costs it a few dozen requests)
     and that they are genuine, and publishes the ranks missing. So a rank's roll call is a handful
     of requests and bytes whatever the world size, and no rank polls. Where the verdict does not
-    come (its maker died after answering), a rank finds the missing ranks itself."""
+    come (its maker died after answering), a rank finds the missing ranks itself. The roll call
+    runs in a thread of its own, so that a store that stops answering costs no more than its
+    bound; where no thread can start (the node's limit on tasks: 16,384 ranks simulated as threads
+    reach this machine's 32,768), it runs in the caller's, rather than raise over the failure
+    being reported."""
     store = store if store is not None else _default_store()
     if store is None:
         return ""
@@ -82,7 +86,10 @@ def roll_call(rank: int, host_of_rank: Sequence[str], wait_s: float = ROLL_CALL_
             verdict.append(None)
         done.set()
 
-    threading.Thread(target=call, name="hpcdist-roll-call", daemon=True).start()
+    try:
+        threading.Thread(target=call, name="hpcdist-roll-call", daemon=True).start()
+    except RuntimeError:  # no thread to spare (the node's limit on tasks): answer in this one, each wait
+        call()  # bounded as in the thread, the others by the store's own timeout
     if not done.wait(wait_s + verdict_s + 2.0) or verdict[0] is None:
         return (f"{host_of_rank[0]} does not answer (rank 0 there serves the rendezvous store; "
                 f"no reply within {wait_s:g} s): the link to {host_of_rank[0]} is down or its ranks are gone")
