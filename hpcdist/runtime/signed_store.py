@@ -128,6 +128,14 @@ class SignedStore:
             return [bytes(v) for v in self.plain.multi_get(list(keys))]
         return self._genuine(keys, timeout.total_seconds())
 
+    def read(self, keys: Sequence[str], timeout: timedelta) -> list[bytes | None]:
+        """The values of `keys`, every one present (waiting up to `timeout` for that), in one read:
+        each genuine value, or None for a forged or replayed one (logged), never read again (``fetch``
+        re-reads every key until all are genuine)."""
+        self.plain.wait(list(keys), timeout)
+        raw = [bytes(v) for v in self.plain.multi_get(list(keys))]
+        return [self._open(k, v) for k, v in zip(keys, raw, strict=True)]
+
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """torch's ``compare_set`` over genuine values, a forged value counting as absent: with
         `expected` "" the first genuine writer wins, and a forged holder is replaced, never kept.
