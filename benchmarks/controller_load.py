@@ -48,13 +48,14 @@ WORKLOAD = r'''
 import json, os, subprocess, sys, time
 
 side, case, n, s = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+limit = max(5, int(s // 60) + 3)  # minutes: the test bed warns a job 60 s before its limit
 if side == "hpcdist":
     import hpcdist
-    ex = hpcdist.AutoExecutor("logs/%j", timeout_min=5)
+    ex = hpcdist.AutoExecutor("logs/%j", timeout_min=limit)
 else:
     import submitit
     ex = submitit.AutoExecutor("logs/%j")
-    ex.update_parameters(timeout_min=5)
+    ex.update_parameters(timeout_min=limit)
 if case == "map_array":
     jobs = ex.map_array(time.sleep, [s] * n)
 else:
@@ -79,7 +80,7 @@ ONE = r'''
 import sys, time
 import submitit
 ex = submitit.AutoExecutor("logs/%j")
-ex.update_parameters(timeout_min=5)
+ex.update_parameters(timeout_min=max(5, int(float(sys.argv[1]) // 60) + 3))
 ex.submit(time.sleep, float(sys.argv[1])).result()
 '''
 
@@ -194,7 +195,8 @@ def run_side(release: str, case: str, side: str, n: int, seconds: float, trace: 
         t0 = time.monotonic()
         if case == "submit-wait":
             if side == "hpcdist":
-                argv = [str(USERS_VENV / "bin" / "hpcdist"), "submit", "--wait", "--set", "resources.time_min=5",
+                limit = max(5, int(seconds // 60) + 3)  # minutes, as the workload's
+                argv = [str(USERS_VENV / "bin" / "hpcdist"), "submit", "--wait", "--set", f"resources.time_min={limit}",
                         "--", "sleep.py", f"{seconds:g}"]
             else:
                 argv = [python, "one.py", f"{seconds:g}"]
