@@ -66,8 +66,10 @@ _WATCHED: dict[str, None] = {}
 
 
 def watch_together(job_ids: list[str]) -> None:
-    """Jobs this process will wait for (an Executor's submissions): read together from now on."""
+    """Jobs this process will wait for (an Executor's submissions, just queued): read together from
+    now on, the first time after the first interval (``slurm_watch.Watcher.queued``)."""
     _WATCHED.update(dict.fromkeys(job_ids))
+    _SHARED.queued(job_ids)
 
 
 def hurry() -> None:
