@@ -18,8 +18,8 @@ In a ``hpcdist.checkpoint`` file the GPT adds:
 
 Here: the `/model` tree of a state dict and the state dict of a `/model` tree (the one tied-weight
 restore), and the header reader inference runs on the login node. The shapes a checkpoint's model
-must have, and training's check of them before resuming, are ``hpcdist.model.shapes``'. Only pydantic,
-NumPy and h5py are imported at module level, so a login node checks a checkpoint against a spec
+must have, and training's check of them before resuming, are in ``hpcdist.model.shapes``. Only
+pydantic, NumPy and h5py are imported at module level, so a login node checks a checkpoint against a spec
 without torch; torch is imported where tensors are made.
 """
 
