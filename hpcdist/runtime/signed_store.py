@@ -161,9 +161,7 @@ class SignedStore:
         deadline = time.monotonic() + timeout_s
         while True:
             left = max(deadline - time.monotonic(), 0.001)
-            self.plain.wait(list(keys), timedelta(seconds=left))  # torch's timeout error past the deadline
-            raw = [bytes(v) for v in self.plain.multi_get(list(keys))]
-            opened = [self._open(k, v) for k, v in zip(keys, raw, strict=True)]
+            opened = self.read(keys, timedelta(seconds=left))  # torch's timeout error past the deadline
             if all(v is not None for v in opened):
                 return [v for v in opened if v is not None]
             if time.monotonic() >= deadline:
